@@ -1,0 +1,38 @@
+"""Errors a user can act on: one clear sentence, with the fix."""
+
+from __future__ import annotations
+
+
+class TpufabError(Exception):
+    """An expected failure. ``str(err)`` is the sentence shown to the user (no traceback).
+
+    ``exit_code`` is what the CLI exits with; ``details`` is optional extra text (for example
+    a per-worker table) printed after the sentence.
+    """
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, details: str | None = None, exit_code: int | None = None):
+        super().__init__(message)
+        self.message = message
+        self.details = details
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+class ConfigError(TpufabError):
+    """Bad configuration or command-line input."""
+
+    exit_code = 2
+
+
+class ApiError(TpufabError):
+    """The TPU API refused or failed a call (already translated into a sentence)."""
+
+
+class NotFound(ApiError):
+    """The node or queued resource does not exist."""
+
+
+class SimError(TpufabError):
+    """The simulated pod could not do what was asked."""
