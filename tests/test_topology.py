@@ -60,7 +60,7 @@ def test_v5e_alias():
 
 @pytest.mark.parametrize("bad,suggested", [
     ("v4-7", ["v4-8"]),
-    ("v9-8", ["v4-8", "v6e-8"]),
+    ("v9-8", ["v5p-8", "v6e-8"]),
     ("v4-512x", ["v4-512"]),
     ("tpu-v6e-12", ["v6e-8", "v6e-16"]),
     ("", ["v4-8"]),
