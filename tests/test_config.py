@@ -1,0 +1,74 @@
+"""The settings stack: defaults < user file < project file < env < flags."""
+
+import pytest
+
+from tpufab.config import load_settings
+from tpufab.errors import ConfigError
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    user = tmp_path / "user.yaml"
+    project = tmp_path / "proj"
+    (project / "sub").mkdir(parents=True)
+    return user, project
+
+
+def test_defaults(tmp_path):
+    s = load_settings(cwd=tmp_path, env={})
+    assert s.zone == "us-central2-b"
+    assert s.project is None and s.name is None
+    assert s.concurrency == 64
+    assert "HF_TOKEN" in s.secrets
+
+
+def test_each_layer_overrides_the_one_before(dirs):
+    user, project = dirs
+    user.write_text("project: from-user\nzone: user-zone\nname: user-node\ntype: v4-8\n")
+    (project / "tpufab.yaml").write_text("zone: project-zone\nname: project-node\ntype: v4-16\n")
+    env = {"TPUFAB_USER_CONFIG": str(user), "TPUFAB_NAME": "env-node", "TPUFAB_TYPE": "tpu-v6e-8"}
+    s = load_settings({"type": "v4-32", "zone": None}, cwd=project / "sub", env=env)
+    assert s.project == "from-user"          # only the user file sets it
+    assert s.zone == "project-zone"          # project beats user; a None flag is "not given"
+    assert s.name == "env-node"              # env beats project
+    assert s.type == "v4-32"                 # flag beats env
+
+
+def test_invoke_yaml_section(dirs):
+    _, project = dirs
+    (project / "invoke.yaml").write_text("run:\n  echo: true\ntpufab:\n  zone: europe-west4-a\n  spot: yes\n")
+    s = load_settings(cwd=project, env={})
+    assert s.zone == "europe-west4-a" and s.spot is True
+
+
+def test_env_types_are_coerced(tmp_path):
+    env = {"TPUFAB_SPOT": "1", "TPUFAB_CONCURRENCY": "8", "TPUFAB_LABELS": "team=ml,env=dev",
+           "TPUFAB_ENV": "HF_TOKEN,XLA_FLAGS", "TPUFAB_API_ENDPOINT": "http://127.0.0.1:9",
+           "TPUFAB_ACCELERATOR_TYPE": "v5p-8"}
+    s = load_settings(cwd=tmp_path, env=env)
+    assert s.spot is True and s.concurrency == 8
+    assert s.labels == {"team": "ml", "env": "dev"}
+    assert s.env == ["HF_TOKEN", "XLA_FLAGS"]
+    assert s.api_endpoint == "http://127.0.0.1:9"
+    assert s.type == "v5p-8"
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("zome: a\n", "Did you mean 'zone'"),
+    ("spot: maybe\n", "spot must be true or false"),
+    ("- a\n- b\n", "must hold a mapping"),
+    ("type: v4-7\n", "did you mean v4-8"),
+    ("project: [unclosed\n", "not valid YAML"),
+])
+def test_bad_files_get_one_sentence(tmp_path, content, needle):
+    (tmp_path / "tpufab.yaml").write_text(content)
+    with pytest.raises(ConfigError) as info:
+        load_settings(cwd=tmp_path, env={})
+    assert needle in str(info.value)
+
+
+def test_require_names_every_way_to_set_it(tmp_path):
+    s = load_settings(cwd=tmp_path, env={})
+    with pytest.raises(ConfigError) as info:
+        s.require("name")
+    assert "--name" in str(info.value) and "TPUFAB_NAME" in str(info.value)

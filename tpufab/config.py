@@ -1,0 +1,225 @@
+"""Layered settings, like invoke/fabric: defaults < user file < project file < TPUFAB_* env < flags.
+
+- user file: ``$TPUFAB_USER_CONFIG`` or ``~/.config/tpufab/config.yaml``
+- project file: ``tpufab.yaml`` (or ``.yml``) in the working directory or an ancestor, else the
+  ``tpufab:`` section of ``invoke.yaml``/``invoke.yml`` there
+- environment: ``TPUFAB_<KEY>`` (upper case), e.g. ``TPUFAB_API_ENDPOINT``, ``TPUFAB_SPOT=1``
+- flags: whatever the CLI or invoke task was given (``None`` means "not given")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import getpass
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tpufab.errors import ConfigError
+
+ENV_PREFIX = "TPUFAB_"
+
+# Forwarded env vars whose values are secrets: masked everywhere, never in argv on a worker.
+DEFAULT_SECRETS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY", "GITHUB_TOKEN",
+                   "GH_TOKEN", "OPENAI_API_KEY", "AWS_SECRET_ACCESS_KEY")
+
+
+@dataclass
+class Settings:
+    """Every tpufab setting. Field names are the keys in files and (upper-cased) in env vars."""
+
+    # control plane
+    project: str | None = None
+    zone: str = "us-central2-b"
+    name: str | None = None
+    type: str | None = None
+    runtime_version: str | None = None
+    spot: bool = False
+    preemptible: bool = False
+    reserved: bool = False
+    network: str | None = None
+    subnetwork: str | None = None
+    service_account: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+    api_endpoint: str | None = None
+    # reaching workers
+    ssh_user: str = field(default_factory=lambda: _local_user())
+    ssh_key: str = "~/.ssh/tpufab_ed25519"
+    internal_ip: bool = False
+    known_hosts: str = "~/.tpufab/known_hosts"
+    concurrency: int = 64
+    connect_timeout: float = 20.0
+    command_timeout: float | None = None
+    # jobs
+    env: list[str] = field(default_factory=list)
+    secrets: list[str] = field(default_factory=lambda: list(DEFAULT_SECRETS))
+    remote_dir: str | None = None
+    state_dir: str = "~/.tpufab"
+
+    @property
+    def ssh_key_path(self) -> Path:
+        return Path(self.ssh_key).expanduser()
+
+    @property
+    def known_hosts_path(self) -> Path:
+        return Path(self.known_hosts).expanduser()
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.state_dir).expanduser()
+
+    def require(self, key: str, flag: str | None = None) -> Any:
+        """The value of ``key``, or a ConfigError saying every way to set it."""
+        value = getattr(self, key)
+        if value in (None, ""):
+            flag = flag or "--" + key.replace("_", "-")
+            raise ConfigError(
+                f"No {key.replace('_', ' ')} given: pass {flag}, set {ENV_PREFIX}{key.upper()}, "
+                f"or put `{key}: ...` in tpufab.yaml.")
+        return value
+
+
+def _local_user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no passwd entry (containers): fall back to a safe name
+        return "tpufab"
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+ALIASES = {"accelerator_type": "type", "version": "runtime_version", "runtime": "runtime_version",
+           "endpoint": "api_endpoint", "user": "ssh_user"}
+
+
+def _kind(name: str) -> str:
+    t = str(FIELDS[name].type)
+    for kind in ("bool", "int", "float", "dict", "list"):
+        if t.startswith(kind) or t == f"{kind} | None":
+            return kind
+    return "str"
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    """Turn a file or env value into the field's type, with a clear sentence on failure."""
+    kind = _kind(name)
+    if value is None:
+        return None
+    try:
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError
+        if kind == "int":
+            return int(value)
+        if kind == "float":
+            return float(value)
+        if kind == "dict":
+            if isinstance(value, Mapping):
+                return {str(k): str(v) for k, v in value.items()}
+            pairs = [p for p in str(value).split(",") if p.strip()]
+            out = {}
+            for pair in pairs:
+                k, sep, v = pair.partition("=")
+                if not sep or not k.strip():
+                    raise ValueError
+                out[k.strip()] = v.strip()
+            return out
+        if kind == "list":
+            if isinstance(value, list | tuple):
+                return [str(v) for v in value]
+            return [p.strip() for p in str(value).split(",") if p.strip()]
+        return str(value)
+    except (TypeError, ValueError):
+        example = {"bool": "true or false", "int": "a whole number", "float": "a number",
+                   "dict": "key=value,key2=value2", "list": "a,b,c"}.get(kind, "text")
+        raise ConfigError(f"{source}: {name} must be {example}, not {value!r}.") from None
+
+
+def _canonical_key(key: str, source: str) -> str:
+    norm = key.strip().lower().replace("-", "_")
+    norm = ALIASES.get(norm, norm)
+    if norm not in FIELDS:
+        close = difflib.get_close_matches(norm, list(FIELDS), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{source}: unknown setting {key!r}.{hint}")
+    return norm
+
+
+def _read_yaml(path: Path) -> dict:
+    import yaml  # lazily: only when a file exists
+
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML ({err.__class__.__name__}); fix or remove it.") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of settings (key: value).")
+    return data
+
+
+def user_config_path(env: Mapping[str, str]) -> Path:
+    explicit = env.get(ENV_PREFIX + "USER_CONFIG")
+    return Path(explicit).expanduser() if explicit else Path("~/.config/tpufab/config.yaml").expanduser()
+
+
+def project_config(cwd: Path) -> tuple[Path, dict] | None:
+    """The nearest project file: tpufab.yaml, else invoke.yaml's `tpufab:` section."""
+    for folder in (cwd, *cwd.parents):
+        for name in ("tpufab.yaml", "tpufab.yml"):
+            if (folder / name).is_file():
+                return folder / name, _read_yaml(folder / name)
+        for name in ("invoke.yaml", "invoke.yml"):
+            if (folder / name).is_file():
+                section = _read_yaml(folder / name).get("tpufab")
+                if section is not None:
+                    if not isinstance(section, dict):
+                        raise ConfigError(f"{folder / name}: the tpufab: section must be a mapping.")
+                    return folder / name, section
+    return None
+
+
+def layers(overrides: Mapping[str, Any] | None = None, *, cwd: Path | None = None,
+           env: Mapping[str, str] | None = None) -> list[tuple[str, dict]]:
+    """The settings sources in merge order, each as (description, {key: value})."""
+    env = os.environ if env is None else env
+    cwd = Path.cwd() if cwd is None else cwd
+    found: list[tuple[str, dict]] = []
+    user = user_config_path(env)
+    if user.is_file():
+        found.append((str(user), _read_yaml(user)))
+    project = project_config(cwd)
+    if project:
+        found.append((str(project[0]), project[1]))
+    env_layer = {}
+    for key, value in env.items():
+        if key.startswith(ENV_PREFIX) and key != ENV_PREFIX + "USER_CONFIG":
+            short = key[len(ENV_PREFIX):].lower()
+            if ALIASES.get(short, short) in FIELDS:
+                env_layer[short] = value
+    found.append(("environment", env_layer))
+    found.append(("command line", {k: v for k, v in (overrides or {}).items() if v is not None}))
+    return found
+
+
+def load_settings(overrides: Mapping[str, Any] | None = None, *, cwd: Path | None = None,
+                  env: Mapping[str, str] | None = None) -> Settings:
+    """Merge every layer into one Settings (later layers win, key by key)."""
+    settings = Settings()
+    for source, values in layers(overrides, cwd=cwd, env=env):
+        for key, value in values.items():
+            name = _canonical_key(key, source)
+            setattr(settings, name, _coerce(name, value, source))
+    if settings.type:
+        from tpufab.topology import parse_accelerator_type
+
+        settings.type = parse_accelerator_type(settings.type).name
+    return settings
