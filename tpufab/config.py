@@ -46,6 +46,10 @@ class Settings:
     labels: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     api_endpoint: str | None = None
+    api_timeout: float = 60.0           # seconds per API call
+    api_retries: int = 8                # attempts for transient API failures (429/503/...)
+    api_retry_seconds: float = 120.0    # give up retrying after this long
+    wait_timeout: float = 3600.0        # how long create/delete wait for READY/ACTIVE/gone
     # reaching workers
     ssh_user: str = field(default_factory=lambda: _local_user())
     ssh_key: str = "~/.ssh/tpufab_ed25519"

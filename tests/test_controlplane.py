@@ -1,0 +1,382 @@
+"""The control plane: error sentences, the retry policy, request bodies, records from protos;
+then the official client against the emulator (the `sim` fixture)."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import requests
+from google.api_core import exceptions as gexc
+from google.cloud import tpu_v2
+
+from tpufab import sshkeys
+from tpufab.config import load_settings
+from tpufab.controlplane import (
+    Action,
+    ControlPlane,
+    RetriesExhausted,
+    RetryPolicy,
+    call_with_retries,
+    exhausted_kind,
+    is_transient,
+    node_body,
+    queued_resource_body,
+    translate,
+)
+from tpufab.errors import ApiError, ConfigError, NotFound
+from tpufab.nodes import Node, QueuedResourceInfo
+
+SIM = "http://127.0.0.1:9"
+REAL = "https://tpu.googleapis.com"
+CREATE = Action(verb="create", target="TPU node 'demo'", permission="tpu.nodes.create",
+                name="demo", accelerator_type="v4-32", zone="us-central2-b", project="proj")
+STOCKOUT = ('There is no more capacity in the zone "us-central2-b"; you can try in another zone '
+            "where Cloud TPU Nodes are offered [EID: 0x1234]")
+QUOTA = ("Quota limit 'TPUV4sPodPerProjectPerZoneForTPUAPI' has been exceeded. Limit: 32 in "
+         "zone us-central2-b.")
+RATE = ("Quota exceeded for quota metric 'Read requests' and limit 'Read requests per minute' of "
+        "service 'tpu.googleapis.com'")
+
+
+def rest(code: int, message: str) -> gexc.GoogleAPICallError:
+    """What the REST transport raises: the HTTP status's class, message prefixed by method+URL."""
+    return gexc.from_http_status(code, f"POST http://127.0.0.1:9/v2/projects/proj/x: {message}")
+
+
+def refused() -> requests.ConnectionError:
+    return requests.ConnectionError(
+        "HTTPConnectionPool(host='127.0.0.1', port=9): Max retries exceeded (Caused by "
+        "NewConnectionError('Failed to establish a new connection: [Errno 111] Connection refused'))")
+
+
+def reset() -> requests.ConnectionError:
+    return requests.ConnectionError("('Connection aborted.', ConnectionResetError(104, "
+                                    "'Connection reset by peer'))")
+
+
+# ---------------------------------------------------------------------------------------------
+# error sentences
+
+SENTENCES = [
+    # (exception, endpoint, error class, every fragment the sentence must hold)
+    (rest(429, STOCKOUT), SIM, ApiError,
+     ["No v4-32 capacity", "us-central2-b", "stockout", "--spot", "--queued", "--zone"]),
+    (gexc.from_grpc_status(8, STOCKOUT), SIM, ApiError, ["stockout", "--spot", "--queued"]),
+    (rest(429, QUOTA), SIM, ApiError,
+     ["Not enough quota", "TPUV4sPodPerProjectPerZoneForTPUAPI", "request more TPU quota",
+      "--spot"]),
+    (gexc.from_grpc_status(8, QUOTA), SIM, ApiError, ["Not enough quota"]),
+    (rest(403, "Permission 'tpu.nodes.create' denied on 'projects/proj'"), REAL, ApiError,
+     ["Permission denied", "tpu.nodes.create", "roles/tpu.admin",
+      "gcloud auth application-default login"]),
+    (rest(403, "Cloud TPU API has not been used in project 42 before or it is disabled."), REAL,
+     ApiError, ["not enabled", "gcloud services enable tpu.googleapis.com --project proj"]),
+    (rest(401, "Request had invalid authentication credentials."), REAL, ApiError,
+     ["credentials", "gcloud auth application-default login"]),
+    (rest(404, "Resource 'projects/proj/locations/us-central2-b/nodes/demo' was not found"), SIM,
+     NotFound, ["No node named 'demo'", "us-central2-b", "tpufab list"]),
+    (rest(409, "Resource already exists"), SIM, ApiError,
+     ["already exists", "--name", "tpufab delete --name demo"]),
+    (rest(400, "Invalid runtime version 'nope' for v4-32"), SIM, ApiError,
+     ["rejected", "Invalid runtime version 'nope' for v4-32"]),
+    (refused(), SIM, ApiError,
+     ["Cannot reach the TPU API at http://127.0.0.1:9 (connection refused); is the simulated pod "
+      "up? run `tpufab sim up`"]),
+    (refused(), REAL, ApiError, ["Cannot reach the TPU API", "check your network"]),
+    (rest(503, "The service is currently unavailable."), SIM, ApiError,
+     ["unavailable", "503", "try again"]),
+]
+
+
+@pytest.mark.parametrize("exc, endpoint, kind, fragments", SENTENCES,
+                         ids=[f"{type(s[0]).__name__}-{i}" for i, s in enumerate(SENTENCES)])
+def test_each_error_becomes_one_sentence_with_the_fix(exc, endpoint, kind, fragments):
+    err = translate(exc, CREATE, endpoint)
+    assert isinstance(err, kind)
+    text = str(err)
+    for fragment in fragments:
+        assert fragment in text
+    assert "\n" not in text and "Traceback" not in text
+    assert "POST http" not in text  # the transport's method+URL prefix is stripped
+
+
+def test_resource_exhausted_kinds():
+    assert exhausted_kind(rest(429, STOCKOUT)) == "stockout"
+    assert exhausted_kind(rest(429, QUOTA)) == "quota"
+    assert exhausted_kind(rest(429, RATE)) == "rate"
+    # A bare 429 is rate limiting; a failed operation with RESOURCE_EXHAUSTED is a stockout.
+    assert exhausted_kind(rest(429, "Too many requests")) == "rate"
+    assert exhausted_kind(rest(429, "slow down")) == "rate"
+    assert exhausted_kind(gexc.from_grpc_status(8, "Resource exhausted")) == "stockout"
+
+
+@pytest.mark.parametrize("exc, transient", [
+    (rest(503, "unavailable"), True),
+    (rest(504, "gateway timeout"), True),
+    (gexc.from_grpc_status(14, "UNAVAILABLE"), True),
+    (gexc.from_grpc_status(4, "DEADLINE_EXCEEDED"), True),
+    (rest(429, "Too many requests"), True),
+    (rest(429, RATE), True),
+    (rest(429, STOCKOUT), False),
+    (rest(429, QUOTA), False),
+    (reset(), True),
+    (requests.ReadTimeout("read timed out"), True),
+    (refused(), False),
+    (rest(404, "not found"), False),
+    (rest(400, "bad"), False),
+    (rest(403, "denied"), False),
+    (ValueError("bug"), False),
+])
+def test_which_failures_are_retried(exc, transient):
+    assert is_transient(exc) is transient
+
+
+# ---------------------------------------------------------------------------------------------
+# retries
+
+
+class Flaky:
+    """Fails ``failures`` times with ``exc`` then returns "ok"; counts calls."""
+
+    def __init__(self, failures: int, exc: Exception):
+        self.failures, self.exc, self.calls = failures, exc, 0
+
+    def __call__(self):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise self.exc
+        return "ok"
+
+
+FAST = RetryPolicy(attempts=6, total_seconds=60, initial=0.5, maximum=4, jitter=0.5)
+
+
+def test_transient_failures_are_retried_with_growing_jittered_backoff():
+    flaky, sleeps, seen = Flaky(4, rest(503, "busy")), [], []
+    result = call_with_retries(flaky, FAST, sleep=sleeps.append,
+                               on_retry=lambda exc, n, delay: seen.append((n, delay)))
+    assert result == "ok" and flaky.calls == 5
+    assert len(sleeps) == 4 and [n for n, _ in seen] == [1, 2, 3, 4]
+    # exponential: each base doubles (0.5, 1, 2, 4 capped at 4) plus up to 0.5 s of jitter
+    for sleep, base in zip(sleeps, [0.5, 1, 2, 4], strict=True):
+        assert base <= sleep <= min(base + 0.5, 4)
+
+
+def test_a_long_burst_ends_in_one_sentence():
+    flaky = Flaky(100, rest(503, "The service is currently unavailable."))
+    with pytest.raises(RetriesExhausted) as info:
+        call_with_retries(flaky, FAST, sleep=lambda s: None)
+    assert flaky.calls == FAST.attempts and info.value.attempts == FAST.attempts
+
+    settings = load_settings({"project": "proj", "api_endpoint": SIM}, env={})
+    control = ControlPlane(settings, retry=FAST, sleep=lambda s: None, client=object())
+    with pytest.raises(ApiError) as info:
+        control._call(CREATE, lambda **kw: flaky())
+    text = str(info.value)
+    assert "kept failing with 503 Service Unavailable" in text and "6 attempts" in text
+    assert "wait a few minutes" in text and "\n" not in text
+
+
+def test_retries_stop_at_the_time_bound():
+    import time
+
+    flaky = Flaky(10_000, rest(503, "busy"))
+    policy = RetryPolicy(attempts=10_000, total_seconds=0.3, initial=0.02, maximum=0.05, jitter=0)
+    started = time.monotonic()
+    with pytest.raises(RetriesExhausted) as info:
+        call_with_retries(flaky, policy)
+    assert time.monotonic() - started < 2
+    assert 2 <= flaky.calls < 100 and info.value.elapsed <= 0.3 + 0.1
+
+
+def test_permanent_failures_are_not_retried():
+    flaky = Flaky(1, rest(429, STOCKOUT))
+    with pytest.raises(gexc.TooManyRequests):
+        call_with_retries(flaky, FAST, sleep=lambda s: pytest.fail("slept"))
+    assert flaky.calls == 1
+
+
+def test_client_calls_go_through_one_retry_policy_with_client_retry_off():
+    settings = load_settings({"project": "proj", "api_endpoint": SIM}, env={})
+    seen = []
+
+    class Client:
+        def get_node(self, *, name, retry, timeout):
+            seen.append((name, retry, timeout))
+            if len(seen) < 3:
+                raise rest(503, "busy")
+            return tpu_v2.Node(name=name, accelerator_type="v4-8", state="READY")
+
+    control = ControlPlane(settings, client=Client(), retry=FAST, sleep=lambda s: None)
+    node = control.get_node("demo")
+    assert node.name == "demo" and node.ready
+    assert len(seen) == 3
+    assert all(retry is None for _, retry, _ in seen)      # the client's own retry is off
+    assert seen[0][0] == "projects/proj/locations/us-central2-b/nodes/demo"
+
+
+def test_no_project_is_a_config_sentence():
+    settings = load_settings({"api_endpoint": SIM}, env={})
+    with pytest.raises(ConfigError, match="No project given: pass --project"):
+        ControlPlane(settings)
+
+
+# ---------------------------------------------------------------------------------------------
+# request bodies (data)
+
+
+def settings_for(**flags):
+    base = {"project": "proj", "zone": "us-central2-b", "name": "demo", "type": "v4-32"}
+    return load_settings({**base, **flags}, env={})
+
+
+ENTRY = "alice:ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIExample alice"
+
+
+def test_node_body_defaults():
+    body = node_body(settings_for(), ssh_entry=ENTRY)
+    assert body == {
+        "accelerator_type": "v4-32",
+        "runtime_version": "tpu-ubuntu2204-base",       # default of the generation
+        "network_config": {"enable_external_ips": True},
+        "labels": {},
+        "metadata": {"ssh-keys": ENTRY},
+    }
+    tpu_v2.Node(body)  # the client accepts it as is
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ({"spot": True}, {"spot": True}),
+    ({"preemptible": True}, {"preemptible": True}),
+    ({"reserved": True}, {"reserved": True}),
+])
+def test_node_body_scheduling(flags, expected):
+    assert node_body(settings_for(**flags))["scheduling_config"] == expected
+
+
+def test_node_body_everything():
+    settings = settings_for(type="tpu-v6e-8", runtime_version="v2-alpha-tpuv6e-custom",
+                            labels={"team": "ml"}, metadata={"ssh-keys": "bob:ssh-rsa AAAB bob",
+                                                             "startup-script": "true"},
+                            network="net", subnetwork="sub", service_account="sa@x.iam",
+                            internal_ip=True)
+    body = node_body(settings, ssh_entry=ENTRY)
+    assert body["accelerator_type"] == "v6e-8"
+    assert body["runtime_version"] == "v2-alpha-tpuv6e-custom"
+    assert body["network_config"] == {"enable_external_ips": False, "network": "net",
+                                      "subnetwork": "sub"}
+    assert body["service_account"]["email"] == "sa@x.iam"
+    assert body["labels"] == {"team": "ml"}
+    assert body["metadata"]["ssh-keys"] == "bob:ssh-rsa AAAB bob\n" + ENTRY   # others' keys kept
+    assert body["metadata"]["startup-script"] == "true"
+    tpu_v2.Node(body)
+
+
+@pytest.mark.parametrize("type_, runtime", [("v5litepod-16", "v2-alpha-tpuv5-lite"),
+                                            ("v5p-8", "v2-alpha-tpuv5"),
+                                            ("v6e-256", "v2-alpha-tpuv6e"),
+                                            ("v2-8", "tpu-ubuntu2204-base")])
+def test_runtime_defaults_by_generation(type_, runtime):
+    assert node_body(settings_for(type=type_))["runtime_version"] == runtime
+
+
+def test_conflicting_tiers_are_one_sentence():
+    with pytest.raises(ConfigError, match="--spot and --reserved cannot be combined"):
+        node_body(settings_for(spot=True, reserved=True))
+
+
+def test_queued_resource_body_single_guaranteed():
+    body = queued_resource_body(settings_for(), ssh_entry=ENTRY)
+    spec = body["tpu"]["node_spec"][0]
+    assert body["guaranteed"] == {} and "spot" not in body
+    assert spec["parent"] == "projects/proj/locations/us-central2-b"
+    assert spec["node_id"] == "demo" and "multislice_params" not in spec
+    assert spec["node"]["accelerator_type"] == "v4-32"
+    assert spec["node"]["metadata"]["ssh-keys"] == ENTRY
+    tpu_v2.QueuedResource(body)
+
+
+def test_queued_resource_body_spot_multislice():
+    body = queued_resource_body(settings_for(spot=True), num_slices=4)
+    spec = body["tpu"]["node_spec"][0]
+    assert body["spot"] == {} and "guaranteed" not in body
+    assert spec["multislice_params"] == {"node_count": 4, "node_id_prefix": "demo"}
+    assert "node_id" not in spec and "scheduling_config" not in spec["node"]
+    info = QueuedResourceInfo.from_proto(tpu_v2.QueuedResource(
+        {**body, "name": "projects/proj/locations/us-central2-b/queuedResources/demo"}))
+    assert info.node_ids == ["demo-0", "demo-1", "demo-2", "demo-3"]
+    assert info.tier == "spot" and info.accelerator_type == "v4-32"
+
+
+def test_queued_resource_body_reserved():
+    body = queued_resource_body(settings_for(reserved=True))
+    assert body["guaranteed"] == {}
+    assert body["tpu"]["node_spec"][0]["node"]["scheduling_config"] == {"reserved": True}
+    with pytest.raises(ConfigError, match="cannot be preemptible"):
+        queued_resource_body(settings_for(preemptible=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# records
+
+
+def test_node_from_proto():
+    proto = tpu_v2.Node(
+        name="projects/proj/locations/us-central2-b/nodes/demo", id=123,
+        accelerator_type="v4-32", runtime_version="tpu-ubuntu2204-base", state="PREEMPTED",
+        health="HEALTHY", scheduling_config={"spot": True}, labels={"team": "ml"},
+        accelerator_config={"type_": "V4", "topology": "2x2x4"},
+        create_time={"seconds": 1_700_000_000},
+        queued_resource="projects/proj/locations/us-central2-b/queuedResources/qr",
+        network_endpoints=[{"ip_address": f"10.0.0.{i}", "port": 8470,
+                            "access_config": {"external_ip": f"34.1.1.{i}"}} for i in range(4)])
+    node = Node.from_proto(proto)
+    assert (node.name, node.project, node.zone, node.id) == ("demo", "proj", "us-central2-b", "123")
+    assert node.state == "PREEMPTED" and node.preempted and not node.ready
+    assert node.health == "HEALTHY" and node.spot and node.tier == "spot"
+    assert node.hosts == 4 and node.topology.chips == 16 and node.chip_topology == "2x2x4"
+    assert node.addresses() == [f"34.1.1.{i}" for i in range(4)]
+    assert node.addresses(internal_ip=True) == [f"10.0.0.{i}" for i in range(4)]
+    assert node.queued_resource == "qr"
+    data = node.to_json()
+    assert data["workers"][3] == {"index": 3, "internal_ip": "10.0.0.3",
+                                  "external_ip": "34.1.1.3", "port": 8470}
+    assert data["created"].startswith("2023-11-14")
+
+
+def test_node_without_external_ips_uses_internal():
+    proto = tpu_v2.Node(name="projects/p/locations/z/nodes/n", accelerator_type="v9-8",
+                        network_endpoints=[{"ip_address": "10.0.0.2"}])
+    node = Node.from_proto(proto)
+    assert node.addresses() == ["10.0.0.2"] and node.topology is None  # unknown type kept
+    assert node.created is None and node.health is None
+
+
+# ---------------------------------------------------------------------------------------------
+# ssh keys
+
+
+def test_key_is_generated_once_0600_with_pub_beside(tmp_path):
+    key = tmp_path / "ssh" / "tpufab_ed25519"
+    pub = sshkeys.ensure_key(key)
+    assert pub.startswith("ssh-ed25519 AAAA")
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert (tmp_path / "ssh" / "tpufab_ed25519.pub").read_text().strip() == pub
+    assert sshkeys.ensure_key(key) == pub            # not regenerated
+    os.unlink(tmp_path / "ssh" / "tpufab_ed25519.pub")
+    assert sshkeys.ensure_key(key).split()[:2] == pub.split()[:2]   # .pub rebuilt from the key
+    assert [p.name for p in (tmp_path / "ssh").iterdir() if p.name.startswith(".")] == []
+
+
+def test_metadata_entry_and_merge():
+    entry = sshkeys.metadata_entry("alice", "ssh-ed25519 AAAAkey laptop")
+    assert entry == "alice:ssh-ed25519 AAAAkey alice"
+    others = "bob:ssh-rsa AAAAbob bob\ncarol:ssh-ed25519 AAAAcarol carol"
+    merged = sshkeys.merge_entry(others, entry)
+    assert merged.splitlines() == [*others.splitlines(), entry]
+    assert sshkeys.merge_entry(merged, entry) == merged                      # no duplicate
+    assert sshkeys.merge_entry(merged, "alice:ssh-ed25519 AAAAkey other-comment") == merged
+    assert sshkeys.merge_entry(None, entry) == entry
+    assert sshkeys.has_entry(merged, entry) and not sshkeys.has_entry(others, entry)
