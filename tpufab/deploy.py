@@ -1,0 +1,335 @@
+"""Deploy: put exactly one commit of the user's repository on every worker, verified.
+
+Default path: push the commit to the remote, then every worker fetches it from there (one SSH
+round trip per worker: the worker script clones if absent, fetches only if the commit is
+missing, checks out, updates submodules and reports). ``direct``: no remote involved; the
+commit travels as a git bundle over the same SSH connections (no credentials on workers).
+
+Pure planning (``worker_command``, ``summarize``) is separate from ``deploy`` (the apply step),
+which talks to workers only through a ``Workers`` transport (the fan-out group).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from tpufab import gitops
+from tpufab.errors import TpufabError
+
+REMOTE_DIR = Path(__file__).parent / "remote"
+SCRIPT = "deploy_worker.py"
+MISSING_SCRIPT = 97  # exit status of the command when the worker script is not shipped yet
+
+
+class DeployError(TpufabError):
+    """Deploy failed on some workers; ``details`` holds every worker's outcome."""
+
+
+# --- transport seam -------------------------------------------------------------------------
+
+class Outcome(Protocol):
+    """One worker's result of a command (what the fan-out returns per worker)."""
+
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    error: str | None
+
+
+class Workers(Protocol):
+    """The part of the fan-out that deploy needs."""
+
+    def run(self, command: str, *, workers: Sequence[int] | None = None,
+            stdin: str | None = None) -> Mapping[int, Outcome]: ...
+
+    def put(self, local: Path, remote: str, *,
+            workers: Sequence[int] | None = None) -> Mapping[int, Outcome]: ...
+
+    @property
+    def ids(self) -> list[int]: ...
+
+
+# --- shipping worker-side scripts -----------------------------------------------------------
+
+def script_path(name: str) -> str:
+    """Where a worker keeps ``name``: relative to its home, keyed by content hash."""
+    digest = hashlib.sha256((REMOTE_DIR / name).read_bytes()).hexdigest()[:16]
+    return f".cache/tpufab/remote/{digest}/{name}"
+
+
+def script_command(name: str, args: Sequence[str]) -> str:
+    """Run a shipped script, or exit 97 if this worker does not have it yet."""
+    path = shlex.quote(script_path(name))
+    return (f"test -f {path} || exit {MISSING_SCRIPT}; "
+            f"exec python3 {path} {shlex.join(list(args))}")
+
+
+def run_script(group: Workers, name: str, args: Sequence[str], workers: Sequence[int],
+               stdin: str | None = None) -> dict[int, Outcome]:
+    """Run a worker script in one round trip per worker; ship it first (once per content
+    hash) to the workers that lack it, then run it there again."""
+    command = script_command(name, args)
+    results = dict(group.run(command, workers=list(workers), stdin=stdin))
+    missing = [w for w, r in results.items() if r.exit_code == MISSING_SCRIPT]
+    if missing:
+        shipped = group.put(REMOTE_DIR / name, script_path(name), workers=missing)
+        failed = [w for w in missing if shipped[w].error or shipped[w].exit_code not in (0, None)]
+        results.update({w: shipped[w] for w in failed})
+        again = [w for w in missing if w not in failed]
+        if again:
+            results.update(group.run(command, workers=again, stdin=stdin))
+    return results
+
+
+# --- records --------------------------------------------------------------------------------
+
+@dataclass
+class WorkerDeploy:
+    worker: int
+    ok: bool
+    commit: str | None = None
+    before: str | None = None
+    action: str | None = None     # clone | update | noop
+    seconds: float | None = None
+    error: str | None = None      # unreachable | disk_full | ... | ssh
+    message: str | None = None
+
+    @property
+    def changed(self) -> bool:
+        return self.ok and self.action != "noop"
+
+
+@dataclass
+class DeployReport:
+    commit: str
+    dir: str
+    rows: list[WorkerDeploy] = field(default_factory=list)
+    pushed: str | None = None       # "pushed" | "up to date" | None (direct)
+    wip_ref: str | None = None
+    seconds: float = 0.0
+
+    def table(self) -> str:
+        lines = [f"{'worker':>6}  {'commit':<12}  {'result':<9}  {'time':>6}"]
+        for row in sorted(self.rows, key=lambda r: r.worker):
+            result = ("changed" if row.changed else "unchanged") if row.ok else "FAILED"
+            when = f"{row.seconds:.2f}s" if row.seconds is not None else "-"
+            commit = (row.commit or "-")[:12]
+            line = f"{row.worker:>6}  {commit:<12}  {result:<9}  {when:>6}"
+            if not row.ok:
+                line += f"  {row.error}: {row.message}"
+            lines.append(line)
+        return "\n".join(lines)
+
+
+def parse_outcome(worker: int, outcome: Outcome) -> WorkerDeploy:
+    """A worker script's JSON line (or the transport's failure) as a row."""
+    text = (outcome.stdout or "").strip().splitlines()
+    data = None
+    if text:
+        try:
+            data = json.loads(text[-1])
+        except ValueError:
+            data = None
+    if isinstance(data, dict) and "ok" in data:
+        return WorkerDeploy(worker, bool(data["ok"]), data.get("commit"), data.get("before"),
+                            data.get("action"), data.get("seconds"), data.get("error"),
+                            data.get("message"))
+    reason = outcome.error or _last_line(outcome.stderr) or f"exit status {outcome.exit_code}"
+    if outcome.exit_code == 127 or "python3: not found" in (outcome.stderr or ""):
+        return WorkerDeploy(worker, False, error="no_python",
+                            message="python3 is not installed on this worker")
+    if "No space left" in (outcome.stderr or "") + (outcome.error or ""):
+        return WorkerDeploy(worker, False, error="disk_full", message=reason)
+    return WorkerDeploy(worker, False, error="ssh", message=reason)
+
+
+def _last_line(text: str | None) -> str:
+    lines = [line.strip() for line in (text or "").strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def fold(workers: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``w[0-2,5]``."""
+    ids = sorted(set(workers))
+    parts, i = [], 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return f"w[{','.join(parts)}]" if len(ids) > 1 else f"w{ids[0]}" if ids else "w[]"
+
+
+ERROR_SENTENCES = {
+    "unreachable": "{who} cannot reach the remote {source}: give the workers access (a deploy "
+                   "key, or --token-env with an HTTPS token; see docs/deploy.md) or deploy "
+                   "with --direct.",
+    "disk_full": "{who} ran out of disk space in {dir}: free space there (or pick another "
+                 "--dir), then deploy again.",
+    "local_changes": "{who} {have} local changes in {dir} that the checkout would overwrite: "
+                     "commit or discard them on the worker, then deploy again.",
+    "not_a_repo": "{who} already {have} {dir} and it is not a git checkout: move it away or "
+                  "deploy to another --dir.",
+    "missing_commit": "{who} could not find commit {commit} on the remote {source}: make sure "
+                      "the push reached it, then deploy again.",
+    "no_git": "{who} {have} no git: install it there (apt-get install git) and deploy again.",
+    "no_python": "{who} {have} no python3: install it there and deploy again.",
+    "ssh": "{who} could not run the deploy step over SSH: check that the workers are up "
+           "(tpufab status) and deploy again.",
+    "git_failed": "The checkout failed on {who} in {dir}: see the per-worker messages below "
+                  "and fix those workers, then deploy again.",
+}
+
+
+def failure_sentence(rows: Sequence[WorkerDeploy], *, source: str, dir: str,
+                     commit: str) -> str:
+    """One sentence for the most common failure kind, naming its workers."""
+    failed = [r for r in rows if not r.ok]
+    kinds: dict[str, list[int]] = {}
+    for row in failed:
+        kinds.setdefault(row.error or "git_failed", []).append(row.worker)
+    kind, who = max(kinds.items(), key=lambda kv: len(kv[1]))
+    noun = "Worker" if len(who) == 1 else "Workers"
+    text = ERROR_SENTENCES.get(kind, ERROR_SENTENCES["git_failed"])
+    sentence = text.format(who=f"{noun} {fold(who)}", source=source, dir=dir,
+                           commit=commit[:12], have="has" if len(who) == 1 else "have")
+    sentence = sentence.replace("on Workers", "on workers").replace("on Worker", "on worker")
+    sentence = sentence[0].upper() + sentence[1:]
+    others = len(failed) - len(who)
+    if others:
+        sentence += f" ({others} more failed otherwise; see below.)"
+    return sentence
+
+
+def verify_same_commit(report: DeployReport) -> None:
+    """Raise if any worker ended on another commit than the one deployed."""
+    off = [r for r in report.rows if r.ok and r.commit != report.commit]
+    if off:
+        seen = sorted({r.commit[:12] for r in off if r.commit})
+        raise DeployError(f"Workers disagree after deploy: {fold([r.worker for r in off])} are "
+                          f"at {', '.join(seen)} instead of {report.commit[:12]}; deploy again "
+                          f"and check those workers for processes that change {report.dir}.",
+                          details=report.table())
+
+
+# --- the operation --------------------------------------------------------------------------
+
+def default_dir(root: Path) -> str:
+    return f"~/{gitops.repo_name(root)}"
+
+
+def worker_command(*, dir: str, source: str, commit: str, fetch_ref: str | None,
+                   branch: str | None, origin: str | None = None, token: bool = False,
+                   remove_source: bool = False) -> list[str]:
+    """Arguments of ``deploy_worker.py checkout`` (pure)."""
+    args = ["checkout", "--dir", dir, "--source", source, "--commit", commit]
+    if fetch_ref:
+        args += ["--fetch-ref", fetch_ref]
+    if branch:
+        args += ["--branch", branch]
+    if origin:
+        args += ["--origin", origin]
+    if token:
+        args.append("--token-stdin")
+    if remove_source:
+        args.append("--remove-source")
+    return args
+
+
+def deploy(group: Workers, *, ref: str = "HEAD", remote: str = "origin", dir: str | None = None,
+           direct: bool = False, wip: bool = False, cwd: Path | str | None = None,
+           worker_url: str | None = None, token: str | None = None,
+           progress: Callable[[str], None] | None = None) -> DeployReport:
+    """Deploy ``ref`` (or a ``wip`` snapshot) of the repository at ``cwd`` to every worker of
+    ``group`` and verify they all report the same commit.
+
+    ``worker_url``: the URL workers fetch from, when it differs from the remote's local URL
+    (e.g. https for workers, ssh for you). ``token``: an HTTPS token handed to git on the
+    workers through stdin and a credential helper (never argv, files or logs).
+    """
+    say = progress or (lambda _msg: None)
+    start = time.monotonic()
+    root = gitops.repo_root(cwd)
+    if wip:
+        resolved = gitops.wip_snapshot(root)
+    else:
+        gitops.refuse_dirty(root)
+        resolved = gitops.resolve(root, ref)
+    target_dir = dir or default_dir(root)
+    report = DeployReport(resolved.commit, target_dir,
+                          wip_ref=resolved.push_ref if resolved.wip else None)
+    workers = list(group.ids)
+
+    if direct:
+        source = "your machine (direct)"
+        _deploy_direct(group, root, resolved, target_dir, workers, report, say)
+    else:
+        url = gitops.remote_url(root, remote)
+        source = worker_url or url
+        say(f"pushing {resolved.commit[:12]} to {remote} ({resolved.push_ref})")
+        report.pushed = gitops.push(root, remote, resolved.commit, resolved.push_ref)
+        args = worker_command(dir=target_dir, source=source, commit=resolved.commit,
+                              fetch_ref=resolved.push_ref, branch=resolved.branch,
+                              origin=source, token=token is not None)
+        say(f"checking out {resolved.commit[:12]} on {len(workers)} workers")
+        stdin = token + "\n" if token is not None else None
+        outcomes = run_script(group, SCRIPT, args, workers, stdin=stdin)
+        report.rows = [parse_outcome(w, outcomes[w]) for w in workers]
+    report.seconds = round(time.monotonic() - start, 3)
+    if any(not r.ok for r in report.rows):
+        raise DeployError(failure_sentence(report.rows, source=source, dir=target_dir,
+                                           commit=resolved.commit), details=report.table())
+    verify_same_commit(report)
+    return report
+
+
+def _deploy_direct(group: Workers, root: Path, resolved: gitops.Resolved, target_dir: str,
+                   workers: list[int], report: DeployReport,
+                   say: Callable[[str], None]) -> None:
+    """Probe each worker's HEAD, ship one bundle per distinct HEAD (only the missing objects),
+    then check out from the bundle."""
+    probes = run_script(group, SCRIPT, ["status", "--dir", target_dir], workers)
+    rows: dict[int, WorkerDeploy] = {}
+    heads: dict[int, str | None] = {}
+    for w in workers:
+        row = parse_outcome(w, probes[w])
+        if not row.ok:
+            rows[w] = row
+        elif row.commit == resolved.commit:
+            rows[w] = WorkerDeploy(w, True, row.commit, row.commit, "noop", 0.0)
+        else:
+            heads[w] = row.commit
+    by_head: dict[str | None, list[int]] = {}
+    for w, head in heads.items():
+        by_head.setdefault(head, []).append(w)
+    with tempfile.TemporaryDirectory(prefix="tpufab-bundle-") as tmp:
+        for n, (head, ids) in enumerate(by_head.items()):
+            local = gitops.bundle(root, resolved.commit, Path(tmp) / f"{n}.bundle",
+                                  exclude=[head] if head else [])
+            # next to the shipped script: that folder exists once the probe ran
+            remote = f"{Path(script_path(SCRIPT)).parent}/{resolved.commit[:16]}-{n}.bundle"
+            say(f"sending {local.stat().st_size} bytes to {fold(ids)}")
+            put = group.put(local, remote, workers=ids)
+            sent = []
+            for w in ids:
+                if put[w].error or put[w].exit_code not in (0, None):
+                    rows[w] = parse_outcome(w, put[w])
+                else:
+                    sent.append(w)
+            if not sent:
+                continue
+            args = worker_command(dir=target_dir, source=remote, commit=resolved.commit,
+                                  fetch_ref=gitops.DIRECT_REF, branch=resolved.branch,
+                                  remove_source=True)
+            outcomes = run_script(group, SCRIPT, args, sent)
+            rows.update({w: parse_outcome(w, outcomes[w]) for w in sent})
+    report.rows = [rows[w] for w in workers]

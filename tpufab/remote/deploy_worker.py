@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""tpufab deploy, worker side (stdlib only; shipped once per content hash).
+
+    deploy_worker.py status --dir DIR
+    deploy_worker.py checkout --dir DIR --source URL|BUNDLE --commit SHA
+                     [--fetch-ref REF] [--branch NAME] [--origin URL] [--token-stdin]
+
+``checkout`` does the whole job in one process: clone if absent, fetch only if the commit is
+missing, check out exactly that commit (on ``--branch`` or detached), update submodules, and
+report. ``--token-stdin`` reads an HTTPS token from stdin and hands it to git through a
+credential helper that reads the environment, so it never reaches argv, a file or a log.
+
+Prints exactly one JSON object on stdout:
+  {"ok": true, "commit": SHA, "before": SHA|null, "action": "clone"|"update"|"noop", ...}
+  {"ok": false, "error": KIND, "message": TEXT, ...}
+with KIND one of unreachable, disk_full, not_a_repo, local_changes, missing_commit,
+no_git, git_failed. Exit status: 0 ok, 3 failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+UNREACHABLE = ("could not read from remote", "unable to connect", "connection refused",
+               "could not resolve host", "connection timed out", "failed to connect",
+               "does not appear to be a git repository", "repository not found",
+               "authentication failed", "could not read username", "permission denied",
+               "unable to access", "no route to host", "access denied", "not exported")
+DISK_FULL = ("no space left on device", "disk quota exceeded")
+LOCAL_CHANGES = ("would be overwritten", "please commit your changes or stash them")
+# The helper text is argv, but the secret is only in the environment of git's own processes.
+CREDENTIAL_HELPER = ('!f() { test "$1" = get || exit 0; '
+                     'echo "username=${TPUFAB_GIT_USERNAME:-x-access-token}"; '
+                     'echo "password=$TPUFAB_GIT_TOKEN"; }; f')
+
+
+class Failure(Exception):
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+class Git:
+    def __init__(self, token: str | None = None):
+        self.env = dict(os.environ, GIT_TERMINAL_PROMPT="0", LC_ALL="C",
+                        GIT_ASKPASS="true", SSH_ASKPASS="true")
+        self.env.setdefault("GIT_SSH_COMMAND", "ssh -o BatchMode=yes")
+        self.config: list[str] = []
+        if token is not None:
+            self.env["TPUFAB_GIT_TOKEN"] = token
+            self.config = ["-c", "credential.helper=", "-c", "credential.helper=" +
+                           CREDENTIAL_HELPER]
+
+    def __call__(self, *args: str, cwd: str | None = None, check: bool = True,
+                 what: str = "git") -> str:
+        argv = ["git", *self.config, *args]
+        try:
+            proc = subprocess.run(argv, cwd=cwd, env=self.env, capture_output=True, text=True,
+                                  stdin=subprocess.DEVNULL)
+        except FileNotFoundError:
+            raise Failure("no_git", "git is not installed on this worker") from None
+        if check and proc.returncode != 0:
+            raise classify(proc.stderr or proc.stdout, what)
+        return proc.stdout.strip() if proc.returncode == 0 else ""
+
+    def ok(self, *args: str, cwd: str | None = None) -> bool:
+        argv = ["git", *self.config, *args]
+        return subprocess.run(argv, cwd=cwd, env=self.env, capture_output=True,
+                              stdin=subprocess.DEVNULL).returncode == 0
+
+
+def classify(text: str, what: str) -> Failure:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else "no output"
+    lower = text.lower()
+    if any(s in lower for s in DISK_FULL):
+        return Failure("disk_full", f"{what}: no space left on device ({last})")
+    if any(s in lower for s in LOCAL_CHANGES):
+        return Failure("local_changes", f"{what}: local changes would be overwritten ({last})")
+    if what in ("clone", "fetch") and any(s in lower for s in UNREACHABLE):
+        return Failure("unreachable", f"{what}: cannot reach the remote ({last})")
+    return Failure("git_failed", f"{what}: {last}")
+
+
+def head_of(git: Git, path: str) -> str | None:
+    if not os.path.isdir(os.path.join(path, ".git")) and not os.path.isfile(
+            os.path.join(path, ".git")):
+        return None
+    return git("rev-parse", "--verify", "--quiet", "HEAD^{commit}", cwd=path, check=False) or None
+
+
+def status(args: argparse.Namespace) -> dict:
+    path = os.path.expanduser(args.dir)
+    git = Git()
+    return {"ok": True, "dir": path, "exists": os.path.exists(path), "commit": head_of(git, path)}
+
+
+def has_commit(git: Git, path: str, sha: str) -> bool:
+    return git.ok("cat-file", "-e", f"{sha}^{{commit}}", cwd=path)
+
+
+def checkout(args: argparse.Namespace) -> dict:
+    start = time.monotonic()
+    token = sys.stdin.readline().rstrip("\n") if args.token_stdin else None
+    git = Git(token)
+    if os.path.isfile(args.source):  # a shipped bundle, relative to the login directory
+        args.source = os.path.abspath(args.source)
+    path = os.path.expanduser(args.dir)
+    sha = args.commit
+    before = head_of(git, path)
+    action = "update"
+    if before is None:
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise Failure("not_a_repo", f"{path} exists and is not a directory")
+        if os.path.isdir(path) and os.listdir(path) and not os.path.exists(
+                os.path.join(path, ".git")):
+            raise Failure("not_a_repo", f"{path} is not empty and is not a git checkout")
+        os.makedirs(path, exist_ok=True)
+        if not os.path.exists(os.path.join(path, ".git")):
+            git("init", "--quiet", path, what="init")
+        action = "clone"
+    elif before == sha and not args.force:
+        return {"ok": True, "dir": path, "commit": sha, "before": before, "action": "noop",
+                "seconds": round(time.monotonic() - start, 3)}
+    if args.origin:
+        if git("remote", "get-url", "origin", cwd=path, check=False):
+            git("remote", "set-url", "origin", args.origin, cwd=path)
+        else:
+            git("remote", "add", "origin", args.origin, cwd=path)
+    fetched = False
+    if not has_commit(git, path, sha):
+        refspec = f"+{args.fetch_ref}:refs/tpufab/deployed" if args.fetch_ref else sha
+        git("fetch", "--quiet", "--no-tags", args.source, refspec, cwd=path, what="fetch")
+        fetched = True
+        if not has_commit(git, path, sha):
+            # the ref moved on the remote since our push: ask for the commit itself
+            git("fetch", "--quiet", "--no-tags", args.source, sha, cwd=path, what="fetch")
+    if not has_commit(git, path, sha):
+        raise Failure("missing_commit", f"commit {sha[:12]} is not on the remote")
+    if args.branch:
+        git("checkout", "--quiet", "-B", args.branch, sha, cwd=path, what="checkout")
+    else:
+        git("checkout", "--quiet", "--detach", sha, cwd=path, what="checkout")
+    if os.path.exists(os.path.join(path, ".gitmodules")):
+        git("submodule", "update", "--quiet", "--init", "--recursive", cwd=path,
+            what="submodule update")
+    after = git("rev-parse", "HEAD", cwd=path)
+    return {"ok": True, "dir": path, "commit": after, "before": before, "action": action,
+            "fetched": fetched, "seconds": round(time.monotonic() - start, 3)}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="deploy_worker.py")
+    sub = parser.add_subparsers(dest="verb", required=True)
+    st = sub.add_parser("status")
+    st.add_argument("--dir", required=True)
+    co = sub.add_parser("checkout")
+    co.add_argument("--dir", required=True)
+    co.add_argument("--source", required=True, help="URL or bundle path to fetch from")
+    co.add_argument("--commit", required=True)
+    co.add_argument("--fetch-ref")
+    co.add_argument("--branch")
+    co.add_argument("--origin", help="set the checkout's origin to this URL")
+    co.add_argument("--token-stdin", action="store_true")
+    co.add_argument("--force", action="store_true", help="redo the checkout even if at commit")
+    co.add_argument("--remove-source", action="store_true",
+                    help="delete --source afterwards (a shipped bundle)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        result = status(args) if args.verb == "status" else checkout(args)
+        code = 0
+    except Failure as err:
+        result = {"ok": False, "error": err.kind, "message": err.message}
+        code = 3
+    except OSError as err:
+        kind = "disk_full" if err.errno in (28, 122) else "git_failed"
+        result = {"ok": False, "error": kind, "message": str(err)}
+        code = 3
+    finally:
+        if getattr(args, "remove_source", False) and os.path.isfile(args.source):
+            os.unlink(args.source)
+    result["host"] = os.uname().nodename
+    print(json.dumps(result))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
