@@ -214,7 +214,7 @@ def _connection_reason(exc: BaseException) -> str:
     return "connection failed"
 
 
-def _status_name(exc: BaseException) -> str:
+def status_name(exc: BaseException) -> str:
     code = getattr(exc, "code", None)
     reason = {429: "429 Too Many Requests", 502: "502 Bad Gateway", 503: "503 Service Unavailable",
               504: "504 Gateway Timeout"}.get(int(code) if isinstance(code, int) else 0)
@@ -231,7 +231,7 @@ def translate(exc: BaseException, action: Action, endpoint: str) -> TpufabError:
     if isinstance(exc, TpufabError):
         return exc
     where = f"in {action.zone} (project {action.project})" if action.zone else ""
-    message = api_message(exc)
+    message = api_message(exc).rstrip(". ")
     if _is_connection_error(exc) and not is_transient(exc):
         return ApiError(f"Cannot reach the TPU API at {endpoint} ({_connection_reason(exc)}); "
                         f"{_unreachable_hint(endpoint)}.")
@@ -276,13 +276,13 @@ def translate(exc: BaseException, action: Action, endpoint: str) -> TpufabError:
                         f"another --name or remove it with `tpufab delete --name {action.name}`.")
     if isinstance(exc, gexc.BadRequest):
         return ApiError(f"The TPU API rejected the request to {action.verb} {action.target}: "
-                        f"{message}")
+                        f"{message}.")
     if is_transient(exc):
-        return ApiError(f"The TPU API at {endpoint} is unavailable ({_status_name(exc)}: "
+        return ApiError(f"The TPU API at {endpoint} is unavailable ({status_name(exc)}: "
                         f"{message}); try again in a few minutes.")
     if isinstance(exc, gexc.GoogleAPICallError):
         return ApiError(f"The TPU API failed to {action.verb} {action.target} "
-                        f"({_status_name(exc)}: {message}).")
+                        f"({status_name(exc)}: {message}).")
     return ApiError(f"Calling the TPU API to {action.verb} {action.target} failed "
                     f"({type(exc).__name__}: {exc}).")
 
@@ -363,7 +363,7 @@ def call_with_retries(fn: Callable[[], T], policy: RetryPolicy, *,
 
 def _exhausted_sentence(err: RetriesExhausted, endpoint: str) -> ApiError:
     last = err.__cause__
-    status = _status_name(last) if last is not None else "errors"
+    status = status_name(last) if last is not None else "errors"
     if last is not None and _is_connection_error(last):
         status = _connection_reason(last)
     return ApiError(

@@ -1,0 +1,132 @@
+"""invoke tasks: the same verbs as the `tpufab` command, with the same flags.
+
+Thin: each task calls one function in tpufab.verbs (imported inside the task so that
+`invoke --list` stays instant) and exits non-zero with one sentence on failure.
+"""
+
+from invoke import Collection, task
+from invoke.exceptions import Exit
+
+HELP = {
+    "name": "TPU node name",
+    "type": "accelerator type: v4-32, v6e-8, tpu-v6e-8 ...",
+    "accelerator-type": "alias of --type",
+    "zone": "zone (default: settings)",
+    "project": "Google Cloud project",
+    "version": "runtime version (default: by generation)",
+    "spot": "spot capacity",
+    "preemptible": "preemptible",
+    "reserved": "reserved capacity",
+    "queued": "create a queued resource",
+    "num-slices": "slices of a multislice queued resource",
+    "async": "return without waiting",
+    "label": "key=value label (repeatable)",
+    "yes": "do not ask for confirmation",
+    "json": "print JSON instead of a table",
+    "debug": "show tracebacks",
+}
+
+
+def _help(table, *names):
+    return {n: table[n] for n in names}
+
+
+def _run(verb_name, **kwargs):
+    from tpufab import verbs
+    from tpufab.console import run
+
+    debug = kwargs.pop("debug", False)
+    code = run(getattr(verbs, verb_name), debug=debug, **kwargs)
+    if code:
+        raise Exit(code=code)
+
+
+@task(auto_shortflags=False, help=_help(HELP, "name", "type", "accelerator-type", "zone", "project", "version", "spot",
+                 "preemptible", "reserved", "queued", "num-slices", "async", "label", "debug"),
+      iterable=["label"])
+def create(c, name=None, type=None, accelerator_type=None, zone=None, project=None, version=None,
+           spot=False, preemptible=False, reserved=False, queued=False, num_slices=1,
+           async_=False, label=None, debug=False):
+    """Create a TPU VM node (or queued resource) and wait until it is READY."""
+    _run("create", name=name, type=type, accelerator_type=accelerator_type, zone=zone,
+         project=project, version=version, spot=spot, preemptible=preemptible, reserved=reserved,
+         queued=queued, num_slices=int(num_slices), async_=async_, labels=label, debug=debug)
+
+
+@task(auto_shortflags=False, help=_help(HELP, "name", "yes", "zone", "project", "debug"))
+def delete(c, name=None, yes=False, zone=None, project=None, debug=False):
+    """Delete a TPU node (or its queued resource)."""
+    _run("delete", name=name, yes=yes, zone=zone, project=project, debug=debug)
+
+
+@task(name="list", auto_shortflags=False, help=_help(HELP, "json", "zone", "project", "debug"))
+def list_(c, json=False, zone=None, project=None, debug=False):
+    """List the TPU nodes in a zone."""
+    _run("list_", as_json=json, zone=zone, project=project, debug=debug)
+
+
+@task(auto_shortflags=False, help=_help(HELP, "name", "json", "zone", "project", "debug"))
+def describe(c, name=None, json=False, zone=None, project=None, debug=False):
+    """Show one TPU node: state, health, workers and their IPs."""
+    _run("describe", name=name, as_json=json, zone=zone, project=project, debug=debug)
+
+
+@task(auto_shortflags=False, help=_help(HELP, "json", "debug"))
+def types(c, json=False, debug=False):
+    """The accelerator types tpufab knows: hosts, chips, runtime, device files."""
+    _run("types", as_json=json, debug=debug)
+
+
+# -- invoke sim.*
+
+SIM_HELP = {"port": "API port", "state-dir": "where the simulated pod keeps its state",
+            "name": "node", "worker": "worker index", "restore": "make it reachable again",
+            "quota": "quota exceeded instead of stockout", "count": "how many calls fail",
+            "code": "503 or 429", "json": "print JSON", "debug": "show tracebacks"}
+
+
+@task(name="up", auto_shortflags=False, help=_help(SIM_HELP, "port", "state-dir", "debug"))
+def sim_up(c, port=None, state_dir=None, debug=False):
+    """Start the simulated pod in the background and print the lines to export."""
+    _run("sim_up", port=int(port) if port else None, state_dir=state_dir, debug=debug)
+
+
+@task(name="down", auto_shortflags=False, help=_help(SIM_HELP, "state-dir", "debug"))
+def sim_down(c, state_dir=None, debug=False):
+    """Stop the simulated pod (its nodes are kept on disk)."""
+    _run("sim_down", state_dir=state_dir, debug=debug)
+
+
+@task(name="status", auto_shortflags=False, help=_help(SIM_HELP, "state-dir", "json", "debug"))
+def sim_status(c, state_dir=None, json=False, debug=False):
+    """Is the simulated pod up, and where."""
+    _run("sim_status", state_dir=state_dir, as_json=json, debug=debug)
+
+
+@task(name="preempt", auto_shortflags=False, help=_help(SIM_HELP, "name", "debug"))
+def sim_preempt(c, name, debug=False):
+    """Preempt a node: state PREEMPTED, workers stopped."""
+    _run("sim_preempt", name=name, debug=debug)
+
+
+@task(name="unreachable", auto_shortflags=False, help=_help(SIM_HELP, "name", "worker", "restore", "debug"))
+def sim_unreachable(c, name, worker, restore=False, debug=False):
+    """Make one worker unreachable over SSH (or reachable again)."""
+    _run("sim_unreachable", name=name, worker=int(worker), restore=restore, debug=debug)
+
+
+@task(name="fail-create", auto_shortflags=False, help=_help(SIM_HELP, "quota", "debug"))
+def sim_fail_create(c, quota=False, debug=False):
+    """Make the next create fail with RESOURCE_EXHAUSTED."""
+    _run("sim_fail_create", quota=quota, debug=debug)
+
+
+@task(name="burst", auto_shortflags=False, help=_help(SIM_HELP, "count", "code", "debug"))
+def sim_burst(c, count, code=503, debug=False):
+    """Make the next COUNT API calls fail with 503 (or 429)."""
+    _run("sim_burst", count=int(count), code=int(code), debug=debug)
+
+
+sim = Collection("sim", sim_up, sim_down, sim_status, sim_preempt, sim_unreachable,
+                 sim_fail_create, sim_burst)
+ns = Collection(create, delete, list_, describe, types, sim)

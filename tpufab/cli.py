@@ -1,0 +1,171 @@
+"""`tpufab`: the Typer front end. Each command parses flags and calls one verb in tpufab.verbs.
+
+Keep this file free of logic and of heavy imports (google-cloud-tpu, fabric): `tpufab --help`
+must start instantly. To add a verb: write it in verbs.py, add a thin command here and a task
+in tasks.py with the same flags.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from tpufab import verbs
+from tpufab.console import run
+
+app = typer.Typer(
+    name="tpufab",
+    help="Make a Cloud TPU pod feel like one machine.",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+sim_app = typer.Typer(help="The simulated TPU pod: a local TPU API with real SSH workers.",
+                      no_args_is_help=True, rich_markup_mode=None)
+app.add_typer(sim_app, name="sim")
+
+_state = {"debug": False}
+
+
+def _run(fn, /, **kwargs) -> None:
+    code = run(fn, debug=_state["debug"], **kwargs)
+    if code:
+        raise typer.Exit(code)
+
+
+# Shared option shapes.
+Name = Annotated[str | None, typer.Option("--name", "-n", help="TPU node name.")]
+Zone = Annotated[str | None, typer.Option("--zone", "-z", help="Zone (default: settings).")]
+Project = Annotated[str | None, typer.Option("--project", "-p", help="Google Cloud project.")]
+Json = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+
+
+@app.callback()
+def _main(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False) -> None:
+    """Make a Cloud TPU pod feel like one machine."""
+    _state["debug"] = debug
+
+
+@app.command()
+def create(
+    name: Name = None,
+    type: Annotated[str | None, typer.Option(
+        "--type", "--accelerator-type", "-t", help="Accelerator type: v4-32, v6e-8, tpu-v6e-8 ...")] = None,
+    zone: Zone = None,
+    project: Project = None,
+    version: Annotated[str | None, typer.Option(
+        "--version", help="Runtime version (default: by generation).")] = None,
+    spot: Annotated[bool, typer.Option("--spot", help="Spot capacity.")] = False,
+    preemptible: Annotated[bool, typer.Option("--preemptible", help="Preemptible.")] = False,
+    reserved: Annotated[bool, typer.Option("--reserved", help="Reserved capacity.")] = False,
+    queued: Annotated[bool, typer.Option("--queued", help="Create a queued resource.")] = False,
+    num_slices: Annotated[int, typer.Option(
+        "--num-slices", min=1, help="Slices of a multislice queued resource.")] = 1,
+    async_: Annotated[bool, typer.Option("--async", help="Return without waiting.")] = False,
+    label: Annotated[list[str] | None, typer.Option(
+        "--label", help="key=value label (repeatable).")] = None,
+) -> None:
+    """Create a TPU VM node (or queued resource) and wait until it is READY."""
+    _run(verbs.create, name=name, type=type, zone=zone, project=project, version=version,
+         spot=spot, preemptible=preemptible, reserved=reserved, queued=queued,
+         num_slices=num_slices, async_=async_, labels=label)
+
+
+@app.command()
+def delete(
+    name: Name = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    zone: Zone = None,
+    project: Project = None,
+) -> None:
+    """Delete a TPU node (or its queued resource)."""
+    _run(verbs.delete, name=name, yes=yes, zone=zone, project=project)
+
+
+@app.command("list")
+def list_(json: Json = False, zone: Zone = None, project: Project = None) -> None:
+    """List the TPU nodes in a zone."""
+    _run(verbs.list_, as_json=json, zone=zone, project=project)
+
+
+@app.command()
+def describe(name: Name = None, json: Json = False, zone: Zone = None,
+             project: Project = None) -> None:
+    """Show one TPU node: state, health, workers and their IPs."""
+    _run(verbs.describe, name=name, as_json=json, zone=zone, project=project)
+
+
+@app.command()
+def types(json: Json = False) -> None:
+    """The accelerator types tpufab knows: hosts, chips, runtime, device files."""
+    _run(verbs.types, as_json=json)
+
+
+# ---------------------------------------------------------------------------------------------
+# tpufab sim ...
+
+StateDir = Annotated[str | None, typer.Option(
+    "--state-dir", help="Where the simulated pod keeps its state (TPUFAB_SIM_DIR).")]
+
+
+@sim_app.command("up")
+def sim_up(port: Annotated[int | None, typer.Option("--port", help="API port.")] = None,
+           state_dir: StateDir = None) -> None:
+    """Start the simulated pod in the background and print the lines to export."""
+    _run(verbs.sim_up, port=port, state_dir=state_dir)
+
+
+@sim_app.command("down")
+def sim_down(state_dir: StateDir = None) -> None:
+    """Stop the simulated pod (its nodes are kept on disk)."""
+    _run(verbs.sim_down, state_dir=state_dir)
+
+
+@sim_app.command("status")
+def sim_status(state_dir: StateDir = None, json: Json = False) -> None:
+    """Is the simulated pod up, and where."""
+    _run(verbs.sim_status, state_dir=state_dir, as_json=json)
+
+
+@sim_app.command("preempt")
+def sim_preempt(name: Annotated[str, typer.Argument(help="Node to preempt.")]) -> None:
+    """Preempt a node: state PREEMPTED, workers stopped."""
+    _run(verbs.sim_preempt, name=name)
+
+
+@sim_app.command("unreachable")
+def sim_unreachable(
+    name: Annotated[str, typer.Argument(help="Node.")],
+    worker: Annotated[int, typer.Option("--worker", "-w", help="Worker index.")],
+    restore: Annotated[bool, typer.Option("--restore", help="Make it reachable again.")] = False,
+) -> None:
+    """Make one worker unreachable over SSH (or reachable again)."""
+    _run(verbs.sim_unreachable, name=name, worker=worker, restore=restore)
+
+
+@sim_app.command("fail-create")
+def sim_fail_create(
+    quota: Annotated[bool, typer.Option("--quota", help="Quota exceeded, not stockout.")] = False,
+) -> None:
+    """Make the next create fail with RESOURCE_EXHAUSTED."""
+    _run(verbs.sim_fail_create, quota=quota)
+
+
+@sim_app.command("burst")
+def sim_burst(
+    count: Annotated[int, typer.Option("--count", min=1, help="How many calls fail.")],
+    code: Annotated[int, typer.Option("--code", help="503 or 429.")] = 503,
+) -> None:
+    """Make the next COUNT API calls fail with 503 (or 429)."""
+    _run(verbs.sim_burst, count=count, code=code)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
