@@ -1,0 +1,569 @@
+#!/usr/bin/env python3
+"""tpufab kill, worker side (stdlib only): leave every TPU on this host free, safely.
+
+    tpukill.py [--devices-glob GLOB ...] [--lockfile PATH ...] [--run-dir DIR] [--run ID]
+               [--grace S] [--settle S] [--dry-run] [--force]
+
+1. tpufab runs (all, or --run ID): the recorded process group is signalled only after the
+   recorded pid is verified by its start time (a reused pid is never signalled).
+2. Remaining holders of the TPU device files (every family: /dev/accel* and /dev/vfio/N)
+   and of the libtpu lockfiles, found by scanning /proc/*/fd. Protected processes (pid 1,
+   sshd, systemd, container runtimes, TPU runtime and health agents, and this kill's own
+   ancestry) are reported and left alone; --force stops the name-protected ones too (never
+   pid 1 or the ancestry).
+   Everything is sent SIGTERM at once, then SIGKILL after --grace seconds for what is left.
+3. Wait (bounded by --settle) until no unprotected process holds a device file or lockfile,
+   then remove each lockfile that no live process holds.
+4. Print one JSON report on stdout. Nothing to do is a clean no-op. --dry-run only reports.
+Exit status: 0 when the devices are free (or --dry-run), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import glob
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+DEFAULT_DEVICE_GLOBS = ("/dev/accel*", "/dev/vfio/[0-9]*")
+DEFAULT_LOCKFILES = ("/tmp/libtpu_lockfile", "/tmp/libtpu.so_lockfile")
+DEFAULT_RUN_DIR = "~/.tpufab/runs"
+
+# Matched (fnmatch) against the kernel's comm and the basename of argv[0].
+PROTECTED_NAMES = (
+    "init", "systemd", "systemd-*", "(sd-pam)",
+    "sshd", "sshd-session", "sshd-auth",
+    "containerd", "containerd-shim*", "dockerd", "docker", "docker-proxy", "docker-init",
+    "runc", "crun", "crio", "conmon", "podman", "kubelet", "tini",
+    "tpu-runtime", "tpu_runtime", "tpu-runtime-*", "tpu_runtime_*", "tpu-device-plugin",
+    "healthagent", "health-agent", "health_agent", "tpu-health*", "tpu_health*",
+    "tpu-monitor*", "tpu_monitor*",
+    "google_guest_agent", "google-guest-agent", "google_osconfig_agent",
+    "google-osconfig-agent", "guest-agent",
+)
+POLL = 0.02
+COMMAND_MAX = 200
+
+
+class Proc:
+    """One process as read from /proc/<pid>/stat (None-safe constructor: `read`)."""
+
+    __slots__ = ("pid", "comm", "state", "ppid", "pgid", "sid", "start_time")
+
+    def __init__(self, pid, comm, state, ppid, pgid, sid, start_time):
+        self.pid = pid
+        self.comm = comm
+        self.state = state
+        self.ppid = ppid
+        self.pgid = pgid
+        self.sid = sid
+        self.start_time = start_time
+
+    @classmethod
+    def read(cls, pid):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                data = fh.read()
+        except OSError:
+            return None
+        # comm may contain spaces and parentheses: it ends at the last ')'.
+        left, right = data.index(b"("), data.rindex(b")")
+        fields = data[right + 2:].split()
+        return cls(pid, data[left + 1:right].decode("utf-8", "replace"), fields[0].decode(),
+                   int(fields[1]), int(fields[2]), int(fields[3]), int(fields[19]))
+
+    @property
+    def exited(self):
+        return self.state in ("Z", "X", "x")
+
+
+def all_pids():
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def alive(pid, start_time):
+    """True while `pid` is the very process that started at `start_time` and has not exited."""
+    proc = Proc.read(pid)
+    return proc is not None and proc.start_time == start_time and not proc.exited
+
+
+def is_live(pid):
+    proc = Proc.read(pid)
+    return proc is not None and not proc.exited
+
+
+def argv_of(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return []
+    return [part.decode("utf-8", "replace") for part in raw.split(b"\0") if part]
+
+
+def command_of(proc):
+    argv = argv_of(proc.pid)
+    text = " ".join(argv) if argv else f"[{proc.comm}]"
+    return text if len(text) <= COMMAND_MAX else text[:COMMAND_MAX - 3] + "..."
+
+
+def environ_has(pid, entry):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            env = fh.read()
+    except OSError:
+        return False
+    return (b"\0" + entry.encode() + b"\0") in (b"\0" + env + b"\0")
+
+
+def ancestry(pid):
+    """`pid` and every ancestor up to pid 1."""
+    chain = []
+    while pid > 0 and pid not in chain:
+        chain.append(pid)
+        proc = Proc.read(pid)
+        if proc is None:
+            break
+        pid = proc.ppid
+    return chain
+
+
+def protection(proc, own_ancestry, patterns):
+    """Why `proc` must not be stopped without --force ("" when it may be)."""
+    if proc.pid == 1:
+        return "pid 1"
+    if proc.pid in own_ancestry:
+        return "ancestor of this kill"
+    names = [proc.comm]
+    argv = argv_of(proc.pid)
+    # "sshd: user@notty" style titles: the program name is the first word.
+    words = argv[0].split(":")[0].split() if argv else []
+    if words:
+        names.append(os.path.basename(words[0]))
+    for name in names:
+        for pattern in patterns:
+            if name and fnmatch.fnmatchcase(name, pattern):
+                return f"protected name {name}"
+    return ""
+
+
+def unforceable(reason):
+    return reason in ("pid 1", "ancestor of this kill")
+
+
+# -- finding holders -------------------------------------------------------------------
+
+
+def expand(globs):
+    paths = []
+    for pattern in globs:
+        for path in sorted(glob.glob(os.path.expanduser(pattern))):
+            if path not in paths:
+                paths.append(path)
+    return paths
+
+
+class Watched:
+    """Files whose open descriptors mean "holds the TPU": matched by path or by device."""
+
+    def __init__(self, paths):
+        self.by_path = {}
+        self.by_rdev = {}
+        for path in paths:
+            self.by_path[path] = path
+            self.by_path[os.path.realpath(path)] = path
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if st.st_rdev:
+                self.by_rdev[st.st_rdev] = path
+
+    def match(self, fd_path, link):
+        if link in self.by_path:
+            return self.by_path[link]
+        if self.by_rdev and link.startswith("/dev/"):
+            try:
+                return self.by_rdev.get(os.stat(fd_path).st_rdev)
+            except OSError:
+                return None
+        return None
+
+
+def scan_holders(watched):
+    """{pid: set of watched paths it holds open}, and how many processes were unreadable."""
+    holders = {}
+    unreadable = 0
+    me = os.getpid()
+    for pid in all_pids():
+        if pid == me:
+            continue
+        fd_dir = f"/proc/{pid}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except PermissionError:
+            unreadable += 1
+            continue
+        except OSError:
+            continue
+        for fd in fds:
+            fd_path = fd_dir + "/" + fd
+            try:
+                link = os.readlink(fd_path)
+            except OSError:
+                continue
+            path = watched.match(fd_path, link)
+            if path is not None:
+                holders.setdefault(pid, set()).add(path)
+    return holders, unreadable
+
+
+# -- tpufab runs -------------------------------------------------------------------------
+
+
+def read_text(path):
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def read_int(path):
+    text = read_text(path)
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+def list_runs(run_dir, only):
+    run_dir = os.path.expanduser(run_dir)
+    try:
+        names = sorted(os.listdir(run_dir))
+    except OSError:
+        return []
+    if only:
+        names = [name for name in names if name == only]
+    return [(name, os.path.join(run_dir, name)) for name in names
+            if os.path.isdir(os.path.join(run_dir, name))]
+
+
+def run_members(run_id, pgid, leader_ok):
+    """Live processes of a run's process group (when the leader is gone, only those that
+    still carry the run's TPUFAB_RUN_ID, so a recycled group id is never mistaken)."""
+    members = []
+    for pid in all_pids():
+        proc = Proc.read(pid)
+        if proc is None or proc.exited or proc.pgid != pgid:
+            continue
+        if leader_ok or environ_has(pid, "TPUFAB_RUN_ID=" + run_id):
+            members.append(proc)
+    return members
+
+
+# -- stopping ------------------------------------------------------------------------------
+
+
+class Target:
+    __slots__ = ("proc", "command", "reasons", "signal", "error")
+
+    def __init__(self, proc, reason):
+        self.proc = proc
+        self.command = command_of(proc)
+        self.reasons = [reason]
+        self.signal = None
+        self.error = None
+
+    def alive(self):
+        return alive(self.proc.pid, self.proc.start_time)
+
+    def send(self, signum):
+        """Signal this exact process (a pidfd pins it; no signal reaches a recycled pid)."""
+        pid = self.proc.pid
+        try:
+            pidfd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else None
+        except OSError:
+            return
+        try:
+            if not self.alive():
+                return
+            if pidfd is not None and hasattr(signal, "pidfd_send_signal"):
+                signal.pidfd_send_signal(pidfd, signum)
+            else:
+                os.kill(pid, signum)
+            self.signal = signal.Signals(signum).name[3:]
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            self.error = "permission denied (run as root)"
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+
+    def describe(self):
+        entry = {"pid": self.proc.pid, "name": self.proc.comm, "command": self.command,
+                 "reason": "; ".join(self.reasons)}
+        if self.signal:
+            entry["signal"] = self.signal
+        if self.error:
+            entry["error"] = self.error
+        return entry
+
+
+class Group:
+    """A run's process group, signalled with killpg while its leader is verified."""
+
+    def __init__(self, run_id, pgid, leader_ok):
+        self.run_id = run_id
+        self.pgid = pgid
+        self.leader_ok = leader_ok
+
+    def members(self):
+        return run_members(self.run_id, self.pgid, self.leader_ok)
+
+
+def wait_until(condition, timeout):
+    deadline = time.monotonic() + timeout
+    while True:
+        if condition():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL)
+
+
+def stop_all(targets, groups, grace, kill_timeout):
+    """SIGTERM everything, SIGKILL what is left after `grace`; returns the survivors."""
+
+    def living():
+        for group in groups:
+            for proc in group.members():
+                if proc.pid not in targets:
+                    targets[proc.pid] = Target(proc, f"run {group.run_id}")
+        return [t for t in targets.values() if t.alive()]
+
+    for signum, timeout in ((signal.SIGTERM, grace), (signal.SIGKILL, kill_timeout)):
+        pending = living()
+        if not pending:
+            break
+        reached = set()
+        for group in groups:
+            if group.leader_ok:
+                try:
+                    os.killpg(group.pgid, signum)
+                    reached.add(group.pgid)
+                except OSError:
+                    pass
+        for target in pending:
+            if target.proc.pgid in reached:
+                target.signal = signal.Signals(signum).name[3:]
+            else:
+                target.send(signum)
+        wait_until(lambda: not living(), timeout)
+    return living()
+
+
+# -- the report ----------------------------------------------------------------------------
+
+
+def kill(devices_globs, lockfiles, run_dir, run_id, grace, settle, dry_run, force,
+         protected_names=PROTECTED_NAMES):
+    started = time.monotonic()
+    own = set(ancestry(os.getpid()))
+    devices = expand(devices_globs)
+    locks = [os.path.expanduser(path) for path in lockfiles]
+    watched = Watched(devices + locks)
+    report = {
+        "host": socket.gethostname(),
+        "dry_run": dry_run,
+        "force": force,
+        "grace": grace,
+        "devices": devices,
+        "runs": [],
+        "killed": [],
+        "would_kill": [],
+        "failed": [],
+        "protected": [],
+        "holders_left": [],
+    }
+    targets = {}
+    groups = []
+
+    # 1. tpufab runs, verified by pid and start time.
+    for name, path in list_runs(run_dir, run_id):
+        entry = {"run": name}
+        report["runs"].append(entry)
+        if os.path.exists(os.path.join(path, "exit_code")) or os.path.exists(
+                os.path.join(path, "killed")):
+            entry["state"] = "ended"
+            continue
+        pid, pgid = read_int(os.path.join(path, "pid")), read_int(os.path.join(path, "pgid"))
+        start_time = read_int(os.path.join(path, "start_time"))
+        if pid is None or pgid is None or start_time is None:
+            entry["state"] = "no record"
+            continue
+        entry.update(pid=pid, pgid=pgid)
+        leader = Proc.read(pid)
+        leader_ok = leader is not None and leader.start_time == start_time \
+            and not leader.exited and leader.pgid == pgid
+        if leader is not None and leader.start_time != start_time:
+            entry["state"] = "pid reused (not signalled)"
+        members = run_members(name, pgid, leader_ok)
+        if leader_ok and any(proc.pid in own for proc in members):
+            leader_ok = False   # never killpg our own group; signal the others one by one
+        members = [proc for proc in members if proc.pid not in own]
+        if not members:
+            entry.setdefault("state", "not running")
+            continue
+        entry["state"] = "would stop" if dry_run else "stopping"
+        groups.append(Group(name, pgid, leader_ok))
+        for proc in members:
+            targets[proc.pid] = Target(proc, f"run {name}")
+
+    # 2. Holders of the device files and lockfiles.
+    holders, unreadable = scan_holders(watched)
+    protected = {}
+    for pid, paths in sorted(holders.items()):
+        proc = Proc.read(pid)
+        if proc is None or proc.exited:
+            continue
+        if pid in targets:
+            targets[pid].reasons.append("holds " + ", ".join(sorted(paths)))
+            continue
+        why = protection(proc, own, protected_names)
+        if why and (unforceable(why) or not force):
+            protected[pid] = {"pid": pid, "name": proc.comm, "command": command_of(proc),
+                              "holds": sorted(paths), "why": why}
+            continue
+        targets[pid] = Target(proc, "holds " + ", ".join(sorted(paths)))
+
+    if dry_run:
+        report["would_kill"] = [t.describe() for t in targets.values()]
+        report["protected"] = list(protected.values())
+        report["lockfiles"] = lockfile_plan(locks, holders, targets)
+        report["device_free"] = not any(
+            set(paths) & set(devices) for pid, paths in holders.items() if pid not in protected)
+        return finish(report, unreadable, started)
+
+    # Stop everything at once: one grace period for the whole host.
+    survivors = stop_all(targets, groups, grace, kill_timeout=max(1.0, settle))
+    for target in targets.values():
+        if target in survivors:
+            target.error = target.error or "still alive after SIGKILL"
+            report["failed"].append(target.describe())
+        elif target.signal:
+            report["killed"].append(target.describe())
+    for entry in report["runs"]:
+        if entry.get("state") == "stopping":
+            entry["state"] = "stopped" if not any(
+                t.proc.pgid == entry["pgid"] for t in survivors) else "still running"
+
+    # 3. Bounded wait until no unprotected process holds a device file or lockfile.
+    final = {}
+
+    def quiet():
+        held, _ = scan_holders(watched)
+        final.clear()
+        final.update(held)
+        return not any(pid not in protected for pid in held)
+
+    wait_until(quiet, settle if report["killed"] else 0)
+    for pid, paths in sorted(final.items()):
+        proc = Proc.read(pid)
+        if proc is None or proc.exited:
+            continue
+        if pid in protected:
+            protected[pid]["holds"] = sorted(paths)
+            continue
+        report["holders_left"].append({"pid": pid, "name": proc.comm,
+                                       "command": command_of(proc), "holds": sorted(paths)})
+    report["protected"] = list(protected.values())
+    report["device_free"] = not any(
+        set(entry["holds"]) & set(devices) for entry in report["holders_left"])
+    report["lockfiles"] = remove_lockfiles(locks, final)
+    return finish(report, unreadable, started)
+
+
+def lockfile_plan(locks, holders, targets):
+    plan = []
+    for path in locks:
+        held_by = sorted(pid for pid, paths in holders.items() if path in paths)
+        if not os.path.lexists(path):
+            plan.append({"path": path, "action": "absent"})
+        elif all(pid in targets for pid in held_by):
+            plan.append({"path": path, "action": "would remove", "held_by": held_by})
+        else:
+            plan.append({"path": path, "action": "would keep", "held_by": held_by})
+    return plan
+
+
+def remove_lockfiles(locks, holders):
+    """Remove each lockfile no live process holds; a held lock is never removed."""
+    results = []
+    for path in locks:
+        held_by = sorted(pid for pid, paths in holders.items()
+                         if path in paths and is_live(pid))
+        if not os.path.lexists(path):
+            results.append({"path": path, "action": "absent"})
+        elif held_by:
+            results.append({"path": path, "action": "kept", "held_by": held_by})
+        else:
+            try:
+                os.unlink(path)
+                results.append({"path": path, "action": "removed"})
+            except FileNotFoundError:
+                results.append({"path": path, "action": "absent"})
+            except OSError as err:
+                results.append({"path": path, "action": "kept", "error": err.strerror})
+    return results
+
+
+def finish(report, unreadable, started):
+    report["lockfiles_removed"] = [e["path"] for e in report["lockfiles"]
+                                   if e["action"] == "removed"]
+    report["noop"] = not (report["killed"] or report["would_kill"] or report["failed"]
+                          or report["lockfiles_removed"])
+    if unreadable:
+        report["unreadable_processes"] = unreadable
+        report["hint"] = "some processes could not be inspected; run tpukill as root"
+    report["elapsed_s"] = round(time.monotonic() - started, 3)
+    return report
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--devices-glob", action="append", dest="devices_globs",
+                        help="device files to free (repeatable; default: both families)")
+    parser.add_argument("--lockfile", action="append", dest="lockfiles",
+                        help="libtpu lockfiles (repeatable; default: /tmp/libtpu*_lockfile)")
+    parser.add_argument("--run-dir", default=DEFAULT_RUN_DIR)
+    parser.add_argument("--run", dest="run_id", help="only this tpufab run (step 1)")
+    parser.add_argument("--grace", type=float, default=5.0,
+                        help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--settle", type=float, default=2.0,
+                        help="at most this long to wait for killed processes to let go")
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--force", action="store_true",
+                        help="also stop holders protected by name (never pid 1 or ancestors)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    report = kill(args.devices_globs or DEFAULT_DEVICE_GLOBS,
+                  args.lockfiles or DEFAULT_LOCKFILES, args.run_dir, args.run_id,
+                  args.grace, args.settle, args.dry_run, args.force)
+    json.dump(report, sys.stdout, sort_keys=True)
+    sys.stdout.write("\n")
+    ok = args.dry_run or (report["device_free"] and not report["failed"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

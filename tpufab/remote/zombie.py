@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""Leave the mess a crashed TPU job leaves behind (stdlib only; for the simulated pod).
+
+    zombie.py [--devices-glob GLOB ...] [--lockfile PATH ...] [--holders N]
+              [--ignore-term K] [--lock-holder [--lock-holder-name NAME]]
+              [--protected-name NAME | --no-protected]
+
+Starts detached processes (own session, stdio on /dev/null) that hold the TPU:
+  holder-0..N-1  hold every device file; holder-0 also holds the lockfiles with flock, as
+                 libtpu does; the first K of them ignore SIGTERM (only SIGKILL stops them);
+  lock-holder    (with --lock-holder) holds the lockfiles instead of holder-0, like a
+                 forked helper that kept libtpu's lock after its parent died;
+  protected      named NAME (default tpu-runtime, like the TPU runtime agent), holds the
+                 first device file; a normal kill must leave it alone.
+Prints one JSON object once every process holds what it should:
+  {"zombies": [{"pid", "role", "name", "ignores_term", "holds": [...]}], "devices": [...],
+   "lockfiles": [...]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import glob
+import json
+import os
+import select
+import signal
+import sys
+import time
+
+DEFAULT_DEVICE_GLOBS = ("/dev/accel*", "/dev/vfio/[0-9]*")
+DEFAULT_LOCKFILES = ("/tmp/libtpu_lockfile",)
+READY_TIMEOUT = 10.0
+
+
+def spawn(role, name, devices, lockfiles, ignore_term):
+    """Fork one detached holder; returns (pid, read end of its readiness pipe)."""
+    ready_r, ready_w = os.pipe()
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid:
+        os.close(ready_w)
+        return pid, ready_r
+    os.close(ready_r)
+    try:
+        hold(role, name, devices, lockfiles, ignore_term, ready_w)
+    except Exception as err:  # noqa: BLE001 - reported to the parent, then exit
+        os.write(ready_w, json.dumps({"role": role, "error": f"{type(err).__name__}: {err}"})
+                 .encode())
+    finally:
+        os._exit(1)
+
+
+def hold(role, name, devices, lockfiles, ignore_term, ready_w):
+    os.setsid()
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    if name:
+        with open("/proc/self/comm", "w") as fh:
+            fh.write(name[:15])
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    if ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    held = []
+    for path in devices:
+        held.append(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
+    for path in lockfiles:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.append(fd)
+    os.write(ready_w, json.dumps({"pid": os.getpid(), "role": role, "name": name or "python3",
+                                  "ignores_term": ignore_term,
+                                  "holds": list(devices) + list(lockfiles)}).encode())
+    os.close(ready_w)
+    while True:
+        signal.pause()
+
+
+def wait_ready(pipes, timeout):
+    """Read each child's one JSON line (its readiness report), bounded by `timeout`."""
+    reports = {}
+    buffers = {fd: b"" for fd in pipes}
+    deadline = time.monotonic() + timeout
+    while buffers:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        readable, _, _ = select.select(list(buffers), [], [], left)
+        for fd in readable:
+            chunk = os.read(fd, 65536)
+            if chunk:
+                buffers[fd] += chunk
+                continue
+            os.close(fd)
+            data = buffers.pop(fd)
+            reports[fd] = json.loads(data.decode()) if data else None
+    for fd in buffers:
+        os.close(fd)
+        reports[fd] = None
+    return reports
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--devices-glob", action="append", dest="devices_globs")
+    parser.add_argument("--lockfile", action="append", dest="lockfiles")
+    parser.add_argument("--holders", type=int, default=2)
+    parser.add_argument("--ignore-term", type=int, default=1,
+                        help="how many holders ignore SIGTERM")
+    parser.add_argument("--lock-holder", action="store_true",
+                        help="one more process holding only the lockfiles")
+    parser.add_argument("--lock-holder-name",
+                        help="process name of the lock-holder (a protected name keeps it)")
+    parser.add_argument("--protected-name", default="tpu-runtime")
+    parser.add_argument("--no-protected", action="store_true")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+
+    devices = []
+    for pattern in args.devices_globs or DEFAULT_DEVICE_GLOBS:
+        devices.extend(p for p in sorted(glob.glob(pattern)) if p not in devices)
+    lockfiles = args.lockfiles or list(DEFAULT_LOCKFILES)
+    if not devices:
+        json.dump({"error": "no TPU device files match "
+                   + " ".join(args.devices_globs or DEFAULT_DEVICE_GLOBS)}, sys.stdout)
+        sys.stdout.write("\n")
+        return 2
+
+    # One process takes the flock, as one libtpu process does: holder-0, or the
+    # lock-holder when asked for (a forked helper that kept the lock after its parent died).
+    plan = []
+    for i in range(args.holders):
+        locks = lockfiles if i == 0 and not args.lock_holder else []
+        plan.append((f"holder-{i}", None, devices, locks, i < args.ignore_term))
+    if args.lock_holder:
+        plan.append(("lock-holder", args.lock_holder_name, [], lockfiles, False))
+    if not args.no_protected:
+        plan.append(("protected", args.protected_name, devices[:1], [], False))
+
+    pipes = [spawn(*entry)[1] for entry in plan]
+    reports = wait_ready(pipes, READY_TIMEOUT)
+    zombies = [reports[fd] or {"role": role, "error": "did not get ready"}
+               for fd, (role, *_rest) in zip(pipes, plan, strict=True)]
+    json.dump({"zombies": zombies, "devices": devices, "lockfiles": lockfiles}, sys.stdout,
+              sort_keys=True)
+    sys.stdout.write("\n")
+    return 0 if all("error" not in z for z in zombies) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
