@@ -1,0 +1,232 @@
+"""launch.py with real processes: detached runs, recorded exit codes, stop, tail, secrets."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH = REPO / "tpufab" / "remote" / "launch.py"
+WORKER_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+SECRET = "hf_s3cr3t-value-that-must-not-leak"
+
+
+def wait_for(condition, timeout=15.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return False
+    return data[data.rindex(b")") + 2:].split()[0] not in (b"Z", b"X")
+
+
+class Runs:
+    def __init__(self, root: Path):
+        self.root = root
+        self.dir = root / "runs"
+        self.pgids: list[int] = []
+
+    def launch(self, *args, stdin=None, check=True):
+        command, *rest = args
+        proc = subprocess.run(
+            [WORKER_PYTHON, str(LAUNCH), command, "--run-dir", str(self.dir), *rest],
+            input=stdin, capture_output=True, text=True, timeout=60)
+        if check:
+            assert proc.returncode == 0, (proc.stdout, proc.stderr)
+        return proc
+
+    def start(self, run_id, body, *extra, env=None):
+        recipe = self.root / f"{run_id}.sh"
+        recipe.write_text("#!/bin/bash\n" + body)
+        recipe.chmod(0o755)
+        args = ["start", "--run", run_id, "--recipe", str(recipe)]
+        stdin = None
+        if env is not None:
+            args.append("--env-stdin")
+            stdin = json.dumps(env)
+        args.extend(extra)
+        started = json.loads(self.launch(*args, stdin=stdin).stdout)
+        self.pgids.append(started["pgid"])
+        return started
+
+    def status(self, run_id):
+        return json.loads(self.launch("status", "--run", run_id).stdout)["runs"][0]
+
+    def go(self, run_id):
+        (self.root / f"{run_id}.go").touch()
+
+    def cleanup(self):
+        for pgid in self.pgids:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def runs(tmp_path):
+    r = Runs(tmp_path)
+    yield r
+    r.cleanup()
+
+
+def wait_go(root, run_id):
+    """Recipe text: block until the test creates the go file (no sleeps in the test)."""
+    return f'while [ ! -e {root}/{run_id}.go ]; do sleep 0.05; done\n'
+
+
+def test_run_outlives_its_caller_and_records_the_exit_code(runs):
+    recipe = runs.root / "r1.sh"
+    recipe.write_text("#!/bin/bash\necho started\n" + wait_go(runs.root, "r1") + "exit 3\n")
+    recipe.chmod(0o755)
+    # The caller runs inside a session that is then killed whole, as when SSH drops.
+    caller = subprocess.Popen(
+        ["bash", "-c", '"$0" "$1" start --run-dir "$2" --run r1 --recipe "$3" && exec sleep 60',
+         WORKER_PYTHON, str(LAUNCH), str(runs.dir), str(recipe)],
+        start_new_session=True, stdout=subprocess.DEVNULL)
+    pid_file = runs.dir / "r1" / "supervisor"
+    wait_for(pid_file.exists, what="the run to start")
+    os.killpg(caller.pid, signal.SIGKILL)
+    caller.wait()
+    state = runs.status("r1")
+    runs.pgids.append(state["pid"])
+    assert state["state"] == "running"
+    assert alive(state["pid"])
+    runs.go("r1")
+    final = wait_for(lambda: (s := runs.status("r1"))["state"] != "running" and s,
+                     what="the run to end")
+    assert final["state"] == "exited" and final["exit_code"] == 3
+    assert (runs.dir / "r1" / "exit_code").read_text().strip() == "3"
+    assert (runs.dir / "r1" / "log").read_text() == "started\n"
+
+
+def test_run_records(runs):
+    started = runs.start("rec", "echo $TPUFAB_RUN_ID $FOO $PWD \"$@\"\n", "--commit", "abc123",
+                         "--cwd", str(runs.root), "--", "x", "y z",
+                         env={"FOO": "bar", "HF_TOKEN": SECRET})
+    assert started["state"] == "running" and started["pid"] == started["pgid"]
+    wait_for(lambda: runs.status("rec")["state"] == "exited", what="the run to end")
+    rundir = runs.dir / "rec"
+    assert (rundir / "log").read_text() == f"rec bar {runs.root} x y z\n"
+    assert (rundir / "commit").read_text().strip() == "abc123"
+    assert (rundir / "env_keys").read_text().split() == ["FOO", "HF_TOKEN"]
+    assert (rundir / "recipe" / "rec.sh").exists()
+    digest = hashlib.sha256((runs.root / "rec.sh").read_bytes()).hexdigest()
+    assert (rundir / "recipe_sha256").read_text().strip() == digest
+    for path in rundir.rglob("*"):
+        if path.is_file():
+            assert SECRET not in path.read_text(errors="replace"), path
+    assert int((rundir / "start_time").read_text()) > 0
+
+
+def test_stop_kills_the_whole_process_group(runs):
+    body = ("trap '' TERM\nsleep 300 &\necho child $!\n(trap - TERM; sleep 300) &\n"
+            "echo child2 $!\nwait\n")
+    started = runs.start("grp", body)
+    log = runs.dir / "grp" / "log"
+    wait_for(lambda: log.exists() and log.read_text().count("child") == 2, what="children")
+    children = [int(line.split()[1]) for line in log.read_text().splitlines()]
+    assert all(alive(pid) for pid in [started["pid"], *children])
+    result = json.loads(runs.launch("stop", "--run", "grp", "--grace", "0.5").stdout)
+    assert result["before"] == "running"
+    assert result["signal"] == "KILL"          # the recipe ignores TERM
+    assert result["state"] == "killed" and result["ended_by"] == "SIGKILL"
+    assert not any(alive(pid) for pid in [started["pid"], *children])
+    # Stopping again is a no-op that says so.
+    again = json.loads(runs.launch("stop", "--run", "grp").stdout)
+    assert again["before"] == "killed" and again["signal"] is None
+
+
+def test_secrets_never_reach_argv(runs):
+    env_file = runs.root / "env.json"
+    env_file.write_text(json.dumps({"WANDB_API_KEY": SECRET}))
+    env_file.chmod(0o600)
+    runs.start("sec", 'echo "key length ${#WANDB_API_KEY}"\n' + wait_go(runs.root, "sec"),
+               "--env-file", str(env_file))
+    assert not env_file.exists()               # consumed
+    log = runs.dir / "sec" / "log"
+    wait_for(lambda: log.exists() and "key length" in log.read_text(), what="recipe output")
+    assert log.read_text() == f"key length {len(SECRET)}\n"
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+            except OSError:
+                continue
+            assert SECRET.encode() not in cmdline, name
+    runs.go("sec")
+    wait_for(lambda: runs.status("sec")["state"] == "exited", what="the run to end")
+
+
+def test_tail_follows_to_the_end_and_a_killed_follower_changes_nothing(runs):
+    body = ('for i in 1 2 3; do echo "line $i"; done\n' + wait_go(runs.root, "tl")
+            + 'printf "last line without newline"\nexit 7\n')
+    runs.start("tl", body)
+    # A follower that is killed halfway must not touch the run.
+    first = subprocess.Popen([WORKER_PYTHON, str(LAUNCH), "tail", "--run-dir", str(runs.dir),
+                              "--run", "tl", "--follow"], stdout=subprocess.PIPE)
+    assert first.stdout.readline() == b"line 1\n"
+    first.kill()
+    first.wait()
+    assert runs.status("tl")["state"] == "running"
+    follower = subprocess.Popen([WORKER_PYTHON, str(LAUNCH), "tail", "--run-dir", str(runs.dir),
+                                 "--run", "tl", "--follow", "--offset", "7"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
+    seen = b""
+    while seen.count(b"\n") < 2:      # the follower is live before the run ends
+        chunk = follower.stdout.read(4096)
+        assert chunk, "the follower stopped early"
+        seen += chunk
+    assert seen == b"line 2\nline 3\n"
+    runs.go("tl")
+    out, err = follower.communicate(timeout=30)
+    assert out == b"last line without newline"
+    assert follower.returncode == 7
+    final = json.loads(err.decode().strip().splitlines()[-1])
+    assert final["state"] == "exited" and final["exit_code"] == 7
+    assert final["offset"] == len(b"line 1\nline 2\nline 3\nlast line without newline")
+
+
+def test_status_lists_runs_and_reports_lost_runs(runs):
+    runs.start("a", "exit 0\n")
+    wait_for(lambda: runs.status("a")["state"] == "exited", what="run a")
+    # A run whose supervisor vanished without a word (e.g. a reboot) is lost.
+    lost = runs.dir / "b"
+    lost.mkdir()
+    (lost / "pid").write_text("999999\n")
+    (lost / "start_time").write_text("1\n")
+    (lost / "supervisor").write_text("999998\n")
+    listed = json.loads(runs.launch("status").stdout)["runs"]
+    assert [(r["run"], r["state"]) for r in listed] == [("a", "exited"), ("b", "lost")]
+
+
+def test_start_refuses_bad_input(runs, tmp_path):
+    recipe = tmp_path / "x.sh"
+    recipe.write_text("#!/bin/sh\n")
+    bad = runs.launch("start", "--run", "../escape", "--recipe", str(recipe), check=False)
+    assert bad.returncode == 2 and "bad run id" in json.loads(bad.stdout)["error"]
+    wrong = runs.launch("start", "--run", "h", "--recipe", str(recipe), "--recipe-sha256",
+                        "0" * 64, check=False)
+    assert wrong.returncode == 2 and "expected" in json.loads(wrong.stdout)["error"]
+    runs.start("dup", "exit 0\n")
+    dup = runs.launch("start", "--run", "dup", "--recipe", str(recipe), check=False)
+    assert dup.returncode == 2 and "already exists" in json.loads(dup.stdout)["error"]
