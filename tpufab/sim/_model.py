@@ -1,0 +1,321 @@
+"""Pure pieces of the Cloud TPU API emulator: names, enums, errors, shapes (no I/O)."""
+
+from __future__ import annotations
+
+import base64
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from tpufab.errors import ConfigError
+from tpufab.topology import Topology, all_accelerator_types, parse_accelerator_type
+
+MAX_WORKERS_PER_NODE = 254  # worker w answers on 127.x.y.(w + 1); .255 stays unused
+DEFAULT_PROJECT = "sim-project"
+DEFAULT_ZONE = "us-central2-b"
+LOCATIONS = (
+    "us-central1-a", "us-central1-b", "us-central1-c", "us-central1-f", "us-central2-b",
+    "us-east1-c", "us-east1-d", "us-east5-a", "us-east5-b", "us-south1-a", "us-west1-c",
+    "us-west4-a", "europe-west4-a", "europe-west4-b", "asia-east1-c", "asia-northeast1-b",
+)
+RUNTIME_VERSIONS = (
+    "tpu-ubuntu2204-base", "tpu-vm-base", "tpu-vm-tf-2.16.1-pjrt", "tpu-vm-tf-2.17.0-pjrt",
+    "tpu-vm-pt-2.0", "tpu-vm-v4-base", "tpu-vm-v4-pt-2.0", "v2-alpha", "v2-alpha-tpuv5",
+    "v2-alpha-tpuv5-lite", "v2-alpha-tpuv6e",
+)
+ID_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+# Enums: the Python client sends integers (`enum-encoding=int`), gcloud sends names.
+ENUMS: dict[str, dict[int, str]] = {
+    "node.state": {0: "STATE_UNSPECIFIED", 1: "CREATING", 2: "READY", 3: "RESTARTING",
+                   4: "REIMAGING", 5: "DELETING", 6: "REPAIRING", 8: "STOPPED", 9: "STOPPING",
+                   10: "STARTING", 11: "PREEMPTED", 12: "TERMINATED", 13: "HIDING",
+                   14: "HIDDEN", 15: "UNHIDING", 16: "UNKNOWN"},
+    "node.health": {0: "HEALTH_UNSPECIFIED", 1: "HEALTHY", 3: "TIMEOUT",
+                    4: "UNHEALTHY_TENSORFLOW", 5: "UNHEALTHY_MAINTENANCE"},
+    "node.apiVersion": {0: "API_VERSION_UNSPECIFIED", 1: "V1_ALPHA1", 2: "V1", 3: "V2_ALPHA1",
+                        4: "V2"},
+    "disk.mode": {0: "DISK_MODE_UNSPECIFIED", 1: "READ_WRITE", 2: "READ_ONLY"},
+    "accelerator.type": {0: "TYPE_UNSPECIFIED", 2: "V2", 4: "V3", 7: "V4", 9: "V5LITE_POD",
+                         10: "V5P", 11: "V6E"},
+}
+GENERATION_OF_CONFIG_TYPE = {"V2": "v2", "V3": "v3", "V4": "v4", "V5LITE_POD": "v5litepod",
+                             "V5P": "v5p", "V6E": "v6e"}
+CONFIG_TYPE_OF_GENERATION = {v: k for k, v in GENERATION_OF_CONFIG_TYPE.items()}
+
+# HTTP status and gRPC code of each canonical error status.
+STATUS_CODES: dict[str, tuple[int, int]] = {
+    "INVALID_ARGUMENT": (400, 3),
+    "FAILED_PRECONDITION": (400, 9),
+    "NOT_FOUND": (404, 5),
+    "ALREADY_EXISTS": (409, 6),
+    "ABORTED": (409, 10),
+    "RESOURCE_EXHAUSTED": (429, 8),
+    "INTERNAL": (500, 13),
+    "UNIMPLEMENTED": (501, 12),
+    "UNAVAILABLE": (503, 14),
+}
+
+MAP_FIELDS = frozenset({"metadata", "labels"})
+UPDATABLE_FIELDS = {
+    "description": "description",
+    "metadata": "metadata",
+    "labels": "labels",
+    "tags": "tags",
+    "data_disks": "dataDisks",
+    "datadisks": "dataDisks",
+    "network_config.enable_external_ips": "networkConfig.enableExternalIps",
+    "networkconfig.enableexternalips": "networkConfig.enableExternalIps",
+    "scheduling_config": "schedulingConfig",
+    "schedulingconfig": "schedulingConfig",
+    "shielded_instance_config": "shieldedInstanceConfig",
+    "shieldedinstanceconfig": "shieldedInstanceConfig",
+}
+
+
+class ApiFailure(Exception):
+    """An API error, answered as `{"error": {"code", "message", "status"}}`."""
+
+    def __init__(self, status: str, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+    @property
+    def http_code(self) -> int:
+        return STATUS_CODES[self.status][0]
+
+    @property
+    def grpc_code(self) -> int:
+        return STATUS_CODES[self.status][1]
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"code": self.http_code, "message": self.message,
+                          "status": self.status}}
+
+
+def not_found(name: str) -> ApiFailure:
+    return ApiFailure("NOT_FOUND", f"Resource '{name}' was not found")
+
+
+def rfc3339(ts: float | None = None) -> str:
+    moment = datetime.fromtimestamp(time.time() if ts is None else ts, tz=UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def snake_to_camel(key: str) -> str:
+    head, *rest = key.split("_")
+    return head + "".join(part[:1].upper() + part[1:] for part in rest)
+
+
+def camel_keys(value: Any) -> Any:
+    """Accept snake_case field names too; map fields keep their keys as given."""
+    if isinstance(value, list):
+        return [camel_keys(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    out = {}
+    for key, item in value.items():
+        name = snake_to_camel(key) if "_" in key and not key.startswith("@") else key
+        out[name] = item if name in MAP_FIELDS else camel_keys(item)
+    return out
+
+
+def enum_name(kind: str, value: Any) -> Any:
+    """Integer or name -> name; an unknown integer becomes the UNSPECIFIED name."""
+    table = ENUMS[kind]
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return table.get(value, table[0])
+    if isinstance(value, str) and value.isdigit():
+        return table.get(int(value), table[0])
+    return value
+
+
+def normalize_node_input(node: dict[str, Any]) -> dict[str, Any]:
+    """A request Node in camelCase with enum names."""
+    node = camel_keys(node or {})
+    for disk in node.get("dataDisks") or []:
+        if "mode" in disk:
+            disk["mode"] = enum_name("disk.mode", disk["mode"])
+    config = node.get("acceleratorConfig")
+    if isinstance(config, dict) and "type" in config:
+        config["type"] = enum_name("accelerator.type", config["type"])
+    return node
+
+
+def check_id(kind: str, value: str | None) -> str:
+    if not value:
+        raise ApiFailure("INVALID_ARGUMENT", f"The {kind} id is required.")
+    if not ID_RE.match(value):
+        raise ApiFailure(
+            "INVALID_ARGUMENT",
+            f'Invalid {kind} id "{value}": it must be 1-63 characters of lowercase letters, '
+            "digits and hyphens, start with a letter and not end with a hyphen "
+            "(regular expression [a-z]([-a-z0-9]*[a-z0-9])?).",
+        )
+    return value
+
+
+def topology_string(topo: Topology) -> str | None:
+    """The chip topology of a type, e.g. v4-32 -> "2x2x4", v6e-8 -> "2x4"."""
+    three_d = topo.generation in ("v4", "v5p")
+    dims = [2, 2, 1] if three_d else [1, 1]
+    if three_d and topo.chips < 4:
+        return None
+    while _product(dims) < topo.chips:
+        smallest = min(dims)
+        index = max(i for i, d in enumerate(dims) if d == smallest)
+        dims[index] *= 2
+    if _product(dims) != topo.chips:
+        return None
+    return "x".join(str(d) for d in dims)
+
+
+def _product(dims: list[int]) -> int:
+    out = 1
+    for d in dims:
+        out *= d
+    return out
+
+
+def accelerator_type_of(node: dict[str, Any], zone: str) -> Topology:
+    """The topology a create request asks for (acceleratorType or acceleratorConfig)."""
+    given = node.get("acceleratorType")
+    config = node.get("acceleratorConfig")
+    if not given and isinstance(config, dict) and config.get("type"):
+        given = _type_from_config(config)
+    if not given:
+        raise ApiFailure("INVALID_ARGUMENT",
+                         "Either acceleratorType or acceleratorConfig is required.")
+    try:
+        topo = parse_accelerator_type(given)
+    except ConfigError:
+        raise ApiFailure(
+            "INVALID_ARGUMENT",
+            f'Accelerator type "{given}" is not available in zone {zone}; '
+            "list the valid types with acceleratorTypes.list.",
+        ) from None
+    if topo.name != given:
+        raise ApiFailure("INVALID_ARGUMENT",
+                         f'Invalid accelerator type "{given}"; the API spells it "{topo.name}".')
+    if topo.hosts > MAX_WORKERS_PER_NODE:
+        raise ApiFailure(
+            "INVALID_ARGUMENT",
+            f"The simulated pod supports at most {MAX_WORKERS_PER_NODE} hosts per node, and "
+            f"{topo.name} has {topo.hosts}; choose a smaller accelerator type.",
+        )
+    return topo
+
+
+def _type_from_config(config: dict[str, Any]) -> str:
+    generation = GENERATION_OF_CONFIG_TYPE.get(str(config.get("type")))
+    topology = str(config.get("topology") or "")
+    if generation is None or not re.fullmatch(r"\d+(x\d+)*", topology):
+        raise ApiFailure(
+            "INVALID_ARGUMENT",
+            f"Invalid acceleratorConfig {{type: {config.get('type')}, topology: {topology}}}.",
+        )
+    chips = _product([int(d) for d in topology.split("x")])
+    cores_per_chip = 2 if generation in ("v2", "v3", "v4", "v5p") else 1
+    return f"{generation}-{chips * cores_per_chip}"
+
+
+def accelerator_type_resource(parent: str, name: str) -> dict[str, Any]:
+    topo = parse_accelerator_type(name)
+    out: dict[str, Any] = {"name": f"{parent}/acceleratorTypes/{name}", "type": name}
+    topology = topology_string(topo)
+    if topology:
+        out["acceleratorConfigs"] = [
+            {"type": CONFIG_TYPE_OF_GENERATION[topo.generation], "topology": topology}]
+    return out
+
+
+def accelerator_types() -> list[str]:
+    return [t for t in all_accelerator_types()
+            if parse_accelerator_type(t).hosts <= MAX_WORKERS_PER_NODE]
+
+
+def worker_address(slot: int, worker: int) -> str:
+    return f"127.{16 + slot // 256}.{slot % 256}.{worker + 1}"
+
+
+def worker_hostname(node_id: str, worker: int) -> str:
+    return f"t1v-n-{int(node_id):016x}"[:14] + f"-w-{worker}"
+
+
+def new_node_id() -> str:
+    return str(10**18 + secrets.randbelow(2**63 - 10**18))
+
+
+def new_operation_id() -> str:
+    return f"operation-{int(time.time() * 1000)}-{secrets.token_hex(7)}-{secrets.token_hex(4)}"
+
+
+def stockout_message(zone: str) -> str:
+    return (f'There is no more capacity in the zone "{zone}"; you can try in another zone '
+            "where Cloud TPU Nodes are offered (see https://cloud.google.com/tpu/docs/regions) "
+            f"[EID: 0x{secrets.token_hex(8)}]")
+
+
+def quota_message(topo: Topology, zone: str, limit: int) -> str:
+    metric = {
+        "v2": "TPUV2sPerProjectPerZoneForTPUAPI",
+        "v3": "TPUV3sPerProjectPerZoneForTPUAPI",
+        "v4": "TPUV4sPodPerProjectPerZoneForTPUAPI",
+        "v5litepod": "TPUV5sLitepodPerProjectPerZoneForTPUAPI",
+        "v5p": "TPUV5sPerProjectPerZoneForTPUAPI",
+        "v6e": "TPUV6EPerProjectPerZoneForTPUAPI",
+    }[topo.generation]
+    return f"Quota limit '{metric}' has been exceeded. Limit: {limit} in zone {zone}."
+
+
+def fake_host_key(seed: str) -> str:
+    """A well-formed ssh-ed25519 public key line (for API-only emulation)."""
+    import hashlib
+
+    def field(data: bytes) -> bytes:
+        return len(data).to_bytes(4, "big") + data
+
+    blob = field(b"ssh-ed25519") + field(hashlib.sha256(seed.encode()).digest())
+    return "ssh-ed25519 " + base64.b64encode(blob).decode()
+
+
+@dataclass(frozen=True)
+class NodeName:
+    project: str
+    zone: str
+    node: str
+
+    @property
+    def parent(self) -> str:
+        return f"projects/{self.project}/locations/{self.zone}"
+
+    @property
+    def full(self) -> str:
+        return f"{self.parent}/nodes/{self.node}"
+
+
+def split_name(name: str) -> tuple[str, str, str, str]:
+    """`projects/p/locations/z/KIND/id` -> (p, z, KIND, id)."""
+    parts = name.split("/")
+    if len(parts) != 6 or parts[0] != "projects" or parts[2] != "locations":
+        raise ApiFailure("INVALID_ARGUMENT", f"Malformed resource name '{name}'.")
+    return parts[1], parts[3], parts[4], parts[5]
+
+
+def page(items: list[Any], query: dict[str, str]) -> tuple[list[Any], str]:
+    """A page of a list and the next page token ("" at the end)."""
+    try:
+        start = int(query.get("pageToken") or 0)
+        size = int(query.get("pageSize") or 0)
+    except ValueError:
+        raise ApiFailure("INVALID_ARGUMENT", "Invalid pageToken or pageSize.") from None
+    if size <= 0:
+        size = 1000
+    chunk = items[start:start + size]
+    return chunk, str(start + size) if start + size < len(items) else ""

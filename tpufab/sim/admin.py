@@ -1,0 +1,121 @@
+"""Fault injection and knobs of a running simulated pod (its `/sim/v1/` endpoints).
+
+    admin = SimAdmin.from_info(info)            # or SimAdmin("http://127.0.0.1:8475")
+    admin.preempt("my-tpu")                     # PREEMPTED, workers stopped, node kept
+    admin.set_reachable("my-tpu", 2, False)     # worker 2 refuses connections
+    admin.kill_sshd("my-tpu", 0)                # sshd and its sessions killed, restarts
+    admin.fail_next_create("stockout")          # or "quota"; immediate=True -> HTTP 429
+    admin.error_burst(3, code=503)              # the next 3 API requests fail
+    admin.settings(create_delay=2.0)            # timing knobs; quota_chips=N
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+from urllib.error import HTTPError, URLError
+from urllib.request import ProxyHandler, Request, build_opener
+
+from tpufab.errors import SimError
+from tpufab.sim._model import DEFAULT_PROJECT, DEFAULT_ZONE
+
+if TYPE_CHECKING:
+    from tpufab.sim.daemon import SimInfo
+
+_DIRECT = build_opener(ProxyHandler({}))
+
+
+class SimAdmin:
+    """Client of one simulated pod's admin API; node arguments are ids or full names."""
+
+    def __init__(self, endpoint: str, *, project: str = DEFAULT_PROJECT,
+                 zone: str = DEFAULT_ZONE, timeout: float = 60.0):
+        self.endpoint = endpoint.rstrip("/")
+        self.project = project
+        self.zone = zone
+        self.timeout = timeout
+
+    @classmethod
+    def from_info(cls, info: SimInfo, **kw: Any) -> SimAdmin:
+        kw.setdefault("project", info.project)
+        kw.setdefault("zone", info.zone)
+        return cls(info.endpoint, **kw)
+
+    def node_name(self, node: str) -> str:
+        if node.startswith("projects/"):
+            return node
+        return f"projects/{self.project}/locations/{self.zone}/nodes/{node}"
+
+    # reads
+
+    def health(self) -> dict[str, Any]:
+        return self._call("GET", "health")
+
+    def state(self) -> dict[str, Any]:
+        """Every node (name, id, state, type, worker addresses) and queued resource."""
+        return self._call("GET", "state")
+
+    def node(self, node: str) -> dict[str, Any]:
+        """The node as the API shows it, plus each worker's ip, hostname and `running`."""
+        return self._call("GET", self.node_name(node))
+
+    # knobs
+
+    def settings(self, **changes: float | int | None) -> dict[str, Any]:
+        """Change timing knobs (create_delay, worker_start_delay, operation_delay,
+        listen_timeout, quota_chips); returns them all."""
+        if not changes:
+            return self._call("GET", "settings")
+        return self._call("PATCH", "settings", changes)
+
+    # faults
+
+    def preempt(self, node: str) -> dict[str, Any]:
+        """Preempt a node: state PREEMPTED, workers stopped; it stays until deleted."""
+        return self._call("POST", f"{self.node_name(node)}:preempt")
+
+    def set_reachable(self, node: str, worker: int, reachable: bool) -> dict[str, Any]:
+        """Make a worker refuse connections (False) or listen again (True)."""
+        return self._call("POST", f"{self.node_name(node)}:setReachable",
+                          {"worker": worker, "reachable": reachable})
+
+    def kill_sshd(self, node: str, worker: int) -> dict[str, Any]:
+        """SIGKILL a worker's sshd and its sessions; the worker starts a new listener."""
+        return self._call("POST", f"{self.node_name(node)}:killSshd", {"worker": worker})
+
+    def fail_next_create(self, reason: str = "stockout", *, count: int = 1,
+                         immediate: bool = False) -> dict[str, Any]:
+        """The next `count` creates fail with RESOURCE_EXHAUSTED: a stockout or a quota
+        message; as a failed operation (code 8), or with immediate=True as HTTP 429."""
+        return self._call("POST", "faults:failNextCreate",
+                          {"reason": reason, "count": count, "immediate": immediate})
+
+    def error_burst(self, count: int, *, code: int = 503, match: str = "") -> dict[str, Any]:
+        """The next `count` API requests (whose path contains `match`) fail with 503 or 429."""
+        return self._call("POST", "faults:errorBurst",
+                          {"count": count, "code": code, "match": match})
+
+    def clear_faults(self) -> None:
+        self._call("DELETE", "faults")
+
+    # transport
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None
+              ) -> dict[str, Any]:
+        url = f"{self.endpoint}/sim/v1/{path}"
+        data = json.dumps(body).encode() if body is not None else None
+        request = Request(url, data=data, method=method,
+                          headers={"Content-Type": "application/json"})
+        try:
+            with _DIRECT.open(request, timeout=self.timeout) as resp:
+                return json.loads(resp.read() or b"{}")
+        except HTTPError as err:
+            try:
+                message = json.loads(err.read())["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = f"HTTP {err.code}"
+            raise SimError(f"The simulated pod refused {method} /sim/v1/{path}: {message}") \
+                from None
+        except (URLError, OSError) as err:
+            raise SimError(f"The simulated pod at {self.endpoint} does not answer ({err}); "
+                           "start it with `tpufab sim up`.") from None
