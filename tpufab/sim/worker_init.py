@@ -1,0 +1,263 @@
+"""PID 1 of one simulated TPU worker (stdlib only, started by tpufab.sim.workers).
+
+Runs as ``unshare --pid --mount --uts --kill-child -- python3 -I -S worker_init.py WORKER_DIR
+READY_FD``. It builds the worker's private view of the machine from the files the pool wrote
+into WORKER_DIR, writes one JSON line to READY_FD (``{"pid": <host pid>}`` or
+``{"error": ...}``), then keeps sshd running, reaps orphans, and on SIGTERM ends every process
+in the namespace. 64 of these run at once for a v4-512, so imports are few and light.
+
+Host protocol: the file ``WORKER_DIR/unreachable`` means "no sshd listener" (a fault);
+SIGUSR1 tells this process to look at it again.
+"""
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import time
+
+RUN_DIR = "/run/tpufab-worker"  # sshd config and host key, readable by sshd's re-exec
+STD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+HOST_DEVICES = ("null", "zero", "full", "random", "urandom", "tty", "fuse")
+# target in the worker -> path in WORKER_DIR
+BINDS = (
+    ("/home", "home"),
+    ("/root", "root"),
+    ("/tmp", "tmp"),
+    ("/etc/passwd", "etc/passwd"),
+    ("/etc/group", "etc/group"),
+    ("/etc/shadow", "etc/shadow"),
+    ("/etc/hostname", "etc/hostname"),
+    ("/etc/hosts", "etc/hosts"),
+)
+HANDLED = (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+# Python starts with these ignored; sshd and user shells must get the defaults back.
+RESET_FOR_CHILDREN = (*HANDLED, signal.SIGPIPE, signal.SIGXFSZ)
+QUICK_DEATH = 1.0  # an sshd that dies sooner than this is restarted with a growing pause
+MAX_BACKOFF = 5.0
+
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def log(message):
+    sys.stderr.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} worker_init: {message}\n")
+    sys.stderr.flush()
+
+
+def mount(source, target, fstype=None, flags=0, data=None):
+    encoded = [None if s is None else s.encode() for s in (source, target, fstype, data)]
+    rc = _libc.mount(encoded[0], encoded[1], encoded[2], ctypes.c_ulong(flags), encoded[3])
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {fstype or source} on {target}: {os.strerror(err)}")
+
+
+def bind(fd, target):
+    # /proc/self/fd/N reaches the opened file even after its path has been covered by a mount.
+    mount(f"/proc/self/fd/{fd}", target, None, MS_BIND)
+
+
+def write_file(path, data, mode):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(path, mode)
+
+
+def read_at(dir_fd, name):
+    fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def setup(worker_dir):
+    """Build the worker's mounts; return (host pid, worker dir fd, config, sshd log fd)."""
+    host_pid = int(os.readlink("/proc/self"))  # the host's /proc is still the one mounted
+    dir_fd = os.open(worker_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    config = json.loads(read_at(dir_fd, "config.json"))
+    # Open every source before mounting anything: WORKER_DIR may sit under /tmp, /root or /run,
+    # which the mounts below cover.
+    sources = {t: os.open(rel, os.O_PATH | os.O_CLOEXEC, dir_fd=dir_fd) for t, rel in BINDS}
+    devices = {}
+    for name in HOST_DEVICES:
+        try:
+            devices[name] = os.open(f"/dev/{name}", os.O_PATH | os.O_CLOEXEC)
+        except FileNotFoundError:
+            log(f"/dev/{name} is missing on the host; the worker will not have it")
+    sshd_config = read_at(dir_fd, "sshd_config")
+    host_key = read_at(dir_fd, "ssh_host_ed25519_key")
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+    sshd_log = os.open("sshd.log", flags, 0o644, dir_fd=dir_fd)
+
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    mount("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
+    os.mkdir(RUN_DIR, 0o700)
+    write_file(f"{RUN_DIR}/sshd_config", sshd_config, 0o600)
+    write_file(f"{RUN_DIR}/ssh_host_ed25519_key", host_key, 0o600)
+    for path, mode in (("/run/sshd", 0o755), ("/run/lock", 0o1777)):
+        os.mkdir(path)
+        os.chmod(path, mode)
+    build_dev(devices, config["devices"], config["tty_gid"])
+    for target, fd in sources.items():
+        bind(fd, target)
+    with open("/proc/sys/kernel/hostname", "w") as f:  # our own UTS namespace
+        f.write(config["hostname"])
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for fd in (*sources.values(), *devices.values()):
+        os.close(fd)
+    os.chdir("/")
+    return host_pid, dir_fd, config, sshd_log
+
+
+def build_dev(host_devices, placeholders, tty_gid):
+    mount("tmpfs", "/dev", "tmpfs", MS_NOSUID, "mode=0755,size=4m")
+    for name, fd in host_devices.items():
+        write_file(f"/dev/{name}", b"", 0o600)
+        bind(fd, f"/dev/{name}")
+    os.mkdir("/dev/pts")
+    mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+          f"newinstance,ptmxmode=0666,mode=0620,gid={tty_gid}")
+    os.symlink("pts/ptmx", "/dev/ptmx")
+    os.mkdir("/dev/shm")
+    mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"/dev/{name}")
+    for path in placeholders:  # TPU device files: nothing behind them, but they are there
+        if not path.startswith("/dev/") or "/../" in path + "/":
+            raise ValueError(f"device file {path!r} is not under /dev")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_file(path, b"", 0o666)
+
+
+class Sshd:
+    """The listener: started when due and wanted, restarted when it dies, stopped on fault."""
+
+    def __init__(self, config, dir_fd, log_fd):
+        self.argv = [config["sshd"], "-D", "-e", "-f", f"{RUN_DIR}/sshd_config"]
+        self.dir_fd = dir_fd
+        self.log_fd = log_fd
+        self.pid = None
+        self.stopping = False
+        self.started_at = 0.0
+        self.not_before = config["sshd_at"]  # time.monotonic(); CLOCK_MONOTONIC is system-wide
+        self.backoff = 0.2
+
+    def wanted(self):
+        try:
+            os.stat("unreachable", dir_fd=self.dir_fd)
+            return False
+        except FileNotFoundError:
+            return True
+
+    def reconcile(self):
+        if not self.wanted():
+            if self.pid is not None and not self.stopping:
+                os.kill(self.pid, signal.SIGTERM)  # closes the listening socket; sessions stay
+                self.stopping = True
+        elif self.pid is None and time.monotonic() >= self.not_before:
+            self.start()
+
+    def start(self):
+        actions = [
+            (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_OPEN, 1, "/dev/null", os.O_WRONLY, 0),
+            (os.POSIX_SPAWN_DUP2, self.log_fd, 2),
+        ]
+        env = {"PATH": STD_PATH, "LANG": "C.UTF-8"}
+        self.started_at = time.monotonic()
+        try:
+            self.pid = os.posix_spawn(self.argv[0], self.argv, env, file_actions=actions,
+                                      setsid=True, setsigmask=(), setsigdef=RESET_FOR_CHILDREN)
+        except OSError as err:
+            log(f"cannot start sshd: {err}; retry in {self.backoff:g} s")
+            self.not_before = self.started_at + self.backoff
+            self.backoff = min(self.backoff * 2, MAX_BACKOFF)
+
+    def exited(self, status):
+        now = time.monotonic()
+        if not self.stopping and now - self.started_at < QUICK_DEATH:
+            log(f"sshd exited at once (status {status}); see sshd.log; retry in {self.backoff:g} s")
+            self.not_before = now + self.backoff
+            self.backoff = min(self.backoff * 2, MAX_BACKOFF)
+        elif not self.stopping:
+            self.backoff = 0.2
+        self.pid = None
+        self.stopping = False
+
+    def wait_time(self):
+        if self.pid is None and self.wanted():
+            return max(0.0, self.not_before - time.monotonic())
+        return 3600.0
+
+
+def reap(sshd=None):
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        if sshd is not None and pid == sshd.pid:
+            sshd.exited(status)
+
+
+def others_alive():
+    for name in os.listdir("/proc"):
+        if name.isdigit() and name != "1":
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    if f.read().rpartition(b")")[2].split()[0] != b"Z":
+                        return True
+            except OSError:
+                pass
+    return False
+
+
+def shutdown(grace):
+    try:
+        os.kill(-1, signal.SIGTERM)  # everyone in this namespace but us
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace
+    while others_alive() and time.monotonic() < deadline:
+        signal.sigtimedwait((signal.SIGCHLD,), 0.05)
+        reap()
+    os._exit(0)  # the kernel SIGKILLs whatever is left when a namespace's PID 1 exits
+
+
+def report(fd, message):
+    os.write(fd, json.dumps(message).encode() + b"\n")
+    os.close(fd)
+
+
+def main(argv):
+    worker_dir, ready_fd = argv[1], int(argv[2])
+    os.umask(0o022)
+    for sig in HANDLED:
+        # A handler, not SIG_DFL: a namespace's PID 1 never receives signals it leaves at default.
+        signal.signal(sig, lambda *_: None)
+    signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
+    try:
+        host_pid, dir_fd, config, sshd_log = setup(worker_dir)
+    except Exception as err:  # noqa: BLE001 - reported to the pool, which raises SimError
+        log(f"setup failed: {err}")
+        report(ready_fd, {"error": str(err)})
+        return 1
+    report(ready_fd, {"pid": host_pid})
+    sshd = Sshd(config, dir_fd, sshd_log)
+    while True:
+        sshd.reconcile()
+        info = signal.sigtimedwait(HANDLED, sshd.wait_time())
+        reap(sshd)
+        if info is not None and info.si_signo in (signal.SIGTERM, signal.SIGINT):
+            shutdown(config.get("stop_grace", 2.0))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
