@@ -1,0 +1,289 @@
+"""Runs: ids, the job environment every worker gets, and the folded log view (pure).
+
+Nothing here touches a worker. `job_environment` decides what a recipe sees on one worker;
+`fold_logs` turns N workers' output into one readable stream (worker 0's lines once, and
+only where other workers differ, their lines under a folded worker set like ``w[1-3,7]``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import re
+import secrets as _random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from tpufab.errors import ConfigError
+
+RUN_DIR = "~/.tpufab/runs"
+DEFAULT_COORDINATOR_PORT = 8476
+DEFAULT_MEGASCALE_PORT = 8081
+_RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{4}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+# Names a forwarded variable may not take: tpufab sets them per worker.
+RESERVED = ("TPUFAB_RUN_ID", "TPUFAB_RUN_DIR", "TPUFAB_WORKER_ID", "TPU_WORKER_ID",
+            "TPUFAB_NUM_WORKERS", "TPUFAB_WORKER_IPS", "TPUFAB_COORDINATOR",
+            "TPUFAB_SLICE_ID", "TPUFAB_NUM_SLICES", "TPUFAB_TASK")
+# Forwarded values whose names look like these are secrets too (besides config `secrets`).
+SECRET_PATTERNS = ("*TOKEN*", "*SECRET*", "*PASSWORD*", "*PASSWD*", "*API_KEY*",
+                   "*ACCESS_KEY*", "*PRIVATE_KEY*", "*CREDENTIAL*")
+
+
+# -- run ids ---------------------------------------------------------------------------------
+
+
+def new_run_id(now: datetime | None = None, suffix: str | None = None) -> str:
+    """A sortable run id in UTC: ``20261122-104455-ab12``."""
+    now = (now or datetime.now(UTC)).astimezone(UTC)
+    suffix = suffix if suffix is not None else _random.token_hex(2)
+    run_id = f"{now:%Y%m%d-%H%M%S}-{suffix}"
+    if not _RUN_ID.match(run_id):
+        raise ValueError(f"bad run id suffix {suffix!r}: four lower-case hex digits")
+    return run_id
+
+
+def is_run_id(text: str) -> bool:
+    return bool(_RUN_ID.match(text))
+
+
+# -- the job environment ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobLayout:
+    """Where the processes of a job run: internal IPs per slice, in worker order.
+
+    A plain pod is one slice; a multislice queued resource has several. The global rank of
+    a worker is its position in the flattened list (slice 0's workers first).
+    """
+
+    slices: tuple[tuple[str, ...], ...]
+
+    @classmethod
+    def single(cls, worker_ips: Sequence[str]) -> JobLayout:
+        return cls((tuple(worker_ips),))
+
+    @classmethod
+    def multislice(cls, slices: Sequence[Sequence[str]]) -> JobLayout:
+        return cls(tuple(tuple(ips) for ips in slices))
+
+    def __post_init__(self) -> None:
+        if not self.slices or not all(self.slices):
+            raise ConfigError("A job needs at least one worker in every slice.")
+
+    @property
+    def ips(self) -> tuple[str, ...]:
+        return tuple(ip for ips in self.slices for ip in ips)
+
+    @property
+    def num_workers(self) -> int:
+        return sum(len(ips) for ips in self.slices)
+
+    def place(self, rank: int) -> tuple[int, int]:
+        """(slice id, worker id within the slice) of global `rank`."""
+        if not 0 <= rank < self.num_workers:
+            raise ValueError(f"rank {rank} outside 0..{self.num_workers - 1}")
+        for slice_id, ips in enumerate(self.slices):
+            if rank < len(ips):
+                return slice_id, rank
+            rank -= len(ips)
+        raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class Forwarded:
+    """Variables forwarded to every worker, split into public values and secrets."""
+
+    public: Mapping[str, str] = field(default_factory=dict)
+    secrets: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class JobEnvironment:
+    """One worker's environment. Secrets go only through a 0600 file or stdin."""
+
+    public: Mapping[str, str]
+    secrets: Mapping[str, str]
+
+    def merged(self) -> dict[str, str]:
+        """Everything the recipe sees (the content of the worker's env file)."""
+        return {**self.public, **self.secrets}
+
+    def masked(self) -> dict[str, str]:
+        """For display and logs: secret values as ``***``."""
+        return {**self.public, **{key: "***" for key in self.secrets}}
+
+
+def is_secret_name(name: str, secret_names: Iterable[str] = ()) -> bool:
+    """A configured secret name (fnmatch patterns allowed) or a name that looks like one."""
+    upper = name.upper()
+    return any(fnmatch.fnmatchcase(upper, pattern.upper())
+               for pattern in (*secret_names, *SECRET_PATTERNS))
+
+
+def forwarded_environment(specs: Iterable[str], local_env: Mapping[str, str],
+                          secret_names: Iterable[str] = ()) -> Forwarded:
+    """`--env K=V` sets K; `--env K` forwards the local value of K. Later specs win."""
+    secret_names = tuple(secret_names)
+    public: dict[str, str] = {}
+    hidden: dict[str, str] = {}
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        if not _ENV_NAME.match(name):
+            raise ConfigError(f"--env {spec.split('=')[0]!r} is not a variable name; use "
+                              "--env NAME=value or --env NAME.")
+        if name in RESERVED:
+            raise ConfigError(f"--env {name} cannot be set: tpufab sets it for every worker.")
+        if not sep:
+            if name not in local_env:
+                raise ConfigError(f"--env {name} forwards your local {name}, but it is not "
+                                  f"set; export it or pass --env {name}=value.")
+            value = local_env[name]
+        public.pop(name, None)
+        hidden.pop(name, None)
+        (hidden if is_secret_name(name, secret_names) else public)[name] = value
+    return Forwarded(public, hidden)
+
+
+def job_environment(run_id: str, layout: JobLayout, rank: int, *, platform: str = "tpu",
+                    spmd: bool = False, coordinator_port: int = DEFAULT_COORDINATOR_PORT,
+                    megascale_port: int = DEFAULT_MEGASCALE_PORT,
+                    forwarded: Forwarded | None = None) -> JobEnvironment:
+    """The environment of global `rank` in `layout`.
+
+    TPUFAB_* describe the whole job (rank, count, IPs in rank order, rank 0's ip:port as
+    coordinator); TPU_WORKER_ID is the worker within its slice, as the TPU runtime counts.
+    `platform="cpu"` is for runs without a TPU (JAX_PLATFORMS=cpu, PJRT_DEVICE=CPU).
+    Forwarded variables override the framework defaults, never the TPUFAB_* contract.
+    """
+    if platform not in ("tpu", "cpu"):
+        raise ValueError(f"platform must be 'tpu' or 'cpu', not {platform!r}")
+    slice_id, worker_id = layout.place(rank)
+    ips = layout.ips
+    env: dict[str, str] = {}
+    if platform == "tpu":
+        env["PJRT_DEVICE"] = "TPU"
+    else:
+        env.update(JAX_PLATFORMS="cpu", PJRT_DEVICE="CPU")
+    if spmd:
+        env["XLA_USE_SPMD"] = "1"
+    if len(layout.slices) > 1:
+        env.update(MEGASCALE_COORDINATOR_ADDRESS=layout.slices[0][0],
+                   MEGASCALE_NUM_SLICES=str(len(layout.slices)),
+                   MEGASCALE_SLICE_ID=str(slice_id),
+                   MEGASCALE_PORT=str(megascale_port))
+    forwarded = forwarded or Forwarded()
+    env.update(forwarded.public)
+    env.update(
+        TPUFAB_RUN_ID=run_id,
+        TPUFAB_WORKER_ID=str(rank),
+        TPU_WORKER_ID=str(worker_id),
+        TPUFAB_NUM_WORKERS=str(layout.num_workers),
+        TPUFAB_WORKER_IPS=",".join(ips),
+        TPUFAB_COORDINATOR=f"{ips[0]}:{coordinator_port}",
+        TPUFAB_SLICE_ID=str(slice_id),
+        TPUFAB_NUM_SLICES=str(len(layout.slices)),
+    )
+    return JobEnvironment(public=env, secrets=dict(forwarded.secrets))
+
+
+def job_environments(run_id: str, layout: JobLayout, **options) -> list[JobEnvironment]:
+    """Every worker's environment, indexed by global rank."""
+    return [job_environment(run_id, layout, rank, **options)
+            for rank in range(layout.num_workers)]
+
+
+def local_environments(run_id: str, workers: int, coordinator_port: int,
+                       **options) -> list[JobEnvironment]:
+    """The same contract for N processes on this machine (coordinator 127.0.0.1, CPU)."""
+    options.setdefault("platform", "cpu")
+    layout = JobLayout.single(["127.0.0.1"] * workers)
+    return job_environments(run_id, layout, coordinator_port=coordinator_port, **options)
+
+
+# -- the folded log view ---------------------------------------------------------------------
+
+
+def fold_workers(workers: Iterable[int], prefix: str = "w") -> str:
+    """``{0,1,2,3,7} -> 'w[0-3,7]'``, ``{5} -> 'w5'`` (ClusterShell notation)."""
+    ordered = sorted(set(workers))
+    if not ordered:
+        return ""
+    if len(ordered) == 1:
+        return f"{prefix}{ordered[0]}"
+    parts: list[tuple[int, int]] = []
+    for worker in ordered:
+        if parts and parts[-1][1] == worker - 1:
+            parts[-1] = (parts[-1][0], worker)
+        else:
+            parts.append((worker, worker))
+    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
+    return f"{prefix}[{text}]"
+
+
+@dataclass(frozen=True)
+class FoldedLine:
+    text: str
+    workers: tuple[int, ...]     # the workers that printed this line here
+
+    @property
+    def label(self) -> str:
+        return fold_workers(self.workers)
+
+
+def fold_logs(per_worker_lines: Mapping[int, Sequence[str]]) -> list[FoldedLine]:
+    """Worker 0's lines once, each with the set of workers that printed it there, plus the
+    lines where other workers differ, placed where they occur, with their worker set.
+
+    The lowest worker present is the reference. Each other worker is aligned to it with a
+    line diff; identical extra lines at the same place are merged across workers.
+    """
+    if not per_worker_lines:
+        return []
+    workers = sorted(per_worker_lines)
+    reference = list(per_worker_lines[workers[0]])
+    have: list[set[int]] = [{workers[0]} for _ in reference]
+    # (anchor, text, occurrence) -> [workers, (offset in block, first seen)]
+    extra: dict[tuple[int, str, int], list] = {}
+    seen = 0
+    for worker in workers[1:]:
+        lines = list(per_worker_lines[worker])
+        if lines == reference:
+            for holders in have:
+                holders.add(worker)
+            continue
+        matcher = difflib.SequenceMatcher(None, reference, lines, autojunk=False)
+        for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+            if tag == "equal":
+                for i in range(i1, i2):
+                    have[i].add(worker)
+                continue
+            counts: dict[str, int] = {}
+            # A worker's variant sits right after the reference lines it replaces.
+            for offset, text in enumerate(lines[j1:j2]):
+                occurrence = counts.get(text, 0)
+                counts[text] = occurrence + 1
+                key = (i2, text, occurrence)
+                if key not in extra:
+                    extra[key] = [set(), (offset, seen)]
+                    seen += 1
+                extra[key][0].add(worker)
+    by_anchor: dict[int, list[tuple[tuple[int, int], FoldedLine]]] = {}
+    for (anchor, text, _), (holders, order) in extra.items():
+        by_anchor.setdefault(anchor, []).append((order, FoldedLine(text, tuple(sorted(holders)))))
+    folded: list[FoldedLine] = []
+    for i in range(len(reference) + 1):
+        folded.extend(line for _, line in sorted(by_anchor.get(i, ()), key=lambda e: e[0]))
+        if i < len(reference):
+            folded.append(FoldedLine(reference[i], tuple(sorted(have[i]))))
+    return folded
+
+
+def render_folded(folded: Sequence[FoldedLine], workers: Iterable[int]) -> list[str]:
+    """Display lines: plain text when every worker printed it, else ``w[1-3]: text``."""
+    everyone = tuple(sorted(set(workers)))
+    return [line.text if line.workers == everyone else f"{line.label}: {line.text}"
+            for line in folded]
