@@ -317,6 +317,16 @@ def test_exec_in_runs_as_root_inside_the_worker(pod):
 
 
 @sim
+def test_the_share_is_the_same_read_only_folder_on_every_worker(pod):
+    (pod.pool.share_dir / "wheel.txt").write_text("cached\n")
+    for spec in pod.v4:
+        out = pod.ssh(spec, "cat /opt/tpufab-sim/share/wheel.txt; touch /opt/tpufab-sim/share/x")
+        assert out.stdout == "cached\n"
+        assert "Read-only file system" in out.stderr
+    assert not (pod.pool.share_dir / "x").exists()
+
+
+@sim
 def test_stop_ends_every_process_and_restart_keeps_disks_and_host_keys(pod):
     specs = specs_for("3333", 3, 2, ACCEL)
     pod.pool.start_node("3333", specs, pod.metadata("alice"))

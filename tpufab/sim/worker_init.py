@@ -39,6 +39,9 @@ MAX_BACKOFF = 5.0
 
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+MS_RDONLY, MS_REMOUNT = 1, 32
+# The pool's read-only share (a wheel cache, datasets): the same folder on every worker.
+SHARE_AT = "/opt/tpufab-sim/share"
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -82,6 +85,8 @@ def setup(worker_dir):
     # Open every source before mounting anything: WORKER_DIR may sit under /tmp, /root or /run,
     # which the mounts below cover.
     sources = {t: os.open(rel, os.O_PATH | os.O_CLOEXEC, dir_fd=dir_fd) for t, rel in BINDS}
+    share = config.get("share")
+    share_fd = os.open(share, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if share else None
     devices = {}
     for name in HOST_DEVICES:
         try:
@@ -104,6 +109,11 @@ def setup(worker_dir):
     build_dev(devices, config["devices"], config["tty_gid"])
     for target, fd in sources.items():
         bind(fd, target)
+    if share_fd is not None:
+        os.makedirs(SHARE_AT, exist_ok=True)
+        bind(share_fd, SHARE_AT)
+        mount(None, SHARE_AT, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
+        os.close(share_fd)
     with open("/proc/sys/kernel/hostname", "w") as f:  # our own UTS namespace
         f.write(config["hostname"])
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)

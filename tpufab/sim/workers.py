@@ -345,6 +345,9 @@ class WorkerPool:
 
     def __init__(self, state_dir: Path):
         self.state_dir = Path(state_dir)
+        # Read-only on every worker at /opt/tpufab-sim/share (scripts/sim-wheels.sh fills it).
+        self.share_dir = self.state_dir / "share"
+        self.share_dir.mkdir(parents=True, exist_ok=True)
         self._guard = threading.Lock()  # the two dicts below
         self._node_locks: dict[str, threading.RLock] = {}
         self._procs: dict[tuple[str, int], subprocess.Popen] = {}  # unshare, started by us
@@ -452,6 +455,7 @@ class WorkerPool:
             "sshd_at": sshd_at,
             "stop_grace": self.stop_grace,
             "tty_gid": grp.getgrnam("tty").gr_gid,
+            "share": str(self.share_dir),
         })
         (wdir / "init.json").unlink(missing_ok=True)
 
