@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shlex
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,11 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from tpufab import gitops
+from tpufab import gitops, nodeset
 from tpufab.errors import TpufabError
+from tpufab.quoting import Raw, Secret, command
 
 REMOTE_DIR = Path(__file__).parent / "remote"
 SCRIPT = "deploy_worker.py"
+TOKEN_ENV = "TPUFAB_GIT_TOKEN"  # read by the worker script's credential helper
 MISSING_SCRIPT = 97  # exit status of the command when the worker script is not shipped yet
 
 
@@ -36,7 +37,7 @@ class DeployError(TpufabError):
 # --- transport seam -------------------------------------------------------------------------
 
 class Outcome(Protocol):
-    """One worker's result of a command (what the fan-out returns per worker)."""
+    """One worker's result of a command (a ``fanout.WorkerResult``)."""
 
     exit_code: int | None
     stdout: str
@@ -45,16 +46,17 @@ class Outcome(Protocol):
 
 
 class Workers(Protocol):
-    """The part of the fan-out that deploy needs."""
-
-    def run(self, command: str, *, workers: Sequence[int] | None = None,
-            stdin: str | None = None) -> Mapping[int, Outcome]: ...
-
-    def put(self, local: Path, remote: str, *,
-            workers: Sequence[int] | None = None) -> Mapping[int, Outcome]: ...
+    """The part of ``fanout.Fanout`` that deploy and mount use."""
 
     @property
-    def ids(self) -> list[int]: ...
+    def workers(self) -> list[int]: ...
+
+    def run(self, command: str, *, workers: Sequence[int] | None = None,
+            env: Mapping[str, str] | None = None,
+            secrets: Mapping[str, Secret] | None = None) -> Mapping[int, Outcome]: ...
+
+    def put(self, data: bytes | Path, remote_path: str, *, workers: Sequence[int] | None = None,
+            check: bool = False) -> Mapping[int, Outcome]: ...
 
 
 # --- shipping worker-side scripts -----------------------------------------------------------
@@ -67,25 +69,26 @@ def script_path(name: str) -> str:
 
 def script_command(name: str, args: Sequence[str]) -> str:
     """Run a shipped script, or exit 97 if this worker does not have it yet."""
-    path = shlex.quote(script_path(name))
-    return (f"test -f {path} || exit {MISSING_SCRIPT}; "
-            f"exec python3 {path} {shlex.join(list(args))}")
+    path = script_path(name)
+    return command("test", "-f", path, Raw("||"), "exit", MISSING_SCRIPT, Raw(";"),
+                   "exec", "python3", path, *args)
 
 
-def run_script(group: Workers, name: str, args: Sequence[str], workers: Sequence[int],
-               stdin: str | None = None) -> dict[int, Outcome]:
+def run_script(group: Workers, name: str, args: Sequence[str], workers: Sequence[int], *,
+               env: Mapping[str, str] | None = None,
+               secrets: Mapping[str, Secret] | None = None) -> dict[int, Outcome]:
     """Run a worker script in one round trip per worker; ship it first (once per content
     hash) to the workers that lack it, then run it there again."""
-    command = script_command(name, args)
-    results = dict(group.run(command, workers=list(workers), stdin=stdin))
+    line = script_command(name, args)
+    results = dict(group.run(line, workers=list(workers), env=env, secrets=secrets))
     missing = [w for w, r in results.items() if r.exit_code == MISSING_SCRIPT]
     if missing:
-        shipped = group.put(REMOTE_DIR / name, script_path(name), workers=missing)
+        shipped = group.put(REMOTE_DIR / name, script_path(name), workers=missing, check=False)
         failed = [w for w in missing if shipped[w].error or shipped[w].exit_code not in (0, None)]
         results.update({w: shipped[w] for w in failed})
         again = [w for w in missing if w not in failed]
         if again:
-            results.update(group.run(command, workers=again, stdin=stdin))
+            results.update(group.run(line, workers=again, env=env, secrets=secrets))
     return results
 
 
@@ -156,22 +159,9 @@ def _last_line(text: str | None) -> str:
     return lines[-1] if lines else ""
 
 
-def fold(workers: Sequence[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``w[0-2,5]``."""
-    ids = sorted(set(workers))
-    parts, i = [], 0
-    while i < len(ids):
-        j = i
-        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
-            j += 1
-        parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
-        i = j + 1
-    return f"w[{','.join(parts)}]" if len(ids) > 1 else f"w{ids[0]}" if ids else "w[]"
-
-
 ERROR_SENTENCES = {
     "unreachable": "{who} cannot reach the remote {source}: give the workers access (a deploy "
-                   "key, or --token-env with an HTTPS token; see docs/deploy.md) or deploy "
+                   "key, or an HTTPS token sent as a secret; see docs/deploy.md) or deploy "
                    "with --direct.",
     "disk_full": "{who} ran out of disk space in {dir}: free space there (or pick another "
                  "--dir), then deploy again.",
@@ -200,7 +190,7 @@ def failure_sentence(rows: Sequence[WorkerDeploy], *, source: str, dir: str,
     kind, who = max(kinds.items(), key=lambda kv: len(kv[1]))
     noun = "Worker" if len(who) == 1 else "Workers"
     text = ERROR_SENTENCES.get(kind, ERROR_SENTENCES["git_failed"])
-    sentence = text.format(who=f"{noun} {fold(who)}", source=source, dir=dir,
+    sentence = text.format(who=f"{noun} {nodeset.fold(who)}", source=source, dir=dir,
                            commit=commit[:12], have="has" if len(who) == 1 else "have")
     sentence = sentence.replace("on Workers", "on workers").replace("on Worker", "on worker")
     sentence = sentence[0].upper() + sentence[1:]
@@ -215,7 +205,7 @@ def verify_same_commit(report: DeployReport) -> None:
     off = [r for r in report.rows if r.ok and r.commit != report.commit]
     if off:
         seen = sorted({r.commit[:12] for r in off if r.commit})
-        raise DeployError(f"Workers disagree after deploy: {fold([r.worker for r in off])} are "
+        raise DeployError(f"Workers disagree after deploy: {nodeset.fold([r.worker for r in off])} are "
                           f"at {', '.join(seen)} instead of {report.commit[:12]}; deploy again "
                           f"and check those workers for processes that change {report.dir}.",
                           details=report.table())
@@ -228,7 +218,7 @@ def default_dir(root: Path) -> str:
 
 
 def worker_command(*, dir: str, source: str, commit: str, fetch_ref: str | None,
-                   branch: str | None, origin: str | None = None, token: bool = False,
+                   branch: str | None, origin: str | None = None,
                    remove_source: bool = False) -> list[str]:
     """Arguments of ``deploy_worker.py checkout`` (pure)."""
     args = ["checkout", "--dir", dir, "--source", source, "--commit", commit]
@@ -238,8 +228,6 @@ def worker_command(*, dir: str, source: str, commit: str, fetch_ref: str | None,
         args += ["--branch", branch]
     if origin:
         args += ["--origin", origin]
-    if token:
-        args.append("--token-stdin")
     if remove_source:
         args.append("--remove-source")
     return args
@@ -247,14 +235,15 @@ def worker_command(*, dir: str, source: str, commit: str, fetch_ref: str | None,
 
 def deploy(group: Workers, *, ref: str = "HEAD", remote: str = "origin", dir: str | None = None,
            direct: bool = False, wip: bool = False, cwd: Path | str | None = None,
-           worker_url: str | None = None, token: str | None = None,
+           worker_url: str | None = None, token: str | Secret | None = None,
            progress: Callable[[str], None] | None = None) -> DeployReport:
     """Deploy ``ref`` (or a ``wip`` snapshot) of the repository at ``cwd`` to every worker of
     ``group`` and verify they all report the same commit.
 
     ``worker_url``: the URL workers fetch from, when it differs from the remote's local URL
-    (e.g. https for workers, ssh for you). ``token``: an HTTPS token handed to git on the
-    workers through stdin and a credential helper (never argv, files or logs).
+    (e.g. https for workers, ssh for you). ``token``: an HTTPS token for a private remote,
+    handed to git on the workers as a secret environment variable (it travels on the fan-out's
+    stdin) read by a credential helper: never in argv, files or logs.
     """
     say = progress or (lambda _msg: None)
     start = time.monotonic()
@@ -267,7 +256,7 @@ def deploy(group: Workers, *, ref: str = "HEAD", remote: str = "origin", dir: st
     target_dir = dir or default_dir(root)
     report = DeployReport(resolved.commit, target_dir,
                           wip_ref=resolved.push_ref if resolved.wip else None)
-    workers = list(group.ids)
+    workers = list(group.workers)
 
     if direct:
         source = "your machine (direct)"
@@ -279,10 +268,12 @@ def deploy(group: Workers, *, ref: str = "HEAD", remote: str = "origin", dir: st
         report.pushed = gitops.push(root, remote, resolved.commit, resolved.push_ref)
         args = worker_command(dir=target_dir, source=source, commit=resolved.commit,
                               fetch_ref=resolved.push_ref, branch=resolved.branch,
-                              origin=source, token=token is not None)
+                              origin=source)
         say(f"checking out {resolved.commit[:12]} on {len(workers)} workers")
-        stdin = token + "\n" if token is not None else None
-        outcomes = run_script(group, SCRIPT, args, workers, stdin=stdin)
+        secrets = None
+        if token is not None:
+            secrets = {TOKEN_ENV: token if isinstance(token, Secret) else Secret(token)}
+        outcomes = run_script(group, SCRIPT, args, workers, secrets=secrets)
         report.rows = [parse_outcome(w, outcomes[w]) for w in workers]
     report.seconds = round(time.monotonic() - start, 3)
     if any(not r.ok for r in report.rows):
@@ -317,8 +308,8 @@ def _deploy_direct(group: Workers, root: Path, resolved: gitops.Resolved, target
                                   exclude=[head] if head else [])
             # next to the shipped script: that folder exists once the probe ran
             remote = f"{Path(script_path(SCRIPT)).parent}/{resolved.commit[:16]}-{n}.bundle"
-            say(f"sending {local.stat().st_size} bytes to {fold(ids)}")
-            put = group.put(local, remote, workers=ids)
+            say(f"sending {local.stat().st_size} bytes to {nodeset.fold(ids)}")
+            put = group.put(local, remote, workers=ids, check=False)
             sent = []
             for w in ids:
                 if put[w].error or put[w].exit_code not in (0, None):

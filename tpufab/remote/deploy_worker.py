@@ -3,12 +3,13 @@
 
     deploy_worker.py status --dir DIR
     deploy_worker.py checkout --dir DIR --source URL|BUNDLE --commit SHA
-                     [--fetch-ref REF] [--branch NAME] [--origin URL] [--token-stdin]
+                     [--fetch-ref REF] [--branch NAME] [--origin URL] [--remove-source]
 
 ``checkout`` does the whole job in one process: clone if absent, fetch only if the commit is
 missing, check out exactly that commit (on ``--branch`` or detached), update submodules, and
-report. ``--token-stdin`` reads an HTTPS token from stdin and hands it to git through a
-credential helper that reads the environment, so it never reaches argv, a file or a log.
+report. If ``TPUFAB_GIT_TOKEN`` is in the environment (tpufab sends it as a secret on the
+fan-out agent's stdin), git gets it from a credential helper that reads the environment, so
+the token never reaches argv, a file or a log.
 
 Prints exactly one JSON object on stdout:
   {"ok": true, "commit": SHA, "before": SHA|null, "action": "clone"|"update"|"noop", ...}
@@ -107,8 +108,7 @@ def has_commit(git: Git, path: str, sha: str) -> bool:
 
 def checkout(args: argparse.Namespace) -> dict:
     start = time.monotonic()
-    token = sys.stdin.readline().rstrip("\n") if args.token_stdin else None
-    git = Git(token)
+    git = Git(os.environ.get("TPUFAB_GIT_TOKEN") or None)
     if os.path.isfile(args.source):  # a shipped bundle, relative to the login directory
         args.source = os.path.abspath(args.source)
     path = os.path.expanduser(args.dir)
@@ -167,7 +167,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
     co.add_argument("--fetch-ref")
     co.add_argument("--branch")
     co.add_argument("--origin", help="set the checkout's origin to this URL")
-    co.add_argument("--token-stdin", action="store_true")
     co.add_argument("--force", action="store_true", help="redo the checkout even if at commit")
     co.add_argument("--remove-source", action="store_true",
                     help="delete --source afterwards (a shipped bundle)")
