@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Setup for simulated workers: `tpufab setup --script scripts/setup-sim.sh`.
+#
+# Makes JAX (CPU) importable from ~/.venv/bin/python in seconds: the venv is made with the
+# worker's /usr/bin/python3 and a .pth file points it at the pod-wide, read-only JAX that
+# the host built once (scripts/sim-wheels.sh) and the sim binds at /opt/tpufab-sim/share.
+# Idempotent.
+set -euo pipefail
+
+share=${TPUFAB_SIM_SHARE:-/opt/tpufab-sim/share}
+site=$share/site
+venv=${TPUFAB_VENV:-$HOME/.venv}
+python=/usr/bin/python3
+[ -x "$python" ] || python=python3
+
+if [ ! -d "$site" ]; then
+    echo "setup-sim: no shared JAX at $site; on the host run scripts/sim-wheels.sh, then" \
+         "restart the simulated pod (tpufab sim down; tpufab sim up)" >&2
+    exit 1
+fi
+
+if [ ! -x "$venv/bin/python" ]; then
+    # --without-pip: Debian's python3 has no ensurepip, and the pod has no index anyway.
+    "$python" -m venv --without-pip "$venv"
+    echo "setup-sim: created $venv"
+fi
+purelib=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+pth=$purelib/tpufab-sim-share.pth
+if [ "$(cat "$pth" 2>/dev/null)" != "$site" ]; then
+    printf '%s\n' "$site" > "$pth"
+fi
+
+JAX_PLATFORMS=cpu "$venv/bin/python" - <<'PYTHON'
+import jax
+import jax.numpy as jnp
+assert float(jnp.arange(4.0).sum()) == 6.0
+print(f"setup-sim: jax {jax.__version__} on {jax.default_backend()} ready in {jax.__file__.rsplit('/jax/', 1)[0]}")
+PYTHON
