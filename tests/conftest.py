@@ -2,7 +2,7 @@
 
 - `sim` (session): a daemon on a free port with a temporary state dir; yields its SimInfo and
   stops every process at the end. Tests that use it are skipped, with the reason, unless root.
-- `sim_admin`: fault injection for it (faults are cleared after each test).
+- `sim_admin`: fault injection for it (faults and settings are reset after each test).
 - `tpu_client` (session): the official google-cloud-tpu v2 client against it.
 - `sim_parent`: "projects/<p>/locations/<zone>" of the suggested project and zone.
 - `make_node`: create a node (unique name) and wait until READY; deleted after the test.
@@ -80,8 +80,10 @@ def sim_admin(sim):
     from tpufab.sim.admin import SimAdmin
 
     admin = SimAdmin.from_info(sim)
+    before = admin.settings()
     yield admin
     admin.clear_faults()
+    admin.settings(**before)
 
 
 @pytest.fixture(scope="session")

@@ -55,6 +55,8 @@ def test_get_and_list_nodes_with_paging(tpu_client, make_node, sim_parent):
     assert tpu_client.get_node(name=first.name) == first
     names = [n.name for n in tpu_client.list_nodes(parent=sim_parent)]
     assert {first.name, second.name} <= set(names)
+    everywhere = tpu_client.list_nodes(parent=sim_parent.rsplit("/", 1)[0] + "/-")
+    assert {first.name, second.name} <= {n.name for n in everywhere}
     pager = tpu_client.list_nodes(request={"parent": sim_parent, "page_size": 1})
     pages = list(pager.pages)
     assert len(pages) >= 2 and all(len(p.nodes) == 1 for p in pages)

@@ -336,6 +336,13 @@ def _check_port_free(port: int) -> None:
         try:
             sock.bind(("127.0.0.1", port))
         except OSError as exc:
+            other = _health(f"http://127.0.0.1:{port}")
+            if other:
+                raise SimError(
+                    f"Port {port} on 127.0.0.1 is used by another simulated pod (state dir "
+                    f"{other.get('stateDir')}); stop it with `TPUFAB_SIM_DIR="
+                    f"{other.get('stateDir')} tpufab sim down` or pick another port with "
+                    "TPUFAB_SIM_PORT=PORT (or --port).") from None
             raise SimError(_port_busy_sentence(port, exc)) from None
 
 

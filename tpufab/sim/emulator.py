@@ -395,9 +395,12 @@ class Emulator:
             return json.loads(json.dumps(record))
 
     def _list_nodes(self, parent: str, query: dict[str, str]) -> dict[str, Any]:
+        prefix = parent + "/nodes/"
+        if parent.endswith("/locations/-"):  # every zone of the project
+            prefix = parent[:-1]
         with self._lock:
             nodes = [json.loads(json.dumps(r["node"])) for n, r in self._state["nodes"].items()
-                     if n.startswith(parent + "/nodes/") or parent.endswith("/locations/-")]
+                     if n.startswith(prefix)]
         items, token = page(nodes, query)
         out: dict[str, Any] = {"nodes": items}
         if token:
