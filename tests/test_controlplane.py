@@ -8,6 +8,7 @@ import stat
 
 import pytest
 import requests
+from conftest import unique_name, wait_for
 from google.api_core import exceptions as gexc
 from google.cloud import tpu_v2
 
@@ -27,6 +28,7 @@ from tpufab.controlplane import (
 )
 from tpufab.errors import ApiError, ConfigError, NotFound
 from tpufab.nodes import Node, QueuedResourceInfo
+from tpufab.topology import parse_accelerator_type
 
 SIM = "http://127.0.0.1:9"
 REAL = "https://tpu.googleapis.com"
@@ -79,6 +81,8 @@ SENTENCES = [
      NotFound, ["No node named 'demo'", "us-central2-b", "tpufab list"]),
     (rest(409, "Resource already exists"), SIM, ApiError,
      ["already exists", "--name", "tpufab delete --name demo"]),
+    (gexc.from_grpc_status(10, "Node demo was preempted."), SIM, ApiError,
+     ["ABORTED", "Node demo was preempted"]),
     (rest(400, "Invalid runtime version 'nope' for v4-32"), SIM, ApiError,
      ["rejected", "Invalid runtime version 'nope' for v4-32"]),
     (refused(), SIM, ApiError,
@@ -380,3 +384,131 @@ def test_metadata_entry_and_merge():
     assert sshkeys.merge_entry(merged, "alice:ssh-ed25519 AAAAkey other-comment") == merged
     assert sshkeys.merge_entry(None, entry) == entry
     assert sshkeys.has_entry(merged, entry) and not sshkeys.has_entry(others, entry)
+
+
+# ---------------------------------------------------------------------------------------------
+# against the emulator, through the official client
+
+
+@pytest.fixture
+def control(sim, tmp_path):
+    settings = load_settings({"api_endpoint": sim.endpoint, "project": sim.project,
+                              "zone": sim.zone, "api_retries": 5, "api_retry_seconds": 30},
+                             cwd=tmp_path, env={})
+    return ControlPlane(settings, retry=RetryPolicy(attempts=5, total_seconds=30, initial=0.05,
+                                                    maximum=0.2, jitter=0.05))
+
+
+@pytest.fixture
+def doomed(control):
+    """Node / queued resource names to delete after the test (and wait for)."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        if control.find_queued_resource(name):
+            control.delete_queued_resource(name)
+            wait_for(lambda n=name: control.find_queued_resource(n) is None, 60, 0.1, name)
+        if control.find_node(name):
+            control.delete_node(name)
+            wait_for(lambda n=name: control.find_node(n) is None, 60, 0.1, name)
+
+
+def wait_op(control, op, **kw):
+    return wait_for(lambda: control.operation_done(op, **kw), 60, 0.05, f"operation {op}")
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("type_, hosts", [("v5litepod-8", 1), ("v4-32", 4)])
+def test_create_get_list_delete_node(control, doomed, type_, hosts):
+    name = unique_name("cp")
+    doomed.append(name)
+    settings = load_settings({"project": control.project, "zone": control.zone, "name": name,
+                              "type": type_, "labels": {"team": "ml"}}, env={})
+    op = control.create_node(name, node_body(settings, ssh_entry=ENTRY))
+    wait_op(control, op, name=name)
+    node = wait_for(lambda: (n := control.get_node(name)).ready and n, 60, 0.05, "READY")
+    assert node.accelerator_type == type_ and node.hosts == hosts
+    assert node.labels == {"team": "ml"} and node.metadata["ssh-keys"] == ENTRY
+    assert node.runtime_version == parse_accelerator_type(type_).default_runtime
+    assert len(set(node.addresses())) == hosts
+    assert name in [n.name for n in control.list_nodes()]
+
+    host_keys = control.host_keys(name)
+    assert sorted(host_keys) == list(range(hosts))
+    assert all(k["ssh-ed25519"].startswith("ssh-ed25519 AAAA") for k in host_keys.values())
+
+    with pytest.raises(ApiError, match=f"'{name}' already exists"):
+        control.create_node(name, node_body(settings))
+
+    wait_op(control, control.delete_node(name), verb="delete", name=name)
+    wait_for(lambda: control.find_node(name) is None, 60, 0.05, "the node to go")
+    with pytest.raises(NotFound, match=f"No node named '{name}' in {control.zone}"):
+        control.get_node(name)
+
+
+@pytest.mark.sim
+def test_ssh_key_is_added_to_an_existing_node(control, make_node):
+    other = "bob:ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBob bob"
+    node = Node.from_proto(make_node("v4-8", metadata={"ssh-keys": other}))
+    op = control.add_ssh_key(node, ENTRY)
+    assert op is not None
+    wait_op(control, op, verb="update", name=node.name)
+    after = control.get_node(node.name)
+    assert after.metadata["ssh-keys"].splitlines() == [other, ENTRY]
+    assert control.add_ssh_key(after, ENTRY) is None          # already there: no call
+
+
+@pytest.mark.sim
+def test_queued_resource_multislice(control, doomed):
+    name = unique_name("qr")
+    doomed.append(name)
+    settings = load_settings({"project": control.project, "zone": control.zone, "name": name,
+                              "type": "v5litepod-16", "spot": True}, env={})
+    control.create_queued_resource(name, queued_resource_body(settings, num_slices=3))
+    qr = wait_for(lambda: (q := control.get_queued_resource(name)).active and q, 60, 0.05,
+                  "ACTIVE")
+    assert qr.tier == "spot" and qr.node_count == 3
+    assert qr.node_ids == [f"{name}-{i}" for i in range(3)]
+    nodes = [control.get_node(n) for n in qr.node_ids]
+    assert all(n.queued_resource == name and n.hosts == 4 and n.spot for n in nodes)
+    assert name in [q.name for q in control.list_queued_resources()]
+    control.delete_queued_resource(name)
+    wait_for(lambda: control.find_queued_resource(name) is None, 60, 0.05, "the QR to go")
+    assert not {n.name for n in control.list_nodes()} & set(qr.node_ids)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("reason, fragment", [("stockout", "No v4-8 capacity"),
+                                              ("quota", "Not enough quota")])
+def test_failed_create_operation_is_a_sentence(control, doomed, sim_admin, reason, fragment):
+    name = unique_name("full")
+    doomed.append(name)
+    sim_admin.fail_next_create(reason)
+    settings = load_settings({"project": control.project, "zone": control.zone, "name": name,
+                              "type": "v4-8"}, env={})
+    op = control.create_node(name, node_body(settings))
+    with pytest.raises(ApiError, match=fragment):
+        wait_op(control, op, name=name, accelerator_type="v4-8")
+
+
+@pytest.mark.sim
+def test_503_burst_is_retried_by_the_client(control, sim_admin):
+    retried = []
+    control.on_retry = lambda exc, n, delay: retried.append(type(exc).__name__)
+    sim_admin.error_burst(3, code=503)
+    assert isinstance(control.list_nodes(), list)
+    assert retried == ["ServiceUnavailable"] * 3
+
+
+@pytest.mark.sim
+def test_preempted_node_reads_as_preempted(control, make_node, sim_admin):
+    node = Node.from_proto(make_node("v4-8"))
+    sim_admin.preempt(node.name)
+    after = control.get_node(node.name)
+    assert after.preempted and after.state == "PREEMPTED" and after.to_json()["state"] == "PREEMPTED"
+
+
+@pytest.mark.sim
+def test_accelerator_types_from_the_api(control):
+    types = control.accelerator_types()
+    assert "v4-32" in types and "v6e-8" in types

@@ -271,7 +271,7 @@ def translate(exc: BaseException, action: Action, endpoint: str) -> TpufabError:
                             "(or check --project/--zone).")
         return NotFound(f"The TPU API found nothing at {endpoint} for project {action.project} "
                         f"zone {action.zone} ({message}); check --project and --zone.")
-    if isinstance(exc, gexc.AlreadyExists | gexc.Conflict):
+    if isinstance(exc, gexc.AlreadyExists) or type(exc) is gexc.Conflict:  # not ABORTED
         return ApiError(f"A {action.kind} named {action.name!r} already exists {where}; pick "
                         f"another --name or remove it with `tpufab delete --name {action.name}`.")
     if isinstance(exc, gexc.BadRequest):
@@ -561,13 +561,13 @@ class ControlPlane:
 
     # -- operations and catalogue
 
-    def operation_done(self, op_name: str, action_verb: str = "create", *,
+    def operation_done(self, op_name: str, verb: str = "create", *,
                        kind: str = "node", name: str | None = None,
                        accelerator_type: str | None = None) -> bool:
         """Whether a long-running operation finished; if it failed, its error as a sentence."""
         from google.api_core import exceptions as gexc
 
-        action = self._action(action_verb, kind, name, accelerator_type)
+        action = self._action(verb, kind, name, accelerator_type)
         op = self._call(action, self.client.get_operation, request={"name": op_name})
         if op.done and op.HasField("error") and op.error.code:
             raise translate(gexc.from_grpc_status(op.error.code, op.error.message),

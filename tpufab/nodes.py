@@ -93,6 +93,10 @@ class Node:
     multislice: bool = False
     slice_index: int | None = None       # for multislice nodes named PREFIX-<i>
 
+    def __post_init__(self) -> None:
+        if self.topology is None and self.accelerator_type:
+            self.topology = _topology(self.accelerator_type)
+
     @classmethod
     def from_proto(cls, proto: Any) -> Node:
         project, zone, short = split_resource_name(proto.name)
@@ -119,7 +123,6 @@ class Node:
             zone=zone,
             id=str(proto.id or ""),
             accelerator_type=proto.accelerator_type,
-            topology=_topology(proto.accelerator_type),
             chip_topology=proto.accelerator_config.topology if proto.accelerator_config else "",
             runtime_version=proto.runtime_version,
             state=_enum_name(proto.state),
