@@ -171,8 +171,14 @@ def up(state_dir: Path | None = None, port: int | None = None, *, timeout: float
         require_root()
     state_dir = Path(state_dir or default_state_dir()).resolve()
     port = default_port() if port is None else port
+    deadline = time.monotonic() + timeout
     running = _running(state_dir)
     if running is not None:
+        while time.monotonic() < deadline:  # its workers may still be coming back
+            health = _health(running.endpoint)
+            if health is None or health.get("resuming", 0) == 0:
+                break
+            time.sleep(0.05)
         return running
     state_dir.mkdir(parents=True, exist_ok=True)
     if port:
@@ -190,7 +196,6 @@ def up(state_dir: Path | None = None, port: int | None = None, *, timeout: float
         log.flush()
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 start_new_session=True, close_fds=True, cwd="/", env=env)
-    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         code = proc.poll()
         if code is not None:

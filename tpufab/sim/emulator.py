@@ -941,7 +941,8 @@ class Emulator:
                 raise ApiFailure(
                     "FAILED_PRECONDITION",
                     f"Queued resource {name} is {state} and still has {len(nodes)} node(s); "
-                    "delete them first or pass force=true to delete them with it.")
+                    "delete them first, or delete with force=true (gcloud: --force) to delete "
+                    "them with it.")
             record["qr"]["state"] = {"state": "DELETING", "deletingData": {}}
             for node_name in nodes:
                 self._state["nodes"][node_name]["node"]["state"] = "DELETING"
