@@ -1,0 +1,327 @@
+"""Mount: pure command builders checked against the drivers' documented flags, then real FUSE
+mounts of a bucket in a local GCS emulator on the simulated pod (rclone driver)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+
+import pytest
+from gcs_emulator import GcsEmulator
+from test_deploy import SimPod
+
+from tpufab import mount as mount_mod
+from tpufab.errors import ConfigError
+from tpufab.mount import MountError, MountSpec, mount, umount
+from tpufab.quoting import Secret
+
+# --- pure builders ----------------------------------------------------------------------------
+
+# gcsfuse's documented options: name -> takes a value. From the gcsfuse CLI reference
+# (cloud.google.com/storage/docs/cloud-storage-fuse/cli-options) and gcsfuse's own flag table
+# (GoogleCloudPlatform/gcsfuse, cfg/params.yaml). "-o" is the single-dash mount option flag.
+GCSFUSE_FLAGS = {
+    "--implicit-dirs": False, "--only-dir": True, "--file-mode": True, "--dir-mode": True,
+    "--cache-dir": True, "-o": True, "--uid": True, "--gid": True, "--foreground": False,
+    "--log-file": True, "--log-format": True, "--log-severity": True, "--key-file": True,
+    "--anonymous-access": False, "--custom-endpoint": True, "--billing-project": True,
+    "--temp-dir": True, "--metadata-cache-ttl-secs": True, "--stat-cache-max-size-mb": True,
+    "--type-cache-max-size-mb": True, "--file-cache-max-size-mb": True,
+    "--sequential-read-size-mb": True, "--max-conns-per-host": True, "--rename-dir-limit": True,
+    "--limit-ops-per-sec": True, "--limit-bytes-per-sec": True, "--client-protocol": True,
+    "--app-name": True, "--config-file": True, "--kernel-list-cache-ttl-secs": True,
+}
+OCTAL = re.compile(r"^0?[0-7]{3}$")
+
+
+def check_gcsfuse_argv(argv: list[str], bucket: str, at: str) -> None:
+    """``gcsfuse GLOBAL_OPTIONS BUCKET_NAME MOUNT_POINT`` with only documented options."""
+    assert argv[0] == "gcsfuse"
+    assert argv[-2:] == [bucket, at]
+    flags = argv[1:-2]
+    i = 0
+    while i < len(flags):
+        flag = flags[i]
+        assert flag in GCSFUSE_FLAGS, f"{flag} is not a documented gcsfuse option"
+        if GCSFUSE_FLAGS[flag]:
+            assert i + 1 < len(flags) and not flags[i + 1].startswith("-"), f"{flag} needs a value"
+            if flag in ("--file-mode", "--dir-mode"):
+                assert OCTAL.match(flags[i + 1]), f"{flag} takes octal bits"
+            i += 2
+        else:
+            i += 1
+
+
+GCSFUSE_TABLE = [
+    ("gs://data", {}, ["gcsfuse", "--implicit-dirs", "data", "/mnt/gcs/data"]),
+    ("gs://data/ckpt/run1/", {},
+     ["gcsfuse", "--implicit-dirs", "--only-dir", "ckpt/run1", "data", "/mnt/gcs/data-run1"]),
+    ("data", {"at": "/mnt/d", "implicit_dirs": False, "file_mode": "640", "dir_mode": 0o750,
+              "cache_dir": "/tmp/gcs-cache", "allow_other": True, "read_only": True},
+     ["gcsfuse", "--file-mode", "640", "--dir-mode", "750", "--cache-dir", "/tmp/gcs-cache",
+      "-o", "allow_other", "-o", "ro", "data", "/mnt/d"]),
+    ("gs://my.bucket_1/x", {"at": "/data//x/", "options": ["--metadata-cache-ttl-secs", "-1"]},
+     ["gcsfuse", "--implicit-dirs", "--only-dir", "x", "--metadata-cache-ttl-secs", "-1",
+      "my.bucket_1", "/data/x"]),
+]
+
+
+@pytest.mark.parametrize(("source", "kw", "expected"), GCSFUSE_TABLE)
+def test_gcsfuse_argv_table(source, kw, expected):
+    spec = mount_mod.mount_spec(source, **kw)
+    argv = mount_mod.gcsfuse_argv(spec)
+    assert argv == expected
+    if "options" not in kw:  # user options pass through unchecked; ours must be documented
+        check_gcsfuse_argv(argv, spec.bucket, spec.at)
+
+
+def test_gcsfuse_checker_rejects_undocumented_flags():
+    with pytest.raises(AssertionError, match="not a documented"):
+        check_gcsfuse_argv(["gcsfuse", "--implicit-dir", "b", "/m"], "b", "/m")
+    with pytest.raises(AssertionError, match="needs a value"):
+        check_gcsfuse_argv(["gcsfuse", "--only-dir", "b", "/m"], "b", "/m")
+
+
+RCLONE_TABLE = [
+    ("gs://data", {}, ["rclone", "mount", "tpufab:data", "/mnt/gcs/data", "--daemon",
+                       "--vfs-cache-mode", "writes"]),
+    ("gs://data/a/b", {"at": "/mnt/x", "file_mode": "640", "dir_mode": "750",
+                       "cache_dir": "/tmp/c", "allow_other": True, "read_only": True,
+                       "options": ["--dir-cache-time", "1s"]},
+     ["rclone", "mount", "tpufab:data/a/b", "/mnt/x", "--daemon", "--vfs-cache-mode", "writes",
+      "--file-perms", "0640", "--dir-perms", "0750", "--cache-dir", "/tmp/c", "--allow-other",
+      "--read-only", "--dir-cache-time", "1s"]),
+]
+
+
+@pytest.mark.parametrize(("source", "kw", "expected"), RCLONE_TABLE)
+def test_rclone_argv_table(source, kw, expected):
+    spec = mount_mod.mount_spec(source, driver="rclone", **kw)
+    assert mount_mod.rclone_argv(spec) == expected
+
+
+@pytest.mark.skipif(shutil.which("rclone") is None, reason="rclone is not installed")
+def test_rclone_flags_exist_in_the_installed_rclone():
+    spec = mount_mod.mount_spec("gs://bkt/p", driver="rclone", at="/m", file_mode="640",
+                                dir_mode="750", cache_dir="/c", allow_other=True,
+                                read_only=True)
+    known = subprocess.run(["rclone", "mount", "--help"], capture_output=True,
+                           text=True).stdout
+    for flag in (a for a in mount_mod.rclone_argv(spec) if a.startswith("--")):
+        assert re.search(rf"\s{re.escape(flag)}\b", known), flag
+    assert "--stat" in subprocess.run(["rclone", "lsjson", "--help"], capture_output=True,
+                                      text=True).stdout
+
+
+def test_rclone_env_keeps_credentials_out_of_plain_env():
+    plain, secret = mount_mod.rclone_env({"endpoint": "http://e/", "service_account_credentials":
+                                          "{json}", "anonymous": "true"})
+    assert plain == {"RCLONE_CONFIG_TPUFAB_TYPE": "google cloud storage",
+                     "RCLONE_CONFIG_TPUFAB_ENV_AUTH": "true",
+                     "RCLONE_CONFIG_TPUFAB_BUCKET_POLICY_ONLY": "true",
+                     "RCLONE_CONFIG_TPUFAB_ENDPOINT": "http://e/",
+                     "RCLONE_CONFIG_TPUFAB_ANONYMOUS": "true"}
+    assert secret == {"RCLONE_CONFIG_TPUFAB_SERVICE_ACCOUNT_CREDENTIALS": Secret("{json}")}
+    assert str(secret["RCLONE_CONFIG_TPUFAB_SERVICE_ACCOUNT_CREDENTIALS"]) == "***"
+
+
+@pytest.mark.parametrize(("text", "bucket", "prefix"), [
+    ("gs://b-1", "b-1", ""), ("gs://b-1/", "b-1", ""), ("b-1/x//y/", "b-1", "x/y"),
+    ("gs://a.b_c/d", "a.b_c", "d"),
+])
+def test_parse_bucket(text, bucket, prefix):
+    assert mount_mod.parse_bucket(text) == (bucket, prefix)
+
+
+@pytest.mark.parametrize(("source", "kw", "message"), [
+    ("s3://b/x", {}, "is not a GCS bucket"),
+    ("gs://B", {}, "not a valid bucket name"),
+    ("gs://ab", {}, "not a valid bucket name"),
+    ("gs://data", {"driver": "s3fs"}, "Unknown mount driver 's3fs'"),
+    ("gs://data", {"at": "relative/dir"}, "absolute path"),
+    ("gs://data", {"at": "/"}, "whole file system"),
+    ("gs://data", {"file_mode": "rw-r--r--"}, "octal permission bits"),
+])
+def test_mount_spec_errors(source, kw, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        mount_mod.mount_spec(source, **kw)
+
+
+def test_worker_args_probe_the_bucket_for_rclone_only():
+    spec = mount_mod.mount_spec("gs://data/p", driver="rclone", at="/m")
+    args = mount_mod.worker_args(spec, log_file="~/l.log")
+    assert args[:6] == ["mount", "--at", "/m", "--fstype", "fuse.rclone", "--source"]
+    assert args[6] == "tpufab:data/p"
+    assert json.loads(args[args.index("--check-argv") + 1]) == [
+        "rclone", "lsjson", "--stat", "tpufab:data"]
+    assert args[args.index("--") + 1:] == mount_mod.rclone_argv(spec)
+    gcs = mount_mod.worker_args(MountSpec("data", "p", "/m"), install=True)
+    assert "--check-argv" not in gcs and "--install" in gcs
+    assert gcs[gcs.index("--fstype") + 1:gcs.index("--fstype") + 4] == [
+        "fuse.gcsfuse", "--source", "data"]
+
+
+# --- real mounts on the simulated pod ---------------------------------------------------------
+
+AT = itertools.count()
+FAST = ["--dir-cache-time", "1s", "--vfs-write-back", "0s"]  # see each other's writes quickly
+
+
+def wait_for(condition, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    with GcsEmulator() as emulator:
+        emulator.create_bucket("data")
+        emulator.create_bucket("other")
+        emulator.create_bucket("secret")
+        emulator.deny("secret")
+        emulator.upload("data", "seed/readme.txt", b"seeded\n")
+        yield emulator
+
+
+@pytest.fixture(scope="module")
+def pod(tmp_path_factory, gcs):
+    if os.geteuid() != 0 or shutil.which("rclone") is None:
+        pytest.skip("needs root (simulated pod) and rclone")
+    pod = SimPod(tmp_path_factory.mktemp("pod"), 4, "7201", 62)
+    try:
+        yield pod
+    finally:
+        for w in pod.workers:  # leave no mount and no rclone behind, whatever failed
+            pod.sh(w, "for m in $(awk '$3 ~ /^fuse/ {print $2}' /proc/mounts); do "
+                      "umount -l $m; done", check=False)
+        pod.close()
+
+
+@pytest.fixture
+def at(pod):
+    """A fresh mount point per test; unmounted everywhere afterwards."""
+    path = f"/tmp/mnt/t{next(AT)}"  # each simulated worker has its own /tmp (not /mnt)
+    yield path
+    for w in pod.workers:
+        pod.sh(w, f"mountpoint -q {path} && umount -l {path}; true", check=False)
+
+
+def rclone_mount(pod, gcs, source, at, **kw):
+    return mount(pod, source, at=at, driver="rclone", rclone_config=gcs.rclone_config,
+                 options=kw.pop("options", FAST), **kw)
+
+
+def rclone_processes(pod, w) -> list[str]:
+    return [line for line in pod.sh(w, "ps -eo args").splitlines()
+            if re.match(r"^(/usr/bin/)?rclone mount ", line)]
+
+
+def test_write_on_one_worker_is_seen_on_another_and_in_the_bucket(pod, gcs, at):
+    report = rclone_mount(pod, gcs, "gs://data", at)
+    assert [(r.worker, r.action) for r in report.rows] == [(w, "mounted") for w in range(4)]
+    assert all(r.entries == 1 for r in report.rows)  # the seeded "seed/" directory
+    for w in pod.workers:
+        assert pod.sh(w, f"mountpoint {at}") == f"{at} is a mountpoint"
+        assert pod.read(w, f"{at}/seed/readme.txt") == "seeded"
+    pod.sh(0, f"echo 'from worker 0' > {at}/hello.txt")
+    wait_for(lambda: gcs.objects("data").get("hello.txt") == b"from worker 0\n",
+             what="hello.txt in the bucket")
+    wait_for(lambda: pod.sh(3, f"cat {at}/hello.txt", check=False) == "from worker 0",
+             what="hello.txt through worker 3's mount")
+    # the mount lives on after the SSH connections that made it are gone
+    pod.fanout.close()
+    assert pod.sh(1, f"mountpoint -q {at} && echo yes") == "yes"
+
+
+def test_remount_is_a_verified_noop_and_umount_cleans_up(pod, gcs, at):
+    rclone_mount(pod, gcs, "gs://data/seed", at)
+    assert pod.read(2, f"{at}/readme.txt") == "seeded"
+    again = rclone_mount(pod, gcs, "gs://data/seed", at)
+    assert {r.action for r in again.rows} == {"noop"}
+    assert all(len(rclone_processes(pod, w)) >= 1 for w in pod.workers)
+    gone = umount(pod, at)
+    assert {r.action for r in gone.rows} == {"unmounted"}
+    for w in pod.workers:
+        assert pod.sh(w, f"mountpoint -q {at} || echo no") == "no"
+        wait_for(lambda w=w: not any(at in p for p in rclone_processes(pod, w)),
+                 what=f"rclone to exit on w{w}")
+    assert {r.action for r in umount(pod, at).rows} == {"noop"}
+
+
+def test_prefix_writes_land_under_the_prefix(pod, gcs, at):
+    rclone_mount(pod, gcs, "gs://other/runs/1", at)
+    pod.sh(2, f"mkdir -p {at}/ckpt && echo step > {at}/ckpt/step.txt")
+    wait_for(lambda: gcs.objects("other").get("runs/1/ckpt/step.txt") == b"step\n",
+             what="the checkpoint under the prefix")
+
+
+def test_bucket_missing(pod, gcs, at):
+    with pytest.raises(MountError, match=r"Bucket gs://nope-nope does not exist \(as seen "
+                                         r"from workers w\[0-3\]\)") as err:
+        rclone_mount(pod, gcs, "gs://nope-nope", at)
+    assert err.value.details.count("bucket_missing") == 4
+    assert pod.sh(0, f"mountpoint -q {at} || echo no") == "no"
+
+
+def test_access_denied(pod, gcs, at):
+    with pytest.raises(MountError, match=r"Workers w\[0-3\] may not read gs://secret "
+                                         r"\(access denied\): grant"):
+        rclone_mount(pod, gcs, "gs://secret", at)
+
+
+def test_mount_point_busy_with_another_source(pod, gcs, at):
+    rclone_mount(pod, gcs, "gs://data", at)
+    with pytest.raises(MountError, match=rf"{at} is busy on workers w\[0-3\] \({at} already "
+                                         rf"has tpufab:data \(fuse.rclone\) mounted\)"):
+        rclone_mount(pod, gcs, "gs://other", at)
+
+
+def test_mount_point_not_empty(pod, gcs, at):
+    pod.sh(1, f"mkdir -p {at} && touch {at}/keep.me")
+    with pytest.raises(MountError, match=rf"{at} is not empty on worker w1: mount somewhere") \
+            as err:
+        rclone_mount(pod, gcs, "gs://data", at)
+    assert "mounted" in err.value.details  # the other workers did mount; the table says so
+    pod.sh(1, f"rm {at}/keep.me")
+
+
+def test_fuse_unavailable(pod, gcs, at):
+    pod.sh(2, "umount /dev/fuse && rm -f /dev/fuse")  # like a container without the device
+    try:
+        with pytest.raises(MountError, match=r"FUSE is not available on worker w2 "
+                                             r"\(/dev/fuse does not exist\)"):
+            rclone_mount(pod, gcs, "gs://data", at)
+    finally:
+        pod.sh(2, "mknod -m 600 /dev/fuse c 10 229")
+
+
+def test_driver_not_installed(pod, at):
+    if shutil.which("gcsfuse"):
+        pytest.skip("gcsfuse is installed here")
+    with pytest.raises(MountError, match=r"gcsfuse is not installed on workers w\[0-3\]: "
+                                         r"install it with --install .* or mount with "
+                                         r"--driver rclone\."):
+        mount(pod, "gs://data", at=at)
+
+
+def test_umount_busy_then_lazy(pod, gcs, at):
+    rclone_mount(pod, gcs, "gs://data", at)
+    pod.sh(1, f"cd {at} && (sleep 300 </dev/null >/dev/null 2>&1 & echo $! > /tmp/holder)")
+    try:
+        with pytest.raises(MountError, match=rf"{at} is busy on worker w1 \(a process still "
+                                             r"has files open there\)"):
+            umount(pod, at)
+        assert {r.action for r in umount(pod, at, lazy=True).rows} <= {"unmounted", "noop"}
+        assert pod.sh(1, f"mountpoint -q {at} || echo no") == "no"
+    finally:
+        pod.sh(1, "kill $(cat /tmp/holder)", check=False)
