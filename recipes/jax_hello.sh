@@ -33,8 +33,10 @@ try:
     from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 except ImportError as err:
-    sys.exit(f"jax_hello: JAX is not installed for {sys.executable} ({err}); run "
-             "`invoke setup` (scripts/setup.sh, or scripts/setup-sim.sh on the simulated pod).")
+    print(f"jax_hello: JAX is not installed for {sys.executable} ({err}); run "
+          "`tpufab setup` (scripts/setup.sh, or scripts/setup-sim.sh on the simulated pod).",
+          file=sys.stderr)
+    sys.exit(2)
 
 
 def on_tpu():
@@ -61,8 +63,9 @@ def initialize():
     missing = [k for k in ("TPUFAB_COORDINATOR", "TPUFAB_NUM_WORKERS", "TPUFAB_WORKER_ID")
                if k not in os.environ]
     if missing:
-        sys.exit(f"jax_hello: no TPU here and {', '.join(missing)} unset; start it with "
-                 "`tpufab run` (or `run --local --workers N`).")
+        print(f"jax_hello: no TPU here and {', '.join(missing)} unset; start it with "
+              "`tpufab run` (or `run --local --workers N`).", file=sys.stderr)
+        sys.exit(2)
     jax.distributed.initialize(coordinator_address=os.environ["TPUFAB_COORDINATOR"],
                                num_processes=int(os.environ["TPUFAB_NUM_WORKERS"]),
                                process_id=int(os.environ["TPUFAB_WORKER_ID"]),
