@@ -105,9 +105,9 @@ def test_wait_for_gives_up_at_the_timeout():
 # tables
 
 
-def a_node(name="demo", state="READY", **kw) -> Node:
+def a_node(name="demo", state="READY", accelerator_type="v4-32", **kw) -> Node:
     workers = [WorkerEndpoint(i, f"10.0.0.{i + 2}", f"34.0.0.{i + 2}", 22) for i in range(4)]
-    return Node(name=name, project="p", zone="z", accelerator_type="v4-32", state=state,
+    return Node(name=name, project="p", zone="z", accelerator_type=accelerator_type, state=state,
                 health="HEALTHY" if state == "READY" else None, workers=workers, **kw)
 
 
@@ -142,6 +142,42 @@ def test_describe_view_lists_every_worker():
                             accelerator_type="v4-8", node_ids=["q"], failure="no [capacity]")
     text = render(lifecycle.details_table(qr))
     assert "FAILED" in text and "no [capacity]" in text     # API text is not rich markup
+
+
+# ---------------------------------------------------------------------------------------------
+# a create that loses a race
+
+
+class RacingControl:
+    """Nothing there at first; the create then answers ALREADY_EXISTS (another tpufab, or our
+    own request retried after a 503, got there first) and the node is READY."""
+
+    def __init__(self):
+        self.created = False
+        self.node = a_node("demo", accelerator_type="v4-32")
+
+    def find_queued_resource(self, name):
+        return None
+
+    def find_node(self, name):
+        return self.node if self.created else None
+
+    def create_node(self, name, body):
+        from tpufab.controlplane import AlreadyExists
+
+        self.created = True
+        raise AlreadyExists("A node named 'demo' already exists.")
+
+    def add_ssh_key(self, node, entry):
+        return None
+
+
+def test_create_that_finds_the_node_already_made_is_a_no_op(tmp_path):
+    settings = load_settings({"project": "p", "name": "demo", "type": "v4-32",
+                              "ssh_key": str(tmp_path / "k")}, cwd=tmp_path, env={})
+    console = recording_console()
+    [node] = lifecycle.create(settings, console=console, control=RacingControl())
+    assert node.name == "demo" and "already exists and is READY" in output(console)
 
 
 # ---------------------------------------------------------------------------------------------

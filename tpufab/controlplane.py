@@ -103,6 +103,10 @@ def queued_resource_body(settings: Settings, *, num_slices: int = 1,
 # Errors (pure: exception in, sentence out)
 
 
+class AlreadyExists(ApiError):
+    """The node or queued resource to create is already there."""
+
+
 @dataclass(frozen=True)
 class Action:
     """What a call was doing, for the error sentence."""
@@ -272,7 +276,7 @@ def translate(exc: BaseException, action: Action, endpoint: str) -> TpufabError:
         return NotFound(f"The TPU API found nothing at {endpoint} for project {action.project} "
                         f"zone {action.zone} ({message}); check --project and --zone.")
     if isinstance(exc, gexc.AlreadyExists) or type(exc) is gexc.Conflict:  # not ABORTED
-        return ApiError(f"A {action.kind} named {action.name!r} already exists {where}; pick "
+        return AlreadyExists(f"A {action.kind} named {action.name!r} already exists {where}; pick "
                         f"another --name or remove it with `tpufab delete --name {action.name}`.")
     if isinstance(exc, gexc.BadRequest):
         return ApiError(f"The TPU API rejected the request to {action.verb} {action.target}: "

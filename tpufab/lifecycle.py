@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING
 
 from tpufab import sshkeys
 from tpufab.config import Settings
-from tpufab.controlplane import ControlPlane, node_body, queued_resource_body, scheduling_tier
+from tpufab.controlplane import (
+    AlreadyExists,
+    ControlPlane,
+    node_body,
+    queued_resource_body,
+    scheduling_tier,
+)
 from tpufab.errors import ApiError, ConfigError
 from tpufab.nodes import DEAD_STATES, Node, QueuedResourceInfo
 from tpufab.topology import parse_accelerator_type
@@ -157,14 +163,24 @@ def create(settings: Settings, *, queued: bool = False, num_slices: int = 1, asy
     kind = "queued resource" if queued else "TPU node"
     slices = f" x {num_slices} slices" if num_slices > 1 else ""
     console.print(f"Creating {kind} [bold]{name}[/bold] ({topology.name}{slices}, "
-                  f"{topology.hosts} host{'s' if topology.hosts != 1 else ''}"
-                  f"{' per slice' if num_slices > 1 else ''}, {scheduling_tier(settings)}) "
+                  f"{_hosts(topology.hosts)}{' per slice' if num_slices > 1 else ''}, "
+                  f"{scheduling_tier(settings)}) "
                   f"in {_escape(where)}.")
-    if queued:
-        body = queued_resource_body(settings, num_slices=num_slices, ssh_entry=entry)
-        op = control.create_queued_resource(name, body)
-    else:
-        op = control.create_node(name, node_body(settings, ssh_entry=entry))
+    try:
+        if queued:
+            body = queued_resource_body(settings, num_slices=num_slices, ssh_entry=entry)
+            op = control.create_queued_resource(name, body)
+        else:
+            op = control.create_node(name, node_body(settings, ssh_entry=entry))
+    except AlreadyExists:
+        # created meanwhile (by another tpufab, or by our own request before a retried 503)
+        if queued and (existing_qr := control.find_queued_resource(name)) is not None:
+            return _existing_queued(control, existing_qr, settings, topology.name, entry,
+                                    async_=async_, console=console)
+        if (existing := control.find_node(name)) is not None:
+            return _existing_node(control, existing, settings, topology.name, entry,
+                                  async_=async_, console=console)
+        raise
 
     if async_:
         console.print(f"Not waiting (--async); follow it with `tpufab describe --name {name}`.")
@@ -244,9 +260,13 @@ def _wait_queued(control: ControlPlane, name: str, op: str | None, settings: Set
     return nodes
 
 
+def _hosts(count: int) -> str:
+    return f"{count} host{'s' if count != 1 else ''}"
+
+
 def _summary(node: Node) -> str:
     ips = ", ".join(node.addresses()) or "no workers"
-    return f"{node.accelerator_type}, {node.hosts} host{'s' if node.hosts != 1 else ''} ({ips})"
+    return f"{node.accelerator_type}, {_hosts(node.hosts)} ({ips})"
 
 
 def _ensure_key(control: ControlPlane, node: Node, entry: str, settings: Settings,
@@ -355,7 +375,7 @@ def delete(settings: Settings, *, yes: bool = False, console: Console | None = N
         what = f"queued resource {qr.name} ({qr.accelerator_type}, {qr.state}; nodes: {slices})"
     else:
         assert node is not None
-        what = f"TPU node {name} ({node.accelerator_type}, {node.hosts} hosts, {node.state})"
+        what = f"TPU node {name} ({node.accelerator_type}, {_hosts(node.hosts)}, {node.state})"
     if not yes and not confirm(f"Delete {_escape(what)} in {_escape(where)}?", console):
         console.print("Not deleted.")
         return False
