@@ -1,0 +1,1053 @@
+"""Run commands on many workers at once over Fabric/paramiko, with one result per worker.
+
+Fabric ``Connection`` objects are the SSH layer (config, auth, host keys through our pinned
+policy); Fabric's own runner is not used for commands because it polls with sleeps. Instead
+each connection starts one small agent (``tpufab/remote/agent.py``) on one channel, and
+every command is a frame on that channel: no new sshd session per command, stdout/stderr
+read as they arrive (no polling), secrets sent on stdin, and every remote process killed
+when a command is cancelled or the channel closes. See docs/fanout.md.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import json
+import os
+import socket
+import struct
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from importlib import resources
+from typing import IO, Protocol
+
+from tpufab import nodeset, quoting
+from tpufab.errors import TpufabError
+from tpufab.quoting import Secret
+
+HEADER = struct.Struct(">BII")
+DEFAULT_CONCURRENCY = 64
+SPOOL_BYTES = 256 * 1024  # per worker and stream, then spill to a temp file
+KILL_GRACE = 2.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Records
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one worker is reached. ``host_key_alias`` names its pinned key (hostkeys.alias)."""
+
+    worker: int
+    host: str
+    user: str
+    key_filename: str | None = None
+    port: int = 22
+    host_key_alias: str | None = None
+
+    @property
+    def key_alias(self) -> str:
+        return self.host_key_alias or (self.host if self.port == 22 else f"[{self.host}]:{self.port}")
+
+
+class ConnectError(TpufabError):
+    """A worker could not be reached or logged into."""
+
+
+class FanoutError(TpufabError):
+    """One or more workers failed; carries every worker's result."""
+
+    def __init__(self, message: str, result: GroupResult, *, details: str | None = None,
+                 exit_code: int | None = None):
+        super().__init__(message, details=details, exit_code=exit_code)
+        self.result = result
+
+
+class FanoutInterrupted(FanoutError):
+    """Ctrl-C: the remote commands were stopped on every worker."""
+
+    exit_code = 130
+
+
+class Output:
+    """One stream of one worker: bytes spooled in memory up to a cap, then to a temp file."""
+
+    __slots__ = ("_spool", "_hash", "size")
+
+    def __init__(self, max_memory: int = SPOOL_BYTES):
+        self._spool = tempfile.SpooledTemporaryFile(max_size=max_memory)
+        self._hash = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        self._spool.write(data)
+        self._hash.update(data)
+        self.size += len(data)
+
+    @property
+    def digest(self) -> str:
+        return self._hash.hexdigest()
+
+    def chunks(self, size: int = 1 << 16) -> Iterable[bytes]:
+        self._spool.seek(0)
+        while chunk := self._spool.read(size):
+            yield chunk
+        self._spool.seek(0, os.SEEK_END)
+
+    def read(self) -> bytes:
+        return b"".join(self.chunks())
+
+    def close(self) -> None:
+        self._spool.close()
+
+
+class WorkerResult:
+    """What happened on one worker: exit code, output, duration, or the connection error."""
+
+    __slots__ = ("worker", "exit_code", "duration", "error", "signal", "stdout_output", "stderr_output")
+
+    def __init__(self, worker: int, exit_code: int | None = None, duration: float = 0.0,
+                 error: str | None = None, signal: int | None = None,
+                 stdout: Output | None = None, stderr: Output | None = None):
+        self.worker = worker
+        self.exit_code = exit_code
+        self.duration = duration
+        self.error = error
+        self.signal = signal
+        self.stdout_output = stdout or Output()
+        self.stderr_output = stderr or Output()
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.exit_code == 0
+
+    @property
+    def stdout_bytes(self) -> bytes:
+        return self.stdout_output.read()
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_bytes.decode("utf-8", "replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_output.read().decode("utf-8", "replace")
+
+    @property
+    def outcome(self) -> str:
+        """``exit 0`` / ``exit 1`` / ``timed out after 5s`` / ``connection refused``..."""
+        if self.error:
+            return self.error
+        return f"exit {self.exit_code}"
+
+    def __repr__(self) -> str:
+        return f"<WorkerResult w{self.worker} {self.outcome} {self.duration * 1e3:.1f} ms>"
+
+
+class GroupResult(Mapping[int, WorkerResult]):
+    """One :class:`WorkerResult` per selected worker, in worker order."""
+
+    def __init__(self, results: Mapping[int, WorkerResult], command: str = ""):
+        self._results = dict(sorted(results.items()))
+        self.command = command
+
+    def __getitem__(self, worker: int) -> WorkerResult:
+        return self._results[worker]
+
+    def __iter__(self):
+        return iter(self._results)
+
+    def __len__(self) -> int:
+        return len(self._results)
+
+    @property
+    def failed(self) -> list[WorkerResult]:
+        return [r for r in self._results.values() if not r.ok]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    @property
+    def exit_code(self) -> int:
+        """0 if every worker succeeded; the shared exit code if all failures agree; else 1."""
+        codes = {r.exit_code for r in self.failed}
+        if not codes:
+            return 0
+        if len(codes) == 1 and None not in codes:
+            return codes.pop() or 1
+        return 1
+
+    def summary(self) -> str:
+        """``w[0-2] exit 0; w3 exit 1; w7 connection refused``."""
+        groups: dict[str, list[int]] = {}
+        for r in self._results.values():
+            groups.setdefault(r.outcome, []).append(r.worker)
+        return "; ".join(f"{nodeset.fold(ws)} {outcome}" for outcome, ws in
+                         sorted(groups.items(), key=lambda kv: kv[1][0]))
+
+    def details(self) -> str:
+        lines = []
+        for r in self._results.values():
+            tail = ""
+            if not r.ok and r.error is None:
+                err = r.stderr.strip().splitlines()
+                tail = f"  {err[-1][:200]}" if err else ""
+            lines.append(f"  {nodeset.label(r.worker):>4}  {r.outcome:<28} {r.duration * 1e3:8.1f} ms{tail}")
+        return "\n".join(lines)
+
+    def check(self) -> GroupResult:
+        """Raise :class:`FanoutError` naming every failing worker; else return self."""
+        failed = self.failed
+        if failed:
+            raise FanoutError(
+                f"{self._what()} failed on {len(failed)} of {len(self)} workers: "
+                f"{GroupResult({r.worker: r for r in failed}).summary()}.",
+                self, details=self.details(), exit_code=self.exit_code,
+            )
+        return self
+
+    def _what(self) -> str:
+        cmd = self.command.strip().splitlines()[0] if self.command.strip() else "The command"
+        if len(cmd) > 60:
+            cmd = cmd[:57] + "..."
+        return f"`{cmd}`" if self.command.strip() else cmd
+
+    def close(self) -> None:
+        for r in self._results.values():
+            r.stdout_output.close()
+            r.stderr_output.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Output views
+# ---------------------------------------------------------------------------------------------
+
+
+class OutputSink(Protocol):
+    """Receives complete lines (masked, each ending in ``\\n``) as they arrive."""
+
+    def lines(self, worker: int, stream: str, data: bytes) -> None: ...
+
+    def done(self, result: WorkerResult) -> None: ...
+
+
+_COLORS = [36, 33, 35, 32, 34, 31, 96, 93, 95, 92, 94, 91]
+
+
+class _BytesTo:
+    """Write bytes to a binary stream, a text stream's buffer, or a plain text stream."""
+
+    def __init__(self, stream: IO):
+        buffer = getattr(stream, "buffer", None)
+        self.stream = buffer if buffer is not None else stream
+        self.text = buffer is None and isinstance(stream, io.TextIOBase)
+
+    def write(self, data: bytes) -> None:
+        self.stream.write(data.decode("utf-8", "replace") if self.text else data)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def _binary(stream: IO) -> _BytesTo:
+    return _BytesTo(stream)
+
+
+class LiveView:
+    """Lines as they arrive, each prefixed ``w3 │``, colored per worker, never split mid-line."""
+
+    def __init__(self, out: IO | None = None, err: IO | None = None, *, color: bool | None = None,
+                 workers: Iterable[int] = ()):
+        self.out = out if out is not None else sys.stdout
+        self.err = err if err is not None else sys.stderr
+        self.color = self.out.isatty() if color is None and hasattr(self.out, "isatty") else bool(color)
+        self.width = max((len(nodeset.label(w)) for w in workers), default=2)
+        self._prefixes: dict[int, bytes] = {}
+        self._lock = threading.Lock()
+
+    def prefix(self, worker: int) -> bytes:
+        found = self._prefixes.get(worker)
+        if found is None:
+            text = f"{nodeset.label(worker):<{self.width}} │ "
+            if self.color:
+                text = f"\x1b[{_COLORS[worker % len(_COLORS)]}m{text}\x1b[0m"
+            found = self._prefixes[worker] = text.encode()
+        return found
+
+    def lines(self, worker: int, stream: str, data: bytes) -> None:
+        prefix = self.prefix(worker)
+        # One replace per chunk instead of a Python loop per line.
+        rendered = prefix + data[:-1].replace(b"\n", b"\n" + prefix) + b"\n"
+        target = self.out if stream == "stdout" else self.err
+        with self._lock:
+            out = _binary(target)
+            out.write(rendered)
+            out.flush()
+
+    def done(self, result: WorkerResult) -> None:
+        if result.error:
+            with self._lock:
+                out = _binary(self.err)
+                out.write(self.prefix(result.worker) + f"{result.error}\n".encode())
+                out.flush()
+
+
+class LineCallback:
+    """Adapts ``on_line(worker, stream, line)`` (str, without newline) to an OutputSink."""
+
+    def __init__(self, callback: Callable[[int, str, str], None]):
+        self.callback = callback
+
+    def lines(self, worker: int, stream: str, data: bytes) -> None:
+        for line in data.decode("utf-8", "replace").split("\n")[:-1]:
+            self.callback(worker, stream, line)
+
+    def done(self, result: WorkerResult) -> None:
+        pass
+
+
+class _Tee:
+    def __init__(self, sinks: Sequence[OutputSink]):
+        self.sinks = sinks
+
+    def lines(self, worker, stream, data):
+        for sink in self.sinks:
+            sink.lines(worker, stream, data)
+
+    def done(self, result):
+        for sink in self.sinks:
+            sink.done(result)
+
+
+def print_gathered(result: GroupResult, out: IO | None = None, err: IO | None = None, *,
+                   color: bool | None = None) -> None:
+    """``clush -b``: each distinct output once, under the folded set of workers, by exit code.
+
+    Reads from the spooled outputs in chunks, so memory stays bounded whatever the size.
+    """
+    out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
+    use_color = out.isatty() if color is None and hasattr(out, "isatty") else bool(color)
+    for stream_name, target in (("stdout", out), ("stderr", err)):
+        groups: dict[tuple, list[WorkerResult]] = {}
+        for r in result.values():
+            output = r.stdout_output if stream_name == "stdout" else r.stderr_output
+            if r.error and stream_name == "stdout":
+                continue
+            if output.size == 0 and not (stream_name == "stderr" and r.error):
+                continue
+            key = (r.error or "", r.exit_code if r.exit_code is not None else -1, output.digest)
+            groups.setdefault(key, []).append(r)
+        binary = _binary(target)
+        for (error, _code, _digest), members in sorted(
+            groups.items(), key=lambda kv: (kv[0][0] != "", kv[0][1], kv[1][0].worker)
+        ):
+            header = f"{nodeset.fold(m.worker for m in members)} ({members[0].outcome})"
+            rule = "-" * max(16, len(header))
+            text = f"{rule}\n{header}\n{rule}\n"
+            if use_color:
+                text = f"\x1b[1;{32 if members[0].ok else 31}m{text}\x1b[0m"
+            binary.write(text.encode())
+            body = members[0].stdout_output if stream_name == "stdout" else members[0].stderr_output
+            last = b"\n"
+            for chunk in body.chunks():
+                binary.write(chunk)
+                last = chunk[-1:]
+            if error and stream_name == "stderr":
+                binary.write(f"{error}\n".encode())
+            elif last != b"\n":
+                binary.write(b"\n")
+        binary.flush()
+
+
+# ---------------------------------------------------------------------------------------------
+# Client side of the worker agent
+# ---------------------------------------------------------------------------------------------
+
+
+_SOURCES: dict[str, bytes] = {}
+
+
+def _remote_file(name: str) -> bytes:
+    """A worker-side file shipped with tpufab (``tpufab/remote/NAME``), read once."""
+    data = _SOURCES.get(name)
+    if data is None:
+        data = _SOURCES[name] = resources.files("tpufab.remote").joinpath(name).read_bytes()
+    return data
+
+
+_LOADER = "import sys;exec(compile(sys.stdin.buffer.read({size}),'tpufab-agent','exec'))"
+
+
+class _Task:
+    """Client-side state of one command on one worker."""
+
+    def __init__(self, task_id: int, worker: int, sink: OutputSink | None, secrets: list[bytes],
+                 capture: bool = True):
+        self.id = task_id
+        self.worker = worker
+        self.sink = sink
+        self.secrets = secrets
+        self.capture = capture
+        self.result = WorkerResult(worker)
+        self.partial = {"stdout": b"", "stderr": b""}
+        self.done = threading.Event()
+        self.started = time.perf_counter()
+        self.on_done: Callable[[_Task], None] | None = None
+        self.timed_out = False
+        self.agent: _Agent | None = None
+
+    def feed(self, stream: str, data: bytes) -> None:
+        buffered = self.partial[stream]
+        cut = data.rfind(b"\n")
+        if cut < 0:
+            self.partial[stream] = buffered + data
+            return
+        complete = buffered + data[: cut + 1] if buffered else data[: cut + 1]
+        self.partial[stream] = data[cut + 1:]
+        self._emit(stream, complete)
+
+    def _emit(self, stream: str, data: bytes) -> None:
+        if self.secrets:
+            data = quoting.mask_bytes(data, self.secrets)
+        if self.capture:
+            (self.result.stdout_output if stream == "stdout" else self.result.stderr_output).write(data)
+        if self.sink is not None:
+            if not data.endswith(b"\n"):
+                self.sink.lines(self.worker, stream, data + b"\n")
+            else:
+                self.sink.lines(self.worker, stream, data)
+
+    def finish(self, exit_code: int | None = None, error: str | None = None,
+               signal: int | None = None) -> None:
+        if self.done.is_set():
+            return
+        for stream in ("stdout", "stderr"):
+            if self.partial[stream]:
+                rest, self.partial[stream] = self.partial[stream], b""
+                self._emit(stream, rest)
+        self.result.exit_code = exit_code
+        self.result.error = error
+        self.result.signal = signal
+        self.result.duration = time.perf_counter() - self.started
+        if self.sink is not None:
+            self.sink.done(self.result)
+        self.done.set()
+        if self.on_done is not None:
+            self.on_done(self)
+
+
+class _Agent:
+    """One agent process on one SSH channel; commands are frames on it."""
+
+    def __init__(self, transport, worker: int, python: str, open_timeout: float):
+        source = _remote_file("agent.py")
+        self.worker = worker
+        self.tasks: dict[int, _Task] = {}
+        self.lock = threading.Lock()
+        self.send_lock = threading.Lock()
+        self.closed = False
+        self.hello: dict | None = None
+        self.chan = transport.open_session(timeout=open_timeout)
+        loader = _LOADER.format(size=len(source))
+        self.chan.exec_command(quoting.command(quoting.Raw("exec"), python, "-I", "-S", "-c", loader))
+        # Pipelined: the source goes out right behind the exec request; no round trip waited.
+        self.chan.sendall(source)
+        self.reader = threading.Thread(target=self._read_loop, name=f"tpufab-w{worker}", daemon=True)
+        self.reader.start()
+
+    # -- sending -------------------------------------------------------------------------
+    def _send(self, kind: bytes, task_id: int, payload: bytes = b"") -> None:
+        frame = HEADER.pack(kind[0], task_id, len(payload)) + payload
+        with self.send_lock:
+            self.chan.sendall(frame)
+
+    def submit(self, task: _Task, request: dict, stdin: bytes | None = None,
+               put_data: bytes | None = None) -> None:
+        with self.lock:
+            if self.closed:
+                raise ConnectError(f"The connection to worker {self.worker} is closed.")
+            self.tasks[task.id] = task
+        task.agent = self
+        body = json.dumps(request).encode()
+        if put_data is not None:
+            self._send(b"P", task.id, struct.pack(">I", len(body)) + body + put_data)
+            return
+        self._send(b"R", task.id, body)
+        if stdin is not None:
+            for start in range(0, len(stdin), 1 << 18):
+                self._send(b"I", task.id, stdin[start:start + (1 << 18)])
+            self._send(b"E", task.id)
+
+    def kill(self, task: _Task, signal_name: str = "SIGTERM") -> None:
+        try:
+            self._send(b"K", task.id, signal_name.encode())
+        except Exception:  # noqa: BLE001 - the channel is gone; the agent kills on EOF
+            pass
+
+    # -- receiving -----------------------------------------------------------------------
+    def _read_loop(self) -> None:
+        buf = bytearray()
+        chan = self.chan
+        size = HEADER.size
+        try:
+            while True:
+                data = chan.recv(1 << 18)
+                if not data:
+                    break
+                buf += data
+                pos = 0
+                end = len(buf)
+                while end - pos >= size:
+                    kind, task_id, length = HEADER.unpack_from(buf, pos)
+                    if end - pos - size < length:
+                        break
+                    payload = bytes(buf[pos + size: pos + size + length])
+                    pos += size + length
+                    self._dispatch(kind, task_id, payload)
+                del buf[:pos]
+        except Exception as err:  # noqa: BLE001 - any failure ends the agent; tasks get the error
+            self._close(f"connection lost ({type(err).__name__}: {err})")
+            return
+        self._close(None)
+
+    def _dispatch(self, kind: int, task_id: int, payload: bytes) -> None:
+        if kind == 79:  # O
+            task = self.tasks.get(task_id)
+            if task:
+                task.feed("stdout", payload)
+        elif kind == 88:  # X
+            task = self.tasks.get(task_id)
+            if task:
+                task.feed("stderr", payload)
+        elif kind == 68:  # D
+            info = json.loads(payload)
+            with self.lock:
+                task = self.tasks.pop(task_id, None)
+            if task:
+                error = None
+                if info.get("timed_out") or task.timed_out:
+                    error = f"timed out after {info.get('timeout', '?')} s"
+                task.finish(info.get("exit_code"), error, info.get("signal"))
+        elif kind == 70:  # F
+            info = json.loads(payload)
+            with self.lock:
+                task = self.tasks.pop(task_id, None)
+            if task:
+                task.finish(None, f"could not start: {info.get('error')}")
+        elif kind == 72:  # H
+            self.hello = json.loads(payload)
+
+    def _close(self, reason: str | None) -> None:
+        with self.lock:
+            self.closed = True
+            pending = list(self.tasks.values())
+            self.tasks.clear()
+        if not pending:
+            return
+        if reason is None:
+            stderr = b""
+            try:
+                while self.chan.recv_stderr_ready():
+                    stderr += self.chan.recv_stderr(65536)
+            except Exception:  # noqa: BLE001
+                pass
+            text = stderr.decode("utf-8", "replace").strip().splitlines()
+            reason = "the worker agent exited" + (f": {text[-1]}" if text else "")
+            if "not found" in reason and "python" in reason:
+                reason += " (tpufab needs python3 on every worker)"
+        for task in pending:
+            task.finish(None, reason)
+
+    @property
+    def alive(self) -> bool:
+        return not self.closed and not self.chan.closed
+
+    def close(self) -> None:
+        try:
+            self.chan.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Connections
+# ---------------------------------------------------------------------------------------------
+
+
+class _QuickAckSocket(socket.socket):
+    """A TCP socket that re-arms TCP_QUICKACK after every read.
+
+    sshd writes small packets without TCP_NODELAY for non-tty sessions; with the client's
+    delayed ACK that costs 40 ms at the first channel open (Nagle waiting on an unacked
+    packet). Acking at once removes the stall.
+    """
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:  # type: ignore[override]
+        data = super().recv(bufsize, flags)
+        try:
+            self.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+        except OSError:
+            pass
+        return data
+
+
+def _open_socket(host: str, port: int, timeout: float) -> socket.socket:
+    last: Exception | None = None
+    for family, kind, proto, _name, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = _QuickAckSocket(family, kind, proto)
+        try:
+            sock.settimeout(timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.connect(address)
+            return sock
+        except OSError as err:
+            sock.close()
+            last = err
+    raise last or OSError(errno.EHOSTUNREACH, f"no address for {host}")
+
+
+def _transient(err: BaseException) -> bool:
+    """Connection-level failures worth retrying; auth and host-key failures are not."""
+    import paramiko
+
+    if isinstance(err, TpufabError | paramiko.AuthenticationException | paramiko.BadHostKeyException):
+        return False
+    return isinstance(err, OSError | EOFError | paramiko.SSHException)
+
+
+def _describe(err: BaseException) -> str:
+    import paramiko
+
+    if isinstance(err, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(err, ConnectionResetError):
+        return "connection reset"
+    if isinstance(err, socket.timeout | TimeoutError):
+        return "connection timed out"
+    if isinstance(err, paramiko.AuthenticationException):
+        return "authentication failed (is the tpufab key in the worker's authorized_keys?)"
+    if isinstance(err, TpufabError):
+        return str(err)
+    text = str(err) or type(err).__name__
+    return f"connection failed: {text}"
+
+
+class _Link:
+    """The Fabric connection and agent of one worker."""
+
+    def __init__(self, target: Target):
+        self.target = target
+        self.conn = None
+        self.agent: _Agent | None = None
+        self.lock = threading.Lock()
+
+    @property
+    def ready(self) -> bool:
+        return self.agent is not None and self.agent.alive
+
+    def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
+        if self.conn is not None:
+            try:
+                self.conn.close()
+            except Exception:  # noqa: BLE001
+                pass
+            self.conn = None
+
+
+# ---------------------------------------------------------------------------------------------
+# The fan-out
+# ---------------------------------------------------------------------------------------------
+
+
+class Fanout:
+    """Holds one connection per worker and runs commands on any selection of them.
+
+    ``known_hosts`` (a :class:`tpufab.hostkeys.KnownHosts`) checks every worker's host key;
+    ``connection_class`` is the Fabric Connection class (an injected seam for tests).
+    """
+
+    def __init__(
+        self,
+        targets: Sequence[Target],
+        *,
+        known_hosts=None,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        connect_timeout: float = 10.0,
+        command_timeout: float | None = None,
+        connect_attempts: int = 4,
+        retry_wait: tuple[float, float] = (0.25, 4.0),
+        on_retry: Callable[[Target, int, BaseException], None] | None = None,
+        python: str = "python3",
+        config=None,
+        connection_class=None,
+        kill_grace: float = KILL_GRACE,
+    ):
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        if known_hosts is None:
+            from tpufab.hostkeys import KnownHosts
+
+            known_hosts = KnownHosts()
+        self.targets = {t.worker: t for t in targets}
+        self.links = {t.worker: _Link(t) for t in targets}
+        self.known_hosts = known_hosts
+        self.concurrency = concurrency
+        self.connect_timeout = connect_timeout
+        self.command_timeout = command_timeout
+        self.connect_attempts = max(1, connect_attempts)
+        self.retry_wait = retry_wait
+        self.on_retry = on_retry
+        self.python = python
+        self.kill_grace = kill_grace
+        self._config = config
+        self._connection_class = connection_class
+        self._keys: dict[str, object] = {}
+        self._keys_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._ids = iter(range(1, 1 << 31))
+        self._ids_lock = threading.Lock()
+        self._cancelled = threading.Event()
+
+    # -- context ----------------------------------------------------------------------------
+    def __enter__(self) -> Fanout:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    @property
+    def workers(self) -> list[int]:
+        return sorted(self.targets)
+
+    def select(self, workers=None) -> list[int]:
+        """Resolve a selection (``None``, ``"all"``, ``"0,3-5"``, ``[1, 2]``) to worker indexes."""
+        count = max(self.targets) + 1 if self.targets else 0
+        chosen = nodeset.parse_selection(workers, count)
+        missing = [w for w in chosen if w not in self.targets]
+        if missing:
+            raise TpufabError(f"No connection target for {nodeset.fold(missing)}.")
+        return chosen
+
+    # -- connecting -------------------------------------------------------------------------
+    def _fabric(self):
+        if self._config is None:
+            from fabric import Config
+
+            self._config = Config(lazy=True)
+        if self._connection_class is None:
+            from fabric import Connection
+
+            self._connection_class = Connection
+        return self._config, self._connection_class
+
+    def _pkey(self, path: str | None):
+        if path is None:
+            return None
+        with self._keys_lock:
+            key = self._keys.get(path)
+            if key is None:
+                import paramiko
+
+                try:
+                    key = paramiko.PKey.from_path(os.path.expanduser(path))
+                except FileNotFoundError as err:
+                    raise ConnectError(
+                        f"The SSH key {path} does not exist; create it with `tpufab keys create` "
+                        "or point key_filename at an existing private key."
+                    ) from err
+                self._keys[path] = key
+            return key
+
+    def _connect_once(self, link: _Link) -> None:
+        config, connection_class = self._fabric()
+        target = link.target
+        pkey = self._pkey(target.key_filename)
+        connect_kwargs = {
+            "look_for_keys": pkey is None,
+            "allow_agent": pkey is None,
+            "banner_timeout": self.connect_timeout,
+            "auth_timeout": self.connect_timeout,
+            "channel_timeout": self.connect_timeout,
+        }
+        if pkey is not None:
+            connect_kwargs["pkey"] = pkey
+        conn = connection_class(
+            target.host, user=target.user, port=target.port, config=config,
+            connect_timeout=max(1, int(round(self.connect_timeout))), connect_kwargs=connect_kwargs,
+        )
+        conn.client.set_missing_host_key_policy(self.known_hosts.policy(target.key_alias))
+        if not conn.gateway:
+            conn.connect_kwargs["sock"] = _open_socket(target.host, target.port, self.connect_timeout)
+        try:
+            conn.open()
+        except BaseException:
+            conn.close()
+            raise
+        finally:
+            conn.connect_kwargs.pop("sock", None)
+        try:
+            agent = _Agent(conn.transport, target.worker, self.python, self.connect_timeout)
+        except BaseException:
+            conn.close()
+            raise
+        link.conn, link.agent = conn, agent
+
+    def _connect(self, link: _Link) -> None:
+        """Connect with retries on connection-level failures (tenacity, exponential backoff)."""
+        if link.ready:
+            return
+        from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+        def before_sleep(state):
+            if self.on_retry is not None:
+                self.on_retry(link.target, state.attempt_number, state.outcome.exception())
+
+        with link.lock:
+            if link.ready:
+                return
+            link.close()
+            retrying = Retrying(
+                stop=stop_after_attempt(self.connect_attempts),
+                wait=wait_exponential(multiplier=self.retry_wait[0], max=self.retry_wait[1]),
+                retry=retry_if_exception(lambda e: _transient(e) and not self._cancelled.is_set()),
+                before_sleep=before_sleep,
+                reraise=True,
+            )
+            retrying(self._connect_once, link)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="tpufab-connect")
+        return self._pool
+
+    def open(self, workers=None) -> GroupResult:
+        """Connect to the selected workers now (else the first run connects lazily)."""
+        return self.run(None, workers=workers)
+
+    # -- running ----------------------------------------------------------------------------
+    def run(
+        self,
+        command: str | Sequence[str] | None,
+        *,
+        workers=None,
+        env: Mapping[str, str | Secret] | None = None,
+        secrets: Mapping[str, str | Secret] | None = None,
+        stdin: bytes | str | None = None,
+        timeout: float | None = None,
+        sink: OutputSink | None = None,
+        on_line: Callable[[int, str, str], None] | None = None,
+        capture: bool = True,
+        cwd: str | None = None,
+        check: bool = False,
+        _put: tuple[dict, bytes] | None = None,
+    ) -> GroupResult:
+        """Run ``command`` on the selected workers; one :class:`WorkerResult` each.
+
+        ``command`` is a shell command line (run by the worker user's shell, exactly once, as
+        ``ssh`` would) or an argv list (run without a shell). ``env`` values are plain; any
+        :class:`Secret` there or in ``secrets`` travels on stdin, is masked as ``***`` in
+        output and results, and never appears in argv on the worker. ``timeout`` is per
+        command: the worker kills it (TERM, then KILL) and the result says "timed out".
+        Ctrl-C stops the command on every worker, then raises :class:`FanoutInterrupted`.
+        """
+        chosen = self.select(workers)
+        timeout = timeout if timeout is not None else self.command_timeout
+        all_env = dict(env or {})
+        all_env.update(secrets or {})
+        masked = [v.encode() for v in quoting.secret_values(
+            [v for v in all_env.values() if isinstance(v, Secret)] + list((secrets or {}).values())
+        )]
+        request: dict = {}
+        if command is not None and _put is None:
+            if isinstance(command, str):
+                request["command"] = str(command)
+            else:
+                request["argv"] = [str(a) for a in command]
+            if all_env:
+                request["env"] = quoting.reveal_env(all_env)
+            if stdin is not None:
+                request["stdin"] = True
+            if timeout is not None:
+                request["timeout"] = timeout
+            if cwd is not None:
+                request["cwd"] = cwd
+        elif _put is not None:
+            request = _put[0]
+        stdin_bytes = stdin.encode() if isinstance(stdin, str) else stdin
+        sinks = [s for s in (sink, LineCallback(on_line) if on_line else None) if s is not None]
+        view = sinks[0] if len(sinks) == 1 else (_Tee(sinks) if sinks else None)
+        label = command if isinstance(command, str) else " ".join(command or [])
+
+        tasks: dict[int, _Task] = {}
+        slots = threading.BoundedSemaphore(self.concurrency)
+        self._cancelled.clear()
+
+        def release(_task: _Task) -> None:
+            slots.release()
+
+        def start(task: _Task) -> None:
+            link = self.links[task.worker]
+            try:
+                if not link.ready:
+                    self._connect(link)
+                if command is None and _put is None:
+                    task.finish(0)
+                    return
+                link.agent.submit(task, request, stdin_bytes, _put[1] if _put else None)
+            except BaseException as err:  # noqa: BLE001 - becomes this worker's result
+                link.close()
+                task.finish(None, _describe(err))
+
+        try:
+            for worker in chosen:
+                with self._ids_lock:
+                    task_id = next(self._ids)
+                task = _Task(task_id, worker, view, masked, capture)
+                task.on_done = release
+                tasks[worker] = task
+                slots.acquire()
+                if self.links[worker].ready:
+                    start(task)  # warm: a frame on an open channel, no thread hop
+                else:
+                    self._executor().submit(start, task)
+            self._wait(tasks, timeout)
+        except KeyboardInterrupt:
+            self._interrupt(tasks)
+            group = GroupResult({w: t.result for w, t in tasks.items()}, label)
+            raise FanoutInterrupted(
+                f"Interrupted: stopped {label or 'the command'!r} on "
+                f"{nodeset.fold(tasks)}.", group, details=group.details(),
+            ) from None
+        group = GroupResult({w: t.result for w, t in tasks.items()}, label)
+        return group.check() if check else group
+
+    def _wait(self, tasks: Mapping[int, _Task], timeout: float | None) -> None:
+        # The agent enforces ``timeout``; this guard only covers a worker that stops answering.
+        guard = None if timeout is None else timeout + self.kill_grace + self.connect_timeout + 5
+        for task in tasks.values():
+            while not task.done.wait(1.0 if guard is None else min(1.0, guard)):
+                if guard is not None and time.perf_counter() - task.started > guard:
+                    if task.agent is not None:
+                        task.agent.kill(task, "SIGKILL")
+                    task.finish(None, f"no answer from the worker {guard:.0f} s after the command timeout")
+
+    def _interrupt(self, tasks: Mapping[int, _Task]) -> None:
+        """Stop every running command and wait (bounded) until the workers confirm."""
+        self._cancelled.set()
+        running = [t for t in tasks.values() if not t.done.is_set()]
+        for task in running:
+            if task.agent is not None:
+                task.agent.kill(task, "SIGTERM")
+        deadline = time.perf_counter() + self.kill_grace + 3
+        for task in running:
+            try:
+                if task.agent is None or not task.done.wait(max(0.0, deadline - time.perf_counter())):
+                    # Unconfirmed: closing the channel makes the agent kill everything it runs.
+                    self.links[task.worker].close()
+                    task.finish(None, "interrupted")
+            except KeyboardInterrupt:
+                self.close()
+                break
+        for task in tasks.values():
+            if not task.done.is_set():
+                task.finish(None, "interrupted")
+            elif task.result.error is None and task.result.signal:
+                task.result.error = "interrupted"
+
+    # -- files ------------------------------------------------------------------------------
+    def put(self, data: bytes | str | os.PathLike[str], remote_path: str, *, workers=None,
+            mode: int = 0o644, check: bool = True) -> GroupResult:
+        """Write a file on every selected worker (atomically, ``~`` expanded on the worker).
+
+        ``data`` is the content (bytes) or a local path (str / PathLike).
+        """
+        if not isinstance(data, bytes):
+            with open(data, "rb") as fh:
+                data = fh.read()
+        request = {"path": remote_path, "mode": mode}
+        return self.run(f"put {remote_path}", workers=workers, check=check, _put=(request, data))
+
+    def get(self, remote_path: str, local_dir: str | os.PathLike[str], *, workers=None,
+            check: bool = True) -> dict[int, str]:
+        """Copy ``remote_path`` from every selected worker to ``local_dir/w{N}-{name}``."""
+        result = self.run(["cat", "--", remote_path], workers=workers, check=check)
+        os.makedirs(local_dir, exist_ok=True)
+        paths = {}
+        for worker, r in result.items():
+            if not r.ok:
+                continue
+            path = os.path.join(local_dir, f"{nodeset.label(worker)}-{os.path.basename(remote_path)}")
+            with open(path, "wb") as fh:
+                for chunk in r.stdout_output.chunks():
+                    fh.write(chunk)
+            paths[worker] = path
+        return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# setup: ship a script and run it once per content hash
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SetupOutcome:
+    worker: int
+    status: str  # "ran", "skipped" or "failed"
+    exit_code: int | None
+    log: str | None
+
+
+def run_setup(fanout: Fanout, script: bytes | str | os.PathLike[str], *, workers=None,
+              force: bool = False, sink: OutputSink | None = None,
+              timeout: float | None = None) -> tuple[GroupResult, dict[int, SetupOutcome]]:
+    """Run a setup script on every selected worker unless it already ran this exact content.
+
+    The script and ``remote/setup_runner.sh`` are shipped under ``~/.tpufab/setup/``; the
+    worker keeps ``~/.tpufab/setup/<hash>.log`` and a ``<hash>.done`` marker. Raises
+    :class:`FanoutError` if any worker fails.
+    """
+    content = script if isinstance(script, bytes) else open(script, "rb").read()
+    digest = hashlib.sha256(content).hexdigest()[:16]
+    runner = _remote_file("setup_runner.sh")
+    runner_path = f"~/.tpufab/remote/setup_runner-{hashlib.sha256(runner).hexdigest()[:12]}.sh"
+    script_path = f"~/.tpufab/setup/{digest}.sh"
+    fanout.put(runner, runner_path, workers=workers, mode=0o700)
+    fanout.put(content, script_path, workers=workers, mode=0o700)
+    argv = ["sh", "-c", 'exec sh "$HOME/$1" "$2" "$HOME/$3" $4', "setup",
+            runner_path.removeprefix("~/"), digest, script_path.removeprefix("~/"),
+            "--force" if force else ""]
+    result = fanout.run(argv, workers=workers, sink=sink, timeout=timeout)
+    outcomes = {}
+    for worker, r in result.items():
+        info: dict = {}
+        if r.error is None:
+            tail = r.stdout.rstrip("\n").rsplit("\n", 1)[-1]
+            try:
+                info = json.loads(tail)
+            except ValueError:
+                info = {}
+        status = info.get("status", "failed") if r.ok else "failed"
+        outcomes[worker] = SetupOutcome(worker, status, r.exit_code, info.get("log"))
+    result.command = f"setup {digest}"
+    result.check()
+    return result, outcomes
