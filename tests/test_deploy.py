@@ -3,12 +3,15 @@ workers fetch from over the network."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import itertools
 import os
 import socket
 import subprocess
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -147,6 +150,61 @@ def daemon(tmp_path: Path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+class _SmartHttp(BaseHTTPRequestHandler):
+    """`git http-backend` behind HTTP basic auth: a private remote that wants a token."""
+
+    def _serve(self) -> None:
+        expected = "Basic " + base64.b64encode(f"x-access-token:{self.server.token}".encode()
+                                               ).decode()
+        if self.headers.get("Authorization") != expected:
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", 'Basic realm="tpufab-test"')
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        path, _, query = self.path.partition("?")
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        env = {"GIT_PROJECT_ROOT": str(self.server.root), "GIT_HTTP_EXPORT_ALL": "1",
+               "PATH_INFO": path, "QUERY_STRING": query, "REQUEST_METHOD": self.command,
+               "CONTENT_TYPE": self.headers.get("Content-Type", ""),
+               "CONTENT_LENGTH": str(len(body)), "REMOTE_USER": "x-access-token",
+               "PATH": os.environ["PATH"]}
+        if self.headers.get("Git-Protocol"):
+            env["GIT_PROTOCOL"] = self.headers["Git-Protocol"]
+        out = subprocess.run(["git", "http-backend"], input=body, env=env,
+                             capture_output=True).stdout
+        head, _, payload = out.partition(b"\r\n\r\n")
+        headers = [line.split(": ", 1) for line in head.decode().split("\r\n") if line]
+        status = next((int(v.split()[0]) for k, v in headers if k == "Status"), 200)
+        self.send_response(status)
+        for key, value in headers:
+            if key != "Status":
+                self.send_header(key, value)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    do_GET = do_POST = _serve
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def private_remote(daemon):
+    """An HTTP remote over the same bare repositories that answers only with the token."""
+    base, _ = daemon
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SmartHttp)
+    server.root, server.token, server.daemon_threads = base, "s3cr3t-" + os.urandom(6).hex(), True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", server.token
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 NAMES = itertools.count()
@@ -369,3 +427,21 @@ def test_worker_command_is_data():
                     "--origin", "git://h/p.git"]
     command = deploy_mod.script_command("deploy_worker.py", args)
     assert "'~/p q'" in command and command.startswith("test -f .cache/tpufab/remote/")
+
+
+def test_private_remote_with_a_token(repo: Path, pod: SimPod, private_remote):
+    url, token = private_remote
+    http_url = f"{url}/{repo.name}.git"
+    with pytest.raises(DeployError, match=r"refused workers w\[0-3\] \(authentication failed\)"):
+        deploy(pod, cwd=repo, worker_url=http_url)  # no token: refused
+    report = deploy(pod, cwd=repo, worker_url=http_url, token=token)
+    assert {r.commit for r in report.rows} == {sh(repo, "git", "rev-parse", "HEAD")}
+    where = f"~/{repo.name}"
+    assert pod.git(2, where, "remote", "get-url", "origin") == http_url
+    # the token went through the environment only: nothing on the worker's disk has it
+    for w in pod.workers:
+        assert pod.sh(w, f"grep -rl {token} ~ /tmp || true") == ""
+    with pytest.raises(DeployError, match="authentication failed") as err:
+        commit(repo, "train.py", "print('v2')\n")
+        deploy(pod, cwd=repo, worker_url=http_url, token="wrong")
+    assert token not in str(err.value) + err.value.details

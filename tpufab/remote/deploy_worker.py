@@ -14,7 +14,7 @@ the token never reaches argv, a file or a log.
 Prints exactly one JSON object on stdout:
   {"ok": true, "commit": SHA, "before": SHA|null, "action": "clone"|"update"|"noop", ...}
   {"ok": false, "error": KIND, "message": TEXT, ...}
-with KIND one of unreachable, disk_full, not_a_repo, local_changes, missing_commit,
+with KIND one of unreachable, auth_failed, disk_full, not_a_repo, local_changes, missing_commit,
 no_git, git_failed. Exit status: 0 ok, 3 failure.
 """
 
@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import resource
 import subprocess
 import sys
 import time
@@ -30,9 +32,15 @@ import time
 UNREACHABLE = ("could not read from remote", "unable to connect", "connection refused",
                "could not resolve host", "connection timed out", "failed to connect",
                "does not appear to be a git repository", "repository not found",
-               "authentication failed", "could not read username", "permission denied",
                "unable to access", "no route to host", "access denied", "not exported")
+AUTH_FAILED = ("authentication failed", "could not read username", "could not read password",
+               "permission denied (publickey", "error: 403", "returned error: 401")
 DISK_FULL = ("no space left on device", "disk quota exceeded")
+# Worth another try: the remote (or a proxy in front of it) shed load, e.g. 64 workers at once.
+TRANSIENT = ("connection reset", "early eof", "the remote end hung up unexpectedly",
+             "operation timed out", "error: 429", "error: 502", "error: 503", "error: 504",
+             "rpc failed", "temporary failure", "unexpected disconnect")
+FETCH_ATTEMPTS = 5
 LOCAL_CHANGES = ("would be overwritten", "please commit your changes or stash them")
 # The helper text is argv, but the secret is only in the environment of git's own processes.
 CREDENTIAL_HELPER = ('!f() { test "$1" = get || exit 0; '
@@ -52,11 +60,12 @@ class Git:
         self.env = dict(os.environ, GIT_TERMINAL_PROMPT="0", LC_ALL="C",
                         GIT_ASKPASS="true", SSH_ASKPASS="true")
         self.env.setdefault("GIT_SSH_COMMAND", "ssh -o BatchMode=yes")
-        self.config: list[str] = []
+        # no background gc/maintenance after each fetch on a worker
+        self.config: list[str] = ["-c", "gc.auto=0", "-c", "maintenance.auto=false"]
         if token is not None:
             self.env["TPUFAB_GIT_TOKEN"] = token
-            self.config = ["-c", "credential.helper=", "-c", "credential.helper=" +
-                           CREDENTIAL_HELPER]
+            self.config += ["-c", "credential.helper=", "-c", "credential.helper=" +
+                            CREDENTIAL_HELPER]
 
     def __call__(self, *args: str, cwd: str | None = None, check: bool = True,
                  what: str = "git") -> str:
@@ -69,6 +78,20 @@ class Git:
         if check and proc.returncode != 0:
             raise classify(proc.stderr or proc.stdout, what)
         return proc.stdout.strip() if proc.returncode == 0 else ""
+
+    def fetch(self, *args: str, cwd: str) -> None:
+        """``git fetch`` with a few jittered retries on transient network errors."""
+        for attempt in range(FETCH_ATTEMPTS):
+            argv = ["git", *self.config, "fetch", *args]
+            proc = subprocess.run(argv, cwd=cwd, env=self.env, capture_output=True, text=True,
+                                  stdin=subprocess.DEVNULL)
+            if proc.returncode == 0:
+                return
+            text = proc.stderr or proc.stdout
+            if attempt + 1 == FETCH_ATTEMPTS or not any(
+                    s in text.lower() for s in TRANSIENT):
+                raise classify(text, "fetch")
+            time.sleep(random.uniform(0.1, 0.3) * 2 ** attempt)
 
     def ok(self, *args: str, cwd: str | None = None) -> bool:
         argv = ["git", *self.config, *args]
@@ -84,6 +107,8 @@ def classify(text: str, what: str) -> Failure:
         return Failure("disk_full", f"{what}: no space left on device ({last})")
     if any(s in lower for s in LOCAL_CHANGES):
         return Failure("local_changes", f"{what}: local changes would be overwritten ({last})")
+    if what in ("clone", "fetch") and any(s in lower for s in AUTH_FAILED):
+        return Failure("auth_failed", f"{what}: the remote refused our credentials ({last})")
     if what in ("clone", "fetch") and any(s in lower for s in UNREACHABLE):
         return Failure("unreachable", f"{what}: cannot reach the remote ({last})")
     return Failure("git_failed", f"{what}: {last}")
@@ -129,18 +154,19 @@ def checkout(args: argparse.Namespace) -> dict:
         return {"ok": True, "dir": path, "commit": sha, "before": before, "action": "noop",
                 "seconds": round(time.monotonic() - start, 3)}
     if args.origin:
-        if git("remote", "get-url", "origin", cwd=path, check=False):
-            git("remote", "set-url", "origin", args.origin, cwd=path)
-        else:
+        current = git("remote", "get-url", "origin", cwd=path, check=False)
+        if not current:
             git("remote", "add", "origin", args.origin, cwd=path)
+        elif current != args.origin:
+            git("remote", "set-url", "origin", args.origin, cwd=path)
     fetched = False
     if not has_commit(git, path, sha):
         refspec = f"+{args.fetch_ref}:refs/tpufab/deployed" if args.fetch_ref else sha
-        git("fetch", "--quiet", "--no-tags", args.source, refspec, cwd=path, what="fetch")
+        git.fetch("--quiet", "--no-tags", args.source, refspec, cwd=path)
         fetched = True
         if not has_commit(git, path, sha):
             # the ref moved on the remote since our push: ask for the commit itself
-            git("fetch", "--quiet", "--no-tags", args.source, sha, cwd=path, what="fetch")
+            git.fetch("--quiet", "--no-tags", args.source, sha, cwd=path)
     if not has_commit(git, path, sha):
         raise Failure("missing_commit", f"commit {sha[:12]} is not on the remote")
     if args.branch:
@@ -189,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "remove_source", False) and os.path.isfile(args.source):
             os.unlink(args.source)
     result["host"] = os.uname().nodename
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    result["cpu_seconds"] = round(sum(u.ru_utime + u.ru_stime for u in usage), 3)
     print(json.dumps(result))
     return code
 
