@@ -140,10 +140,11 @@ def test_run_records(runs):
 
 def test_stop_kills_the_whole_process_group(runs):
     body = ("trap '' TERM\nsleep 300 &\necho child $!\n(trap - TERM; sleep 300) &\n"
-            "echo child2 $!\nwait\n")
+            "echo child2 $!\nsetsid sleep 300 </dev/null >/dev/null 2>&1 &\n"
+            "echo escaped $!\nwait\n")
     started = runs.start("grp", body)
     log = runs.dir / "grp" / "log"
-    wait_for(lambda: log.exists() and log.read_text().count("child") == 2, what="children")
+    wait_for(lambda: log.exists() and log.read_text().count("\n") == 3, what="children")
     children = [int(line.split()[1]) for line in log.read_text().splitlines()]
     assert all(alive(pid) for pid in [started["pid"], *children])
     result = json.loads(runs.launch("stop", "--run", "grp", "--grace", "0.5").stdout)

@@ -118,6 +118,16 @@ def scenario(name):
         log = Path("/tmp/runs/real/log")
         assert _wait_for(lambda: log.exists() and "child" in log.read_text())
         child = int(log.read_text().split()[1])
+        # A run that ended but left a child behind in a session of its own.
+        leaky = Path("/tmp/leaky.sh")
+        leaky.write_text("#!/bin/sh\nsetsid sleep 300 </dev/null >/dev/null 2>&1 &\n"
+                         "echo leak $!\n")
+        subprocess.run([WORKER_PYTHON, str(REMOTE / "launch.py"), "start", "--run-dir",
+                        "/tmp/runs", "--run", "leaky", "--recipe", str(leaky)],
+                       capture_output=True, text=True, timeout=30, check=True)
+        assert _wait_for(lambda: Path("/tmp/runs/leaky/exit_code").exists())
+        leaked = int(Path("/tmp/runs/leaky/log").read_text().split()[1])
+        assert _alive(leaked)
         # A recorded run whose pid now belongs to another process (pid reuse).
         bystander = subprocess.Popen(["sleep", "300"], start_new_session=True)
         fake = Path("/tmp/runs/reused")
@@ -130,6 +140,7 @@ def scenario(name):
         return {"kill": kill, "recipe_pid": started["pid"], "child_pid": child,
                 "recipe_alive": _alive(started["pid"]), "child_alive": _alive(child),
                 "bystander_pid": bystander.pid, "bystander_alive": _alive(bystander.pid),
+                "leaked_pid": leaked, "leaked_alive": _alive(leaked),
                 "killed_recorded": recorded and Path("/tmp/runs/real/killed").read_text()}
     raise SystemExit(f"unknown scenario {name}")
 
@@ -230,7 +241,7 @@ def test_a_lock_held_by_a_protected_process_is_never_removed():
     assert report["device_free"] is True
 
 
-def test_runs_are_stopped_by_group_and_reused_pids_are_left_alone():
+def test_runs_are_stopped_by_group_and_marker_and_reused_pids_are_left_alone():
     facts = run_scenario("runs")
     report = facts["kill"]["report"]
     assert facts["recipe_alive"] is False and facts["child_alive"] is False
@@ -241,6 +252,10 @@ def test_runs_are_stopped_by_group_and_reused_pids_are_left_alone():
     assert runs["reused"]["state"].startswith("pid reused")
     assert facts["bystander_alive"] is True
     assert facts["bystander_pid"] not in killed_pids(report)
+    # A child that outlived its run (own session) is found by the run's TPUFAB_RUN_ID.
+    assert facts["leaked_alive"] is False
+    assert runs["leaky"]["stragglers"] == [facts["leaked_pid"]]
+    assert runs["leaky"]["state"] == "stopped"
 
 
 def test_nothing_to_kill_is_a_clean_noop():

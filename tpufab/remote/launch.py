@@ -93,15 +93,19 @@ def same_process(pid, start_time):
     return stat is not None and stat[2] == start_time and stat[0] not in ("Z", "X", "x")
 
 
-def group_members(pgid, run_id):
-    """Live processes of a run's group that still carry its TPUFAB_RUN_ID."""
+def run_processes(run_id, pgid=None):
+    """Live processes of a run: those carrying its TPUFAB_RUN_ID (wherever they went:
+    setsid, nohup), plus members of process group `pgid` when the caller verified it."""
     needle = f"\0TPUFAB_RUN_ID={run_id}\0".encode()
-    members = []
+    found = []
     for name in os.listdir("/proc"):
-        if not name.isdigit():
+        if not name.isdigit() or int(name) == os.getpid():
             continue
         stat = proc_stat(int(name))
-        if stat is None or stat[1] != pgid or stat[0] in ("Z", "X", "x"):
+        if stat is None or stat[0] in ("Z", "X", "x"):
+            continue
+        if pgid is not None and stat[1] == pgid:
+            found.append(int(name))
             continue
         try:
             with open(f"/proc/{name}/environ", "rb") as fh:
@@ -109,8 +113,8 @@ def group_members(pgid, run_id):
         except OSError:
             continue
         if needle in env:
-            members.append(int(name))
-    return members
+            found.append(int(name))
+    return found
 
 
 def run_path(run_dir, run_id):
@@ -288,8 +292,8 @@ def run_status(rundir):
         status.update(state="killed", signal=killed)
     elif pid is not None and start_time is not None and same_process(pid, start_time):
         status["state"] = "running"
-    elif pid is not None and start_time is not None and group_members(pid, status["run"]):
-        status["state"] = "running"   # the leader is gone, its group lives on
+    elif pid is not None and start_time is not None and run_processes(status["run"]):
+        status["state"] = "running"   # the leader is gone, some of its processes live on
     else:
         # No supervisor left to say how it ended (reboot, supervisor killed): lost.
         status["state"] = "lost" if pid is not None or not _starting(rundir) else "starting"
@@ -371,7 +375,8 @@ def tail(args):
 
 
 def stop(args):
-    """TERM the run's process group, KILL after --grace; verified by pid start time."""
+    """TERM the run's processes, KILL after --grace. The group is signalled only while its
+    leader is verified by start time; escaped processes are found by TPUFAB_RUN_ID."""
     rundir = run_path(args.run_dir, args.run)
     if not os.path.isdir(rundir):
         raise UsageError(f"no run {args.run} on this worker")
@@ -379,36 +384,43 @@ def stop(args):
     result = {"run": args.run, "before": before["state"], "signal": None}
     pid = read_int(os.path.join(rundir, "pid"))
     start_time = read_int(os.path.join(rundir, "start_time"))
-    if before["state"] == "running" and pid is not None:
+    group = pid if pid is not None and same_process(pid, start_time) else None
+    if before["state"] in ("running", "starting"):
         write_atomic(os.path.join(rundir, "stop_requested"), f"{time.time()}\n")
-
-        def members():
-            if same_process(pid, start_time):
-                return [pid, *group_members(pid, args.run)]
-            return group_members(pid, args.run)
-
-        for signum, timeout in ((signal.SIGTERM, args.grace), (signal.SIGKILL, 5.0)):
-            if not members():
-                break
-            if same_process(pid, start_time) or group_members(pid, args.run):
+    for signum, timeout in ((signal.SIGTERM, args.grace), (signal.SIGKILL, 5.0)):
+        procs = run_processes(args.run, group)
+        if not procs:
+            break
+        if group is not None:
+            try:
+                os.killpg(group, signum)
+            except ProcessLookupError:
+                pass
+        for other in procs:
+            stat = proc_stat(other)
+            if stat is not None and (group is None or stat[1] != group):
                 try:
-                    os.killpg(pid, signum)
-                    result["signal"] = signal.Signals(signum).name[3:]
+                    os.kill(other, signum)
                 except ProcessLookupError:
                     pass
-            deadline = time.monotonic() + timeout
-            while members() and time.monotonic() < deadline:
-                time.sleep(POLL)
-        # The supervisor records the end right after the group is gone.
-        deadline = time.monotonic() + 5.0
-        while run_status(rundir)["state"] in ("running", "starting") and \
-                time.monotonic() < deadline:
+        result["signal"] = signal.Signals(signum).name[3:]
+        deadline = time.monotonic() + timeout
+        while run_processes(args.run, group) and time.monotonic() < deadline:
             time.sleep(POLL)
+    # The supervisor records the end right after the recipe is gone.
+    deadline = time.monotonic() + 5.0
+    while run_status(rundir)["state"] in ("running", "starting") and \
+            time.monotonic() < deadline:
+        time.sleep(POLL)
     after = run_status(rundir)
     result["state"] = after["state"]
-    for key in ("exit_code", "signal"):
-        if key in after:
-            result["exit_code" if key == "exit_code" else "ended_by"] = after[key]
+    if "exit_code" in after:
+        result["exit_code"] = after["exit_code"]
+    if "signal" in after:
+        result["ended_by"] = after["signal"]
+    left = run_processes(args.run, group)
+    if left:
+        result["still_running"] = left
     return result
 
 

@@ -112,15 +112,6 @@ def command_of(proc):
     return text if len(text) <= COMMAND_MAX else text[:COMMAND_MAX - 3] + "..."
 
 
-def environ_has(pid, entry):
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            env = fh.read()
-    except OSError:
-        return False
-    return (b"\0" + entry.encode() + b"\0") in (b"\0" + env + b"\0")
-
-
 def ancestry(pid):
     """`pid` and every ancestor up to pid 1."""
     chain = []
@@ -254,17 +245,39 @@ def list_runs(run_dir, only):
             if os.path.isdir(os.path.join(run_dir, name))]
 
 
-def run_members(run_id, pgid, leader_ok):
-    """Live processes of a run's process group (when the leader is gone, only those that
-    still carry the run's TPUFAB_RUN_ID, so a recycled group id is never mistaken)."""
-    members = []
+def run_ids_in_environ(pid):
+    """The TPUFAB_RUN_ID a process carries (launch.py sets it for every run), or None."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            env = fh.read()
+    except OSError:
+        return None
+    for entry in env.split(b"\0"):
+        if entry.startswith(b"TPUFAB_RUN_ID="):
+            return entry[len(b"TPUFAB_RUN_ID="):].decode("utf-8", "replace")
+    return None
+
+
+def run_processes(runs):
+    """Live processes of the given runs: {run id: [Proc]}.
+
+    `runs` maps run id -> (pgid, leader verified). A process belongs to a run when it
+    carries the run's TPUFAB_RUN_ID (even if it left the group: setsid, nohup), or when it
+    is in the run's process group while the group's leader is verified by start time.
+    """
+    found = {name: [] for name in runs}
+    verified = {pgid: name for name, (pgid, ok) in runs.items() if ok}
     for pid in all_pids():
         proc = Proc.read(pid)
-        if proc is None or proc.exited or proc.pgid != pgid:
+        if proc is None or proc.exited:
             continue
-        if leader_ok or environ_has(pid, "TPUFAB_RUN_ID=" + run_id):
-            members.append(proc)
-    return members
+        name = verified.get(proc.pgid)
+        if name is None:
+            marker = run_ids_in_environ(pid)
+            name = marker if marker in found else None
+        if name is not None:
+            found[name].append(proc)
+    return found
 
 
 # -- stopping ------------------------------------------------------------------------------
@@ -324,9 +337,6 @@ class Group:
         self.pgid = pgid
         self.leader_ok = leader_ok
 
-    def members(self):
-        return run_members(self.run_id, self.pgid, self.leader_ok)
-
 
 def wait_until(condition, timeout):
     deadline = time.monotonic() + timeout
@@ -338,18 +348,20 @@ def wait_until(condition, timeout):
         time.sleep(POLL)
 
 
-def stop_all(targets, groups, grace, kill_timeout):
+def stop_all(targets, groups, grace, kill_timeout, own):
     """SIGTERM everything, SIGKILL what is left after `grace`; returns the survivors."""
+    runs = {g.run_id: (g.pgid, g.leader_ok) for g in groups}
 
-    def living():
-        for group in groups:
-            for proc in group.members():
-                if proc.pid not in targets:
-                    targets[proc.pid] = Target(proc, f"run {group.run_id}")
-        return [t for t in targets.values() if t.alive()]
+    def collect():
+        # Late forks of a run join the targets between the phases.
+        for name, procs in run_processes(runs).items():
+            for proc in procs:
+                if proc.pid not in targets and proc.pid not in own:
+                    targets[proc.pid] = Target(proc, f"run {name}")
 
     for signum, timeout in ((signal.SIGTERM, grace), (signal.SIGKILL, kill_timeout)):
-        pending = living()
+        collect()
+        pending = [t for t in targets.values() if t.alive()]
         if not pending:
             break
         reached = set()
@@ -365,8 +377,9 @@ def stop_all(targets, groups, grace, kill_timeout):
                 target.signal = signal.Signals(signum).name[3:]
             else:
                 target.send(signum)
-        wait_until(lambda: not living(), timeout)
-    return living()
+        wait_until(lambda pending=pending: not any(t.alive() for t in pending), timeout)
+    collect()
+    return [t for t in targets.values() if t.alive()]
 
 
 # -- the report ----------------------------------------------------------------------------
@@ -396,34 +409,42 @@ def kill(devices_globs, lockfiles, run_dir, run_id, grace, settle, dry_run, forc
     groups = []
 
     # 1. tpufab runs, verified by pid and start time.
+    own_pgids = {proc.pgid for proc in map(Proc.read, own) if proc is not None}
+    runs = {}
     for name, path in list_runs(run_dir, run_id):
         entry = {"run": name}
         report["runs"].append(entry)
-        if os.path.exists(os.path.join(path, "exit_code")) or os.path.exists(
-                os.path.join(path, "killed")):
-            entry["state"] = "ended"
-            continue
         pid, pgid = read_int(os.path.join(path, "pid")), read_int(os.path.join(path, "pgid"))
         start_time = read_int(os.path.join(path, "start_time"))
+        ended = os.path.exists(os.path.join(path, "exit_code")) or os.path.exists(
+            os.path.join(path, "killed"))
         if pid is None or pgid is None or start_time is None:
-            entry["state"] = "no record"
+            entry["state"] = "ended" if ended else "no record"
+            runs[name] = (None, False)      # stragglers still carry its TPUFAB_RUN_ID
             continue
         entry.update(pid=pid, pgid=pgid)
         leader = Proc.read(pid)
-        leader_ok = leader is not None and leader.start_time == start_time \
+        leader_ok = not ended and leader is not None and leader.start_time == start_time \
             and not leader.exited and leader.pgid == pgid
-        if leader is not None and leader.start_time != start_time:
+        if ended:
+            entry["state"] = "ended"
+        elif leader is not None and leader.start_time != start_time:
             entry["state"] = "pid reused (not signalled)"
-        members = run_members(name, pgid, leader_ok)
-        if leader_ok and any(proc.pid in own for proc in members):
+        if leader_ok and pgid in own_pgids:
             leader_ok = False   # never killpg our own group; signal the others one by one
-        members = [proc for proc in members if proc.pid not in own]
-        if not members:
+        runs[name] = (pgid, leader_ok)
+    members = run_processes(runs)
+    for entry in report["runs"]:
+        name = entry["run"]
+        procs = [proc for proc in members[name] if proc.pid not in own]
+        if not procs:
             entry.setdefault("state", "not running")
             continue
+        if entry.get("state") == "ended":
+            entry["stragglers"] = [proc.pid for proc in procs]
         entry["state"] = "would stop" if dry_run else "stopping"
-        groups.append(Group(name, pgid, leader_ok))
-        for proc in members:
+        groups.append(Group(name, *runs[name]))
+        for proc in procs:
             targets[proc.pid] = Target(proc, f"run {name}")
 
     # 2. Holders of the device files and lockfiles.
@@ -452,7 +473,7 @@ def kill(devices_globs, lockfiles, run_dir, run_id, grace, settle, dry_run, forc
         return finish(report, unreadable, started)
 
     # Stop everything at once: one grace period for the whole host.
-    survivors = stop_all(targets, groups, grace, kill_timeout=max(1.0, settle))
+    survivors = stop_all(targets, groups, grace, max(1.0, settle), own)
     for target in targets.values():
         if target in survivors:
             target.error = target.error or "still alive after SIGKILL"
@@ -461,8 +482,8 @@ def kill(devices_globs, lockfiles, run_dir, run_id, grace, settle, dry_run, forc
             report["killed"].append(target.describe())
     for entry in report["runs"]:
         if entry.get("state") == "stopping":
-            entry["state"] = "stopped" if not any(
-                t.proc.pgid == entry["pgid"] for t in survivors) else "still running"
+            left = [t for t in survivors if t.reasons[0] == f"run {entry['run']}"]
+            entry["state"] = "still running" if left else "stopped"
 
     # 3. Bounded wait until no unprotected process holds a device file or lockfile.
     final = {}
