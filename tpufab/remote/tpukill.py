@@ -301,8 +301,10 @@ class Target:
         pid = self.proc.pid
         try:
             pidfd = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else None
-        except OSError:
+        except ProcessLookupError:
             return
+        except OSError:
+            pidfd = None      # no pidfd support: the start-time check below still applies
         try:
             if not self.alive():
                 return
