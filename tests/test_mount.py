@@ -155,8 +155,8 @@ def test_mount_spec_errors(source, kw, message):
 def test_worker_args_probe_the_bucket_for_rclone_only():
     spec = mount_mod.mount_spec("gs://data/p", driver="rclone", at="/m")
     args = mount_mod.worker_args(spec, log_file="~/l.log")
-    assert args[:6] == ["mount", "--at", "/m", "--fstype", "fuse.rclone", "--source"]
-    assert args[6] == "tpufab:data/p"
+    assert args[:10] == ["mount", "--at", "/m", "--fstype", "fuse.rclone", "--source",
+                         "tpufab:data/p", "--url", "gs://data/p", "--state-file"]
     assert json.loads(args[args.index("--check-argv") + 1]) == [
         "rclone", "lsjson", "--stat", "tpufab:data"]
     assert args[args.index("--") + 1:] == mount_mod.rclone_argv(spec)
@@ -263,6 +263,12 @@ def test_prefix_writes_land_under_the_prefix(pod, gcs, at):
     pod.sh(2, f"mkdir -p {at}/ckpt && echo step > {at}/ckpt/step.txt")
     wait_for(lambda: gcs.objects("other").get("runs/1/ckpt/step.txt") == b"step\n",
              what="the checkpoint under the prefix")
+    # what was mounted is recorded on the worker (gcsfuse's mountinfo shows only the bucket)
+    state = json.loads(pod.read(2, "~/.cache/tpufab/mounts/" + at.strip("/").replace("/", "_")
+                                + ".json"))
+    assert state["url"] == "gs://other/runs/1"
+    with pytest.raises(MountError, match=r"already has tpufab:other/runs/1 \(fuse.rclone\)"):
+        rclone_mount(pod, gcs, "gs://other/runs/2", at)
 
 
 def test_bucket_missing(pod, gcs, at):

@@ -178,7 +178,8 @@ def worker_args(spec: MountSpec, *, install: bool = False,
                 log_file: str | None = None) -> list[str]:
     """Arguments of ``mount_worker.py mount`` (pure)."""
     fstype, source = expected_mount(spec)
-    args = ["mount", "--at", spec.at, "--fstype", fstype, "--source", source]
+    args = ["mount", "--at", spec.at, "--fstype", fstype, "--source", source,
+            "--url", spec.url, "--state-file", state_path(spec.at)]
     if spec.driver == "rclone":
         # rclone mounts a missing bucket without complaint: look at the bucket first
         probe = ["rclone", "lsjson", "--stat", f"{RCLONE_REMOTE}:{spec.bucket}"]
@@ -191,9 +192,16 @@ def worker_args(spec: MountSpec, *, install: bool = False,
     return [*args, "--", *driver_argv]
 
 
+def _slug(at: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", at.strip("/"))
+
+
 def log_path(spec: MountSpec) -> str:
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", spec.at.strip("/"))
-    return f"~/.cache/tpufab/mounts/{slug}.log"
+    return f"~/.cache/tpufab/mounts/{_slug(spec.at)}.log"
+
+
+def state_path(at: str) -> str:
+    return f"~/.cache/tpufab/mounts/{_slug(at)}.json"
 
 
 # --- reports --------------------------------------------------------------------------------
@@ -339,7 +347,7 @@ def umount(group: Workers, at: str, *, lazy: bool = False) -> MountReport:
         raise ConfigError(f"--at must be an absolute path on the workers, not {at!r}.")
     start = time.monotonic()
     workers = list(group.workers)
-    args = ["umount", "--at", at] + (["--lazy"] if lazy else [])
+    args = ["umount", "--at", at, "--state-file", state_path(at)] + (["--lazy"] if lazy else [])
     outcomes = run_script(group, SCRIPT, args, workers)
     report = MountReport(at, "", [parse_outcome(w, outcomes[w]) for w in workers])
     report.seconds = round(time.monotonic() - start, 3)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import resource
 import subprocess
 import sys
@@ -59,7 +58,6 @@ class Git:
     def __init__(self, token: str | None = None):
         self.env = dict(os.environ, GIT_TERMINAL_PROMPT="0", LC_ALL="C",
                         GIT_ASKPASS="true", SSH_ASKPASS="true")
-        self.env.setdefault("GIT_SSH_COMMAND", "ssh -o BatchMode=yes")
         # no background gc/maintenance after each fetch on a worker
         self.config: list[str] = ["-c", "gc.auto=0", "-c", "maintenance.auto=false"]
         if token is not None:
@@ -91,7 +89,7 @@ class Git:
             if attempt + 1 == FETCH_ATTEMPTS or not any(
                     s in text.lower() for s in TRANSIENT):
                 raise classify(text, "fetch")
-            time.sleep(random.uniform(0.1, 0.3) * 2 ** attempt)
+            time.sleep((0.1 + os.urandom(1)[0] / 1275) * 2 ** attempt)  # 0.1-0.3 s, doubling
 
     def ok(self, *args: str, cwd: str | None = None) -> bool:
         argv = ["git", *self.config, *args]

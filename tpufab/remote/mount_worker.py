@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """tpufab mount, worker side (stdlib only; shipped once per content hash).
 
-    mount_worker.py mount --at DIR --fstype fuse.rclone --source SRC
-                    [--check-argv JSON] [--install] [--log-file PATH] -- DRIVER ARGV...
-    mount_worker.py umount --at DIR [--lazy]
+    mount_worker.py mount --at DIR --fstype fuse.rclone --source SRC [--url gs://B/P]
+                    [--state-file PATH] [--check-argv JSON] [--install] [--log-file PATH]
+                    -- DRIVER ARGV...
+    mount_worker.py umount --at DIR [--lazy] [--state-file PATH]
     mount_worker.py status --at DIR
 
 ``mount``: if DIR already holds SRC (same FUSE type), verify and report "noop"; else check
@@ -213,15 +214,44 @@ def log_tail(path: str | None) -> str:
         return fh.read()[-4000:]
 
 
+def read_state(path: str | None) -> dict:
+    """What tpufab mounted here last (gcsfuse shows only the bucket in mountinfo, not the
+    --only-dir prefix, so the full gs:// URL is kept beside the log)."""
+    if not path:
+        return {}
+    try:
+        with open(os.path.expanduser(path)) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return {}
+
+
+def write_state(path: str | None, state: dict | None) -> None:
+    if not path:
+        return
+    path = os.path.expanduser(path)
+    if state is None:
+        if os.path.exists(path):
+            os.unlink(path)
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as fh:
+        json.dump(state, fh)
+    os.replace(path + ".tmp", path)
+
+
 def mount(args: argparse.Namespace) -> dict:
     at = os.path.abspath(os.path.expanduser(args.at))
     stacked = mounts_at(at)
     if stacked:
         top = stacked[-1]
-        if top["fstype"] == args.fstype and plain_source(top["source"]) == args.source:
+        recorded = read_state(args.state_file).get("url")
+        same = top["fstype"] == args.fstype and plain_source(top["source"]) == args.source
+        if same and recorded in (None, args.url):
             return {"ok": True, "action": "noop", "at": at, "source": args.source,
                     "entries": verify(at)}
-        raise Failure("busy", f"{at} already has {top['source']} ({top['fstype']}) mounted")
+        what = recorded if same and recorded else f"{top['source']} ({top['fstype']})"
+        raise Failure("busy", f"{at} already has {what} mounted")
     ensure_driver(args.argv, args.install)
     ensure_fuse()
     ensure_dir(at)
@@ -258,8 +288,10 @@ def mount(args: argparse.Namespace) -> dict:
             raise Failure("timeout", f"{at} was not mounted {MOUNT_WAIT:.0f}s after "
                           f"{argv[0]} returned: {last_line(log_tail(log))}")
         time.sleep(POLL)
+    entries = verify(at)
+    write_state(args.state_file, {"url": args.url, "at": at, "source": args.source})
     return {"ok": True, "action": "mounted", "at": at, "source": args.source,
-            "entries": verify(at)}
+            "entries": entries}
 
 
 def umount(args: argparse.Namespace) -> dict:
@@ -284,6 +316,7 @@ def umount(args: argparse.Namespace) -> dict:
         if time.monotonic() > deadline:
             raise Failure("timeout", f"{at} is still mounted {MOUNT_WAIT:.0f}s after umount")
         time.sleep(POLL)
+    write_state(args.state_file, None)
     return {"ok": True, "action": "unmounted", "at": at, "source": source}
 
 
@@ -305,10 +338,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     mo.add_argument("--check-argv", help="JSON argv of a bucket probe run before mounting")
     mo.add_argument("--install", action="store_true", help="apt-get install a missing driver")
     mo.add_argument("--log-file", help="appended to the driver argv as --log-file PATH")
+    mo.add_argument("--url", help="the gs:// URL, recorded in --state-file")
+    mo.add_argument("--state-file", help="JSON record of what tpufab mounted at --at")
     mo.add_argument("argv", nargs="+", help="the driver command line (after --)")
     um = sub.add_parser("umount")
     um.add_argument("--at", required=True)
     um.add_argument("--lazy", action="store_true")
+    um.add_argument("--state-file")
     st = sub.add_parser("status")
     st.add_argument("--at", required=True)
     return parser.parse_args(argv)
