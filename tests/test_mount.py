@@ -331,3 +331,22 @@ def test_umount_busy_then_lazy(pod, gcs, at):
         assert pod.sh(1, f"mountpoint -q {at} || echo no") == "no"
     finally:
         pod.sh(1, "kill $(cat /tmp/holder)", check=False)
+
+
+def test_install_steps_are_data():
+    import importlib.util
+
+    from tpufab.deploy import REMOTE_DIR
+
+    spec = importlib.util.spec_from_file_location("mount_worker", REMOTE_DIR / "mount_worker.py")
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    gcsfuse = worker.install_steps("gcsfuse")
+    repo_line = gcsfuse[1][1]
+    assert gcsfuse[1][0] == ["tee", "/etc/apt/sources.list.d/gcsfuse.list"]
+    assert re.fullmatch(r"deb \[signed-by=/usr/share/keyrings/cloud.google.asc\] "
+                        r"https://packages.cloud.google.com/apt gcsfuse-\w+ main\n", repo_line)
+    assert gcsfuse[-1][0][-1] == "gcsfuse"
+    assert worker.install_steps("rclone")[-1][0][-2:] == ["fuse3", "rclone"]
+    assert worker.plain_source("tpufab{lqHh4}:data/p") == "tpufab:data/p"
+    assert worker.unescape(r"/mnt/a\040b") == "/mnt/a b"
