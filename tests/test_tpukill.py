@@ -107,6 +107,15 @@ def scenario(name):
                            "--lock-holder", "--lock-holder-name", "tpu-runtime",
                            "--no-protected")
         return _facts(zombies, _tpukill("--grace", "2"))
+    if name == "null_clone":
+        # A placeholder made as a copy of /dev/null: holding /dev/null is not holding a TPU.
+        os.makedirs(DEV)
+        subprocess.run(["mknod", f"{DEV}/accel0", "c", "1", "3"], check=True)
+        bystander = subprocess.Popen(["sleep", "300"], stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+        zombies = _zombies("--devices-glob", f"{DEV}/accel*", "--lockfile", LOCK,
+                           "--holders", "1", "--ignore-term", "0", "--no-protected")
+        return _facts(zombies, _tpukill("--grace", "2"), bystander_alive=_alive(bystander.pid))
     if name == "runs":
         _make_devices()
         recipe = Path("/tmp/recipe.sh")
@@ -227,6 +236,13 @@ def test_both_device_families_are_found():
     assert any("/accel0" in reason for reason in holds.values())
     assert any("/vfio/0" in reason for reason in holds.values())
     assert not facts["lockfile_exists"] and not facts["so_lockfile_exists"]
+
+
+def test_a_placeholder_copied_from_dev_null_does_not_match_dev_null():
+    facts = run_scenario("null_clone")
+    assert not any(facts["alive"].values())
+    assert facts["bystander_alive"] is True
+    assert len(facts["kill"]["report"]["killed"]) == 1
 
 
 def test_a_lock_held_by_a_protected_process_is_never_removed():

@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import sys
 import time
 
@@ -159,8 +160,24 @@ def expand(globs):
     return paths
 
 
+def _common_rdevs():
+    """Device numbers of /dev/null and friends: a placeholder device made as a copy of one
+    of them must never make every process holding /dev/null look like a TPU holder."""
+    found = set()
+    for name in ("null", "zero", "full", "random", "urandom", "tty", "console", "ptmx"):
+        try:
+            found.add(os.stat("/dev/" + name).st_rdev)
+        except OSError:
+            pass
+    return found
+
+
+COMMON_RDEVS = _common_rdevs()
+
+
 class Watched:
-    """Files whose open descriptors mean "holds the TPU": matched by path or by device."""
+    """Files whose open descriptors mean "holds the TPU": matched by path, or for character
+    devices by device number (the same chip seen through another path or namespace)."""
 
     def __init__(self, paths):
         self.by_path = {}
@@ -172,7 +189,7 @@ class Watched:
                 st = os.stat(path)
             except OSError:
                 continue
-            if st.st_rdev:
+            if stat.S_ISCHR(st.st_mode) and st.st_rdev not in COMMON_RDEVS:
                 self.by_rdev[st.st_rdev] = path
 
     def match(self, fd_path, link):
