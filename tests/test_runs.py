@@ -13,7 +13,6 @@ from tpufab.runs import (
     Forwarded,
     JobLayout,
     fold_logs,
-    fold_workers,
     forwarded_environment,
     is_run_id,
     job_environment,
@@ -173,15 +172,9 @@ def test_forwarded_values_reach_the_worker_and_secrets_stay_apart():
 # -- the folded log view --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("workers,label", [
-    ([0, 1, 2, 3, 7], "w[0-3,7]"),
-    ([5], "w5"),
-    ([3, 1], "w[1,3]"),
-    ([], ""),
-    (range(64), "w[0-63]"),
-])
-def test_fold_workers(workers, label):
-    assert fold_workers(workers) == label
+def test_folded_labels():
+    assert FoldedLine("x", (0, 1, 2, 3, 7)).label == "w[0-3,7]"
+    assert FoldedLine("x", (5,)).label == "w5"
 
 
 ALL4 = (0, 1, 2, 3)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from tpufab.errors import ConfigError
+from tpufab.nodeset import fold
 
 RUN_DIR = "~/.tpufab/runs"
 DEFAULT_COORDINATOR_PORT = 8476
@@ -207,23 +208,6 @@ def local_environments(run_id: str, workers: int, coordinator_port: int,
 # -- the folded log view ---------------------------------------------------------------------
 
 
-def fold_workers(workers: Iterable[int], prefix: str = "w") -> str:
-    """``{0,1,2,3,7} -> 'w[0-3,7]'``, ``{5} -> 'w5'`` (ClusterShell notation)."""
-    ordered = sorted(set(workers))
-    if not ordered:
-        return ""
-    if len(ordered) == 1:
-        return f"{prefix}{ordered[0]}"
-    parts: list[tuple[int, int]] = []
-    for worker in ordered:
-        if parts and parts[-1][1] == worker - 1:
-            parts[-1] = (parts[-1][0], worker)
-        else:
-            parts.append((worker, worker))
-    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
-    return f"{prefix}[{text}]"
-
-
 @dataclass(frozen=True)
 class FoldedLine:
     text: str
@@ -231,7 +215,7 @@ class FoldedLine:
 
     @property
     def label(self) -> str:
-        return fold_workers(self.workers)
+        return fold(self.workers)
 
 
 def fold_logs(per_worker_lines: Mapping[int, Sequence[str]]) -> list[FoldedLine]:
