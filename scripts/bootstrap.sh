@@ -38,6 +38,6 @@ fi
 stamp=.venv/.tpufab-installed
 if [[ ! -f $stamp || pyproject.toml -nt $stamp ]]; then
   echo "==> installing tpufab and its dev tools into .venv"
-  .venv/bin/pip install -q --disable-pip-version-check -e '.[dev]'
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[dev,sim]'
   touch "$stamp"
 fi
