@@ -12,7 +12,6 @@ import subprocess
 import time
 
 import pytest
-from gcs_emulator import GcsEmulator
 from test_deploy import SimPod
 
 from tpufab import mount as mount_mod
@@ -184,6 +183,10 @@ def wait_for(condition, timeout: float = 20.0, what: str = "condition"):
 
 @pytest.fixture(scope="module")
 def gcs():
+    # gcp-storage-emulator is a dev dependency; only the real-mount tests need it
+    pytest.importorskip("gcp_storage_emulator", reason="pip install gcp-storage-emulator")
+    from gcs_emulator import GcsEmulator
+
     with GcsEmulator() as emulator:
         emulator.create_bucket("data")
         emulator.create_bucket("other")
