@@ -66,7 +66,7 @@ def create(
         "--num-slices", min=1, help="Slices of a multislice queued resource.")] = 1,
     async_: Annotated[bool, typer.Option("--async", help="Return without waiting.")] = False,
     label: Annotated[list[str] | None, typer.Option(
-        "--label", help="key=value label (repeatable).")] = None,
+        "--label", metavar="KEY=VALUE", help="Label (repeatable).")] = None,
 ) -> None:
     """Create a TPU VM node (or queued resource) and wait until it is READY."""
     _run(verbs.create, name=name, type=type, zone=zone, project=project, version=version,
