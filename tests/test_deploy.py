@@ -445,3 +445,19 @@ def test_private_remote_with_a_token(repo: Path, pod: SimPod, private_remote):
         commit(repo, "train.py", "print('v2')\n")
         deploy(pod, cwd=repo, worker_url=http_url, token="wrong")
     assert token not in str(err.value) + err.value.details
+
+
+def test_unreachable_worker_is_named_and_the_others_deploy(repo: Path, pod: SimPod):
+    from tpufab.fanout import Fanout
+
+    pod.pool.set_reachable(pod.node_id, 3, False)
+    try:
+        with Fanout(list(pod.fanout.targets.values()), known_hosts=pod.fanout.known_hosts,
+                    connect_attempts=1, connect_timeout=5) as fresh:
+            with pytest.raises(DeployError, match=r"Worker w3 could not run the deploy step "
+                                                  r"over SSH") as err:
+                deploy(fresh, cwd=repo)
+        assert "connection refused" in err.value.details
+        assert err.value.details.count("changed") == 3
+    finally:
+        pod.pool.set_reachable(pod.node_id, 3, True)
