@@ -226,7 +226,7 @@ def rclone_mount(pod, gcs, source, at, **kw):
 
 def rclone_processes(pod, w) -> list[str]:
     return [line for line in pod.sh(w, "ps -eo args").splitlines()
-            if re.match(r"^(/usr/bin/)?rclone mount ", line)]
+            if re.match(r"^(/usr/bin/)?rclone .*\bmount ", line)]
 
 
 def test_write_on_one_worker_is_seen_on_another_and_in_the_bucket(pod, gcs, at):

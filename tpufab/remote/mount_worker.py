@@ -266,7 +266,8 @@ def mount(args: argparse.Namespace) -> dict:
         os.makedirs(os.path.dirname(log) or ".", exist_ok=True)
         if os.path.exists(log):
             os.unlink(log)
-        argv = [*args.argv, "--log-file", log]
+        # before the positional arguments: older gcsfuse releases stop parsing flags there
+        argv = [args.argv[0], "--log-file", log, *args.argv[1:]]
     else:
         log, argv = None, list(args.argv)
     # Output to a file, not a pipe: a daemonizing driver's child may keep it open for good.
@@ -337,7 +338,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     mo.add_argument("--source", required=True, help="the source as /proc/self/mountinfo shows")
     mo.add_argument("--check-argv", help="JSON argv of a bucket probe run before mounting")
     mo.add_argument("--install", action="store_true", help="apt-get install a missing driver")
-    mo.add_argument("--log-file", help="appended to the driver argv as --log-file PATH")
+    mo.add_argument("--log-file", help="passed to the driver as --log-file PATH")
     mo.add_argument("--url", help="the gs:// URL, recorded in --state-file")
     mo.add_argument("--state-file", help="JSON record of what tpufab mounted at --at")
     mo.add_argument("argv", nargs="+", help="the driver command line (after --)")
