@@ -319,11 +319,15 @@ def test_exec_in_runs_as_root_inside_the_worker(pod):
 @sim
 def test_the_share_is_the_same_read_only_folder_on_every_worker(pod):
     (pod.pool.share_dir / "wheel.txt").write_text("cached\n")
+    # ... while /mnt, like /tmp, is each worker's own
+    assert pod.pool.exec_in("1111", 0, ["mkdir", "-p", "/mnt/only-w0"]).returncode == 0
     for spec in pod.v4:
         out = pod.ssh(spec, "cat /opt/tpufab-sim/share/wheel.txt; touch /opt/tpufab-sim/share/x")
         assert out.stdout == "cached\n"
         assert "Read-only file system" in out.stderr
     assert not (pod.pool.share_dir / "x").exists()
+    assert pod.pool.exec_in("1111", 1, ["test", "-d", "/mnt/only-w0"]).returncode == 1
+    assert not os.path.exists("/mnt/only-w0")
 
 
 @sim

@@ -25,6 +25,7 @@ BINDS = (
     ("/home", "home"),
     ("/root", "root"),
     ("/tmp", "tmp"),
+    ("/mnt", "mnt"),
     ("/etc/passwd", "etc/passwd"),
     ("/etc/group", "etc/group"),
     ("/etc/shadow", "etc/shadow"),

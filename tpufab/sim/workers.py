@@ -432,7 +432,7 @@ class WorkerPool:
                         tools: HostTools, sshd_at: float) -> None:
         wdir = self._worker_dir(node_id, spec.index)
         (wdir / "etc").mkdir(parents=True, exist_ok=True)
-        for sub, mode in (("home", 0o755), ("root", 0o700)):
+        for sub, mode in (("home", 0o755), ("root", 0o700), ("mnt", 0o755)):
             (wdir / sub).mkdir(exist_ok=True)
             os.chmod(wdir / sub, mode)
         tmp = wdir / "tmp"  # cleared at every start, like a reboot
