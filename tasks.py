@@ -77,6 +77,40 @@ def types(c, json=False, debug=False):
     _run("types", as_json=json, debug=debug)
 
 
+# -- on the workers
+
+POD_HELP = {"command": "shell command, quoted as one argument", "name": "TPU node name",
+            "worker": "workers: all, 0, 0,3-5 or w[0-3,7]",
+            "gather": "print each distinct output once under its workers",
+            "timeout": "per-command timeout in seconds", "script": "setup script to run",
+            "force": "run even where it already ran", "zone": "zone", "project": "project",
+            "debug": "show tracebacks"}
+
+
+@task(name="exec", positional=["command"], auto_shortflags=False,
+      help=_help(POD_HELP, "command", "name", "worker", "gather", "timeout", "zone", "project", "debug"))
+def exec_(c, command, name=None, worker="all", gather=False, timeout=None, zone=None,
+          project=None, debug=False):
+    """Run a shell command on every (or the selected) worker."""
+    _run("exec_", command=command, name=name, worker=worker, gather=gather,
+         timeout=float(timeout) if timeout else None, zone=zone, project=project, debug=debug)
+
+
+@task(auto_shortflags=False,
+      help=_help(POD_HELP, "name", "script", "force", "worker", "timeout", "zone", "project", "debug"))
+def setup(c, name=None, script="scripts/setup.sh", force=False, worker="all", timeout=None,
+          zone=None, project=None, debug=False):
+    """Ship a setup script and run it on every worker (once per script content)."""
+    _run("setup", name=name, script=script, force=force, worker=worker,
+         timeout=float(timeout) if timeout else None, zone=zone, project=project, debug=debug)
+
+
+@task(auto_shortflags=False, help=_help(POD_HELP, "name", "worker", "zone", "project", "debug"))
+def ssh(c, name=None, worker=0, zone=None, project=None, debug=False):
+    """An interactive shell on one worker, with the right key and host key."""
+    _run("ssh", name=name, worker=int(worker), zone=zone, project=project, debug=debug)
+
+
 # -- invoke sim.*
 
 SIM_HELP = {"port": "API port", "state-dir": "where the simulated pod keeps its state",
@@ -129,4 +163,4 @@ def sim_burst(c, count, code=503, debug=False):
 
 sim = Collection("sim", sim_up, sim_down, sim_status, sim_preempt, sim_unreachable,
                  sim_fail_create, sim_burst)
-ns = Collection(create, delete, list_, describe, types, sim)
+ns = Collection(create, delete, list_, describe, types, exec_, setup, ssh, sim)

@@ -105,6 +105,58 @@ def types(json: Json = False) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# on the workers
+
+Worker = Annotated[str, typer.Option(
+    "--worker", "-w", help="Workers: all, 0, 0,3-5 or w[0-3,7].")]
+Timeout = Annotated[float | None, typer.Option(
+    "--timeout", help="Per-command timeout in seconds.")]
+
+
+@app.command("exec")
+def exec_(
+    command: Annotated[str, typer.Argument(help="Shell command, quoted as one argument.")],
+    name: Name = None,
+    worker: Worker = "all",
+    gather: Annotated[bool, typer.Option(
+        "--gather", "-b", help="Print each distinct output once under its workers.")] = False,
+    timeout: Timeout = None,
+    zone: Zone = None,
+    project: Project = None,
+) -> None:
+    """Run a shell command on every (or the selected) worker."""
+    _run(verbs.exec_, command=command, name=name, worker=worker, gather=gather, timeout=timeout,
+         zone=zone, project=project)
+
+
+@app.command()
+def setup(
+    name: Name = None,
+    script: Annotated[str, typer.Option("--script", help="Setup script to run.")] = "scripts/setup.sh",
+    force: Annotated[bool, typer.Option("--force", help="Run even where it already ran.")] = False,
+    worker: Worker = "all",
+    timeout: Timeout = None,
+    zone: Zone = None,
+    project: Project = None,
+) -> None:
+    """Ship a setup script and run it on every worker (once per script content)."""
+    _run(verbs.setup, name=name, script=script, force=force, worker=worker, timeout=timeout,
+         zone=zone, project=project)
+
+
+@app.command()
+def ssh(
+    name: Name = None,
+    worker: Annotated[int, typer.Option("--worker", "-w", help="Worker index.")] = 0,
+    command: Annotated[list[str] | None, typer.Argument(help="Command (default: a shell).")] = None,
+    zone: Zone = None,
+    project: Project = None,
+) -> None:
+    """An interactive shell (or one command) on one worker, with the right key and host key."""
+    _run(verbs.ssh, name=name, worker=worker, command=command, zone=zone, project=project)
+
+
+# ---------------------------------------------------------------------------------------------
 # tpufab sim ...
 
 StateDir = Annotated[str | None, typer.Option(

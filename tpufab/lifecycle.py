@@ -269,7 +269,7 @@ def _summary(node: Node) -> str:
     return f"{node.accelerator_type}, {_hosts(node.hosts)} ({ips})"
 
 
-def _ensure_key(control: ControlPlane, node: Node, entry: str, settings: Settings,
+def ensure_key(control: ControlPlane, node: Node, entry: str, settings: Settings,
                 console: Console) -> bool:
     op = control.add_ssh_key(node, entry)
     if op is None:
@@ -301,7 +301,7 @@ def _existing_node(control: ControlPlane, node: Node, settings: Settings, wanted
         if async_:
             return [node]
         node = _wait_node(control, name, settings, console=console)
-    added = _ensure_key(control, node, entry, settings, console)
+    added = ensure_key(control, node, entry, settings, console)
     note = "added your SSH key to its metadata" if added else "nothing to do"
     console.print(f"TPU node [bold]{name}[/bold] already exists and is READY "
                   f"({_summary(node)}); {note}.")
@@ -331,7 +331,7 @@ def _existing_queued(control: ControlPlane, qr: QueuedResourceInfo, settings: Se
     if preempted:
         raise ApiError(f"Queued resource {name!r} has preempted nodes ({', '.join(preempted)}); "
                        f"recover with `tpufab delete --name {name} --yes`, then create it again.")
-    added = [n.name for n in nodes if _ensure_key(control, n, entry, settings, console)]
+    added = [n.name for n in nodes if ensure_key(control, n, entry, settings, console)]
     note = f"added your SSH key to {', '.join(added)}" if added else "nothing to do"
     console.print(f"Queued resource [bold]{name}[/bold] already exists and is ACTIVE "
                   f"({len(nodes)} node{'s' if len(nodes) != 1 else ''}); {note}.")

@@ -256,3 +256,13 @@ def sim_burst(*, count: int, code: int = 503) -> None:
         raise ConfigError(f"--code must be 503 or 429, not {code}.")
     sim_admin().error_burst(count, code=code)
     stdout().print(f"The next {count} TPU API requests will fail with {code}.")
+
+
+def __getattr__(name: str) -> Any:
+    """The worker verbs live in podverbs; both front ends find every verb here."""
+    from tpufab import podverbs
+
+    try:
+        return getattr(podverbs, name)
+    except AttributeError:
+        raise AttributeError(f"module 'tpufab.verbs' has no attribute {name!r}") from None

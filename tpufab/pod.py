@@ -1,0 +1,179 @@
+"""A node's workers as one group: find the node(s), make sure we can log in, open a Fanout.
+
+Every worker verb (exec, setup, deploy, mount, run, kill, status) starts here. A node name
+may also name a multislice queued resource: its slices' workers form one pod, numbered
+slice by slice (slice 0's workers first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tpufab.config import Settings
+from tpufab.errors import ApiError, TpufabError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from tpufab.controlplane import ControlPlane
+    from tpufab.fanout import Fanout
+    from tpufab.nodes import Node
+
+SSH_PORT = 22  # networkEndpoints[].port is the TPU runtime's port (8470), never SSH's
+
+
+@dataclass
+class Pod:
+    settings: Settings
+    nodes: list[Node]
+    fanout: Fanout
+    slices: list[list[int]] = field(default_factory=list)  # global worker ids per slice
+
+    @property
+    def node(self) -> Node:
+        return self.nodes[0]
+
+    @property
+    def name(self) -> str:
+        return self.settings.name or self.node.name
+
+    @property
+    def workers(self) -> list[int]:
+        return self.fanout.workers
+
+    def internal_ips(self) -> list[str]:
+        return [w.internal_ip for n in self.nodes for w in n.workers]
+
+    def device_globs(self) -> tuple[str, ...]:
+        from tpufab.topology import DEVICE_GLOBS
+
+        return DEVICE_GLOBS
+
+    def close(self) -> None:
+        self.fanout.close()
+
+    def __enter__(self) -> Pod:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def resolve_nodes(control: ControlPlane, name: str) -> list[Node]:
+    """The node called ``name``, or the slices of the queued resource called ``name``."""
+    node = control.find_node(name)
+    if node is not None:
+        return [node]
+    qr = control.find_queued_resource(name)
+    if qr is not None:
+        nodes = [n for n in control.list_nodes() if n.queued_resource == name]
+        if nodes:
+            return sorted(nodes, key=lambda n: (n.slice_index or 0, n.name))
+        raise ApiError(f"Queued resource {name!r} has no nodes yet (state {qr.state}); wait for "
+                       f"it with `tpufab describe --name {name}`.")
+    raise ApiError(f"No TPU node or queued resource named {name!r} in "
+                   f"{control.settings.zone} (project {control.settings.project}); create it "
+                   f"with `tpufab create --name {name} --type ...` or check `tpufab list`.")
+
+
+def _check_ready(nodes: list[Node]) -> None:
+    for node in nodes:
+        if node.preempted:
+            raise ApiError(f"TPU node {node.name} was preempted ({node.state}); its workers are "
+                           f"gone. Recover with `tpufab delete --name {node.name} --yes` and "
+                           "create it again (or let `tpufab babysit` do it).")
+        if not node.ready:
+            raise ApiError(f"TPU node {node.name} is {node.state}, not READY; wait for it "
+                           f"(`tpufab describe --name {node.name}`) or start it.")
+
+
+def pin_host_keys(control: ControlPlane, nodes: list[Node], known_hosts) -> None:
+    """Pin each worker's host key from the API's guest attributes (once per node id).
+
+    Workers whose keys the API does not offer are trusted on first use instead.
+    """
+    from tpufab.hostkeys import alias
+
+    for node in nodes:
+        if all(known_hosts.lookup(alias(node.id, w.index)) for w in node.workers):
+            continue
+        try:
+            offered = control.host_keys(node.name)
+        except ApiError:
+            continue  # older runtimes do not publish host keys: first use pins them
+        keys = {i: k["ssh-ed25519"] for i, k in offered.items() if k.get("ssh-ed25519")}
+        if keys:
+            known_hosts.pin(node.id, keys)
+
+
+def connect(settings: Settings, *, control: ControlPlane | None = None,
+            console: Console | None = None, nodes: list[Node] | None = None) -> Pod:
+    """Open the pod named by ``settings.name``: checks, SSH key, pinned host keys, Fanout."""
+    from tpufab import lifecycle, sshkeys
+    from tpufab.console import stderr
+    from tpufab.fanout import Fanout, Target
+    from tpufab.hostkeys import KnownHosts, alias
+
+    name = lifecycle.validate_name(settings.name)
+    settings.project = settings.require("project")
+    control = lifecycle.control_plane(settings, control)
+    nodes = nodes if nodes is not None else resolve_nodes(control, name)
+    _check_ready(nodes)
+    console = console or stderr()
+    entry = sshkeys.metadata_entry(settings.ssh_user, sshkeys.ensure_key(settings.ssh_key_path))
+    for node in nodes:
+        if lifecycle.ensure_key(control, node, entry, settings, console):
+            console.print(f"[dim]Added your SSH key ({settings.ssh_key_path}.pub) to "
+                          f"{node.name}'s metadata.[/dim]")
+    known_hosts = KnownHosts(settings.known_hosts_path)
+    pin_host_keys(control, nodes, known_hosts)
+
+    targets, slices = [], []
+    for node in nodes:
+        ids = []
+        for w in node.workers:
+            worker = len(targets)
+            ids.append(worker)
+            targets.append(Target(worker=worker, host=w.address(settings.internal_ip),
+                                  user=settings.ssh_user, key_filename=str(settings.ssh_key_path),
+                                  port=SSH_PORT, host_key_alias=alias(node.id, w.index)))
+        slices.append(ids)
+    if not targets:
+        raise TpufabError(f"TPU node {name} reports no workers (networkEndpoints is empty).")
+    fanout = Fanout(targets, known_hosts=known_hosts, concurrency=settings.concurrency,
+                    connect_timeout=settings.connect_timeout,
+                    command_timeout=settings.command_timeout)
+    return Pod(settings=settings, nodes=nodes, fanout=fanout, slices=slices)
+
+
+# One open pod per (project, zone, name) for the life of the process: `invoke deploy run`
+# runs both steps over the same warm connections.
+_OPEN: dict[tuple, Pod] = {}
+
+
+def shared(settings: Settings, **kwargs) -> Pod:
+    """``connect`` once per node for this process; later verbs reuse the open connections."""
+    import atexit
+
+    key = (settings.project, settings.zone, settings.name, settings.ssh_user,
+           str(settings.ssh_key_path), settings.internal_ip)
+    pod = _OPEN.get(key)
+    if pod is None:
+        pod = _OPEN[key] = connect(settings, **kwargs)
+        if len(_OPEN) == 1:
+            atexit.register(close_all)
+    else:
+        pod.settings = settings
+    return pod
+
+
+def forget(settings: Settings) -> None:
+    """Drop (and close) the cached pod of ``settings.name``, e.g. after a delete."""
+    for key in [k for k in _OPEN if k[2] == settings.name]:
+        _OPEN.pop(key).close()
+
+
+def close_all() -> None:
+    while _OPEN:
+        _OPEN.popitem()[1].close()
