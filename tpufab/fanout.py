@@ -716,6 +716,7 @@ class Fanout:
         self._connection_class = connection_class
         self._keys: dict[str, object] = {}
         self._keys_lock = threading.Lock()
+        self._fabric_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._ids = iter(range(1, 1 << 31))
         self._ids_lock = threading.Lock()
@@ -749,16 +750,21 @@ class Fanout:
         return chosen
 
     # -- connecting -------------------------------------------------------------------------
-    def _fabric(self):
-        if self._config is None:
-            from fabric import Config
+    def _new_connection(self, target: Target, **kwargs):
+        """A Fabric Connection with its own Config: invoke's Config is not thread-safe."""
+        with self._fabric_lock:
+            if self._connection_class is None:
+                from fabric import Connection
 
-            self._config = Config(lazy=True)
-        if self._connection_class is None:
-            from fabric import Connection
+                self._connection_class = Connection
+            if self._config is None:
+                from fabric import Config
 
-            self._connection_class = Connection
-        return self._config, self._connection_class
+                config = Config(lazy=True)
+            else:
+                config = self._config.clone()
+            return self._connection_class(target.host, user=target.user, port=target.port,
+                                          config=config, **kwargs)
 
     def _pkey(self, path: str | None):
         if path is None:
@@ -779,7 +785,6 @@ class Fanout:
             return key
 
     def _connect_once(self, link: _Link) -> None:
-        config, connection_class = self._fabric()
         target = link.target
         pkey = self._pkey(target.key_filename)
         connect_kwargs = {
@@ -791,9 +796,9 @@ class Fanout:
         }
         if pkey is not None:
             connect_kwargs["pkey"] = pkey
-        conn = connection_class(
-            target.host, user=target.user, port=target.port, config=config,
-            connect_timeout=max(1, int(round(self.connect_timeout))), connect_kwargs=connect_kwargs,
+        conn = self._new_connection(
+            target, connect_timeout=max(1, int(round(self.connect_timeout))),
+            connect_kwargs=connect_kwargs,
         )
         conn.client.set_missing_host_key_policy(self.known_hosts.policy(target.key_alias))
         if not conn.gateway:
@@ -913,6 +918,8 @@ class Fanout:
                 if command is None and _put is None:
                     task.finish(0)
                     return
+                if task.done.is_set() or self._cancelled.is_set():
+                    return  # interrupted while this worker was still connecting
                 link.agent.submit(task, request, stdin_bytes, _put[1] if _put else None)
             except BaseException as err:  # noqa: BLE001 - becomes this worker's result
                 link.close()

@@ -1,0 +1,351 @@
+"""Fan-out benchmark: tpufab vs clush vs parallel-ssh vs a sequential ssh loop.
+
+    sudo .venv/bin/python bench/fanout.py [--sizes 4,16,64] [--reps 5] [--json out.json]
+
+Starts one plain sshd per worker on 127.57.0.{1..N}:2222 (each in its own mount namespace
+with a private tmpfs /root, so no host dotfiles run), then measures, for every size:
+cold fan-out of ``true`` (a fresh process each time, so new connections), warm fan-out
+(connections open; tpufab in-process, and OpenSSH ControlMaster through clush), and
+streaming (every worker prints 100,000 lines; zero loss and per-worker order verified).
+Prints a markdown table; all sshds are stopped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SUBNET = "127.57.0"
+PORT = 2222
+LINES = 100_000
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+
+def host(i: int) -> str:
+    return f"{SUBNET}.{i + 1}"
+
+
+class Sshds:
+    def __init__(self, root: Path, count: int):
+        self.root = root
+        self.procs: list[subprocess.Popen] = []
+        keygen = ["ssh-keygen", "-q", "-t", "ed25519", "-N", ""]
+        subprocess.run([*keygen, "-f", str(root / "client")], check=True)
+        subprocess.run([*keygen, "-f", str(root / "hostkey")], check=True)
+        (root / "authorized_keys").write_text((root / "client.pub").read_text())
+        Path("/run/sshd").mkdir(exist_ok=True)
+        config = root / "sshd_config"
+        config.write_text(
+            f"HostKey {root}/hostkey\nPidFile none\nUsePAM no\nPermitRootLogin prohibit-password\n"
+            f"AuthorizedKeysFile {root}/authorized_keys\nStrictModes no\nPasswordAuthentication no\n"
+            "KbdInteractiveAuthentication no\nUseDNS no\nPrintMotd no\nPrintLastLog no\n"
+            "MaxStartups 1000:30:1000\nMaxSessions 1000\nLogLevel ERROR\n"
+        )
+        for i in range(count):
+            script = (f"mount -t tmpfs tmpfs /root && exec /usr/sbin/sshd -D -f {config} "
+                      f"-o ListenAddress={host(i)}:{PORT}")
+            self.procs.append(subprocess.Popen(
+                ["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            ))
+        deadline = time.monotonic() + 30
+        for i in range(count):
+            while not _listening(host(i)):
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"sshd on {host(i)} did not start")
+                time.sleep(0.02)
+        self.ssh_config = root / "ssh_config"
+        self.ssh_config.write_text(
+            f"Host *\n  User root\n  Port {PORT}\n  IdentityFile {root}/client\n  IdentitiesOnly yes\n"
+            "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  BatchMode yes\n"
+            "  LogLevel ERROR\n"
+        )
+        # Same, with the kex paramiko negotiates (OpenSSH 9's default sntrup761 hybrid costs
+        # tens of ms of CPU per handshake on both ends).
+        self.ssh_config_fast = root / "ssh_config_curve25519"
+        self.ssh_config_fast.write_text(
+            self.ssh_config.read_text() + "  KexAlgorithms curve25519-sha256\n"
+        )
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+def _listening(address: str) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex((address, PORT)) == 0
+
+
+def timed(argv, **kwargs) -> float:
+    start = time.perf_counter()
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kwargs)
+    return (time.perf_counter() - start) * 1e3
+
+
+def median(values) -> float:
+    return statistics.median(values)
+
+
+# --------------------------------------------------------------------------------------------
+# tpufab drivers (run in a fresh interpreter for cold numbers)
+# --------------------------------------------------------------------------------------------
+
+
+def _fanout(root: Path, count: int, **kwargs):
+    from tpufab.fanout import Fanout, Target
+    from tpufab.hostkeys import KnownHosts, alias
+
+    targets = [Target(i, host(i), "root", str(root / "client"), PORT, alias("bench", i)) for i in range(count)]
+    return Fanout(targets, known_hosts=KnownHosts(root / "known_hosts"), **kwargs)
+
+
+def driver_cold(root: Path, count: int) -> None:
+    start = time.perf_counter()
+    with _fanout(root, count) as fan:
+        result = fan.run("true")
+    elapsed = (time.perf_counter() - start) * 1e3
+    print(json.dumps({"inproc_ms": elapsed, "ok": result.ok, "summary": result.summary()}))
+
+
+def driver_warm(root: Path, count: int, reps: int) -> None:
+    with _fanout(root, count) as fan:
+        fan.run("true").check()
+        fan.run("true").check()
+        shell, argv = [], []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fan.run("true").check()
+            shell.append((time.perf_counter() - start) * 1e3)
+            start = time.perf_counter()
+            fan.run(["true"]).check()
+            argv.append((time.perf_counter() - start) * 1e3)
+    print(json.dumps({"shell_ms": median(shell), "argv_ms": median(argv)}))
+
+
+def driver_stream(root: Path, count: int, out_path: str) -> None:
+    from tpufab.fanout import LiveView
+
+    with _fanout(root, count) as fan:
+        fan.run("true").check()
+        with open(out_path, "wb") as out:
+            view = LiveView(out, out, color=False, workers=fan.workers)
+            start = time.perf_counter()
+            result = fan.run(f"seq {LINES}", sink=view)
+            elapsed = time.perf_counter() - start
+        result.check()
+    print(json.dumps({"seconds": elapsed}))
+
+
+def verify_stream(path: str, count: int) -> int:
+    """Lines lost or out of order across all workers (0 = every line, in order, attributed)."""
+    expected = {w: 1 for w in range(count)}
+    bad = 0
+    pattern = re.compile(rb"^w(\d+) +\xe2\x94\x82 (\d+)$")
+    with open(path, "rb") as fh:
+        for line in fh:
+            match = pattern.match(line.rstrip(b"\n"))
+            if not match:
+                bad += 1
+                continue
+            worker, value = int(match.group(1)), int(match.group(2))
+            if expected.get(worker) != value:
+                bad += 1
+            expected[worker] = value + 1
+    return bad + sum(abs(LINES + 1 - nxt) for nxt in expected.values())
+
+
+def run_driver(*args) -> dict:
+    out = subprocess.run([PYTHON, __file__, *map(str, args)], capture_output=True,
+                         text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if out.returncode:
+        raise SystemExit(f"driver {args[0]} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------------------------
+# Measurements
+# --------------------------------------------------------------------------------------------
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    import paramiko
+
+    return {
+        "nproc": os.cpu_count(),
+        "memory": subprocess.run(["free", "-h"], capture_output=True, text=True).stdout.splitlines()[1].split()[1],
+        "cpu": cpu,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "paramiko": paramiko.__version__,
+        "openssh": subprocess.run(["ssh", "-V"], capture_output=True, text=True).stderr.strip(),
+        "clush": subprocess.run(["clush", "--version"], capture_output=True, text=True).stdout.strip(),
+        "pssh": "parallel-ssh " + subprocess.run(["parallel-ssh", "--version"], capture_output=True,
+                                                 text=True).stdout.strip(),
+    }
+
+
+def bench_size(sshds: Sshds, count: int, reps: int) -> dict:
+    root = sshds.root
+    hosts_file = root / f"hosts{count}"
+    hosts_file.write_text("".join(f"{host(i)}\n" for i in range(count)))
+    nodes = f"{SUBNET}.[1-{count}]"
+    row: dict = {"workers": count}
+
+    cold_wall, cold_inproc = [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        result = run_driver("_cold", root, count)
+        cold_wall.append((time.perf_counter() - start) * 1e3)
+        cold_inproc.append(result["inproc_ms"])
+        if not result["ok"]:
+            row.setdefault("tpufab_cold_failures", []).append(result["summary"])
+            print(f"cold fan-out to {count} had failures: {result['summary']}", file=sys.stderr)
+    row["tpufab_cold_ms"] = median(cold_wall)
+    row["tpufab_cold_inproc_ms"] = median(cold_inproc)
+
+    for name, config in (("", sshds.ssh_config), ("_curve25519", sshds.ssh_config_fast)):
+        clush = ["clush", "-f", "64", "-w", nodes, "-o", f"-F {config}", "-b", "true"]
+        pssh = ["parallel-ssh", "-h", str(hosts_file), "-p", "64", "-x", f"-F {config}", "true"]
+        row[f"clush{name}_cold_ms"] = median(timed(clush) for _ in range(reps))
+        row[f"pssh{name}_cold_ms"] = median(timed(pssh) for _ in range(reps))
+
+    loop = "for h in " + " ".join(host(i) for i in range(count)) + f"; do ssh -F {sshds.ssh_config} $h true; done"
+    row["ssh_loop_cold_ms"] = median(timed(["sh", "-c", loop]) for _ in range(max(1, min(reps, 3))))
+
+    warm = run_driver("_warm", root, count, 20)
+    row["tpufab_warm_ms"] = warm["shell_ms"]
+    row["tpufab_warm_argv_ms"] = warm["argv_ms"]
+
+    # OpenSSH ControlMaster (connections kept open by master processes), driven by clush.
+    control = root / f"cm{count}"
+    control.mkdir(exist_ok=True)
+    cm_opts = f"-F {sshds.ssh_config} -o ControlPath={control}/%h -o ControlMaster=no"
+    masters = [subprocess.Popen(["ssh", "-F", str(sshds.ssh_config), "-o", f"ControlPath={control}/%h",
+                                 "-o", "ControlMaster=yes", "-N", host(i)]) for i in range(count)]
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(control.iterdir())) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # clush reads -o through configparser: a literal % is written %%.
+        clush_cm = ["clush", "-f", "64", "-w", nodes, "-o", cm_opts.replace("%", "%%"), "-b", "true"]
+        row["clush_controlmaster_warm_ms"] = median(timed(clush_cm) for _ in range(reps))
+
+        # Streaming: raw ssh (through the masters, so warm like tpufab) as the reference rate.
+        raw = []
+        for _ in range(max(1, min(reps, 3))):
+            start = time.perf_counter()
+            procs = [subprocess.Popen(["ssh", *cm_opts.split(), host(i), f"seq {LINES}"],
+                                      stdout=subprocess.PIPE) for i in range(count)]
+            lines = sum(p.communicate()[0].count(b"\n") for p in procs)
+            raw.append(time.perf_counter() - start)
+            assert lines == LINES * count, lines
+        row["raw_ssh_lines_per_s"] = LINES * count / median(raw)
+    finally:
+        for proc in masters:
+            proc.terminate()
+        for proc in masters:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+    rates, lost = [], 0
+    for _ in range(max(1, min(reps, 3))):
+        with tempfile.NamedTemporaryFile(dir=root, suffix=".out", delete=False) as tmp:
+            path = tmp.name
+        seconds = run_driver("_stream", root, count, path)["seconds"]
+        lost += verify_stream(path, count)
+        os.unlink(path)
+        rates.append(LINES * count / seconds)
+    row["tpufab_lines_per_s"] = median(rates)
+    row["tpufab_stream_lost"] = lost
+    return row
+
+
+def import_cost(reps: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    base = median(timed([PYTHON, "-c", "pass"], env=env) for _ in range(reps * 2))
+    fan = median(timed([PYTHON, "-c", "import tpufab.fanout"], env=env) for _ in range(reps * 2))
+    full = median(timed([PYTHON, "-c", "import tpufab.fanout, fabric, paramiko"], env=env)
+                  for _ in range(reps * 2))
+    return {"python_ms": base, "import_fanout_ms": fan, "import_with_fabric_ms": full}
+
+
+def table(rows: list[dict]) -> str:
+    cols = [
+        ("workers", "workers", "{:d}"),
+        ("tpufab_cold_ms", "tpufab cold (process)", "{:.0f}"),
+        ("tpufab_cold_inproc_ms", "tpufab cold (in-process)", "{:.0f}"),
+        ("clush_cold_ms", "clush cold", "{:.0f}"),
+        ("pssh_cold_ms", "pssh cold", "{:.0f}"),
+        ("clush_curve25519_cold_ms", "clush cold, curve25519", "{:.0f}"),
+        ("pssh_curve25519_cold_ms", "pssh cold, curve25519", "{:.0f}"),
+        ("ssh_loop_cold_ms", "ssh loop cold", "{:.0f}"),
+        ("tpufab_warm_ms", "tpufab warm (shell)", "{:.1f}"),
+        ("tpufab_warm_argv_ms", "tpufab warm (argv)", "{:.1f}"),
+        ("clush_controlmaster_warm_ms", "clush + ControlMaster warm", "{:.0f}"),
+        ("tpufab_lines_per_s", "tpufab lines/s", "{:,.0f}"),
+        ("raw_ssh_lines_per_s", "raw ssh lines/s", "{:,.0f}"),
+        ("tpufab_stream_lost", "lost/misordered", "{:d}"),
+    ]
+    out = ["| metric | " + " | ".join(str(r["workers"]) for r in rows) + " |",
+           "|---|" + "---:|" * len(rows)]
+    for key, title, fmt in cols[1:]:
+        out.append(f"| {title} | " + " | ".join(fmt.format(r[key]) for r in rows) + " |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1].startswith("_"):
+        mode, root, count, *rest = sys.argv[1:]
+        {"_cold": driver_cold, "_warm": lambda r, c, n: driver_warm(r, c, int(n)),
+         "_stream": driver_stream}[mode](Path(root), int(count), *rest)
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="4,16,64")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--json", help="also write the raw numbers here")
+    args = parser.parse_args()
+    for tool in ("clush", "parallel-ssh", "ssh", "unshare"):
+        if not shutil.which(tool):
+            raise SystemExit(f"{tool} is not installed (apt-get install clustershell pssh openssh-client)")
+    sizes = [int(s) for s in args.sizes.split(",")]
+    with tempfile.TemporaryDirectory(prefix="tpufab-bench-") as tmp:
+        sshds = Sshds(Path(tmp), max(sizes))
+        try:
+            rows = [bench_size(sshds, n, args.reps) for n in sizes]
+        finally:
+            sshds.stop()
+    report = {"machine": machine(), "imports": import_cost(args.reps), "rows": rows}
+    print(json.dumps(report["machine"], indent=1))
+    print(json.dumps(report["imports"], indent=1))
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
