@@ -1,0 +1,127 @@
+"""`tpufab exec|setup|ssh` and `invoke exec|setup` as a user runs them, on a simulated v4-32."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import unique_name
+
+pytestmark = pytest.mark.sim
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def run(argv, env, *, cwd=REPO, timeout=120):
+    return subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def tpufab(*args, env):
+    return run([str(BIN / "tpufab"), *args], env)
+
+
+def invoke(*args, env):
+    return run([str(BIN / "invoke"), *args], env)
+
+
+@pytest.fixture(scope="module")
+def pod_env(sim, tmp_path_factory):
+    """A v4-32 created with `tpufab create`, and the environment that names it."""
+    home = tmp_path_factory.mktemp("home")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
+    env.update(sim.env(), HOME=str(home), TPUFAB_USER_CONFIG=str(home / "none.yaml"),
+               TPUFAB_NAME=unique_name("exec"), COLUMNS="200")
+    created = tpufab("create", "--type", "v4-32", env=env)
+    assert created.returncode == 0, created.stderr
+    yield env
+    tpufab("delete", "--yes", env=env)
+
+
+def test_exec_runs_on_every_worker_with_prefixed_lines(pod_env):
+    result = tpufab("exec", "hostname", env=pod_env)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 4
+    by_worker = dict(line.split(" │ ", 1) for line in lines)
+    assert sorted(k.strip() for k in by_worker) == ["w0", "w1", "w2", "w3"]
+    assert len(set(by_worker.values())) == 4  # four distinct hosts
+    assert all(v.endswith(f"-w-{k.strip()[1:]}") for k, v in by_worker.items())
+
+
+@pytest.mark.parametrize("selection,expected", [
+    ("0", ["w0"]), ("1,3", ["w1", "w3"]), ("w[1-2]", ["w1", "w2"]), ("2-3", ["w2", "w3"]),
+])
+def test_exec_on_a_subset(pod_env, selection, expected):
+    result = tpufab("exec", "--worker", selection, "echo hi", env=pod_env)
+    assert result.returncode == 0, result.stderr
+    assert [line.split(" │ ")[0].strip() for line in result.stdout.splitlines()] == expected
+
+
+def test_gather_folds_identical_output(pod_env):
+    result = tpufab("exec", "--gather", "echo same; test -e /etc/hostname", env=pod_env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("same") == 1
+    assert "w[0-3] (exit 0)" in result.stdout
+
+
+def test_a_failing_worker_fails_the_command_and_is_named(pod_env):
+    result = invoke("exec", "--gather", "echo ok; hostname | grep -q 'w-2$' && exit 3; true",
+                    env=pod_env)
+    assert result.returncode == 3
+    assert "w[0-1,3] (exit 0)" in result.stdout and "w2 (exit 3)" in result.stdout
+    assert "failed on 1 of 4 workers: w2 exit 3" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_quotes_and_shell_characters_run_literally(pod_env, tmp_path):
+    text = "it's \"quoted\" $(touch /tmp/canary) `touch /tmp/canary`; and\nnewline"
+    result = tpufab("exec", "--worker", "0", f"printf '%s\\n' {_sh_quote(text)}", env=pod_env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.replace("w0 │ ", "") == text + "\n"
+    assert tpufab("exec", "test ! -e /tmp/canary", env=pod_env).returncode == 0
+
+
+def test_bad_selection_is_one_sentence(pod_env):
+    result = tpufab("exec", "--worker", "7", "true", env=pod_env)
+    assert result.returncode != 0
+    assert "0-3" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_setup_runs_once_then_skips(pod_env, tmp_path):
+    script = tmp_path / "setup.sh"
+    script.write_text("#!/bin/sh\nset -e\necho setting up on $(hostname)\ndate +%s%N >> ~/setup-count\n")
+    first = tpufab("setup", "--script", str(script), env=pod_env)
+    assert first.returncode == 0, first.stderr
+    assert "w[0-3] ran" in first.stdout
+    second = invoke("setup", "--script", str(script), env=pod_env)
+    assert second.returncode == 0, second.stderr
+    assert "w[0-3] skipped" in second.stdout
+    counts = tpufab("exec", "--gather", "wc -l < ~/setup-count", env=pod_env)
+    assert "w[0-3] (exit 0)" in counts.stdout and "\n1\n" in counts.stdout
+    forced = tpufab("setup", "--script", str(script), "--force", "--worker", "0", env=pod_env)
+    assert "w0 ran" in forced.stdout
+
+
+def test_missing_setup_script_is_one_sentence(pod_env):
+    result = tpufab("setup", "--script", "no/such/script.sh", env=pod_env)
+    assert result.returncode != 0
+    assert "no/such/script.sh does not exist" in result.stderr
+
+
+def test_ssh_runs_on_the_chosen_worker_with_pinned_host_keys(pod_env):
+    result = tpufab("ssh", "--worker", "3", "--", "hostname", env=pod_env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("-w-3")
+    known = Path(pod_env["HOME"]) / ".tpufab" / "known_hosts"
+    assert len(known.read_text().splitlines()) == 4  # pinned from the API, one per worker
+
+
+def _sh_quote(text: str) -> str:
+    import shlex
+
+    return shlex.quote(text)
