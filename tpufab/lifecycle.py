@@ -265,7 +265,11 @@ def _hosts(count: int) -> str:
 
 
 def _summary(node: Node) -> str:
-    ips = ", ".join(node.addresses()) or "no workers"
+    addresses = node.addresses()
+    if len(addresses) > 4:  # a 64-host pod: first and last, not a wall of addresses
+        ips = f"{addresses[0]} .. {addresses[-1]}; `tpufab describe` lists all"
+    else:
+        ips = ", ".join(addresses) or "no workers"
     return f"{node.accelerator_type}, {_hosts(node.hosts)} ({ips})"
 
 
