@@ -1,0 +1,424 @@
+#!/usr/bin/env python3
+"""tpufab status, worker side (stdlib only, Python 3.6+): what this worker looks like now.
+
+    facts.py [--run-dir DIR] [--deploy-dir DIR ...] [--devices-glob GLOB ...]
+             [--mount-state-dir DIR] [--setup-dir DIR] [--disk PATH ...] [--max-runs N]
+
+Prints one JSON object on one line and exits 0 (a fact it cannot read is reported as
+missing, never as a failure):
+
+    {"host", "uptime_s", "boot_id", "load",
+     "devices": [{"path", "holders": [{"pid", "command"}]}], "unreadable_processes",
+     "runs": [{"run", "state", "exit_code"?, "signal"?, "recipe", "started_at", "ended_at"}],
+     "runs_total", "deploys": [{"dir", "exists", "commit", "branch"}],
+     "mounts": [{"at", "fstype", "source", "url"}],
+     "setup": [{"hash", "done", "mtime"}],
+     "disk": [{"path", "free_bytes", "total_bytes"}],
+     "memory": {"total_bytes", "available_bytes"}}
+
+Only reads: it never changes anything on the worker. Holders of the TPU device files (both
+families: /dev/accel* and /dev/vfio/<n>) are found by scanning /proc/*/fd; without root,
+other users' processes cannot be read and are counted in ``unreadable_processes``.
+"""
+
+import argparse
+import glob
+import json
+import os
+import socket
+import stat
+import sys
+import time
+
+DEVICE_GLOBS = ("/dev/accel*", "/dev/vfio/[0-9]*")
+COMMAND_CHARS = 200
+
+
+# -- small readers -----------------------------------------------------------------------
+
+
+def read_text(path):
+    try:
+        with open(path, errors="replace") as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def read_int(path):
+    text = read_text(path)
+    try:
+        return int(text) if text else None
+    except ValueError:
+        return None
+
+
+def read_float(path):
+    text = read_text(path)
+    try:
+        return float(text) if text else None
+    except ValueError:
+        return None
+
+
+def proc_stat(pid):
+    """(state, pgid, start_time) of ``pid``, or None when it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    fields = data[data.rindex(b")") + 2:].split()
+    return fields[0].decode(), int(fields[2]), int(fields[19])
+
+
+def alive(pid, start_time):
+    found = proc_stat(pid)
+    return found is not None and found[2] == start_time and found[0] not in ("Z", "X", "x")
+
+
+def command_of(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            argv = [a.decode("utf-8", "replace") for a in fh.read().split(b"\0") if a]
+    except OSError:
+        argv = []
+    text = " ".join(argv) or "[{}]".format(read_text(f"/proc/{pid}/comm") or "?")
+    return text if len(text) <= COMMAND_CHARS else text[:COMMAND_CHARS - 3] + "..."
+
+
+def all_pids():
+    return sorted(int(n) for n in os.listdir("/proc") if n.isdigit())
+
+
+# -- uptime, memory, disk ----------------------------------------------------------------
+
+
+def uptime():
+    text = read_text("/proc/uptime")
+    try:
+        return float(text.split()[0]) if text else None
+    except ValueError:
+        return None
+
+
+def load():
+    text = read_text("/proc/loadavg")
+    try:
+        return [float(x) for x in text.split()[:3]] if text else None
+    except ValueError:
+        return None
+
+
+def memory():
+    """MemTotal and MemAvailable from /proc/meminfo, in bytes."""
+    found = {}
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                if key in ("MemTotal", "MemAvailable"):
+                    found[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return {"total_bytes": found.get("MemTotal"), "available_bytes": found.get("MemAvailable")}
+
+
+def disk(paths):
+    out = []
+    for path in paths:
+        full = os.path.expanduser(path)
+        try:
+            st = os.statvfs(full)
+        except OSError:
+            continue
+        out.append({"path": full, "free_bytes": st.f_bavail * st.f_frsize,
+                    "total_bytes": st.f_blocks * st.f_frsize})
+    return out
+
+
+# -- TPU device files --------------------------------------------------------------------
+
+
+def _common_rdevs():
+    """/dev/null and friends: a placeholder device made as a copy of one of them must not
+    make every process holding /dev/null look like a TPU holder."""
+    found = set()
+    for name in ("null", "zero", "full", "random", "urandom", "tty", "console", "ptmx"):
+        try:
+            found.add(os.stat("/dev/" + name).st_rdev)
+        except OSError:
+            pass
+    return found
+
+
+def device_paths(globs):
+    paths = []
+    for pattern in globs:
+        for path in sorted(glob.glob(pattern)):
+            if path not in paths:
+                paths.append(path)
+    return paths
+
+
+def device_holders(paths):
+    """{path: [{"pid", "command"}]} and how many processes could not be read."""
+    by_path, by_rdev = {}, {}
+    common = _common_rdevs()
+    for path in paths:
+        by_path[path] = path
+        by_path[os.path.realpath(path)] = path
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if stat.S_ISCHR(st.st_mode) and st.st_rdev not in common:
+            by_rdev[st.st_rdev] = path
+    holders = {path: [] for path in paths}
+    unreadable = 0
+    me = os.getpid()
+    if not paths:
+        return holders, unreadable
+    for pid in all_pids():
+        if pid == me:
+            continue
+        fd_dir = f"/proc/{pid}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except PermissionError:
+            unreadable += 1
+            continue
+        except OSError:
+            continue
+        held = set()
+        for fd in fds:
+            fd_path = fd_dir + "/" + fd
+            try:
+                link = os.readlink(fd_path)
+            except OSError:
+                continue
+            path = by_path.get(link)
+            if path is None and by_rdev and link.startswith("/dev/"):
+                try:
+                    path = by_rdev.get(os.stat(fd_path).st_rdev)
+                except OSError:
+                    path = None
+            if path is not None:
+                held.add(path)
+        if held:
+            command = command_of(pid)
+            for path in held:
+                holders[path].append({"pid": pid, "command": command})
+    return holders, unreadable
+
+
+# -- tpufab runs (records written by launch.py) ------------------------------------------
+
+
+def run_state(rundir):
+    state = {"run": os.path.basename(rundir)}
+    meta = read_text(os.path.join(rundir, "meta.json"))
+    info = {}
+    if meta:
+        try:
+            info = json.loads(meta)
+        except ValueError:
+            info = {}
+    state["recipe"] = info.get("recipe")
+    state["started_at"] = info.get("started_at")
+    exit_code = read_int(os.path.join(rundir, "exit_code"))
+    killed = read_text(os.path.join(rundir, "killed"))
+    pid = read_int(os.path.join(rundir, "pid"))
+    start_time = read_int(os.path.join(rundir, "start_time"))
+    if exit_code is not None:
+        state.update(state="exited", exit_code=exit_code)
+    elif killed:
+        state.update(state="killed", signal=killed)
+    elif pid is not None and start_time is not None and alive(pid, start_time):
+        state["state"] = "running"
+    elif pid is None and read_int(os.path.join(rundir, "supervisor")) is None:
+        try:
+            young = time.time() - os.path.getmtime(rundir) < 30
+        except OSError:
+            young = False
+        state["state"] = "starting" if young else "lost"
+    else:
+        state["state"] = "lost"
+    state["ended_at"] = read_float(os.path.join(rundir, "ended_at"))
+    return state
+
+
+def runs(run_dir, limit):
+    """Every running run and the ``limit`` most recent others (ids sort by start time)."""
+    base = os.path.expanduser(run_dir)
+    try:
+        names = sorted(n for n in os.listdir(base) if os.path.isdir(os.path.join(base, n)))
+    except OSError:
+        return [], 0
+    states = [run_state(os.path.join(base, name)) for name in names]
+    live = [s for s in states if s["state"] in ("running", "starting")]
+    ended = [s for s in states if s["state"] not in ("running", "starting")]
+    kept = live + ended[-limit:] if limit else live
+    kept.sort(key=lambda s: s["run"])
+    return kept, len(states)
+
+
+# -- deployed commit (read from .git without running git) --------------------------------
+
+
+def git_dir(path):
+    dot = os.path.join(path, ".git")
+    if os.path.isdir(dot):
+        return dot
+    text = read_text(dot)   # a worktree or submodule: "gitdir: <path>"
+    if text and text.startswith("gitdir:"):
+        target = text[len("gitdir:"):].strip()
+        return target if os.path.isabs(target) else os.path.join(path, target)
+    return None
+
+
+def resolve_ref(gdir, ref):
+    value = read_text(os.path.join(gdir, ref))
+    if value:
+        return value
+    common = read_text(os.path.join(gdir, "commondir"))
+    bases = [os.path.join(gdir, common)] if common else []
+    for base in [gdir] + bases:
+        value = read_text(os.path.join(base, ref))
+        if value:
+            return value
+        packed = read_text(os.path.join(base, "packed-refs")) or ""
+        for line in packed.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[1] == ref:
+                return parts[0]
+    return None
+
+
+def deployed(path):
+    full = os.path.expanduser(path)
+    found = {"dir": full, "exists": os.path.isdir(full), "commit": None, "branch": None}
+    gdir = git_dir(full) if found["exists"] else None
+    head = read_text(os.path.join(gdir, "HEAD")) if gdir else None
+    if head and head.startswith("ref:"):
+        ref = head[4:].strip()
+        found["branch"] = ref[len("refs/heads/"):] if ref.startswith("refs/heads/") else ref
+        found["commit"] = resolve_ref(gdir, ref)
+    elif head:
+        found["commit"] = head
+    return found
+
+
+# -- mounts ------------------------------------------------------------------------------
+
+
+def unescape(field):
+    """/proc/mounts escapes space, tab, newline and backslash as \\ooo."""
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and len(field[i + 1:i + 4]) == 3 and field[i + 1:i + 4].isdigit():
+            out.append(chr(int(field[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def mounts(state_dir, proc_mounts="/proc/mounts"):
+    """FUSE mounts (gcsfuse, rclone...), with the gs:// URL tpufab recorded for each."""
+    recorded = {}
+    base = os.path.expanduser(state_dir)
+    for path in sorted(glob.glob(os.path.join(base, "*.json"))):
+        try:
+            with open(path) as fh:
+                data = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and data.get("at"):
+            recorded[data["at"]] = data
+    found = []
+    try:
+        with open(proc_mounts) as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3 or not parts[2].startswith("fuse"):
+            continue
+        at = unescape(parts[1])
+        if parts[2] in ("fuse.lxcfs", "fusectl") or at.startswith("/sys"):
+            continue
+        record = recorded.get(at, {})
+        found.append({"at": at, "fstype": parts[2], "source": unescape(parts[0]),
+                      "url": record.get("url")})
+    return found
+
+
+# -- setup scripts run by `tpufab setup` -------------------------------------------------
+
+
+def setups(setup_dir):
+    base = os.path.expanduser(setup_dir)
+    out = []
+    for path in glob.glob(os.path.join(base, "*.sh")):
+        digest = os.path.basename(path)[:-3]
+        done = os.path.join(base, digest + ".done")
+        try:
+            mtime = os.path.getmtime(done if os.path.exists(done) else path)
+        except OSError:
+            continue
+        out.append({"hash": digest, "done": os.path.exists(done), "mtime": mtime})
+    out.sort(key=lambda s: s["mtime"])
+    return out
+
+
+# -- main --------------------------------------------------------------------------------
+
+
+def gather(args):
+    paths = device_paths(args.devices_glob or DEVICE_GLOBS)
+    holders, unreadable = device_holders(paths)
+    recent, total = runs(args.run_dir, args.max_runs)
+    return {
+        "host": socket.gethostname(),
+        "uptime_s": uptime(),
+        "boot_id": read_text("/proc/sys/kernel/random/boot_id"),
+        "load": load(),
+        "devices": [{"path": p, "holders": holders[p]} for p in paths],
+        "unreadable_processes": unreadable,
+        "runs": recent,
+        "runs_total": total,
+        "deploys": [deployed(d) for d in args.deploy_dir],
+        "mounts": mounts(args.mount_state_dir),
+        "setup": setups(args.setup_dir),
+        "disk": disk(args.disk or ["~", "/"]),
+        "memory": memory(),
+        "python": ".".join(str(v) for v in sys.version_info[:3]),
+        "time": time.time(),
+    }
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="facts.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-dir", default="~/.tpufab/runs")
+    parser.add_argument("--deploy-dir", action="append", default=[])
+    parser.add_argument("--devices-glob", action="append", default=[])
+    parser.add_argument("--mount-state-dir", default="~/.cache/tpufab/mounts")
+    parser.add_argument("--setup-dir", default="~/.tpufab/setup")
+    parser.add_argument("--disk", action="append", default=[])
+    parser.add_argument("--max-runs", type=int, default=5,
+                        help="finished runs to list besides the running ones")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    json.dump(gather(args), sys.stdout, sort_keys=True, separators=(",", ":"))
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
