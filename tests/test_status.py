@@ -69,12 +69,10 @@ def in_worker(sim, node, worker: int, script: str, check: bool = True) -> str:
 
 
 def cli_env(sim, home: Path, name: str | None = None) -> dict[str, str]:
-    """The environment a user's shell would have for `tpufab` subprocesses."""
+    """The environment a user's shell would have for `tpufab` subprocesses (the same key and
+    known_hosts as ``sim_settings(sim, home)``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
-    env.update(sim.env(), HOME=str(home), TPUFAB_USER_CONFIG=str(home / "none.yaml"),
-               TPUFAB_API_RETRIES="4", TPUFAB_API_RETRY_SECONDS="20",
-               TPUFAB_WAIT_TIMEOUT="120", TPUFAB_CONNECT_TIMEOUT="5", COLUMNS="200")
-    env.pop("TPUFAB_DEBUG", None)
+    env.update(settings_env(sim, home), HOME=str(home), COLUMNS="200")
     if name:
         env["TPUFAB_NAME"] = name
     return env

@@ -1,0 +1,374 @@
+"""The named fault scenarios of docs/reliability.md, on the simulated pod: one test per fault.
+
+Every test name starts with ``test_fault_<n>_``, where n is the row of the table in
+docs/reliability.md. Most drive `tpufab` as a subprocess, the way a user meets the fault.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import unique_name, wait_for
+from test_status import TPUFAB, cli_env, in_worker, quiet_console, sim_settings
+
+pytestmark = pytest.mark.sim
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def tpufab(*args: str, env: dict, cwd: Path | None = None, timeout: float = 180):
+    return subprocess.run([TPUFAB, *args], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+class Running:
+    """A `tpufab` subprocess whose output lines are collected as they arrive."""
+
+    def __init__(self, argv: list[str], env: dict, cwd: Path | None = None):
+        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._readers = [threading.Thread(target=self._read, args=(s, into), daemon=True)
+                         for s, into in ((self.proc.stdout, self.out),
+                                         (self.proc.stderr, self.err))]
+        for reader in self._readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream, into: list[str]) -> None:
+        for line in stream:
+            into.append(line)
+
+    def saw(self, text: str, stream: str = "out") -> bool:
+        return any(text in line for line in (self.out if stream == "out" else self.err))
+
+    def interrupt(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+
+    def wait(self, timeout: float = 60) -> SimpleNamespace:
+        code = self.proc.wait(timeout=timeout)
+        for reader in self._readers:
+            reader.join(timeout)
+        return SimpleNamespace(returncode=code, stdout="".join(self.out),
+                               stderr="".join(self.err))
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def one_sentence(result, *fragments: str) -> str:
+    """Non-zero exit, one line on stderr holding every fragment, no traceback anywhere."""
+    assert result.returncode != 0, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines()
+             if line.strip() and "TPU API busy" not in line]
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert "Traceback" not in result.stdout + result.stderr
+    return lines[0]
+
+
+def processes(sim, node, worker: int, pattern: str) -> list[str]:
+    out = in_worker(sim, node, worker, "ps -eo pid=,args=")
+    return [line for line in out.splitlines() if pattern in line and "ps -eo" not in line]
+
+
+def no_orphans(sim, node, pattern: str, workers=range(4)) -> None:
+    """Wait (bounded) until no process matching ``pattern`` is left on any worker."""
+    for w in workers:
+        wait_for(lambda w=w: not processes(sim, node, w, pattern), 15,
+                 what=f"no {pattern!r} left on w{w}")
+
+
+@pytest.fixture(scope="module")
+def pod4(sim, tmp_path_factory):
+    """A READY v4-32 (4 workers), its Settings, and the environment of a user's shell."""
+    from tpufab import lifecycle
+    from tpufab import pod as pods
+
+    home = tmp_path_factory.mktemp("faults-home")
+    name = unique_name("flt")
+    settings = sim_settings(sim, home, name=name, type="v4-32")
+    [node] = lifecycle.create(settings, console=quiet_console())
+    yield SimpleNamespace(settings=settings, node=node, home=home, name=name,
+                          env=cli_env(sim, home, name))
+    pods.forget(settings)
+    lifecycle.delete(settings, yes=True, console=quiet_console())
+
+
+def go(sim, pod4, marker: str, workers=range(4)) -> None:
+    for w in workers:
+        in_worker(sim, pod4.node, w, f"touch /tmp/{marker}")
+
+
+def wait_loop(marker: str) -> str:
+    """A worker command that blocks until /tmp/<marker> exists (the test releases it)."""
+    return f"while [ ! -e /tmp/{marker} ]; do sleep 0.05; done"
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. a worker's sshd dies in the middle of a command
+
+
+def test_fault_1_sshd_dies_mid_exec(sim, sim_admin, pod4):
+    marker = unique_name("go1")
+    command = f"echo started; {wait_loop(marker)}; echo finished"
+    running = Running([TPUFAB, "exec", command], pod4.env)
+    try:
+        wait_for(lambda: sum(running.saw(f"w{w} │ started") for w in range(4)) == 4, 30,
+                 what="the command to start on every worker")
+        sim_admin.kill_sshd(pod4.name, 2)
+        go(sim, pod4, marker, [0, 1, 3])
+        result = running.wait(60)
+    finally:
+        running.kill()
+    assert result.returncode == 1
+    for w in (0, 1, 3):   # the others finished, their output intact and in order
+        lines = [line for line in result.stdout.splitlines() if line.startswith(f"w{w} │")]
+        assert lines == [f"w{w} │ started", f"w{w} │ finished"]
+    assert "w2 │ finished" not in result.stdout
+    assert "failed on 1 of 4 workers: w2 " in result.stderr          # the lost worker is named
+    assert re.search(r"w2\s+the worker agent exited|w2\s+connection lost", result.stderr)
+    assert "Traceback" not in result.stderr
+    no_orphans(sim, pod4.node, f"/tmp/{marker}", [2])   # nothing left behind on w2
+    again = tpufab("exec", "--worker", "2", "echo back", env=pod4.env)
+    assert again.returncode == 0 and "w2 │ back" in again.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. connection refused on the first attempts
+
+
+def test_fault_2_connection_refused_then_retried(sim, sim_admin, pod4):
+    from tpufab import pod as pods
+
+    pod = pods.connect(pod4.settings, console=quiet_console())
+    retries: list[tuple[int, int, str]] = []
+
+    def on_retry(target, attempt, error):
+        retries.append((target.worker, attempt, type(error).__name__))
+        sim_admin.set_reachable(pod4.name, target.worker, True)   # back before the next try
+
+    pod.fanout.on_retry = on_retry
+    for w in (1, 3):
+        sim_admin.set_reachable(pod4.name, w, False)
+    try:
+        result = pod.fanout.run("hostname")
+        assert result.ok, result.summary()
+        assert [result[w].stdout.strip()[-4:] for w in range(4)] == ["-w-0", "-w-1", "-w-2", "-w-3"]
+        assert sorted(retries) == [(1, 1, "ConnectionRefusedError"),
+                                   (3, 1, "ConnectionRefusedError")]
+        # a worker that stays refused is named; the others still run
+        pod.close()
+        pod.fanout.on_retry = None
+        sim_admin.set_reachable(pod4.name, 0, False)
+        result = pod.fanout.run("true")
+        assert result.summary() == "w0 connection refused; w[1-3] exit 0"
+    finally:
+        for w in range(4):
+            sim_admin.set_reachable(pod4.name, w, True)
+        pod.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. the API answers 503 or 429 in bursts
+
+
+@pytest.mark.parametrize("code,why", [(503, "503"), (429, "429")])
+def test_fault_3_api_burst_is_retried_with_backoff(sim_admin, pod4, code, why):
+    sim_admin.error_burst(3, code=code)
+    result = tpufab("list", env=pod4.env)
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stderr.splitlines() if "TPU API busy" in line]
+    assert len(notes) == 3 and all(why in note for note in notes), result.stderr
+    delays = [float(m) for m in re.findall(r"retrying in ([0-9.]+)s", result.stderr)]
+    assert len(delays) == 3 and all(d > 0 for d in delays)
+    assert [int(a) for a in re.findall(r"\(attempt (\d+)\)", result.stderr)] == [2, 3, 4]
+    assert pod4.name in result.stdout and "Traceback" not in result.stderr
+
+
+def test_fault_3_long_api_burst_is_one_sentence(sim_admin, pod4):
+    sim_admin.error_burst(1000, code=503)
+    env = {**pod4.env, "TPUFAB_API_RETRIES": "3"}
+    result = tpufab("list", env=env)
+    sentence = one_sentence(result, "kept failing with 503", "3 attempts")
+    assert sentence.endswith(".")
+    sim_admin.clear_faults()
+    assert tpufab("list", env=pod4.env).returncode == 0   # and the next command works
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. create hits RESOURCE_EXHAUSTED
+
+
+@pytest.mark.parametrize("reason,immediate,fragments", [
+    ("stockout", False, ["No v4-8 capacity is available", "stockout", "--spot", "--queued",
+                         "--zone"]),
+    ("stockout", True, ["No v4-8 capacity is available", "--spot", "--queued", "--zone"]),
+    ("quota", False, ["Not enough quota", "--spot", "--zone"]),
+    ("quota", True, ["Not enough quota", "--spot", "--zone"]),
+])
+def test_fault_4_resource_exhausted_is_one_sentence(sim_admin, pod4, reason, immediate,
+                                                    fragments):
+    name = unique_name("rx")
+    sim_admin.fail_next_create(reason, immediate=immediate)
+    result = tpufab("create", "--name", name, "--type", "v4-8", env=pod4.env)
+    one_sentence(result, *fragments)
+    listed = tpufab("list", env=pod4.env)
+    assert listed.returncode == 0 and name not in listed.stdout   # nothing left behind
+
+
+def test_fault_4_queued_resource_stockout_is_one_sentence(sim_admin, pod4):
+    name = unique_name("rxq")
+    sim_admin.fail_next_create("stockout")
+    result = tpufab("create", "--name", name, "--type", "v4-8", "--queued", env=pod4.env)
+    try:
+        one_sentence(result, f"Queued resource {name!r} is FAILED", "no more capacity",
+                     "--spot", "another --zone")
+    finally:
+        tpufab("delete", "--name", name, "--yes", env=pod4.env)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Ctrl-C at the worst moment
+
+
+def interrupted(result) -> None:
+    assert result.returncode == 130, (result.returncode, result.stdout, result.stderr)
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_fault_6_ctrl_c_during_create(sim_admin, pod4):
+    name = unique_name("cc")
+    sim_admin.settings(create_delay=3.0)
+    running = Running([TPUFAB, "create", "--name", name, "--type", "v4-8"], pod4.env)
+    try:
+        wait_for(lambda: running.saw("CREATING"), 30, what="the create to be under way")
+        running.interrupt()
+        result = running.wait(30)
+    finally:
+        running.kill()
+    interrupted(result)
+    assert "Interrupted" in result.stderr
+    sim_admin.settings(create_delay=0.2)
+    try:
+        # the node carries on in the background; the next create waits for it, then says so
+        again = tpufab("create", "--name", name, "--type", "v4-8", env=pod4.env)
+        assert again.returncode == 0, again.stderr
+        assert "already exists" in again.stdout and "READY" in again.stdout
+        assert tpufab("exec", "--name", name, "echo fine", env=pod4.env).returncode == 0
+    finally:
+        tpufab("delete", "--name", name, "--yes", env=pod4.env)
+
+
+def test_fault_6_ctrl_c_during_setup(sim, pod4, tmp_path):
+    marker = unique_name("setup")
+    script = tmp_path / "setup.sh"
+    script.write_text(f"#!/bin/sh\necho setting-up\n{wait_loop(marker)}\necho done-setting-up\n")
+    running = Running([TPUFAB, "setup", "--script", str(script)], pod4.env)
+    try:
+        wait_for(lambda: sum(running.saw(f"w{w} │ setting-up") for w in range(4)) == 4, 30,
+                 what="setup to run on every worker")
+        running.interrupt()
+        result = running.wait(30)
+    finally:
+        running.kill()
+    interrupted(result)
+    no_orphans(sim, pod4.node, f"/tmp/{marker}")
+    # nothing marked done: the next setup runs the script again, to the end
+    go(sim, pod4, marker)
+    again = tpufab("setup", "--script", str(script), env=pod4.env)
+    assert again.returncode == 0, again.stderr
+    assert "w[0-3] ran" in again.stdout
+
+
+def test_fault_6_ctrl_c_during_exec(sim, pod4):
+    marker = unique_name("exec")
+    running = Running([TPUFAB, "exec", f"echo started; {wait_loop(marker)}"], pod4.env)
+    try:
+        wait_for(lambda: sum(running.saw(f"w{w} │ started") for w in range(4)) == 4, 30,
+                 what="the command to start on every worker")
+        running.interrupt()
+        result = running.wait(30)
+    finally:
+        running.kill()
+    interrupted(result)
+    assert "Interrupted: stopped" in result.stderr
+    no_orphans(sim, pod4.node, f"/tmp/{marker}")
+    again = tpufab("exec", "--gather", "echo fine", env=pod4.env)
+    assert again.returncode == 0 and "w[0-3] (exit 0)" in again.stdout
+
+
+DEPLOY_DRIVER = """
+import sys
+from tpufab import deploy, pod
+from tpufab.console import run
+from tpufab.verbs import settings_from_flags
+
+def main():
+    group = pod.shared(settings_from_flags()).fanout
+    report = deploy.deploy(group, direct=True, dir="~/proj", cwd=sys.argv[1])
+    print("deployed", report.commit, flush=True)
+
+sys.exit(run(main))
+"""
+
+
+def git(cwd: Path, *args: str) -> str:
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin", "HOME": str(cwd)}
+    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def test_fault_6_ctrl_c_during_deploy(sim, pod4, tmp_path):
+    import sys
+
+    repo = tmp_path / "proj"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    (repo / "a.txt").write_text("one\n")
+    git(repo, "add", "a.txt")
+    git(repo, "commit", "-q", "-m", "one")
+    driver = tmp_path / "deploy_driver.py"
+    driver.write_text(DEPLOY_DRIVER)
+    argv = [sys.executable, str(driver), str(repo)]
+    first = subprocess.run(argv, env=pod4.env, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    # a post-checkout hook on every worker makes the next checkout hang until released
+    marker = unique_name("deploy")
+    for w in range(4):
+        in_worker(sim, pod4.node, w, f"printf '#!/bin/sh\\necho hook >&2\\n{wait_loop(marker)}\\n' "
+                  "> ~/proj/.git/hooks/post-checkout && chmod +x ~/proj/.git/hooks/post-checkout")
+    (repo / "a.txt").write_text("two\n")
+    git(repo, "commit", "-q", "-am", "two")
+    second = git(repo, "rev-parse", "HEAD")
+    running = Running(argv, pod4.env)
+    try:
+        wait_for(lambda: all(processes(sim, pod4.node, w, "hooks/post-checkout") for w in range(4)),
+                 30, what="the checkout to hang in its hook on every worker")
+        running.interrupt()
+        result = running.wait(30)
+    finally:
+        running.kill()
+    interrupted(result)
+    no_orphans(sim, pod4.node, "hooks/post-checkout")
+    no_orphans(sim, pod4.node, "deploy_worker.py")
+    # the next deploy finishes (the hook no longer blocks) and every worker is at `second`
+    go(sim, pod4, marker)
+    again = subprocess.run(argv, env=pod4.env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert f"deployed {second}" in again.stdout
+    for w in range(4):
+        assert in_worker(sim, pod4.node, w, "git -C ~/proj rev-parse HEAD").strip() == second
