@@ -1,6 +1,7 @@
-"""`tpufab sim up|down|status`: the TPU API emulator and its workers in the background.
+"""`tpufab sim up|down|status`: the TPU API emulator, its workers and its Cloud Storage in the
+background.
 
-`serve()` runs both in the foreground until SIGTERM. `up()` starts `serve` detached (own
+`serve()` runs them in the foreground until SIGTERM. `up()` starts `serve` detached (own
 session, log in the state dir), waits for its health check and returns a `SimInfo`;
 `down()` stops it; `status()` reports. The state dir keeps nodes across down/up.
 """
@@ -31,6 +32,8 @@ DEFAULT_PORT = 8475
 INFO_FILE = "daemon.json"
 LOG_FILE = "daemon.log"
 WORKERS_DIR = "workers"
+STORAGE_DIR = "gcs"            # the Cloud Storage emulator's buckets and objects
+STORAGE_PORT_FILE = "port"     # in STORAGE_DIR: reused next time, so exports stay valid
 _DIRECT = build_opener(ProxyHandler({}))  # loopback only: never through a proxy
 
 
@@ -46,11 +49,15 @@ class SimInfo:
     zone: str = DEFAULT_ZONE
     log_file: Path | None = None
     already_running: bool = False
+    storage_endpoint: str | None = None  # http://127.0.0.1:PORT2, its Cloud Storage (JSON API)
 
     def env(self) -> dict[str, str]:
-        """Environment that points tpufab at this pod."""
-        return {"TPUFAB_API_ENDPOINT": self.endpoint, "TPUFAB_PROJECT": self.project,
-                "TPUFAB_ZONE": self.zone}
+        """Environment that points tpufab at this pod (and at its Cloud Storage)."""
+        env = {"TPUFAB_API_ENDPOINT": self.endpoint, "TPUFAB_PROJECT": self.project,
+               "TPUFAB_ZONE": self.zone}
+        if self.storage_endpoint:
+            env["TPUFAB_STORAGE_ENDPOINT"] = self.storage_endpoint
+        return env
 
     def exports(self) -> str:
         """`export K=V` lines for a shell."""
@@ -132,10 +139,12 @@ def serve(state_dir: Path | None = None, port: int | None = None, *, workers: bo
         server = make_server(emulator, port)
     except OSError as exc:
         raise SimError(_port_busy_sentence(port, exc)) from None
+    storage = _start_storage(state_dir / STORAGE_DIR)
     actual_port = server.server_address[1]
     endpoint = f"http://127.0.0.1:{actual_port}"
     info_path = state_dir / INFO_FILE
     _write_json(info_path, {"pid": os.getpid(), "port": actual_port, "endpoint": endpoint,
+                            "storageEndpoint": storage.url if storage else None,
                             "stateDir": str(state_dir), "workers": workers,
                             "started": time.time()})
 
@@ -150,6 +159,8 @@ def serve(state_dir: Path | None = None, port: int | None = None, *, workers: bo
         server.serve_forever(poll_interval=0.2)
     finally:
         server.server_close()
+        if storage is not None:
+            storage.stop()
         emulator.shutdown()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -159,6 +170,31 @@ def serve(state_dir: Path | None = None, port: int | None = None, *, workers: bo
         except (OSError, ValueError):
             pass
         logging.getLogger("tpufab.sim").info("stopped")
+
+
+def _start_storage(data_dir: Path) -> Any:
+    """The pod's Cloud Storage on a free loopback port (the previous one if it is free), or
+    None when the emulator package is missing (the TPU API and workers still run)."""
+    from tpufab.sim.storage import StorageEmulator
+
+    log = logging.getLogger("tpufab.sim")
+    port_file = data_dir / STORAGE_PORT_FILE
+    try:
+        previous = int(port_file.read_text())
+    except (OSError, ValueError):
+        previous = 0
+    try:
+        try:
+            storage = StorageEmulator(data_dir, port=previous)
+        except OSError:  # the previous port is taken now
+            storage = StorageEmulator(data_dir, port=0)
+    except SimError as exc:
+        log.warning("no Cloud Storage: %s", exc)
+        return None
+    port_file.write_text(str(storage.port))
+    storage.start()
+    log.info("Cloud Storage at %s (buckets in %s)", storage.url, data_dir)
+    return storage
 
 
 # ---------------------------------------------------------------------- background
@@ -266,7 +302,7 @@ def status(state_dir: Path | None = None) -> SimStatus:
 def _info(state_dir: Path, raw: dict[str, Any], *, already: bool = False) -> SimInfo:
     return SimInfo(endpoint=raw["endpoint"], pid=int(raw["pid"]), state_dir=state_dir,
                    port=int(raw["port"]), log_file=state_dir / LOG_FILE,
-                   already_running=already)
+                   already_running=already, storage_endpoint=raw.get("storageEndpoint"))
 
 
 def _running(state_dir: Path) -> SimInfo | None:
