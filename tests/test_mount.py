@@ -1,5 +1,6 @@
 """Mount: pure command builders checked against the drivers' documented flags, then real FUSE
-mounts of a bucket in a local GCS emulator on the simulated pod (rclone driver)."""
+mounts of a bucket in the simulated pod's Cloud Storage (tpufab.sim.storage) on simulated
+workers (rclone driver)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,14 @@ GCSFUSE_TABLE = [
     ("gs://my.bucket_1/x", {"at": "/data//x/", "options": ["--metadata-cache-ttl-secs", "-1"]},
      ["gcsfuse", "--implicit-dirs", "--only-dir", "x", "--metadata-cache-ttl-secs", "-1",
       "my.bucket_1", "/data/x"]),
+    # a custom endpoint: the JSON API base, as gcsfuse's own emulator tests pass it; plain
+    # http (an emulator) without credentials
+    ("gs://data", {"endpoint": "http://127.0.0.1:9023"},
+     ["gcsfuse", "--implicit-dirs", "--custom-endpoint", "http://127.0.0.1:9023/storage/v1/",
+      "--anonymous-access", "data", "/mnt/gcs/data"]),
+    ("gs://data", {"endpoint": "https://storage.example.com:443/storage/v1/"},
+     ["gcsfuse", "--implicit-dirs", "--custom-endpoint",
+      "https://storage.example.com:443/storage/v1/", "data", "/mnt/gcs/data"]),
 ]
 
 
@@ -115,6 +124,33 @@ def test_rclone_flags_exist_in_the_installed_rclone():
         assert re.search(rf"\s{re.escape(flag)}\b", known), flag
     assert "--stat" in subprocess.run(["rclone", "lsjson", "--help"], capture_output=True,
                                       text=True).stdout
+
+
+@pytest.mark.parametrize(("endpoint", "config"), [
+    (None, {}),
+    ("http://127.0.0.1:9023", {"endpoint": "http://127.0.0.1:9023/storage/v1/",
+                               "bucket_policy_only": "true", "anonymous": "true",
+                               "env_auth": "false"}),
+    ("https://gcs.internal:8443/", {"endpoint": "https://gcs.internal:8443/storage/v1/",
+                                    "bucket_policy_only": "true"}),
+])
+def test_rclone_endpoint_config(endpoint, config):
+    assert mount_mod.rclone_endpoint_config(endpoint) == config
+
+
+def test_storage_endpoint_must_be_a_url():
+    with pytest.raises(ConfigError, match="must be an http\\(s\\) URL"):
+        mount_mod.mount_spec("gs://data", endpoint="127.0.0.1:9023")
+    assert mount_mod.mount_spec("gs://data", endpoint=" ").endpoint is None
+
+
+def test_umount_args_are_data():
+    assert mount_mod.umount_args("/mnt//d/") == [
+        "umount", "--at", "/mnt/d", "--state-file", "~/.cache/tpufab/mounts/mnt_d.json"]
+    assert mount_mod.umount_args(None, lazy=True) == [
+        "umount", "--all", "--state-dir", "~/.cache/tpufab/mounts", "--lazy"]
+    with pytest.raises(ConfigError, match="absolute path"):
+        mount_mod.umount_args("mnt/d")
 
 
 def test_rclone_env_keeps_credentials_out_of_plain_env():
@@ -185,9 +221,9 @@ def wait_for(condition, timeout: float = 20.0, what: str = "condition"):
 def gcs():
     # gcp-storage-emulator is a dev dependency; only the real-mount tests need it
     pytest.importorskip("gcp_storage_emulator", reason="pip install gcp-storage-emulator")
-    from gcs_emulator import GcsEmulator
+    from tpufab.sim.storage import StorageEmulator
 
-    with GcsEmulator() as emulator:
+    with StorageEmulator() as emulator:
         emulator.create_bucket("data")
         emulator.create_bucket("other")
         emulator.create_bucket("secret")
@@ -220,7 +256,7 @@ def at(pod):
 
 
 def rclone_mount(pod, gcs, source, at, **kw):
-    return mount(pod, source, at=at, driver="rclone", rclone_config=gcs.rclone_config,
+    return mount(pod, source, at=at, driver="rclone", endpoint=gcs.url,
                  options=kw.pop("options", FAST), **kw)
 
 
@@ -272,6 +308,24 @@ def test_prefix_writes_land_under_the_prefix(pod, gcs, at):
     assert state["url"] == "gs://other/runs/1"
     with pytest.raises(MountError, match=r"already has tpufab:other/runs/1 \(fuse.rclone\)"):
         rclone_mount(pod, gcs, "gs://other/runs/2", at)
+
+
+def test_umount_without_at_unmounts_every_tpufab_mount(pod, gcs, at):
+    other = at + "-b"
+    rclone_mount(pod, gcs, "gs://data", at)
+    rclone_mount(pod, gcs, "gs://other", other)
+    pod.sh(1, f"mkdir -p {at}-by-hand && mount -t tmpfs tmpfs {at}-by-hand")  # not tpufab's
+    try:
+        report = umount(pod, None)
+        assert {r.action for r in report.rows} == {"unmounted"}
+        assert all(sorted(r.unmounted) == sorted([at, other]) for r in report.rows)
+        for w in pod.workers:
+            assert pod.sh(w, f"mountpoint -q {at} || mountpoint -q {other} || echo none") == \
+                "none"
+        assert pod.sh(1, f"mountpoint -q {at}-by-hand && echo kept") == "kept"
+        assert {r.action for r in umount(pod, None).rows} == {"noop"}
+    finally:
+        pod.sh(1, f"umount {at}-by-hand", check=False)
 
 
 def test_bucket_missing(pod, gcs, at):
@@ -334,6 +388,52 @@ def test_umount_busy_then_lazy(pod, gcs, at):
         assert pod.sh(1, f"mountpoint -q {at} || echo no") == "no"
     finally:
         pod.sh(1, "kill $(cat /tmp/holder)", check=False)
+
+
+# --- the simulated pod's Cloud Storage ----------------------------------------------------------
+
+
+def test_storage_keeps_buckets_on_disk_and_denies_on_request(tmp_path):
+    pytest.importorskip("gcp_storage_emulator", reason="pip install gcp-storage-emulator")
+    from tpufab.errors import SimError
+    from tpufab.sim.admin import StorageClient
+    from tpufab.sim.storage import StorageEmulator
+
+    with StorageEmulator(tmp_path / "gcs") as gcs:
+        assert gcs.create_bucket("kept") is True
+        assert gcs.create_bucket("kept") is False  # idempotent
+        gcs.upload("kept", "a/b.txt", b"bytes\n")
+        gcs.deny("kept")
+        with pytest.raises(SimError, match="refused to look up bucket kept \\(HTTP 403\\)"):
+            gcs.exists("kept")
+    with StorageEmulator(tmp_path / "gcs") as again:  # a restarted pod finds its buckets
+        client = StorageClient(again.url)
+        assert client.buckets() == ["kept"]
+        assert client.objects("kept") == {"a/b.txt": b"bytes\n"}
+    with pytest.raises(SimError, match="does not answer"):
+        StorageClient(again.url, timeout=2).exists("kept")
+
+
+def test_sim_daemon_serves_storage_across_restarts(tmp_path):
+    pytest.importorskip("gcp_storage_emulator", reason="pip install gcp-storage-emulator")
+    from tpufab.sim import daemon
+    from tpufab.sim.admin import StorageClient
+
+    state = tmp_path / "sim"
+    info = daemon.up(state, port=0, workers=False)
+    try:
+        assert info.storage_endpoint and info.storage_endpoint != info.endpoint
+        assert info.env()["TPUFAB_STORAGE_ENDPOINT"] == info.storage_endpoint
+        assert f"export TPUFAB_STORAGE_ENDPOINT={info.storage_endpoint}" in info.exports()
+        StorageClient(info.storage_endpoint).create_bucket("survives")
+    finally:
+        daemon.down(state)
+    info2 = daemon.up(state, port=0, workers=False)
+    try:
+        assert info2.storage_endpoint == info.storage_endpoint  # same port again: exports hold
+        assert StorageClient(info2.storage_endpoint).buckets() == ["survives"]
+    finally:
+        daemon.down(state)
 
 
 def test_install_steps_are_data():

@@ -63,6 +63,9 @@ class Settings:
     secrets: list[str] = field(default_factory=lambda: list(DEFAULT_SECRETS))
     remote_dir: str | None = None
     state_dir: str = "~/.tpufab"
+    # data
+    storage_endpoint: str | None = None  # a GCS-compatible JSON API, e.g. the simulated pod's
+    mount_driver: str = "gcsfuse"        # or rclone
 
     @property
     def ssh_key_path(self) -> Path:

@@ -3,6 +3,10 @@
 Pure builders (``parse_bucket``, ``mount_spec``, ``gcsfuse_argv``, ``rclone_argv``,
 ``rclone_env``, ``expected_mount``) decide what runs; ``mount`` and ``umount`` apply it with
 one round trip per worker through the worker script ``remote/mount_worker.py``.
+
+``endpoint`` (the ``storage_endpoint`` setting) points both drivers at any GCS-compatible JSON
+API instead of storage.googleapis.com, e.g. the simulated pod's; a plain-http endpoint is
+used without credentials, an https one with the VM's.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from urllib.parse import urlparse
 
 from tpufab import nodeset
 from tpufab.deploy import Outcome, Workers, run_script
@@ -53,6 +58,7 @@ class MountSpec:
     allow_other: bool = False
     read_only: bool = False
     options: tuple[str, ...] = ()    # extra driver flags, passed through as given
+    endpoint: str | None = None      # a GCS-compatible endpoint, http(s)://HOST:PORT
 
     @property
     def url(self) -> str:
@@ -90,11 +96,35 @@ def _octal(value: str | int | None, what: str) -> str | None:
     return text
 
 
+def json_api_url(endpoint: str) -> str:
+    """``http://h:p`` (or ``http://h:p/storage/v1``) -> ``http://h:p/storage/v1/``: the JSON
+    API base both drivers take, like their default https://storage.googleapis.com/storage/v1/."""
+    base = endpoint.strip().rstrip("/")
+    base = base.removesuffix("/storage/v1")
+    return f"{base}/storage/v1/"
+
+
+def anonymous(endpoint: str | None) -> bool:
+    """A plain-http endpoint is an emulator or test server: no credentials are sent to it."""
+    return bool(endpoint) and endpoint.strip().lower().startswith("http://")
+
+
+def check_endpoint(endpoint: str | None) -> str | None:
+    if endpoint is None or not endpoint.strip():
+        return None
+    parsed = urlparse(endpoint.strip())
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ConfigError(f"The storage endpoint must be an http(s) URL like "
+                          f"http://127.0.0.1:9023, not {endpoint!r} (TPUFAB_STORAGE_ENDPOINT "
+                          "or storage_endpoint in tpufab.yaml).")
+    return endpoint.strip()
+
+
 def mount_spec(source: str, *, at: str | None = None, driver: str = "gcsfuse",
                options: Sequence[str] = (), implicit_dirs: bool = True,
                file_mode: str | int | None = None, dir_mode: str | int | None = None,
                cache_dir: str | None = None, allow_other: bool = False,
-               read_only: bool = False) -> MountSpec:
+               read_only: bool = False, endpoint: str | None = None) -> MountSpec:
     """Validate the user's input into a MountSpec (pure)."""
     if driver not in DRIVERS:
         raise ConfigError(f"Unknown mount driver {driver!r}: use one of {', '.join(DRIVERS)}.")
@@ -107,7 +137,7 @@ def mount_spec(source: str, *, at: str | None = None, driver: str = "gcsfuse",
         raise ConfigError("--at / would hide the whole file system: pick a directory.")
     return MountSpec(bucket, prefix, at, driver, implicit_dirs, _octal(file_mode, "--file-mode"),
                      _octal(dir_mode, "--dir-mode"), cache_dir, allow_other, read_only,
-                     tuple(str(o) for o in options))
+                     tuple(str(o) for o in options), check_endpoint(endpoint))
 
 
 def gcsfuse_argv(spec: MountSpec) -> list[str]:
@@ -127,6 +157,10 @@ def gcsfuse_argv(spec: MountSpec) -> list[str]:
         argv += ["-o", "allow_other"]
     if spec.read_only:
         argv += ["-o", "ro"]
+    if spec.endpoint:
+        argv += ["--custom-endpoint", json_api_url(spec.endpoint)]
+        if anonymous(spec.endpoint):
+            argv.append("--anonymous-access")
     return [*argv, *spec.options, spec.bucket, spec.at]
 
 
@@ -150,6 +184,16 @@ def rclone_argv(spec: MountSpec) -> list[str]:
     if spec.read_only:
         argv.append("--read-only")
     return [*argv, *spec.options]
+
+
+def rclone_endpoint_config(endpoint: str | None) -> dict[str, str]:
+    """rclone GCS backend options for a custom endpoint (none for storage.googleapis.com)."""
+    if not endpoint:
+        return {}
+    config = {"endpoint": json_api_url(endpoint), "bucket_policy_only": "true"}
+    if anonymous(endpoint):
+        config.update(anonymous="true", env_auth="false")
+    return config
 
 
 def rclone_env(config: Mapping[str, str | Secret] | None = None
@@ -196,12 +240,16 @@ def _slug(at: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", at.strip("/"))
 
 
+STATE_DIR = "~/.cache/tpufab/mounts"  # on each worker: one record and one log per mount point
+ALL_MOUNTS = "every tpufab mount"
+
+
 def log_path(spec: MountSpec) -> str:
-    return f"~/.cache/tpufab/mounts/{_slug(spec.at)}.log"
+    return f"{STATE_DIR}/{_slug(spec.at)}.log"
 
 
 def state_path(at: str) -> str:
-    return f"~/.cache/tpufab/mounts/{_slug(at)}.json"
+    return f"{STATE_DIR}/{_slug(at)}.json"
 
 
 # --- reports --------------------------------------------------------------------------------
@@ -215,6 +263,8 @@ class WorkerMount:
     error: str | None = None
     message: str | None = None
     seconds: float | None = None
+    at: str | None = None                 # where, when the worker says (umount of every mount)
+    unmounted: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -246,7 +296,8 @@ def parse_outcome(worker: int, outcome: Outcome) -> WorkerMount:
     seconds = getattr(outcome, "duration", None)
     if isinstance(data, dict) and "ok" in data:
         return WorkerMount(worker, bool(data["ok"]), data.get("action"), data.get("entries"),
-                           data.get("error"), data.get("message"), seconds)
+                           data.get("error"), data.get("message"), seconds, data.get("at"),
+                           list(data.get("unmounted") or []))
     reason = outcome.error or _last(outcome.stderr) or f"exit status {outcome.exit_code}"
     return WorkerMount(worker, False, error="ssh", message=reason, seconds=seconds)
 
@@ -264,7 +315,7 @@ MOUNT_SENTENCES = {
             "or pick another --at.",
     "not_empty": "{at} is not empty on {who}: mount somewhere else with --at, or empty it.",
     "bucket_missing": "Bucket gs://{bucket} does not exist (as seen from {who}): check the "
-                      "name, or create it with `gcloud storage buckets create gs://{bucket}`.",
+                      "name, or create it {create}.",
     "access_denied": "{who} may not read gs://{bucket} (access denied): grant the TPU VM's "
                      "service account roles/storage.objectUser (or objectViewer) on the bucket.",
     "permission": "{who} cannot create {at}: allow passwordless sudo for the SSH user there, "
@@ -299,6 +350,14 @@ def _sentence(rows: Sequence[WorkerMount], table: Mapping[str, str], **facts: st
     return text
 
 
+def create_hint(spec: MountSpec) -> str:
+    """How to create the bucket: with gcloud, or on the custom endpoint the mount used."""
+    if spec.endpoint:
+        return (f"at {spec.endpoint} (on the simulated pod: `tpufab sim bucket "
+                f"{spec.bucket}`)")
+    return f"with `gcloud storage buckets create gs://{spec.bucket}`"
+
+
 # --- the operations -------------------------------------------------------------------------
 
 def mount(group: Workers, source: str, *, at: str | None = None, driver: str = "gcsfuse",
@@ -306,17 +365,19 @@ def mount(group: Workers, source: str, *, at: str | None = None, driver: str = "
           rclone_config: Mapping[str, str | Secret] | None = None, implicit_dirs: bool = True,
           file_mode: str | int | None = None, dir_mode: str | int | None = None,
           cache_dir: str | None = None, allow_other: bool = False,
-          read_only: bool = False) -> MountReport:
+          read_only: bool = False, endpoint: str | None = None) -> MountReport:
     """Mount ``gs://BUCKET[/PREFIX]`` at ``at`` on every worker of ``group``; a worker that
     already has it mounted is a verified no-op. Raises MountError naming every failure.
 
-    ``rclone_config``: rclone GCS backend options (``endpoint``, ``anonymous``,
-    ``service_account_credentials``...) on top of ``RCLONE_DEFAULTS``; sent as environment,
-    credentials as secrets on the fan-out's stdin, never in argv or files.
+    ``endpoint``: a GCS-compatible endpoint instead of Google's (see ``json_api_url``).
+    ``rclone_config``: rclone GCS backend options (``service_account_credentials``...) on top
+    of ``RCLONE_DEFAULTS`` and the endpoint's; sent as environment, credentials as secrets on
+    the fan-out's stdin, never in argv or files.
     """
     spec = mount_spec(source, at=at, driver=driver, options=options,
                       implicit_dirs=implicit_dirs, file_mode=file_mode, dir_mode=dir_mode,
-                      cache_dir=cache_dir, allow_other=allow_other, read_only=read_only)
+                      cache_dir=cache_dir, allow_other=allow_other, read_only=read_only,
+                      endpoint=endpoint)
     return apply_mount(group, spec, install=install, rclone_config=rclone_config)
 
 
@@ -326,7 +387,8 @@ def apply_mount(group: Workers, spec: MountSpec, *, install: bool = False,
     env: dict[str, str] = {}
     secrets: dict[str, Secret] = {}
     if spec.driver == "rclone":
-        env, secrets = rclone_env(rclone_config)
+        env, secrets = rclone_env({**rclone_endpoint_config(spec.endpoint),
+                                   **(rclone_config or {})})
     workers = list(group.workers)
     args = worker_args(spec, install=install, log_file=log_path(spec))
     outcomes = run_script(group, SCRIPT, args, workers, secrets=secrets or None, env=env or None)
@@ -336,22 +398,35 @@ def apply_mount(group: Workers, spec: MountSpec, *, install: bool = False,
         other = "rclone" if spec.driver == "gcsfuse" else "gcsfuse"
         hint = INSTALL_HINT[spec.driver].replace("--driver rclone", f"--driver {other}")
         raise MountError(_sentence(report.rows, MOUNT_SENTENCES, driver=spec.driver,
-                                   at=spec.at, bucket=spec.bucket, hint=hint),
+                                   at=spec.at, bucket=spec.bucket, hint=hint,
+                                   create=create_hint(spec)),
                          details=report.table())
     return report
 
 
-def umount(group: Workers, at: str, *, lazy: bool = False) -> MountReport:
-    """Unmount ``at`` on every worker (lazily only if asked); not mounted is a no-op."""
-    if not at.startswith("/"):
-        raise ConfigError(f"--at must be an absolute path on the workers, not {at!r}.")
+def umount_args(at: str | None, *, lazy: bool = False) -> list[str]:
+    """Arguments of ``mount_worker.py umount`` (pure); ``at=None``: every tpufab mount."""
+    if at is None:
+        where = ["--all", "--state-dir", STATE_DIR]
+    else:
+        if not at.startswith("/"):
+            raise ConfigError(f"--at must be an absolute path on the workers, not {at!r}.")
+        at = "/" + "/".join(p for p in at.split("/") if p)
+        where = ["--at", at, "--state-file", state_path(at)]
+    return ["umount", *where, *(["--lazy"] if lazy else [])]
+
+
+def umount(group: Workers, at: str | None, *, lazy: bool = False) -> MountReport:
+    """Unmount ``at`` on every worker (lazily only if asked); not mounted is a no-op.
+    ``at=None`` unmounts every mount point tpufab mounted there (and still mounted)."""
+    args = umount_args(at, lazy=lazy)
     start = time.monotonic()
     workers = list(group.workers)
-    args = ["umount", "--at", at, "--state-file", state_path(at)] + (["--lazy"] if lazy else [])
     outcomes = run_script(group, SCRIPT, args, workers)
-    report = MountReport(at, "", [parse_outcome(w, outcomes[w]) for w in workers])
+    report = MountReport(at or ALL_MOUNTS, "", [parse_outcome(w, outcomes[w]) for w in workers])
     report.seconds = round(time.monotonic() - start, 3)
     if any(not r.ok for r in report.rows):
-        raise MountError(_sentence(report.rows, UMOUNT_SENTENCES, at=at),
+        failed_at = next((r.at for r in report.rows if not r.ok and r.at), None)
+        raise MountError(_sentence(report.rows, UMOUNT_SENTENCES, at=failed_at or at or "a mount"),
                          details=report.table())
     return report

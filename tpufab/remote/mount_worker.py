@@ -5,7 +5,11 @@
                     [--state-file PATH] [--check-argv JSON] [--install] [--log-file PATH]
                     -- DRIVER ARGV...
     mount_worker.py umount --at DIR [--lazy] [--state-file PATH]
+    mount_worker.py umount --all --state-dir DIR [--lazy]
     mount_worker.py status --at DIR
+
+``umount --all`` unmounts every mount point recorded in the state files of --state-dir (what
+tpufab mounted) that is still mounted, and forgets the others.
 
 ``mount``: if DIR already holds SRC (same FUSE type), verify and report "noop"; else check
 the driver and FUSE, create DIR (with ``sudo -n`` when needed), refuse a busy or non-empty
@@ -295,18 +299,19 @@ def mount(args: argparse.Namespace) -> dict:
             "entries": entries}
 
 
-def umount(args: argparse.Namespace) -> dict:
-    at = os.path.abspath(os.path.expanduser(args.at))
+def unmount(at: str, lazy: bool, state_file: str | None) -> dict:
+    at = os.path.abspath(os.path.expanduser(at))
     stacked = mounts_at(at)
     if not stacked:
+        write_state(state_file, None)
         return {"ok": True, "action": "noop", "at": at}
     source = stacked[-1]["source"]
     tool = shutil.which("fusermount3") or shutil.which("fusermount")
     fuse = stacked[-1]["fstype"].startswith("fuse")
     if tool and fuse and os.geteuid() != 0:
-        argv = [tool, "-u", *(["-z"] if args.lazy else []), at]
+        argv = [tool, "-u", *(["-z"] if lazy else []), at]
     else:
-        argv = sudo(["umount", *(["-l"] if args.lazy else []), at])
+        argv = sudo(["umount", *(["-l"] if lazy else []), at])
     proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         text = proc.stderr + proc.stdout
@@ -317,8 +322,36 @@ def umount(args: argparse.Namespace) -> dict:
         if time.monotonic() > deadline:
             raise Failure("timeout", f"{at} is still mounted {MOUNT_WAIT:.0f}s after umount")
         time.sleep(POLL)
-    write_state(args.state_file, None)
+    write_state(state_file, None)
     return {"ok": True, "action": "unmounted", "at": at, "source": source}
+
+
+def recorded(state_dir: str) -> dict[str, str]:
+    """{mount point: its state file} for every mount tpufab recorded in ``state_dir``."""
+    folder = os.path.expanduser(state_dir)
+    found = {}
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+        if name.endswith(".json"):
+            at = read_state(os.path.join(folder, name)).get("at")
+            if at:
+                found[at] = os.path.join(folder, name)
+    return found
+
+
+def umount(args: argparse.Namespace) -> dict:
+    if not args.all:
+        return unmount(args.at, args.lazy, args.state_file)
+    done = []
+    for at, state_file in recorded(args.state_dir).items():
+        try:
+            if unmount(at, args.lazy, state_file)["action"] == "unmounted":
+                done.append(at)
+        except Failure as err:
+            err.at = at
+            err.done = done
+            raise
+    return {"ok": True, "action": "unmounted" if done else "noop", "at": ", ".join(done),
+            "unmounted": done}
 
 
 def status(args: argparse.Namespace) -> dict:
@@ -343,9 +376,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     mo.add_argument("--state-file", help="JSON record of what tpufab mounted at --at")
     mo.add_argument("argv", nargs="+", help="the driver command line (after --)")
     um = sub.add_parser("umount")
-    um.add_argument("--at", required=True)
+    where = um.add_mutually_exclusive_group(required=True)
+    where.add_argument("--at")
+    where.add_argument("--all", action="store_true", help="every mount in --state-dir")
     um.add_argument("--lazy", action="store_true")
     um.add_argument("--state-file")
+    um.add_argument("--state-dir", default="~/.cache/tpufab/mounts")
     st = sub.add_parser("status")
     st.add_argument("--at", required=True)
     return parser.parse_args(argv)
@@ -358,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         code = 0
     except Failure as err:
         result, code = {"ok": False, "error": err.kind, "message": err.message}, 3
+        if getattr(err, "at", None):
+            result.update(at=err.at, unmounted=err.done)
     except subprocess.TimeoutExpired as err:
         result, code = {"ok": False, "error": "timeout", "message": str(err)}, 3
     result["host"] = os.uname().nodename
