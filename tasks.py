@@ -111,6 +111,48 @@ def ssh(c, name=None, worker=0, zone=None, project=None, debug=False):
     _run("ssh", name=name, worker=int(worker), zone=zone, project=project, debug=debug)
 
 
+DATA_HELP = {"name": "TPU node name", "ref": "commit, branch or tag to deploy (default HEAD)",
+             "remote": "git remote the workers fetch from (default origin)",
+             "dir": "checkout on the workers (default: remote_dir, else ~/<repo name>)",
+             "direct": "send the commit over SSH: no remote, no credentials on workers",
+             "wip": "deploy the working tree as it is (snapshot on a side ref)",
+             "bucket": "gs://BUCKET[/PREFIX] or BUCKET[/PREFIX]",
+             "at": "mount point on the workers",
+             "driver": "gcsfuse (default: mount_driver) or rclone",
+             "options": "extra driver flags, quoted, e.g. --options='--dir-cache-time 10s'",
+             "install": "install a missing driver on the workers",
+             "lazy": "detach now even if files are open there",
+             "zone": "zone", "project": "project", "debug": "show tracebacks"}
+
+
+@task(auto_shortflags=False,
+      help=_help(DATA_HELP, "name", "ref", "remote", "dir", "direct", "wip", "zone", "project",
+                 "debug"))
+def deploy(c, name=None, ref="HEAD", remote="origin", dir=None, direct=False, wip=False,
+           zone=None, project=None, debug=False):
+    """Put exactly one commit of this repository on every worker, verified."""
+    _run("deploy", name=name, ref=ref, remote=remote, dir=dir, direct=direct, wip=wip,
+         zone=zone, project=project, debug=debug)
+
+
+@task(positional=["bucket"], iterable=["options"], auto_shortflags=False,
+      help=_help(DATA_HELP, "bucket", "name", "at", "driver", "options", "install", "zone",
+                 "project", "debug"))
+def mount(c, bucket, name=None, at=None, driver=None, options=None, install=False, zone=None,
+          project=None, debug=False):
+    """Mount a Cloud Storage bucket (or a prefix of it) on every worker, verified."""
+    _run("mount", bucket=bucket, name=name, at=at, driver=driver, options=options,
+         install=install, zone=zone, project=project, debug=debug)
+
+
+@task(auto_shortflags=False,
+      help={**_help(DATA_HELP, "name", "lazy", "zone", "project", "debug"),
+            "at": "mount point (default: every mount tpufab made)"})
+def umount(c, name=None, at=None, lazy=False, zone=None, project=None, debug=False):
+    """Unmount --at (or every mount tpufab made) on every worker."""
+    _run("umount", name=name, at=at, lazy=lazy, zone=zone, project=project, debug=debug)
+
+
 # -- invoke sim.*
 
 SIM_HELP = {"port": "API port", "state-dir": "where the simulated pod keeps its state",
@@ -161,6 +203,14 @@ def sim_burst(c, count, code=503, debug=False):
     _run("sim_burst", count=int(count), code=int(code), debug=debug)
 
 
+@task(name="bucket", auto_shortflags=False,
+      help={"name": "bucket name", "debug": "show tracebacks"})
+def sim_bucket(c, name, debug=False):
+    """Create a bucket in the simulated pod's Cloud Storage (a no-op if it exists)."""
+    _run("sim_bucket", name=name, debug=debug)
+
+
 sim = Collection("sim", sim_up, sim_down, sim_status, sim_preempt, sim_unreachable,
-                 sim_fail_create, sim_burst)
-ns = Collection(create, delete, list_, describe, types, exec_, setup, ssh, sim)
+                 sim_fail_create, sim_burst, sim_bucket)
+ns = Collection(create, delete, list_, describe, types, exec_, setup, ssh, deploy, mount,
+                umount, sim)

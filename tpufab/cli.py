@@ -156,6 +156,60 @@ def ssh(
     _run(verbs.ssh, name=name, worker=worker, command=command, zone=zone, project=project)
 
 
+@app.command()
+def deploy(
+    name: Name = None,
+    ref: Annotated[str, typer.Option("--ref", help="Commit, branch or tag to deploy.")] = "HEAD",
+    remote: Annotated[str, typer.Option(
+        "--remote", help="Git remote the workers fetch from.")] = "origin",
+    dir: Annotated[str | None, typer.Option(
+        "--dir", help="Checkout on the workers (default: remote_dir, else ~/<repo name>).")] = None,
+    direct: Annotated[bool, typer.Option(
+        "--direct", help="Send the commit over SSH; no remote, no credentials on workers.")] = False,
+    wip: Annotated[bool, typer.Option(
+        "--wip", help="Deploy the working tree as it is (a snapshot commit on a side ref).")] = False,
+    zone: Zone = None,
+    project: Project = None,
+) -> None:
+    """Put exactly one commit of this repository on every worker, verified."""
+    _run(verbs.deploy, name=name, ref=ref, remote=remote, dir=dir, direct=direct, wip=wip,
+         zone=zone, project=project)
+
+
+@app.command()
+def mount(
+    bucket: Annotated[str, typer.Argument(help="gs://BUCKET[/PREFIX] or BUCKET[/PREFIX].")],
+    name: Name = None,
+    at: Annotated[str | None, typer.Option(
+        "--at", help="Mount point on the workers (default /mnt/gcs/BUCKET).")] = None,
+    driver: Annotated[str | None, typer.Option(
+        "--driver", help="gcsfuse (default: mount_driver) or rclone.")] = None,
+    options: Annotated[list[str] | None, typer.Option(
+        "--options", metavar="'FLAGS'", help="Extra driver flags, quoted (repeatable).")] = None,
+    install: Annotated[bool, typer.Option(
+        "--install", help="Install a missing driver on the workers.")] = False,
+    zone: Zone = None,
+    project: Project = None,
+) -> None:
+    """Mount a Cloud Storage bucket (or a prefix of it) on every worker, verified."""
+    _run(verbs.mount, bucket=bucket, name=name, at=at, driver=driver, options=options,
+         install=install, zone=zone, project=project)
+
+
+@app.command()
+def umount(
+    name: Name = None,
+    at: Annotated[str | None, typer.Option(
+        "--at", help="Mount point (default: every mount tpufab made).")] = None,
+    lazy: Annotated[bool, typer.Option(
+        "--lazy", help="Detach now even if files are open there.")] = False,
+    zone: Zone = None,
+    project: Project = None,
+) -> None:
+    """Unmount --at (or every mount tpufab made) on every worker."""
+    _run(verbs.umount, name=name, at=at, lazy=lazy, zone=zone, project=project)
+
+
 # ---------------------------------------------------------------------------------------------
 # tpufab sim ...
 
@@ -213,6 +267,12 @@ def sim_burst(
 ) -> None:
     """Make the next COUNT API calls fail with 503 (or 429)."""
     _run(verbs.sim_burst, count=count, code=code)
+
+
+@sim_app.command("bucket")
+def sim_bucket(name: Annotated[str, typer.Argument(help="Bucket name.")]) -> None:
+    """Create a bucket in the simulated pod's Cloud Storage (a no-op if it exists)."""
+    _run(verbs.sim_bucket, name=name)
 
 
 def main() -> None:

@@ -121,6 +121,7 @@ class DeployReport:
     pushed: str | None = None       # "pushed" | "up to date" | None (direct)
     wip_ref: str | None = None
     seconds: float = 0.0
+    branch: str | None = None       # checked out on the workers; None: detached
 
     def table(self) -> str:
         lines = [f"{'worker':>6}  {'commit':<12}  {'result':<9}  {'time':>6}"]
@@ -263,7 +264,8 @@ def deploy(group: Workers, *, ref: str = "HEAD", remote: str = "origin", dir: st
         resolved = gitops.resolve(root, ref)
     target_dir = dir or default_dir(root)
     report = DeployReport(resolved.commit, target_dir,
-                          wip_ref=resolved.push_ref if resolved.wip else None)
+                          wip_ref=resolved.push_ref if resolved.wip else None,
+                          branch=resolved.branch)
     workers = list(group.workers)
 
     if direct:
