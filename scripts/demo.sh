@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The whole tpufab workflow on the simulated pod: installs what it needs, then
-#   sim up -> create (v4-32, 4 workers) -> list -> describe -> delete -> sim down.
+#   sim up -> create (v4-32, 4 workers) -> list -> describe
+#   -> deploy a git repository (through its remote, then --direct) -> exec on every worker
+#   -> sim bucket -> mount it on every worker (rclone) -> write on w0, read on w3 -> umount
+#   -> delete -> sim down.
 # Run as root (the simulated workers use namespaces). Keep the pod with KEEP=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,14 +11,23 @@ cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"
 export TPUFAB_SIM_DIR=${TPUFAB_SIM_DIR:-$HOME/.tpufab/sim}
 NAME=${NAME:-demo}
+WORK=$(mktemp -d /tmp/tpufab-demo.XXXXXX)   # the demo's git remote and checkout
+GIT_DAEMON=
 
 step() { printf '\n\033[1;36m$ %s\033[0m\n' "$*"; "$@"; }
+say() { printf '\n\033[1m# %s\033[0m\n' "$*"; }
 
 cleanup() {
   if [[ ${KEEP:-0} != 1 ]]; then
+    tpufab umount --name "$NAME" >/dev/null 2>&1 || true
     tpufab delete --name "$NAME" --yes >/dev/null 2>&1 || true
     tpufab sim down || true
   fi
+  if [[ -n $GIT_DAEMON ]]; then
+    kill "$GIT_DAEMON" 2>/dev/null || true
+    wait "$GIT_DAEMON" 2>/dev/null || true
+  fi
+  rm -rf "$WORK"
 }
 trap cleanup EXIT
 
@@ -25,6 +37,41 @@ step tpufab create --name "$NAME" --type v4-32
 step tpufab list
 step tpufab describe --name "$NAME"
 step invoke describe --name "$NAME" --json
+
+say "Code on every worker: a throwaway repository whose remote is a git daemon on loopback"
+PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+mkdir -p "$WORK/srv"
+git init -q --bare -b main "$WORK/srv/climate.git"
+git daemon --export-all --enable=receive-pack --base-path="$WORK/srv" --listen=127.0.0.1 \
+  --port="$PORT" --reuseaddr "$WORK/srv" &
+GIT_DAEMON=$!
+git init -q -b main "$WORK/climate"
+cd "$WORK/climate"
+export GIT_AUTHOR_NAME=demo GIT_AUTHOR_EMAIL=demo@example.com
+export GIT_COMMITTER_NAME=demo GIT_COMMITTER_EMAIL=demo@example.com
+echo "print('training v1')" > train.py
+git add train.py && git commit -q -m "train: v1"
+git remote add origin "git://127.0.0.1:$PORT/climate.git"
+for _ in $(seq 50); do git ls-remote origin >/dev/null 2>&1 && break; sleep 0.1; done
+
+step tpufab deploy --name "$NAME"          # push to origin, every worker fetches from it
+step tpufab exec --name "$NAME" --gather 'git -C ~/climate log -1 --oneline'
+echo "print('training v2')" > train.py
+git commit -q -am "train: v2"
+step tpufab deploy --name "$NAME" --direct # no remote involved: the commit goes over SSH
+step tpufab exec --name "$NAME" --gather 'git -C ~/climate log -1 --oneline'
+cd - >/dev/null
+
+say "Data on every worker: a bucket in the simulated pod's Cloud Storage, mounted with rclone"
+step tpufab sim bucket data
+step tpufab mount data --name "$NAME" --driver rclone --at /mnt/data \
+  --options '--dir-cache-time 1s --vfs-write-back 0s'
+step tpufab exec --name "$NAME" --worker 0 'echo "written on $(hostname)" > /mnt/data/hello.txt'
+step tpufab exec --name "$NAME" --worker 3 \
+  'timeout 30 sh -c "until cat /mnt/data/hello.txt 2>/dev/null; do sleep 0.2; done"'
+step invoke umount --name "$NAME" --at /mnt/data
+
 step tpufab delete --name "$NAME" --yes
 echo
-echo "Demo finished: the simulated pod walked create -> list -> describe -> delete."
+echo "Demo finished: create -> deploy (remote and --direct) -> mount (written on w0, read on w3)"
+echo "-> umount -> delete, on the simulated pod."
