@@ -361,3 +361,10 @@ def test_known_hosts_file_rules(tmp_path):
     known.pin("n2", {0: other})
     assert known.forget("n1") == 1 and known.forget("n1") == 0
     assert "HostKeyAlias=tpufab-n2-w0" in known.ssh_options(alias("n2", 0))
+
+
+def test_stdin_larger_than_a_pipe_is_streamed_through(fanout):
+    data = bytes(range(256)) * 4096  # 1 MiB: far past the 64 KiB pipe buffer, both ways
+    result = fanout.run("cat", stdin=data, workers="0,1")
+    assert all(r.ok and r.stdout_bytes == data for r in result.values())
+    assert fanout.run("wc -c", stdin="abc", workers="2")[2].stdout.strip() == "3"

@@ -35,6 +35,7 @@ HEADER = struct.Struct(">BII")
 DEFAULT_CONCURRENCY = 64
 SPOOL_BYTES = 256 * 1024  # per worker and stream, then spill to a temp file
 KILL_GRACE = 2.0
+LINE_LIMIT = 1 << 20  # a partial line longer than this is passed on without waiting for "\n"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,6 +389,32 @@ def _remote_file(name: str) -> bytes:
 _LOADER = "import sys;exec(compile(sys.stdin.buffer.read({size}),'tpufab-agent','exec'))"
 
 
+def _fields(items: Iterable[tuple[str, str]]) -> bytes:
+    """NUL-separated tagged fields (the agent's request format); NUL itself is refused."""
+    parts = []
+    for tag, value in items:
+        if "\0" in value:
+            raise TpufabError("A command, argument or environment value contains a NUL byte.")
+        parts.append(tag + value)
+    return "\0".join(parts).encode("utf-8", "surrogateescape")
+
+
+def _encode_request(request: dict) -> bytes:
+    items: list[tuple[str, str]] = []
+    if "argv" in request:
+        items += [("a", arg) for arg in request["argv"]]
+    else:
+        items.append(("c", request["command"]))
+    items += [("e", f"{name}={value}") for name, value in (request.get("env") or {}).items()]
+    if request.get("timeout") is not None:
+        items.append(("t", repr(float(request["timeout"]))))
+    if request.get("cwd"):
+        items.append(("d", request["cwd"]))
+    if request.get("stdin"):
+        items.append(("s", ""))
+    return _fields(items)
+
+
 class _Task:
     """Client-side state of one command on one worker."""
 
@@ -399,21 +426,29 @@ class _Task:
         self.secrets = secrets
         self.capture = capture
         self.result = WorkerResult(worker)
-        self.partial = {"stdout": b"", "stderr": b""}
+        self.partial = {"stdout": bytearray(), "stderr": bytearray()}
         self.done = threading.Event()
         self.started = time.perf_counter()
         self.on_done: Callable[[_Task], None] | None = None
-        self.timed_out = False
+        self.timeout: float | None = None
         self.agent: _Agent | None = None
 
     def feed(self, stream: str, data: bytes) -> None:
         buffered = self.partial[stream]
         cut = data.rfind(b"\n")
         if cut < 0:
-            self.partial[stream] = buffered + data
+            buffered += data
+            if len(buffered) > LINE_LIMIT:  # a giant "line" (binary data): pass it on in pieces
+                self._emit(stream, bytes(buffered))
+                buffered.clear()
             return
-        complete = buffered + data[: cut + 1] if buffered else data[: cut + 1]
-        self.partial[stream] = data[cut + 1:]
+        if buffered:
+            buffered += data[: cut + 1]
+            complete = bytes(buffered)
+            buffered.clear()
+        else:
+            complete = data[: cut + 1]
+        buffered += data[cut + 1:]
         self._emit(stream, complete)
 
     def _emit(self, stream: str, data: bytes) -> None:
@@ -433,7 +468,8 @@ class _Task:
             return
         for stream in ("stdout", "stderr"):
             if self.partial[stream]:
-                rest, self.partial[stream] = self.partial[stream], b""
+                rest = bytes(self.partial[stream])
+                self.partial[stream].clear()
                 self._emit(stream, rest)
         self.result.exit_code = exit_code
         self.result.error = error
@@ -478,11 +514,11 @@ class _Agent:
                 raise ConnectError(f"The connection to worker {self.worker} is closed.")
             self.tasks[task.id] = task
         task.agent = self
-        body = json.dumps(request).encode()
         if put_data is not None:
-            self._send(b"P", task.id, struct.pack(">I", len(body)) + body + put_data)
+            head = _fields([("p", request["path"]), ("m", str(request["mode"]))])
+            self._send(b"P", task.id, head + b"\0\0" + put_data)
             return
-        self._send(b"R", task.id, body)
+        self._send(b"R", task.id, _encode_request(request))
         if stdin is not None:
             for start in range(0, len(stdin), 1 << 18):
                 self._send(b"I", task.id, stdin[start:start + (1 << 18)])
@@ -529,23 +565,21 @@ class _Agent:
             task = self.tasks.get(task_id)
             if task:
                 task.feed("stderr", payload)
-        elif kind == 68:  # D
-            info = json.loads(payload)
+        elif kind == 68:  # D: "<exit code> <signal> <timed out>"
+            code, sig, timed_out = (int(x) for x in payload.split())
             with self.lock:
                 task = self.tasks.pop(task_id, None)
             if task:
-                error = None
-                if info.get("timed_out") or task.timed_out:
-                    error = f"timed out after {info.get('timeout', '?')} s"
-                task.finish(info.get("exit_code"), error, info.get("signal"))
+                error = f"timed out after {task.timeout:g} s" if timed_out else None
+                task.finish(code, error, sig or None)
         elif kind == 70:  # F
-            info = json.loads(payload)
             with self.lock:
                 task = self.tasks.pop(task_id, None)
             if task:
-                task.finish(None, f"could not start: {info.get('error')}")
-        elif kind == 72:  # H
-            self.hello = json.loads(payload)
+                task.finish(None, f"could not start: {payload.decode('utf-8', 'replace')}")
+        elif kind == 72:  # H: "<pid> <python version>"
+            pid, version = payload.decode().split()
+            self.hello = {"pid": int(pid), "python": version}
 
     def _close(self, reason: str | None) -> None:
         with self.lock:
@@ -930,6 +964,7 @@ class Fanout:
                 with self._ids_lock:
                     task_id = next(self._ids)
                 task = _Task(task_id, worker, view, masked, capture)
+                task.timeout = timeout
                 task.on_done = release
                 tasks[worker] = task
                 slots.acquire()
