@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import re
+import resource
 import shutil
 import socket
 import statistics
@@ -96,10 +97,24 @@ def _listening(address: str) -> bool:
         return sock.connect_ex((address, PORT)) == 0
 
 
-def timed(argv, **kwargs) -> float:
+CLIENT_CPU: dict[str, list[float]] = {}
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (usage.ru_utime + usage.ru_stime) * 1e3
+
+
+def timed(argv, cpu_key: str | None = None, **kwargs) -> float:
+    """Wall ms of one run; with ``cpu_key``, also record the CPU of the client side (the
+    process and every child it waited for: clush's and pssh's ssh processes included)."""
+    cpu = _children_cpu()
     start = time.perf_counter()
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kwargs)
-    return (time.perf_counter() - start) * 1e3
+    elapsed = (time.perf_counter() - start) * 1e3
+    if cpu_key:
+        CLIENT_CPU.setdefault(cpu_key, []).append(_children_cpu() - cpu)
+    return elapsed
 
 
 def median(values) -> float:
@@ -213,10 +228,13 @@ def bench_size(sshds: Sshds, count: int, reps: int) -> dict:
     nodes = f"{SUBNET}.[1-{count}]"
     row: dict = {"workers": count}
 
+    row["loadavg_before"] = os.getloadavg()[0]
     cold_wall, cold_inproc = [], []
     for _ in range(reps):
         start = time.perf_counter()
+        cpu = _children_cpu()
         result = run_driver("_cold", root, count)
+        CLIENT_CPU.setdefault(f"tpufab{count}", []).append(_children_cpu() - cpu)
         cold_wall.append((time.perf_counter() - start) * 1e3)
         cold_inproc.append(result["inproc_ms"])
         if not result["ok"]:
@@ -228,8 +246,10 @@ def bench_size(sshds: Sshds, count: int, reps: int) -> dict:
     for name, config in (("", sshds.ssh_config), ("_curve25519", sshds.ssh_config_fast)):
         clush = ["clush", "-f", "64", "-w", nodes, "-o", f"-F {config}", "-b", "true"]
         pssh = ["parallel-ssh", "-h", str(hosts_file), "-p", "64", "-x", f"-F {config}", "true"]
-        row[f"clush{name}_cold_ms"] = median(timed(clush) for _ in range(reps))
-        row[f"pssh{name}_cold_ms"] = median(timed(pssh) for _ in range(reps))
+        row[f"clush{name}_cold_ms"] = median(timed(clush, f"clush{name}{count}") for _ in range(reps))
+        row[f"pssh{name}_cold_ms"] = median(timed(pssh, f"pssh{name}{count}") for _ in range(reps))
+    for tool in ("tpufab", "clush", "pssh", "clush_curve25519", "pssh_curve25519"):
+        row[f"{tool}_client_cpu_ms"] = median(CLIENT_CPU[f"{tool}{count}"])
 
     loop = "for h in " + " ".join(host(i) for i in range(count)) + f"; do ssh -F {sshds.ssh_config} $h true; done"
     row["ssh_loop_cold_ms"] = median(timed(["sh", "-c", loop]) for _ in range(max(1, min(reps, 3))))
@@ -282,6 +302,7 @@ def bench_size(sshds: Sshds, count: int, reps: int) -> dict:
         rates.append(LINES * count / seconds)
     row["tpufab_lines_per_s"] = median(rates)
     row["tpufab_stream_lost"] = lost
+    row["loadavg_after"] = os.getloadavg()[0]
     return row
 
 
@@ -304,12 +325,19 @@ def table(rows: list[dict]) -> str:
         ("clush_curve25519_cold_ms", "clush cold, curve25519", "{:.0f}"),
         ("pssh_curve25519_cold_ms", "pssh cold, curve25519", "{:.0f}"),
         ("ssh_loop_cold_ms", "ssh loop cold", "{:.0f}"),
+        ("tpufab_client_cpu_ms", "tpufab cold, client CPU", "{:.0f}"),
+        ("clush_client_cpu_ms", "clush cold, client CPU", "{:.0f}"),
+        ("pssh_client_cpu_ms", "pssh cold, client CPU", "{:.0f}"),
+        ("clush_curve25519_client_cpu_ms", "clush curve25519, client CPU", "{:.0f}"),
+        ("pssh_curve25519_client_cpu_ms", "pssh curve25519, client CPU", "{:.0f}"),
         ("tpufab_warm_ms", "tpufab warm (shell)", "{:.1f}"),
         ("tpufab_warm_argv_ms", "tpufab warm (argv)", "{:.1f}"),
         ("clush_controlmaster_warm_ms", "clush + ControlMaster warm", "{:.0f}"),
         ("tpufab_lines_per_s", "tpufab lines/s", "{:,.0f}"),
         ("raw_ssh_lines_per_s", "raw ssh lines/s", "{:,.0f}"),
         ("tpufab_stream_lost", "lost/misordered", "{:d}"),
+        ("loadavg_before", "load average before", "{:.1f}"),
+        ("loadavg_after", "load average after", "{:.1f}"),
     ]
     out = ["| metric | " + " | ".join(str(r["workers"]) for r in rows) + " |",
            "|---|" + "---:|" * len(rows)]

@@ -1,8 +1,7 @@
-"""Fan-out over real SSH: plain sshd processes on loopback addresses, one per worker.
+"""Fan-out over real SSH, on simulated pod workers (tpufab.sim.workers.WorkerPool).
 
-Each sshd runs in its own mount namespace with a private tmpfs on /root, so a worker's home
-(~/.tpufab/...) is its own, like on the simulated pod. Processes are found through /proc by
-unique tokens in their command lines.
+Each worker is a real sshd in its own PID/mount/UTS namespace with its own home, host key and
+hostname; "ps on a worker" is the command lines of the processes in its namespace.
 """
 
 from __future__ import annotations
@@ -33,14 +32,12 @@ from tpufab.fanout import (
 from tpufab.hostkeys import HostKeyChanged, KnownHosts, alias
 from tpufab.quoting import Secret, command
 
-SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not os.path.exists(SSHD) or not shutil.which("unshare"),
-    reason="needs root, sshd and unshare",
+    os.geteuid() != 0 or not shutil.which("unshare") or not os.path.exists("/usr/sbin/sshd"),
+    reason="needs root, unshare and sshd for the simulated workers",
 )
-SUBNET = "127.56.0"
-PORT = 2222
 WORKERS = 4
+USER = "tpu"
 
 
 def wait_for(condition, timeout=10.0, interval=0.02, what="condition"):
@@ -53,93 +50,87 @@ def wait_for(condition, timeout=10.0, interval=0.02, what="condition"):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def listening(host, port=PORT):
+def listening(host, port=22):
     with socket.socket() as sock:
         sock.settimeout(0.2)
         return sock.connect_ex((host, port)) == 0
 
 
-def cmdlines_containing(token: str) -> list[tuple[int, str]]:
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            raw = Path(f"/proc/{name}/cmdline").read_bytes()
-        except OSError:
-            continue
-        line = raw.replace(b"\0", b" ").decode(errors="replace")
-        if token in line:
-            found.append((int(name), line))
-    return found
+def free_subnet() -> str:
+    """A 127.19.x loopback /24 where nothing listens yet (other pods may run on this host)."""
+    for third in range(200, 256):
+        subnet = f"127.19.{third}"
+        if not any(listening(f"{subnet}.{i}") for i in (1, 2, 3, 4, 5, 6)):
+            return subnet
+    raise RuntimeError("no free 127.19.x subnet for the test workers")
 
 
-class SshdPool:
-    """Plain sshds on ``SUBNET.{i+1}:PORT``, each with its own host key and private /root."""
+class Pod:
+    """One simulated node (WorkerPool) plus a client key that every worker accepts."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, node_id: str, count: int):
+        from tpufab.sim.workers import WorkerPool
+
         self.root = root
-        self.procs: dict[str, subprocess.Popen] = {}
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(root / "client")], check=True)
-        (root / "authorized_keys").write_text((root / "client.pub").read_text())
-        Path("/run/sshd").mkdir(exist_ok=True)
+        self.key = root / "client"
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.key)], check=True)
+        self.pool = WorkerPool(root / "state")
+        self.subnet = free_subnet()
+        self.nodes: list[str] = []
+        self.specs = self.start(node_id, count)
+        self.node_id = node_id
 
-    def host_key(self, host: str) -> Path:
-        path = self.root / f"host-{host}"
-        if not path.exists():
-            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
-        return path
+    def start(self, node_id: str, count: int, first: int = 0):
+        from tpufab.sim.workers import WorkerSpec
 
-    def start(self, host: str) -> None:
-        config = self.root / f"sshd-{host}.conf"
-        config.write_text(
-            f"ListenAddress {host}:{PORT}\nHostKey {self.host_key(host)}\nPidFile none\nUsePAM no\n"
-            f"PermitRootLogin prohibit-password\nAuthorizedKeysFile {self.root}/authorized_keys\n"
-            "StrictModes no\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
-            "UseDNS no\nPrintMotd no\nPrintLastLog no\nMaxStartups 200:30:400\nLogLevel ERROR\n"
-        )
-        script = f"mount -t tmpfs tmpfs /root && exec {SSHD} -D -e -f {config}"
-        self.procs[host] = subprocess.Popen(
-            ["unshare", "-m", "--propagation", "private", "sh", "-c", script],
-            stdout=subprocess.DEVNULL, stderr=open(self.root / f"sshd-{host}.log", "ab"),
-        )
-        wait_for(lambda: listening(host), what=f"sshd on {host}")
+        specs = [WorkerSpec(node_id, i, f"{self.subnet}.{first + i + 1}",
+                            f"t1v-n-{node_id[:8]}-w-{i}", ("/dev/accel0",)) for i in range(count)]
+        self.pool.start_node(node_id, specs, f"{USER}:{self.key.with_suffix('.pub').read_text()}")
+        self.nodes.append(node_id)
+        self.pool.wait_listening(node_id)
+        return specs
 
-    def stop(self, host: str) -> None:
-        proc = self.procs.pop(host, None)
-        if proc is not None:
-            proc.terminate()
-            proc.wait(10)
+    def targets(self, node_alias: str | None = None, specs=None, extra=()):
+        specs = specs or self.specs
+        node_alias = node_alias or specs[0].node_id
+        made = [Target(s.index, s.ip, USER, str(self.key), 22, alias(node_alias, s.index))
+                for s in specs]
+        for i, host in enumerate(extra, start=len(made)):
+            made.append(Target(i, host, USER, str(self.key), 22, alias(node_alias, i)))
+        return made
 
-    def stop_all(self) -> None:
-        for host in list(self.procs):
-            self.stop(host)
+    def ps(self, worker: int, node_id: str | None = None) -> list[str]:
+        """Command lines of every process on one worker (its namespace)."""
+        lines = []
+        for pid in self.pool.pids(node_id or self.node_id, worker):
+            try:
+                raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            lines.append(raw.replace(b"\0", b" ").decode(errors="replace"))
+        return lines
+
+    def running(self, token: str) -> dict[int, int]:
+        """Worker -> how many of its processes have ``token`` in their command line."""
+        return {w: sum(token in line for line in self.ps(w)) for w in range(len(self.specs))}
+
+    def stop(self) -> None:
+        for node_id in self.nodes:
+            self.pool.delete_node(node_id)
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    pool = SshdPool(tmp_path_factory.mktemp("sshd"))
+def pod(tmp_path_factory):
+    pod = Pod(tmp_path_factory.mktemp("pod"), "7700000000000000001", WORKERS)
     try:
-        for i in range(WORKERS):
-            pool.start(f"{SUBNET}.{i + 1}")
-        yield pool
+        yield pod
     finally:
-        pool.stop_all()
-
-
-def targets(pool, node="node-a", count=WORKERS, extra=()):
-    made = [
-        Target(i, f"{SUBNET}.{i + 1}", "root", str(pool.root / "client"), PORT, alias(node, i))
-        for i in range(count)
-    ]
-    for i, host in enumerate(extra, start=count):
-        made.append(Target(i, host, "root", str(pool.root / "client"), PORT, alias(node, i)))
-    return made
+        pod.stop()
 
 
 @pytest.fixture
-def fanout(pool, tmp_path):
-    with Fanout(targets(pool), known_hosts=KnownHosts(tmp_path / "known_hosts")) as fan:
+def fanout(pod, tmp_path):
+    with Fanout(pod.targets(), known_hosts=KnownHosts(tmp_path / "known_hosts")) as fan:
         yield fan
 
 
@@ -176,10 +167,10 @@ def test_live_view_keeps_lines_whole_and_in_order(fanout):
     assert per_worker == {w: list(range(1, 3001)) for w in range(WORKERS)}
 
 
-def test_failing_and_unreachable_workers_reported_while_others_complete(pool, tmp_path):
+def test_failing_and_unreachable_workers_reported_while_others_complete(pod, tmp_path):
     fail_third = 'set -- $SSH_CONNECTION; case $3 in *.3) echo bad >&2; exit 3;; esac; echo fine'
     with Fanout(
-        targets(pool, extra=[f"{SUBNET}.99"]), known_hosts=KnownHosts(tmp_path / "kh"),
+        pod.targets(extra=[f"{pod.subnet}.99"]), known_hosts=KnownHosts(tmp_path / "kh"),
         connect_attempts=2, retry_wait=(0.01, 0.02),
     ) as fan:
         result = fan.run(fail_third)
@@ -196,25 +187,22 @@ def test_failing_and_unreachable_workers_reported_while_others_complete(pool, tm
     assert "bad" in err.value.details
 
 
-def test_transient_connection_failure_is_retried(pool, tmp_path):
-    host = f"{SUBNET}.20"
+def test_transient_connection_failure_is_retried(pod, tmp_path):
+    pod.pool.set_reachable(pod.node_id, 1, False)  # nothing listens: connection refused
     attempts = []
 
-    def open_port_after_first_failure(target, attempt, error):
-        attempts.append((attempt, type(error).__name__))
-        pool.start(host)  # waits until sshd listens
+    def reopen_after_first_failure(target, attempt, error):
+        attempts.append((target.worker, attempt, type(error).__name__))
+        pod.pool.set_reachable(pod.node_id, 1, True)  # returns once sshd listens again
 
     try:
-        with Fanout(
-            [Target(0, host, "root", str(pool.root / "client"), PORT, alias("node-r", 0))],
-            known_hosts=KnownHosts(tmp_path / "kh"), retry_wait=(0.01, 0.05),
-            on_retry=open_port_after_first_failure,
-        ) as fan:
-            result = fan.run("echo up")
-        assert result[0].ok and result[0].stdout == "up\n"
-        assert attempts == [(1, "ConnectionRefusedError")]
+        with Fanout(pod.targets(), known_hosts=KnownHosts(tmp_path / "kh"),
+                    retry_wait=(0.01, 0.05), on_retry=reopen_after_first_failure) as fan:
+            result = fan.run("echo up", workers="1")
+        assert result[1].ok and result[1].stdout == "up\n"
+        assert attempts == [(1, 1, "ConnectionRefusedError")]
     finally:
-        pool.stop(host)
+        pod.pool.set_reachable(pod.node_id, 1, True)
 
 
 def test_command_failures_are_not_retried(fanout):
@@ -231,44 +219,44 @@ def sigint_raises():
     signal.signal(signal.SIGINT, previous)
 
 
-def test_ctrl_c_leaves_no_remote_process(fanout, sigint_raises):
+def test_ctrl_c_leaves_no_remote_process(pod, fanout, sigint_raises):
     token = "1234.25"
-    interrupter = threading.Thread(
-        target=lambda: (
-            wait_for(lambda: len(cmdlines_containing(f"sleep {token}")) >= 2 * WORKERS,
-                     what="remote sleeps"),
-            os.kill(os.getpid(), signal.SIGINT),
-        ),
-        daemon=True,
-    )
+
+    def interrupt_when_running():
+        wait_for(lambda: all(n >= 2 for n in pod.running(f"sleep {token}").values()),
+                 what="two sleeps on every worker")
+        os.kill(os.getpid(), signal.SIGINT)
+
+    interrupter = threading.Thread(target=interrupt_when_running, daemon=True)
     interrupter.start()
-    # Two processes per worker: the sleep in the foreground, one setsid'ed into the background.
+    # Per worker: a sleep in the foreground, and one setsid'ed out of the process group.
     with pytest.raises(FanoutInterrupted) as err:
         fanout.run(f"setsid sleep {token} & sleep {token}; echo never")
     interrupter.join()
     assert err.value.exit_code == 130
     assert isinstance(err.value, TpufabError)
     assert all(r.error == "interrupted" for r in err.value.result.values())
-    wait_for(lambda: not cmdlines_containing(f"sleep {token}"), timeout=5, what="no sleeps left")
-    # The connections survive and are usable.
-    assert fanout.run("echo still here").ok
+    # The run returns only after every worker confirmed: ps on each worker shows nothing left.
+    assert pod.running(f"sleep {token}") == {w: 0 for w in range(WORKERS)}
+    assert fanout.run("echo still here").ok  # the connections survive
 
 
-def test_closing_connections_kills_remote_commands(fanout):
+def test_closing_connections_kills_remote_commands(pod, fanout):
     token = "1234.5"
     runner = threading.Thread(target=lambda: fanout.run(f"sleep {token}"), daemon=True)
     runner.start()
-    wait_for(lambda: len(cmdlines_containing(f"sleep {token}")) == WORKERS, what="remote sleeps")
+    wait_for(lambda: all(pod.running(f"sleep {token}").values()), what="a sleep on every worker")
     fanout.close()
-    wait_for(lambda: not cmdlines_containing(f"sleep {token}"), timeout=5, what="no sleeps left")
+    wait_for(lambda: not any(pod.running(f"sleep {token}").values()), timeout=5,
+             what="no sleeps left")
     runner.join(5)
 
 
-def test_timeout_kills_the_command(fanout):
+def test_timeout_kills_the_command(pod, fanout):
     result = fanout.run("sleep 1234.75", timeout=0.3, workers="0,1")
     assert [r.error for r in result.values()] == ["timed out after 0.3 s"] * 2
     assert not result.ok
-    wait_for(lambda: not cmdlines_containing("sleep 1234.75"), timeout=5, what="no sleeps left")
+    assert not any(pod.running("sleep 1234.75").values())
 
 
 def test_shell_metacharacters_run_literally(fanout):
@@ -280,9 +268,9 @@ def test_shell_metacharacters_run_literally(fanout):
     assert fanout.run(built, workers="0")[0].stdout == "$(id)\na;b\n'q'\nnew\nline\n"
 
 
-def test_secret_never_in_output_or_argv(fanout, tmp_path):
+def test_secret_never_in_output_or_argv(pod, fanout):
     value = "s3cr3t-v4lue-9f8e"
-    gate = tmp_path / "go"
+    gate = "/tmp/tpufab-test-go"  # each worker has its own /tmp
     seen: dict[str, object] = {}
 
     def run():
@@ -294,9 +282,11 @@ def test_secret_never_in_output_or_argv(fanout, tmp_path):
 
     runner = threading.Thread(target=run, daemon=True)
     runner.start()
-    wait_for(lambda: len(cmdlines_containing(str(gate))) >= WORKERS, what="commands running")
-    assert cmdlines_containing(value) == []
-    gate.touch()
+    wait_for(lambda: all(pod.running(gate).values()), what="the command on every worker")
+    for worker in range(WORKERS):
+        assert not any(value in line for line in pod.ps(worker)), f"secret in ps on w{worker}"
+    for worker in range(WORKERS):
+        pod.pool.exec_in(pod.node_id, worker, ["touch", gate])
     runner.join(10)
     result = seen["result"]
     assert all(r.stdout == f"token=*** plain=visible\n{len(value)}\n" for r in result.values())
@@ -306,7 +296,7 @@ def test_secret_never_in_output_or_argv(fanout, tmp_path):
 def test_put_and_get(fanout, tmp_path):
     fanout.put(b"payload\n", "~/shipped/file.txt", mode=0o600)
     assert {r.stdout for r in fanout.run("stat -c %a ~/shipped/file.txt").values()} == {"600\n"}
-    paths = fanout.get("~/shipped/file.txt".replace("~", "/root"), tmp_path / "got", workers="0,3")
+    paths = fanout.get(f"/home/{USER}/shipped/file.txt", tmp_path / "got", workers="0,3")
     assert sorted(paths) == [0, 3]
     assert Path(paths[3]).read_bytes() == b"payload\n"
 
@@ -327,24 +317,25 @@ def test_setup_runs_once_then_skips(fanout, tmp_path):
         run_setup(fanout, b"#!/bin/sh\nexit 7\n", workers="0")
 
 
-def test_host_key_pinning(pool, tmp_path):
+def test_host_key_pinning(pod, tmp_path):
     known = KnownHosts(tmp_path / "kh")
     other = tmp_path / "other"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
     wrong = " ".join(other.with_suffix(".pub").read_text().split()[:2])
-    real = " ".join(Path(f"{pool.host_key(f'{SUBNET}.2')}.pub").read_text().split()[:2])
-    known.pin("node-p", {0: wrong, 1: real})
-    with Fanout(targets(pool, node="node-p", count=3), known_hosts=known) as fan:
+    real = pod.pool.host_keys(pod.node_id)
+    assert real[0] != real[1], "every worker has its own host key"
+    known.pin("node-p", {0: wrong, 1: real[1]})  # as if from the API's guest attributes
+    with Fanout(pod.targets("node-p")[:3], known_hosts=known) as fan:
         result = fan.run("true")
     assert result[1].ok and result[2].ok  # pinned from the API, and trusted on first use
     assert "differs from the one pinned" in result[0].error
     assert "tpufab known-hosts forget node-p" in result[0].error
-    assert known.lookup(alias("node-p", 2)), "worker 2 was learned on first use"
+    assert known.lookup(alias("node-p", 2)) == [tuple(real[2].split())]
     # A recreated node has a new id: it starts fresh, with no error.
-    with Fanout(targets(pool, node="node-q", count=1), known_hosts=known) as fan:
+    with Fanout(pod.targets("node-q")[:1], known_hosts=known) as fan:
         assert fan.run("true").ok
     assert known.forget("node-p") == 3
-    with Fanout(targets(pool, node="node-p", count=1), known_hosts=known) as fan:
+    with Fanout(pod.targets("node-p")[:1], known_hosts=known) as fan:
         assert fan.run("true").ok
 
 
