@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-SUBNET = "127.57.0"
+SUBNET = "127.57.0"  # plain sshds; the simulated pod picks a free 127.19.x subnet
 PORT = 2222
 LINES = 100_000
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,9 +38,61 @@ def host(i: int) -> str:
     return f"{SUBNET}.{i + 1}"
 
 
+def _ssh_configs(pod) -> None:
+    """OpenSSH client configs for clush/pssh/ssh: as a user gets them, and with curve25519."""
+    pod.ssh_config = pod.root / "ssh_config"
+    pod.ssh_config.write_text(
+        f"Host *\n  User {pod.user}\n  Port {pod.port}\n  IdentityFile {pod.root}/client\n"
+        "  IdentitiesOnly yes\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n"
+        "  BatchMode yes\n  LogLevel ERROR\n"
+    )
+    # Same, with the kex paramiko negotiates (OpenSSH 9's default sntrup761 hybrid costs
+    # tens of ms of CPU per handshake on both ends).
+    pod.ssh_config_fast = pod.root / "ssh_config_curve25519"
+    pod.ssh_config_fast.write_text(pod.ssh_config.read_text() + "  KexAlgorithms curve25519-sha256\n")
+    (pod.root / "pod.json").write_text(json.dumps(
+        {"hosts": pod.hosts, "user": pod.user, "port": pod.port, "node_id": pod.node_id}))
+
+
+class SimPod:
+    """``count`` simulated workers (tpufab.sim.workers): sshd in its own PID/mount/UTS namespace."""
+
+    kind = "simulated pod workers (tpufab.sim.workers.WorkerPool)"
+
+    def __init__(self, root: Path, count: int):
+        from tpufab.sim.workers import WorkerPool, WorkerSpec
+
+        self.root, self.user, self.port, self.node_id = root, "tpu", 22, "4200000000000000042"
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(root / "client")],
+                       check=True)
+        subnet = next((f"127.19.{third}" for third in range(200, 256)
+                       if not any(_listening(f"127.19.{third}.{i}", 22) for i in (1, 2, count))), None)
+        if subnet is None:
+            raise SystemExit("no free 127.19.x subnet for the simulated workers")
+        self.hosts = [f"{subnet}.{i + 1}" for i in range(count)]
+        self.subnet = subnet
+        self.pool = WorkerPool(root / "sim-state")
+        specs = [WorkerSpec(self.node_id, i, ip, f"t1v-n-{self.node_id[:8]}-w-{i}",
+                            ("/dev/accel0", "/dev/accel1", "/dev/accel2", "/dev/accel3"))
+                 for i, ip in enumerate(self.hosts)]
+        self.pool.start_node(self.node_id, specs, f"{self.user}:{(root / 'client.pub').read_text()}")
+        self.pool.wait_listening(self.node_id, timeout=120)
+        (root / "host_keys.json").write_text(json.dumps(self.pool.host_keys(self.node_id)))
+        _ssh_configs(self)
+
+    def stop(self) -> None:
+        self.pool.delete_node(self.node_id)
+
+
 class Sshds:
+    """``count`` plain sshds on 127.57.0.{1..N}:2222, each with a private tmpfs /root."""
+
+    kind = "plain sshds (one per worker, private tmpfs /root)"
+
     def __init__(self, root: Path, count: int):
         self.root = root
+        self.user, self.port, self.node_id = "root", PORT, "bench"
+        self.hosts = [host(i) for i in range(count)]
         self.procs: list[subprocess.Popen] = []
         keygen = ["ssh-keygen", "-q", "-t", "ed25519", "-N", ""]
         subprocess.run([*keygen, "-f", str(root / "client")], check=True)
@@ -67,18 +119,7 @@ class Sshds:
                 if time.monotonic() > deadline:
                     raise SystemExit(f"sshd on {host(i)} did not start")
                 time.sleep(0.02)
-        self.ssh_config = root / "ssh_config"
-        self.ssh_config.write_text(
-            f"Host *\n  User root\n  Port {PORT}\n  IdentityFile {root}/client\n  IdentitiesOnly yes\n"
-            "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  BatchMode yes\n"
-            "  LogLevel ERROR\n"
-        )
-        # Same, with the kex paramiko negotiates (OpenSSH 9's default sntrup761 hybrid costs
-        # tens of ms of CPU per handshake on both ends).
-        self.ssh_config_fast = root / "ssh_config_curve25519"
-        self.ssh_config_fast.write_text(
-            self.ssh_config.read_text() + "  KexAlgorithms curve25519-sha256\n"
-        )
+        _ssh_configs(self)
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -91,10 +132,10 @@ class Sshds:
                 proc.wait(5)
 
 
-def _listening(address: str) -> bool:
+def _listening(address: str, port: int = PORT) -> bool:
     with socket.socket() as sock:
         sock.settimeout(0.2)
-        return sock.connect_ex((address, PORT)) == 0
+        return sock.connect_ex((address, port)) == 0
 
 
 CLIENT_CPU: dict[str, list[float]] = {}
@@ -130,8 +171,14 @@ def _fanout(root: Path, count: int, **kwargs):
     from tpufab.fanout import Fanout, Target
     from tpufab.hostkeys import KnownHosts, alias
 
-    targets = [Target(i, host(i), "root", str(root / "client"), PORT, alias("bench", i)) for i in range(count)]
-    return Fanout(targets, known_hosts=KnownHosts(root / "known_hosts"), **kwargs)
+    pod = json.loads((root / "pod.json").read_text())
+    known = KnownHosts(root / "known_hosts")
+    keys = root / "host_keys.json"
+    if keys.exists():  # pinned up front, as from the API's guest attributes
+        known.pin(pod["node_id"], {int(w): k for w, k in json.loads(keys.read_text()).items()})
+    targets = [Target(i, pod["hosts"][i], pod["user"], str(root / "client"), pod["port"],
+                      alias(pod["node_id"], i)) for i in range(count)]
+    return Fanout(targets, known_hosts=known, **kwargs)
 
 
 def driver_cold(root: Path, count: int) -> None:
@@ -221,11 +268,12 @@ def machine() -> dict:
     }
 
 
-def bench_size(sshds: Sshds, count: int, reps: int) -> dict:
+def bench_size(sshds, count: int, reps: int) -> dict:
     root = sshds.root
+    hosts = sshds.hosts[:count]
     hosts_file = root / f"hosts{count}"
-    hosts_file.write_text("".join(f"{host(i)}\n" for i in range(count)))
-    nodes = f"{SUBNET}.[1-{count}]"
+    hosts_file.write_text("".join(f"{h}\n" for h in hosts))
+    nodes = ",".join(hosts)
     row: dict = {"workers": count}
 
     row["loadavg_before"] = os.getloadavg()[0]
@@ -251,7 +299,7 @@ def bench_size(sshds: Sshds, count: int, reps: int) -> dict:
     for tool in ("tpufab", "clush", "pssh", "clush_curve25519", "pssh_curve25519"):
         row[f"{tool}_client_cpu_ms"] = median(CLIENT_CPU[f"{tool}{count}"])
 
-    loop = "for h in " + " ".join(host(i) for i in range(count)) + f"; do ssh -F {sshds.ssh_config} $h true; done"
+    loop = "for h in " + " ".join(hosts) + f"; do ssh -F {sshds.ssh_config} $h true; done"
     row["ssh_loop_cold_ms"] = median(timed(["sh", "-c", loop]) for _ in range(max(1, min(reps, 3))))
 
     warm = run_driver("_warm", root, count, 20)
@@ -263,7 +311,7 @@ def bench_size(sshds: Sshds, count: int, reps: int) -> dict:
     control.mkdir(exist_ok=True)
     cm_opts = f"-F {sshds.ssh_config} -o ControlPath={control}/%h -o ControlMaster=no"
     masters = [subprocess.Popen(["ssh", "-F", str(sshds.ssh_config), "-o", f"ControlPath={control}/%h",
-                                 "-o", "ControlMaster=yes", "-N", host(i)]) for i in range(count)]
+                                 "-o", "ControlMaster=yes", "-N", h]) for h in hosts]
     try:
         deadline = time.monotonic() + 60
         while len(list(control.iterdir())) < count and time.monotonic() < deadline:
@@ -276,8 +324,8 @@ def bench_size(sshds: Sshds, count: int, reps: int) -> dict:
         raw = []
         for _ in range(max(1, min(reps, 3))):
             start = time.perf_counter()
-            procs = [subprocess.Popen(["ssh", *cm_opts.split(), host(i), f"seq {LINES}"],
-                                      stdout=subprocess.PIPE) for i in range(count)]
+            procs = [subprocess.Popen(["ssh", *cm_opts.split(), h, f"seq {LINES}"],
+                                      stdout=subprocess.PIPE) for h in hosts]
             lines = sum(p.communicate()[0].count(b"\n") for p in procs)
             raw.append(time.perf_counter() - start)
             assert lines == LINES * count, lines
@@ -356,18 +404,22 @@ def main() -> None:
     parser.add_argument("--sizes", default="4,16,64")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", help="also write the raw numbers here")
+    parser.add_argument("--pod", choices=["sim", "plain"], default="sim",
+                        help="simulated pod workers (default) or plain sshds")
     args = parser.parse_args()
     for tool in ("clush", "parallel-ssh", "ssh", "unshare"):
         if not shutil.which(tool):
             raise SystemExit(f"{tool} is not installed (apt-get install clustershell pssh openssh-client)")
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory(prefix="tpufab-bench-") as tmp:
-        sshds = Sshds(Path(tmp), max(sizes))
+        sshds = (SimPod if args.pod == "sim" else Sshds)(Path(tmp), max(sizes))
         try:
             rows = [bench_size(sshds, n, args.reps) for n in sizes]
         finally:
             sshds.stop()
-    report = {"machine": machine(), "imports": import_cost(args.reps), "rows": rows}
+    report = {"machine": machine(), "workers": sshds.kind, "imports": import_cost(args.reps),
+              "rows": rows}
+    print(f"workers: {sshds.kind}")
     print(json.dumps(report["machine"], indent=1))
     print(json.dumps(report["imports"], indent=1))
     print(table(rows))
