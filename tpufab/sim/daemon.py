@@ -188,8 +188,8 @@ def _start_storage(data_dir: Path) -> Any:
             storage = StorageEmulator(data_dir, port=previous)
         except OSError:  # the previous port is taken now
             storage = StorageEmulator(data_dir, port=0)
-    except SimError as exc:
-        log.warning("no Cloud Storage: %s", exc)
+    except (SimError, OSError, ValueError) as exc:  # the TPU API and workers run regardless
+        log.warning("no Cloud Storage (%s): %s", data_dir, exc)
         return None
     port_file.write_text(str(storage.port))
     storage.start()
