@@ -1,0 +1,230 @@
+"""Fault 7: hostile input, generated with hypothesis. Node names, worker selectors, recipe args,
+env values and bucket names full of quotes, `$()`, backticks, `;`, newlines and unicode are
+either rejected with a clear error or passed through literally; nothing unintended runs: every
+generated string tries to create a canary file, which must never appear on any worker or here.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from types import SimpleNamespace
+
+import pytest
+from conftest import unique_name
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_status import TPUFAB, cli_env, in_worker, quiet_console, sim_settings
+
+from tpufab.errors import ConfigError, TpufabError
+
+CANARY = "/tmp/tpufab-canary"
+TOUCH = f"touch {CANARY}"
+NASTY = ["'", '"', f"$({TOUCH})", f"`{TOUCH}`", f"; {TOUCH}", f" && {TOUCH}", f" | {TOUCH}",
+         f"\n{TOUCH}\n", "\n", "\r", "\t", " ", "$HOME", "${IFS}", "\\", "\\'", "-", "--", "*",
+         "~", "a", "0", "7", "w[0-1]", ",", "%s", "{}", "é", "☃", "日本", "\u202e", "\x1b[31m",
+         "-o ProxyCommand=" + TOUCH, "../", "=", "gs://"]
+TEXT = st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00")
+HOSTILE = st.lists(st.one_of(st.sampled_from(NASTY), st.text(TEXT, max_size=4)),
+                   min_size=1, max_size=8).map("".join)
+FEW = settings(max_examples=25, deadline=None, derandomize=True,
+               suppress_health_check=[HealthCheck.too_slow])
+
+pytestmark = pytest.mark.sim
+
+
+def no_canary_here() -> None:
+    assert not os.path.exists(CANARY), "a hostile string ran a command on this machine"
+
+
+@pytest.fixture(scope="module")
+def pod2(sim, tmp_path_factory):
+    """A READY v4-16 (2 workers), connected once for the whole module."""
+    from tpufab import lifecycle
+    from tpufab import pod as pods
+
+    if os.path.exists(CANARY):
+        os.unlink(CANARY)
+    home = tmp_path_factory.mktemp("hostile-home")
+    name = unique_name("hos")
+    settings_ = sim_settings(sim, home, name=name, type="v4-16")
+    [node] = lifecycle.create(settings_, console=quiet_console())
+    pod = pods.connect(settings_, console=quiet_console())
+    found = SimpleNamespace(settings=settings_, node=node, home=home, name=name, pod=pod,
+                            env=cli_env(sim, home, name), sim=sim)
+    yield found
+    pod.close()
+    try:
+        for w in (0, 1):
+            assert in_worker(sim, node, w, f"test -e {CANARY} && echo FOUND || true").strip() \
+                == "", f"a hostile string ran a command on worker {w}"
+        no_canary_here()
+    finally:
+        lifecycle.delete(settings_, yes=True, console=quiet_console())
+
+
+def canary_on_workers(pod2) -> list[int]:
+    return [w for w in (0, 1) if in_worker(pod2.sim, pod2.node, w,
+                                            f"test -e {CANARY} && echo y || true").strip()]
+
+
+# ---------------------------------------------------------------------------------------------
+# node names
+
+
+@FEW
+@given(name=HOSTILE)
+def test_node_names_are_valid_or_rejected_in_one_sentence(name):
+    from tpufab.lifecycle import NAME_RE, validate_name
+
+    try:
+        accepted = validate_name(name)
+    except ConfigError as err:
+        assert "node name" in str(err) and "\n" not in str(err).strip()
+        return
+    assert accepted == name and NAME_RE.match(name) and len(name) <= 63
+
+
+@pytest.mark.parametrize("name", [f"$({TOUCH})", f"x; {TOUCH}", "a\nb", "é", "../x", "-rf"])
+def test_hostile_node_name_on_the_command_line(pod2, name):
+    result = subprocess.run([TPUFAB, "exec", "--name", name, "true"], env=pod2.env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "Invalid node name" in result.stderr and "Traceback" not in result.stderr
+    no_canary_here()
+
+
+# ---------------------------------------------------------------------------------------------
+# worker selectors
+
+
+@FEW
+@given(selection=HOSTILE)
+def test_worker_selectors_select_real_workers_or_are_rejected(pod2, selection):
+    try:
+        chosen = pod2.pod.fanout.select(selection)
+    except TpufabError as err:
+        assert "worker" in str(err).lower()
+        return
+    assert chosen and set(chosen) <= {0, 1}
+
+
+@pytest.mark.xfail(strict=True, reason="tpufab.nodeset: a 4300+ digit worker number raises "
+                   "ValueError (int conversion limit) instead of a ConfigError sentence, and "
+                   "non-ASCII digits ('٣') are read as worker numbers (\\d is Unicode)")
+@pytest.mark.parametrize("selection", ["9" * 5000, "٣"])
+def test_worker_selector_edge_cases_are_rejected(selection):
+    from tpufab.nodeset import parse_selection
+
+    with pytest.raises(ConfigError):
+        parse_selection(selection, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# env values (and names)
+
+
+@FEW
+@given(value=st.one_of(HOSTILE, st.text(TEXT, max_size=30)))
+def test_env_values_arrive_literally(pod2, value):
+    result = pod2.pod.fanout.run(["printenv", "HOSTILE"], env={"HOSTILE": value})
+    try:
+        assert result.ok, result.summary()
+        assert {w: r.stdout for w, r in result.items()} == {0: value + "\n", 1: value + "\n"}
+    finally:
+        result.close()
+    # and through a shell that expands "$HOSTILE": still the value, never run
+    shell = pod2.pod.fanout.run('printf "%s" "$HOSTILE"', env={"HOSTILE": value})
+    try:
+        assert [r.stdout for r in shell.values()] == [value, value]
+    finally:
+        shell.close()
+    assert not canary_on_workers(pod2)
+
+
+@FEW
+@given(spec=HOSTILE)
+def test_env_specs_with_bad_names_are_rejected(spec):
+    from tpufab.runs import forwarded_environment
+
+    try:
+        forwarded = forwarded_environment([spec], {})
+    except ConfigError as err:
+        assert "--env" in str(err)
+        return
+    name, _, value = spec.partition("=")
+    assert forwarded.public.get(name, forwarded.secrets.get(name)) == value
+    assert name.isidentifier() and name.isascii()
+
+
+def test_env_value_with_a_nul_byte_is_refused_not_truncated(pod2):
+    try:
+        result = pod2.pod.fanout.run(["printenv", "HOSTILE"], env={"HOSTILE": "a\x00b"})
+    except TpufabError as err:
+        assert "NUL" in str(err)
+        return
+    try:
+        assert not result.ok and all(r.stdout == "" for r in result.values())
+    finally:
+        result.close()
+
+
+@pytest.mark.xfail(strict=False, reason="tpufab.fanout: a NUL is refused per worker inside "
+                   "start(), which then closes that worker's healthy connection; the result "
+                   "says 'contains a NUL byte' or 'the worker agent exited' depending on a race")
+def test_env_value_with_a_nul_byte_is_one_clear_error(pod2):
+    with pytest.raises(TpufabError, match="NUL"):
+        pod2.pod.fanout.run(["printenv", "HOSTILE"], env={"HOSTILE": "a\x00b"})
+
+
+# ---------------------------------------------------------------------------------------------
+# bucket names and mount points
+
+
+@FEW
+@given(bucket=HOSTILE, at=HOSTILE)
+def test_bucket_names_are_valid_or_rejected(bucket, at):
+    from tpufab import mount
+
+    try:
+        spec = mount.mount_spec(f"gs://{bucket}", at=f"/tmp/{at}")
+    except ConfigError as err:
+        assert "\n" not in str(err).strip()
+        return
+    assert mount.BUCKET_NAME.match(spec.bucket)
+    args = mount.worker_args(spec)
+    # the worker command line splits back into exactly these arguments: nothing interpreted
+    from tpufab.deploy import script_command
+
+    line = script_command(mount.SCRIPT, args)
+    assert shlex.split(line)[-len(args):] == args
+
+
+@FEW
+@given(at=HOSTILE)
+def test_hostile_mount_points_reach_the_worker_literally(pod2, at):
+    from tpufab import mount
+
+    path = "/tmp/hostile/" + at
+    try:
+        mount.mount_spec("gs://bucket-x", at=path)
+    except ConfigError:
+        return
+    with pytest.raises(mount.MountError) as failed:
+        mount.mount(pod2.pod.fanout, "gs://bucket-x", at=path, driver="gcsfuse")
+    # gcsfuse is not installed on the simulated workers: the worker script said so, and did
+    # nothing else
+    assert "gcsfuse is not installed" in str(failed.value)
+    assert not canary_on_workers(pod2)
+
+
+# ---------------------------------------------------------------------------------------------
+# the canary itself: the test would notice a command that ran
+
+
+def test_the_canary_would_be_seen(pod2):
+    probe = "/tmp/tpufab-canary-probe"
+    pod2.pod.fanout.run(f"touch {probe}", workers=[1], check=True)
+    seen = in_worker(pod2.sim, pod2.node, 1, f"test -e {probe} && echo y; rm -f {probe}")
+    assert seen.strip() == "y"
