@@ -359,3 +359,18 @@ def test_stdin_larger_than_a_pipe_is_streamed_through(fanout):
     result = fanout.run("cat", stdin=data, workers="0,1")
     assert all(r.ok and r.stdout_bytes == data for r in result.values())
     assert fanout.run("wc -c", stdin="abc", workers="2")[2].stdout.strip() == "3"
+
+
+def test_a_failing_output_sink_stops_the_command(pod, fanout):
+    class ClosedPipe:
+        def lines(self, worker, stream, data):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def done(self, result):
+            pass
+
+    result = fanout.run("echo first; exec sleep 1234.875", sink=ClosedPipe(), workers="0,1")
+    assert all(r.error.startswith("stopped: writing its output failed (BrokenPipeError")
+               for r in result.values())
+    assert not any(pod.running("sleep 1234.875").values())
+    assert fanout.run("echo fine", workers="0,1").ok

@@ -431,6 +431,7 @@ class _Task:
         self.started = time.perf_counter()
         self.on_done: Callable[[_Task], None] | None = None
         self.timeout: float | None = None
+        self.sink_error: str | None = None
         self.agent: _Agent | None = None
 
     def feed(self, stream: str, data: bytes) -> None:
@@ -457,10 +458,17 @@ class _Task:
         if self.capture:
             (self.result.stdout_output if stream == "stdout" else self.result.stderr_output).write(data)
         if self.sink is not None:
-            if not data.endswith(b"\n"):
-                self.sink.lines(self.worker, stream, data + b"\n")
-            else:
-                self.sink.lines(self.worker, stream, data)
+            try:
+                self.sink.lines(self.worker, stream, data if data.endswith(b"\n") else data + b"\n")
+            except Exception as err:  # noqa: BLE001 - e.g. `tpufab exec ... | head` closed stdout
+                self._sink_failed(err)
+
+    def _sink_failed(self, err: Exception) -> None:
+        """Nobody can see this output any more: stop the command rather than run blind."""
+        self.sink = None
+        self.sink_error = f"stopped: writing its output failed ({type(err).__name__}: {err})"
+        if self.agent is not None:
+            self.agent.kill(self)
 
     def finish(self, exit_code: int | None = None, error: str | None = None,
                signal: int | None = None) -> None:
@@ -472,11 +480,14 @@ class _Task:
                 self.partial[stream].clear()
                 self._emit(stream, rest)
         self.result.exit_code = exit_code
-        self.result.error = error
+        self.result.error = error or self.sink_error
         self.result.signal = signal
         self.result.duration = time.perf_counter() - self.started
         if self.sink is not None:
-            self.sink.done(self.result)
+            try:
+                self.sink.done(self.result)
+            except Exception:  # noqa: BLE001 - the result carries what happened
+                pass
         self.done.set()
         if self.on_done is not None:
             self.on_done(self)
@@ -552,6 +563,7 @@ class _Agent:
                     self._dispatch(kind, task_id, payload)
                 del buf[:pos]
         except Exception as err:  # noqa: BLE001 - any failure ends the agent; tasks get the error
+            self.close()  # the agent sees EOF and stops whatever still runs
             self._close(f"connection lost ({type(err).__name__}: {err})")
             return
         self._close(None)
