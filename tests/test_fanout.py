@@ -374,3 +374,11 @@ def test_a_failing_output_sink_stops_the_command(pod, fanout):
                for r in result.values())
     assert not any(pod.running("sleep 1234.875").values())
     assert fanout.run("echo fine", workers="0,1").ok
+
+
+def test_open_first_then_run(pod, tmp_path):
+    with Fanout(pod.targets(), known_hosts=KnownHosts(tmp_path / "kh")) as fan:
+        opened = fan.open(workers="0,1")
+        assert opened.ok and list(opened) == [0, 1]
+        assert fan.links[0].ready and not fan.links[2].ready
+        assert {r.stdout for r in fan.run("echo ok").values()} == {"ok\n"}

@@ -141,6 +141,7 @@ class KnownHosts:
             "-o", f"UserKnownHostsFile={self.path}",
             "-o", "GlobalKnownHostsFile=/dev/null",
             "-o", "StrictHostKeyChecking=accept-new",
+            "-o", "HashKnownHosts=no",  # Debian hashes by default; forget() matches plain names
         ]
 
     def _changed_error(self, host_alias: str, ktype: str) -> HostKeyChanged:
