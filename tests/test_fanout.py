@@ -382,3 +382,23 @@ def test_open_first_then_run(pod, tmp_path):
         assert opened.ok and list(opened) == [0, 1]
         assert fan.links[0].ready and not fan.links[2].ready
         assert {r.stdout for r in fan.run("echo ok").values()} == {"ok\n"}
+
+
+def test_system_ssh_shares_the_pins(pod, tmp_path):
+    known = KnownHosts(tmp_path / "kh")
+    name = alias("node-s", 0)
+    real = pod.pool.host_keys(pod.node_id)
+
+    def ssh(worker):
+        argv = ["ssh", "-F", "/dev/null", *known.ssh_options(alias("node-s", worker)),
+                "-i", str(pod.key), "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
+                f"{USER}@{pod.specs[worker].ip}", "echo", "hi"]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=30)
+
+    assert ssh(0).stdout == "hi\n"  # first use pins, in tpufab's file, under the alias
+    assert known.lookup(name) == [tuple(real[0].split())]
+    with Fanout(pod.targets("node-s")[:1], known_hosts=known) as fan:
+        assert fan.run("true").ok  # the fan-out accepts what ssh pinned
+    known.pin("node-s", {1: real[0]})  # a wrong key for worker 1
+    refused = ssh(1)
+    assert refused.returncode != 0 and "hi" not in refused.stdout
