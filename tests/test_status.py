@@ -461,3 +461,33 @@ def test_status_of_a_missing_node_is_one_sentence(sim, tmp_path, capsys, monkeyp
     err = capsys.readouterr().err
     assert "No TPU node or queued resource named 'no-such-node'" in err
     assert "Traceback" not in err
+
+
+SUPERVISOR = ("import sys; open('/proc/self/comm', 'w').write('tpufab-run'); "
+              "print('ok', flush=True); sys.stdin.read()")
+
+
+def ending_run(tmp_path: Path):
+    """A run whose recipe has just exited while its supervisor has not yet written the exit
+    code: a dead recipe pid, a live supervisor. Returns (run dir, supervisor process)."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    supervisor = subprocess.Popen([sys.executable, "-c", SUPERVISOR], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+    assert supervisor.stdout.readline().strip() == "ok"
+    rundir = tmp_path / "20261122-104455-ab12"
+    rundir.mkdir()
+    (rundir / "meta.json").write_text(json.dumps({"recipe": "r.sh", "started_at": 1.0}))
+    for key, value in (("pid", gone.pid), ("start_time", 1), ("supervisor", supervisor.pid)):
+        (rundir / key).write_text(f"{value}\n")
+    return rundir, supervisor
+
+
+def test_a_run_whose_supervisor_is_writing_its_end_is_not_lost(tmp_path):
+    rundir, supervisor = ending_run(tmp_path)
+    try:
+        assert facts.run_state(str(rundir))["state"] == "running"
+    finally:
+        supervisor.stdin.close()
+        supervisor.wait(10)
+    assert facts.run_state(str(rundir))["state"] == "lost"   # no supervisor: nobody will say

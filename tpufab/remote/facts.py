@@ -77,6 +77,15 @@ def alive(pid, start_time):
     return found is not None and found[2] == start_time and found[0] not in ("Z", "X", "x")
 
 
+def supervising(pid):
+    """A run's supervisor (launch.py names it ``tpufab-run``) is still there."""
+    if pid is None:
+        return False
+    found = proc_stat(pid)
+    return found is not None and found[0] not in ("Z", "X", "x") and \
+        read_text(f"/proc/{pid}/comm") == "tpufab-run"
+
+
 def command_of(pid):
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
@@ -236,6 +245,8 @@ def run_state(rundir):
         state.update(state="killed", signal=killed)
     elif pid is not None and start_time is not None and alive(pid, start_time):
         state["state"] = "running"
+    elif supervising(read_int(os.path.join(rundir, "supervisor"))):
+        state["state"] = "running"   # the recipe just ended; its supervisor is writing that
     elif pid is None and read_int(os.path.join(rundir, "supervisor")) is None:
         try:
             young = time.time() - os.path.getmtime(rundir) < 30
