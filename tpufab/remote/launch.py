@@ -2,7 +2,7 @@
 """tpufab runs, worker side (stdlib only): start a recipe detached, report, follow, stop.
 
     launch.py start  --run ID --recipe PATH [--recipe-sha256 HEX] [--cwd DIR] [--commit SHA]
-                     [--env-file PATH | --env-stdin] [--keep-env-file] [--run-dir DIR] [-- ARGS]
+                     [--env-file PATH] [--env-stdin] [--keep-env-file] [--run-dir DIR] [-- ARGS]
     launch.py status [--run ID ...] [--run-dir DIR]
     launch.py tail   --run ID [--offset N] [--follow] [--run-dir DIR]
     launch.py stop   --run ID [--grace S] [--run-dir DIR]
@@ -127,20 +127,31 @@ def run_path(run_dir, run_id):
 
 
 def read_environment(args):
-    """The job environment: a JSON object of strings, from --env-file or --env-stdin."""
+    """The job environment: JSON objects of strings from --env-file and/or --env-stdin.
+
+    Both may be given: the file holds what differs per worker (its rank), stdin what must
+    never touch a disk (secrets); stdin wins on a clash.
+    """
+    env = {}
+    sources = []
     if args.env_file:
         path = os.path.expanduser(args.env_file)
-        with open(path, "rb") as fh:
-            raw = fh.read()
-        if not args.keep_env_file:
-            os.unlink(path)
-    elif args.env_stdin:
-        raw = sys.stdin.buffer.read()
-    else:
-        return {}
-    env = json.loads(raw.decode() or "{}")
-    if not isinstance(env, dict):
-        raise UsageError("the job environment must be a JSON object")
+        try:
+            with open(path, "rb") as fh:
+                sources.append(fh.read())
+        finally:
+            if not args.keep_env_file:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+    if args.env_stdin:
+        sources.append(sys.stdin.buffer.read())
+    for raw in sources:
+        part = json.loads(raw.decode() or "{}")
+        if not isinstance(part, dict):
+            raise UsageError("the job environment must be a JSON object")
+        env.update(part)
     for key, value in env.items():
         if not ENV_KEY.match(key) or not isinstance(value, str):
             raise UsageError(f"bad environment entry {key!r}: names are identifiers, "
@@ -258,6 +269,8 @@ def supervise(rundir, argv, cwd, env, ready_w):
     write_atomic(os.path.join(rundir, "pid"), f"{child.pid}\n")
     write_atomic(os.path.join(rundir, "pgid"), f"{child.pid}\n")
     write_atomic(os.path.join(rundir, "start_time"), f"{start_time}\n")
+    own = proc_stat(os.getpid())
+    write_atomic(os.path.join(rundir, "supervisor_start_time"), f"{own[2] if own else 0}\n")
     write_atomic(os.path.join(rundir, "supervisor"), f"{os.getpid()}\n")
     os.write(ready_w, json.dumps({"pid": child.pid, "pgid": child.pid,
                                   "start_time": start_time}).encode())
@@ -294,6 +307,8 @@ def run_status(rundir):
         status["state"] = "running"
     elif pid is not None and start_time is not None and run_processes(status["run"]):
         status["state"] = "running"   # the leader is gone, some of its processes live on
+    elif supervisor_alive(rundir):
+        status["state"] = "running"   # the recipe just ended; its supervisor is recording it
     else:
         # No supervisor left to say how it ended (reboot, supervisor killed): lost.
         status["state"] = "lost" if pid is not None or not _starting(rundir) else "starting"
@@ -306,6 +321,13 @@ def run_status(rundir):
     except OSError:
         status["log_size"] = 0
     return status
+
+
+def supervisor_alive(rundir):
+    """The run's supervisor still lives (verified by its start time)."""
+    pid = read_int(os.path.join(rundir, "supervisor"))
+    start_time = read_int(os.path.join(rundir, "supervisor_start_time"))
+    return pid is not None and start_time is not None and same_process(pid, start_time)
 
 
 def _starting(rundir):
@@ -436,11 +458,10 @@ def parse_args(argv):
     p.add_argument("--recipe-sha256", help="refuse to start if the recipe's hash differs")
     p.add_argument("--cwd", help="working directory (home when absent or missing)")
     p.add_argument("--commit", help="the deployed commit, recorded with the run")
-    source = p.add_mutually_exclusive_group()
-    source.add_argument("--env-file", help="JSON object of the job environment (0600; "
-                        "removed after reading unless --keep-env-file)")
-    source.add_argument("--env-stdin", action="store_true",
-                        help="read the JSON job environment from stdin")
+    p.add_argument("--env-file", help="JSON object of the job environment (0600; "
+                   "removed after reading unless --keep-env-file)")
+    p.add_argument("--env-stdin", action="store_true",
+                   help="read a JSON job environment from stdin (on top of --env-file)")
     p.add_argument("--keep-env-file", action="store_true")
     p.add_argument("args", nargs="*", help="arguments for the recipe (after --)")
     p = sub.add_parser("status", help="state of runs (all, or --run ID ...)")
