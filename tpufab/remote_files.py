@@ -1,0 +1,155 @@
+"""Files a command needs on the workers, shipped only where they are missing.
+
+A file lives on a worker at ``~/.cache/tpufab/remote/<sha256[:16]>/<name>`` (the layout
+deploy uses, so both share that cache). A command that needs files is *guarded*: where one
+of them is missing it exits 97 without output and does nothing else; ``run_with_files``
+then ships the missing files to those workers only and runs the command there again. So
+the usual case, everything already there, costs one round trip.
+
+Commands are built from quoted pieces (``tpufab.quoting``); the worker user's login shell
+runs them, as ``ssh host CMD`` would, from the home directory (relative paths below).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import cached_property
+from importlib import resources
+from pathlib import Path
+
+from tpufab.quoting import Command, Piece, Raw, Secret, command
+
+CACHE_DIR = ".cache/tpufab/remote"
+MISSING = 97   # the guard's exit status (deploy.MISSING_SCRIPT is the same protocol)
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """Bytes to keep on every worker under a path that names their content."""
+
+    name: str
+    data: bytes = field(repr=False)
+    mode: int = 0o644
+
+    @classmethod
+    def bundled(cls, name: str) -> RemoteFile:
+        """A worker-side file shipped with tpufab (``tpufab/remote/NAME``)."""
+        return _bundled(name)
+
+    @classmethod
+    def from_path(cls, path: str | Path, *, mode: int = 0o755) -> RemoteFile:
+        path = Path(path)
+        return cls(path.name, path.read_bytes(), mode)
+
+    @cached_property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+    @property
+    def path(self) -> str:
+        """Relative to the worker user's home."""
+        return f"{CACHE_DIR}/{self.sha256[:16]}/{self.name}"
+
+
+_BUNDLED: dict[str, RemoteFile] = {}
+
+
+def _bundled(name: str) -> RemoteFile:
+    found = _BUNDLED.get(name)
+    if found is None:
+        data = resources.files("tpufab.remote").joinpath(name).read_bytes()
+        found = _BUNDLED[name] = RemoteFile(name, data, 0o644)
+    return found
+
+
+# -- commands (pure) ----------------------------------------------------------------------------
+
+
+def guard(files: Sequence[RemoteFile]) -> list[Piece]:
+    """``test -f A && test -f B || exit 97;``: the pieces that start a guarded command."""
+    pieces: list[Piece] = []
+    for n, f in enumerate(files):
+        if n:
+            pieces.append(Raw("&&"))
+        pieces += ["test", "-f", f.path]
+    return [*pieces, Raw("||"), "exit", MISSING, Raw(";")] if pieces else []
+
+
+def python_command(script: RemoteFile, args: Sequence[Piece], *,
+                   needs: Sequence[RemoteFile] = (), as_root: bool = False) -> Command:
+    """Run a shipped stdlib-only Python script (``python3 -I -S``) once every file is there.
+
+    ``as_root``: through ``sudo -n`` when the login user is not root and may use sudo
+    without a password (as on TPU VMs); otherwise as the user, and the script says what it
+    could not see.
+    """
+    files = [script, *[f for f in needs if f != script]]
+    run = ["python3", "-I", "-S", script.path, *args]
+    if not as_root:
+        return command(*guard(files), "exec", *run)
+    return command(*guard(files), Raw('if [ "$(id -u)" != 0 ] && sudo -n true 2>/dev/null;'),
+                   Raw("then exec sudo -n"), *run, Raw("; else exec"), *run, Raw("; fi"))
+
+
+# -- running ------------------------------------------------------------------------------------
+
+
+def missing_files(outcome) -> bool:
+    """The guard's answer: exit 97 and not a byte of output (real commands always print)."""
+    return (outcome.exit_code == MISSING and outcome.error is None
+            and outcome.stdout_output.size == 0 and outcome.stderr_output.size == 0)
+
+
+def ship(group, files: Sequence[RemoteFile], workers: Sequence[int]) -> dict[int, object]:
+    """Put ``files`` on ``workers``; returns the failed puts by worker."""
+    failed: dict[int, object] = {}
+    for f in files:
+        todo = [w for w in workers if w not in failed]
+        if not todo:
+            break
+        put = group.put(f.data, f.path, workers=todo, mode=f.mode, check=False)
+        failed.update({w: r for w, r in put.items() if not r.ok})
+    return failed
+
+
+def run_with_files(group, files: Sequence[RemoteFile], line: str, workers: Sequence[int], *,
+                   env: Mapping[str, str] | None = None,
+                   secrets: Mapping[str, Secret] | None = None, stdin: bytes | None = None,
+                   sink=None, timeout: float | None = None) -> dict[int, object]:
+    """Run a guarded command (see ``guard``); ship what is missing where it is, run again there.
+
+    Returns ``{worker: WorkerResult}``; a failed put stands in for a worker it failed on.
+    """
+    kwargs = {"env": env, "secrets": secrets, "stdin": stdin, "sink": sink, "timeout": timeout}
+    results = dict(group.run(line, workers=list(workers), **kwargs))
+    missing = [w for w, r in results.items() if missing_files(r)]
+    if missing:
+        failed = ship(group, files, missing)
+        results.update(failed)
+        again = [w for w in missing if w not in failed]
+        if again:
+            results.update(group.run(line, workers=again, **kwargs))
+    return results
+
+
+def put_each(group, contents: Mapping[int, bytes], path: str, *, mode: int = 0o600,
+             threads: int = 32) -> dict[int, object]:
+    """Write different bytes to the same path on each worker, all at once.
+
+    One put per worker (a put carries one content for its whole selection), run from a small
+    thread pool so the round trips overlap. Connections must be open already (``open``).
+    Returns ``{worker: WorkerResult}``.
+    """
+    def one(worker: int):
+        return worker, group.put(contents[worker], path, workers=[worker], mode=mode,
+                                 check=False)[worker]
+
+    if len(contents) == 1:
+        return dict([one(next(iter(contents)))])
+    with ThreadPoolExecutor(max_workers=min(threads, len(contents)),
+                            thread_name_prefix="tpufab-put") as pool:
+        return dict(pool.map(one, sorted(contents)))
+
