@@ -1,0 +1,632 @@
+"""Runs on the pod: start a recipe on every worker at once, follow its logs, list runs, stop.
+
+The decisions are pure (``plan_run``, the command builders, the parsers, ``run_rows``, the
+folding of live logs); the apply steps talk to workers only through the fan-out group and
+the worker-side ``tpufab/remote/launch.py`` (shipped once per content hash, see
+``tpufab.remote_files``).
+
+How a run starts, in three round trips at most: the connections are opened (free when they
+are warm); each worker gets its own non-secret environment (its rank and the job's layout) in a
+0600 file, all workers at once; then one fan-out runs ``launch.py start`` everywhere with
+the secrets on stdin (never argv, never a file), so every worker starts the recipe in the same
+instant. ``launch.py`` detaches the recipe (own session, supervisor) and records it under
+``~/.tpufab/runs/<run-id>/``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from tpufab import nodeset
+from tpufab.errors import TpufabError
+from tpufab.quoting import Command, mask_bytes
+from tpufab.remote_files import RemoteFile, missing_files, python_command, run_with_files
+from tpufab.runs import Forwarded, JobEnvironment, JobLayout, job_environments, new_run_id
+
+LAUNCH = "launch.py"
+ENV_FILE = ".tpufab/runs/.{run_id}.env.json"     # relative to the worker's home
+STOP_GRACE = 5.0
+
+
+class RunError(TpufabError):
+    """A run could not start, failed on some workers, or cannot be found."""
+
+
+def launch_file() -> RemoteFile:
+    return RemoteFile.bundled(LAUNCH)
+
+
+# -- planning (pure) ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything that decides what starts where."""
+
+    run_id: str
+    recipe: RemoteFile
+    args: tuple[str, ...]
+    environments: Mapping[int, JobEnvironment]        # worker -> its environment
+    cwd: str | None = None
+    commit: str | None = None
+
+    @property
+    def workers(self) -> list[int]:
+        return sorted(self.environments)
+
+    @property
+    def secrets(self) -> dict[str, str]:
+        """The same on every worker; they travel on stdin only."""
+        first = self.environments[self.workers[0]]
+        return dict(first.secrets)
+
+    def env_file(self) -> str:
+        return ENV_FILE.format(run_id=self.run_id)
+
+
+def plan_run(recipe: RemoteFile, *, slices: Sequence[Sequence[int]], ips: Sequence[str],
+             run_id: str | None = None, args: Sequence[str] = (), cwd: str | None = None,
+             commit: str | None = None, forwarded: Forwarded | None = None,
+             spmd: bool = False) -> RunPlan:
+    """Each worker's environment, for a pod whose global worker ids per slice are ``slices``
+    (slice 0's workers first, so a worker's id is its rank) and whose internal IPs, indexed
+    by worker id, are ``ips``."""
+    run_id = run_id or new_run_id()
+    layout = JobLayout.multislice([[ips[w] for w in ids] for ids in slices])
+    ranks = [w for ids in slices for w in ids]
+    envs = job_environments(run_id, layout, spmd=spmd, forwarded=forwarded)
+    return RunPlan(run_id, recipe, tuple(args), dict(zip(ranks, envs, strict=True)), cwd, commit)
+
+
+def start_command(plan: RunPlan) -> Command:
+    args: list = ["start", "--run", plan.run_id, "--recipe", plan.recipe.path,
+                  "--recipe-sha256", plan.recipe.sha256, "--env-file", plan.env_file()]
+    if plan.cwd:
+        args += ["--cwd", plan.cwd]
+    if plan.commit:
+        args += ["--commit", plan.commit]
+    if plan.secrets:
+        args.append("--env-stdin")
+    return python_command(launch_file(), [*args, "--", *plan.args], needs=[plan.recipe])
+
+
+def tail_command(run_id: str, *, follow: bool = False) -> Command:
+    return python_command(launch_file(), ["tail", "--run", run_id,
+                                          *(["--follow"] if follow else [])])
+
+
+def status_command() -> Command:
+    return python_command(launch_file(), ["status"])
+
+
+def stop_command(run_id: str, grace: float = STOP_GRACE) -> Command:
+    return python_command(launch_file(), ["stop", "--run", run_id, "--grace", f"{grace:g}"])
+
+
+# -- what workers answer (pure) -------------------------------------------------------------------
+
+
+def last_json(text: str) -> dict | None:
+    """The last line of ``text`` that is a JSON object, else None."""
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                data = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(data, dict):
+                return data
+    return None
+
+
+def failure_reason(result) -> str:
+    """Why a worker's command failed, in a few words."""
+    if result.error:
+        return result.error
+    data = last_json(result.stdout)
+    if data and data.get("error"):
+        return str(data["error"])
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    if lines:
+        return lines[-1].strip()[:200]
+    return f"exit status {result.exit_code}"
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """How a run stands on one worker."""
+
+    worker: int
+    state: str              # running | starting | exited | killed | lost | no record | unreachable
+    exit_code: int | None = None
+    signal: str | None = None
+    detail: str | None = None
+    info: Mapping = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def label(self) -> str:
+        if self.state == "exited":
+            return f"exited {self.exit_code}"
+        if self.state == "killed":
+            return f"killed ({self.signal})" if self.signal else "killed"
+        if self.state == "unreachable" and self.detail:
+            return f"unreachable ({self.detail})"
+        return self.state
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "exited" and self.exit_code == 0
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ("exited", "killed", "lost")
+
+    @property
+    def exit_status(self) -> int:
+        """A shell-style exit status: N, 128+signal, 255 when lost."""
+        if self.state == "exited" and self.exit_code is not None:
+            return self.exit_code
+        if self.state == "killed":
+            import signal as signals
+
+            try:
+                return 128 + signals.Signals[self.signal or ""].value
+            except KeyError:
+                return 128
+        return 255
+
+
+def state_from_status(worker: int, entry: Mapping) -> WorkerState:
+    """One run entry of ``launch.py status`` (or tail's closing line) as a WorkerState."""
+    return WorkerState(worker, str(entry.get("state", "lost")), entry.get("exit_code"),
+                       entry.get("signal"), info=dict(entry))
+
+
+def parse_tail(result) -> WorkerState:
+    """A ``launch.py tail`` result: its closing JSON status line on stderr says how it ended."""
+    worker = result.worker
+    if result.error:
+        return WorkerState(worker, "unreachable", detail=result.error)
+    status = last_json(result.stderr)
+    if status and "state" in status:
+        return state_from_status(worker, status)
+    return WorkerState(worker, "no record", detail=failure_reason(result))
+
+
+def fold_states(states: Iterable[WorkerState]) -> str:
+    """``w[0-1,3] exited 0; w2 exited 1``, ordered by first worker."""
+    groups: dict[str, list[int]] = {}
+    for s in states:
+        groups.setdefault(s.label, []).append(s.worker)
+    return "; ".join(f"{nodeset.fold(ws)} {label}" for label, ws in
+                     sorted(groups.items(), key=lambda kv: min(kv[1])))
+
+
+@dataclass(frozen=True)
+class WorkerRuns:
+    """``launch.py status`` of one worker: every run it has, or why it could not answer."""
+
+    worker: int
+    runs: tuple[Mapping, ...] = ()
+    error: str | None = None
+
+
+def parse_status(result) -> WorkerRuns:
+    if not result.ok:
+        return WorkerRuns(result.worker, error=failure_reason(result))
+    data = last_json(result.stdout) or {}
+    return WorkerRuns(result.worker, tuple(data.get("runs") or ()))
+
+
+@dataclass(frozen=True)
+class RunRow:
+    """One run across the pod, for ``runs``."""
+
+    run: str
+    recipe: str | None
+    started_at: float | None
+    ended_at: float | None
+    commit: str | None
+    states: tuple[WorkerState, ...]
+
+    @property
+    def workers(self) -> str:
+        return fold_states(self.states)
+
+    @property
+    def running(self) -> bool:
+        return any(s.state in ("running", "starting") for s in self.states)
+
+
+def run_rows(statuses: Mapping[int, WorkerRuns]) -> list[RunRow]:
+    """Every run any worker knows, newest first, with each worker's state (pure).
+
+    A worker that does not know a run says "no record"; one that did not answer,
+    "unreachable".
+    """
+    entries: dict[str, dict[int, Mapping]] = {}
+    for worker, status in statuses.items():
+        for entry in status.runs:
+            entries.setdefault(str(entry.get("run")), {})[worker] = entry
+    rows = []
+    for run, by_worker in entries.items():
+        states = []
+        for worker in sorted(statuses):
+            status = statuses[worker]
+            if status.error is not None:
+                states.append(WorkerState(worker, "unreachable", detail=status.error))
+            elif worker in by_worker:
+                states.append(state_from_status(worker, by_worker[worker]))
+            else:
+                states.append(WorkerState(worker, "no record"))
+        first = by_worker[min(by_worker)]
+        started = [e.get("started_at") for e in by_worker.values() if e.get("started_at")]
+        ended = [e.get("ended_at") for e in by_worker.values() if e.get("ended_at")]
+        rows.append(RunRow(run, first.get("recipe"), min(started) if started else None,
+                           max(ended) if ended and all(s.ended for s in states
+                                                       if s.state != "no record") else None,
+                           first.get("commit"), tuple(states)))
+    return sorted(rows, key=lambda r: r.run, reverse=True)
+
+
+def latest_run(statuses: Mapping[int, WorkerRuns]) -> str | None:
+    runs = [str(e.get("run")) for s in statuses.values() for e in s.runs if e.get("run")]
+    return max(runs) if runs else None
+
+
+# -- talking to workers -----------------------------------------------------------------------------
+
+
+def open_workers(group, workers: Sequence[int], what: str) -> None:
+    """Connect now, so a worker that cannot be reached stops ``what`` before anything starts."""
+    opened = group.open(workers)
+    failed = [r for r in opened.values() if not r.ok]
+    if failed:
+        detail = "; ".join(f"{nodeset.label(r.worker)} {r.outcome}" for r in failed)
+        raise RunError(f"Cannot {what}: {nodeset.fold(r.worker for r in failed)} "
+                       f"{'is' if len(failed) == 1 else 'are'} unreachable ({detail}); check "
+                       "`tpufab describe` and try again.")
+
+
+def start(group, plan: RunPlan) -> dict[int, dict]:
+    """Start ``plan`` on every one of its workers at once; ``{worker: launch.py's report}``.
+
+    All or nothing: if any worker cannot start it, it is stopped on the others (a job that
+    waits for a missing peer would only hang) and RunError names the workers and why.
+    """
+    from tpufab.remote_files import put_each
+
+    workers = plan.workers
+    open_workers(group, workers, f"start run {plan.run_id}")
+    contents = {w: json.dumps(plan.environments[w].public).encode() for w in workers}
+    puts = put_each(group, contents, plan.env_file(), mode=0o600)
+    failed = {w: r.outcome for w, r in puts.items() if not r.ok}
+    started: dict[int, dict] = {}
+    if not failed:
+        secrets = plan.secrets
+        stdin = json.dumps(secrets).encode() if secrets else None
+        results = run_with_files(group, [launch_file(), plan.recipe], start_command(plan),
+                                 workers, stdin=stdin)
+        for w, r in results.items():
+            data = last_json(r.stdout) if r.ok else None
+            if data and data.get("pid"):
+                started[w] = data
+            else:
+                failed[w] = failure_reason(r)
+    if failed:
+        if started:
+            group.run(stop_command(plan.run_id, 2.0), workers=sorted(started))
+        leftover = [w for w in workers if w not in started]
+        group.run(["rm", "-f", plan.env_file()], workers=leftover)
+        reasons = {}
+        for w, why in failed.items():
+            reasons.setdefault(why, []).append(w)
+        detail = "; ".join(f"{nodeset.fold(ws)}: {why}" for why, ws in reasons.items())
+        tail = (f" It was stopped on {nodeset.fold(started)} so no worker waits for a missing "
+                "peer." if started else "")
+        raise RunError(f"Run {plan.run_id} could not start on {nodeset.fold(failed)} "
+                       f"({detail}).{tail}")
+    return started
+
+
+def statuses(group, workers: Sequence[int]) -> dict[int, WorkerRuns]:
+    """``launch.py status`` on every worker (unreachable ones say so instead of raising)."""
+    results = run_with_files(group, [launch_file()], status_command(), workers)
+    return {w: parse_status(r) for w, r in sorted(results.items())}
+
+
+def fetch_logs(group, run_id: str, workers: Sequence[int]) -> tuple[dict[int, bytes],
+                                                                     dict[int, WorkerState]]:
+    """Each worker's whole log so far, and how the run stands there."""
+    results = run_with_files(group, [launch_file()], tail_command(run_id), workers)
+    logs, states = {}, {}
+    for w, r in sorted(results.items()):
+        states[w] = parse_tail(r)
+        if states[w].state not in ("unreachable", "no record"):
+            logs[w] = r.stdout_bytes
+    return logs, states
+
+
+def follow(group, run_id: str, workers: Sequence[int], sink) -> dict[int, WorkerState]:
+    """Stream the run's log from every worker into ``sink`` until it ends everywhere.
+
+    Only the followers (``launch.py tail --follow``) are stopped by Ctrl-C (FanoutInterrupted
+    propagates): the run itself never is.
+    """
+    results = run_with_files(group, [launch_file()], tail_command(run_id, follow=True),
+                             workers, sink=sink)
+    return {w: parse_tail(r) for w, r in sorted(results.items())}
+
+
+def stop(group, run_id: str, workers: Sequence[int],
+         grace: float = STOP_GRACE) -> dict[int, dict]:
+    """Stop the run on ``workers`` (TERM its process group, KILL after ``grace``)."""
+    results = run_with_files(group, [launch_file()], stop_command(run_id, grace), workers,
+                             timeout=grace + 30)
+    out = {}
+    for w, r in sorted(results.items()):
+        data = last_json(r.stdout) if r.error is None else None
+        out[w] = data if data is not None else {"error": failure_reason(r)}
+    return out
+
+
+# -- live views ---------------------------------------------------------------------------------
+
+
+def local_log_dir(run_id: str, base: Path | None = None) -> Path:
+    """``./.tpufab/runs/<run-id>/`` (with a .gitignore, so it never dirties a checkout)."""
+    root = (base or Path.cwd()) / ".tpufab"
+    root.mkdir(exist_ok=True)
+    ignore = root / ".gitignore"
+    if not ignore.exists():
+        ignore.write_text("*\n")
+    path = root / "runs" / run_id
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class FollowSink:
+    """Feeds a view (``LiveView`` or ``FoldingView``) with the log lines the followers stream.
+
+    A follower's own closing status line (JSON on stderr) is kept out of the view; secrets are
+    masked before anything is shown or written; ``copy_dir`` gets ``w<N>.log`` per worker;
+    ``on_end(worker, state)`` is called as each worker's follower ends.
+    """
+
+    def __init__(self, view, *, secrets: Iterable[str] = (), copy_dir: Path | None = None,
+                 on_end: Callable[[int, WorkerState], None] | None = None):
+        self.view = view
+        self.secrets = sorted({s.encode() for s in secrets if s}, key=len, reverse=True)
+        self.copy_dir = copy_dir
+        self.on_end = on_end
+        self._files: dict[int, IO[bytes]] = {}
+        self._lock = threading.Lock()
+
+    def lines(self, worker: int, stream: str, data: bytes) -> None:
+        if self.secrets:
+            data = mask_bytes(data, self.secrets)
+        if stream == "stderr":
+            shown = b"".join(line + b"\n" for line in data.split(b"\n")[:-1]
+                             if not _status_line(line))
+            if shown:
+                self.view.lines(worker, "stderr", shown)
+            return
+        if self.copy_dir is not None:
+            with self._lock:
+                fh = self._files.get(worker)
+                if fh is None:
+                    fh = self._files[worker] = open(self.copy_dir / f"w{worker}.log", "ab")
+            fh.write(data)
+            fh.flush()
+        self.view.lines(worker, "stdout", data)
+
+    def done(self, result) -> None:
+        if missing_files(result):
+            return      # the guard: launch.py is shipped and the follower starts again
+        self.view.done(result)
+        if self.on_end is not None:
+            self.on_end(result.worker, parse_tail(result))
+
+    def close(self) -> None:
+        with self._lock:
+            for fh in self._files.values():
+                fh.close()
+            self._files.clear()
+        close = getattr(self.view, "close", None)
+        if close is not None:
+            close()
+
+
+def _status_line(line: bytes) -> bool:
+    if not line.startswith(b"{"):
+        return False
+    try:
+        data = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and "state" in data
+
+
+class FoldingView:
+    """The folded log view, live: each line once, with the workers that printed it when
+    they are not all of them, and the lines where workers differ as they come.
+
+    Lines are aligned by position: each worker has a cursor into the common stream, and a
+    line that matches one of the next few common lines moves the cursor there; a line at the
+    end of the common stream extends it; anything else is a line only some workers printed,
+    shown (``w[1-3]: text``) where it stands: before the next common line the worker also
+    printed, or after the common lines it replaced. A common line
+    is shown once every live worker got past it, or after ``delay`` seconds, so a lagging
+    worker delays the view by at most that much.
+    """
+
+    def __init__(self, workers: Iterable[int], out: IO[str] | None = None, *,
+                 delay: float = 1.0, lookahead: int = 8,
+                 clock: Callable[[], float] = time.monotonic):
+        self.workers = frozenset(workers)
+        self.out = out
+        self.delay = delay
+        self.lookahead = lookahead
+        self.clock = clock
+        self.base = 0                                   # index of canon[0] in the stream
+        self.canon: list[str] = []
+        self.holders: list[set[int]] = []
+        self.arrived: list[float] = []
+        self.extras: dict[int, list[tuple[str, set[int]]]] = {}
+        self.emitted = 0
+        self.cursor = {w: 0 for w in self.workers}
+        self.pending: dict[int, list[str]] = {}      # a worker's extra lines at its cursor
+        self.finished: set[int] = set()
+        self.partial: dict[int, bytes] = {}
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+
+    # -- the sink interface
+    def lines(self, worker: int, stream: str, data: bytes) -> None:
+        text = data.decode("utf-8", "replace")
+        with self._lock:
+            if stream == "stderr":
+                for line in text.split("\n")[:-1]:
+                    self._write(f"{nodeset.label(worker)}: {line}")
+                return
+            for line in text.split("\n")[:-1]:
+                self._add(worker, line)
+            self._emit()
+
+    def done(self, result) -> None:
+        with self._lock:
+            self.finished.add(result.worker)
+            if result.error:
+                self._write(f"{nodeset.label(result.worker)}: {result.error}")
+            self._emit()
+
+    # -- lifecycle
+    def start(self) -> FoldingView:
+        """Emit lines held for a lagging worker on time, even when nothing else arrives."""
+        def tick():
+            while not self._stop.wait(max(0.05, self.delay / 4)):
+                with self._lock:
+                    self._emit()
+
+        self._ticker = threading.Thread(target=tick, name="tpufab-fold", daemon=True)
+        self._ticker.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=2)
+        with self._lock:
+            self._emit(final=True)
+
+    # -- alignment
+    def _add(self, worker: int, line: str) -> None:
+        cursor = self.cursor.setdefault(worker, self.base)
+        end = self.base + len(self.canon)
+        for j in range(max(cursor, self.base), min(cursor + self.lookahead, end)):
+            if self.canon[j - self.base] == line:
+                self.holders[j - self.base].add(worker)
+                if j > cursor:
+                    # The worker's own lines since its cursor replaced canon[cursor:j]: show
+                    # them after those lines (as the batch fold does), not before.
+                    self._move_pending(worker, cursor, j)
+                self.pending.pop(worker, None)
+                self.cursor[worker] = j + 1
+                return
+        if cursor >= end:
+            self.canon.append(line)
+            self.holders.append({worker})
+            self.arrived.append(self.clock())
+            self.cursor[worker] = end + 1
+            return
+        if cursor < self.emitted:
+            self._write(f"{nodeset.label(worker)}: {line}")      # too late to place
+            return
+        self._place(cursor, line, worker)
+        self.pending.setdefault(worker, []).append(line)
+
+    def _place(self, anchor: int, line: str, worker: int) -> None:
+        entries = self.extras.setdefault(anchor, [])
+        for text, who in entries:
+            if text == line and worker not in who:
+                who.add(worker)
+                return
+        entries.append((line, {worker}))
+
+    def _move_pending(self, worker: int, old: int, new: int) -> None:
+        lines = self.pending.get(worker)
+        if not lines or old < self.emitted:
+            return
+        entries = self.extras.get(old, [])
+        for line in lines:
+            for n, (text, who) in enumerate(entries):
+                if text == line and worker in who:
+                    who.discard(worker)
+                    if not who:
+                        del entries[n]
+                    break
+            self._place(new, line, worker)
+        if not entries:
+            self.extras.pop(old, None)
+
+    def _emit(self, final: bool = False) -> None:
+        now = self.clock()
+        end = self.base + len(self.canon)
+        while self.emitted < end:
+            k = self.emitted
+            live = self.workers - self.finished
+            ready = final or all(self.cursor.get(w, 0) > k for w in live) or \
+                now - self.arrived[k - self.base] >= self.delay
+            if not ready:
+                break
+            for text, who in self.extras.pop(k, ()):
+                self._write(f"{nodeset.fold(who)}: {text}")
+            who = self.holders[k - self.base]
+            text = self.canon[k - self.base]
+            self._write(text if who == self.workers else f"{nodeset.fold(who)}: {text}")
+            self.emitted += 1
+        self._trim()
+
+    def _trim(self) -> None:
+        live = self.workers - self.finished
+        keep_from = min([self.emitted, *(self.cursor.get(w, 0) for w in live)])
+        drop = keep_from - self.base
+        if drop > 256:
+            del self.canon[:drop], self.holders[:drop], self.arrived[:drop]
+            self.base = keep_from
+
+    def _write(self, text: str) -> None:
+        import sys
+
+        out = self.out if self.out is not None else sys.stdout
+        out.write(text + "\n")
+        out.flush()
+
+
+def environment_summary(plan: RunPlan) -> str:
+    """The forwarded and framework variables of a run, secrets masked (for display)."""
+    first = plan.environments[plan.workers[0]]
+    shown = {k: v for k, v in first.masked().items()
+             if not k.startswith("TPUFAB_") and k != "TPU_WORKER_ID"}
+    return " ".join(f"{k}={v}" for k, v in sorted(shown.items()))
+
+
+def default_cwd(settings_dir: str | None, cwd: Path | None = None) -> str | None:
+    """Where a ``--no-deploy`` run starts: the deploy directory of this checkout, if any."""
+    if settings_dir:
+        return settings_dir
+    from tpufab import deploy, gitops
+
+    try:
+        return deploy.default_dir(gitops.repo_root(cwd))
+    except gitops.GitError:
+        return None
+

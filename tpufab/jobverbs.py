@@ -1,0 +1,476 @@
+"""The job verbs both front ends call: run, logs, runs, kill, and the simulated pod's zombie.
+
+Like podverbs: flags -> Settings -> the shared pod -> the library (tpufab.jobs,
+tpufab.killing) -> print. Recipe output goes to stdout, tpufab's own notes to stderr, so
+``tpufab run x.sh > out.txt`` keeps only what the recipe printed. Heavy modules are imported
+inside each verb so `tpufab --help` and `invoke --list` stay instant.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from tpufab.errors import ConfigError, TpufabError
+from tpufab.verbs import settings_from_flags
+
+INTERRUPT_CHOICES = ("kill", "detach")
+
+
+def _pod(settings):
+    from tpufab import pod
+
+    return pod.shared(settings)
+
+
+def _note(text: str, style: str | None = None) -> None:
+    from tpufab.console import stderr
+
+    stderr().print(text, markup=False, style=style)
+
+
+def _say(text: str) -> None:
+    from tpufab.console import stdout
+
+    stdout().print(text, markup=False)
+
+
+def forwarded_for(settings, env: Sequence[str] | None):
+    """``--env`` specs on top of the config's ``env``; a config name that is not set here is
+    skipped (it means "forward it when I have it"), an ``--env NAME`` that is not set is an
+    error."""
+    from tpufab.runs import forwarded_environment
+
+    configured = [spec for spec in settings.env if "=" in spec or spec in os.environ]
+    return forwarded_environment([*configured, *(env or ())], os.environ, settings.secrets)
+
+
+# ---------------------------------------------------------------------------------------------
+# run
+
+
+def run(recipe: str, *, name: str | None = None, args: str = "", detach: bool = False,
+        no_deploy: bool = False, direct: bool = False, wip: bool = False,
+        env: Sequence[str] | None = None, local: bool = False, workers: int | None = None,
+        on_interrupt: str | None = None, spmd: bool = False, zone: str | None = None,
+        project: str | None = None) -> int:
+    """Start RECIPE on every worker at once and follow its logs (or run it locally)."""
+    import shlex
+
+    path = Path(recipe)
+    if not path.is_file():
+        raise ConfigError(f"No recipe at {recipe}: pass an executable file such as "
+                          "recipes/jax_hello.sh.")
+    if on_interrupt is not None and on_interrupt not in INTERRUPT_CHOICES:
+        raise ConfigError(f"--on-interrupt takes kill or detach, not {on_interrupt!r}.")
+    if no_deploy and (direct or wip):
+        raise ConfigError("--no-deploy skips deploy, while --direct and --wip say how to "
+                          "deploy: give one or the other.")
+    try:
+        argv = shlex.split(args or "")
+    except ValueError as err:
+        raise ConfigError(f"--args {args!r} is not a valid argument list ({err}); quote it "
+                          "as you would in a shell.") from None
+    settings = settings_from_flags(name=name, zone=zone, project=project)
+    forwarded = forwarded_for(settings, env)
+    if local:
+        return _run_local(path, workers if workers is not None else 1, argv, forwarded, spmd)
+    if workers is not None:
+        raise ConfigError("--workers N goes with --local (N processes on this machine); on a "
+                          "pod the recipe runs on every worker.")
+    root = None
+    if not no_deploy:
+        from tpufab import gitops
+
+        try:
+            root = gitops.repo_root()
+        except gitops.GitError:
+            raise ConfigError(f"{Path.cwd()} is not inside a git repository, so there is "
+                              "nothing to deploy: run from your project's checkout, or pass "
+                              f"--no-deploy to run {path.name} in the workers' home "
+                              "directories.") from None
+    pod = _pod(settings)
+    plan = _plan(pod, settings, path, argv, forwarded, spmd, root=root, direct=direct,
+                 wip=wip)
+    return _start_and_follow(pod, plan, detach=detach, on_interrupt=on_interrupt)
+
+
+def _plan(pod, settings, path: Path, argv, forwarded, spmd, *, root, direct, wip):
+    from tpufab import deploy, jobs, nodeset
+    from tpufab.remote_files import RemoteFile
+
+    workers = pod.workers
+    commit = cwd = None
+    if root is not None:
+        report = deploy.deploy(pod.fanout, dir=settings.remote_dir, direct=direct, wip=wip,
+                               cwd=root, progress=lambda msg: _note(f"deploy: {msg}", "dim"))
+        commit, cwd = report.commit, report.dir
+        changed = [r.worker for r in report.rows if r.changed]
+        how = f"updated {nodeset.fold(changed)}" if changed else "already there"
+        _note(f"Deployed {commit[:12]} to {cwd} on {nodeset.fold(workers)} ({how}, "
+              f"{report.seconds:.1f} s).")
+    else:
+        cwd = jobs.default_cwd(settings.remote_dir)
+    return jobs.plan_run(RemoteFile.from_path(path), slices=pod.slices, ips=pod.internal_ips(),
+                         args=argv, cwd=cwd, commit=commit, forwarded=forwarded, spmd=spmd)
+
+
+def _start_and_follow(pod, plan, *, detach: bool, on_interrupt: str | None) -> int:
+    from tpufab import jobs, nodeset
+    from tpufab.fanout import FanoutInterrupted
+
+    workers = plan.workers
+    try:
+        started = jobs.start(pod.fanout, plan)
+    except FanoutInterrupted:
+        jobs.stop(pod.fanout, plan.run_id, workers, grace=2.0)
+        raise TpufabError(f"Interrupted while starting run {plan.run_id}; stopped it on "
+                          f"{nodeset.fold(workers)}.", exit_code=130) from None
+    first = started[workers[0]]
+    where = first.get("cwd") or "~"
+    missing = [w for w, s in started.items() if s.get("cwd_missing")]
+    _note(f"Run {plan.run_id}: {plan.recipe.name} (sha256 {plan.recipe.sha256[:12]}"
+          f"{', commit ' + plan.commit[:12] if plan.commit else ''}) started on "
+          f"{nodeset.fold(workers)} in {where}.")
+    if missing:
+        _note(f"{plan.cwd} does not exist on {nodeset.fold(missing)}; the recipe runs in the "
+              "home directory there (deploy first, or drop --no-deploy).", "yellow")
+    summary = jobs.environment_summary(plan)
+    if summary:
+        _note(f"Environment: {summary}", "dim")
+    if detach:
+        _note(f"Detached. Follow it with `tpufab logs --run {plan.run_id} --follow`, list "
+              f"runs with `tpufab runs`, stop it with `tpufab kill --run {plan.run_id}`.")
+        return 0
+    return _follow_run(pod, plan, on_interrupt)
+
+
+def _follow_run(pod, plan, on_interrupt: str | None) -> int:
+    from tpufab import jobs, nodeset
+    from tpufab.fanout import FanoutInterrupted, LiveView
+
+    workers = plan.workers
+    try:
+        copy_dir = jobs.local_log_dir(plan.run_id)
+    except OSError:
+        copy_dir = None
+    ended: dict[int, object] = {}
+
+    def on_end(worker, state):
+        ended[worker] = state
+        # Only a recipe that ended: followers stopped by Ctrl-C or a lost connection say
+        # nothing about the run.
+        if state.ended and not state.ok and len(ended) < len(workers):
+            running = [w for w in workers if w not in ended]
+            _note(f"{nodeset.label(worker)}: {plan.recipe.name} {state.label}; "
+                  f"{nodeset.fold(running)} still running (Ctrl-C to stop following or to "
+                  "stop the run).", "yellow")
+
+    sink = jobs.FollowSink(LiveView(workers=workers), secrets=plan.secrets.values(),
+                           copy_dir=copy_dir, on_end=on_end)
+    began = time.monotonic()
+    try:
+        states = jobs.follow(pod.fanout, plan.run_id, workers, sink)
+    except FanoutInterrupted:
+        sink.close()
+        return _interrupted(pod, plan.run_id, workers, on_interrupt)
+    finally:
+        sink.close()
+    return _finish(plan.run_id, states, time.monotonic() - began, copy_dir)
+
+
+def _finish(run_id: str, states, seconds: float, copy_dir: Path | None) -> int:
+    from tpufab import jobs, nodeset
+
+    lost = [s for s in states.values() if s.state in ("unreachable", "no record")]
+    failed = [s for s in states.values() if not s.ok and s not in lost]
+    kept = f" Logs: `tpufab logs --run {run_id}`" + (
+        f" (a copy is in {_relative(copy_dir)}/)." if copy_dir else ".")
+    if not failed and not lost:
+        _note(f"Run {run_id} finished on {nodeset.fold(states)}: exit 0 ({seconds:.1f} s).")
+        return 0
+    parts = []
+    if failed:
+        parts.append(f"Run {run_id} failed on {nodeset.fold(s.worker for s in failed)}: "
+                     f"{jobs.fold_states(states.values())}.")
+    if lost:
+        parts.append(f"Lost {nodeset.fold(s.worker for s in lost)} while following "
+                     f"({'; '.join(sorted({s.detail or s.state for s in lost}))}); the run may "
+                     f"still be going there: `tpufab runs`, `tpufab logs --run {run_id} "
+                     "--follow`.")
+    codes = {s.exit_status for s in failed}
+    code = codes.pop() if len(codes) == 1 else 1
+    raise jobs.RunError(" ".join(parts) + kept, exit_code=code if 0 < code < 256 else 1)
+
+
+def _relative(path: Path | None) -> str:
+    if path is None:
+        return ""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def ask_on_interrupt(run_id: str) -> str:
+    """Interactive: ask; otherwise (or on a second Ctrl-C, or EOF) just stop following."""
+    if not (sys.stdin.isatty() and sys.stderr.isatty()):
+        return "detach"
+    try:
+        sys.stderr.write(f"\nStop run {run_id} on every worker [k], or just stop following "
+                         "it [D]? ")
+        sys.stderr.flush()
+        answer = input().strip().lower()
+    except (EOFError, KeyboardInterrupt):
+        sys.stderr.write("\n")
+        return "detach"
+    return "kill" if answer in ("k", "kill", "s", "stop", "y", "yes") else "detach"
+
+
+def _interrupted(pod, run_id: str, workers, on_interrupt: str | None) -> int:
+    from tpufab import jobs, nodeset
+
+    choice = on_interrupt or ask_on_interrupt(run_id)
+    if choice != "kill":
+        _note(f"Stopped following; run {run_id} keeps running on {nodeset.fold(workers)}. Follow it "
+              f"again with `tpufab logs --run {run_id} --follow`; stop it with "
+              f"`tpufab kill --run {run_id}`.")
+        return 130
+    _note(f"Stopping run {run_id} on {nodeset.fold(workers)} ...")
+    outcome = jobs.stop(pod.fanout, run_id, workers, grace=jobs.STOP_GRACE)
+    errors = {w: o["error"] for w, o in outcome.items() if "error" in o}
+    alive = [w for w, o in outcome.items() if o.get("still_running")]
+    signals = {o.get("signal") for o in outcome.values() if o.get("signal")}
+    if errors or alive:
+        detail = "; ".join(f"{nodeset.label(w)}: {why}" for w, why in errors.items())
+        if alive:
+            detail += ("; " if detail else "") + f"still running on {nodeset.fold(alive)}"
+        raise jobs.RunError(f"Could not stop run {run_id} everywhere ({detail}); try "
+                            f"`tpufab kill --run {run_id}`.", exit_code=130)
+    how = f" (SIG{'/SIG'.join(sorted(signals))})" if signals else " (it had already ended)"
+    _note(f"Stopped run {run_id} on {nodeset.fold(workers)}{how}.")
+    return 130
+
+
+def _run_local(path: Path, workers: int, argv, forwarded, spmd: bool) -> int:
+    from tpufab.localrun import run_local
+
+    result = run_local(path, workers=workers, args=argv, forwarded=forwarded, spmd=spmd)
+    if result.ok:
+        _note(f"Local run {result.run_id}: {result.summary()}")
+        return 0
+    raise TpufabError(f"Local run {result.run_id}: {result.summary()}",
+                      exit_code=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# logs, runs
+
+
+def _find_run(pod, chosen, run: str | None):
+    """(run id, statuses) of ``run`` or of the latest run any chosen worker knows."""
+    from tpufab import jobs, nodeset
+    from tpufab.runs import is_run_id
+
+    if run is not None and not is_run_id(run):
+        raise ConfigError(f"{run!r} is not a run id (they look like 20261122-104455-ab12); "
+                          "`tpufab runs` lists them.")
+    statuses = jobs.statuses(pod.fanout, chosen)
+    reachable = [w for w, s in statuses.items() if s.error is None]
+    if not reachable:
+        raise jobs.RunError(f"No worker answered ({jobs.fold_states(_unreachable(statuses))}).")
+    run_id = run or jobs.latest_run(statuses)
+    if run_id is None:
+        raise jobs.RunError(f"No runs on {nodeset.fold(reachable)} yet; start one with "
+                            "`tpufab run RECIPE`.")
+    have = [w for w in reachable if any(e.get("run") == run_id for e in statuses[w].runs)]
+    if not have:
+        raise jobs.RunError(f"No run {run_id} on {nodeset.fold(reachable)}; `tpufab runs` "
+                            "lists the runs there.")
+    return run_id, statuses, have
+
+
+def _unreachable(statuses):
+    from tpufab.jobs import WorkerState
+
+    return [WorkerState(w, "unreachable", detail=s.error) for w, s in statuses.items()
+            if s.error is not None]
+
+
+def logs(*, run: str | None = None, follow: bool = False, worker: str = "all",
+         raw: bool = False, name: str | None = None, zone: str | None = None,
+         project: str | None = None) -> int:
+    """Show a run's logs (the latest run by default): folded, or every line prefixed."""
+    from tpufab import jobs, nodeset
+
+    pod = _pod(settings_from_flags(name=name, zone=zone, project=project))
+    chosen = pod.fanout.select(worker)
+    run_id, statuses, have = _find_run(pod, chosen, run)
+    rows = {r.run: r for r in jobs.run_rows({w: statuses[w] for w in chosen})}
+    row = rows[run_id]
+    absent = [w for w in chosen if w not in have]
+    _note(f"Run {run_id}: {row.recipe} - {row.workers}", "dim")
+    if absent:
+        _note(f"({nodeset.fold(absent)} {'has' if len(absent) == 1 else 'have'} no record of "
+              "it.)", "dim")
+    if follow:
+        return _follow_logs(pod, run_id, have, raw)
+    from tpufab.runs import fold_logs, render_folded
+
+    texts, states = jobs.fetch_logs(pod.fanout, run_id, have)
+    per_worker = {w: data.decode("utf-8", "replace").splitlines() for w, data in texts.items()}
+    out = sys.stdout
+    if raw:
+        width = max(len(nodeset.label(w)) for w in per_worker) if per_worker else 2
+        for w in sorted(per_worker):
+            for line in per_worker[w]:
+                out.write(f"{nodeset.label(w):<{width}} │ {line}\n")
+    else:
+        for line in render_folded(fold_logs(per_worker), per_worker):
+            out.write(line + "\n")
+    out.flush()
+    gone = [s for s in states.values() if s.state in ("unreachable", "no record")]
+    if gone:
+        _note(f"No log from {jobs.fold_states(gone)}.", "yellow")
+    return 0
+
+
+def _follow_logs(pod, run_id: str, workers, raw: bool) -> int:
+    from tpufab import jobs
+    from tpufab.fanout import FanoutInterrupted, LiveView
+
+    view = LiveView(workers=workers) if raw else jobs.FoldingView(workers).start()
+    sink = jobs.FollowSink(view)
+    try:
+        states = jobs.follow(pod.fanout, run_id, workers, sink)
+    except FanoutInterrupted:
+        sink.close()
+        _note(f"Stopped following; run {run_id} keeps running.")
+        return 130
+    finally:
+        sink.close()
+    text = f"Run {run_id}: {jobs.fold_states(states.values())}."
+    if all(s.ok for s in states.values()):
+        _note(text)
+        return 0
+    codes = {s.exit_status for s in states.values() if not s.ok}
+    code = codes.pop() if len(codes) == 1 else 1
+    raise jobs.RunError(text, exit_code=code if 0 < code < 256 else 1)
+
+
+def runs(*, name: str | None = None, worker: str = "all", as_json: bool = False,
+         zone: str | None = None, project: str | None = None) -> int:
+    """Every run the workers know, newest first, with each worker's state folded."""
+    import json
+
+    from tpufab import jobs, nodeset
+
+    pod = _pod(settings_from_flags(name=name, zone=zone, project=project))
+    chosen = pod.fanout.select(worker)
+    statuses = jobs.statuses(pod.fanout, chosen)
+    rows = jobs.run_rows(statuses)
+    if as_json:
+        print(json.dumps([{"run": r.run, "recipe": r.recipe, "started_at": r.started_at,
+                           "ended_at": r.ended_at, "commit": r.commit,
+                           "workers": {str(s.worker): s.label for s in r.states}}
+                          for r in rows], indent=2))
+        return 0
+    unreachable = _unreachable(statuses)
+    if not rows:
+        reachable = [w for w, s in statuses.items() if s.error is None]
+        if reachable:
+            _say(f"No runs on {nodeset.fold(reachable)} yet; start one with "
+                 "`tpufab run RECIPE`.")
+    else:
+        _say_table(rows)
+    if unreachable:
+        raise jobs.RunError(f"Could not list runs on {jobs.fold_states(unreachable)}.")
+    return 0
+
+
+def _say_table(rows) -> None:
+    from rich.table import Table
+
+    from tpufab.console import stdout
+
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("RUN", "RECIPE", "STARTED", "TIME", "COMMIT", "WORKERS"):
+        table.add_column(column, no_wrap=column != "WORKERS")
+    now = time.time()
+    for r in rows:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.started_at)) \
+            if r.started_at else "-"
+        if r.started_at and r.ended_at:
+            took = _duration(r.ended_at - r.started_at)
+        elif r.started_at and r.running:
+            took = _duration(now - r.started_at) + "+"
+        else:
+            took = "-"
+        table.add_row(r.run, r.recipe or "-", started, took, (r.commit or "-")[:12], r.workers)
+    stdout().print(table)
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+# ---------------------------------------------------------------------------------------------
+# kill, sim zombie
+
+
+def kill(*, name: str | None = None, run: str | None = None, grace: float = 5.0,
+         dry_run: bool = False, force: bool = False, worker: str = "all",
+         zone: str | None = None, project: str | None = None) -> int:
+    """Free the TPU on every worker: stop tpufab runs and stray holders, remove the lockfile."""
+    from tpufab import killing
+    from tpufab.runs import is_run_id
+
+    if grace < 0:
+        raise ConfigError(f"--grace must be 0 or more seconds, not {grace:g}.")
+    if run is not None and not is_run_id(run):
+        raise ConfigError(f"{run!r} is not a run id (they look like 20261122-104455-ab12); "
+                          "`tpufab runs` lists them.")
+    pod = _pod(settings_from_flags(name=name, zone=zone, project=project))
+    chosen = pod.fanout.select(worker)
+    result = killing.kill(pod.fanout, chosen, run=run, grace=grace, dry_run=dry_run,
+                          force=force, device_globs=pod.device_globs())
+    for line in killing.report_lines(result):
+        _say(line)
+    text = killing.summary(result)
+    if result.ok:
+        _say(text)
+        return 0
+    raise killing.KillError(text)
+
+
+def sim_zombie(*, name: str | None = None, worker: str = "all", zone: str | None = None,
+               project: str | None = None) -> int:
+    """Simulated pod: leave a crashed job's mess on the selected workers."""
+    from tpufab import killing, nodeset
+    from tpufab.errors import SimError
+
+    pod = _pod(settings_from_flags(name=name, zone=zone, project=project))
+    chosen = pod.fanout.select(worker)
+    reports = killing.make_zombies(pod.fanout, chosen, device_globs=pod.device_globs())
+    for line in killing.zombie_lines(reports):
+        _say(line)
+    failed = [w for w, r in reports.items() if r.report is None or any(
+        "error" in z for z in r.report.get("zombies", ()))]
+    done = [w for w in chosen if w not in failed]
+    if done:
+        _say(f"Left a crashed job's mess on {nodeset.fold(done)}: processes holding the TPU "
+             "(one ignores SIGTERM), the libtpu lockfile held, and a protected tpu-runtime "
+             f"holder. Clear it with `tpufab kill --name {pod.name}`.")
+    if failed:
+        raise SimError(f"Could not make the mess on {nodeset.fold(failed)} (see above).")
+    return 0
