@@ -1,0 +1,280 @@
+"""kill and sim zombie on a simulated v4-32, and the report folding as data."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from conftest import unique_name
+from test_run_sim import _quiet, call, on_workers, write_recipe
+
+from tpufab.killing import (
+    KillResult,
+    WorkerReport,
+    fold_paths,
+    kill_command,
+    report_lines,
+    summary,
+    zombie_command,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Takes the TPU the way libtpu does: every device file open and an exclusive flock on the
+# lockfile; fails like libtpu when another process holds the lock.
+LIBTPU_LIKE = r"""#!/usr/bin/env python3
+import fcntl, glob, os, sys
+devices = sorted(glob.glob("/dev/accel*") + glob.glob("/dev/vfio/[0-9]*"))
+held = [os.open(d, os.O_RDONLY | os.O_NONBLOCK) for d in devices]
+fd = os.open("/tmp/libtpu_lockfile", os.O_RDWR | os.O_CREAT, 0o644)
+try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+except BlockingIOError:
+    inode = os.fstat(fd).st_ino
+    pids = [line.split()[4] for line in open("/proc/locks")
+            if line.split()[5].endswith(f":{inode}")]
+    print(f"TPU is already in use by process with pid {','.join(pids)}", file=sys.stderr)
+    sys.exit(1)
+print(f"TPU acquired: {len(devices)} devices")
+os.unlink("/tmp/libtpu_lockfile")
+"""
+
+# On a worker: who holds a device file, as {pid: comm}.
+HOLDERS = r"""
+import os, json
+found = {}
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        comm = open(f"/proc/{pid}/comm").read().strip()
+    except OSError:
+        continue
+    if any(link.startswith("/dev/accel") for link in links):
+        found[pid] = comm
+print(json.dumps(found))
+"""
+
+# A TPU job under a supervisor named like the TPU health agent (protected): the supervisor
+# starts the job again whenever it dies, so the device is never free for long. Prints the
+# supervisor's pid; everything ends by itself after a minute.
+RESPAWNER = r"""
+import os, sys, time
+r, w = os.pipe()
+if os.fork():
+    os.close(w)
+    print(os.read(r, 32).decode(), flush=True)
+    sys.exit(0)
+os.setsid()
+null = os.open(os.devnull, os.O_RDWR)
+for fd in (0, 1, 2):
+    os.dup2(null, fd)
+with open("/proc/self/comm", "w") as fh:
+    fh.write("healthagent")
+os.write(w, str(os.getpid()).encode())
+os.close(w)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    child = os.fork()
+    if child == 0:
+        with open("/proc/self/comm", "w") as fh:
+            fh.write("python3")
+        held = os.open("/dev/accel1", os.O_RDONLY | os.O_NONBLOCK)
+        time.sleep(60)
+        os._exit(0)
+    os.waitpid(child, 0)
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# pure parts
+
+
+def test_kill_command_runs_tpukill_as_root_with_both_device_families():
+    line = kill_command(run="20261122-104455-ab12", grace=3, dry_run=True, force=True)
+    assert line.startswith("test -f .cache/tpufab/remote/")
+    assert "|| exit 97 ;" in line
+    assert 'if [ "$(id -u)" != 0 ] && sudo -n true 2>/dev/null; then exec sudo -n python3' in line
+    assert "--devices-glob '/dev/accel*' --devices-glob '/dev/vfio/[0-9]*'" in line
+    assert '--run-dir="$HOME/.tpufab/runs"' in line and "--grace 3 --settle 2" in line
+    assert "--run 20261122-104455-ab12 --dry-run --force" in line
+    assert "--holders 2 --ignore-term 1" in zombie_command()
+
+
+def test_fold_paths():
+    assert fold_paths([f"/dev/accel{i}" for i in range(4)] + ["/tmp/libtpu_lockfile"]) == \
+        "/dev/accel[0-3], /tmp/libtpu_lockfile"
+    assert fold_paths(["/dev/vfio/0", "/dev/vfio/2", "/dev/vfio/3"]) == "/dev/vfio/[0,2-3]"
+    assert fold_paths(["/dev/accel0"]) == "/dev/accel0"
+
+
+def report(pid_base: int, *, killed=True) -> dict:
+    devices = [f"/dev/accel{i}" for i in range(4)]
+    return {
+        "dry_run": False, "devices": devices, "runs": [], "failed": [], "holders_left": [],
+        "killed": [{"pid": pid_base, "name": "python3", "command": "python3 train.py",
+                    "reason": "holds " + ", ".join(devices) + ", /tmp/libtpu_lockfile",
+                    "signal": "KILL"}] if killed else [],
+        "protected": [{"pid": 7, "name": "tpu-runtime", "command": "tpu-runtime",
+                       "holds": devices[:1], "why": "protected name tpu-runtime"}],
+        "device_free": True,
+        "lockfiles": [{"path": "/tmp/libtpu_lockfile", "action": "removed" if killed
+                       else "absent"}],
+        "lockfiles_removed": ["/tmp/libtpu_lockfile"] if killed else [],
+        "noop": not killed,
+    }
+
+
+def test_reports_of_many_workers_fold_into_a_few_lines():
+    workers = {w: WorkerReport(w, report(100 + w)) for w in range(3)}
+    workers[3] = WorkerReport(3, report(0, killed=False))
+    workers[4] = WorkerReport(4, error="connection refused")
+    result = KillResult(workers, grace=5)
+    lines = report_lines(result)
+    assert lines == [
+        "w[0-2]  killed     pids 100,101,102 python3 `python3 train.py` (holds "
+        "/dev/accel[0-3], /tmp/libtpu_lockfile); needed SIGKILL (still alive 5 s after SIGTERM)",
+        "w[0-3]  protected  pid 7 tpu-runtime holds /dev/accel0 (protected name tpu-runtime; "
+        "left running)",
+        "w[0-2]  lockfile   /tmp/libtpu_lockfile removed",
+        "w4      UNCHECKED  connection refused",
+    ]
+    text = summary(result)
+    assert text.startswith("Killed 3 processes on w[0-2] (3 needed SIGKILL after the 5 s grace).")
+    assert "Left running (protected): tpu-runtime on w[0-3]; --force stops them too." in text
+    assert "TPU free on w[0-3]: yes." in text and "Removed /tmp/libtpu_lockfile on w[0-2]." in text
+    assert "Could not check w4 (w4: connection refused)" in text
+    assert not result.ok
+
+
+def test_a_device_still_held_makes_the_result_fail():
+    busy = report(100)
+    busy["device_free"] = False
+    busy["holders_left"] = [{"pid": 9, "name": "python3", "command": "x",
+                             "holds": ["/dev/accel1"]}]
+    result = KillResult({0: WorkerReport(0, busy), 1: WorkerReport(1, report(0, killed=False))})
+    assert result.busy == [0] and not result.ok
+    assert "w0 BUSY pid 9 python3 still holds /dev/accel1" in [
+        " ".join(line.split()) for line in report_lines(result)]
+    assert "TPU free on w0: NO" in summary(result)
+
+
+# ---------------------------------------------------------------------------------------------
+# on the simulated pod
+
+
+@pytest.fixture(scope="module")
+def pod_env(sim, tmp_path_factory):
+    """A v4-32 and the environment naming it (ssh as root, like kill needs)."""
+    from tpufab import lifecycle
+    from tpufab import pod as pods
+    from tpufab.config import load_settings
+
+    base = tmp_path_factory.mktemp("kill-sim")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
+    env.update(sim.env(), TPUFAB_USER_CONFIG=str(base / "none.yaml"), TPUFAB_SSH_USER="root",
+               TPUFAB_SSH_KEY=str(base / "key" / "tpufab_ed25519"),
+               TPUFAB_KNOWN_HOSTS=str(base / "known_hosts"), TPUFAB_NAME=unique_name("kill"),
+               COLUMNS="250")
+    settings = load_settings(env=env, cwd=base)
+    lifecycle.create(load_settings({"type": "v4-32"}, env=env, cwd=base), console=_quiet())
+    pod = pods.connect(settings, console=_quiet())
+    try:
+        yield env, pod, base
+    finally:
+        pod.close()
+        lifecycle.delete(settings, yes=True, console=_quiet())
+
+
+def flat(text: str) -> list[str]:
+    """Lines with runs of spaces as one (column widths depend on the widest worker set)."""
+    return [" ".join(line.split()) for line in text.splitlines()]
+
+
+def holders(pod) -> dict[int, dict[str, str]]:
+    return {w: json.loads(out) for w, out in on_workers(pod, ["python3", "-c", HOLDERS]).items()}
+
+
+def lockfiles(pod) -> dict[int, bool]:
+    found = on_workers(pod, "test -e /tmp/libtpu_lockfile && echo yes || echo no")
+    return {w: out == "yes" for w, out in found.items()}
+
+
+@pytest.mark.sim
+def test_zombies_are_cleared_the_protected_process_survives_and_a_new_run_works(pod_env,
+                                                                                tmp_path):
+    env, pod, _ = pod_env
+    made = call(env, "sim_zombie", cwd=tmp_path, worker="0-2")
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert "w[0-2]  holder-0" in made.stdout and "ignores SIGTERM" in made.stdout
+    before = holders(pod)
+    assert all(len(before[w]) == 3 for w in range(3)) and before[3] == {}
+    assert lockfiles(pod) == {0: True, 1: True, 2: True, 3: False}
+
+    # the mess is real: a job that takes the TPU as libtpu does cannot start there
+    recipe = write_recipe(tmp_path, "take_tpu.py", LIBTPU_LIKE)
+    blocked = call(env, "run", cwd=tmp_path, recipe=str(recipe), no_deploy=True)
+    assert blocked.returncode == 1, blocked.stdout + blocked.stderr
+    assert "TPU is already in use by process with pid" in blocked.stdout
+    assert "failed on w[0-2]: w[0-2] exited 1; w3 exited 0." in blocked.stderr
+
+    killed = call(env, "kill", cwd=tmp_path, grace=1)
+    assert killed.returncode == 0, killed.stdout + killed.stderr
+    lines = flat(killed.stdout)
+    assert any(line.startswith("w[0-2] killed") and "needed SIGKILL" in line
+               for line in lines), lines
+    assert any(line.startswith("w[0-2] killed") and "stopped by SIGTERM" in line
+               for line in lines), lines
+    assert any(line.startswith("w[0-2] protected") and "tpu-runtime" in line
+               for line in lines), lines
+    assert "w[0-2] lockfile /tmp/libtpu_lockfile removed" in lines
+    assert "w3 nothing to kill" in lines
+    assert "Killed 6 processes on w[0-2] (3 needed SIGKILL after the 1 s grace)." in lines[-1]
+    assert "TPU free on w[0-3]: yes." in lines[-1]
+    after = holders(pod)
+    runtime = {w: {p: c for p, c in before[w].items() if c == "tpu-runtime"} for w in range(3)}
+    assert after == {**runtime, 3: {}} and all(len(r) == 1 for r in runtime.values())
+    assert lockfiles(pod) == {w: False for w in range(4)}
+
+    fresh = call(env, "run", cwd=tmp_path, recipe=str(recipe), no_deploy=True)
+    assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+    assert sorted(line for line in fresh.stdout.splitlines() if "TPU acquired" in line) == \
+        [f"w{w} │ TPU acquired: 4 devices" for w in range(4)]
+
+    again = call(env, "kill", cwd=tmp_path)
+    assert again.returncode == 0 and "Nothing to kill on w[0-3]." in again.stdout
+    assert call(env, "kill", cwd=tmp_path, force=True).returncode == 0
+    assert holders(pod) == {w: {} for w in range(4)}
+
+
+@pytest.mark.sim
+def test_dry_run_only_reports(pod_env, tmp_path):
+    env, pod, _ = pod_env
+    assert call(env, "sim_zombie", cwd=tmp_path, worker="3").returncode == 0
+    dry = call(env, "kill", cwd=tmp_path, dry_run=True)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    lines = flat(dry.stdout)
+    assert any(line.startswith("w3 would kill") for line in lines), lines
+    assert "w3 lockfile /tmp/libtpu_lockfile would remove" in lines
+    assert "Dry run: would kill 2 processes on w3 and remove the lockfile on w3; nothing was " \
+           "signalled." in dry.stdout
+    assert len(holders(pod)[3]) == 3 and lockfiles(pod)[3]
+    assert call(env, "kill", cwd=tmp_path, grace=0.5, force=True).returncode == 0
+    assert holders(pod)[3] == {} and not lockfiles(pod)[3]
+
+
+@pytest.mark.sim
+def test_a_holder_that_keeps_coming_back_makes_kill_fail(pod_env, tmp_path):
+    env, pod, _ = pod_env
+    supervisor = on_workers(pod, ["python3", "-c", RESPAWNER], workers=[1])[1]
+    try:
+        busy = call(env, "kill", cwd=tmp_path, grace=0.5)
+        assert busy.returncode == 1, busy.stdout + busy.stderr
+        assert any(line.startswith("w1 BUSY") and "/dev/accel1" in line
+                   for line in flat(busy.stdout)), busy.stdout
+        sentence = busy.stderr.strip()
+        assert "TPU free on w[0,2-3]: yes. TPU free on w1: NO" in sentence
+    finally:
+        on_workers(pod, ["kill", supervisor], workers=[1])
+    assert call(env, "kill", cwd=tmp_path, grace=0.5).returncode == 0
