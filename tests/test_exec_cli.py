@@ -126,3 +126,31 @@ def _sh_quote(text: str) -> str:
     import shlex
 
     return shlex.quote(text)
+
+
+def test_known_hosts_forget_then_keys_are_pinned_again(pod_env):
+    known = Path(pod_env["HOME"]) / ".tpufab" / "known_hosts"
+    assert tpufab("exec", "true", env=pod_env).returncode == 0
+    before = known.read_text()
+    forgot = tpufab("known-hosts", "forget", pod_env["TPUFAB_NAME"], env=pod_env)
+    assert forgot.returncode == 0, forgot.stderr
+    assert "Forgot 4 pinned host keys" in forgot.stdout
+    assert known.read_text() == ""
+    assert tpufab("exec", "true", env=pod_env).returncode == 0
+    assert sorted(known.read_text().splitlines()) == sorted(before.splitlines())
+
+
+def test_a_changed_host_key_is_refused_with_the_fix(pod_env):
+    known = Path(pod_env["HOME"]) / ".tpufab" / "known_hosts"
+    assert tpufab("exec", "true", env=pod_env).returncode == 0
+    original = known.read_text()
+    alias, ktype, _ = original.splitlines()[0].split()
+    other = "AAAAC3NzaC1lZDI1NTE5AAAAIBzHhEcA0HVGvC0YQ1lYg6bJvHk8m5C7Yk6dHZ0n5ZbJ"
+    known.write_text(original.replace(original.splitlines()[0], f"{alias} {ktype} {other}"))
+    try:
+        result = tpufab("exec", "true", env=pod_env)
+        assert result.returncode != 0
+        assert "differs from the one pinned" in result.stderr
+        assert "tpufab known-hosts forget" in result.stderr
+    finally:
+        known.write_text(original)

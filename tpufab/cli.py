@@ -210,6 +210,21 @@ def umount(
     _run(verbs.umount, name=name, at=at, lazy=lazy, zone=zone, project=project)
 
 
+known_hosts_app = typer.Typer(help="tpufab's pinned worker host keys.", no_args_is_help=True,
+                              rich_markup_mode=None)
+app.add_typer(known_hosts_app, name="known-hosts")
+
+
+@known_hosts_app.command("forget")
+def known_hosts_forget(
+    node: Annotated[str, typer.Argument(help="Node name, or the node id an error named.")],
+    zone: Zone = None,
+    project: Project = None,
+) -> None:
+    """Forget a node's pinned host keys (after a rebuild you trust)."""
+    _run(verbs.known_hosts_forget, node=node, zone=zone, project=project)
+
+
 # ---------------------------------------------------------------------------------------------
 # tpufab sim ...
 

@@ -295,3 +295,20 @@ def sim_bucket(*, name: str) -> None:
     tail = "" if created else " already exists"
     stdout().print(f"{state} gs://{bucket}{tail} in the Cloud Storage at {endpoint}.",
                    markup=False)
+
+
+def known_hosts_forget(*, node: str, zone: str | None = None, project: str | None = None) -> None:
+    """Drop the host keys tpufab pinned for a node (by node id, or by name via the API)."""
+    from tpufab.console import stdout
+    from tpufab.hostkeys import KnownHosts
+
+    settings = settings_from_flags(zone=zone, project=project)
+    node_id = node
+    if not node.isdigit():
+        from tpufab import lifecycle
+
+        node_id = lifecycle.control_plane(settings).get_node(lifecycle.validate_name(node)).id
+    removed = KnownHosts(settings.known_hosts_path).forget(node_id)
+    stdout().print(f"Forgot {_count(removed, 'pinned host key')} of node {node} "
+                   f"({settings.known_hosts_path}); the next connection pins the keys again.",
+                   markup=False)
