@@ -1,0 +1,53 @@
+"""Start-up time of `tpufab --help` and `invoke --list`, side by side with what they avoid.
+
+    .venv/bin/python bench/startup.py [--runs 15]
+
+Prints a Markdown table of medians (ms) and ratios to a bare `python -c pass`. Runs every
+command alternately, so load on this noisy machine hits all of them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+COMMANDS = {
+    "python -c pass": [sys.executable, "-c", "pass"],
+    "tpufab --help": [str(BIN / "tpufab"), "--help"],
+    "invoke --list": [str(BIN / "invoke"), "--list"],
+    "python -c 'import fabric'": [sys.executable, "-c", "import fabric"],
+    "python -c 'import google.cloud.tpu_v2'": [sys.executable, "-c", "import google.cloud.tpu_v2"],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=15)
+    args = parser.parse_args()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
+    times: dict[str, list[float]] = {name: [] for name in COMMANDS}
+    for _ in range(args.runs):
+        for name, argv in COMMANDS.items():
+            start = time.perf_counter()
+            subprocess.run(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, check=True)
+            times[name].append(time.perf_counter() - start)
+    base = statistics.median(times["python -c pass"])
+    print(f"runs: {args.runs}; load average: {os.getloadavg()[0]:.1f}")
+    print("| command | median ms | vs python -c pass |")
+    print("|---|--:|--:|")
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        print(f"| `{name}` | {median * 1e3:.0f} | {median / base:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()
