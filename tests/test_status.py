@@ -467,7 +467,7 @@ SUPERVISOR = ("import sys; open('/proc/self/comm', 'w').write('tpufab-run'); "
               "print('ok', flush=True); sys.stdin.read()")
 
 
-def ending_run(tmp_path: Path):
+def ending_run(tmp_path: Path, *, start_time: bool = True):
     """A run whose recipe has just exited while its supervisor has not yet written the exit
     code: a dead recipe pid, a live supervisor. Returns (run dir, supervisor process)."""
     gone = subprocess.Popen(["true"])
@@ -480,13 +480,20 @@ def ending_run(tmp_path: Path):
     (rundir / "meta.json").write_text(json.dumps({"recipe": "r.sh", "started_at": 1.0}))
     for key, value in (("pid", gone.pid), ("start_time", 1), ("supervisor", supervisor.pid)):
         (rundir / key).write_text(f"{value}\n")
+    if start_time:
+        (rundir / "supervisor_start_time").write_text(f"{facts.proc_stat(supervisor.pid)[2]}\n")
     return rundir, supervisor
 
 
-def test_a_run_whose_supervisor_is_writing_its_end_is_not_lost(tmp_path):
-    rundir, supervisor = ending_run(tmp_path)
+@pytest.mark.parametrize("start_time", [True, False])
+def test_a_run_whose_supervisor_is_writing_its_end_is_not_lost(tmp_path, start_time):
+    from tpufab.remote import launch
+
+    rundir, supervisor = ending_run(tmp_path, start_time=start_time)
     try:
         assert facts.run_state(str(rundir))["state"] == "running"
+        if start_time:     # launch.py agrees
+            assert launch.run_status(str(rundir))["state"] == "running"
     finally:
         supervisor.stdin.close()
         supervisor.wait(10)

@@ -1,9 +1,10 @@
-"""The `status` verb both front ends call (like verbs.py: flags in, library
+"""The `status` and `babysit` verbs both front ends call (like verbs.py: flags in, library
 call, printing out). Heavy modules are imported inside each verb."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 from tpufab.verbs import settings_from_flags
 
@@ -24,3 +25,34 @@ def status(*, name: str | None = None, as_json: bool = False, zone: str | None =
     else:
         status_mod.render(found, stdout())
     return 0 if found.healthy else 1
+
+
+def babysit(recipe: str, *, name: str | None = None, max_restarts: int = 3, args: str = "",
+            restart_on_failure: bool = False, env: Sequence[str] | None = None,
+            setup_script: str | None = None, no_deploy: bool = False, direct: bool = False,
+            poll: float | None = None, zone: str | None = None,
+            project: str | None = None) -> int:
+    """Run RECIPE on the pod and keep it running through preemptions (see tpufab.babysit).
+
+    ``args``: the recipe's arguments as one string, split like a shell would (as `run`).
+    ``env``: ``K=V`` or ``K`` (forward the local value), as `run`. ``setup_script``: what a
+    recreated node runs first (default: the script the workers last ran with `tpufab setup`).
+    Returns 0 when the recipe finished on every worker; otherwise BabysitError says why.
+    """
+    import shlex
+
+    from tpufab import babysit as babysitting
+    from tpufab.errors import ConfigError
+
+    try:
+        argv = shlex.split(args or "")
+    except ValueError as err:
+        raise ConfigError(f"--args {args!r} is not a valid argument list ({err}); quote it "
+                          "as you would in a shell.") from None
+    settings = settings_from_flags(name=name, zone=zone, project=project)
+    options = {} if poll is None else {"poll": poll}
+    result = babysitting.babysit(settings, recipe, args=argv, max_restarts=max_restarts,
+                                 restart_on_failure=restart_on_failure, env=list(env or ()),
+                                 setup_script=setup_script, no_deploy=no_deploy,
+                                 direct=direct, **options)
+    return result.exit_code

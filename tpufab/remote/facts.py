@@ -77,10 +77,15 @@ def alive(pid, start_time):
     return found is not None and found[2] == start_time and found[0] not in ("Z", "X", "x")
 
 
-def supervising(pid):
-    """A run's supervisor (launch.py names it ``tpufab-run``) is still there."""
+def supervising(rundir):
+    """The run's supervisor is still there (verified by the start time launch.py records;
+    by its name, ``tpufab-run``, for runs recorded before it did)."""
+    pid = read_int(os.path.join(rundir, "supervisor"))
     if pid is None:
         return False
+    start_time = read_int(os.path.join(rundir, "supervisor_start_time"))
+    if start_time is not None:
+        return alive(pid, start_time)
     found = proc_stat(pid)
     return found is not None and found[0] not in ("Z", "X", "x") and \
         read_text(f"/proc/{pid}/comm") == "tpufab-run"
@@ -245,7 +250,7 @@ def run_state(rundir):
         state.update(state="killed", signal=killed)
     elif pid is not None and start_time is not None and alive(pid, start_time):
         state["state"] = "running"
-    elif supervising(read_int(os.path.join(rundir, "supervisor"))):
+    elif supervising(rundir):
         state["state"] = "running"   # the recipe just ended; its supervisor is writing that
     elif pid is None and read_int(os.path.join(rundir, "supervisor")) is None:
         try:

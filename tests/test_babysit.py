@@ -1,0 +1,394 @@
+"""babysit: its decisions as data (spec, restore, API verdicts, attempt decisions, backoff,
+the lock), then on a simulated v4-16: a failure that is not a preemption, restarts on failure,
+giving up, workers that stay unreachable, one babysitter per node, Ctrl-C.
+
+The preemption scenario itself is fault 5 in test_faults.py."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import unique_name, wait_for
+from rich.console import Console
+from test_status import cli_env, facts_of, in_worker, quiet_console, sim_settings
+
+from tpufab import babysit as bs
+from tpufab.config import Settings
+from tpufab.jobs import WorkerState
+from tpufab.nodes import Node, QueuedResourceInfo
+
+# ---------------------------------------------------------------------------------------------
+# decisions as data
+
+
+def node(name="pod", state="READY", *, spot=False, qr=None, runtime="tpu-ubuntu2204-base",
+         labels=None) -> Node:
+    return Node(name=name, project="p", zone="z", accelerator_type="v4-32", state=state,
+                runtime_version=runtime, spot=spot, queued_resource=qr, labels=labels or {})
+
+
+def queued(name="pod", state="ACTIVE", *, tier="spot", count=1, failure="") -> QueuedResourceInfo:
+    return QueuedResourceInfo(name=name, project="p", zone="z", state=state, tier=tier,
+                              accelerator_type="v4-32", runtime_version="rt", node_count=count,
+                              failure=failure)
+
+
+def test_node_spec_keeps_type_runtime_tier_and_queuing():
+    plain = bs.NodeSpec.from_api("pod", [node(labels={"team": "ml"})], None)
+    assert plain == bs.NodeSpec("pod", "v4-32", "tpu-ubuntu2204-base", "on-demand", False, 1,
+                                {"team": "ml"})
+    spot = bs.NodeSpec.from_api("pod", [node(spot=True, qr="pod")], queued())
+    assert (spot.tier, spot.queued, spot.num_slices) == ("spot", True, 1)
+    multi = bs.NodeSpec.from_api("ms", [node("ms-0", qr="ms"), node("ms-1", qr="ms")],
+                                 queued("ms", count=2))
+    assert (multi.queued, multi.num_slices) == (True, 2)
+    waiting = bs.NodeSpec.from_api("q", [], queued("q", "WAITING_FOR_RESOURCES", tier="guaranteed"))
+    assert (waiting.accelerator_type, waiting.tier, waiting.queued) == ("v4-32", "on-demand", True)
+    with pytest.raises(bs.ConfigError, match="Nothing to babysit"):
+        bs.NodeSpec.from_api("none", [], None)
+
+
+def test_node_spec_settings_are_a_copy_with_the_spec():
+    base = Settings(name="pod", project="p", preemptible=True, labels={"extra": "1"})
+    wanted = bs.NodeSpec("pod", "v6e-8", "v2-alpha-tpuv6e", "spot", labels={"team": "ml"}
+                         ).settings(base)
+    assert (wanted.type, wanted.runtime_version) == ("v6e-8", "v2-alpha-tpuv6e")
+    assert (wanted.spot, wanted.preemptible, wanted.reserved) == (True, False, False)
+    assert wanted.labels == {"team": "ml", "extra": "1"}
+    assert base.preemptible and base.type is None   # untouched
+
+
+def test_restore_reads_setup_commit_and_mounts_from_the_first_worker_that_answered():
+    from tpufab.status import WorkerFacts
+
+    first = facts_of(1, setup=[{"hash": "a" * 16, "done": True, "mtime": 1.0},
+                               {"hash": "b" * 16, "done": True, "mtime": 2.0},
+                               {"hash": "c" * 16, "done": False, "mtime": 3.0}],
+                     mounts=[{"at": "/mnt/d", "fstype": "fuse.rclone", "source": "tpufab:d",
+                              "url": "gs://d/p"},
+                             {"at": "/mnt/x", "fstype": "fuse.sshfs", "source": "h:/x"},
+                             {"at": "/mnt/e", "fstype": "fuse.gcsfuse", "source": "e"}])
+    found = bs.Restore.from_facts({0: WorkerFacts(0, False, error="refused"), 1: first})
+    assert found.setup_hash == "b" * 16
+    assert found.commit == "a" * 40 and found.deploy_dir == "/home/u/proj"
+    assert found.mounts == [bs.MountPoint("gs://d/p", "/mnt/d", "rclone")]
+    assert bs.Restore.from_facts({0: WorkerFacts(0, False)}) == bs.Restore()
+    assert bs.Restore().describe() == "nothing"
+
+
+@pytest.mark.parametrize("nodes,qr,expected,reason", [
+    ([node()], None, ["pod"], None),
+    ([node(state="PREEMPTED")], None, ["pod"], "TPU node pod was PREEMPTED"),
+    ([node(state="TERMINATED")], None, ["pod"], "TPU node pod was TERMINATED"),
+    ([], None, ["pod"], "TPU node pod is gone"),
+    ([node(qr="pod")], queued(state="SUSPENDED"), ["pod"], "queued resource pod is SUSPENDED"),
+    ([node(qr="pod")], queued(state="FAILED", failure="no capacity"), ["pod"],
+     "queued resource pod is FAILED (no capacity)"),
+    ([node("ms-0", qr="ms")], queued("ms", count=2), ["ms-0", "ms-1"], "TPU node ms-1 is gone"),
+    ([node(state="CREATING")], None, ["pod"], None),
+])
+def test_api_reason(nodes, qr, expected, reason):
+    assert bs.api_reason("pod", nodes, qr, expected) == reason
+
+
+def ws(worker, state, code=None, detail=None):
+    return WorkerState(worker, state, code, detail=detail)
+
+
+@pytest.mark.parametrize("states,kw,expected", [
+    ({0: ws(0, "exited", 0), 1: ws(1, "exited", 0)}, {}, ("finished", "w[0-1] exited 0")),
+    ({0: ws(0, "exited", 0), 1: ws(1, "exited", 3)}, {}, ("failed", "w0 exited 0; w1 exited 3")),
+    ({0: ws(0, "running"), 1: ws(1, "exited", 3)}, {"first_failure_at": 95.0},
+     ("wait", "")),
+    ({0: ws(0, "running"), 1: ws(1, "exited", 3)}, {"first_failure_at": 80.0},
+     ("stop-others", "w0 running; w1 exited 3")),
+    ({0: ws(0, "running"), 1: ws(1, "unreachable", detail="refused")},
+     {"unreachable_since": {1: 99.0}}, ("wait", "")),
+    ({0: ws(0, "running"), 1: ws(1, "unreachable", detail="refused")},
+     {"unreachable_since": {1: 30.0}},
+     ("lost", "w1 unreachable for 70 s while the API says the node is READY")),
+    ({0: ws(0, "running")}, {"api": "TPU node pod was PREEMPTED"},
+     ("preempted", "TPU node pod was PREEMPTED")),
+    ({0: ws(0, "exited", 0), 1: ws(1, "no record")}, {}, ("failed", "w0 exited 0; w1 no record")),
+    ({0: ws(0, "exited", 0)}, {}, ("wait", "")),          # w1 has not said anything yet
+])
+def test_decide(states, kw, expected):
+    options = {"api": None, "unreachable_since": {}, "now": 100.0, "unreachable_grace": 60.0,
+               "first_failure_at": None, "failure_grace": 10.0, **kw}
+    decision = bs.decide([0, 1] if len(states) > 1 or expected[0] == "wait" else [0], states,
+                         **options)
+    assert (decision.action, decision.reason) == expected
+
+
+@pytest.mark.parametrize("restart,expected", [(0, 0), (1, 10), (2, 20), (3, 40), (6, 300),
+                                               (60, 300)])
+def test_backoff_doubles_up_to_the_cap(restart, expected):
+    assert bs.backoff_delay(restart, 10, 300) == expected
+    assert bs.backoff_delay(restart, 0, 300) == 0
+
+
+def test_lock_one_babysitter_per_node_and_stale_locks(tmp_path):
+    settings = Settings(name="pod", project="p", zone="z", state_dir=str(tmp_path))
+    path = bs.Lock.for_node(settings).path
+    assert path == tmp_path / "babysit" / "p.z.pod.lock"
+    # a stale file from a babysitter that died (no flock held): taken over
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"pid": 999999999, "host": "gone", "what": "old"}))
+    with bs.Lock.for_node(settings) as first:
+        first.acquire("babysit a.sh on pod")
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+        with pytest.raises(bs.BabysitError, match=rf"Another babysit \(pid {os.getpid()} on "):
+            bs.Lock.for_node(settings).acquire("again")
+        # another process is refused too, and told who holds it
+        probe = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+            from tpufab.babysit import Lock, BabysitError
+            from pathlib import Path
+            try:
+                Lock(Path({str(path)!r})).acquire("x")
+            except BabysitError as err:
+                print(err)
+            """)], capture_output=True, text=True, timeout=30)
+        assert f"pid {os.getpid()}" in probe.stdout and "babysit a.sh on pod" in probe.stdout
+    with bs.Lock.for_node(settings) as again:   # released: free again
+        again.acquire("next")
+
+
+def test_a_killed_babysitter_leaves_no_lock_behind(tmp_path):
+    path = tmp_path / "x.lock"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from tpufab.babysit import Lock
+        Lock(Path({str(path)!r})).acquire("held")
+        print("held", flush=True)
+        sys.stdin.read()
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(bs.BabysitError, match=f"pid {holder.pid}"):
+            bs.Lock(path).acquire("me")
+    finally:
+        holder.kill()
+        holder.wait(10)
+    lock = bs.Lock(path)
+    lock.acquire("me")      # SIGKILL released the flock
+    lock.release()
+
+
+# ---------------------------------------------------------------------------------------------
+# on the simulated pod
+
+
+RECIPE = """#!/bin/sh
+# attempt 0 of worker $FAIL_WORKER exits $FAIL_CODE at once; the others wait for /tmp/$GO
+echo "attempt $TPUFAB_RESTART_COUNT w$TPUFAB_WORKER_ID babysit=$TPUFAB_BABYSIT_RUN"
+if [ "$TPUFAB_RESTART_COUNT" -lt "${FAIL_UNTIL:-1}" ] && [ "$TPUFAB_WORKER_ID" = "$FAIL_WORKER" ]; then
+    echo "failing on purpose" >&2
+    exit "$FAIL_CODE"
+fi
+if [ "$TPUFAB_RESTART_COUNT" -lt "${WAIT_UNTIL:-1}" ]; then
+    while [ ! -e "/tmp/$GO" ]; do sleep 0.05; done
+fi
+echo "done $TPUFAB_RESTART_COUNT"
+"""
+
+
+@pytest.fixture(scope="module")
+def pod2(sim, tmp_path_factory):
+    """A READY v4-16 (2 workers), shared by the scenarios below."""
+    from tpufab import lifecycle
+    from tpufab import pod as pods
+
+    home = tmp_path_factory.mktemp("babysit-home")
+    settings = sim_settings(sim, home, name=unique_name("bs"), type="v4-16")
+    [created] = lifecycle.create(settings, console=quiet_console())
+    recipe = home / "recipe.sh"
+    recipe.write_text(RECIPE)
+    recipe.chmod(0o755)
+    yield SimpleNamespace(settings=settings, home=home, recipe=recipe, sim=sim,
+                          name=settings.name, node=created)
+    pods.forget(settings)
+    lifecycle.delete(settings, yes=True, console=quiet_console())
+
+
+def current_node(pod2):
+    from tpufab.controlplane import ControlPlane
+
+    return ControlPlane(pod2.settings).get_node(pod2.name)
+
+
+def babysitter(pod2, tmp_path, monkeypatch, *, env=(), **options):
+    from tpufab import babysit
+
+    for spec in env:
+        key, _, value = spec.partition("=")
+        monkeypatch.setenv(key, value)
+    notes = io.StringIO()
+    options.setdefault("poll", 0.3)
+    options.setdefault("backoff", (0.0, 0.0))
+    options.setdefault("failure_grace", 1.0)
+    return babysit.Babysitter(pod2.settings, pod2.recipe, no_deploy=True,
+                              env=[e.partition("=")[0] for e in env],
+                              console=Console(file=notes, width=300), out=io.StringIO(),
+                              base_dir=tmp_path, **options), notes
+
+
+RUNNING = "recipe/recipe.sh"    # how the recipe shows in ps: launch.py runs its own copy
+
+
+def no_recipe_left(pod2, node) -> None:
+    for w in (0, 1):
+        wait_for(lambda w=w: RUNNING not in in_worker(pod2.sim, node, w, "ps -eo args"),
+                 15, what=f"no recipe left on w{w}")
+
+
+@pytest.mark.sim
+def test_a_recipe_failing_on_its_own_is_not_a_preemption(pod2, tmp_path, monkeypatch):
+    go = unique_name("go")
+    sitter, notes = babysitter(pod2, tmp_path, monkeypatch,
+                               env=[f"GO={go}", "FAIL_WORKER=1", "FAIL_CODE=3"])
+    before = current_node(pod2).id
+    with pytest.raises(bs.BabysitError) as failed:
+        sitter.run()
+    err = failed.value
+    assert err.exit_code == 3
+    assert "failed on its own (w0 killed (SIGTERM); w1 exited 3)" in str(err)
+    assert "not a preemption" in str(err) and "--restart-on-failure" in str(err)
+    assert len(sitter.attempts) == 1 and sitter.attempts[0].outcome == "failed"
+    assert current_node(pod2).id == before              # the node was left alone
+    assert "stopping the run on w0" in notes.getvalue()  # w0 would have waited forever
+    no_recipe_left(pod2, pod2.node)
+    logs = sitter.log_dir / "attempt-0"
+    assert "failing on purpose" in (logs / "w1.log").read_text()
+    assert "attempt 0 w0" in (logs / "w0.log").read_text()
+
+
+@pytest.mark.sim
+def test_restart_on_failure_restarts_on_the_same_node(pod2, tmp_path, monkeypatch):
+    go = unique_name("go")
+    sitter, notes = babysitter(pod2, tmp_path, monkeypatch, restart_on_failure=True,
+                               env=[f"GO={go}", "FAIL_WORKER=0", "FAIL_CODE=1", "WAIT_UNTIL=0"])
+    before = current_node(pod2).id
+    result = sitter.run()
+    assert result.exit_code == 0 and result.restarts == 1
+    assert [a.outcome for a in result.attempts] == ["failed", "finished"]
+    assert current_node(pod2).id == before
+    second = (result.log_dir / "attempt-1" / "w0.log").read_text()
+    assert f"attempt 1 w0 babysit={result.run_id}" in second and "done 1" in second
+    summary = json.loads((result.log_dir / "babysit.json").read_text())
+    assert [a["outcome"] for a in summary["attempts"]] == ["failed", "finished"]
+
+
+@pytest.mark.sim
+def test_babysit_gives_up_after_max_restarts(pod2, tmp_path, monkeypatch):
+    go = unique_name("go")
+    sitter, notes = babysitter(pod2, tmp_path, monkeypatch, restart_on_failure=True,
+                               max_restarts=1, backoff=(0.2, 1.0),
+                               env=[f"GO={go}", "FAIL_WORKER=0", "FAIL_CODE=4",
+                                    "FAIL_UNTIL=9", "WAIT_UNTIL=0"])
+    with pytest.raises(bs.BabysitError, match=r"Gave up after 1 restart \(--max-restarts 1\)"):
+        sitter.run()
+    assert [a.outcome for a in sitter.attempts] == ["failed", "failed"]
+    assert "restarting in 0.2 s (restart 1 of 1)" in notes.getvalue()
+
+
+@pytest.mark.sim
+def test_workers_unreachable_while_the_api_says_ready_are_recovered(pod2, tmp_path, monkeypatch,
+                                                                    sim_admin):
+    go = unique_name("go")
+    sitter, notes = babysitter(pod2, tmp_path, monkeypatch, unreachable_grace=1.0,
+                               env=[f"GO={go}", "FAIL_WORKER=9", "FAIL_CODE=0"])
+    before = current_node(pod2)
+    result = {}
+
+    def run():
+        try:
+            result["value"] = sitter.run()
+        except BaseException as err:  # noqa: BLE001
+            result["error"] = err
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        wait_for(lambda: sitter.log_dir is not None and
+                 "attempt 0 w1" in _read(sitter.log_dir / "attempt-0" / "w1.log"), 30,
+                 what="attempt 0 to start")
+        sim_admin.set_reachable(pod2.name, 1, False)
+        sim_admin.kill_sshd(pod2.name, 1)       # cut the follower's connection too
+        thread.join(90)
+    finally:
+        sim_admin.set_reachable(pod2.name, 1, True)
+    assert not thread.is_alive()
+    assert "error" not in result, result.get("error")
+    done = result["value"]
+    assert [a.outcome for a in done.attempts] == ["lost", "finished"]
+    assert "w1 unreachable for" in done.attempts[0].reason
+    after = current_node(pod2)
+    assert after.id != before.id and after.state == "READY"      # deleted and recreated
+    pod2.node = after
+    assert "done 1" in (done.log_dir / "attempt-1" / "w1.log").read_text()
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+DRIVER = """
+import sys
+from tpufab.console import run
+from tpufab.statusverbs import babysit
+sys.exit(run(babysit, sys.argv[1], no_deploy=True, poll=0.3, env=["GO"]))
+"""
+
+
+@pytest.mark.sim
+def test_a_second_babysit_refuses_and_ctrl_c_stops_the_run(pod2, tmp_path):
+    go = unique_name("go")
+    env = {**cli_env(pod2.sim, pod2.home, pod2.name), "GO": go, "FAIL_WORKER": "9",
+           "FAIL_CODE": "0"}
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    first = subprocess.Popen([sys.executable, str(driver), str(pod2.recipe)], env=env,
+                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        node = current_node(pod2)
+        wait_for(lambda: all(RUNNING in in_worker(pod2.sim, node, w, "ps -eo args")
+                             for w in (0, 1)), 60, what="the babysat run to start")
+        second = subprocess.run([sys.executable, str(driver), str(pod2.recipe)], env=env,
+                                cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1
+        assert f"Another babysit (pid {first.pid} on" in second.stderr
+        assert "Traceback" not in second.stderr
+        first.send_signal(signal.SIGINT)
+        out, err = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.communicate(timeout=10)
+    assert first.returncode == 130, err
+    assert "Interrupted: stopped run" in err and "Traceback" not in err
+    no_recipe_left(pod2, node)
+    runs = list((tmp_path / ".tpufab" / "runs").glob("*/babysit.json"))
+    assert len(runs) == 1
+    assert json.loads(runs[0].read_text())["attempts"][0]["outcome"] == "interrupted"
+    # the lock went with it: babysit starts again (and this time the recipe finishes)
+    for w in (0, 1):
+        in_worker(pod2.sim, node, w, f"touch /tmp/{go}")
+    third = subprocess.run([sys.executable, str(driver), str(pod2.recipe)], env=env,
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert third.returncode == 0, third.stderr
+    assert "finished after 0 restarts" in third.stderr

@@ -1,0 +1,806 @@
+"""`tpufab babysit RECIPE`: run a recipe on the pod and keep it running through preemptions.
+
+Each attempt is an ordinary run (``tpufab.jobs``: plan, start, follow). While it runs, the
+API is polled; a node that is PREEMPTED or TERMINATED, gone, or whose queued resource is
+SUSPENDED or FAILED (or workers that stay unreachable while the API still says READY) means
+the attempt was lost to the platform: whatever logs are reachable are copied to
+``./.tpufab/runs/<run-id>/attempt-<k>/`` (they were being copied all along), the node is
+deleted (a preempted node still eats quota), created again with the same spec, set up with
+the same setup script, given the same commit and the same mounts, and the recipe starts again
+with ``TPUFAB_RESTART_COUNT=k``, after a backoff, at most ``max_restarts`` times. A recipe that
+fails on its own is not a preemption: babysit stops and says so (unless
+``restart_on_failure``). One babysit per node: a lock file holds the babysitter's pid.
+
+The decisions (``NodeSpec``, ``Restore``, ``api_reason``, ``decide``, ``backoff_delay``) are
+pure and tested as data; ``Babysitter`` applies them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tpufab import nodeset
+from tpufab.errors import ApiError, ConfigError, TpufabError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from tpufab.config import Settings
+    from tpufab.controlplane import ControlPlane
+    from tpufab.jobs import WorkerState
+    from tpufab.nodes import Node, QueuedResourceInfo
+    from tpufab.status import WorkerFacts
+
+PREEMPTED_STATES = frozenset({"PREEMPTED", "TERMINATED"})
+QUEUED_LOST_STATES = frozenset({"SUSPENDED", "FAILED"})
+RESTART_VARIABLE = "TPUFAB_RESTART_COUNT"
+BABYSIT_VARIABLE = "TPUFAB_BABYSIT_RUN"      # the first attempt's run id, the same every time
+DEFAULT_POLL = 10.0
+DEFAULT_UNREACHABLE_GRACE = 300.0
+DEFAULT_FAILURE_GRACE = 30.0
+DEFAULT_BACKOFF = (10.0, 300.0)
+DEFAULT_CREATE_ATTEMPTS = 5
+
+
+class BabysitError(TpufabError):
+    """Babysitting ended without the recipe finishing everywhere."""
+
+
+# ---------------------------------------------------------------------------------------------
+# What to recreate and restore (pure)
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """The shape of the pod to recreate after a preemption."""
+
+    name: str
+    accelerator_type: str
+    runtime_version: str
+    tier: str                      # spot | preemptible | reserved | on-demand
+    queued: bool = False
+    num_slices: int = 1
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_api(cls, name: str, nodes: Sequence[Node], qr: QueuedResourceInfo | None
+                 ) -> NodeSpec:
+        if not nodes:
+            if qr is None:
+                raise ConfigError(f"Nothing to babysit: there is no TPU node or queued resource "
+                                  f"named {name!r}; create it first (`tpufab create`).")
+            tier = "spot" if qr.tier == "spot" else ("reserved" if qr.tier == "reserved"
+                                                     else "on-demand")
+            return cls(name, qr.accelerator_type, qr.runtime_version, tier, True,
+                       qr.node_count or 1)
+        node = nodes[0]
+        queued = qr is not None or node.queued_resource is not None
+        slices = (qr.node_count if qr is not None else len(nodes)) or 1
+        return cls(name, node.accelerator_type, node.runtime_version, node.tier, queued, slices,
+                   dict(node.labels))
+
+    def settings(self, base: Settings) -> Settings:
+        """``base`` with this spec's type, runtime, tier and labels (a copy)."""
+        return replace(base, name=self.name, type=self.accelerator_type,
+                       runtime_version=self.runtime_version or None,
+                       spot=self.tier == "spot", preemptible=self.tier == "preemptible",
+                       reserved=self.tier == "reserved",
+                       labels={**self.labels, **base.labels})
+
+    def describe(self) -> str:
+        slices = f" x {self.num_slices} slices" if self.num_slices > 1 else ""
+        queued = ", queued" if self.queued else ""
+        return f"{self.accelerator_type}{slices} ({self.tier}{queued}, {self.runtime_version})"
+
+
+@dataclass(frozen=True)
+class MountPoint:
+    url: str
+    at: str
+    driver: str
+
+
+@dataclass
+class Restore:
+    """What a recreated node needs before the recipe starts again."""
+
+    setup_hash: str | None = None          # the script the workers last ran with `setup`
+    setup_script: bytes | None = None
+    setup_name: str | None = None
+    commit: str | None = None
+    deploy_dir: str | None = None
+    mounts: list[MountPoint] = field(default_factory=list)
+
+    @classmethod
+    def from_facts(cls, facts: Mapping[int, WorkerFacts]) -> Restore:
+        """What worker 0 (or the first that answered) has: setup, commit, mounts."""
+        answered = [facts[w] for w in sorted(facts) if facts[w].reachable]
+        if not answered:
+            return cls()
+        first = answered[0]
+        done = [s for s in first.setup if s.done]
+        mounts = []
+        for m in first.mounts:
+            if m.driver in ("gcsfuse", "rclone") and m.url:
+                mounts.append(MountPoint(m.url, m.at, m.driver))
+        return cls(setup_hash=done[-1].hash if done else None, commit=first.commit,
+                   deploy_dir=first.deploy_dir, mounts=mounts)
+
+    def describe(self) -> str:
+        parts = []
+        if self.setup_script is not None:
+            parts.append(f"setup {self.setup_name or self.setup_hash}")
+        if self.commit:
+            parts.append(f"commit {self.commit[:12]} in {self.deploy_dir}")
+        parts += [f"{m.url} at {m.at} ({m.driver})" for m in self.mounts]
+        return ", ".join(parts) or "nothing"
+
+
+def setup_hash(content: bytes) -> str:
+    """The name `tpufab setup` gives a script on the workers (fanout.run_setup)."""
+    return hashlib.sha256(content).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+# Deciding (pure)
+
+
+def api_reason(name: str, nodes: Sequence[Node] | None, qr: QueuedResourceInfo | None,
+               expected: Iterable[str]) -> str | None:
+    """Why the API says the pod's workers are gone, or None while they should be up."""
+    expected = list(expected)
+    found = {n.name: n for n in nodes or ()}
+    if qr is not None and qr.state in QUEUED_LOST_STATES:
+        why = f" ({qr.failure})" if qr.failure else ""
+        return f"queued resource {qr.name} is {qr.state}{why}"
+    for node_name in expected:
+        node = found.get(node_name)
+        if node is None:
+            return f"TPU node {node_name} is gone"
+        if node.state in PREEMPTED_STATES:
+            return f"TPU node {node_name} was {node.state}"
+    return None
+
+
+def finished(state: WorkerState) -> bool:
+    """The run is over on that worker (a worker with no record of it never runs it)."""
+    return state.ended or state.state == "no record"
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str        # wait | finished | failed | preempted | lost | stop-others
+    reason: str = ""
+
+
+def decide(workers: Sequence[int], states: Mapping[int, WorkerState], *,
+           api: str | None, unreachable_since: Mapping[int, float], now: float,
+           unreachable_grace: float, first_failure_at: float | None,
+           failure_grace: float) -> Decision:
+    """What to do with an attempt, given the API's verdict and each worker's run state."""
+    from tpufab.jobs import fold_states
+
+    if api:
+        return Decision("preempted", api)
+    unreachable = [w for w in workers if w in states and states[w].state == "unreachable"]
+    if unreachable:
+        waited = min(now - unreachable_since.get(w, now) for w in unreachable)
+        if waited >= unreachable_grace:
+            return Decision("lost", f"{nodeset.fold(unreachable)} unreachable for "
+                                    f"{waited:.0f} s while the API says the node is READY")
+        return Decision("wait")
+    ended = [states[w] for w in workers if w in states and finished(states[w])]
+    if len(ended) == len(workers):
+        if all(s.ok for s in ended):
+            return Decision("finished", fold_states(ended))
+        return Decision("failed", fold_states(ended))
+    if any(not s.ok for s in ended) and first_failure_at is not None \
+            and now - first_failure_at >= failure_grace:
+        return Decision("stop-others", fold_states(states[w] for w in workers if w in states))
+    return Decision("wait")
+
+
+def backoff_delay(restart: int, base: float, cap: float) -> float:
+    """Seconds to wait before restart number ``restart`` (1, 2, ...): base, 2*base, ... cap."""
+    if restart < 1 or base <= 0:
+        return 0.0
+    return min(cap, base * 2 ** (restart - 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# One babysitter per node
+
+
+class Lock:
+    """``<state_dir>/babysit/<project>.<zone>.<name>.lock``, held with flock for the life of the
+    babysitter: a crashed or killed babysitter's lock is free again (the file only says who
+    held it last)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd: int | None = None
+
+    @classmethod
+    def for_node(cls, settings: Settings) -> Lock:
+        key = f"{settings.project}.{settings.zone}.{settings.name}"
+        return cls(settings.state_path / "babysit" / f"{key}.lock")
+
+    def holder(self) -> dict:
+        try:
+            return json.loads(self.path.read_text() or "{}")
+        except (OSError, ValueError):
+            return {}
+
+    def acquire(self, what: str) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            held = self.holder()
+            who = f"pid {held.get('pid', '?')} on {held.get('host', '?')}"
+            since = held.get("started")
+            when = f" since {time.strftime('%H:%M:%S', time.localtime(since))}" if since else ""
+            raise BabysitError(f"Another babysit ({who}{when}, {held.get('what', '?')}) is "
+                               f"already watching this node; stop it first (kill "
+                               f"{held.get('pid', 'its pid')}) or babysit another node. "
+                               f"Lock: {self.path}.") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "started": time.time(), "what": what}).encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            try:
+                os.ftruncate(self._fd, 0)
+            finally:
+                os.close(self._fd)   # closing drops the flock
+                self._fd = None
+
+    def __enter__(self) -> Lock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# ---------------------------------------------------------------------------------------------
+# Records
+
+
+@dataclass
+class Attempt:
+    number: int
+    run_id: str
+    outcome: str                 # finished | failed | preempted | lost | interrupted
+    reason: str
+    log_dir: Path
+    states: dict[int, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"attempt": self.number, "run": self.run_id, "outcome": self.outcome,
+                "reason": self.reason, "log_dir": str(self.log_dir), "states": self.states}
+
+
+@dataclass
+class BabysitResult:
+    run_id: str                  # the first attempt's run id: ./.tpufab/runs/<run_id>/
+    attempts: list[Attempt]
+    exit_code: int
+    log_dir: Path
+
+    @property
+    def restarts(self) -> int:
+        return max(0, len(self.attempts) - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The babysitter
+
+
+class Babysitter:
+    """Runs the attempts; every side effect goes through the pod's fan-out, the control plane
+    and the library verbs (lifecycle, deploy, mount, jobs)."""
+
+    def __init__(self, settings: Settings, recipe: str | Path, *, args: Sequence[str] = (),
+                 max_restarts: int = 3, restart_on_failure: bool = False,
+                 env: Sequence[str] = (), setup_script: str | Path | None = None,
+                 no_deploy: bool = False, direct: bool = False, poll: float = DEFAULT_POLL,
+                 unreachable_grace: float = DEFAULT_UNREACHABLE_GRACE,
+                 failure_grace: float = DEFAULT_FAILURE_GRACE,
+                 backoff: tuple[float, float] = DEFAULT_BACKOFF,
+                 create_attempts: int = DEFAULT_CREATE_ATTEMPTS,
+                 control: ControlPlane | None = None, console: Console | None = None,
+                 out=None, base_dir: Path | None = None,
+                 sleep: Callable[[float], None] | None = None):
+        from tpufab import lifecycle
+
+        self.recipe = Path(recipe)
+        if not self.recipe.is_file():
+            raise ConfigError(f"No recipe at {recipe}: pass an executable file such as "
+                              "recipes/jax_hello.sh.")
+        if max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be 0 or more, not {max_restarts}.")
+        if no_deploy and direct:
+            raise ConfigError("--no-deploy skips deploy, while --direct says how to deploy: "
+                              "give one or the other.")
+        self.name = lifecycle.validate_name(settings.name)
+        settings.project = settings.require("project")
+        self.settings = settings
+        self.args = list(args)
+        self.max_restarts = max_restarts
+        self.restart_on_failure = restart_on_failure
+        self.env = list(env)
+        self.setup_path = Path(setup_script) if setup_script else None
+        if self.setup_path is not None and not self.setup_path.is_file():
+            raise ConfigError(f"Setup script {setup_script} does not exist.")
+        self.no_deploy = no_deploy
+        self.direct = direct
+        self.poll = poll
+        self.unreachable_grace = unreachable_grace
+        self.failure_grace = failure_grace
+        self.backoff = backoff
+        self.create_attempts = max(1, create_attempts)
+        self.control = lifecycle.control_plane(settings, control)
+        if console is None:
+            from tpufab.console import stderr
+
+            console = stderr()
+        self.console = console
+        self.out = out
+        self.base_dir = base_dir
+        self._stop = threading.Event()
+        self.sleep = sleep or (lambda s: self._stop.wait(s))
+        self.spec: NodeSpec | None = None
+        self.restore = Restore()
+        self.root: Path | None = None
+        self.attempts: list[Attempt] = []
+        self.log_dir: Path | None = None
+
+    # -- small helpers ------------------------------------------------------------------------
+    def note(self, text: str, style: str | None = None) -> None:
+        self.console.print(text, markup=False, style=style)
+
+    def _pod(self):
+        from tpufab import pod as pods
+
+        return pods.shared(self.settings, control=self.control, console=self.console)
+
+    def _forget_pod(self) -> None:
+        from tpufab import pod as pods
+
+        pods.forget(self.settings)
+
+    def _api(self) -> tuple[list[Node], QueuedResourceInfo | None]:
+        from tpufab.status import find_nodes
+
+        try:
+            return find_nodes(self.control, self.name)
+        except ApiError as err:
+            if "No TPU node or queued resource" in str(err):
+                return [], None
+            raise
+
+    def _expected(self) -> list[str]:
+        spec = self.spec
+        if spec is None:
+            return [self.name]
+        if spec.num_slices > 1:
+            return [f"{self.name}-{i}" for i in range(spec.num_slices)]
+        return [self.name]
+
+    def api_reason(self) -> str | None:
+        """The API's verdict; a failing API is reported and treated as "no news"."""
+        try:
+            nodes, qr = self._api()
+        except ApiError as err:
+            self.note(f"babysit: could not ask the TPU API ({err}); trying again in "
+                      f"{self.poll:g} s.", "yellow")
+            return None
+        return api_reason(self.name, nodes, qr, self._expected())
+
+    # -- the whole thing ----------------------------------------------------------------------
+    def run(self) -> BabysitResult:
+        with Lock.for_node(self.settings) as lock:
+            lock.acquire(f"babysit {self.recipe.name} on {self.name}")
+            return self._run()
+
+    def _run(self) -> BabysitResult:
+        nodes, qr = self._api()
+        self.spec = NodeSpec.from_api(self.name, nodes, qr)
+        reason = api_reason(self.name, nodes, qr, self._expected()) if nodes or qr else None
+        if self.setup_path is not None:
+            self.restore.setup_script = self.setup_path.read_bytes()
+            self.restore.setup_name = self.setup_path.name
+            self.restore.setup_hash = setup_hash(self.restore.setup_script)
+        if reason is None and not all(n.ready for n in nodes):
+            raise BabysitError(f"TPU node {self.name} is "
+                               f"{', '.join(sorted({n.state for n in nodes})) or 'not there'}, "
+                               "not READY; wait for it (`tpufab describe`) and babysit again.")
+        if reason is None:
+            self._capture()
+        else:
+            self.note(f"babysit: {reason} before the first attempt; recovering it first.",
+                      "yellow")
+            self._recover(reason)
+        self._deploy_first()
+        self.note(f"babysit: after a preemption {self.name} is recreated as "
+                  f"{self.spec.describe()} and gets {self.restore.describe()}.", "dim")
+        restarts = 0
+        needs_recovery = False
+        while True:
+            if needs_recovery:
+                self._recover(self.attempts[-1].reason)
+            attempt = self._attempt(len(self.attempts), restarts)
+            self.attempts.append(attempt)
+            self._write_summary()
+            if attempt.outcome == "finished":
+                self.note(f"babysit: run {self.base_run_id} finished after {restarts} "
+                          f"restart{'s' if restarts != 1 else ''}. Logs: "
+                          f"{_relative(self.log_dir)}/.")
+                return BabysitResult(self.base_run_id, self.attempts, 0, self.log_dir)
+            if attempt.outcome == "failed" and not self.restart_on_failure:
+                raise BabysitError(
+                    f"Run {attempt.run_id} failed on its own ({attempt.reason}); that is not a "
+                    "preemption, so babysit stops here (pass --restart-on-failure to restart "
+                    f"on failures too). Logs: {_relative(attempt.log_dir)}/.",
+                    exit_code=self._exit_code(attempt))
+            if restarts >= self.max_restarts:
+                raise BabysitError(
+                    f"Gave up after {restarts} restart{'s' if restarts != 1 else ''} "
+                    f"(--max-restarts {self.max_restarts}): the last attempt "
+                    f"{attempt.outcome} ({attempt.reason}). Logs: {_relative(self.log_dir)}/.",
+                    exit_code=self._exit_code(attempt))
+            restarts += 1
+            needs_recovery = attempt.outcome in ("preempted", "lost")
+            delay = backoff_delay(restarts, *self.backoff)
+            what = "recovering the node" if needs_recovery else "restarting"
+            self.note(f"babysit: attempt {attempt.number} {attempt.outcome} ({attempt.reason}); "
+                      f"{what} in {delay:g} s (restart {restarts} of {self.max_restarts}).",
+                      "yellow")
+            self.sleep(delay)
+
+    @staticmethod
+    def _exit_code(attempt: Attempt) -> int:
+        codes = {int(c.split()[1]) for c in attempt.states.values()
+                 if c.startswith("exited ") and c.split()[1].isdigit() and c != "exited 0"}
+        return codes.pop() if len(codes) == 1 else 1
+
+    # -- before the first attempt -------------------------------------------------------------
+    def _capture(self) -> None:
+        """Read what the workers have now (setup, commit, mounts) to restore it later."""
+        from tpufab import status
+
+        pod = self._pod()
+        facts = status.gather_facts(pod.fanout, deploy_dirs=status.default_deploy_dirs(
+            self.settings))
+        found = Restore.from_facts(facts)
+        if self.restore.setup_script is None and found.setup_hash:
+            first = min(w for w, f in facts.items() if f.reachable)
+            got = pod.fanout.run(["cat", f".tpufab/setup/{found.setup_hash}.sh"],
+                                 workers=[first])
+            try:
+                content = got[first].stdout_bytes if got[first].ok else None
+            finally:
+                got.close()
+            if content is not None and setup_hash(content) == found.setup_hash:
+                self.restore.setup_script = content
+                self.restore.setup_hash = found.setup_hash
+                self.restore.setup_name = f"the setup script the workers ran ({found.setup_hash})"
+        self.restore.commit = found.commit
+        self.restore.deploy_dir = found.deploy_dir
+        self.restore.mounts = found.mounts
+
+    def _deploy_first(self) -> None:
+        """Like `run`: deploy this checkout's HEAD first (unless no_deploy); remember it."""
+        from tpufab import deploy, gitops, nodeset
+
+        if self.no_deploy:
+            if self.restore.commit:
+                try:
+                    self.root = gitops.repo_root()
+                except gitops.GitError:
+                    self.root = None
+            return
+        try:
+            self.root = gitops.repo_root()
+        except gitops.GitError:
+            raise ConfigError(f"{Path.cwd()} is not inside a git repository, so there is "
+                              "nothing to deploy: run from your project's checkout, or pass "
+                              f"--no-deploy to run {self.recipe.name} in the workers' home "
+                              "directories.") from None
+        pod = self._pod()
+        report = deploy.deploy(pod.fanout, dir=self.settings.remote_dir, direct=self.direct,
+                               cwd=self.root,
+                               progress=lambda msg: self.note(f"deploy: {msg}", "dim"))
+        self.restore.commit, self.restore.deploy_dir = report.commit, report.dir
+        self.note(f"Deployed {report.commit[:12]} to {report.dir} on "
+                  f"{nodeset.fold(pod.workers)}.")
+
+    # -- recovery -----------------------------------------------------------------------------
+    def _recover(self, reason: str) -> None:
+        from tpufab import lifecycle
+
+        assert self.spec is not None
+        self._forget_pod()
+        self.note(f"babysit: {reason}: deleting {self.name} (a preempted node still counts "
+                  "against quota) ...", "yellow")
+        lifecycle.delete(self.settings, yes=True, console=self.console, control=self.control)
+        wanted = self.spec.settings(self.settings)
+        for attempt in range(1, self.create_attempts + 1):
+            try:
+                lifecycle.create(wanted, queued=self.spec.queued,
+                                 num_slices=self.spec.num_slices, console=self.console,
+                                 control=self.control)
+                break
+            except ApiError as err:
+                if attempt == self.create_attempts:
+                    raise BabysitError(f"Could not recreate {self.name} after {attempt} tries: "
+                                       f"{err}") from None
+                delay = backoff_delay(attempt, *self.backoff)
+                self.note(f"babysit: creating {self.name} failed ({err}); trying again in "
+                          f"{delay:g} s.", "yellow")
+                if "Queued resource" in str(err) or "vanished" in str(err):
+                    lifecycle.delete(self.settings, yes=True, console=self.console,
+                                     control=self.control)
+                self.sleep(delay)
+        self._restore()
+
+    def _restore(self) -> None:
+        from tpufab import deploy, mount, nodeset
+        from tpufab.fanout import run_setup
+
+        pod = self._pod()
+        r = self.restore
+        if r.setup_script is not None:
+            self.note(f"babysit: setup ({r.setup_name}) on {nodeset.fold(pod.workers)} ...")
+            result, _ = run_setup(pod.fanout, r.setup_script)
+            result.close()
+        if r.commit and self.root is not None:
+            report = deploy.deploy(pod.fanout, ref=r.commit, dir=r.deploy_dir,
+                                   direct=self.direct, cwd=self.root,
+                                   progress=lambda msg: self.note(f"deploy: {msg}", "dim"))
+            self.note(f"babysit: deployed {report.commit[:12]} to {report.dir} again.")
+        elif r.commit:
+            self.note(f"babysit: commit {r.commit[:12]} was deployed, but this directory is "
+                      "not its repository: not deploying it again.", "yellow")
+        for m in r.mounts:
+            mount.mount(pod.fanout, m.url, at=m.at, driver=m.driver,
+                        endpoint=self.settings.storage_endpoint)
+            self.note(f"babysit: mounted {m.url} at {m.at} again.")
+
+    # -- one attempt --------------------------------------------------------------------------
+    @property
+    def base_run_id(self) -> str:
+        return self.attempts[0].run_id if self.attempts else self._first_run_id
+
+    def _attempt(self, number: int, restarts: int) -> Attempt:
+        from tpufab import jobs
+        from tpufab.fanout import FanoutInterrupted
+        from tpufab.remote_files import RemoteFile
+        from tpufab.runs import Forwarded, new_run_id
+
+        pod = self._pod()
+        run_id = new_run_id()
+        if number == 0:
+            self._first_run_id = run_id
+            if self.base_dir is not None:
+                self.base_dir.mkdir(parents=True, exist_ok=True)
+            self.log_dir = jobs.local_log_dir(run_id, self.base_dir)
+        assert self.log_dir is not None
+        attempt_dir = self.log_dir / f"attempt-{number}"
+        attempt_dir.mkdir(parents=True, exist_ok=True)
+        forwarded = self._forwarded()
+        forwarded = Forwarded({**forwarded.public, RESTART_VARIABLE: str(restarts),
+                               BABYSIT_VARIABLE: self.base_run_id}, forwarded.secrets)
+        cwd = self.restore.deploy_dir or jobs.default_cwd(self.settings.remote_dir)
+        plan = jobs.plan_run(RemoteFile.from_path(self.recipe), slices=pod.slices,
+                             ips=pod.internal_ips(), run_id=run_id, args=self.args, cwd=cwd,
+                             commit=self.restore.commit, forwarded=forwarded)
+        try:
+            jobs.start(pod.fanout, plan)
+        except FanoutInterrupted:
+            jobs.stop(pod.fanout, run_id, plan.workers, grace=2.0)
+            raise BabysitError(f"Interrupted while starting run {run_id}; stopped it on "
+                               f"{nodeset.fold(plan.workers)}.", exit_code=130) from None
+        except jobs.RunError:
+            reason = self.api_reason()
+            if reason is None:
+                raise
+            return Attempt(number, run_id, "preempted", reason, attempt_dir)
+        self.note(f"babysit: attempt {number} is run {run_id} ({self.recipe.name}, "
+                  f"{RESTART_VARIABLE}={restarts}) on {nodeset.fold(plan.workers)}; logs "
+                  f"copied to {_relative(attempt_dir)}/.")
+        return self._watch(pod, plan, number, attempt_dir)
+
+    def _forwarded(self):
+        from tpufab.jobverbs import forwarded_for
+
+        return forwarded_for(self.settings, self.env)
+
+    def _watch(self, pod, plan, number: int, attempt_dir: Path) -> Attempt:
+        from tpufab import jobs
+        from tpufab.fanout import LiveView
+
+        workers = plan.workers
+        ended: dict[int, WorkerState] = {}
+        lock = threading.Lock()
+
+        def on_end(worker: int, state: WorkerState) -> None:
+            with lock:
+                ended[worker] = state
+
+        view = LiveView(out=self.out, workers=workers) if self.out is not None else \
+            LiveView(workers=workers)
+        sink = jobs.FollowSink(view, secrets=plan.secrets.values(), copy_dir=attempt_dir,
+                               on_end=on_end)
+        box: dict[str, Any] = {}
+
+        def follow() -> None:
+            try:
+                jobs.follow(pod.fanout, plan.run_id, workers, sink)
+            except BaseException as err:  # noqa: BLE001 - reported by the watcher
+                box["error"] = err
+
+        follower = threading.Thread(target=follow, name="tpufab-babysit-follow", daemon=True)
+        follower.start()
+        states: dict[int, WorkerState] = {}
+        followed_end: dict[int, WorkerState] = {}
+        confirmed_lost: set[int] = set()
+        unreachable_since: dict[int, float] = {}
+        first_failure: float | None = None
+        stopped = False
+        decision = Decision("wait")
+        try:
+            while True:
+                follower.join(self.poll)
+                now = time.monotonic()
+                with lock:
+                    fresh = {w: s for w, s in ended.items() if w not in followed_end}
+                    followed_end.update(fresh)
+                states.update(fresh)
+                # ask again where nobody follows any more, and where a follower said "lost"
+                # (it can read the instant between the recipe's exit and its record so)
+                unfollowed = [w for w, s in states.items() if not finished(s) or
+                              (s.state == "lost" and w not in confirmed_lost)]
+                if unfollowed:
+                    probed = self._probe(pod, plan.run_id, unfollowed)
+                    confirmed_lost.update(w for w, s in probed.items() if s.state == "lost")
+                    states.update(probed)
+                for w, s in states.items():
+                    if s.state == "unreachable":
+                        unreachable_since.setdefault(w, now)
+                    else:
+                        unreachable_since.pop(w, None)
+                    if finished(s) and not s.ok and first_failure is None:
+                        first_failure = now
+                decision = decide(workers, states, api=self.api_reason(),
+                                  unreachable_since=unreachable_since, now=now,
+                                  unreachable_grace=self.unreachable_grace,
+                                  first_failure_at=first_failure, failure_grace=self.failure_grace)
+                if decision.action == "stop-others" and not stopped:
+                    running = [w for w in workers if not (w in states and finished(states[w]))]
+                    self.note(f"babysit: {decision.reason}; stopping the run on "
+                              f"{nodeset.fold(running)} (a job without a peer only hangs).",
+                              "yellow")
+                    jobs.stop(pod.fanout, plan.run_id, running, grace=2.0)
+                    stopped = True
+                    continue
+                if decision.action not in ("wait", "stop-others"):
+                    break
+                if not follower.is_alive() and "error" in box:
+                    raise box["error"]
+        except KeyboardInterrupt:
+            self._stop.set()
+            self.note(f"babysit: interrupted; stopping run {plan.run_id} ...", "yellow")
+            try:
+                jobs.stop(pod.fanout, plan.run_id, workers, grace=2.0)
+            finally:
+                self._end_follower(pod, follower, sink)
+                self._keep_logs(pod, plan.run_id, states, attempt_dir)
+                self.attempts.append(Attempt(number, plan.run_id, "interrupted", "Ctrl-C",
+                                             attempt_dir, {w: s.label for w, s in states.items()}))
+                self._write_summary()
+            raise BabysitError(f"Interrupted: stopped run {plan.run_id} on "
+                               f"{nodeset.fold(workers)}; babysit ended. Logs: "
+                               f"{_relative(attempt_dir)}/.", exit_code=130) from None
+        self._end_follower(pod, follower, sink)
+        if decision.action in ("preempted", "lost"):
+            self.note(f"babysit: {decision.reason}; keeping whatever logs are reachable ...",
+                      "yellow")
+        self._keep_logs(pod, plan.run_id, states, attempt_dir)
+        return Attempt(number, plan.run_id, decision.action, decision.reason, attempt_dir,
+                       {w: s.label for w, s in sorted(states.items())})
+
+    def _probe(self, pod, run_id: str, workers: Sequence[int]) -> dict[int, WorkerState]:
+        """Ask workers nobody follows any more (their follower's connection broke) how the run
+        stands there, over a fresh connection."""
+        from tpufab import jobs
+        from tpufab.jobs import WorkerState, state_from_status
+
+        out = {}
+        for w, answer in jobs.statuses(pod.fanout, list(workers)).items():
+            if answer.error is not None:
+                out[w] = WorkerState(w, "unreachable", detail=answer.error)
+                continue
+            entry = next((e for e in answer.runs if e.get("run") == run_id), None)
+            out[w] = state_from_status(w, entry) if entry else WorkerState(w, "no record")
+        return out
+
+    def _end_follower(self, pod, follower: threading.Thread, sink) -> None:
+        if follower.is_alive():
+            follower.join(2.0)
+        if follower.is_alive():
+            # connections that hang (a vanished VM): closing them ends the followers
+            pod.fanout.close()
+            follower.join(10.0)
+        sink.close()
+
+    def _keep_logs(self, pod, run_id: str, states: Mapping[int, WorkerState],
+                   attempt_dir: Path) -> None:
+        """The whole log of every worker that still answers (the copy made while following
+        stops where a connection broke)."""
+        from tpufab import jobs
+
+        reachable = [w for w in pod.workers
+                     if not (w in states and states[w].state == "unreachable")]
+        if not reachable:
+            return
+        try:
+            logs, _ = jobs.fetch_logs(pod.fanout, run_id, reachable)
+        except TpufabError as err:
+            self.note(f"babysit: could not fetch the logs ({err}).", "yellow")
+            return
+        for w, data in logs.items():
+            path = attempt_dir / f"w{w}.log"
+            have = path.stat().st_size if path.exists() else 0
+            if len(data) >= have:
+                path.write_bytes(_masked(data, self._secret_values()))
+
+    def _secret_values(self) -> list[str]:
+        return list(self._forwarded().secrets.values())
+
+    def _write_summary(self) -> None:
+        if self.log_dir is None:
+            return
+        data = {"run": self.base_run_id, "node": self.name, "recipe": str(self.recipe),
+                "args": self.args, "spec": self.spec.describe() if self.spec else None,
+                "restore": self.restore.describe(),
+                "attempts": [a.to_json() for a in self.attempts]}
+        tmp = self.log_dir / "babysit.json.tmp"
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        tmp.replace(self.log_dir / "babysit.json")
+
+
+def _masked(data: bytes, secrets: Iterable[str]) -> bytes:
+    from tpufab.quoting import mask_bytes
+
+    values = sorted({s.encode() for s in secrets if s}, key=len, reverse=True)
+    return mask_bytes(data, values) if values else data
+
+
+def _relative(path: Path | None) -> str:
+    if path is None:
+        return "-"
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def babysit(settings: Settings, recipe: str | Path, **options: Any) -> BabysitResult:
+    """Run ``recipe`` on the pod named by ``settings.name`` through preemptions (see the
+    module docstring); raises BabysitError when it ends any other way than finished."""
+    return Babysitter(settings, recipe, **options).run()
