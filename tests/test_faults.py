@@ -6,6 +6,7 @@ docs/reliability.md. Most drive `tpufab` as a subprocess, the way a user meets t
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -107,7 +108,7 @@ def pod4(sim, tmp_path_factory):
     lifecycle.delete(settings, yes=True, console=quiet_console())
 
 
-def go(sim, pod4, marker: str, workers=range(4)) -> None:
+def release(sim, pod4, marker: str, workers=range(4)) -> None:
     for w in workers:
         in_worker(sim, pod4.node, w, f"touch /tmp/{marker}")
 
@@ -129,7 +130,7 @@ def test_fault_1_sshd_dies_mid_exec(sim, sim_admin, pod4):
         wait_for(lambda: sum(running.saw(f"w{w} │ started") for w in range(4)) == 4, 30,
                  what="the command to start on every worker")
         sim_admin.kill_sshd(pod4.name, 2)
-        go(sim, pod4, marker, [0, 1, 3])
+        release(sim, pod4, marker, [0, 1, 3])
         result = running.wait(60)
     finally:
         running.kill()
@@ -287,7 +288,7 @@ def test_fault_6_ctrl_c_during_setup(sim, pod4, tmp_path):
     interrupted(result)
     no_orphans(sim, pod4.node, f"/tmp/{marker}")
     # nothing marked done: the next setup runs the script again, to the end
-    go(sim, pod4, marker)
+    release(sim, pod4, marker)
     again = tpufab("setup", "--script", str(script), env=pod4.env)
     assert again.returncode == 0, again.stderr
     assert "w[0-3] ran" in again.stdout
@@ -366,9 +367,314 @@ def test_fault_6_ctrl_c_during_deploy(sim, pod4, tmp_path):
     no_orphans(sim, pod4.node, "hooks/post-checkout")
     no_orphans(sim, pod4.node, "deploy_worker.py")
     # the next deploy finishes (the hook no longer blocks) and every worker is at `second`
-    go(sim, pod4, marker)
+    release(sim, pod4, marker)
     again = subprocess.run(argv, env=pod4.env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr
     assert f"deployed {second}" in again.stdout
     for w in range(4):
         assert in_worker(sim, pod4.node, w, "git -C ~/proj rev-parse HEAD").strip() == second
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. preemption in the middle of a babysat run
+
+BABYSAT = """#!/bin/sh
+echo "attempt $TPUFAB_RESTART_COUNT on w$TPUFAB_WORKER_ID in $(basename "$PWD") at $(cat version.txt)"
+echo "setup: $(cat ~/setup-marker 2>/dev/null || echo missing)"
+echo "bucket: $(cat /tmp/bkt/hello.txt 2>/dev/null || echo missing)"
+if [ "$TPUFAB_RESTART_COUNT" = 0 ]; then
+    while true; do sleep 0.05; done     # until the node is preempted under it
+fi
+echo "finished attempt $TPUFAB_RESTART_COUNT"
+"""
+
+
+def test_fault_5_preemption_mid_babysat_run(sim, sim_admin, tmp_path, monkeypatch):
+    import shutil
+
+    from tpufab import babysit, lifecycle, mount
+    from tpufab import pod as pods
+    from tpufab.controlplane import ControlPlane
+    from tpufab.fanout import run_setup
+    from tpufab.sim.admin import StorageClient
+
+    home = tmp_path / "home"
+    home.mkdir()
+    settings = sim_settings(sim, home, name=unique_name("pre"), type="v4-16", spot=True)
+    with_bucket = bool(sim.storage_endpoint) and shutil.which("rclone") is not None
+    lifecycle.create(settings, console=quiet_console())
+    try:
+        # the pod as a user left it: set up, a bucket mounted, and babysit deploys the repo
+        pod = pods.shared(settings)
+        run_setup(pod.fanout, b"#!/bin/sh\necho ran >> ~/setup-marker\n")[0].close()
+        if with_bucket:
+            bucket = unique_name("bkt")
+            StorageClient(sim.storage_endpoint).create_bucket(bucket)
+            mount.mount(pod.fanout, f"gs://{bucket}", at="/tmp/bkt", driver="rclone",
+                        endpoint=sim.storage_endpoint,
+                        options=["--dir-cache-time", "1s", "--vfs-write-back", "0s"])
+            pod.fanout.run("echo from-the-bucket > /tmp/bkt/hello.txt", workers=[0],
+                           check=True)
+        repo = tmp_path / "proj"
+        repo.mkdir()
+        git(repo, "init", "-q", "-b", "main")
+        (repo / "version.txt").write_text("v1\n")
+        recipe = repo / "babysat.sh"
+        recipe.write_text(BABYSAT)
+        recipe.chmod(0o755)
+        git(repo, "add", ".")
+        git(repo, "commit", "-q", "-m", "v1")
+        commit = git(repo, "rev-parse", "HEAD")
+        monkeypatch.chdir(repo)
+        before = ControlPlane(settings).get_node(settings.name)
+
+        sitter = babysit.Babysitter(settings, recipe, direct=True, poll=0.3,
+                                    backoff=(0.0, 0.0), console=quiet_console(),
+                                    out=open(os.devnull, "w"), base_dir=tmp_path / "local")
+        outcome: dict = {}
+        thread = threading.Thread(target=lambda: outcome.update(
+            result=_catch(sitter.run)), daemon=True)
+        thread.start()
+        first_logs = lambda: sitter.log_dir / "attempt-0"  # noqa: E731
+        wait_for(lambda: "result" in outcome or sitter.log_dir is not None and all(
+            "attempt 0" in _read(first_logs() / f"w{w}.log") for w in (0, 1)), 60,
+            what="attempt 0 to be running (its logs copied locally)")
+        if "result" in outcome:
+            raise outcome["result"]
+        sim_admin.preempt(settings.name)
+        thread.join(120)
+        assert not thread.is_alive(), "babysit did not finish"
+        result = outcome["result"]
+        assert not isinstance(result, BaseException), result
+
+        # recovered: a new node of the same spec, and the recipe ran again to the end
+        after = ControlPlane(settings).get_node(settings.name)
+        assert after.id != before.id and after.state == "READY"
+        assert (after.accelerator_type, after.spot, after.runtime_version) == \
+            (before.accelerator_type, before.spot, before.runtime_version)
+        assert [a.outcome for a in result.attempts] == ["preempted", "finished"]
+        assert result.attempts[0].reason == f"TPU node {settings.name} was PREEMPTED"
+        # the old attempt's logs are on disk locally
+        for w in (0, 1):
+            old = (result.log_dir / "attempt-0" / f"w{w}.log").read_text()
+            assert f"attempt 0 on w{w} in proj at v1" in old
+            new = (result.log_dir / "attempt-1" / f"w{w}.log").read_text()
+            assert f"attempt 1 on w{w} in proj at v1" in new     # same commit, deployed again
+            assert "setup: ran" in new                           # same setup script, run again
+            if with_bucket:
+                assert "bucket: from-the-bucket" in new          # same bucket, mounted again
+            assert "finished attempt 1" in new
+        assert result.log_dir == tmp_path / "local" / ".tpufab" / "runs" / result.run_id
+        pod = pods.shared(settings)
+        heads = pod.fanout.run("git -C ~/proj rev-parse HEAD", check=True)
+        assert {r.stdout.strip() for r in heads.values()} == {commit}
+    finally:
+        if with_bucket:
+            try:
+                mount.umount(pods.shared(settings).fanout, "/tmp/bkt", lazy=True)
+            except Exception:  # noqa: BLE001 - the node goes anyway
+                pass
+        pods.forget(settings)
+        lifecycle.delete(settings, yes=True, console=quiet_console())
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except BaseException as err:  # noqa: BLE001 - the test thread reports it
+        return err
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# the same faults during `run` and `kill` (the verbs, called the way the CLI calls them)
+
+VERB_DRIVER = """
+import json, sys
+from tpufab import jobverbs
+from tpufab.console import run
+sys.exit(run(getattr(jobverbs, sys.argv[1]), **json.loads(sys.argv[2])))
+"""
+
+
+def verb(tmp_path: Path, name: str, **kwargs) -> list[str]:
+    """argv running ``tpufab.jobverbs.<name>(**kwargs)`` through console.run, as the CLI does."""
+    import json
+    import sys
+
+    driver = tmp_path / "verb_driver.py"
+    if not driver.exists():
+        driver.write_text(VERB_DRIVER)
+    return [sys.executable, str(driver), name, json.dumps(kwargs)]
+
+
+WAITING = """#!/bin/sh
+echo "started w$TPUFAB_WORKER_ID"
+while [ ! -e "/tmp/$GO" ]; do sleep 0.05; done
+echo "finished w$TPUFAB_WORKER_ID"
+"""
+
+
+@pytest.fixture
+def waiting_recipe(tmp_path):
+    recipe = tmp_path / "waiting.sh"
+    recipe.write_text(WAITING)
+    recipe.chmod(0o755)
+    return recipe
+
+
+RECIPE_RUNNING = "recipe/waiting.sh"
+
+
+def test_fault_1_sshd_dies_mid_run(sim, sim_admin, pod4, tmp_path, waiting_recipe):
+    go = unique_name("go")
+    env = {**pod4.env, "GO": go}
+    running = Running(verb(tmp_path, "run", recipe=str(waiting_recipe), no_deploy=True,
+                           env=["GO"]), env, cwd=tmp_path)
+    try:
+        wait_for(lambda: sum(running.saw(f"w{w} │ started w{w}") for w in range(4)) == 4, 60,
+                 what="the run to start on every worker")
+        sim_admin.kill_sshd(pod4.name, 2)
+        release(sim, pod4, go)
+        result = running.wait(60)
+    finally:
+        running.kill()
+    assert result.returncode != 0
+    for w in (0, 1, 3):
+        assert f"w{w} │ finished w{w}" in result.stdout
+    assert "Lost w2 while following" in result.stderr and "Traceback" not in result.stderr
+    [copy] = list((tmp_path / ".tpufab" / "runs").iterdir())
+    for w in (0, 1, 3):   # their logs are intact locally
+        assert (copy / f"w{w}.log").read_text() == f"started w{w}\nfinished w{w}\n"
+    # the run itself went on on w2 (it is detached) and finished there
+    wait_for(lambda: "exit_code" in in_worker(sim, pod4.node, 2,
+                                              f"ls ~/.tpufab/runs/{copy.name}/"), 20,
+             what="the run to end on w2")
+
+
+@pytest.mark.parametrize("choice", ["kill", "detach"])
+def test_fault_6_ctrl_c_during_run(sim, pod4, tmp_path, waiting_recipe, choice):
+    if choice == "detach":
+        pytest.importorskip("tpufab.killing", reason="`tpufab kill` (tpufab.killing) has not "
+                            "landed yet")
+    go = unique_name("go")
+    env = {**pod4.env, "GO": go}
+    running = Running(verb(tmp_path, "run", recipe=str(waiting_recipe), no_deploy=True,
+                           env=["GO"], on_interrupt=choice), env, cwd=tmp_path)
+    try:
+        wait_for(lambda: sum(running.saw(f"w{w} │ started w{w}") for w in range(4)) == 4, 60,
+                 what="the run to start on every worker")
+        running.interrupt()
+        result = running.wait(60)
+    finally:
+        running.kill()
+    interrupted(result)
+    [copy] = list((tmp_path / ".tpufab" / "runs").iterdir())
+    run_id = copy.name
+    if choice == "kill":
+        no_orphans(sim, pod4.node, RECIPE_RUNNING)
+    else:
+        # detached on purpose: still recorded and running, and `kill --run` ends it
+        assert f"tpufab kill --run {run_id}" in result.stderr
+        listed = subprocess.run(verb(tmp_path, "runs", as_json=True), env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert listed.returncode == 0, listed.stderr
+        assert f'"{run_id}"' in listed.stdout and "running" in listed.stdout
+        killed = subprocess.run(verb(tmp_path, "kill", run=run_id), env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert killed.returncode == 0, killed.stderr
+        no_orphans(sim, pod4.node, RECIPE_RUNNING)
+    release(sim, pod4, go)
+    again = subprocess.run(verb(tmp_path, "run", recipe=str(waiting_recipe), no_deploy=True,
+                                env=["GO"]), env=env, cwd=tmp_path, capture_output=True,
+                           text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+
+
+STUBBORN = """#!/bin/sh
+trap '' TERM
+echo "stubborn w$TPUFAB_WORKER_ID"
+while true; do sleep 0.05; done
+"""
+
+
+def test_fault_6_ctrl_c_during_kill(sim, pod4, tmp_path):
+    pytest.importorskip("tpufab.killing", reason="`tpufab kill` (tpufab.killing) has not "
+                        "landed yet")
+    recipe = tmp_path / "stubborn.sh"
+    recipe.write_text(STUBBORN)
+    recipe.chmod(0o755)
+    started = subprocess.run(verb(tmp_path, "run", recipe=str(recipe), no_deploy=True,
+                                  detach=True), env=pod4.env, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stderr
+    wait_for(lambda: all(processes(sim, pod4.node, w, "recipe/stubborn.sh") for w in range(4)),
+             30, what="the stubborn run on every worker")
+    # kill waits out a long grace for processes that ignore SIGTERM: interrupt it then
+    killing = Running(verb(tmp_path, "kill", grace=30.0), pod4.env, cwd=tmp_path)
+    try:
+        wait_for(lambda: all(processes(sim, pod4.node, w, "tpukill") for w in range(4)), 30,
+                 what="kill to be waiting on every worker")
+        killing.interrupt()
+        result = killing.wait(60)
+    finally:
+        killing.kill()
+    interrupted(result)
+    no_orphans(sim, pod4.node, "tpukill")           # the kill itself left nothing behind
+    again = subprocess.run(verb(tmp_path, "kill", grace=1.0), env=pod4.env, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr       # and the next kill finishes the job
+    no_orphans(sim, pod4.node, "recipe/stubborn.sh")
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. a forwarded secret never shows
+
+
+SECRET_RECIPE = """#!/bin/sh
+echo "token sha256 $(printf %s "$HF_TOKEN" | sha256sum | cut -c1-16)"
+while [ ! -e "/tmp/$GO" ]; do sleep 0.05; done
+echo "done"
+"""
+
+
+def test_fault_8_forwarded_hf_token_never_appears(sim, pod4, tmp_path):
+    import hashlib
+
+    token = "hf_" + unique_name("SeCrEt").replace("-", "")
+    recipe = tmp_path / "secret.sh"
+    recipe.write_text(SECRET_RECIPE)
+    recipe.chmod(0o755)
+    go = unique_name("go")
+    env = {**pod4.env, "GO": go, "HF_TOKEN": token}
+    running = Running(verb(tmp_path, "run", recipe=str(recipe), no_deploy=True,
+                           env=["GO", "HF_TOKEN"]), env, cwd=tmp_path)
+    digest = hashlib.sha256(token.encode()).hexdigest()[:16]
+    try:
+        wait_for(lambda: sum(running.saw(f"w{w} │ token sha256 {digest}") for w in range(4))
+                 == 4, 60, what="the recipe to see the token on every worker")
+        for w in range(4):   # while it runs: not in any process's argv on the worker
+            argv = in_worker(sim, pod4.node, w, "cat /proc/[0-9]*/cmdline 2>/dev/null | "
+                             "tr '\\0' ' '; ps -eo args")
+            assert token not in argv
+            # nor in any file tpufab keeps on the worker (records, env files, logs, scripts)
+            found = in_worker(sim, pod4.node, w, f"grep -rl -- '{token}' ~/.tpufab ~/.cache "
+                              "/tmp 2>/dev/null || true")
+            assert found.strip() == "", found
+        release(sim, pod4, go)
+        result = running.wait(60)
+    finally:
+        running.kill()
+    assert result.returncode == 0, result.stderr
+    assert token not in result.stdout + result.stderr
+    assert "HF_TOKEN=***" in result.stderr                       # shown masked
+    for path in (tmp_path / ".tpufab").rglob("*"):
+        if path.is_file():
+            assert token not in path.read_text(errors="replace"), path
+

@@ -228,3 +228,63 @@ def test_the_canary_would_be_seen(pod2):
     pod2.pod.fanout.run(f"touch {probe}", workers=[1], check=True)
     seen = in_worker(pod2.sim, pod2.node, 1, f"test -e {probe} && echo y; rm -f {probe}")
     assert seen.strip() == "y"
+
+
+# ---------------------------------------------------------------------------------------------
+# recipe arguments
+
+
+ARGS = st.lists(HOSTILE, max_size=5)
+PRINT_ARGS = b"#!/usr/bin/env python3\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n"
+
+
+def plan_for(args, run_id=None):
+    from tpufab import jobs
+    from tpufab.remote_files import RemoteFile
+
+    return jobs.plan_run(RemoteFile("print_args.py", PRINT_ARGS, 0o755), slices=[[0, 1]],
+                         ips=["10.0.0.1", "10.0.0.2"], args=args, run_id=run_id)
+
+
+@FEW
+@given(args=ARGS)
+def test_recipe_args_are_single_quoted_words_on_the_worker_command_line(args):
+    from tpufab import jobs
+
+    line = jobs.start_command(plan_for(args))
+    words = shlex.split(line)
+    assert words[words.index("--") + 1:] == args
+
+
+@FEW
+@given(text=HOSTILE)
+def test_an_args_string_that_is_not_shell_words_is_one_sentence(text, tmp_path_factory):
+    from tpufab import statusverbs
+
+    try:
+        shlex.split(text)
+    except ValueError:
+        # babysit (like run) refuses before it looks for the node or the recipe
+        with pytest.raises(ConfigError, match="is not a valid argument list"):
+            statusverbs.babysit(str(tmp_path_factory.getbasetemp() / "none.sh"), name="x",
+                                args=text)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(args=ARGS)
+def test_recipe_args_reach_the_recipe_literally(pod2, args):
+    import json
+
+    from tpufab import jobs
+
+    plan = plan_for(args)
+    plan = jobs.plan_run(plan.recipe, slices=pod2.pod.slices, ips=pod2.pod.internal_ips(),
+                         args=args)
+    jobs.start(pod2.pod.fanout, plan)
+    states = jobs.follow(pod2.pod.fanout, plan.run_id, plan.workers, None)
+    assert all(s.ended for s in states.values()), states
+    logs, _ = jobs.fetch_logs(pod2.pod.fanout, plan.run_id, plan.workers)
+    for w in plan.workers:
+        assert json.loads(logs[w].decode().strip().splitlines()[-1]) == args
+    assert not canary_on_workers(pod2)
