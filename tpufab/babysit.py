@@ -386,12 +386,7 @@ class Babysitter:
     def _api(self) -> tuple[list[Node], QueuedResourceInfo | None]:
         from tpufab.status import find_nodes
 
-        try:
-            return find_nodes(self.control, self.name)
-        except ApiError as err:
-            if "No TPU node or queued resource" in str(err):
-                return [], None
-            raise
+        return find_nodes(self.control, self.name)
 
     def _expected(self) -> list[str]:
         spec = self.spec

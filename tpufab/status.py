@@ -465,16 +465,14 @@ class PodStatus:
 
 def find_nodes(control: ControlPlane, name: str) -> tuple[list[Node], QueuedResourceInfo | None]:
     """The node called ``name`` (and its queued resource), or the slices of the queued resource
-    called ``name``; an ApiError sentence when there is neither."""
+    called ``name``; ``([], None)`` when there is neither."""
     node = control.find_node(name)
     if node is not None:
         qr = control.find_queued_resource(node.queued_resource) if node.queued_resource else None
         return [node], qr
     qr = control.find_queued_resource(name)
     if qr is None:
-        raise ApiError(f"No TPU node or queued resource named {name!r} in "
-                       f"{control.settings.zone} (project {control.settings.project}); see "
-                       "`tpufab list`.")
+        return [], None
     nodes = [n for n in control.list_nodes() if n.queued_resource == name]
     return sorted(nodes, key=lambda n: (n.slice_index or 0, n.name)), qr
 
@@ -514,6 +512,9 @@ def collect(settings: Settings, *, control: ControlPlane | None = None, pod: Any
     settings.project = settings.require("project")
     control = lifecycle.control_plane(settings, control)
     nodes, qr = find_nodes(control, name)
+    if not nodes and qr is None:
+        raise ApiError(f"No TPU node or queued resource named {name!r} in {settings.zone} "
+                       f"(project {settings.project}); see `tpufab list`.")
     status = PodStatus(name, nodes, qr)
     if not nodes:
         status.note = (f"Queued resource {name} has no nodes yet ({qr.state if qr else '?'}).")
