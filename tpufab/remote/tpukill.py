@@ -20,13 +20,11 @@ Exit status: 0 when the devices are free (or --dry-run), 1 otherwise.
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import glob
 import json
 import os
 import signal
-import socket
 import stat
 import sys
 import time
@@ -412,7 +410,7 @@ def kill(devices_globs, lockfiles, run_dir, run_id, grace, settle, dry_run, forc
     locks = [os.path.expanduser(path) for path in lockfiles]
     watched = Watched(devices + locks)
     report = {
-        "host": socket.gethostname(),
+        "host": os.uname().nodename,
         "dry_run": dry_run,
         "force": force,
         "grace": grace,
@@ -576,7 +574,63 @@ def finish(report, unreadable, started):
     return report
 
 
+# Flags that take a value (repeatable ones append), and on/off flags. Parsed by hand: on a
+# 64-worker kill every worker starts this script at once, and argparse alone costs ~10 ms of
+# CPU per start (gettext, shutil, locale); argparse is only loaded for --help or a mistake.
+VALUE_FLAGS = {"--devices-glob": "devices_globs", "--lockfile": "lockfiles",
+               "--run-dir": "run_dir", "--run": "run_id", "--grace": "grace",
+               "--settle": "settle"}
+REPEATED = ("devices_globs", "lockfiles")
+SWITCHES = {"--dry-run": "dry_run", "--force": "force"}
+
+
+class Args:
+    def __init__(self):
+        self.devices_globs = None
+        self.lockfiles = None
+        self.run_dir = DEFAULT_RUN_DIR
+        self.run_id = None
+        self.grace = 5.0
+        self.settle = 2.0
+        self.dry_run = False
+        self.force = False
+
+
+def quick_parse(argv):
+    """The flags below, or None when anything needs argparse (help, errors)."""
+    args = Args()
+    items = list(argv)
+    while items:
+        item = items.pop(0)
+        name, eq, value = item.partition("=")
+        if name in SWITCHES and not eq:
+            setattr(args, SWITCHES[name], True)
+            continue
+        if name not in VALUE_FLAGS:
+            return None
+        if not eq:
+            if not items:
+                return None
+            value = items.pop(0)
+        dest = VALUE_FLAGS[name]
+        if dest in REPEATED:
+            setattr(args, dest, (getattr(args, dest) or []) + [value])
+        elif dest in ("grace", "settle"):
+            try:
+                setattr(args, dest, float(value))
+            except ValueError:
+                return None
+        else:
+            setattr(args, dest, value)
+    return args
+
+
 def parse_args(argv):
+    quick = quick_parse(argv)
+    if quick is not None:
+        return quick
+    import argparse
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices-glob", action="append", dest="devices_globs",
                         help="device files to free (repeatable; default: both families)")
