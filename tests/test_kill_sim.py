@@ -278,3 +278,15 @@ def test_a_holder_that_keeps_coming_back_makes_kill_fail(pod_env, tmp_path):
     finally:
         on_workers(pod, ["kill", supervisor], workers=[1])
     assert call(env, "kill", cwd=tmp_path, grace=0.5).returncode == 0
+
+
+def test_without_root_free_is_unknown_and_kill_fails():
+    seen = report(0, killed=False)
+    seen["unreadable_processes"] = 5
+    result = KillResult({0: WorkerReport(0, seen)})
+    assert result.unverified == [0] and not result.ok
+    assert "w0 note 5 processes of other users could not be inspected (not root)" in [
+        " ".join(line.split()) for line in report_lines(result)]
+    assert "TPU free on w0: unknown" in summary(result)
+    seen["dry_run"] = True
+    assert KillResult({0: WorkerReport(0, seen)}, dry_run=True).ok

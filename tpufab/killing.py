@@ -76,6 +76,13 @@ class WorkerReport:
         return r is not None and not r.get("dry_run") and (
             not r.get("device_free", False) or bool(r.get("failed")))
 
+    @property
+    def unverified(self) -> bool:
+        """Not root: other users' processes could not be inspected, so "free" is a guess."""
+        r = self.report
+        return r is not None and not r.get("dry_run") and not self.busy and \
+            bool(r.get("unreadable_processes"))
+
 
 @dataclass
 class KillResult:
@@ -96,8 +103,12 @@ class KillResult:
         return [w for w, r in self.workers.items() if r.busy]
 
     @property
+    def unverified(self) -> list[int]:
+        return [w for w, r in self.workers.items() if r.unverified]
+
+    @property
     def ok(self) -> bool:
-        return not self.unreachable and not self.busy
+        return not self.unreachable and not self.busy and not self.unverified
 
 
 def parse_report(result) -> WorkerReport:
@@ -238,9 +249,9 @@ def kill_entries(result: KillResult) -> list[tuple[int, str, int | None]]:
             entries.append((w, f"lockfile   {lock.get('path')} {action}{by}", None))
         if report.get("noop") and not report.get("protected") and not report.get("holders_left"):
             entries.append((w, "nothing to kill", None))
-        if report.get("hint"):
-            entries.append((w, f"note       {report['hint']} ({report.get('unreadable_processes')} "
-                               "processes unreadable)", None))
+        if report.get("unreadable_processes"):
+            entries.append((w, f"note       {report['unreadable_processes']} processes of other "
+                               "users could not be inspected (not root)", None))
     for w, error in result.unreachable.items():
         entries.append((w, f"UNCHECKED  {error}", None))
     return entries
@@ -304,12 +315,16 @@ def summary(result: KillResult) -> str:
         names = ", ".join(f"{name} on {nodeset.fold(ws)}" for name, ws in protected.items())
         parts.append(f"Left running (protected): {names}; --force stops them too.")
     if not result.dry_run and reports:
-        busy = result.busy
-        free = [w for w in reports if w not in busy]
+        busy, unverified = result.busy, result.unverified
+        free = [w for w in reports if w not in busy and w not in unverified]
         if free:
             parts.append(f"TPU free on {nodeset.fold(free)}: yes.")
         if busy:
             parts.append(f"TPU free on {nodeset.fold(busy)}: NO (see the lines above).")
+        if unverified:
+            parts.append(f"TPU free on {nodeset.fold(unverified)}: unknown, because processes "
+                         "of other users could not be inspected there: log in as root "
+                         "(ssh_user: root) or allow passwordless sudo, then kill again.")
         removed: dict[str, list[int]] = {}
         for w, r in reports.items():
             for path in r.get("lockfiles_removed", ()):
