@@ -560,9 +560,6 @@ def test_fault_1_sshd_dies_mid_run(sim, sim_admin, pod4, tmp_path, waiting_recip
 
 @pytest.mark.parametrize("choice", ["kill", "detach"])
 def test_fault_6_ctrl_c_during_run(sim, pod4, tmp_path, waiting_recipe, choice):
-    if choice == "detach":
-        pytest.importorskip("tpufab.killing", reason="`tpufab kill` (tpufab.killing) has not "
-                            "landed yet")
     go = unique_name("go")
     env = {**pod4.env, "GO": go}
     running = Running(verb(tmp_path, "run", recipe=str(waiting_recipe), no_deploy=True,
@@ -605,8 +602,6 @@ while true; do sleep 0.05; done
 
 
 def test_fault_6_ctrl_c_during_kill(sim, pod4, tmp_path):
-    pytest.importorskip("tpufab.killing", reason="`tpufab kill` (tpufab.killing) has not "
-                        "landed yet")
     recipe = tmp_path / "stubborn.sh"
     recipe.write_text(STUBBORN)
     recipe.chmod(0o755)
