@@ -56,34 +56,43 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
 print(json.dumps(found))
 """
 
-# A TPU job under a supervisor named like the TPU health agent (protected): the supervisor
-# starts the job again whenever it dies, so the device is never free for long. Prints the
-# supervisor's pid; everything ends by itself after a minute.
-RESPAWNER = r"""
-import os, sys, time
-r, w = os.pipe()
-if os.fork():
-    os.close(w)
-    print(os.read(r, 32).decode(), flush=True)
-    sys.exit(0)
-os.setsid()
-null = os.open(os.devnull, os.O_RDWR)
-for fd in (0, 1, 2):
-    os.dup2(null, fd)
-with open("/proc/self/comm", "w") as fh:
-    fh.write("healthagent")
-os.write(w, str(os.getpid()).encode())
-os.close(w)
-deadline = time.monotonic() + 60
-while time.monotonic() < deadline:
-    child = os.fork()
-    if child == 0:
-        with open("/proc/self/comm", "w") as fh:
-            fh.write("python3")
-        held = os.open("/dev/accel1", os.O_RDONLY | os.O_NONBLOCK)
-        time.sleep(60)
+# A TPU job that hands the device to a successor when told to stop (as a restart loop or a
+# supervisor would bring it back): on SIGTERM it starts a new holder, waits until that one
+# holds /dev/accel1, then exits. Only the first generation does this; all end after a minute.
+HANDOFF = r"""
+import os, signal, sys, time
+
+def hold(generation, ready):
+    os.open("/dev/accel1", os.O_RDONLY | os.O_NONBLOCK)
+
+    def stop(signum, frame):
+        if generation == 0:
+            r, w = os.pipe()
+            if os.fork() == 0:
+                os.close(r)
+                hold(1, w)
+            os.close(w)
+            os.read(r, 1)
         os._exit(0)
-    os.waitpid(child, 0)
+
+    signal.signal(signal.SIGTERM, stop)
+    os.write(ready, b"x")
+    os.close(ready)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+    os._exit(0)
+
+r, w = os.pipe()
+if os.fork() == 0:
+    os.close(r)
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    hold(0, w)
+os.close(w)
+print("holding" if os.read(r, 1) else "failed")
 """
 
 
@@ -152,10 +161,10 @@ def test_a_device_still_held_makes_the_result_fail():
     busy = report(100)
     busy["device_free"] = False
     busy["holders_left"] = [{"pid": 9, "name": "python3", "command": "x",
-                             "holds": ["/dev/accel1"]}]
+                             "holds": ["/dev/accel1"], "ppid": 5, "parent": "healthagent"}]
     result = KillResult({0: WorkerReport(0, busy), 1: WorkerReport(1, report(0, killed=False))})
     assert result.busy == [0] and not result.ok
-    assert "w0 BUSY pid 9 python3 still holds /dev/accel1" in [
+    assert "w0 BUSY pid 9 python3 still holds /dev/accel1 (its parent: healthagent pid 5)" in [
         " ".join(line.split()) for line in report_lines(result)]
     assert "TPU free on w0: NO" in summary(result)
 
@@ -265,20 +274,17 @@ def test_dry_run_only_reports(pod_env, tmp_path):
 
 
 @pytest.mark.sim
-def test_a_holder_that_keeps_coming_back_makes_kill_fail(pod_env, tmp_path):
+def test_a_holder_that_comes_back_keeps_the_tpu_busy_and_kill_fails(pod_env, tmp_path):
     env, pod, _ = pod_env
-    supervisor = on_workers(pod, ["python3", "-c", RESPAWNER], workers=[1])[1]
-    try:
-        busy = call(env, "kill", cwd=tmp_path, grace=0.5)
-        assert busy.returncode == 1, busy.stdout + busy.stderr
-        assert any(line.startswith("w1 BUSY") and "/dev/accel1" in line
-                   for line in flat(busy.stdout)), busy.stdout
-        sentence = busy.stderr.strip()
-        assert "TPU free on w[0,2-3]: yes. TPU free on w1: NO" in sentence
-    finally:
-        on_workers(pod, ["kill", supervisor], workers=[1])
-    assert call(env, "kill", cwd=tmp_path, grace=0.5).returncode == 0
-
+    assert on_workers(pod, ["python3", "-c", HANDOFF], workers=[1]) == {1: "holding"}
+    busy = call(env, "kill", cwd=tmp_path, grace=0.5)
+    assert busy.returncode == 1, busy.stdout + busy.stderr
+    assert any(line.startswith("w1 BUSY") and "/dev/accel1" in line
+               for line in flat(busy.stdout)), busy.stdout
+    assert "TPU free on w[0,2-3]: yes. TPU free on w1: NO" in busy.stderr
+    again = call(env, "kill", cwd=tmp_path, grace=0.5)           # the successor goes quietly
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert holders(pod)[1] == {}
 
 def test_without_root_free_is_unknown_and_kill_fails():
     seen = report(0, killed=False)

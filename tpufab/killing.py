@@ -238,8 +238,9 @@ def kill_entries(result: KillResult) -> list[tuple[int, str, int | None]]:
                                f"{fold_paths(e.get('holds', ()))} ({e.get('why')}; left running)",
                             e.get("pid")))
         for e in report.get("holders_left", ()):
+            parent = f" (its parent: {e['parent']} pid {e['ppid']})" if e.get("parent") else ""
             entries.append((w, f"BUSY       {{pid}} {e.get('name')} still holds "
-                               f"{fold_paths(e.get('holds', ()))}", e.get("pid")))
+                               f"{fold_paths(e.get('holds', ()))}{parent}", e.get("pid")))
         for lock in report.get("lockfiles", ()):
             action = lock.get("action")
             if action == "absent":

@@ -47,6 +47,7 @@ PROTECTED_NAMES = (
     "google-osconfig-agent", "guest-agent",
 )
 POLL = 0.02
+CONFIRM = 0.2    # after the holders are gone, how long to watch for one coming back
 COMMAND_MAX = 200
 
 
@@ -553,7 +554,10 @@ def kill(devices_globs, lockfiles, run_dir, run_id, grace, settle, dry_run, forc
         final.update(held)
         return not any(pid not in protected for pid in held)
 
-    wait_until(quiet, settle if report["killed"] else 0)
+    if wait_until(quiet, settle if report["killed"] else 0) and report["killed"]:
+        # Something may start the job again (a supervisor, a restart loop): watch a moment
+        # longer, so such a newcomer is reported instead of a free TPU.
+        wait_until(lambda: not quiet(), CONFIRM)
     for pid, paths in sorted(final.items()):
         proc = Proc.read(pid)
         if proc is None or proc.exited:
@@ -561,8 +565,12 @@ def kill(devices_globs, lockfiles, run_dir, run_id, grace, settle, dry_run, forc
         if pid in protected:
             protected[pid]["holds"] = sorted(paths)
             continue
-        report["holders_left"].append({"pid": pid, "name": proc.comm,
-                                       "command": command_of(proc), "holds": sorted(paths)})
+        entry = {"pid": pid, "name": proc.comm, "command": command_of(proc),
+                 "holds": sorted(paths)}
+        parent = Proc.read(proc.ppid)
+        if parent is not None and proc.ppid > 1:
+            entry.update(ppid=proc.ppid, parent=parent.comm)
+        report["holders_left"].append(entry)
     report["protected"] = list(protected.values())
     report["device_free"] = not any(
         set(entry["holds"]) & set(devices) for entry in report["holders_left"])
