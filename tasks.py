@@ -31,12 +31,12 @@ def _help(table, *names):
     return {n: table[n] for n in names}
 
 
-def _run(verb_name, **kwargs):
+def _run(verb_name, *args, **kwargs):
     from tpufab import verbs
     from tpufab.console import run
 
     debug = kwargs.pop("debug", False)
-    code = run(getattr(verbs, verb_name), debug=debug, **kwargs)
+    code = run(getattr(verbs, verb_name), *args, debug=debug, **kwargs)
     if code:
         raise Exit(code=code)
 
@@ -153,6 +153,85 @@ def umount(c, name=None, at=None, lazy=False, zone=None, project=None, debug=Fal
     _run("umount", name=name, at=at, lazy=lazy, zone=zone, project=project, debug=debug)
 
 
+# -- jobs: run, logs, runs, kill, status, babysit
+
+JOB_HELP = {"recipe": "executable recipe file, e.g. recipes/jax_hello.sh", "name": "TPU node name",
+            "args": "the recipe's arguments, as one quoted string", "detach": "start it and return",
+            "no-deploy": "skip deploying the current commit",
+            "direct": "deploy straight to the workers over SSH",
+            "wip": "deploy uncommitted work as a snapshot",
+            "env": "K=V sets, K forwards the local value (repeatable)",
+            "local": "run on this machine instead", "workers": "with --local: how many processes",
+            "on-interrupt": "Ctrl-C: kill or detach (default: ask)",
+            "spmd": "torch_xla SPMD (XLA_USE_SPMD=1)", "run": "run id (default: the latest)",
+            "follow": "keep following", "worker": "workers: all, 0, 0,3-5 or w[0-3,7]",
+            "raw": "every line, prefixed by its worker", "json": "print JSON",
+            "grace": "seconds between TERM and KILL", "dry-run": "only report",
+            "force": "also stop protected holders", "max-restarts": "recoveries allowed",
+            "restart-on-failure": "also restart when the recipe itself fails",
+            "setup-script": "setup a recreated node runs (default: the last one)",
+            "zone": "zone", "project": "project", "debug": "show tracebacks"}
+
+
+def _float(value):
+    return float(value) if value not in (None, "") else None
+
+
+@task(positional=["recipe"], iterable=["env"], auto_shortflags=False,
+      help=_help(JOB_HELP, "recipe", "name", "args", "detach", "no-deploy", "direct", "wip", "env",
+                 "local", "workers", "on-interrupt", "spmd", "zone", "project", "debug"))
+def run(c, recipe, name=None, args="", detach=False, no_deploy=False, direct=False, wip=False,
+        env=None, local=False, workers=None, on_interrupt=None, spmd=False, zone=None,
+        project=None, debug=False):
+    """Run a recipe on every worker at once (deploying first) and follow its logs."""
+    _run("run", recipe, name=name, args=args, detach=detach, no_deploy=no_deploy, direct=direct,
+         wip=wip, env=env, local=local, workers=int(workers) if workers else None,
+         on_interrupt=on_interrupt, spmd=spmd, zone=zone, project=project, debug=debug)
+
+
+@task(auto_shortflags=False,
+      help=_help(JOB_HELP, "run", "follow", "worker", "raw", "name", "zone", "project", "debug"))
+def logs(c, run=None, follow=False, worker="all", raw=False, name=None, zone=None, project=None,
+         debug=False):
+    """A run's logs: worker 0's lines once, plus only the lines where others differ."""
+    _run("logs", run=run, follow=follow, worker=worker, raw=raw, name=name, zone=zone,
+         project=project, debug=debug)
+
+
+@task(auto_shortflags=False, help=_help(JOB_HELP, "name", "worker", "json", "zone", "project", "debug"))
+def runs(c, name=None, worker="all", json=False, zone=None, project=None, debug=False):
+    """The runs the workers know, with each worker's state."""
+    _run("runs", name=name, worker=worker, as_json=json, zone=zone, project=project, debug=debug)
+
+
+@task(auto_shortflags=False,
+      help=_help(JOB_HELP, "name", "run", "grace", "dry-run", "force", "worker", "zone", "project",
+                 "debug"))
+def kill(c, name=None, run=None, grace=5.0, dry_run=False, force=False, worker="all", zone=None,
+         project=None, debug=False):
+    """Free the TPU everywhere: stop runs and stale holders, then remove the lockfile."""
+    _run("kill", name=name, run=run, grace=float(grace), dry_run=dry_run, force=force,
+         worker=worker, zone=zone, project=project, debug=debug)
+
+
+@task(auto_shortflags=False, help=_help(JOB_HELP, "name", "json", "zone", "project", "debug"))
+def status(c, name=None, json=False, zone=None, project=None, debug=False):
+    """The node and every worker: reachable, TPU free or busy, runs, commit, mounts, disk."""
+    _run("status", name=name, as_json=json, zone=zone, project=project, debug=debug)
+
+
+@task(positional=["recipe"], iterable=["env"], auto_shortflags=False,
+      help=_help(JOB_HELP, "recipe", "name", "max-restarts", "args", "restart-on-failure", "env",
+                 "setup-script", "no-deploy", "direct", "zone", "project", "debug"))
+def babysit(c, recipe, name=None, max_restarts=3, args="", restart_on_failure=False, env=None,
+            setup_script=None, no_deploy=False, direct=False, zone=None, project=None,
+            debug=False):
+    """Run a recipe and keep it running through preemptions (recreate, set up, restart)."""
+    _run("babysit", recipe, name=name, max_restarts=int(max_restarts), args=args,
+         restart_on_failure=restart_on_failure, env=env, setup_script=setup_script,
+         no_deploy=no_deploy, direct=direct, zone=zone, project=project, debug=debug)
+
+
 # -- invoke sim.*
 
 SIM_HELP = {"port": "API port", "state-dir": "where the simulated pod keeps its state",
@@ -210,7 +289,13 @@ def sim_bucket(c, name, debug=False):
     _run("sim_bucket", name=name, debug=debug)
 
 
+@task(name="zombie", auto_shortflags=False, help=_help(JOB_HELP, "name", "worker", "debug"))
+def sim_zombie(c, name=None, worker="all", debug=False):
+    """Leave a crashed job's mess on workers: TPU holders, the lockfile, a protected process."""
+    _run("sim_zombie", name=name, worker=worker, debug=debug)
+
+
 sim = Collection("sim", sim_up, sim_down, sim_status, sim_preempt, sim_unreachable,
-                 sim_fail_create, sim_burst, sim_bucket)
+                 sim_fail_create, sim_burst, sim_bucket, sim_zombie)
 ns = Collection(create, delete, list_, describe, types, exec_, setup, ssh, deploy, mount,
-                umount, sim)
+                umount, run, logs, runs, kill, status, babysit, sim)

@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from tpufab import verbs
-from tpufab.console import run
+from tpufab.console import run as run_verb
 
 app = typer.Typer(
     name="tpufab",
@@ -30,8 +30,8 @@ app.add_typer(sim_app, name="sim")
 _state = {"debug": False}
 
 
-def _run(fn, /, **kwargs) -> None:
-    code = run(fn, debug=_state["debug"], **kwargs)
+def _run(fn, /, *args, **kwargs) -> None:
+    code = run_verb(fn, *args, debug=_state["debug"], **kwargs)
     if code:
         raise typer.Exit(code)
 
@@ -210,6 +210,108 @@ def umount(
     _run(verbs.umount, name=name, at=at, lazy=lazy, zone=zone, project=project)
 
 
+# ---------------------------------------------------------------------------------------------
+# jobs: run, logs, runs, kill, status, babysit
+
+Recipe = Annotated[str, typer.Argument(help="Recipe: an executable file, e.g. recipes/jax_hello.sh.")]
+Args = Annotated[str, typer.Option("--args", help="The recipe's arguments, as one quoted string.")]
+Env = Annotated[list[str] | None, typer.Option(
+    "--env", "-e", metavar="K=V|K", help="Set K=V, or forward the local K (repeatable).")]
+RunId = Annotated[str | None, typer.Option("--run", help="Run id (default: the latest).")]
+
+
+@app.command()
+def run(
+    recipe: Recipe,
+    name: Name = None,
+    args: Args = "",
+    detach: Annotated[bool, typer.Option("--detach", help="Start it and return.")] = False,
+    no_deploy: Annotated[bool, typer.Option("--no-deploy", help="Skip deploying the current commit.")] = False,
+    direct: Annotated[bool, typer.Option("--direct", help="Deploy straight to the workers over SSH.")] = False,
+    wip: Annotated[bool, typer.Option("--wip", help="Deploy uncommitted work as a snapshot.")] = False,
+    env: Env = None,
+    local: Annotated[bool, typer.Option("--local", help="Run on this machine instead.")] = False,
+    workers: Annotated[int | None, typer.Option(
+        "--workers", min=1, help="With --local: how many processes.")] = None,
+    on_interrupt: Annotated[str | None, typer.Option(
+        "--on-interrupt", help="Ctrl-C: kill the run everywhere, or detach (default: ask).")] = None,
+    spmd: Annotated[bool, typer.Option("--spmd", help="torch_xla SPMD (XLA_USE_SPMD=1).")] = False,
+    zone: Zone = None,
+    project: Project = None,
+) -> None:
+    """Run a recipe on every worker at once (deploying first) and follow its logs."""
+    _run(verbs.run, recipe, name=name, args=args, detach=detach, no_deploy=no_deploy,
+         direct=direct, wip=wip, env=env, local=local, workers=workers,
+         on_interrupt=on_interrupt, spmd=spmd, zone=zone, project=project)
+
+
+@app.command()
+def logs(
+    run: RunId = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep following.")] = False,
+    worker: Worker = "all",
+    raw: Annotated[bool, typer.Option("--raw", help="Every line, prefixed by its worker.")] = False,
+    name: Name = None,
+    zone: Zone = None,
+    project: Project = None,
+) -> None:
+    """A run's logs: worker 0's lines once, plus only the lines where others differ."""
+    _run(verbs.logs, run=run, follow=follow, worker=worker, raw=raw, name=name, zone=zone,
+         project=project)
+
+
+@app.command()
+def runs(name: Name = None, worker: Worker = "all", json: Json = False, zone: Zone = None,
+         project: Project = None) -> None:
+    """The runs the workers know, with each worker's state."""
+    _run(verbs.runs, name=name, worker=worker, as_json=json, zone=zone, project=project)
+
+
+@app.command()
+def kill(
+    name: Name = None,
+    run: Annotated[str | None, typer.Option("--run", help="Only this run.")] = None,
+    grace: Annotated[float, typer.Option("--grace", min=0, help="Seconds between TERM and KILL.")] = 5.0,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Also stop protected holders.")] = False,
+    worker: Worker = "all",
+    zone: Zone = None,
+    project: Project = None,
+) -> None:
+    """Free the TPU everywhere: stop runs and stale holders, then remove the lockfile."""
+    _run(verbs.kill, name=name, run=run, grace=grace, dry_run=dry_run, force=force,
+         worker=worker, zone=zone, project=project)
+
+
+@app.command()
+def status(name: Name = None, json: Json = False, zone: Zone = None,
+           project: Project = None) -> None:
+    """The node and every worker: reachable, TPU free or busy, runs, commit, mounts, disk."""
+    _run(verbs.status, name=name, as_json=json, zone=zone, project=project)
+
+
+@app.command()
+def babysit(
+    recipe: Recipe,
+    name: Name = None,
+    max_restarts: Annotated[int, typer.Option("--max-restarts", min=0, help="Recoveries allowed.")] = 3,
+    args: Args = "",
+    restart_on_failure: Annotated[bool, typer.Option(
+        "--restart-on-failure", help="Also restart when the recipe itself fails.")] = False,
+    env: Env = None,
+    setup_script: Annotated[str | None, typer.Option(
+        "--setup-script", help="Setup a recreated node runs (default: the last one).")] = None,
+    no_deploy: Annotated[bool, typer.Option("--no-deploy", help="Skip deploying.")] = False,
+    direct: Annotated[bool, typer.Option("--direct", help="Deploy straight to the workers.")] = False,
+    zone: Zone = None,
+    project: Project = None,
+) -> None:
+    """Run a recipe and keep it running through preemptions (recreate, set up, restart)."""
+    _run(verbs.babysit, recipe, name=name, max_restarts=max_restarts, args=args,
+         restart_on_failure=restart_on_failure, env=env, setup_script=setup_script,
+         no_deploy=no_deploy, direct=direct, zone=zone, project=project)
+
+
 known_hosts_app = typer.Typer(help="tpufab's pinned worker host keys.", no_args_is_help=True,
                               rich_markup_mode=None)
 app.add_typer(known_hosts_app, name="known-hosts")
@@ -282,6 +384,13 @@ def sim_burst(
 ) -> None:
     """Make the next COUNT API calls fail with 503 (or 429)."""
     _run(verbs.sim_burst, count=count, code=code)
+
+
+@sim_app.command("zombie")
+def sim_zombie(name: Name = None, worker: Worker = "all") -> None:
+    """Leave a crashed job's mess on workers: TPU holders (some ignore TERM), the lockfile,
+    and a protected system process."""
+    _run(verbs.sim_zombie, name=name, worker=worker)
 
 
 @sim_app.command("bucket")

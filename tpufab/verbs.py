@@ -258,11 +258,17 @@ def sim_burst(*, count: int, code: int = 503) -> None:
     stdout().print(f"The next {count} TPU API requests will fail with {code}.")
 
 
-def __getattr__(name: str) -> Any:
-    """The worker verbs live in podverbs; both front ends find every verb here."""
-    from tpufab import podverbs
+_VERB_MODULES = ("tpufab.podverbs", "tpufab.jobverbs", "tpufab.statusverbs")
 
-    try:
-        return getattr(podverbs, name)
-    except AttributeError:
-        raise AttributeError(f"module 'tpufab.verbs' has no attribute {name!r}") from None
+
+def __getattr__(name: str) -> Any:
+    """The worker verbs live in podverbs (exec, setup, deploy, mount ...), jobverbs (run,
+    logs, runs, kill) and statusverbs (status, babysit); both front ends find them all here,
+    and each module is imported only when one of its verbs is called."""
+    import importlib
+
+    for module in _VERB_MODULES:
+        found = getattr(importlib.import_module(module), name, None)
+        if found is not None and callable(found) and not name.startswith("_"):
+            return found
+    raise AttributeError(f"module 'tpufab.verbs' has no attribute {name!r}")

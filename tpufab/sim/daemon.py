@@ -126,7 +126,8 @@ def serve(state_dir: Path | None = None, port: int | None = None, *, workers: bo
     if workers:
         from tpufab.sim.workers import WorkerPool
 
-        pool: Any = WorkerPool(state_dir / WORKERS_DIR)
+        # <state>/share is what scripts/sim-wheels.sh fills ($TPUFAB_SIM_DIR/share/site)
+        pool: Any = WorkerPool(state_dir / WORKERS_DIR, share_dir=state_dir / "share")
     else:
         from tpufab.sim._fakepool import PaperWorkers
 

@@ -343,10 +343,10 @@ class WorkerPool:
     stop_grace = 2.0  # seconds a worker's processes get between SIGTERM and the end
     boot_window = 8  # workers setting up their namespaces at once (a bounded start rate)
 
-    def __init__(self, state_dir: Path):
+    def __init__(self, state_dir: Path, share_dir: Path | None = None):
         self.state_dir = Path(state_dir)
         # Read-only on every worker at /opt/tpufab-sim/share (scripts/sim-wheels.sh fills it).
-        self.share_dir = self.state_dir / "share"
+        self.share_dir = Path(share_dir) if share_dir is not None else self.state_dir / "share"
         self.share_dir.mkdir(parents=True, exist_ok=True)
         self._guard = threading.Lock()  # the two dicts below
         self._node_locks: dict[str, threading.RLock] = {}
