@@ -23,6 +23,7 @@ from conftest import unique_name, wait_for
 
 from tpufab.jobs import (
     FoldingView,
+    FollowSink,
     WorkerRuns,
     WorkerState,
     fold_states,
@@ -213,6 +214,43 @@ def test_live_fold_waits_for_a_lagging_worker_at_most_the_delay():
 
 def test_live_fold_of_one_worker_is_its_log():
     assert fold_live([(0, "x"), (0, "y"), (0, "x")], workers=(0,)) == ["x", "y", "x"]
+
+
+class Recorder:
+    def __init__(self):
+        self.seen, self.ended = [], []
+
+    def lines(self, worker, stream, data):
+        self.seen.append((worker, stream, data))
+
+    def done(self, result):
+        self.ended.append(result.worker)
+
+
+class FakeResult:
+    """A follower's result as the fan-out reports it."""
+
+    def __init__(self, worker, status, exit_code=0):
+        from tpufab.fanout import WorkerResult
+
+        self.inner = WorkerResult(worker, exit_code)
+        self.inner.stderr_output.write((json.dumps(status) + "\n").encode())
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_follow_sink_masks_secrets_keeps_status_lines_out_and_copies_logs(tmp_path):
+    view, ended = Recorder(), []
+    sink = FollowSink(view, secrets=[SECRET], copy_dir=tmp_path,
+                      on_end=lambda w, state: ended.append((w, state.label)))
+    sink.lines(2, "stdout", f"token={SECRET}\nstep 1\n".encode())
+    sink.lines(2, "stderr", b'{"state": "exited", "exit_code": 3, "run": "r"}\nTraceback\n')
+    sink.done(FakeResult(2, {"state": "exited", "exit_code": 3}, exit_code=3))
+    sink.close()
+    assert view.seen == [(2, "stdout", b"token=***\nstep 1\n"), (2, "stderr", b"Traceback\n")]
+    assert (tmp_path / "w2.log").read_text() == "token=***\nstep 1\n"
+    assert view.ended == [2] and ended == [(2, "exited 3")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,6 +547,23 @@ def test_ctrl_c_without_a_terminal_detaches_and_kill_stops_the_run(pod_env, tmp_
                for line in killed.stdout.splitlines()), killed.stdout
     assert "Nothing to kill" not in killed.stdout
     assert run_processes(pod, run_id) == {w: [] for w in range(4)}
+
+
+@pytest.mark.sim
+def test_an_unreachable_worker_stops_the_run_before_anything_starts(pod_env, sim_admin,
+                                                                     tmp_path):
+    env, _, _ = pod_env
+    recipe = write_recipe(tmp_path, "x.sh", "#!/bin/sh\necho hi\n")
+    before = call(env, "runs", cwd=tmp_path, as_json=True).stdout
+    sim_admin.set_reachable(env["TPUFAB_NAME"], 3, False)
+    try:
+        result = call(env, "run", cwd=tmp_path, recipe=str(recipe), no_deploy=True)
+    finally:
+        sim_admin.set_reachable(env["TPUFAB_NAME"], 3, True)
+    assert result.returncode == 1
+    assert "Cannot start run" in result.stderr and "w3 is unreachable (w3 connection refused)" \
+        in result.stderr, result.stderr
+    assert call(env, "runs", cwd=tmp_path, as_json=True).stdout == before
 
 
 @pytest.mark.sim
