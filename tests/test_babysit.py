@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import unique_name, wait_for
 from rich.console import Console
-from test_status import cli_env, facts_of, in_worker, quiet_console, sim_settings
+from test_status import TPUFAB, cli_env, facts_of, in_worker, quiet_console, sim_settings
 
 from tpufab import babysit as bs
 from tpufab.config import Settings
@@ -346,30 +346,20 @@ def _read(path: Path) -> str:
         return ""
 
 
-DRIVER = """
-import sys
-from tpufab.console import run
-from tpufab.statusverbs import babysit
-sys.exit(run(babysit, sys.argv[1], no_deploy=True, poll=0.3, env=["GO"]))
-"""
-
-
 @pytest.mark.sim
 def test_a_second_babysit_refuses_and_ctrl_c_stops_the_run(pod2, tmp_path):
     go = unique_name("go")
     env = {**cli_env(pod2.sim, pod2.home, pod2.name), "GO": go, "FAIL_WORKER": "9",
            "FAIL_CODE": "0"}
-    driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER)
-    first = subprocess.Popen([sys.executable, str(driver), str(pod2.recipe)], env=env,
-                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
+    babysit = [TPUFAB, "babysit", str(pod2.recipe), "--no-deploy", "--env", "GO"]
+    first = subprocess.Popen(babysit, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
     try:
         node = current_node(pod2)
         wait_for(lambda: all(RUNNING in in_worker(pod2.sim, node, w, "ps -eo args")
                              for w in (0, 1)), 60, what="the babysat run to start")
-        second = subprocess.run([sys.executable, str(driver), str(pod2.recipe)], env=env,
-                                cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        second = subprocess.run(babysit, env=env, cwd=tmp_path, capture_output=True, text=True,
+                                timeout=60)
         assert second.returncode == 1
         assert f"Another babysit (pid {first.pid} on" in second.stderr
         assert "Traceback" not in second.stderr
@@ -388,7 +378,7 @@ def test_a_second_babysit_refuses_and_ctrl_c_stops_the_run(pod2, tmp_path):
     # the lock went with it: babysit starts again (and this time the recipe finishes)
     for w in (0, 1):
         in_worker(pod2.sim, node, w, f"touch /tmp/{go}")
-    third = subprocess.run([sys.executable, str(driver), str(pod2.recipe)], env=env,
-                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    third = subprocess.run(babysit, env=env, cwd=tmp_path, capture_output=True, text=True,
+                           timeout=120)
     assert third.returncode == 0, third.stderr
     assert "finished after 0 restarts" in third.stderr

@@ -493,26 +493,7 @@ def _read(path: Path) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# the same faults during `run` and `kill` (the verbs, called the way the CLI calls them)
-
-VERB_DRIVER = """
-import json, sys
-from tpufab import jobverbs
-from tpufab.console import run
-sys.exit(run(getattr(jobverbs, sys.argv[1]), **json.loads(sys.argv[2])))
-"""
-
-
-def verb(tmp_path: Path, name: str, **kwargs) -> list[str]:
-    """argv running ``tpufab.jobverbs.<name>(**kwargs)`` through console.run, as the CLI does."""
-    import json
-    import sys
-
-    driver = tmp_path / "verb_driver.py"
-    if not driver.exists():
-        driver.write_text(VERB_DRIVER)
-    return [sys.executable, str(driver), name, json.dumps(kwargs)]
-
+# the same faults during `run` and `kill`
 
 WAITING = """#!/bin/sh
 echo "started w$TPUFAB_WORKER_ID"
@@ -535,8 +516,8 @@ RECIPE_RUNNING = "recipe/waiting.sh"
 def test_fault_1_sshd_dies_mid_run(sim, sim_admin, pod4, tmp_path, waiting_recipe):
     go = unique_name("go")
     env = {**pod4.env, "GO": go}
-    running = Running(verb(tmp_path, "run", recipe=str(waiting_recipe), no_deploy=True,
-                           env=["GO"]), env, cwd=tmp_path)
+    running = Running([TPUFAB, "run", str(waiting_recipe), "--no-deploy", "--env", "GO"], env,
+                      cwd=tmp_path)
     try:
         wait_for(lambda: sum(running.saw(f"w{w} │ started w{w}") for w in range(4)) == 4, 60,
                  what="the run to start on every worker")
@@ -562,8 +543,8 @@ def test_fault_1_sshd_dies_mid_run(sim, sim_admin, pod4, tmp_path, waiting_recip
 def test_fault_6_ctrl_c_during_run(sim, pod4, tmp_path, waiting_recipe, choice):
     go = unique_name("go")
     env = {**pod4.env, "GO": go}
-    running = Running(verb(tmp_path, "run", recipe=str(waiting_recipe), no_deploy=True,
-                           env=["GO"], on_interrupt=choice), env, cwd=tmp_path)
+    running = Running([TPUFAB, "run", str(waiting_recipe), "--no-deploy", "--env", "GO",
+                       "--on-interrupt", choice], env, cwd=tmp_path)
     try:
         wait_for(lambda: sum(running.saw(f"w{w} │ started w{w}") for w in range(4)) == 4, 60,
                  what="the run to start on every worker")
@@ -579,18 +560,15 @@ def test_fault_6_ctrl_c_during_run(sim, pod4, tmp_path, waiting_recipe, choice):
     else:
         # detached on purpose: still recorded and running, and `kill --run` ends it
         assert f"tpufab kill --run {run_id}" in result.stderr
-        listed = subprocess.run(verb(tmp_path, "runs", as_json=True), env=env,
-                                capture_output=True, text=True, timeout=60)
+        listed = tpufab("runs", "--json", env=env, cwd=tmp_path)
         assert listed.returncode == 0, listed.stderr
         assert f'"{run_id}"' in listed.stdout and "running" in listed.stdout
-        killed = subprocess.run(verb(tmp_path, "kill", run=run_id), env=env,
-                                capture_output=True, text=True, timeout=60)
+        killed = tpufab("kill", "--run", run_id, env=env, cwd=tmp_path)
         assert killed.returncode == 0, killed.stderr
         no_orphans(sim, pod4.node, RECIPE_RUNNING)
     release(sim, pod4, go)
-    again = subprocess.run(verb(tmp_path, "run", recipe=str(waiting_recipe), no_deploy=True,
-                                env=["GO"]), env=env, cwd=tmp_path, capture_output=True,
-                           text=True, timeout=120)
+    again = tpufab("run", str(waiting_recipe), "--no-deploy", "--env", "GO", env=env,
+                   cwd=tmp_path)
     assert again.returncode == 0, again.stderr
 
 
@@ -605,14 +583,12 @@ def test_fault_6_ctrl_c_during_kill(sim, pod4, tmp_path):
     recipe = tmp_path / "stubborn.sh"
     recipe.write_text(STUBBORN)
     recipe.chmod(0o755)
-    started = subprocess.run(verb(tmp_path, "run", recipe=str(recipe), no_deploy=True,
-                                  detach=True), env=pod4.env, cwd=tmp_path,
-                             capture_output=True, text=True, timeout=120)
+    started = tpufab("run", str(recipe), "--no-deploy", "--detach", env=pod4.env, cwd=tmp_path)
     assert started.returncode == 0, started.stderr
     wait_for(lambda: all(processes(sim, pod4.node, w, "recipe/stubborn.sh") for w in range(4)),
              30, what="the stubborn run on every worker")
     # kill waits out a long grace for processes that ignore SIGTERM: interrupt it then
-    killing = Running(verb(tmp_path, "kill", grace=30.0), pod4.env, cwd=tmp_path)
+    killing = Running([TPUFAB, "kill", "--grace", "30"], pod4.env, cwd=tmp_path)
     try:
         wait_for(lambda: all(processes(sim, pod4.node, w, "tpukill") for w in range(4)), 30,
                  what="kill to be waiting on every worker")
@@ -622,8 +598,7 @@ def test_fault_6_ctrl_c_during_kill(sim, pod4, tmp_path):
         killing.kill()
     interrupted(result)
     no_orphans(sim, pod4.node, "tpukill")           # the kill itself left nothing behind
-    again = subprocess.run(verb(tmp_path, "kill", grace=1.0), env=pod4.env, cwd=tmp_path,
-                           capture_output=True, text=True, timeout=120)
+    again = tpufab("kill", "--grace", "1", env=pod4.env, cwd=tmp_path)
     assert again.returncode == 0, again.stderr       # and the next kill finishes the job
     no_orphans(sim, pod4.node, "recipe/stubborn.sh")
 
@@ -648,8 +623,8 @@ def test_fault_8_forwarded_hf_token_never_appears(sim, pod4, tmp_path):
     recipe.chmod(0o755)
     go = unique_name("go")
     env = {**pod4.env, "GO": go, "HF_TOKEN": token}
-    running = Running(verb(tmp_path, "run", recipe=str(recipe), no_deploy=True,
-                           env=["GO", "HF_TOKEN"]), env, cwd=tmp_path)
+    running = Running([TPUFAB, "run", str(recipe), "--no-deploy", "--env", "GO", "--env",
+                       "HF_TOKEN"], env, cwd=tmp_path)
     digest = hashlib.sha256(token.encode()).hexdigest()[:16]
     try:
         wait_for(lambda: sum(running.saw(f"w{w} │ token sha256 {digest}") for w in range(4))

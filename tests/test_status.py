@@ -452,15 +452,20 @@ def test_status_of_a_preempted_node_shows_the_api_state(sim, sim_admin, tmp_path
 
 
 @pytest.mark.sim
-def test_status_of_a_missing_node_is_one_sentence(sim, tmp_path, capsys, monkeypatch):
-    from tpufab.console import run
-    from tpufab.statusverbs import status as status_verb
-
-    use_env(monkeypatch, sim, tmp_path)
-    assert run(status_verb, name="no-such-node") == 1
-    err = capsys.readouterr().err
-    assert "No TPU node or queued resource named 'no-such-node'" in err
-    assert "Traceback" not in err
+def test_status_from_the_command_line(sim, node, tmp_path):
+    env = cli_env(sim, node.home)
+    shown = subprocess.run([TPUFAB, "status", "--name", node.settings.name, "--json"], env=env,
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    data = json.loads(shown.stdout)
+    assert data["healthy"] and [r["workers"] for r in data["rows"]] == ["w[0-3]"]
+    table = subprocess.run([TPUFAB, "status", "--name", node.settings.name], env=env,
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert table.returncode == 0 and "WORKERS" in table.stdout and "w[0-3]" in table.stdout
+    missing = subprocess.run([TPUFAB, "status", "--name", "no-such-node"], env=env,
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    assert "No TPU node or queued resource named 'no-such-node'" in missing.stderr
 
 
 SUPERVISOR = ("import sys; open('/proc/self/comm', 'w').write('tpufab-run'); "
