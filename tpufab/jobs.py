@@ -16,6 +16,7 @@ instant. ``launch.py`` detaches the recipe (own session, supervisor) and records
 from __future__ import annotations
 
 import json
+import signal as signals
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -174,8 +175,6 @@ class WorkerState:
         if self.state == "exited" and self.exit_code is not None:
             return self.exit_code
         if self.state == "killed":
-            import signal as signals
-
             try:
                 return 128 + signals.Signals[self.signal or ""].value
             except KeyError:
