@@ -21,6 +21,7 @@ import io
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -132,6 +133,7 @@ def main() -> int:
         lifecycle.delete(settings, yes=True, console=quiet())
     finally:
         down(base / "sim")
+        shutil.rmtree(base, ignore_errors=True)
 
     target = args.grace + 2
     print()
