@@ -292,7 +292,7 @@ def pod_env(sim, tmp_path_factory):
     env.pop("HF_TOKEN", None)
     settings = load_settings(env=env, cwd=base)
     state = Path(sim.state_dir)
-    build_shared_jax([state / "share", state / "workers" / "share"])
+    build_shared_jax([state / "share"])          # bound at /opt/tpufab-sim/share in workers
     lifecycle.create(load_settings({"type": "v4-32"}, env=env, cwd=base), console=_quiet())
     pod = pods.connect(settings, console=_quiet())
     try:
