@@ -3,6 +3,8 @@
 #   sim up -> create (v4-32, 4 workers) -> list -> describe
 #   -> deploy a git repository (through its remote, then --direct) -> exec on every worker
 #   -> sim bucket -> mount it on every worker (rclone) -> write on w0, read on w3 -> umount
+#   -> setup (JAX on every worker) -> run recipes/jax_hello.sh on all 4 workers at once
+#   -> logs, runs -> sim zombie (a crashed job's mess) -> status -> kill -> status
 #   -> delete -> sim down.
 # Run as root (the simulated workers use namespaces). Keep the pod with KEEP=1.
 set -euo pipefail
@@ -11,6 +13,7 @@ cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"
 export TPUFAB_SIM_DIR=${TPUFAB_SIM_DIR:-$HOME/.tpufab/sim}
 NAME=${NAME:-demo}
+REPO=$PWD
 WORK=$(mktemp -d /tmp/tpufab-demo.XXXXXX)   # the demo's git remote and checkout
 GIT_DAEMON=
 
@@ -71,7 +74,25 @@ step tpufab exec --name "$NAME" --worker 3 \
   'timeout 30 sh -c "until cat /mnt/data/hello.txt 2>/dev/null; do sleep 0.2; done"'
 step invoke umount --name "$NAME" --at /mnt/data
 
+say "The main job: JAX on every worker (one shared CPU build, not a download per worker)"
+step ./scripts/sim-wheels.sh
+step tpufab setup --name "$NAME" --script scripts/setup-sim.sh
+step invoke setup --name "$NAME" --script scripts/setup-sim.sh     # same content: skipped
+cd "$WORK/climate"
+say "Run the recipe on all 4 workers at once, inside the deployed checkout"
+step tpufab run "$REPO/recipes/jax_hello.sh" --name "$NAME"
+step tpufab logs --name "$NAME"                # worker 0's lines once; only differences shown
+step tpufab runs --name "$NAME"
+cd "$REPO"
+
+say "A crashed job leaves processes holding the TPU (one ignores SIGTERM) and the lockfile"
+step tpufab sim zombie --name "$NAME" --worker 0-2
+step tpufab status --name "$NAME"              # the TPU is busy on w[0-2]
+step tpufab kill --name "$NAME" --grace 2
+step tpufab status --name "$NAME"
+
 step tpufab delete --name "$NAME" --yes
 echo
 echo "Demo finished: create -> deploy (remote and --direct) -> mount (written on w0, read on w3)"
-echo "-> umount -> delete, on the simulated pod."
+echo "-> umount -> setup -> run jax_hello on 4 workers -> zombie -> kill -> status -> delete,"
+echo "on the simulated pod."
