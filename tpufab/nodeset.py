@@ -13,8 +13,14 @@ from tpufab.errors import ConfigError
 
 PREFIX = "w"
 
-_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+# ASCII digits only (\d also matches '٣'), and no more than a worker number needs.
+_RANGE = re.compile(r"^([0-9]{1,9})(?:-([0-9]{1,9}))?$")
 _BRACKETED = re.compile(r"^w\[(.*)\]$")
+
+
+def _shown(text: str, width: int = 40) -> str:
+    """User input quoted for an error sentence, cut short if it is long."""
+    return repr(text if len(text) <= width else text[:width - 3] + "...")
 
 
 def _valid_range(count: int) -> str:
@@ -27,25 +33,25 @@ def _parse_ranges(text: str, count: int, original: str) -> set[int]:
     workers: set[int] = set()
     for part in text.split(","):
         part = part.strip()
-        single = re.fullmatch(r"w(\d+)", part)
+        single = re.fullmatch(r"w([0-9]{1,9})", part)
         if single:
             part = single.group(1)
         match = _RANGE.match(part)
         if not match:
             raise ConfigError(
-                f"Cannot read worker selection {original!r}: {part!r} is not a worker number "
+                f"Cannot read worker selection {_shown(original)}: {_shown(part)} is not a worker number "
                 f"or range; use 'all', '0', '0,3-5' or 'w[0-3,7]' ({_valid_range(count)})."
             )
         low = int(match.group(1))
         high = int(match.group(2)) if match.group(2) is not None else low
         if high < low:
             raise ConfigError(
-                f"Worker range {part!r} in {original!r} runs backwards; write it as "
+                f"Worker range {_shown(part)} in {_shown(original)} runs backwards; write it as "
                 f"'{high}-{low}' ({_valid_range(count)})."
             )
         if high >= count:
             raise ConfigError(
-                f"Worker {high} in {original!r} does not exist: the node has {count} "
+                f"Worker {high} in {_shown(original)} does not exist: the node has {count} "
                 f"worker{'s' if count != 1 else ''}, {_valid_range(count)}."
             )
         workers.update(range(low, high + 1))
@@ -94,7 +100,7 @@ def parse_selection(selection: str | int | Iterable[int] | None, count: int) -> 
             workers |= _parse_ranges(group, count, selection)
     if not workers:
         raise ConfigError(
-            f"Cannot read worker selection {selection!r}; use 'all', '0', '0,3-5' or "
+            f"Cannot read worker selection {_shown(selection)}; use 'all', '0', '0,3-5' or "
             f"'w[0-3,7]' ({_valid_range(count)})."
         )
     return sorted(workers)

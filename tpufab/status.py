@@ -299,6 +299,11 @@ def _span(values: Sequence[str]) -> str:
     return uniq[0] if len(uniq) == 1 else f"{uniq[0]}..{uniq[-1]}"
 
 
+def _short(command: str, width: int = 40) -> str:
+    """A command fit for a table cell (the holder lines below the table show it whole)."""
+    return command if len(command) <= width else command[:width - 3] + "..."
+
+
 def tpu_cell(f: WorkerFacts) -> str:
     if not f.devices:
         return "no TPU devices"
@@ -306,7 +311,7 @@ def tpu_cell(f: WorkerFacts) -> str:
     unread = f" ({f.unreadable_processes} processes unreadable)" if f.unreadable_processes else ""
     if not busy:
         return f"{len(f.devices)} free{unread}"
-    commands = sorted({h.command for d in busy for h in d.holders})
+    commands = sorted({_short(h.command) for d in busy for h in d.holders})
     shown = "; ".join(commands[:2]) + (f" +{len(commands) - 2}" if len(commands) > 2 else "")
     return f"{len(busy)}/{len(f.devices)} busy: {shown}{unread}"
 

@@ -97,7 +97,10 @@ def command_of(pid):
             argv = [a.decode("utf-8", "replace") for a in fh.read().split(b"\0") if a]
     except OSError:
         argv = []
-    text = " ".join(argv) or "[{}]".format(read_text(f"/proc/{pid}/comm") or "?")
+    comm = read_text(f"/proc/{pid}/comm") or "?"
+    text = " ".join(argv) or f"[{comm}]"
+    if argv and os.path.basename(argv[0])[:15] != comm:  # renamed itself (prctl): say both
+        text = f"{comm}: {text}"
     return text if len(text) <= COMMAND_CHARS else text[:COMMAND_CHARS - 3] + "..."
 
 
