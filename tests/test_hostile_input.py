@@ -167,9 +167,6 @@ def test_env_value_with_a_nul_byte_is_refused_not_truncated(pod2):
         result.close()
 
 
-@pytest.mark.xfail(strict=False, reason="tpufab.fanout: a NUL is refused per worker inside "
-                   "start(), which then closes that worker's healthy connection; the result "
-                   "says 'contains a NUL byte' or 'the worker agent exited' depending on a race")
 def test_env_value_with_a_nul_byte_is_one_clear_error(pod2):
     with pytest.raises(TpufabError, match="NUL"):
         pod2.pod.fanout.run(["printenv", "HOSTILE"], env={"HOSTILE": "a\x00b"})

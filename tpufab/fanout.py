@@ -608,7 +608,8 @@ class _Agent:
             except Exception:  # noqa: BLE001
                 pass
             text = stderr.decode("utf-8", "replace").strip().splitlines()
-            reason = "the worker agent exited" + (f": {text[-1]}" if text else "")
+            reason = ("connection lost (the worker's sshd or session ended)"
+                      + (f": {text[-1]}" if text else ""))
             if "not found" in reason and "python" in reason:
                 reason += " (tpufab needs python3 on every worker)"
         for task in pending:
@@ -942,6 +943,7 @@ class Fanout:
                 request["timeout"] = timeout
             if cwd is not None:
                 request["cwd"] = cwd
+            _encode_request(request)  # bad input (a NUL) fails once here, not per worker
         elif _put is not None:
             request = _put[0]
         stdin_bytes = stdin.encode() if isinstance(stdin, str) else stdin
