@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tpufab.errors import ConfigError, TpufabError
-from tpufab.verbs import settings_from_flags
+from tpufab.verbs import settings_from_flags, split_args
 
 INTERRUPT_CHOICES = ("kill", "detach")
 
@@ -58,7 +58,6 @@ def run(recipe: str, *, name: str | None = None, args: str = "", detach: bool = 
         on_interrupt: str | None = None, spmd: bool = False, zone: str | None = None,
         project: str | None = None) -> int:
     """Start RECIPE on every worker at once and follow its logs (or run it locally)."""
-    import shlex
 
     path = Path(recipe)
     if not path.is_file():
@@ -69,11 +68,7 @@ def run(recipe: str, *, name: str | None = None, args: str = "", detach: bool = 
     if no_deploy and (direct or wip):
         raise ConfigError("--no-deploy skips deploy, while --direct and --wip say how to "
                           "deploy: give one or the other.")
-    try:
-        argv = shlex.split(args or "")
-    except ValueError as err:
-        raise ConfigError(f"--args {args!r} is not a valid argument list ({err}); quote it "
-                          "as you would in a shell.") from None
+    argv = split_args(args)
     settings = settings_from_flags(name=name, zone=zone, project=project)
     forwarded = forwarded_for(settings, env)
     if local:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from tpufab.verbs import settings_from_flags
+from tpufab.verbs import settings_from_flags, split_args
 
 
 def status(*, name: str | None = None, as_json: bool = False, zone: str | None = None,
@@ -39,16 +39,10 @@ def babysit(recipe: str, *, name: str | None = None, max_restarts: int = 3, args
     recreated node runs first (default: the script the workers last ran with `tpufab setup`).
     Returns 0 when the recipe finished on every worker; otherwise BabysitError says why.
     """
-    import shlex
 
     from tpufab import babysit as babysitting
-    from tpufab.errors import ConfigError
 
-    try:
-        argv = shlex.split(args or "")
-    except ValueError as err:
-        raise ConfigError(f"--args {args!r} is not a valid argument list ({err}); quote it "
-                          "as you would in a shell.") from None
+    argv = split_args(args)
     settings = settings_from_flags(name=name, zone=zone, project=project)
     options = {} if poll is None else {"poll": poll}
     result = babysitting.babysit(settings, recipe, args=argv, max_restarts=max_restarts,

@@ -44,6 +44,17 @@ def settings_from_flags(*, type: str | None = None, accelerator_type: str | None
     return settings
 
 
+def split_args(args: str | None) -> list[str]:
+    """A recipe's `--args '...'` string split as a shell would, or one sentence saying why not."""
+    import shlex
+
+    try:
+        return shlex.split(args or "")
+    except ValueError as err:
+        raise ConfigError(f"--args {args!r} is not a valid argument list ({err}); quote it "
+                          "as you would in a shell.") from None
+
+
 def _print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, sort_keys=False))
 
