@@ -83,7 +83,15 @@ def _facts(zombies, kill, **extra):
 
 
 def scenario(name):
+    global REMOTE
+    # The checkout may itself live under /tmp, which the tmpfs below covers: keep the
+    # worker-side scripts by copying them into the new /tmp.
+    scripts = {p.name: p.read_bytes() for p in REMOTE.glob("*.py")}
     subprocess.run(["mount", "-t", "tmpfs", "tpufab-test", "/tmp"], check=True)
+    REMOTE = Path("/tmp/tpufab-remote")
+    REMOTE.mkdir()
+    for script, data in scripts.items():
+        (REMOTE / script).write_bytes(data)
     if name == "noop":
         _make_devices()
         return {"kill": _tpukill("--grace", "1")}
