@@ -15,6 +15,7 @@ Mark tests that need the pod with `pytest.mark.sim` (and gcloud ones with `pytes
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -200,3 +201,26 @@ def port_open(ip: str, port: int = 22, timeout: float = 1.0) -> bool:
             return True
     except OSError:
         return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def git_daemon(base: Path) -> Iterator[str]:
+    """`git daemon` serving the repositories under `base` (push allowed) on a free loopback
+    port; yields its URL, `git://127.0.0.1:PORT`, and stops it afterwards."""
+    port = free_port()
+    proc = subprocess.Popen(
+        ["git", "daemon", "--export-all", "--enable=receive-pack", f"--base-path={base}",
+         "--listen=127.0.0.1", f"--port={port}", "--reuseaddr", str(base)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: port_open("127.0.0.1", port, timeout=0.2), 10, what="git daemon")
+        yield f"git://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

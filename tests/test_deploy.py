@@ -7,7 +7,6 @@ import base64
 import hashlib
 import itertools
 import os
-import socket
 import subprocess
 import threading
 import time
@@ -15,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from conftest import free_port, git_daemon
 
 from tpufab import deploy as deploy_mod
 from tpufab.deploy import DeployError, deploy
@@ -37,12 +37,6 @@ def wait_for(condition, timeout: float = 10.0, what: str = "condition"):
             return value
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dead_url() -> str:
@@ -128,28 +122,11 @@ def pod(tmp_path_factory) -> SimPod:
 
 @pytest.fixture
 def daemon(tmp_path: Path):
-    """`git daemon` serving tmp/srv on a free loopback port; yields its base URL."""
+    """`git daemon` serving tmp/srv on a free loopback port; yields (base, URL)."""
     base = tmp_path / "srv"
     base.mkdir()
-    port = free_port()
-    proc = subprocess.Popen(
-        ["git", "daemon", "--export-all", "--enable=receive-pack", f"--base-path={base}",
-         "--listen=127.0.0.1", f"--port={port}", "--reuseaddr", str(base)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def listening():
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return True
-        except OSError:
-            return False
-
-    try:
-        wait_for(listening, what="git daemon")
-        yield base, f"git://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    with git_daemon(base) as url:
+        yield base, url
 
 
 class _SmartHttp(BaseHTTPRequestHandler):

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import create_node, unique_name, wait_for
-from test_deploy import GIT_ENV, free_port, sh
+from conftest import create_node, git_daemon, unique_name, wait_for
+from test_deploy import GIT_ENV, sh
 
 pytestmark = pytest.mark.sim
 
@@ -77,21 +76,7 @@ def env(sim, node, tmp_path_factory):
 def repo(tmp_path_factory):
     """The user's checkout, whose origin is a bare repository behind `git daemon`."""
     base = tmp_path_factory.mktemp("srv")
-    port = free_port()
-    daemon = subprocess.Popen(
-        ["git", "daemon", "--export-all", "--enable=receive-pack", f"--base-path={base}",
-         "--listen=127.0.0.1", f"--port={port}", "--reuseaddr", str(base)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def listening():
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return True
-        except OSError:
-            return False
-
-    try:
-        wait_for(listening, 10, what="git daemon")
+    with git_daemon(base) as url:
         sh(base, "git", "init", "-q", "--bare", "-b", "main", "climate.git")
         root = tmp_path_factory.mktemp("user") / "climate"
         root.mkdir()
@@ -99,11 +84,8 @@ def repo(tmp_path_factory):
         (root / "train.py").write_text("print('v1')\n")
         sh(root, "git", "add", ".")
         sh(root, "git", "commit", "-q", "-m", "v1")
-        sh(root, "git", "remote", "add", "origin", f"git://127.0.0.1:{port}/climate.git")
+        sh(root, "git", "remote", "add", "origin", f"{url}/climate.git")
         yield root
-    finally:
-        daemon.terminate()
-        daemon.wait(timeout=10)
 
 
 def test_deploy_from_the_command_line(env, node, repo):
