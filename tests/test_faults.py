@@ -68,6 +68,17 @@ class Running:
             self.proc.wait(10)
 
 
+def interrupted_when(argv: list[str], env: dict, ready, what: str, timeout: float = 30):
+    """Run a `tpufab` command, press Ctrl-C once `ready(running)` holds, return its result."""
+    running = Running(argv, env)
+    try:
+        wait_for(lambda: ready(running), timeout, what=what)
+        running.interrupt()
+        return running.wait(30)
+    finally:
+        running.kill()
+
+
 def one_sentence(result, *fragments: str) -> str:
     """Non-zero exit, one line on stderr holding every fragment, no traceback anywhere."""
     assert result.returncode != 0, result.stdout + result.stderr
@@ -253,13 +264,8 @@ def interrupted(result) -> None:
 def test_fault_6_ctrl_c_during_create(sim_admin, pod4):
     name = unique_name("cc")
     sim_admin.settings(create_delay=3.0)
-    running = Running([TPUFAB, "create", "--name", name, "--type", "v4-8"], pod4.env)
-    try:
-        wait_for(lambda: running.saw("CREATING"), 30, what="the create to be under way")
-        running.interrupt()
-        result = running.wait(30)
-    finally:
-        running.kill()
+    result = interrupted_when([TPUFAB, "create", "--name", name, "--type", "v4-8"], pod4.env,
+                              lambda r: r.saw("CREATING"), "the create to be under way")
     interrupted(result)
     assert "Interrupted" in result.stderr
     sim_admin.settings(create_delay=0.2)
@@ -277,14 +283,9 @@ def test_fault_6_ctrl_c_during_setup(sim, pod4, tmp_path):
     marker = unique_name("setup")
     script = tmp_path / "setup.sh"
     script.write_text(f"#!/bin/sh\necho setting-up\n{wait_loop(marker)}\necho done-setting-up\n")
-    running = Running([TPUFAB, "setup", "--script", str(script)], pod4.env)
-    try:
-        wait_for(lambda: sum(running.saw(f"w{w} │ setting-up") for w in range(4)) == 4, 30,
-                 what="setup to run on every worker")
-        running.interrupt()
-        result = running.wait(30)
-    finally:
-        running.kill()
+    result = interrupted_when([TPUFAB, "setup", "--script", str(script)], pod4.env,
+                              lambda r: all(r.saw(f"w{w} │ setting-up") for w in range(4)),
+                              "setup to run on every worker")
     interrupted(result)
     no_orphans(sim, pod4.node, f"/tmp/{marker}")
     # nothing marked done: the next setup runs the script again, to the end
@@ -296,14 +297,9 @@ def test_fault_6_ctrl_c_during_setup(sim, pod4, tmp_path):
 
 def test_fault_6_ctrl_c_during_exec(sim, pod4):
     marker = unique_name("exec")
-    running = Running([TPUFAB, "exec", f"echo started; {wait_loop(marker)}"], pod4.env)
-    try:
-        wait_for(lambda: sum(running.saw(f"w{w} │ started") for w in range(4)) == 4, 30,
-                 what="the command to start on every worker")
-        running.interrupt()
-        result = running.wait(30)
-    finally:
-        running.kill()
+    result = interrupted_when([TPUFAB, "exec", f"echo started; {wait_loop(marker)}"], pod4.env,
+                              lambda r: all(r.saw(f"w{w} │ started") for w in range(4)),
+                              "the command to start on every worker")
     interrupted(result)
     assert "Interrupted: stopped" in result.stderr
     no_orphans(sim, pod4.node, f"/tmp/{marker}")
@@ -355,14 +351,10 @@ def test_fault_6_ctrl_c_during_deploy(sim, pod4, tmp_path):
     (repo / "a.txt").write_text("two\n")
     git(repo, "commit", "-q", "-am", "two")
     second = git(repo, "rev-parse", "HEAD")
-    running = Running(argv, pod4.env)
-    try:
-        wait_for(lambda: all(processes(sim, pod4.node, w, "hooks/post-checkout") for w in range(4)),
-                 30, what="the checkout to hang in its hook on every worker")
-        running.interrupt()
-        result = running.wait(30)
-    finally:
-        running.kill()
+    result = interrupted_when(
+        argv, pod4.env,
+        lambda _: all(processes(sim, pod4.node, w, "hooks/post-checkout") for w in range(4)),
+        "the checkout to hang in its hook on every worker")
     interrupted(result)
     no_orphans(sim, pod4.node, "hooks/post-checkout")
     no_orphans(sim, pod4.node, "deploy_worker.py")
