@@ -103,6 +103,18 @@ def test_peers_of_a_failed_worker_are_stopped(tmp_path):
     assert not any(alive(pid) for pid in children)
 
 
+def test_a_child_that_ignores_term_is_killed_too(tmp_path):
+    # The worker's shell dies on TERM at once; its child does not. Stopping waits for the
+    # whole process group, so the child gets KILL instead of outliving the run.
+    path = recipe(tmp_path, 'if [ "$TPUFAB_WORKER_ID" = 1 ]; then exit 1; fi\n'
+                            "(trap '' TERM; exec sleep 300) &\n"
+                            'echo "child $!"\nwait\n')
+    result = run_local(path, workers=2, echo=False, failure_grace=0.1)
+    assert result.summary() == "Worker 1 failed (exit code 1); stopped after it: workers 0."
+    child = int(result.output[0][0].split()[1])
+    assert not alive(child)
+
+
 def test_timeout_stops_everything(tmp_path):
     path = recipe(tmp_path, "sleep 300 &\nwait\n")
     result = run_local(path, workers=2, echo=False, timeout=0.3)

@@ -188,14 +188,58 @@ def _wait_all(procs, timeout, failure_grace):
 
 
 def _stop(procs, grace: float = 2.0):
-    """TERM every live worker's process group, KILL what is left after `grace`."""
+    """TERM every worker's process group, KILL what is left after `grace`.
+
+    Waits for every member of each group, not only its leader: a recipe's background
+    children (`sleep 300 &`, a data loader) must be gone when the run returns.
+    """
+    live = _live_groups([p.pid for p in procs])
     for signum in (signal.SIGTERM, signal.SIGKILL):
-        live = [p for p in procs if p.poll() is None]
-        for proc in live:
+        if not live:
+            break
+        for pgid in live:
             try:
-                os.killpg(proc.pid, signum)
+                os.killpg(pgid, signum)
             except OSError:
                 pass
         deadline = time.monotonic() + grace
-        while any(p.poll() is None for p in live) and time.monotonic() < deadline:
+        while live and time.monotonic() < deadline:
             time.sleep(POLL)
+            for proc in procs:
+                proc.poll()                                # reap our own leaders
+            live = _live_groups(live)
+    for proc in procs:                                     # collect every leader's code
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _live_groups(groups):
+    """The process groups in `groups` that still have a member that is not a zombie."""
+    wanted = set(groups)
+    found = set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:                                         # no procfs: ask the kernel
+        return [g for g in groups if _killable(g)]
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2:].split()
+        if fields[0] not in (b"Z", b"X") and int(fields[2]) in wanted:
+            found.add(int(fields[2]))
+    return [g for g in groups if g in found]
+
+
+def _killable(pgid):
+    try:
+        os.killpg(pgid, 0)
+    except OSError:
+        return False
+    return True
