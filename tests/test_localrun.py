@@ -35,6 +35,14 @@ def alive(pid):
     return data[data.rindex(b")") + 2:].split()[0] not in (b"Z", b"X")
 
 
+def fail_after_peers_start(worker, peers):
+    """Recipe lines: `worker` exits 1 once every peer has written ready.<id> (60 s bound)."""
+    ready = " ".join(f"ready.{p}" for p in peers)
+    return (f'if [ "$TPUFAB_WORKER_ID" = {worker} ]; then\n'
+            f"  for _ in $(seq 600); do ls {ready} >/dev/null 2>&1 && exit 1; sleep 0.1; done\n"
+            "  exit 2\nfi\n")
+
+
 @pytest.mark.skipif(not HAS_JAX, reason="jax is not installed in this venv "
                     "(.venv/bin/pip install jax)")
 def test_jax_hello_on_four_local_processes():
@@ -93,9 +101,9 @@ def test_a_failing_worker_is_named(tmp_path):
 
 def test_peers_of_a_failed_worker_are_stopped(tmp_path):
     # Workers 0 and 2 wait for a peer that died, as collective code does; a child too.
-    path = recipe(tmp_path, 'if [ "$TPUFAB_WORKER_ID" = 1 ]; then exit 1; fi\n'
-                            'sleep 300 &\necho "child $!"\nwait\n')
-    result = run_local(path, workers=3, echo=False, failure_grace=0.2)
+    path = recipe(tmp_path, fail_after_peers_start(1, [0, 2]) +
+                  'sleep 300 &\necho "child $!"\ntouch "ready.$TPUFAB_WORKER_ID"\nwait\n')
+    result = run_local(path, workers=3, echo=False, failure_grace=0.2, cwd=tmp_path)
     assert result.first_failure == 1 and result.exit_codes[1] == 1
     assert result.exit_codes[0] < 0 and result.exit_codes[2] < 0
     assert result.summary() == "Worker 1 failed (exit code 1); stopped after it: workers 0,2."
@@ -106,10 +114,10 @@ def test_peers_of_a_failed_worker_are_stopped(tmp_path):
 def test_a_child_that_ignores_term_is_killed_too(tmp_path):
     # The worker's shell dies on TERM at once; its child does not. Stopping waits for the
     # whole process group, so the child gets KILL instead of outliving the run.
-    path = recipe(tmp_path, 'if [ "$TPUFAB_WORKER_ID" = 1 ]; then exit 1; fi\n'
-                            "(trap '' TERM; exec sleep 300) &\n"
-                            'echo "child $!"\nwait\n')
-    result = run_local(path, workers=2, echo=False, failure_grace=0.1)
+    path = recipe(tmp_path, fail_after_peers_start(1, [0]) +
+                  "(trap '' TERM; exec sleep 300) &\n"
+                  'echo "child $!"\ntouch "ready.$TPUFAB_WORKER_ID"\nwait\n')
+    result = run_local(path, workers=2, echo=False, failure_grace=0.1, cwd=tmp_path)
     assert result.summary() == "Worker 1 failed (exit code 1); stopped after it: workers 0."
     child = int(result.output[0][0].split()[1])
     assert not alive(child)
