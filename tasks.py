@@ -31,9 +31,15 @@ def _help(table, *names):
     return {n: table[n] for n in names}
 
 
+WHERE = {'create': 'nodes', 'delete': 'nodes', 'list_': 'nodes', 'describe': 'nodes', 'types': 'nodes', 'known_hosts_forget': 'nodes', 'exec_': 'workers', 'setup': 'workers', 'ssh': 'workers', 'deploy': 'data', 'mount': 'data', 'umount': 'data', 'run': 'jobs', 'ask_on_interrupt': 'jobs', 'logs': 'jobs', 'runs': 'jobs', 'kill': 'jobs', 'status': 'status', 'babysit': 'status', 'sim_up': 'sim', 'sim_down': 'sim', 'sim_status': 'sim', 'sim_admin': 'sim', 'sim_preempt': 'sim', 'sim_unreachable': 'sim', 'sim_fail_create': 'sim', 'sim_burst': 'sim', 'sim_zombie': 'sim', 'sim_bucket': 'sim'}
+
+
 def _run(verb_name, *args, **kwargs):
-    from tpufab import verbs
+    import importlib
+
     from tpufab.console import run
+
+    verbs = importlib.import_module("tpufab.verbs." + WHERE[verb_name])
 
     debug = kwargs.pop("debug", False)
     code = run(getattr(verbs, verb_name), *args, debug=debug, **kwargs)

@@ -31,9 +31,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CALL = ("import json, sys\n"
-        "from tpufab import jobverbs\n"
+        "from tpufab.verbs import jobs, sim\n"
         "from tpufab.console import run\n"
-        "sys.exit(run(getattr(jobverbs, sys.argv[1]), **json.loads(sys.argv[2])))\n")
+        "verb = getattr(jobs, sys.argv[1], None) or getattr(sim, sys.argv[1])\n"
+        "sys.exit(run(verb, **json.loads(sys.argv[2])))\n")
 
 
 def tree_cpu(root: int) -> float:

@@ -311,7 +311,7 @@ DEPLOY_DRIVER = """
 import sys
 from tpufab import deploy, pod
 from tpufab.console import run
-from tpufab.verbs import settings_from_flags
+from tpufab.verbs.common import settings_from_flags
 
 def main():
     group = pod.shared(settings_from_flags()).fanout

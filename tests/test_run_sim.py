@@ -1,6 +1,6 @@
 """run / logs / runs on a simulated v4-32 (real sshd workers, JAX on CPU), and their pure parts.
 
-The verbs run as a user runs them: a small `python -c` that calls `tpufab.jobverbs` the way
+The verbs run as a user runs them: a small `python -c` that calls `tpufab.verbs.jobs` the way
 the CLI does (exit code and output included); the test looks inside the workers through its
 own connections.
 """
@@ -38,9 +38,10 @@ from tpufab.runs import Forwarded
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "hf_Zq8-must-never-leak-7431"
 CALL = ("import json, sys\n"
-        "from tpufab import jobverbs\n"
+        "from tpufab.verbs import jobs, sim\n"
         "from tpufab.console import run\n"
-        "sys.exit(run(getattr(jobverbs, sys.argv[1]), **json.loads(sys.argv[2])))\n")
+        "verb = getattr(jobs, sys.argv[1], None) or getattr(sim, sys.argv[1])\n"
+        "sys.exit(run(verb, **json.loads(sys.argv[2])))\n")
 
 LONG = """#!/bin/sh
 # Waits (bounded) for a trigger file named by its first argument.

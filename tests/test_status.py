@@ -342,7 +342,7 @@ def test_status_folds_agreeing_workers_and_singles_out_the_odd_one(sim, node, si
                                                                   monkeypatch):
     from tpufab import pod as pods
     from tpufab.console import run
-    from tpufab.statusverbs import status as status_verb
+    from tpufab.verbs.status import status as status_verb
 
     settings = node.settings
     use_env(monkeypatch, sim, node.home)
@@ -432,7 +432,7 @@ def test_status_of_a_preempted_node_shows_the_api_state(sim, sim_admin, tmp_path
                                                         monkeypatch):
     from tpufab import lifecycle
     from tpufab.console import run
-    from tpufab.statusverbs import status as status_verb
+    from tpufab.verbs.status import status as status_verb
 
     settings = sim_settings(sim, tmp_path, name=unique_name("stp"), type="v4-16")
     use_env(monkeypatch, sim, tmp_path)

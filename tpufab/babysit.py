@@ -621,7 +621,7 @@ class Babysitter:
         return self._watch(pod, plan, number, attempt_dir)
 
     def _forwarded(self):
-        from tpufab.jobverbs import forwarded_for
+        from tpufab.runs import forwarded_for
 
         return forwarded_for(self.settings, self.env)
 

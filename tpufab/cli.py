@@ -11,8 +11,13 @@ from typing import Annotated
 
 import typer
 
-from tpufab import verbs
 from tpufab.console import run as run_verb
+from tpufab.verbs import data as data_verbs
+from tpufab.verbs import jobs as jobs_verbs
+from tpufab.verbs import nodes as nodes_verbs
+from tpufab.verbs import sim as sim_verbs
+from tpufab.verbs import status as status_verbs
+from tpufab.verbs import workers as workers_verbs
 
 app = typer.Typer(
     name="tpufab",
@@ -69,7 +74,7 @@ def create(
         "--label", metavar="KEY=VALUE", help="Label (repeatable).")] = None,
 ) -> None:
     """Create a TPU VM node (or queued resource) and wait until it is READY."""
-    _run(verbs.create, name=name, type=type, zone=zone, project=project, version=version,
+    _run(nodes_verbs.create, name=name, type=type, zone=zone, project=project, version=version,
          spot=spot, preemptible=preemptible, reserved=reserved, queued=queued,
          num_slices=num_slices, async_=async_, labels=label)
 
@@ -82,26 +87,26 @@ def delete(
     project: Project = None,
 ) -> None:
     """Delete a TPU node (or its queued resource)."""
-    _run(verbs.delete, name=name, yes=yes, zone=zone, project=project)
+    _run(nodes_verbs.delete, name=name, yes=yes, zone=zone, project=project)
 
 
 @app.command("list")
 def list_(json: Json = False, zone: Zone = None, project: Project = None) -> None:
     """List the TPU nodes in a zone."""
-    _run(verbs.list_, as_json=json, zone=zone, project=project)
+    _run(nodes_verbs.list_, as_json=json, zone=zone, project=project)
 
 
 @app.command()
 def describe(name: Name = None, json: Json = False, zone: Zone = None,
              project: Project = None) -> None:
     """Show one TPU node: state, health, workers and their IPs."""
-    _run(verbs.describe, name=name, as_json=json, zone=zone, project=project)
+    _run(nodes_verbs.describe, name=name, as_json=json, zone=zone, project=project)
 
 
 @app.command()
 def types(json: Json = False) -> None:
     """The accelerator types tpufab knows: hosts, chips, runtime, device files."""
-    _run(verbs.types, as_json=json)
+    _run(nodes_verbs.types, as_json=json)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,7 +130,7 @@ def exec_(
     project: Project = None,
 ) -> None:
     """Run a shell command on every (or the selected) worker."""
-    _run(verbs.exec_, command=command, name=name, worker=worker, gather=gather, timeout=timeout,
+    _run(workers_verbs.exec_, command=command, name=name, worker=worker, gather=gather, timeout=timeout,
          zone=zone, project=project)
 
 
@@ -140,7 +145,7 @@ def setup(
     project: Project = None,
 ) -> None:
     """Ship a setup script and run it on every worker (once per script content)."""
-    _run(verbs.setup, name=name, script=script, force=force, worker=worker, timeout=timeout,
+    _run(workers_verbs.setup, name=name, script=script, force=force, worker=worker, timeout=timeout,
          zone=zone, project=project)
 
 
@@ -153,7 +158,7 @@ def ssh(
     project: Project = None,
 ) -> None:
     """An interactive shell (or one command) on one worker, with the right key and host key."""
-    _run(verbs.ssh, name=name, worker=worker, command=command, zone=zone, project=project)
+    _run(workers_verbs.ssh, name=name, worker=worker, command=command, zone=zone, project=project)
 
 
 @app.command()
@@ -172,7 +177,7 @@ def deploy(
     project: Project = None,
 ) -> None:
     """Put exactly one commit of this repository on every worker, verified."""
-    _run(verbs.deploy, name=name, ref=ref, remote=remote, dir=dir, direct=direct, wip=wip,
+    _run(data_verbs.deploy, name=name, ref=ref, remote=remote, dir=dir, direct=direct, wip=wip,
          zone=zone, project=project)
 
 
@@ -192,7 +197,7 @@ def mount(
     project: Project = None,
 ) -> None:
     """Mount a Cloud Storage bucket (or a prefix of it) on every worker, verified."""
-    _run(verbs.mount, bucket=bucket, name=name, at=at, driver=driver, options=options,
+    _run(data_verbs.mount, bucket=bucket, name=name, at=at, driver=driver, options=options,
          install=install, zone=zone, project=project)
 
 
@@ -207,7 +212,7 @@ def umount(
     project: Project = None,
 ) -> None:
     """Unmount --at (or every mount tpufab made) on every worker."""
-    _run(verbs.umount, name=name, at=at, lazy=lazy, zone=zone, project=project)
+    _run(data_verbs.umount, name=name, at=at, lazy=lazy, zone=zone, project=project)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,7 +245,7 @@ def run(
     project: Project = None,
 ) -> None:
     """Run a recipe on every worker at once (deploying first) and follow its logs."""
-    _run(verbs.run, recipe, name=name, args=args, detach=detach, no_deploy=no_deploy,
+    _run(jobs_verbs.run, recipe, name=name, args=args, detach=detach, no_deploy=no_deploy,
          direct=direct, wip=wip, env=env, local=local, workers=workers,
          on_interrupt=on_interrupt, spmd=spmd, zone=zone, project=project)
 
@@ -256,7 +261,7 @@ def logs(
     project: Project = None,
 ) -> None:
     """A run's logs: worker 0's lines once, plus only the lines where others differ."""
-    _run(verbs.logs, run=run, follow=follow, worker=worker, raw=raw, name=name, zone=zone,
+    _run(jobs_verbs.logs, run=run, follow=follow, worker=worker, raw=raw, name=name, zone=zone,
          project=project)
 
 
@@ -264,7 +269,7 @@ def logs(
 def runs(name: Name = None, worker: Worker = "all", json: Json = False, zone: Zone = None,
          project: Project = None) -> None:
     """The runs the workers know, with each worker's state."""
-    _run(verbs.runs, name=name, worker=worker, as_json=json, zone=zone, project=project)
+    _run(jobs_verbs.runs, name=name, worker=worker, as_json=json, zone=zone, project=project)
 
 
 @app.command()
@@ -279,7 +284,7 @@ def kill(
     project: Project = None,
 ) -> None:
     """Free the TPU everywhere: stop runs and stale holders, then remove the lockfile."""
-    _run(verbs.kill, name=name, run=run, grace=grace, dry_run=dry_run, force=force,
+    _run(jobs_verbs.kill, name=name, run=run, grace=grace, dry_run=dry_run, force=force,
          worker=worker, zone=zone, project=project)
 
 
@@ -287,7 +292,7 @@ def kill(
 def status(name: Name = None, json: Json = False, zone: Zone = None,
            project: Project = None) -> None:
     """The node and every worker: reachable, TPU free or busy, runs, commit, mounts, disk."""
-    _run(verbs.status, name=name, as_json=json, zone=zone, project=project)
+    _run(status_verbs.status, name=name, as_json=json, zone=zone, project=project)
 
 
 @app.command()
@@ -307,7 +312,7 @@ def babysit(
     project: Project = None,
 ) -> None:
     """Run a recipe and keep it running through preemptions (recreate, set up, restart)."""
-    _run(verbs.babysit, recipe, name=name, max_restarts=max_restarts, args=args,
+    _run(status_verbs.babysit, recipe, name=name, max_restarts=max_restarts, args=args,
          restart_on_failure=restart_on_failure, env=env, setup_script=setup_script,
          no_deploy=no_deploy, direct=direct, zone=zone, project=project)
 
@@ -324,7 +329,7 @@ def known_hosts_forget(
     project: Project = None,
 ) -> None:
     """Forget a node's pinned host keys (after a rebuild you trust)."""
-    _run(verbs.known_hosts_forget, node=node, zone=zone, project=project)
+    _run(nodes_verbs.known_hosts_forget, node=node, zone=zone, project=project)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,25 +343,25 @@ StateDir = Annotated[str | None, typer.Option(
 def sim_up(port: Annotated[int | None, typer.Option("--port", help="API port.")] = None,
            state_dir: StateDir = None) -> None:
     """Start the simulated pod in the background and print the lines to export."""
-    _run(verbs.sim_up, port=port, state_dir=state_dir)
+    _run(sim_verbs.sim_up, port=port, state_dir=state_dir)
 
 
 @sim_app.command("down")
 def sim_down(state_dir: StateDir = None) -> None:
     """Stop the simulated pod (its nodes are kept on disk)."""
-    _run(verbs.sim_down, state_dir=state_dir)
+    _run(sim_verbs.sim_down, state_dir=state_dir)
 
 
 @sim_app.command("status")
 def sim_status(state_dir: StateDir = None, json: Json = False) -> None:
     """Is the simulated pod up, and where."""
-    _run(verbs.sim_status, state_dir=state_dir, as_json=json)
+    _run(sim_verbs.sim_status, state_dir=state_dir, as_json=json)
 
 
 @sim_app.command("preempt")
 def sim_preempt(name: Annotated[str, typer.Argument(help="Node to preempt.")]) -> None:
     """Preempt a node: state PREEMPTED, workers stopped."""
-    _run(verbs.sim_preempt, name=name)
+    _run(sim_verbs.sim_preempt, name=name)
 
 
 @sim_app.command("unreachable")
@@ -366,7 +371,7 @@ def sim_unreachable(
     restore: Annotated[bool, typer.Option("--restore", help="Make it reachable again.")] = False,
 ) -> None:
     """Make one worker unreachable over SSH (or reachable again)."""
-    _run(verbs.sim_unreachable, name=name, worker=worker, restore=restore)
+    _run(sim_verbs.sim_unreachable, name=name, worker=worker, restore=restore)
 
 
 @sim_app.command("fail-create")
@@ -374,7 +379,7 @@ def sim_fail_create(
     quota: Annotated[bool, typer.Option("--quota", help="Quota exceeded, not stockout.")] = False,
 ) -> None:
     """Make the next create fail with RESOURCE_EXHAUSTED."""
-    _run(verbs.sim_fail_create, quota=quota)
+    _run(sim_verbs.sim_fail_create, quota=quota)
 
 
 @sim_app.command("burst")
@@ -383,20 +388,20 @@ def sim_burst(
     code: Annotated[int, typer.Option("--code", help="503 or 429.")] = 503,
 ) -> None:
     """Make the next COUNT API calls fail with 503 (or 429)."""
-    _run(verbs.sim_burst, count=count, code=code)
+    _run(sim_verbs.sim_burst, count=count, code=code)
 
 
 @sim_app.command("zombie")
 def sim_zombie(name: Name = None, worker: Worker = "all") -> None:
     """Leave a crashed job's mess on workers: TPU holders (some ignore TERM), the lockfile,
     and a protected system process."""
-    _run(verbs.sim_zombie, name=name, worker=worker)
+    _run(sim_verbs.sim_zombie, name=name, worker=worker)
 
 
 @sim_app.command("bucket")
 def sim_bucket(name: Annotated[str, typer.Argument(help="Bucket name.")]) -> None:
     """Create a bucket in the simulated pod's Cloud Storage (a no-op if it exists)."""
-    _run(verbs.sim_bucket, name=name)
+    _run(sim_verbs.sim_bucket, name=name)
 
 
 def main() -> None:

@@ -271,3 +271,13 @@ def render_folded(folded: Sequence[FoldedLine], workers: Iterable[int]) -> list[
     everyone = tuple(sorted(set(workers)))
     return [line.text if line.workers == everyone else f"{line.label}: {line.text}"
             for line in folded]
+
+
+def forwarded_for(settings, env: Iterable[str] | None) -> Forwarded:
+    """``--env`` specs on top of the config's ``env``; a config name that is not set here is
+    skipped (it means "forward it when I have it"), an ``--env NAME`` that is not set is an
+    error."""
+    import os
+
+    configured = [spec for spec in settings.env if "=" in spec or spec in os.environ]
+    return forwarded_environment([*configured, *(env or ())], os.environ, settings.secrets)

@@ -1,12 +1,11 @@
-"""The `status` and `babysit` verbs both front ends call (like verbs.py: flags in, library
-call, printing out). Heavy modules are imported inside each verb."""
+"""status and babysit."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
 
-from tpufab.verbs import settings_from_flags, split_args
+from tpufab.verbs.common import settings_from_flags, split_args
 
 
 def status(*, name: str | None = None, as_json: bool = False, zone: str | None = None,

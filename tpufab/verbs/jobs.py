@@ -1,55 +1,18 @@
-"""The job verbs both front ends call: run, logs, runs, kill, and the simulated pod's zombie.
-
-Like podverbs: flags -> Settings -> the shared pod -> the library (tpufab.jobs,
-tpufab.killing) -> print. Recipe output goes to stdout, tpufab's own notes to stderr, so
-``tpufab run x.sh > out.txt`` keeps only what the recipe printed. Heavy modules are imported
-inside each verb so `tpufab --help` and `invoke --list` stay instant.
-"""
+"""Job verbs: run, logs, runs, kill. Recipe output goes to stdout, tpufab's own notes to
+stderr, so ``tpufab run x.sh > out.txt`` keeps only what the recipe printed."""
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from tpufab.errors import ConfigError, TpufabError
-from tpufab.verbs import settings_from_flags, split_args
+from tpufab.runs import forwarded_for
+from tpufab.verbs.common import note, pod_for, say, settings_from_flags, split_args
 
 INTERRUPT_CHOICES = ("kill", "detach")
-
-
-def _pod(settings):
-    from tpufab import pod
-
-    return pod.shared(settings)
-
-
-def _note(text: str, style: str | None = None) -> None:
-    from tpufab.console import stderr
-
-    stderr().print(text, markup=False, style=style)
-
-
-def _say(text: str) -> None:
-    from tpufab.console import stdout
-
-    stdout().print(text, markup=False)
-
-
-def forwarded_for(settings, env: Sequence[str] | None):
-    """``--env`` specs on top of the config's ``env``; a config name that is not set here is
-    skipped (it means "forward it when I have it"), an ``--env NAME`` that is not set is an
-    error."""
-    from tpufab.runs import forwarded_environment
-
-    configured = [spec for spec in settings.env if "=" in spec or spec in os.environ]
-    return forwarded_environment([*configured, *(env or ())], os.environ, settings.secrets)
-
-
-# ---------------------------------------------------------------------------------------------
-# run
 
 
 def run(recipe: str, *, name: str | None = None, args: str = "", detach: bool = False,
@@ -87,7 +50,7 @@ def run(recipe: str, *, name: str | None = None, args: str = "", detach: bool = 
                               "nothing to deploy: run from your project's checkout, or pass "
                               f"--no-deploy to run {path.name} in the workers' home "
                               "directories.") from None
-    pod = _pod(settings)
+    pod = pod_for(settings)
     plan = _plan(pod, settings, path, argv, forwarded, spmd, root=root, direct=direct,
                  wip=wip)
     return _start_and_follow(pod, plan, detach=detach, on_interrupt=on_interrupt)
@@ -101,11 +64,11 @@ def _plan(pod, settings, path: Path, argv, forwarded, spmd, *, root, direct, wip
     commit = cwd = None
     if root is not None:
         report = deploy.deploy(pod.fanout, dir=settings.remote_dir, direct=direct, wip=wip,
-                               cwd=root, progress=lambda msg: _note(f"deploy: {msg}", "dim"))
+                               cwd=root, progress=lambda msg: note(f"deploy: {msg}", "dim"))
         commit, cwd = report.commit, report.dir
         changed = [r.worker for r in report.rows if r.changed]
         how = f"updated {nodeset.fold(changed)}" if changed else "already there"
-        _note(f"Deployed {commit[:12]} to {cwd} on {nodeset.fold(workers)} ({how}, "
+        note(f"Deployed {commit[:12]} to {cwd} on {nodeset.fold(workers)} ({how}, "
               f"{report.seconds:.1f} s).")
     else:
         cwd = jobs.default_cwd(settings.remote_dir)
@@ -127,17 +90,17 @@ def _start_and_follow(pod, plan, *, detach: bool, on_interrupt: str | None) -> i
     first = started[workers[0]]
     where = first.get("cwd") or "~"
     missing = [w for w, s in started.items() if s.get("cwd_missing")]
-    _note(f"Run {plan.run_id}: {plan.recipe.name} (sha256 {plan.recipe.sha256[:12]}"
+    note(f"Run {plan.run_id}: {plan.recipe.name} (sha256 {plan.recipe.sha256[:12]}"
           f"{', commit ' + plan.commit[:12] if plan.commit else ''}) started on "
           f"{nodeset.fold(workers)} in {where}.")
     if missing:
-        _note(f"{plan.cwd} does not exist on {nodeset.fold(missing)}; the recipe runs in the "
+        note(f"{plan.cwd} does not exist on {nodeset.fold(missing)}; the recipe runs in the "
               "home directory there (deploy first, or drop --no-deploy).", "yellow")
     summary = jobs.environment_summary(plan)
     if summary:
-        _note(f"Environment: {summary}", "dim")
+        note(f"Environment: {summary}", "dim")
     if detach:
-        _note(f"Detached. Follow it with `tpufab logs --run {plan.run_id} --follow`, list "
+        note(f"Detached. Follow it with `tpufab logs --run {plan.run_id} --follow`, list "
               f"runs with `tpufab runs`, stop it with `tpufab kill --run {plan.run_id}`.")
         return 0
     return _follow_run(pod, plan, on_interrupt)
@@ -160,7 +123,7 @@ def _follow_run(pod, plan, on_interrupt: str | None) -> int:
         # nothing about the run.
         if state.ended and not state.ok and len(ended) < len(workers):
             running = [w for w in workers if w not in ended]
-            _note(f"{nodeset.label(worker)}: {plan.recipe.name} {state.label}; "
+            note(f"{nodeset.label(worker)}: {plan.recipe.name} {state.label}; "
                   f"{nodeset.fold(running)} still running (Ctrl-C to stop following or to "
                   "stop the run).", "yellow")
 
@@ -185,7 +148,7 @@ def _finish(run_id: str, states, seconds: float, copy_dir: Path | None) -> int:
     kept = f" Logs: `tpufab logs --run {run_id}`" + (
         f" (a copy is in {_relative(copy_dir)}/)." if copy_dir else ".")
     if not failed and not lost:
-        _note(f"Run {run_id} finished on {nodeset.fold(states)}: exit 0 ({seconds:.1f} s).")
+        note(f"Run {run_id} finished on {nodeset.fold(states)}: exit 0 ({seconds:.1f} s).")
         return 0
     parts = []
     if failed:
@@ -230,11 +193,11 @@ def _interrupted(pod, run_id: str, workers, on_interrupt: str | None) -> int:
 
     choice = on_interrupt or ask_on_interrupt(run_id)
     if choice != "kill":
-        _note(f"Stopped following; run {run_id} keeps running on {nodeset.fold(workers)}. Follow it "
+        note(f"Stopped following; run {run_id} keeps running on {nodeset.fold(workers)}. Follow it "
               f"again with `tpufab logs --run {run_id} --follow`; stop it with "
               f"`tpufab kill --run {run_id}`.")
         return 130
-    _note(f"Stopping run {run_id} on {nodeset.fold(workers)} ...")
+    note(f"Stopping run {run_id} on {nodeset.fold(workers)} ...")
     outcome = jobs.stop(pod.fanout, run_id, workers, grace=jobs.STOP_GRACE)
     errors = {w: o["error"] for w, o in outcome.items() if "error" in o}
     alive = [w for w, o in outcome.items() if o.get("still_running")]
@@ -246,7 +209,7 @@ def _interrupted(pod, run_id: str, workers, on_interrupt: str | None) -> int:
         raise jobs.RunError(f"Could not stop run {run_id} everywhere ({detail}); try "
                             f"`tpufab kill --run {run_id}`.", exit_code=130)
     how = f" (SIG{'/SIG'.join(sorted(signals))})" if signals else " (it had already ended)"
-    _note(f"Stopped run {run_id} on {nodeset.fold(workers)}{how}.")
+    note(f"Stopped run {run_id} on {nodeset.fold(workers)}{how}.")
     return 130
 
 
@@ -255,14 +218,10 @@ def _run_local(path: Path, workers: int, argv, forwarded, spmd: bool) -> int:
 
     result = run_local(path, workers=workers, args=argv, forwarded=forwarded, spmd=spmd)
     if result.ok:
-        _note(f"Local run {result.run_id}: {result.summary()}")
+        note(f"Local run {result.run_id}: {result.summary()}")
         return 0
     raise TpufabError(f"Local run {result.run_id}: {result.summary()}",
                       exit_code=1)
-
-
-# ---------------------------------------------------------------------------------------------
-# logs, runs
 
 
 def _find_run(pod, chosen, run: str | None):
@@ -301,15 +260,15 @@ def logs(*, run: str | None = None, follow: bool = False, worker: str = "all",
     """Show a run's logs (the latest run by default): folded, or every line prefixed."""
     from tpufab import jobs, nodeset
 
-    pod = _pod(settings_from_flags(name=name, zone=zone, project=project))
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
     chosen = pod.fanout.select(worker)
     run_id, statuses, have = _find_run(pod, chosen, run)
     rows = {r.run: r for r in jobs.run_rows({w: statuses[w] for w in chosen})}
     row = rows[run_id]
     absent = [w for w in chosen if w not in have]
-    _note(f"Run {run_id}: {row.recipe} - {row.workers}", "dim")
+    note(f"Run {run_id}: {row.recipe} - {row.workers}", "dim")
     if absent:
-        _note(f"({nodeset.fold(absent)} {'has' if len(absent) == 1 else 'have'} no record of "
+        note(f"({nodeset.fold(absent)} {'has' if len(absent) == 1 else 'have'} no record of "
               "it.)", "dim")
     if follow:
         return _follow_logs(pod, run_id, have, raw)
@@ -329,7 +288,7 @@ def logs(*, run: str | None = None, follow: bool = False, worker: str = "all",
     out.flush()
     gone = [s for s in states.values() if s.state in ("unreachable", "no record")]
     if gone:
-        _note(f"No log from {jobs.fold_states(gone)}.", "yellow")
+        note(f"No log from {jobs.fold_states(gone)}.", "yellow")
     return 0
 
 
@@ -343,13 +302,13 @@ def _follow_logs(pod, run_id: str, workers, raw: bool) -> int:
         states = jobs.follow(pod.fanout, run_id, workers, sink)
     except FanoutInterrupted:
         sink.close()
-        _note(f"Stopped following; run {run_id} keeps running.")
+        note(f"Stopped following; run {run_id} keeps running.")
         return 130
     finally:
         sink.close()
     text = f"Run {run_id}: {jobs.fold_states(states.values())}."
     if all(s.ok for s in states.values()):
-        _note(text)
+        note(text)
         return 0
     codes = {s.exit_status for s in states.values() if not s.ok}
     code = codes.pop() if len(codes) == 1 else 1
@@ -363,7 +322,7 @@ def runs(*, name: str | None = None, worker: str = "all", as_json: bool = False,
 
     from tpufab import jobs, nodeset
 
-    pod = _pod(settings_from_flags(name=name, zone=zone, project=project))
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
     chosen = pod.fanout.select(worker)
     statuses = jobs.statuses(pod.fanout, chosen)
     rows = jobs.run_rows(statuses)
@@ -377,7 +336,7 @@ def runs(*, name: str | None = None, worker: str = "all", as_json: bool = False,
     if not rows:
         reachable = [w for w, s in statuses.items() if s.error is None]
         if reachable:
-            _say(f"No runs on {nodeset.fold(reachable)} yet; start one with "
+            say(f"No runs on {nodeset.fold(reachable)} yet; start one with "
                  "`tpufab run RECIPE`.")
     else:
         _say_table(rows)
@@ -419,10 +378,6 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m"
 
 
-# ---------------------------------------------------------------------------------------------
-# kill, sim zombie
-
-
 def kill(*, name: str | None = None, run: str | None = None, grace: float = 5.0,
          dry_run: bool = False, force: bool = False, worker: str = "all",
          zone: str | None = None, project: str | None = None) -> int:
@@ -435,37 +390,14 @@ def kill(*, name: str | None = None, run: str | None = None, grace: float = 5.0,
     if run is not None and not is_run_id(run):
         raise ConfigError(f"{run!r} is not a run id (they look like 20261122-104455-ab12); "
                           "`tpufab runs` lists them.")
-    pod = _pod(settings_from_flags(name=name, zone=zone, project=project))
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
     chosen = pod.fanout.select(worker)
     result = killing.kill(pod.fanout, chosen, run=run, grace=grace, dry_run=dry_run,
                           force=force, device_globs=pod.device_globs())
     for line in killing.report_lines(result):
-        _say(line)
+        say(line)
     text = killing.summary(result)
     if result.ok:
-        _say(text)
+        say(text)
         return 0
     raise killing.KillError(text)
-
-
-def sim_zombie(*, name: str | None = None, worker: str = "all", zone: str | None = None,
-               project: str | None = None) -> int:
-    """Simulated pod: leave a crashed job's mess on the selected workers."""
-    from tpufab import killing, nodeset
-    from tpufab.errors import SimError
-
-    pod = _pod(settings_from_flags(name=name, zone=zone, project=project))
-    chosen = pod.fanout.select(worker)
-    reports = killing.make_zombies(pod.fanout, chosen, device_globs=pod.device_globs())
-    for line in killing.zombie_lines(reports):
-        _say(line)
-    failed = [w for w, r in reports.items() if r.report is None or any(
-        "error" in z for z in r.report.get("zombies", ()))]
-    done = [w for w in chosen if w not in failed]
-    if done:
-        _say(f"Left a crashed job's mess on {nodeset.fold(done)}: processes holding the TPU "
-             "(one ignores SIGTERM), the libtpu lockfile held, and a protected tpu-runtime "
-             f"holder. Clear it with `tpufab kill --name {pod.name}`.")
-    if failed:
-        raise SimError(f"Could not make the mess on {nodeset.fold(failed)} (see above).")
-    return 0

@@ -1,0 +1,116 @@
+"""Shared by the verb modules: flags into Settings, the shared pod, printing helpers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from tpufab.config import Settings, load_settings
+from tpufab.errors import ConfigError
+
+
+def parse_labels(labels: Iterable[str] | None) -> dict[str, str]:
+    """`["team=ml", "env=dev,owner=me"]` -> {"team": "ml", "env": "dev", "owner": "me"}."""
+    out: dict[str, str] = {}
+    for item in labels or ():
+        for pair in str(item).split(","):
+            if not pair.strip():
+                continue
+            key, sep, value = pair.partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"--label takes key=value, not {pair.strip()!r}.")
+            out[key.strip()] = value.strip()
+    return out
+
+
+def settings_from_flags(*, type: str | None = None, accelerator_type: str | None = None,
+                        version: str | None = None, labels: Iterable[str] | None = None,
+                        **flags: Any) -> Settings:
+    """Settings with the command-line flags on top. A False/None flag means "not given"."""
+    if type and accelerator_type and type != accelerator_type:
+        raise ConfigError(f"--type {type} and --accelerator-type {accelerator_type} disagree; "
+                          "give one of them.")
+    overrides = {k: v for k, v in flags.items() if v is not None and v is not False}
+    overrides["type"] = type or accelerator_type
+    overrides["runtime_version"] = version
+    settings = load_settings(overrides)
+    settings.labels = {**settings.labels, **parse_labels(labels)}
+    return settings
+
+
+def split_args(args: str | None) -> list[str]:
+    """A recipe's `--args '...'` string split as a shell would, or one sentence saying why not."""
+    import shlex
+
+    try:
+        return shlex.split(args or "")
+    except ValueError as err:
+        raise ConfigError(f"--args {args!r} is not a valid argument list ({err}); quote it "
+                          "as you would in a shell.") from None
+
+
+def print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, sort_keys=False))
+
+
+def folded(rows: Iterable[Any], key: Callable[[Any], tuple]) -> list[tuple[str, list[Any]]]:
+    """Rows that agree on ``key`` as one line each: [(folded workers, rows)], first worker first."""
+    from tpufab.nodeset import fold
+
+    groups: dict[tuple, list[Any]] = {}
+    for row in sorted(rows, key=lambda r: r.worker):
+        groups.setdefault(key(row), []).append(row)
+    return [(fold(r.worker for r in group), group) for group in groups.values()]
+
+
+def seconds_range(rows: Sequence[Any]) -> str:
+    times = sorted(r.seconds for r in rows if r.seconds is not None)
+    if not times:
+        return "-"
+    if len(times) == 1 or times[-1] - times[0] < 0.01:
+        return f"{times[-1]:.2f}s"
+    return f"{times[0]:.2f}-{times[-1]:.2f}s"
+
+
+def print_table(columns: Sequence[str], lines: Iterable[Sequence[str]]) -> None:
+    from rich.table import Table
+
+    from tpufab.console import stdout
+
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in columns:
+        table.add_column(column)
+    for line in lines:
+        table.add_row(*line)
+    stdout().print(table)
+
+
+def count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def pod_for(settings: Settings) -> Any:
+    """The pod named by ``settings``, connected once per process (later verbs reuse it)."""
+    from tpufab import pod
+
+    return pod.shared(settings)
+
+
+def note(text: str, style: str | None = None) -> None:
+    """tpufab's own words, on stderr (stdout stays the workers' output)."""
+    from tpufab.console import stderr
+
+    stderr().print(text, markup=False, style=style)
+
+
+def say(text: str) -> None:
+    """A result line on stdout, printed as it is."""
+    from tpufab.console import stdout
+
+    stdout().print(text, markup=False)
+
+
+def progress(message: str) -> None:
+    """A step's progress, dim on stderr."""
+    note(message, "dim")

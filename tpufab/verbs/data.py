@@ -1,0 +1,124 @@
+"""Code and data on every worker: deploy, mount, umount."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+from tpufab.errors import ConfigError
+from tpufab.verbs.common import (
+    count,
+    folded,
+    pod_for,
+    print_table,
+    progress,
+    seconds_range,
+    settings_from_flags,
+)
+
+
+def deploy(*, name: str | None = None, ref: str = "HEAD", remote: str = "origin",
+           dir: str | None = None, direct: bool = False, wip: bool = False,
+           zone: str | None = None, project: str | None = None) -> None:
+    """Put one commit of this repository on every worker, verified, and print who changed."""
+    from tpufab import deploy as deploying
+    from tpufab import gitops
+    from tpufab.console import stdout
+    from tpufab.quoting import Secret
+
+    # the local checks first: a dirty tree or a missing remote needs no pod to be refused
+    root = gitops.repo_root(None)
+    if not wip:
+        gitops.refuse_dirty(root)
+        gitops.resolve(root, ref)
+    if not direct:
+        gitops.remote_url(root, remote)
+    settings = settings_from_flags(name=name, zone=zone, project=project)
+    token = os.environ.get(deploying.TOKEN_ENV)  # an HTTPS token for a private remote
+    pod = pod_for(settings)
+    report = deploying.deploy(pod.fanout, ref=ref, remote=remote,
+                              dir=dir or settings.remote_dir, direct=direct, wip=wip, cwd=root,
+                              token=Secret(token) if token else None, progress=progress)
+    print_table(("WORKERS", "COMMIT", "RESULT", "TIME"), (
+        (workers, (group[0].commit or "-")[:12], group[0].action or "-", seconds_range(group))
+        for workers, group in folded(report.rows, lambda r: (r.commit, r.action))))
+    changed = sum(r.changed for r in report.rows)
+    what = report.commit[:12] + (f" ({report.branch})" if report.branch else "")
+    if report.wip_ref:
+        what += f" (work-in-progress snapshot, {report.wip_ref})"
+    how = ("over SSH (--direct)" if direct
+           else f"through {remote} ({'pushed' if report.pushed == 'pushed' else 'already there'})")
+    same = len(report.rows) - changed
+    outcome = ("every worker was already there" if not changed
+               else f"{changed} changed" + (f", {same} already there" if same else ""))
+    stdout().print(f"Deployed {what} to {count(len(report.rows), 'worker')} in {report.dir} "
+                   f"{how}: {outcome} ({report.seconds:.1f}s).", markup=False)
+
+
+def _driver_options(options: Iterable[str] | None) -> list[str]:
+    """``--options '--dir-cache-time 10s' --options --read-only`` -> the driver's argv."""
+    import shlex
+
+    out: list[str] = []
+    for item in options or ():
+        try:
+            out += shlex.split(item)
+        except ValueError as err:
+            raise ConfigError(f"Cannot read --options {item!r} ({err}); quote each driver "
+                              "option string once, e.g. --options '--dir-cache-time 10s'.") \
+                from None
+    return out
+
+
+def mount(*, bucket: str, name: str | None = None, at: str | None = None,
+          driver: str | None = None, options: Iterable[str] | None = None,
+          install: bool = False, zone: str | None = None, project: str | None = None) -> None:
+    """Mount gs://BUCKET[/PREFIX] on every worker and print what each one has there."""
+    from tpufab import mount as mounting
+    from tpufab.console import stdout
+
+    settings = settings_from_flags(name=name, zone=zone, project=project)
+    spec = mounting.mount_spec(bucket, at=at, driver=driver or settings.mount_driver,
+                               options=_driver_options(options),
+                               endpoint=settings.storage_endpoint)
+    pod = pod_for(settings)
+    report = mounting.apply_mount(pod.fanout, spec, install=install)
+    print_table(("WORKERS", "RESULT", "ENTRIES", "TIME"), (
+        (workers, group[0].action or "-", "-" if group[0].entries is None
+         else str(group[0].entries), seconds_range(group))
+        for workers, group in folded(report.rows, lambda r: (r.action, r.entries))))
+    fresh = sum(r.action == "mounted" for r in report.rows)
+    had = len(report.rows) - fresh
+    outcome = ("every worker already had it" if not fresh
+               else f"{fresh} mounted now" + (f", {had} already had it" if had else ""))
+    where = f" from {spec.endpoint}" if spec.endpoint else ""
+    stdout().print(f"{spec.url}{where} is mounted at {spec.at} on "
+                   f"{count(len(report.rows), 'worker')} ({spec.driver}): {outcome}.",
+                   markup=False)
+
+
+def umount(*, name: str | None = None, at: str | None = None, lazy: bool = False,
+           zone: str | None = None, project: str | None = None) -> None:
+    """Unmount --at (or, without it, every mount tpufab made) on every worker."""
+    from tpufab import mount as mounting
+    from tpufab.console import stdout
+
+    mounting.umount_args(at, lazy=lazy)  # a bad --at is refused before connecting
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
+    report = mounting.umount(pod.fanout, at, lazy=lazy)
+    if at is None:
+        print_table(("WORKERS", "RESULT", "MOUNT POINTS"), (
+            (workers, group[0].action or "-", ", ".join(group[0].unmounted) or "-")
+            for workers, group in folded(report.rows, lambda r: (r.action, *r.unmounted))))
+        points = sorted({p for r in report.rows for p in r.unmounted})
+        text = (f"Unmounted {', '.join(points)}" if points
+                else "Nothing tpufab mounted was mounted")
+        stdout().print(f"{text} on {count(len(report.rows), 'worker')}.", markup=False)
+        return
+    print_table(("WORKERS", "RESULT", "TIME"), (
+        (workers, group[0].action or "-", seconds_range(group))
+        for workers, group in folded(report.rows, lambda r: (r.action,))))
+    gone = sum(r.action == "unmounted" for r in report.rows)
+    text = (f"Unmounted {report.at} on {count(gone, 'worker')}" if gone
+            else f"{report.at} was not mounted on any of the {len(report.rows)} workers")
+    stdout().print(text + ".", markup=False)

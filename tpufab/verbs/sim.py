@@ -1,0 +1,177 @@
+"""The simulated pod's verbs: sim up/down/status, faults, zombie, bucket."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tpufab.config import load_settings
+from tpufab.errors import ConfigError
+from tpufab.verbs.common import pod_for, print_json, say, settings_from_flags
+
+
+def sim_up(*, port: int | None = None, state_dir: str | None = None) -> None:
+    from tpufab.console import stdout
+    from tpufab.sim import daemon
+
+    info = daemon.up(state_dir=state_dir, port=port)
+    already = " (it was already running)" if info.already_running else ""
+    stdout().print(f"[green]The simulated TPU pod is up[/green]{already}: TPU API at "
+                   f"{info.endpoint} (pid {info.pid}, state in {info.state_dir}).")
+    _print_exports(info)
+
+
+def _print_exports(info: Any) -> None:
+    from tpufab.console import stdout
+
+    stdout().print("Point tpufab at it by pasting these lines into your shell:")
+    # plain print: no wrapping or markup, so the lines copy and paste as they are
+    print()
+    for line in info.exports().splitlines():
+        print(f"  {line}")
+    print(flush=True)
+
+
+def sim_down(*, state_dir: str | None = None) -> None:
+    from tpufab.console import stdout
+    from tpufab.sim import daemon
+
+    stdout().print(daemon.down(state_dir=state_dir), markup=False)
+
+
+def sim_status(*, state_dir: str | None = None, as_json: bool = False) -> int:
+    """Exit code 0 when the simulated pod is up, 3 when it is not."""
+    from tpufab.console import stdout
+    from tpufab.sim import daemon
+
+    status = daemon.status(state_dir=state_dir)
+    if as_json:
+        print_json({"running": status.running, "state_dir": str(status.state_dir),
+                     "endpoint": status.info.endpoint if status.info else None,
+                     "pid": status.info.pid if status.info else None,
+                     "nodes": status.nodes, "queued_resources": status.queued_resources})
+        return 0 if status.running else 3
+    console = stdout()
+    if status.running and status.info:
+        console.print(f"The simulated TPU pod is up: TPU API at {status.info.endpoint} "
+                      f"(pid {status.info.pid}, state in {status.state_dir}).", markup=False)
+    else:
+        console.print(f"The simulated TPU pod is not running (state in {status.state_dir}); "
+                      "start it with `tpufab sim up`.", markup=False)
+    for node in status.nodes:
+        workers = len(node.get("workers", [])) or "?"
+        console.print(f"  node {node['name'].rsplit('/', 1)[-1]}: {node.get('acceleratorType')} "
+                      f"{node.get('state')} ({workers} workers)", markup=False)
+    for qr in status.queued_resources:
+        console.print(f"  queued resource {qr['name'].rsplit('/', 1)[-1]}: {qr.get('state')}",
+                      markup=False)
+    if status.running and status.info:
+        _print_exports(status.info)
+    return 0 if status.running else 3
+
+
+def sim_admin() -> Any:
+    """The admin client of the simulated pod tpufab points at (TPUFAB_API_ENDPOINT), else of
+    the one running from the default state dir."""
+    from tpufab.sim import daemon
+    from tpufab.sim.admin import SimAdmin
+
+    settings = load_settings()
+    endpoint = settings.api_endpoint
+    if not endpoint:
+        status = daemon.status()
+        if not status.running or status.info is None:
+            raise ConfigError("No simulated pod to talk to: TPUFAB_API_ENDPOINT is not set and "
+                              "none is running; start one with `tpufab sim up`.")
+        endpoint = status.info.endpoint
+    kw = {"zone": settings.zone}
+    if settings.project:
+        kw["project"] = settings.project
+    return SimAdmin(endpoint, **kw)
+
+
+def sim_preempt(*, name: str) -> None:
+    from tpufab.console import stdout
+    from tpufab.lifecycle import validate_name
+
+    sim_admin().preempt(validate_name(name))
+    stdout().print(f"Preempted TPU node {name}: it is PREEMPTED and its workers are stopped.")
+
+
+def sim_unreachable(*, name: str, worker: int, restore: bool = False) -> None:
+    from tpufab.console import stdout
+    from tpufab.lifecycle import validate_name
+
+    sim_admin().set_reachable(validate_name(name), worker, restore)
+    state = "reachable again" if restore else "unreachable (connections refused)"
+    stdout().print(f"Worker {worker} of {name} is {state}.")
+
+
+def sim_fail_create(*, quota: bool = False) -> None:
+    from tpufab.console import stdout
+
+    reason = "quota" if quota else "stockout"
+    sim_admin().fail_next_create(reason)
+    stdout().print(f"The next create will fail with RESOURCE_EXHAUSTED ({reason}).")
+
+
+def sim_burst(*, count: int, code: int = 503) -> None:
+    from tpufab.console import stdout
+
+    if code not in (429, 503):
+        raise ConfigError(f"--code must be 503 or 429, not {code}.")
+    sim_admin().error_burst(count, code=code)
+    stdout().print(f"The next {count} TPU API requests will fail with {code}.")
+
+
+def sim_zombie(*, name: str | None = None, worker: str = "all", zone: str | None = None,
+               project: str | None = None) -> int:
+    """Simulated pod: leave a crashed job's mess on the selected workers."""
+    from tpufab import killing, nodeset
+    from tpufab.errors import SimError
+
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
+    chosen = pod.fanout.select(worker)
+    reports = killing.make_zombies(pod.fanout, chosen, device_globs=pod.device_globs())
+    for line in killing.zombie_lines(reports):
+        say(line)
+    failed = [w for w, r in reports.items() if r.report is None or any(
+        "error" in z for z in r.report.get("zombies", ()))]
+    done = [w for w in chosen if w not in failed]
+    if done:
+        say(f"Left a crashed job's mess on {nodeset.fold(done)}: processes holding the TPU "
+             "(one ignores SIGTERM), the libtpu lockfile held, and a protected tpu-runtime "
+             f"holder. Clear it with `tpufab kill --name {pod.name}`.")
+    if failed:
+        raise SimError(f"Could not make the mess on {nodeset.fold(failed)} (see above).")
+    return 0
+
+
+def sim_bucket(*, name: str) -> None:
+    """Create a bucket in the simulated pod's Cloud Storage (no-op if it exists)."""
+    from tpufab.config import load_settings
+    from tpufab.console import stdout
+    from tpufab.mount import parse_bucket
+    from tpufab.sim import daemon
+    from tpufab.sim.admin import StorageClient
+
+    bucket, prefix = parse_bucket(name)
+    if prefix:
+        raise ConfigError(f"Give a bucket name without a prefix ({bucket}, not {name}); "
+                          "prefixes need no creating.")
+    endpoint = load_settings().storage_endpoint
+    if not endpoint:
+        status = daemon.status()
+        if not status.running or status.info is None:
+            raise ConfigError("No simulated Cloud Storage to talk to: TPUFAB_STORAGE_ENDPOINT "
+                              "is not set and no simulated pod is running; start one with "
+                              "`tpufab sim up`.")
+        endpoint = status.info.storage_endpoint
+        if not endpoint:
+            raise ConfigError("The simulated pod runs without Cloud Storage (the "
+                              "gcp-storage-emulator package is missing): pip install "
+                              "gcp-storage-emulator, then `tpufab sim down && tpufab sim up`.")
+    created = StorageClient(endpoint).create_bucket(bucket)
+    state = "Created bucket" if created else "Bucket"
+    tail = "" if created else " already exists"
+    stdout().print(f"{state} gs://{bucket}{tail} in the Cloud Storage at {endpoint}.",
+                   markup=False)

@@ -1,0 +1,87 @@
+"""Verbs on the workers: exec, setup, ssh."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from tpufab.errors import ConfigError
+from tpufab.verbs.common import pod_for, settings_from_flags
+
+
+def exec_(*, command: str, name: str | None = None, worker: str = "all", gather: bool = False,
+          timeout: float | None = None, zone: str | None = None,
+          project: str | None = None) -> None:
+    """Run a shell command on the selected workers; non-zero if any of them fails."""
+    from tpufab.fanout import LiveView, print_gathered
+
+    if not command or not command.strip():
+        raise ConfigError("No command given: tpufab exec 'CMD' (quote it as one argument).")
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
+    chosen = pod.fanout.select(worker)
+    sink = None if gather else LiveView(workers=chosen)
+    result = pod.fanout.run(command, workers=chosen, timeout=timeout, sink=sink)
+    try:
+        if gather:
+            print_gathered(result)
+        result.check()
+    finally:
+        result.close()
+
+
+def setup(*, name: str | None = None, script: str = "scripts/setup.sh", force: bool = False,
+          worker: str = "all", timeout: float | None = None, zone: str | None = None,
+          project: str | None = None) -> None:
+    """Ship a setup script and run it on every worker, once per script content."""
+    from tpufab.console import stdout
+    from tpufab.fanout import LiveView, run_setup
+    from tpufab.nodeset import fold
+
+    path = Path(script)
+    if not path.is_file():
+        raise ConfigError(f"Setup script {script} does not exist; pass --script PATH "
+                          "(default scripts/setup.sh).")
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
+    chosen = pod.fanout.select(worker)
+    result, outcomes = run_setup(pod.fanout, path, workers=chosen, force=force,
+                                 sink=LiveView(workers=chosen), timeout=timeout)
+    result.close()
+    by_status: dict[str, list[int]] = {}
+    for w, outcome in outcomes.items():
+        by_status.setdefault(outcome.status, []).append(w)
+    parts = [f"{fold(ws)} {status}" for status, ws in sorted(by_status.items())]
+    log = next((o.log for o in outcomes.values() if o.log), None)
+    stdout().print(f"Setup {path.name}: {'; '.join(parts)}" + (f" (log: {log})" if log else "")
+                   + ".", markup=False)
+
+
+def ssh(*, name: str | None = None, worker: int = 0, command: list[str] | None = None,
+        zone: str | None = None, project: str | None = None) -> None:
+    """Replace this process with the system ssh to one worker (interactive when no command)."""
+    import shutil
+
+    from tpufab import pod as pods
+    from tpufab.hostkeys import KnownHosts
+
+    settings = settings_from_flags(name=name, zone=zone, project=project)
+    pod = pods.connect(settings)
+    try:
+        if worker not in pod.fanout.targets:
+            raise ConfigError(f"Worker {worker} does not exist; {pod.name} has workers "
+                              f"0-{len(pod.workers) - 1}.")
+        target = pod.fanout.targets[worker]
+    finally:
+        pod.close()
+    ssh_bin = shutil.which("ssh")
+    if ssh_bin is None:
+        raise ConfigError("The system ssh client is missing; install openssh-client.")
+    argv = ["ssh", "-i", str(settings.ssh_key_path), "-o", "IdentitiesOnly=yes",
+            *KnownHosts(settings.known_hosts_path).ssh_options(target.host_key_alias),
+            "-p", str(target.port), f"{target.user}@{target.host}"]
+    if command:
+        argv += ["--", *command]
+    elif sys.stdin.isatty():
+        argv.insert(1, "-t")
+    sys.stdout.flush()
+    os.execv(ssh_bin, argv)
