@@ -120,7 +120,6 @@ def test_types_table(user_env, tmp_path):
 BAD_CREATES = [
     (["--name", "demo", "--type", "v4-7"], ["Unknown TPU accelerator type 'v4-7'", "v4-8"]),
     (["--name", "demo", "--type", "v9-8"], ["Unknown TPU accelerator type 'v9-8'"]),
-    (["--type", "v4-8"], ["No node name given", "--name"]),
     (["--name", "demo"], ["No type given", "--type"]),
     (["--name", "my node", "--type", "v4-8"], ["Invalid node name 'my node'"]),
     (["--name", "tpu;reboot", "--type", "v4-8"], ["Invalid node name 'tpu;reboot'"]),

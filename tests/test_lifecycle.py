@@ -49,7 +49,7 @@ def test_invalid_names_are_one_sentence(name, why):
 
 
 def test_missing_name_says_how_to_give_one():
-    with pytest.raises(ConfigError, match="No node name given: pass --name, set TPUFAB_NAME"):
+    with pytest.raises(ConfigError, match="No node name given and this project has no current pod: pass --name, choose one with `tpufab use NAME`"):
         lifecycle.validate_name(None)
 
 

@@ -1,8 +1,11 @@
 """Layered settings, like invoke/fabric: defaults < user file < project file < TPUFAB_* env < flags.
 
 - user file: ``$TPUFAB_USER_CONFIG`` or ``~/.config/tpufab/config.yaml``
+- this project's current pod (tpufab.current): its name, zone and project, when one is set
 - project file: ``tpufab.yaml`` (or ``.yml``) in the working directory or an ancestor, else the
   ``tpufab:`` section of ``invoke.yaml``/``invoke.yml`` there
+- invoke's config stack, when a verb runs as an invoke task: its ``tpufab:`` section (from
+  /etc/invoke.yaml, ~/.invoke.yaml, the project's invoke.yaml, ``-f FILE``)
 - environment: ``TPUFAB_<KEY>`` (upper case), e.g. ``TPUFAB_API_ENDPOINT``, ``TPUFAB_SPOT=1``
 - flags: whatever the CLI or invoke task was given (``None`` means "not given")
 """
@@ -13,7 +16,9 @@ import dataclasses
 import difflib
 import getpass
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +71,10 @@ class Settings:
     # data
     storage_endpoint: str | None = None  # a GCS-compatible JSON API, e.g. the simulated pod's
     mount_driver: str = "gcsfuse"        # or rclone
+
+    def source_of(self, key: str) -> str:
+        """Where ``key``'s value came from: "command line", "environment", a file ..."""
+        return getattr(self, "sources", {}).get(key, "default")
 
     @property
     def ssh_key_path(self) -> Path:
@@ -194,6 +203,19 @@ def project_config(cwd: Path) -> tuple[Path, dict] | None:
     return None
 
 
+_INVOKE_LAYER: ContextVar[dict | None] = ContextVar("tpufab_invoke_layer", default=None)
+
+
+@contextmanager
+def invoke_layer(section: dict | None) -> Iterator[None]:
+    """While a verb runs as an invoke task: the `tpufab:` section of invoke's merged config."""
+    token = _INVOKE_LAYER.set(section)
+    try:
+        yield
+    finally:
+        _INVOKE_LAYER.reset(token)
+
+
 def layers(overrides: Mapping[str, Any] | None = None, *, cwd: Path | None = None,
            env: Mapping[str, str] | None = None) -> list[tuple[str, dict]]:
     """The settings sources in merge order, each as (description, {key: value})."""
@@ -203,9 +225,17 @@ def layers(overrides: Mapping[str, Any] | None = None, *, cwd: Path | None = Non
     user = user_config_path(env)
     if user.is_file():
         found.append((str(user), _read_yaml(user)))
+    from tpufab import current
+
+    pod = current.read(cwd)
+    if pod is not None:
+        found.append((f"current pod ({pod.path})", pod.layer()))
     project = project_config(cwd)
     if project:
         found.append((str(project[0]), project[1]))
+    section = _INVOKE_LAYER.get()
+    if section:
+        found.append(("invoke config (tpufab: section)", section))
     env_layer = {}
     for key, value in env.items():
         if key.startswith(ENV_PREFIX) and key != ENV_PREFIX + "USER_CONFIG":
@@ -221,10 +251,13 @@ def load_settings(overrides: Mapping[str, Any] | None = None, *, cwd: Path | Non
                   env: Mapping[str, str] | None = None) -> Settings:
     """Merge every layer into one Settings (later layers win, key by key)."""
     settings = Settings()
+    sources: dict[str, str] = {}
     for source, values in layers(overrides, cwd=cwd, env=env):
         for key, value in values.items():
             name = _canonical_key(key, source)
             setattr(settings, name, _coerce(name, value, source))
+            sources[name] = source
+    settings.sources = sources
     if settings.type:
         from tpufab.topology import parse_accelerator_type
 

@@ -131,6 +131,11 @@ class WorkerResult:
         return self.error is None and self.exit_code == 0
 
     @property
+    def exited(self) -> int | None:
+        """The exit code, as Fabric's Result calls it (None when the worker was not reached)."""
+        return self.exit_code
+
+    @property
     def stdout_bytes(self) -> bytes:
         return self.stdout_output.read()
 

@@ -172,6 +172,10 @@ def wip_refs(root: Path) -> list[tuple[str, str]]:
     return sorted(numbered, key=lambda rc: int(rc[0].rsplit("/", 1)[1]))
 
 
+def has_remote(root: Path, remote: str) -> bool:
+    return git(root, "remote", "get-url", remote, check=False).returncode == 0
+
+
 def remote_url(root: Path, remote: str) -> str:
     proc = git(root, "remote", "get-url", remote, check=False)
     if proc.returncode != 0:

@@ -36,8 +36,9 @@ MAX_NAME = 63
 def validate_name(name: str | None, *, num_slices: int = 1) -> str:
     """A valid node name, or one sentence saying what is wrong with it."""
     if name is None or name == "":
-        raise ConfigError("No node name given: pass --name, set TPUFAB_NAME, or put `name: ...` "
-                          "in tpufab.yaml.")
+        raise ConfigError("No node name given and this project has no current pod: pass --name, "
+                          "choose one with `tpufab use NAME`, or create one with `tpufab create "
+                          "--type TYPE`.")
     longest = name if num_slices <= 1 else f"{name}-{num_slices - 1}"
     if not NAME_RE.match(name) or len(longest) > MAX_NAME:
         reason = (f"is longer than {MAX_NAME} characters" if NAME_RE.match(name)

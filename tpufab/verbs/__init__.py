@@ -1,4 +1,29 @@
-"""The verbs, one module per family as the user sees them (nodes, workers, data, jobs,
-status, sim). Each verb turns flags into Settings, calls the library and prints; heavy
-modules are imported inside the verbs so `tpufab --help` and `invoke --list` stay instant.
-No library module imports these."""
+"""The verbs, one module per family as the user sees them: project (init, use), nodes, workers,
+data, jobs, status, sim. Each verb is a function declared once with `@verb`
+(tpufab.verbs.declare): it turns flags into Settings, calls the library (through the Pod API
+where there is a pod) and prints. Both front doors, the `tpufab` command (tpufab.cli) and the
+invoke collection (tpufab.tasks), are generated from these declarations. Heavy modules are
+imported inside the verbs so `tpufab --help` and `invoke --list` stay instant. No library
+module imports this package.
+"""
+
+from __future__ import annotations
+
+from tpufab.verbs.declare import Verb
+
+FAMILIES = ("project", "nodes", "workers", "data", "jobs", "status", "sim")
+
+GROUP_HELP = {
+    "sim": "The simulated TPU pod: a local TPU API with real SSH workers.",
+    "known-hosts": "tpufab's pinned worker host keys.",
+}
+
+
+def all_verbs() -> list[Verb]:
+    """Every declared verb, in the order the front doors list them."""
+    from tpufab.verbs import data, jobs, nodes, project, sim, status, workers  # noqa: F401
+    from tpufab.verbs.declare import DECLARED
+
+    family = {name: i for i, name in enumerate(FAMILIES)}
+    return sorted(DECLARED, key=lambda v: family.get(v.fn.__module__.rsplit(".", 1)[-1],
+                                                      len(FAMILIES)))

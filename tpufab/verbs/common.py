@@ -114,3 +114,20 @@ def say(text: str) -> None:
 def progress(message: str) -> None:
     """A step's progress, dim on stderr."""
     note(message, "dim")
+
+
+def chosen_name_note(settings) -> str:
+    """Which pod a verb works on and why, e.g. `demo (--name)`."""
+    from tpufab import current
+
+    source = settings.source_of("name")
+    if source == "command line":
+        why = "--name"
+    elif source == "environment":
+        why = "TPUFAB_NAME"
+    elif source.startswith("current pod"):
+        found = current.read()
+        why = found.reason() if found else source
+    else:
+        why = f"name: in {source}"
+    return f"{settings.name} ({why})"

@@ -15,12 +15,17 @@ from tpufab.verbs.common import (
     seconds_range,
     settings_from_flags,
 )
+from tpufab.verbs.declare import Opt, verb
 
 
+@verb(options={"ref": "Commit, branch or tag to deploy.", "remote": "Git remote the workers fetch from.",
+                 "dir": "Checkout on the workers (default: remote_dir, else ~/<repo name>).",
+                 "direct": "Send the commit over SSH; no remote, no credentials on workers.",
+                 "wip": "Deploy the working tree as it is (a snapshot commit on a side ref)."})
 def deploy(*, name: str | None = None, ref: str = "HEAD", remote: str = "origin",
            dir: str | None = None, direct: bool = False, wip: bool = False,
            zone: str | None = None, project: str | None = None) -> None:
-    """Put one commit of this repository on every worker, verified, and print who changed."""
+    """Put exactly one commit of this repository on every worker, verified."""
     from tpufab import deploy as deploying
     from tpufab import gitops
     from tpufab.console import stdout
@@ -70,10 +75,15 @@ def _driver_options(options: Iterable[str] | None) -> list[str]:
     return out
 
 
+@verb(options={"bucket": "gs://BUCKET[/PREFIX] or BUCKET[/PREFIX].",
+                 "at": "Mount point on the workers (default /mnt/gcs/BUCKET).",
+                 "driver": "gcsfuse (default: mount_driver) or rclone.",
+                 "options": Opt("Extra driver flags, quoted (repeatable).", metavar="'FLAGS'"),
+                 "install": "Install a missing driver on the workers."})
 def mount(*, bucket: str, name: str | None = None, at: str | None = None,
           driver: str | None = None, options: Iterable[str] | None = None,
           install: bool = False, zone: str | None = None, project: str | None = None) -> None:
-    """Mount gs://BUCKET[/PREFIX] on every worker and print what each one has there."""
+    """Mount a Cloud Storage bucket (or a prefix of it) on every worker, verified."""
     from tpufab import mount as mounting
     from tpufab.console import stdout
 
@@ -97,9 +107,11 @@ def mount(*, bucket: str, name: str | None = None, at: str | None = None,
                    markup=False)
 
 
+@verb(options={"at": "Mount point (default: every mount tpufab made).",
+                 "lazy": "Detach now even if files are open there."})
 def umount(*, name: str | None = None, at: str | None = None, lazy: bool = False,
            zone: str | None = None, project: str | None = None) -> None:
-    """Unmount --at (or, without it, every mount tpufab made) on every worker."""
+    """Unmount --at (or every mount tpufab made) on every worker."""
     from tpufab import mount as mounting
     from tpufab.console import stdout
 

@@ -9,18 +9,34 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tpufab.errors import ConfigError, TpufabError
-from tpufab.runs import forwarded_for
 from tpufab.verbs.common import note, pod_for, say, settings_from_flags, split_args
+from tpufab.verbs.declare import Opt, verb
 
 INTERRUPT_CHOICES = ("kill", "detach")
 
+RUN_OPTIONS = {
+    "recipe": "Recipe: an executable file, e.g. recipes/jax_hello.sh.",
+    "args": "The recipe's arguments, as one quoted string.",
+    "detach": "Start it and return.",
+    "no_deploy": "Skip deploying the current commit.",
+    "direct": "Deploy straight to the workers over SSH.",
+    "wip": "Deploy uncommitted work as a snapshot.",
+    "local": "Run on this machine instead.",
+    "workers": Opt("With --local: how many processes.", min=1),
+    "on_interrupt": "Ctrl-C: kill the run everywhere, or detach (default: ask).",
+    "spmd": "torch_xla SPMD (XLA_USE_SPMD=1).",
+    "raw": "Follow every worker's lines, prefixed (default: folded, each line once).",
+}
 
+
+@verb(options=RUN_OPTIONS)
 def run(recipe: str, *, name: str | None = None, args: str = "", detach: bool = False,
         no_deploy: bool = False, direct: bool = False, wip: bool = False,
         env: Sequence[str] | None = None, local: bool = False, workers: int | None = None,
-        on_interrupt: str | None = None, spmd: bool = False, zone: str | None = None,
-        project: str | None = None) -> int:
-    """Start RECIPE on every worker at once and follow its logs (or run it locally)."""
+        on_interrupt: str | None = None, spmd: bool = False, raw: bool = False,
+        zone: str | None = None, project: str | None = None) -> int:
+    """Run a recipe on every worker at once (deploying first) and follow its logs."""
+    from tpufab.runs import forwarded_for
 
     path = Path(recipe)
     if not path.is_file():
@@ -50,10 +66,13 @@ def run(recipe: str, *, name: str | None = None, args: str = "", detach: bool = 
                               "nothing to deploy: run from your project's checkout, or pass "
                               f"--no-deploy to run {path.name} in the workers' home "
                               "directories.") from None
+        if not direct and not wip and not gitops.has_remote(root, "origin"):
+            note("This repository has no git remote yet: deploying over SSH (--direct).")
+            direct = True
     pod = pod_for(settings)
     plan = _plan(pod, settings, path, argv, forwarded, spmd, root=root, direct=direct,
                  wip=wip)
-    return _start_and_follow(pod, plan, detach=detach, on_interrupt=on_interrupt)
+    return _start_and_follow(pod, plan, detach=detach, on_interrupt=on_interrupt, raw=raw)
 
 
 def _plan(pod, settings, path: Path, argv, forwarded, spmd, *, root, direct, wip):
@@ -76,7 +95,8 @@ def _plan(pod, settings, path: Path, argv, forwarded, spmd, *, root, direct, wip
                          args=argv, cwd=cwd, commit=commit, forwarded=forwarded, spmd=spmd)
 
 
-def _start_and_follow(pod, plan, *, detach: bool, on_interrupt: str | None) -> int:
+def _start_and_follow(pod, plan, *, detach: bool, on_interrupt: str | None,
+                      raw: bool = False) -> int:
     from tpufab import jobs, nodeset
     from tpufab.fanout import FanoutInterrupted
 
@@ -103,10 +123,10 @@ def _start_and_follow(pod, plan, *, detach: bool, on_interrupt: str | None) -> i
         note(f"Detached. Follow it with `tpufab logs --run {plan.run_id} --follow`, list "
               f"runs with `tpufab runs`, stop it with `tpufab kill --run {plan.run_id}`.")
         return 0
-    return _follow_run(pod, plan, on_interrupt)
+    return _follow_run(pod, plan, on_interrupt, raw)
 
 
-def _follow_run(pod, plan, on_interrupt: str | None) -> int:
+def _follow_run(pod, plan, on_interrupt: str | None, raw: bool = False) -> int:
     from tpufab import jobs, nodeset
     from tpufab.fanout import FanoutInterrupted, LiveView
 
@@ -127,7 +147,8 @@ def _follow_run(pod, plan, on_interrupt: str | None) -> int:
                   f"{nodeset.fold(running)} still running (Ctrl-C to stop following or to "
                   "stop the run).", "yellow")
 
-    sink = jobs.FollowSink(LiveView(workers=workers), secrets=plan.secrets.values(),
+    view = LiveView(workers=workers) if raw else jobs.FoldingView(workers).start()
+    sink = jobs.FollowSink(view, secrets=plan.secrets.values(),
                            copy_dir=copy_dir, on_end=on_end)
     began = time.monotonic()
     try:
@@ -254,10 +275,12 @@ def _unreachable(statuses):
             if s.error is not None]
 
 
+@verb(options={"run": "Run id (default: the latest).", "follow": Opt("Keep following.", short="-f"),
+                 "raw": "Every line, prefixed by its worker."})
 def logs(*, run: str | None = None, follow: bool = False, worker: str = "all",
          raw: bool = False, name: str | None = None, zone: str | None = None,
          project: str | None = None) -> int:
-    """Show a run's logs (the latest run by default): folded, or every line prefixed."""
+    """A run's logs: worker 0's lines once, plus only the lines where others differ."""
     from tpufab import jobs, nodeset
 
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
@@ -315,9 +338,10 @@ def _follow_logs(pod, run_id: str, workers, raw: bool) -> int:
     raise jobs.RunError(text, exit_code=code if 0 < code < 256 else 1)
 
 
+@verb()
 def runs(*, name: str | None = None, worker: str = "all", as_json: bool = False,
          zone: str | None = None, project: str | None = None) -> int:
-    """Every run the workers know, newest first, with each worker's state folded."""
+    """The runs the workers know, with each worker's state."""
     import json
 
     from tpufab import jobs, nodeset
@@ -378,10 +402,12 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m"
 
 
+@verb(options={"run": "Only this run.", "grace": Opt("Seconds between TERM and KILL.", min=0),
+                 "dry_run": "Only report.", "force": "Also stop protected holders."})
 def kill(*, name: str | None = None, run: str | None = None, grace: float = 5.0,
          dry_run: bool = False, force: bool = False, worker: str = "all",
          zone: str | None = None, project: str | None = None) -> int:
-    """Free the TPU on every worker: stop tpufab runs and stray holders, remove the lockfile."""
+    """Free the TPU everywhere: stop runs and stale holders, then remove the lockfile."""
     from tpufab import killing
     from tpufab.runs import is_run_id
 

@@ -4,32 +4,69 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tpufab.verbs.common import count, print_json, settings_from_flags
+from tpufab.verbs.common import count, note, print_json, settings_from_flags
+from tpufab.verbs.declare import Opt, verb
 
 
-def create(*, name: str | None = None, type: str | None = None,
-           accelerator_type: str | None = None, zone: str | None = None,
+@verb(options={"type": Opt("Accelerator type: v4-32, v6e-8, tpu-v6e-8 ...", short="-t",
+                           aliases=("--accelerator-type",)),
+                 "version": "Runtime version (default: by generation).",
+                 "spot": "Spot capacity.", "preemptible": "Preemptible.",
+                 "reserved": "Reserved capacity.", "queued": "Create a queued resource.",
+                 "num_slices": Opt("Slices of a multislice queued resource.", min=1),
+                 "async_": "Return without waiting.",
+                 "labels": Opt("Label (repeatable).", flag="--label", metavar="KEY=VALUE")})
+def create(*, name: str | None = None, type: str | None = None, zone: str | None = None,
            project: str | None = None, version: str | None = None, spot: bool = False,
            preemptible: bool = False, reserved: bool = False, queued: bool = False,
            num_slices: int = 1, async_: bool = False,
            labels: Iterable[str] | None = None) -> None:
-    from tpufab import lifecycle
+    """Create a TPU VM node (or queued resource) and wait until it is READY.
 
-    settings = settings_from_flags(name=name, type=type, accelerator_type=accelerator_type,
-                                   zone=zone, project=project, version=version, spot=spot,
-                                   preemptible=preemptible, reserved=reserved, labels=labels)
+    Without a name (no --name, TPUFAB_NAME or `name:`) it picks <user>-<type> and says so.
+    The node becomes this project's current pod either way.
+    """
+    from tpufab import current, lifecycle
+
+    settings = settings_from_flags(name=name, type=type, zone=zone, project=project,
+                                   version=version, spot=spot, preemptible=preemptible,
+                                   reserved=reserved, labels=labels)
+    source = settings.source_of("name")
+    if source == "default" or source.startswith("current pod"):
+        settings.name = default_name(settings.ssh_user, settings.require("type", "--type"))
+        note(f"No node name given: calling it {settings.name} (pass --name to choose).")
     lifecycle.create(settings, queued=queued, num_slices=num_slices, async_=async_)
+    path = current.remember(settings.name, zone=settings.zone, project=settings.project,
+                            set_by="create")
+    note(f"{settings.name} is this project's current pod ({path}).", "dim")
 
 
+def default_name(user: str, accelerator_type: str) -> str:
+    """`<user>-<type>` as a valid node name: `alice-v4-512`; `tpu-v6e-8` for odd user names."""
+    import re
+
+    from tpufab.lifecycle import NAME_RE
+
+    person = re.sub(r"[^a-z0-9-]+", "-", user.lower()).strip("-")
+    name = f"{person}-{accelerator_type}" if person[:1].isalpha() else f"tpu-{accelerator_type}"
+    return name if NAME_RE.match(name) and len(name) <= 40 else f"tpu-{accelerator_type}"
+
+
+@verb(options={"yes": Opt("Do not ask for confirmation.", short="-y")})
 def delete(*, name: str | None = None, yes: bool = False, zone: str | None = None,
            project: str | None = None) -> None:
-    from tpufab import lifecycle
+    """Delete a TPU node (or its queued resource)."""
+    from tpufab import current, lifecycle
 
     settings = settings_from_flags(name=name, zone=zone, project=project)
     lifecycle.delete(settings, yes=yes)
+    if current.forget(settings.name):
+        note(f"{settings.name} was this project's current pod; there is none now.", "dim")
 
 
+@verb()
 def list_(*, as_json: bool = False, zone: str | None = None, project: str | None = None) -> None:
+    """List the TPU nodes in a zone."""
     from tpufab import lifecycle
     from tpufab.console import stdout
 
@@ -48,12 +85,14 @@ def list_(*, as_json: bool = False, zone: str | None = None, project: str | None
     if waiting:
         console.print()
         console.print(lifecycle.queued_table(waiting))
-    for note in lifecycle.preempted_notes(nodes):
-        console.print(note)
+    for line in lifecycle.preempted_notes(nodes):
+        console.print(line)
 
 
+@verb()
 def describe(*, name: str | None = None, as_json: bool = False, zone: str | None = None,
              project: str | None = None) -> None:
+    """Show one TPU node: state, health, workers and their IPs."""
     from tpufab import lifecycle
     from tpufab.console import stdout
 
@@ -65,12 +104,13 @@ def describe(*, name: str | None = None, as_json: bool = False, zone: str | None
     console = stdout()
     console.print(lifecycle.details_table(item))
     if isinstance(item, lifecycle.Node):
-        for note in lifecycle.preempted_notes([item]):
-            console.print(note)
+        for line in lifecycle.preempted_notes([item]):
+            console.print(line)
 
 
+@verb()
 def types(*, as_json: bool = False) -> None:
-    """Every accelerator type tpufab knows: hosts, chips, default runtime, device files."""
+    """The accelerator types tpufab knows: hosts, chips, runtime, device files."""
     from tpufab.topology import all_accelerator_types, parse_accelerator_type
 
     shapes = [parse_accelerator_type(t) for t in all_accelerator_types()]
@@ -95,8 +135,10 @@ def types(*, as_json: bool = False) -> None:
     stdout().print(table)
 
 
+@verb(name="forget", group="known-hosts",
+      options={"node": "Node name, or the node id an error named."})
 def known_hosts_forget(*, node: str, zone: str | None = None, project: str | None = None) -> None:
-    """Drop the host keys tpufab pinned for a node (by node id, or by name via the API)."""
+    """Forget a node's pinned host keys (after a rebuild you trust)."""
     from tpufab.console import stdout
     from tpufab.hostkeys import KnownHosts
 

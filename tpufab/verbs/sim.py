@@ -7,9 +7,12 @@ from typing import Any
 from tpufab.config import load_settings
 from tpufab.errors import ConfigError
 from tpufab.verbs.common import pod_for, print_json, say, settings_from_flags
+from tpufab.verbs.declare import Opt, verb
 
 
+@verb(name="up", group="sim", options={"port": "API port."})
 def sim_up(*, port: int | None = None, state_dir: str | None = None) -> None:
+    """Start the simulated pod in the background and print the lines to export."""
     from tpufab.console import stdout
     from tpufab.sim import daemon
 
@@ -31,15 +34,18 @@ def _print_exports(info: Any) -> None:
     print(flush=True)
 
 
+@verb(name="down", group="sim")
 def sim_down(*, state_dir: str | None = None) -> None:
+    """Stop the simulated pod (its nodes are kept on disk)."""
     from tpufab.console import stdout
     from tpufab.sim import daemon
 
     stdout().print(daemon.down(state_dir=state_dir), markup=False)
 
 
+@verb(name="status", group="sim")
 def sim_status(*, state_dir: str | None = None, as_json: bool = False) -> int:
-    """Exit code 0 when the simulated pod is up, 3 when it is not."""
+    """Is the simulated pod up, and where."""
     from tpufab.console import stdout
     from tpufab.sim import daemon
 
@@ -89,7 +95,9 @@ def sim_admin() -> Any:
     return SimAdmin(endpoint, **kw)
 
 
+@verb(name="preempt", group="sim", options={"name": "Node to preempt."})
 def sim_preempt(*, name: str) -> None:
+    """Preempt a node: state PREEMPTED, workers stopped."""
     from tpufab.console import stdout
     from tpufab.lifecycle import validate_name
 
@@ -97,7 +105,11 @@ def sim_preempt(*, name: str) -> None:
     stdout().print(f"Preempted TPU node {name}: it is PREEMPTED and its workers are stopped.")
 
 
+@verb(name="unreachable", group="sim",
+      options={"name": "Node.", "worker": Opt("Worker index.", short="-w", required=True),
+               "restore": "Make it reachable again."})
 def sim_unreachable(*, name: str, worker: int, restore: bool = False) -> None:
+    """Make one worker unreachable over SSH (or reachable again)."""
     from tpufab.console import stdout
     from tpufab.lifecycle import validate_name
 
@@ -106,7 +118,9 @@ def sim_unreachable(*, name: str, worker: int, restore: bool = False) -> None:
     stdout().print(f"Worker {worker} of {name} is {state}.")
 
 
+@verb(name="fail-create", group="sim", options={"quota": "Quota exceeded, not stockout."})
 def sim_fail_create(*, quota: bool = False) -> None:
+    """Make the next create fail with RESOURCE_EXHAUSTED."""
     from tpufab.console import stdout
 
     reason = "quota" if quota else "stockout"
@@ -114,7 +128,10 @@ def sim_fail_create(*, quota: bool = False) -> None:
     stdout().print(f"The next create will fail with RESOURCE_EXHAUSTED ({reason}).")
 
 
+@verb(name="burst", group="sim",
+      options={"count": Opt("How many calls fail.", min=1, required=True), "code": "503 or 429."})
 def sim_burst(*, count: int, code: int = 503) -> None:
+    """Make the next COUNT API calls fail with 503 (or 429)."""
     from tpufab.console import stdout
 
     if code not in (429, 503):
@@ -123,9 +140,11 @@ def sim_burst(*, count: int, code: int = 503) -> None:
     stdout().print(f"The next {count} TPU API requests will fail with {code}.")
 
 
+@verb(name="zombie", group="sim")
 def sim_zombie(*, name: str | None = None, worker: str = "all", zone: str | None = None,
                project: str | None = None) -> int:
-    """Simulated pod: leave a crashed job's mess on the selected workers."""
+    """Leave a crashed job's mess on workers: TPU holders (some ignore TERM), the lockfile,
+    and a protected system process."""
     from tpufab import killing, nodeset
     from tpufab.errors import SimError
 
@@ -146,8 +165,9 @@ def sim_zombie(*, name: str | None = None, worker: str = "all", zone: str | None
     return 0
 
 
+@verb(name="bucket", group="sim", options={"name": "Bucket name."})
 def sim_bucket(*, name: str) -> None:
-    """Create a bucket in the simulated pod's Cloud Storage (no-op if it exists)."""
+    """Create a bucket in the simulated pod's Cloud Storage (a no-op if it exists)."""
     from tpufab.config import load_settings
     from tpufab.console import stdout
     from tpufab.mount import parse_bucket

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from tpufab.verbs.common import settings_from_flags, split_args
+from tpufab.verbs.common import chosen_name_note, note, settings_from_flags, split_args
+from tpufab.verbs.declare import Opt, verb
+from tpufab.verbs.jobs import RUN_OPTIONS
 
 
+@verb()
 def status(*, name: str | None = None, as_json: bool = False, zone: str | None = None,
            project: str | None = None) -> int:
-    """The node's API state and every worker's facts, workers that agree folded into one row.
+    """The node and every worker: reachable, TPU free or busy, runs, commit, mounts, disk.
 
     Exit code 0 when the node is READY and every worker answered, 1 otherwise.
     """
@@ -18,6 +21,8 @@ def status(*, name: str | None = None, as_json: bool = False, zone: str | None =
     from tpufab.console import stdout
 
     settings = settings_from_flags(name=name, zone=zone, project=project)
+    if not as_json and settings.name:
+        note(f"Pod {chosen_name_note(settings)}", "dim")
     found = status_mod.collect(settings)
     if as_json:
         print(json.dumps(found.to_json(), indent=2))
@@ -26,12 +31,18 @@ def status(*, name: str | None = None, as_json: bool = False, zone: str | None =
     return 0 if found.healthy else 1
 
 
+@verb(options={"recipe": RUN_OPTIONS["recipe"], "args": RUN_OPTIONS["args"],
+                 "max_restarts": Opt("Recoveries allowed.", min=0),
+                 "restart_on_failure": "Also restart when the recipe itself fails.",
+                 "setup_script": "Setup a recreated node runs (default: the last one).",
+                 "no_deploy": "Skip deploying.", "direct": "Deploy straight to the workers.",
+                 "poll": Opt("Seconds between checks (tests).", hidden=True)})
 def babysit(recipe: str, *, name: str | None = None, max_restarts: int = 3, args: str = "",
             restart_on_failure: bool = False, env: Sequence[str] | None = None,
             setup_script: str | None = None, no_deploy: bool = False, direct: bool = False,
             poll: float | None = None, zone: str | None = None,
             project: str | None = None) -> int:
-    """Run RECIPE on the pod and keep it running through preemptions (see tpufab.babysit).
+    """Run a recipe and keep it running through preemptions (recreate, set up, restart).
 
     ``args``: the recipe's arguments as one string, split like a shell would (as `run`).
     ``env``: ``K=V`` or ``K`` (forward the local value), as `run`. ``setup_script``: what a

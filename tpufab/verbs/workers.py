@@ -8,12 +8,15 @@ from pathlib import Path
 
 from tpufab.errors import ConfigError
 from tpufab.verbs.common import pod_for, settings_from_flags
+from tpufab.verbs.declare import Opt, verb
 
 
+@verb(options={"command": "Shell command, quoted as one argument.",
+                 "gather": Opt("Print each distinct output once under its workers.", short="-b")})
 def exec_(*, command: str, name: str | None = None, worker: str = "all", gather: bool = False,
           timeout: float | None = None, zone: str | None = None,
           project: str | None = None) -> None:
-    """Run a shell command on the selected workers; non-zero if any of them fails."""
+    """Run a shell command on every (or the selected) worker."""
     from tpufab.fanout import LiveView, print_gathered
 
     if not command or not command.strip():
@@ -30,10 +33,11 @@ def exec_(*, command: str, name: str | None = None, worker: str = "all", gather:
         result.close()
 
 
+@verb(options={"script": "Setup script to run.", "force": "Run even where it already ran."})
 def setup(*, name: str | None = None, script: str = "scripts/setup.sh", force: bool = False,
           worker: str = "all", timeout: float | None = None, zone: str | None = None,
           project: str | None = None) -> None:
-    """Ship a setup script and run it on every worker, once per script content."""
+    """Ship a setup script and run it on every worker (once per script content)."""
     from tpufab.console import stdout
     from tpufab.fanout import LiveView, run_setup
     from tpufab.nodeset import fold
@@ -56,9 +60,11 @@ def setup(*, name: str | None = None, script: str = "scripts/setup.sh", force: b
                    + ".", markup=False)
 
 
+@verb(options={"worker": Opt("Worker index.", short="-w"),
+                 "command": Opt("Command (default: a shell; with invoke, after --).", rest=True)})
 def ssh(*, name: str | None = None, worker: int = 0, command: list[str] | None = None,
         zone: str | None = None, project: str | None = None) -> None:
-    """Replace this process with the system ssh to one worker (interactive when no command)."""
+    """An interactive shell (or one command) on one worker, with the right key and host key."""
     import shutil
 
     from tpufab import pod as pods
