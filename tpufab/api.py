@@ -74,6 +74,13 @@ class Pod:
         self._connected: Connected | None = None
 
     @classmethod
+    def from_settings(cls, settings: Settings) -> Pod:
+        """The pod ``settings.name`` names, with exactly these settings."""
+        pod = cls.__new__(cls)
+        pod.settings, pod._connected = settings, None
+        return pod
+
+    @classmethod
     def current(cls, **settings: Any) -> Pod:
         """This project's current pod (the one `tpufab create` or `tpufab use` chose)."""
         from tpufab import current
@@ -106,6 +113,26 @@ class Pod:
     @property
     def workers(self) -> list[int]:
         return self.connected.workers
+
+    @property
+    def fanout(self) -> Any:
+        """The fan-out over the workers' SSH connections (tpufab.fanout.Fanout)."""
+        return self.connected.fanout
+
+    @property
+    def nodes(self) -> list:
+        return self.connected.nodes
+
+    @property
+    def slices(self) -> list[list[int]]:
+        """Global worker indexes per slice (one slice unless multislice)."""
+        return self.connected.slices
+
+    def internal_ips(self) -> list[str]:
+        return self.connected.internal_ips()
+
+    def device_globs(self) -> tuple[str, ...]:
+        return self.connected.device_globs()
 
     def select(self, workers: str | Iterable[int] | None = "all") -> list[int]:
         """``"all"``, ``"0,3-5"``, ``"w[0-3]"`` or worker indexes -> the workers, checked."""

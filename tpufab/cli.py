@@ -25,7 +25,7 @@ def _annotation(p: Param) -> Any:
 
 def _typer_param(p: Param) -> inspect.Parameter:
     if p.positional:
-        default = typer.Argument(None if (p.rest or p.default is not None) else ...,
+        default = typer.Argument(... if p.required else p.default,
                                  help=p.help, metavar=p.metavar, show_default=False)
     else:
         flags = p.flags

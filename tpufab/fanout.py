@@ -321,7 +321,7 @@ class LineCallback:
         pass
 
 
-class _Tee:
+class Tee:
     def __init__(self, sinks: Sequence[OutputSink]):
         self.sinks = sinks
 
@@ -953,7 +953,7 @@ class Fanout:
             request = _put[0]
         stdin_bytes = stdin.encode() if isinstance(stdin, str) else stdin
         sinks = [s for s in (sink, LineCallback(on_line) if on_line else None) if s is not None]
-        view = sinks[0] if len(sinks) == 1 else (_Tee(sinks) if sinks else None)
+        view = sinks[0] if len(sinks) == 1 else (Tee(sinks) if sinks else None)
         label = command if isinstance(command, str) else " ".join(command or [])
 
         tasks: dict[int, _Task] = {}
@@ -1078,6 +1078,22 @@ class SetupOutcome:
     log: str | None
 
 
+class _HideStatus:
+    """The setup runner's closing JSON line is for tpufab, not for the user's view."""
+
+    def __init__(self, sink: OutputSink):
+        self.sink = sink
+
+    def lines(self, worker: int, stream: str, data: bytes) -> None:
+        kept = b"".join(line for line in data.splitlines(keepends=True)
+                        if not line.startswith(b'{"status": '))
+        if kept:
+            self.sink.lines(worker, stream, kept)
+
+    def done(self, result: WorkerResult) -> None:
+        self.sink.done(result)
+
+
 def run_setup(fanout: Fanout, script: bytes | str | os.PathLike[str], *, workers=None,
               force: bool = False, sink: OutputSink | None = None,
               timeout: float | None = None) -> tuple[GroupResult, dict[int, SetupOutcome]]:
@@ -1097,7 +1113,8 @@ def run_setup(fanout: Fanout, script: bytes | str | os.PathLike[str], *, workers
     argv = ["sh", "-c", 'exec sh "$HOME/$1" "$2" "$HOME/$3" $4', "setup",
             runner_path.removeprefix("~/"), digest, script_path.removeprefix("~/"),
             "--force" if force else ""]
-    result = fanout.run(argv, workers=workers, sink=sink, timeout=timeout)
+    result = fanout.run(argv, workers=workers, sink=_HideStatus(sink) if sink else None,
+                        timeout=timeout)
     outcomes = {}
     for worker, r in result.items():
         info: dict = {}

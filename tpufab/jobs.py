@@ -467,7 +467,7 @@ class FoldingView:
     """
 
     def __init__(self, workers: Iterable[int], out: IO[str] | None = None, *,
-                 delay: float = 1.0, lookahead: int = 8,
+                 delay: float = 3.0, lookahead: int = 8,
                  clock: Callable[[], float] = time.monotonic):
         self.workers = frozenset(workers)
         self.out = out

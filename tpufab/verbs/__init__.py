@@ -5,6 +5,13 @@ where there is a pod) and prints. Both front doors, the `tpufab` command (tpufab
 invoke collection (tpufab.tasks), are generated from these declarations. Heavy modules are
 imported inside the verbs so `tpufab --help` and `invoke --list` stay instant. No library
 module imports this package.
+
+To add a verb: write `def myverb(*, name: str | None = None, ...) -> int | None` in the family
+module, give it a docstring (its first paragraph is the help) and `@verb(options={...})` with
+the help of each parameter that tpufab.verbs.declare.COMMON does not already describe
+(`Opt(...)` for short flags, aliases, `rest=True` trailing words, `required=True`, `hidden=True`
+keywords for tests). A new family module goes into FAMILIES and all_verbs' import. Both front
+doors pick it up; tests/test_front_doors.py checks that they agree.
 """
 
 from __future__ import annotations

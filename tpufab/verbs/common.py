@@ -91,10 +91,11 @@ def count(n: int, noun: str) -> str:
 
 
 def pod_for(settings: Settings) -> Any:
-    """The pod named by ``settings``, connected once per process (later verbs reuse it)."""
-    from tpufab import pod
+    """The pod named by ``settings`` (a tpufab.Pod: the API the verbs are built on); its
+    connections open once per process and later verbs reuse them."""
+    from tpufab.api import Pod
 
-    return pod.shared(settings)
+    return Pod.from_settings(settings)
 
 
 def note(text: str, style: str | None = None) -> None:

@@ -114,7 +114,9 @@ class Verb:
                 name=p.name, kind=kind, help=opt.help, flag=flag, short=opt.short,
                 aliases=opt.aliases, metavar=opt.metavar, min=opt.min,
                 default=None if p.default is inspect.Parameter.empty else p.default,
-                positional=positional, rest=opt.rest, required=opt.required,
+                positional=positional, rest=opt.rest,
+                required=opt.required or (positional and p.default is inspect.Parameter.empty
+                                          and not opt.rest),
                 optional=optional or p.default is None))
         return sorted(out, key=lambda q: not q.positional)
 

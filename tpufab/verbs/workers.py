@@ -37,20 +37,30 @@ def exec_(*, command: str, name: str | None = None, worker: str = "all", gather:
 def setup(*, name: str | None = None, script: str = "scripts/setup.sh", force: bool = False,
           worker: str = "all", timeout: float | None = None, zone: str | None = None,
           project: str | None = None) -> None:
-    """Ship a setup script and run it on every worker (once per script content)."""
+    """Ship a setup script and run it on every worker (once per script content).
+
+    The workers' output is folded live (each identical line once; lines where workers differ
+    under their workers), with a progress line on a terminal.
+    """
     from tpufab.console import stdout
-    from tpufab.fanout import LiveView, run_setup
+    from tpufab.fanout import Tee
+    from tpufab.jobs import FoldingView
     from tpufab.nodeset import fold
+    from tpufab.progress import WorkerProgress
 
     path = Path(script)
     if not path.is_file():
         raise ConfigError(f"Setup script {script} does not exist; pass --script PATH "
                           "(default scripts/setup.sh).")
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
-    chosen = pod.fanout.select(worker)
-    result, outcomes = run_setup(pod.fanout, path, workers=chosen, force=force,
-                                 sink=LiveView(workers=chosen), timeout=timeout)
-    result.close()
+    chosen = pod.select(worker)
+    view = FoldingView(chosen).start()
+    try:
+        with WorkerProgress(f"setup {path.name}", len(chosen)) as progress:
+            outcomes = pod.setup(path, force=force, workers=chosen, timeout=timeout,
+                                 sink=Tee([view, progress]))
+    finally:
+        view.close()
     by_status: dict[str, list[int]] = {}
     for w, outcome in outcomes.items():
         by_status.setdefault(outcome.status, []).append(w)
