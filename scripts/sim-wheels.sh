@@ -55,6 +55,10 @@ works() {
 assert float(jnp.arange(4.0).sum()) == 6.0' >/dev/null 2>&1
 }
 
+mkdir -p "$sim_dir/share"
+exec 9>"$sim_dir/share/.sim-wheels.lock"
+flock 9     # one build at a time per sim dir: a second run waits, then finds it done
+
 want="$spec python$pyver"
 if [ "$force" = 0 ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && works; then
     echo "sim-wheels: $site already has $want"

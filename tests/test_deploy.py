@@ -19,6 +19,7 @@ from conftest import free_port, git_daemon
 from tpufab import deploy as deploy_mod
 from tpufab.deploy import DeployError, deploy
 from tpufab.gitops import GitError
+from tpufab.remote_files import RemoteFile, python_command
 
 GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
            "GIT_COMMITTER_EMAIL": "t@t"}
@@ -402,7 +403,7 @@ def test_worker_command_is_data():
     assert args == ["checkout", "--dir", "~/p q", "--source", "git://h/p.git", "--commit",
                     "c" * 40, "--fetch-ref", "refs/heads/main", "--branch", "main",
                     "--origin", "git://h/p.git"]
-    command = deploy_mod.script_command("deploy_worker.py", args)
+    command = python_command(RemoteFile.bundled("deploy_worker.py"), args)
     assert "'~/p q'" in command and command.startswith("test -f .cache/tpufab/remote/")
 
 

@@ -223,7 +223,7 @@ def test_zombies_are_cleared_the_protected_process_survives_and_a_new_run_works(
 
     # the mess is real: a job that takes the TPU as libtpu does cannot start there
     recipe = write_recipe(tmp_path, "take_tpu.py", LIBTPU_LIKE)
-    blocked = call(env, "run", cwd=tmp_path, recipe=str(recipe), no_deploy=True)
+    blocked = call(env, "run", cwd=tmp_path, recipe=str(recipe), no_deploy=True, raw=True)
     assert blocked.returncode == 1, blocked.stdout + blocked.stderr
     assert "TPU is already in use by process with pid" in blocked.stdout
     assert "failed on w[0-2]: w[0-2] exited 1; w3 exited 0." in blocked.stderr
@@ -246,7 +246,7 @@ def test_zombies_are_cleared_the_protected_process_survives_and_a_new_run_works(
     assert after == {**runtime, 3: {}} and all(len(r) == 1 for r in runtime.values())
     assert lockfiles(pod) == {w: False for w in range(4)}
 
-    fresh = call(env, "run", cwd=tmp_path, recipe=str(recipe), no_deploy=True)
+    fresh = call(env, "run", cwd=tmp_path, recipe=str(recipe), no_deploy=True, raw=True)
     assert fresh.returncode == 0, fresh.stdout + fresh.stderr
     assert sorted(line for line in fresh.stdout.splitlines() if "TPU acquired" in line) == \
         [f"w{w} │ TPU acquired: 4 devices" for w in range(4)]

@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from test_deploy import SimPod
@@ -439,9 +440,10 @@ def test_sim_daemon_serves_storage_across_restarts(tmp_path):
 def test_install_steps_are_data():
     import importlib.util
 
-    from tpufab.deploy import REMOTE_DIR
+    import tpufab.remote
 
-    spec = importlib.util.spec_from_file_location("mount_worker", REMOTE_DIR / "mount_worker.py")
+    remote_dir = Path(tpufab.remote.__file__).parent
+    spec = importlib.util.spec_from_file_location("mount_worker", remote_dir / "mount_worker.py")
     worker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(worker)
     gcsfuse = worker.install_steps("gcsfuse")

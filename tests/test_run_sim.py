@@ -398,7 +398,8 @@ def test_jax_hello_runs_on_every_worker_and_logs_fold(pod_env, tmp_path):
     shutil.copy(REPO / "recipes" / "jax_hello.sh", project / "recipes" / "jax_hello.sh")
     commit = git_repo(project)
 
-    result = call(env, "run", cwd=project, recipe="recipes/jax_hello.sh", direct=True)
+    result = call(env, "run", cwd=project, recipe="recipes/jax_hello.sh", direct=True,
+                  raw=True)
     assert result.returncode == 0, result.stdout + result.stderr
     for w in range(4):
         assert f"w{w} │ jax_hello: all-gather of process ids = [0, 1, 2, 3]" in result.stdout
@@ -451,7 +452,7 @@ def test_jax_hello_on_four_local_processes(pod_env, tmp_path):
 def test_a_worker_that_fails_makes_run_fail_and_is_named(pod_env, tmp_path):
     env, _, _ = pod_env
     recipe = write_recipe(tmp_path, "fails.sh", FAILS_ON_2)
-    result = call(env, "run", cwd=tmp_path, recipe=str(recipe), no_deploy=True)
+    result = call(env, "run", cwd=tmp_path, recipe=str(recipe), no_deploy=True, raw=True)
     assert result.returncode == 3, result.stdout + result.stderr
     assert "w2 │ worker 2 gives up" in result.stdout
     assert "failed on w2: w[0-1,3] exited 0; w2 exited 3." in result.stderr
@@ -558,7 +559,7 @@ def test_an_unreachable_worker_stops_the_run_before_anything_starts(pod_env, sim
     before = call(env, "runs", cwd=tmp_path, as_json=True).stdout
     sim_admin.set_reachable(env["TPUFAB_NAME"], 3, False)
     try:
-        result = call(env, "run", cwd=tmp_path, recipe=str(recipe), no_deploy=True)
+        result = call(env, "run", cwd=tmp_path, recipe=str(recipe), no_deploy=True, raw=True)
     finally:
         sim_admin.set_reachable(env["TPUFAB_NAME"], 3, True)
     assert result.returncode == 1
@@ -571,7 +572,7 @@ def test_an_unreachable_worker_stops_the_run_before_anything_starts(pod_env, sim
 def test_run_outside_a_git_checkout_says_to_pass_no_deploy(pod_env, tmp_path):
     env, _, _ = pod_env
     recipe = write_recipe(tmp_path, "x.sh", "#!/bin/sh\necho hi\n")
-    result = call(env, "run", cwd=tmp_path, recipe=str(recipe))
+    result = call(env, "run", cwd=tmp_path, recipe=str(recipe), raw=True)
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "not inside a git repository" in lines[0]

@@ -195,7 +195,7 @@ class Pod:
 
     def deploy(self, ref: str = "HEAD", *, direct: bool = False, wip: bool = False,
                remote: str = "origin", dir: str | None = None, cwd: str | Path | None = None,
-               progress: Any = None) -> Any:
+               progress: Any = None, sink: OutputSink | None = None) -> Any:
         """Put one commit of the git repository at ``cwd`` (default: here) on every worker;
         returns the per-worker report (commit, action, seconds)."""
         import os
@@ -214,16 +214,17 @@ class Pod:
         return deploying.deploy(self.connected.fanout, ref=ref, remote=remote,
                                 dir=dir or self.settings.remote_dir, direct=direct, wip=wip,
                                 cwd=root, token=Secret(token) if token else None,
-                                progress=progress)
+                                progress=progress, sink=sink)
 
     def mount(self, bucket: str, *, at: str | None = None, driver: str | None = None,
-              options: Sequence[str] = (), install: bool = False) -> Any:
+              options: Sequence[str] = (), install: bool = False,
+              sink: OutputSink | None = None) -> Any:
         """Mount gs://BUCKET[/PREFIX] on every worker, verified; returns the report."""
         from tpufab import mount as mounting
 
         spec = mounting.mount_spec(bucket, at=at, driver=driver or self.settings.mount_driver,
                                    options=list(options), endpoint=self.settings.storage_endpoint)
-        return mounting.apply_mount(self.connected.fanout, spec, install=install)
+        return mounting.apply_mount(self.connected.fanout, spec, install=install, sink=sink)
 
     def umount(self, at: str | None = None, *, lazy: bool = False) -> Any:
         """Unmount ``at`` (default: every mount tpufab made) on every worker."""

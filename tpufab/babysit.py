@@ -484,7 +484,7 @@ class Babysitter:
         found = Restore.from_facts(facts)
         if self.restore.setup_script is None and found.setup_hash:
             first = min(w for w, f in facts.items() if f.reachable)
-            got = pod.fanout.run(["cat", f".tpufab/setup/{found.setup_hash}.sh"],
+            got = pod.fanout.run(["cat", f".cache/tpufab/remote/{found.setup_hash}/setup.sh"],
                                  workers=[first])
             try:
                 content = got[first].stdout_bytes if got[first].ok else None

@@ -585,11 +585,3 @@ class ControlPlane:
         types = self._call(Action("list", "accelerator types", "tpu.acceleratorTypes.list",
                                   zone=self.zone, project=self.project), fetch)
         return sorted({t.type_ for t in types})
-
-    def runtime_versions(self) -> list[str]:
-        def fetch(**kw: Any) -> list:
-            return list(self.client.list_runtime_versions(parent=self.parent, **kw))
-
-        versions = self._call(Action("list", "runtime versions", "tpu.runtimeVersions.list",
-                                     zone=self.zone, project=self.project), fetch)
-        return sorted({v.version for v in versions})

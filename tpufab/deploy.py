@@ -11,8 +11,6 @@ which talks to workers only through a ``Workers`` transport (the fan-out group).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -22,12 +20,11 @@ from typing import Protocol
 
 from tpufab import gitops, nodeset
 from tpufab.errors import TpufabError
-from tpufab.quoting import Raw, Secret, command
+from tpufab.quoting import Secret
+from tpufab.remote_files import RemoteFile, last_json, last_line, run_script
 
-REMOTE_DIR = Path(__file__).parent / "remote"
 SCRIPT = "deploy_worker.py"
 TOKEN_ENV = "TPUFAB_GIT_TOKEN"  # read by the worker script's credential helper
-MISSING_SCRIPT = 97  # exit status of the command when the worker script is not shipped yet
 
 
 class DeployError(TpufabError):
@@ -57,41 +54,6 @@ class Workers(Protocol):
 
     def put(self, data: bytes | Path, remote_path: str, *, workers: Sequence[int] | None = None,
             check: bool = False) -> Mapping[int, Outcome]: ...
-
-
-# --- shipping worker-side scripts -----------------------------------------------------------
-
-def script_path(name: str) -> str:
-    """Where a worker keeps ``name``: relative to its home, keyed by content hash."""
-    digest = hashlib.sha256((REMOTE_DIR / name).read_bytes()).hexdigest()[:16]
-    return f".cache/tpufab/remote/{digest}/{name}"
-
-
-def script_command(name: str, args: Sequence[str]) -> str:
-    """Run a shipped script, or exit 97 if this worker does not have it yet."""
-    path = script_path(name)
-    # -I -S: stdlib only, so skip site (and the user's PYTHON* variables): ~60 ms less per
-    # worker, which adds up when 64 of them share a host's CPUs
-    return command("test", "-f", path, Raw("||"), "exit", MISSING_SCRIPT, Raw(";"),
-                   "exec", "python3", "-I", "-S", path, *args)
-
-
-def run_script(group: Workers, name: str, args: Sequence[str], workers: Sequence[int], *,
-               env: Mapping[str, str] | None = None,
-               secrets: Mapping[str, Secret] | None = None) -> dict[int, Outcome]:
-    """Run a worker script in one round trip per worker; ship it first (once per content
-    hash) to the workers that lack it, then run it there again."""
-    line = script_command(name, args)
-    results = dict(group.run(line, workers=list(workers), env=env, secrets=secrets))
-    missing = [w for w, r in results.items() if r.exit_code == MISSING_SCRIPT]
-    if missing:
-        shipped = group.put(REMOTE_DIR / name, script_path(name), workers=missing, check=False)
-        failed = [w for w in missing if shipped[w].error or shipped[w].exit_code not in (0, None)]
-        results.update({w: shipped[w] for w in failed})
-        again = [w for w in missing if w not in failed]
-        if again:
-            results.update(group.run(line, workers=again, env=env, secrets=secrets))
-    return results
 
 
 # --- records --------------------------------------------------------------------------------
@@ -138,18 +100,12 @@ class DeployReport:
 
 def parse_outcome(worker: int, outcome: Outcome) -> WorkerDeploy:
     """A worker script's JSON line (or the transport's failure) as a row."""
-    text = (outcome.stdout or "").strip().splitlines()
-    data = None
-    if text:
-        try:
-            data = json.loads(text[-1])
-        except ValueError:
-            data = None
-    if isinstance(data, dict) and "ok" in data:
+    data = last_json(outcome.stdout)
+    if data is not None and "ok" in data:
         return WorkerDeploy(worker, bool(data["ok"]), data.get("commit"), data.get("before"),
                             data.get("action"), data.get("seconds"), data.get("error"),
                             data.get("message"), data.get("cpu_seconds"))
-    reason = outcome.error or _last_line(outcome.stderr) or f"exit status {outcome.exit_code}"
+    reason = outcome.error or last_line(outcome.stderr) or f"exit status {outcome.exit_code}"
     if outcome.exit_code == 127 or "python3: not found" in (outcome.stderr or ""):
         return WorkerDeploy(worker, False, error="no_python",
                             message="python3 is not installed on this worker")
@@ -158,9 +114,6 @@ def parse_outcome(worker: int, outcome: Outcome) -> WorkerDeploy:
     return WorkerDeploy(worker, False, error="ssh", message=reason)
 
 
-def _last_line(text: str | None) -> str:
-    lines = [line.strip() for line in (text or "").strip().splitlines() if line.strip()]
-    return lines[-1] if lines else ""
 
 
 ERROR_SENTENCES = {
@@ -245,7 +198,7 @@ def worker_command(*, dir: str, source: str, commit: str, fetch_ref: str | None,
 def deploy(group: Workers, *, ref: str = "HEAD", remote: str = "origin", dir: str | None = None,
            direct: bool = False, wip: bool = False, cwd: Path | str | None = None,
            worker_url: str | None = None, token: str | Secret | None = None,
-           progress: Callable[[str], None] | None = None) -> DeployReport:
+           progress: Callable[[str], None] | None = None, sink=None) -> DeployReport:
     """Deploy ``ref`` (or a ``wip`` snapshot) of the repository at ``cwd`` to every worker of
     ``group`` and verify they all report the same commit.
 
@@ -270,7 +223,7 @@ def deploy(group: Workers, *, ref: str = "HEAD", remote: str = "origin", dir: st
 
     if direct:
         source = "your machine (direct)"
-        _deploy_direct(group, root, resolved, target_dir, workers, report, say)
+        _deploy_direct(group, root, resolved, target_dir, workers, report, say, sink)
     else:
         url = gitops.remote_url(root, remote)
         source = worker_url or url
@@ -283,7 +236,7 @@ def deploy(group: Workers, *, ref: str = "HEAD", remote: str = "origin", dir: st
         secrets = None
         if token is not None:
             secrets = {TOKEN_ENV: token if isinstance(token, Secret) else Secret(token)}
-        outcomes = run_script(group, SCRIPT, args, workers, secrets=secrets)
+        outcomes = run_script(group, SCRIPT, args, workers, secrets=secrets, sink=sink)
         report.rows = [parse_outcome(w, outcomes[w]) for w in workers]
     report.seconds = round(time.monotonic() - start, 3)
     if any(not r.ok for r in report.rows):
@@ -295,7 +248,7 @@ def deploy(group: Workers, *, ref: str = "HEAD", remote: str = "origin", dir: st
 
 def _deploy_direct(group: Workers, root: Path, resolved: gitops.Resolved, target_dir: str,
                    workers: list[int], report: DeployReport,
-                   say: Callable[[str], None]) -> None:
+                   say: Callable[[str], None], sink=None) -> None:
     """Probe each worker's HEAD, ship one bundle per distinct HEAD (only the missing objects),
     then check out from the bundle."""
     probes = run_script(group, SCRIPT, ["status", "--dir", target_dir], workers)
@@ -317,7 +270,8 @@ def _deploy_direct(group: Workers, root: Path, resolved: gitops.Resolved, target
             local = gitops.bundle(root, resolved.commit, Path(tmp) / f"{n}.bundle",
                                   exclude=[head] if head else [])
             # next to the shipped script: that folder exists once the probe ran
-            remote = f"{Path(script_path(SCRIPT)).parent}/{resolved.commit[:16]}-{n}.bundle"
+            script_dir = Path(RemoteFile.bundled(SCRIPT).path).parent
+            remote = f"{script_dir}/{resolved.commit[:16]}-{n}.bundle"
             say(f"sending {local.stat().st_size} bytes to {nodeset.fold(ids)}")
             put = group.put(local, remote, workers=ids, check=False)
             sent = []
@@ -331,6 +285,6 @@ def _deploy_direct(group: Workers, root: Path, resolved: gitops.Resolved, target
             args = worker_command(dir=target_dir, source=remote, commit=resolved.commit,
                                   fetch_ref=gitops.DIRECT_REF, branch=resolved.branch,
                                   remove_source=True)
-            outcomes = run_script(group, SCRIPT, args, sent)
+            outcomes = run_script(group, SCRIPT, args, sent, sink=sink)
             rows.update({w: parse_outcome(w, outcomes[w]) for w in sent})
     report.rows = [rows[w] for w in workers]

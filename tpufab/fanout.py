@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import io
-import json
 import os
 import socket
 import struct
@@ -830,8 +829,8 @@ class Fanout:
                     key = paramiko.PKey.from_path(os.path.expanduser(path))
                 except FileNotFoundError as err:
                     raise ConnectError(
-                        f"The SSH key {path} does not exist; create it with `tpufab keys create` "
-                        "or point key_filename at an existing private key."
+                        f"The SSH key {path} does not exist; point ssh_key (TPUFAB_SSH_KEY) at "
+                        "an existing private key, or leave it unset and tpufab makes its own."
                     ) from err
                 self._keys[path] = key
             return key
@@ -1099,31 +1098,27 @@ def run_setup(fanout: Fanout, script: bytes | str | os.PathLike[str], *, workers
               timeout: float | None = None) -> tuple[GroupResult, dict[int, SetupOutcome]]:
     """Run a setup script on every selected worker unless it already ran this exact content.
 
-    The script and ``remote/setup_runner.sh`` are shipped under ``~/.tpufab/setup/``; the
-    worker keeps ``~/.tpufab/setup/<hash>.log`` and a ``<hash>.done`` marker. Raises
+    The script and ``remote/setup_runner.sh`` are shipped by content hash (tpufab.remote_files,
+    the seam every worker-side script uses); the worker keeps ``~/.tpufab/setup/<hash>.log``
+    and a ``<hash>.done`` marker. Raises
     :class:`FanoutError` if any worker fails.
     """
+    from tpufab.remote_files import RemoteFile, guard, last_json, run_with_files
+
     content = script if isinstance(script, bytes) else open(script, "rb").read()
-    digest = hashlib.sha256(content).hexdigest()[:16]
-    runner = _remote_file("setup_runner.sh")
-    runner_path = f"~/.tpufab/remote/setup_runner-{hashlib.sha256(runner).hexdigest()[:12]}.sh"
-    script_path = f"~/.tpufab/setup/{digest}.sh"
-    fanout.put(runner, runner_path, workers=workers, mode=0o700)
-    fanout.put(content, script_path, workers=workers, mode=0o700)
-    argv = ["sh", "-c", 'exec sh "$HOME/$1" "$2" "$HOME/$3" $4', "setup",
-            runner_path.removeprefix("~/"), digest, script_path.removeprefix("~/"),
-            "--force" if force else ""]
-    result = fanout.run(argv, workers=workers, sink=_HideStatus(sink) if sink else None,
-                        timeout=timeout)
+    user_script = RemoteFile("setup.sh", content, 0o700)
+    digest = user_script.sha256[:16]
+    runner = RemoteFile.bundled("setup_runner.sh")
+    files = [runner, user_script]
+    line = quoting.command(*guard(files), "exec", "sh", runner.path, digest, user_script.path,
+                           *(["--force"] if force else []))
+    chosen = fanout.select(workers)
+    result = GroupResult(run_with_files(fanout, files, line, chosen,
+                                        sink=_HideStatus(sink) if sink else None,
+                                        timeout=timeout))
     outcomes = {}
     for worker, r in result.items():
-        info: dict = {}
-        if r.error is None:
-            tail = r.stdout.rstrip("\n").rsplit("\n", 1)[-1]
-            try:
-                info = json.loads(tail)
-            except ValueError:
-                info = {}
+        info = (last_json(r.stdout) or {}) if r.error is None else {}
         status = info.get("status", "failed") if r.ok else "failed"
         outcomes[worker] = SetupOutcome(worker, status, r.exit_code, info.get("log"))
     result.command = f"setup {digest}"

@@ -27,7 +27,13 @@ from typing import IO
 from tpufab import nodeset
 from tpufab.errors import TpufabError
 from tpufab.quoting import Command, mask_bytes
-from tpufab.remote_files import RemoteFile, missing_files, python_command, run_with_files
+from tpufab.remote_files import (
+    RemoteFile,
+    last_json,
+    missing_files,
+    python_command,
+    run_with_files,
+)
 from tpufab.runs import Forwarded, JobEnvironment, JobLayout, job_environments, new_run_id
 
 LAUNCH = "launch.py"
@@ -111,20 +117,6 @@ def stop_command(run_id: str, grace: float = STOP_GRACE) -> Command:
 
 
 # -- what workers answer (pure) -------------------------------------------------------------------
-
-
-def last_json(text: str) -> dict | None:
-    """The last line of ``text`` that is a JSON object, else None."""
-    for line in reversed(text.strip().splitlines()):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                data = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(data, dict):
-                return data
-    return None
 
 
 def failure_reason(result) -> str:

@@ -112,7 +112,8 @@ class KillResult:
 
 
 def parse_report(result) -> WorkerReport:
-    from tpufab.jobs import failure_reason, last_json
+    from tpufab.jobs import failure_reason
+    from tpufab.remote_files import last_json
 
     if result.error:
         return WorkerReport(result.worker, error=result.error)

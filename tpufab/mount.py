@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from tpufab import nodeset
-from tpufab.deploy import Outcome, Workers, run_script
+from tpufab.deploy import Outcome, Workers
 from tpufab.errors import ConfigError, TpufabError
 from tpufab.quoting import Secret
+from tpufab.remote_files import last_json, last_line, run_script
 
 SCRIPT = "mount_worker.py"
 DRIVERS = ("gcsfuse", "rclone")
@@ -288,23 +289,16 @@ class MountReport:
 
 
 def parse_outcome(worker: int, outcome: Outcome) -> WorkerMount:
-    lines = (outcome.stdout or "").strip().splitlines()
-    try:
-        data = json.loads(lines[-1]) if lines else None
-    except ValueError:
-        data = None
+    data = last_json(outcome.stdout)
     seconds = getattr(outcome, "duration", None)
-    if isinstance(data, dict) and "ok" in data:
+    if data is not None and "ok" in data:
         return WorkerMount(worker, bool(data["ok"]), data.get("action"), data.get("entries"),
                            data.get("error"), data.get("message"), seconds, data.get("at"),
                            list(data.get("unmounted") or []))
-    reason = outcome.error or _last(outcome.stderr) or f"exit status {outcome.exit_code}"
+    reason = outcome.error or last_line(outcome.stderr) or f"exit status {outcome.exit_code}"
     return WorkerMount(worker, False, error="ssh", message=reason, seconds=seconds)
 
 
-def _last(text: str | None) -> str:
-    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
-    return lines[-1] if lines else ""
 
 
 MOUNT_SENTENCES = {
@@ -382,7 +376,8 @@ def mount(group: Workers, source: str, *, at: str | None = None, driver: str = "
 
 
 def apply_mount(group: Workers, spec: MountSpec, *, install: bool = False,
-                rclone_config: Mapping[str, str | Secret] | None = None) -> MountReport:
+                rclone_config: Mapping[str, str | Secret] | None = None,
+                sink=None) -> MountReport:
     start = time.monotonic()
     env: dict[str, str] = {}
     secrets: dict[str, Secret] = {}
@@ -391,7 +386,8 @@ def apply_mount(group: Workers, spec: MountSpec, *, install: bool = False,
                                    **(rclone_config or {})})
     workers = list(group.workers)
     args = worker_args(spec, install=install, log_file=log_path(spec))
-    outcomes = run_script(group, SCRIPT, args, workers, secrets=secrets or None, env=env or None)
+    outcomes = run_script(group, SCRIPT, args, workers, secrets=secrets or None, env=env or None,
+                          sink=sink)
     report = MountReport(spec.at, spec.url, [parse_outcome(w, outcomes[w]) for w in workers])
     report.seconds = round(time.monotonic() - start, 3)
     if any(not r.ok for r in report.rows):

@@ -13,7 +13,7 @@ from typing import Any
 
 
 class WorkerProgress:
-    def __init__(self, what: str, total: int, *, stream: Any = None):
+    def __init__(self, what: str, total: int | None = None, *, stream: Any = None):
         self.what, self.total = what, total
         self.done_count = self.failed = 0
         self.began = time.monotonic()
@@ -27,7 +27,8 @@ class WorkerProgress:
 
     def text(self) -> str:
         failed = f", {self.failed} failed" if self.failed else ""
-        return (f"{self.what}: {self.done_count}/{self.total} done{failed}, "
+        of = f"/{self.total}" if self.total else ""
+        return (f"{self.what}: {self.done_count}{of} done{failed}, "
                 f"{time.monotonic() - self.began:.1f} s")
 
     def lines(self, worker: int, stream: str, data: bytes) -> None:

@@ -1,4 +1,10 @@
-"""Files a command needs on the workers, shipped only where they are missing.
+"""Worker-side scripts: the one seam. Ship by content hash, run, read the last JSON line.
+
+Every worker-side program (deploy_worker.py, mount_worker.py, facts.py, launch.py,
+tpukill.py, zombie.py, the setup runner and the user's setup script) goes through here:
+``run_script`` runs a shipped script and ``last_json``/``last_line`` read what it answered.
+
+Files a command needs on the workers are shipped only where they are missing.
 
 A file lives on a worker at ``~/.cache/tpufab/remote/<sha256[:16]>/<name>`` (the layout
 deploy uses, so both share that cache). A command that needs files is *guarded*: where one
@@ -13,6 +19,7 @@ runs them, as ``ssh host CMD`` would, from the home directory (relative paths be
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,7 +30,7 @@ from pathlib import Path
 from tpufab.quoting import Command, Piece, Raw, Secret, command
 
 CACHE_DIR = ".cache/tpufab/remote"
-MISSING = 97   # the guard's exit status (deploy.MISSING_SCRIPT is the same protocol)
+MISSING = 97   # the guard's exit status
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,29 @@ def python_command(script: RemoteFile, args: Sequence[Piece], *,
                    Raw("then exec sudo -n"), *run, Raw("; else exec"), *run, Raw("; fi"))
 
 
+# -- what workers answer (pure) -----------------------------------------------------------------
+
+
+def last_json(text: str | None) -> dict | None:
+    """The last line of ``text`` that is a JSON object (a worker script's answer), else None."""
+    for line in reversed((text or "").strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                data = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(data, dict):
+                return data
+    return None
+
+
+def last_line(text: str | None) -> str:
+    """The last non-blank line of ``text`` (why a command failed, usually)."""
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
 # -- running ------------------------------------------------------------------------------------
 
 
@@ -133,6 +163,22 @@ def run_with_files(group, files: Sequence[RemoteFile], line: str, workers: Seque
         if again:
             results.update(group.run(line, workers=again, **kwargs))
     return results
+
+
+def run_script(group, script: RemoteFile | str, args: Sequence[Piece], workers: Sequence[int], *,
+               as_root: bool = False, env: Mapping[str, str] | None = None,
+               secrets: Mapping[str, Secret] | None = None, sink=None,
+               timeout: float | None = None) -> dict[int, object]:
+    """Run a stdlib-only worker script (bundled with tpufab when given by name) on
+    ``workers`` in one round trip each, shipping it first where it is missing.
+
+    Returns ``{worker: WorkerResult}``; read the answer with ``last_json(result.stdout)``.
+    """
+    if isinstance(script, str):
+        script = RemoteFile.bundled(script)
+    line = python_command(script, args, as_root=as_root)
+    return run_with_files(group, [script], line, workers, env=env, secrets=secrets, sink=sink,
+                          timeout=timeout)
 
 
 def put_each(group, contents: Mapping[int, bytes], path: str, *, mode: int = 0o600,

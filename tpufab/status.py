@@ -8,13 +8,13 @@ only step with side effects: the node's API state, then one round trip per worke
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tpufab import nodeset
 from tpufab.errors import ApiError
+from tpufab.remote_files import last_json, last_line
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -205,11 +205,6 @@ def _text(value: Any) -> str | None:
     return None if value is None else str(value)
 
 
-def _last_line(text: str | None) -> str:
-    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
-    return lines[-1] if lines else ""
-
-
 def parse_facts(worker: int, outcome: Any) -> WorkerFacts:
     """A worker's ``facts.py`` output (a fan-out result) as a record; never raises.
 
@@ -220,16 +215,10 @@ def parse_facts(worker: int, outcome: Any) -> WorkerFacts:
     error = getattr(outcome, "error", None)
     if error:
         return WorkerFacts(worker, False, error=str(error))
-    lines = (getattr(outcome, "stdout", "") or "").strip().splitlines()
-    data = None
-    if lines:
-        try:
-            data = json.loads(lines[-1])
-        except ValueError:
-            data = None
-    if not isinstance(data, dict):
+    data = last_json(getattr(outcome, "stdout", ""))
+    if data is None:
         code = getattr(outcome, "exit_code", None)
-        reason = _last_line(getattr(outcome, "stderr", "")) or f"exit status {code}"
+        reason = last_line(getattr(outcome, "stderr", "")) or f"exit status {code}"
         if code == 127 or "python3: not found" in reason:
             reason = "python3 is not installed on this worker"
         return WorkerFacts(worker, False, error=f"no facts: {reason}")
@@ -499,7 +488,7 @@ def gather_facts(group: Any, *, workers: Iterable[int] | None = None,
                  deploy_dirs: Sequence[str] = (), max_runs: int | None = None
                  ) -> dict[int, WorkerFacts]:
     """One round trip per worker (the fan-out runs them all at once): facts.py's answer."""
-    from tpufab.deploy import run_script
+    from tpufab.remote_files import run_script
 
     chosen = list(workers if workers is not None else group.workers)
     args = facts_args(deploy_dirs=deploy_dirs, max_runs=max_runs)

@@ -64,10 +64,6 @@ class Topology:
             return tuple(f"/dev/accel{i}" for i in range(self.chips_per_host))
         return tuple(f"/dev/vfio/{i}" for i in range(self.chips_per_host))
 
-    @property
-    def multi_host(self) -> bool:
-        return self.hosts > 1
-
 
 def _shape(gen: Generation, size: int) -> Topology:
     chips = size // gen.cores_per_chip

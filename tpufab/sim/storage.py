@@ -24,7 +24,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from tpufab.errors import SimError
-from tpufab.sim.admin import StorageClient
+from tpufab.sim.gcs import StorageClient
 
 BUCKET_IN_PATH = re.compile(r"^(?:/upload|/download)?(?:/storage/v1)?/b/([^/?]+)")
 PACKAGE = "gcp-storage-emulator"

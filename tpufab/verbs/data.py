@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 
 from tpufab.errors import ConfigError
@@ -26,24 +25,13 @@ def deploy(*, name: str | None = None, ref: str = "HEAD", remote: str = "origin"
            dir: str | None = None, direct: bool = False, wip: bool = False,
            zone: str | None = None, project: str | None = None) -> None:
     """Put exactly one commit of this repository on every worker, verified."""
-    from tpufab import deploy as deploying
-    from tpufab import gitops
     from tpufab.console import stdout
-    from tpufab.quoting import Secret
+    from tpufab.progress import WorkerProgress
 
-    # the local checks first: a dirty tree or a missing remote needs no pod to be refused
-    root = gitops.repo_root(None)
-    if not wip:
-        gitops.refuse_dirty(root)
-        gitops.resolve(root, ref)
-    if not direct:
-        gitops.remote_url(root, remote)
-    settings = settings_from_flags(name=name, zone=zone, project=project)
-    token = os.environ.get(deploying.TOKEN_ENV)  # an HTTPS token for a private remote
-    pod = pod_for(settings)
-    report = deploying.deploy(pod.fanout, ref=ref, remote=remote,
-                              dir=dir or settings.remote_dir, direct=direct, wip=wip, cwd=root,
-                              token=Secret(token) if token else None, progress=progress)
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
+    with WorkerProgress("deploy") as shown:  # the local checks come first, before any SSH
+        report = pod.deploy(ref, remote=remote, dir=dir, direct=direct, wip=wip,
+                            progress=progress, sink=shown)
     print_table(("WORKERS", "COMMIT", "RESULT", "TIME"), (
         (workers, (group[0].commit or "-")[:12], group[0].action or "-", seconds_range(group))
         for workers, group in folded(report.rows, lambda r: (r.commit, r.action))))
@@ -86,13 +74,15 @@ def mount(*, bucket: str, name: str | None = None, at: str | None = None,
     """Mount a Cloud Storage bucket (or a prefix of it) on every worker, verified."""
     from tpufab import mount as mounting
     from tpufab.console import stdout
+    from tpufab.progress import WorkerProgress
 
     settings = settings_from_flags(name=name, zone=zone, project=project)
     spec = mounting.mount_spec(bucket, at=at, driver=driver or settings.mount_driver,
                                options=_driver_options(options),
                                endpoint=settings.storage_endpoint)
     pod = pod_for(settings)
-    report = mounting.apply_mount(pod.fanout, spec, install=install)
+    with WorkerProgress(f"mount {spec.url}", len(pod.workers)) as shown:
+        report = mounting.apply_mount(pod.fanout, spec, install=install, sink=shown)
     print_table(("WORKERS", "RESULT", "ENTRIES", "TIME"), (
         (workers, group[0].action or "-", "-" if group[0].entries is None
          else str(group[0].entries), seconds_range(group))
