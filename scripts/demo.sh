@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The whole tpufab workflow on the simulated pod: installs what it needs, then
 #   sim up -> create (v4-32, 4 workers) -> list -> describe
-#   -> deploy a git repository (through its remote, then --direct) -> exec on every worker
+#   -> a project of your own: tpufab init (tasks.py, tpufab.yaml, scripts/setup.sh, recipes/hello.sh)
+#   -> deploy it (through its remote, then --direct) -> exec on every worker
 #   -> sim bucket -> mount it on every worker (rclone) -> write on w0, read on w3 -> umount
-#   -> setup (JAX on every worker) -> run recipes/jax_hello.sh on all 4 workers at once
+#   -> invoke setup (JAX on every worker) -> invoke run recipes/hello.sh on all 4 workers at once
 #   -> logs, runs -> sim zombie (a crashed job's mess) -> status -> kill -> status
 #   -> delete -> sim down.
 # Run as root (the simulated workers use namespaces). Keep the pod with KEEP=1.
@@ -52,8 +53,9 @@ git init -q -b main "$WORK/climate"
 cd "$WORK/climate"
 export GIT_AUTHOR_NAME=demo GIT_AUTHOR_EMAIL=demo@example.com
 export GIT_COMMITTER_NAME=demo GIT_COMMITTER_EMAIL=demo@example.com
+step tpufab init                           # tasks.py, tpufab.yaml, scripts/setup.sh, recipes/hello.sh
 echo "print('training v1')" > train.py
-git add train.py && git commit -q -m "train: v1"
+git add -A && git commit -q -m "train: v1"
 git remote add origin "git://127.0.0.1:$PORT/climate.git"
 for _ in $(seq 50); do git ls-remote origin >/dev/null 2>&1 && break; sleep 0.1; done
 
@@ -76,11 +78,11 @@ step invoke umount --name "$NAME" --at /mnt/data
 
 say "The main job: JAX on every worker (one shared CPU build, not a download per worker)"
 step ./scripts/sim-wheels.sh
-step tpufab setup --name "$NAME" --script scripts/setup-sim.sh
-step invoke setup --name "$NAME" --script scripts/setup-sim.sh     # same content: skipped
 cd "$WORK/climate"
-say "Run the recipe on all 4 workers at once, inside the deployed checkout"
-step tpufab run "$REPO/recipes/jax_hello.sh" --name "$NAME"
+step invoke setup --name "$NAME"           # the project's scripts/setup.sh: the pod's shared JAX
+step tpufab setup --name "$NAME"           # same content: skipped
+say "Run the recipe on all 4 workers at once, inside the deployed checkout (output folded)"
+step invoke run recipes/hello.sh --name "$NAME"
 step tpufab logs --name "$NAME"                # worker 0's lines once; only differences shown
 step tpufab runs --name "$NAME"
 cd "$REPO"
@@ -93,6 +95,6 @@ step tpufab status --name "$NAME"
 
 step tpufab delete --name "$NAME" --yes
 echo
-echo "Demo finished: create -> deploy (remote and --direct) -> mount (written on w0, read on w3)"
-echo "-> umount -> setup -> run jax_hello on 4 workers -> zombie -> kill -> status -> delete,"
+echo "Demo finished: create -> tpufab init -> deploy (remote and --direct) -> mount (written on"
+echo "w0, read on w3) -> umount -> setup -> run hello on 4 workers -> zombie -> kill -> status -> delete,"
 echo "on the simulated pod."

@@ -80,13 +80,25 @@ def test_the_headline_sequence_in_a_fresh_project(project):
     sh(["git", "commit", "-q", "-m", "start"], repo, env)
     ran = sh(["invoke", "run", "recipes/hello.sh"], repo, env)
     assert "no git remote yet: deploying over SSH (--direct)" in ran.stderr
-    lines = ran.stdout.splitlines()
-    assert lines.count("jax_hello: all-gather of process ids = [0, 1, 2, 3]") == 1
-    assert lines.count("jax_hello: OK") == 1                        # 4 workers, one line
-    assert not any(line.startswith("w0 │") for line in lines)
+    assert "jax_hello: all-gather of process ids = [0, 1, 2, 3]" in ran.stdout
+    assert not any(line.startswith("w0 │") for line in ran.stdout.splitlines())
     assert "finished on w[0-3]: exit 0" in ran.stderr
-    raw = sh(["tpufab", "run", "recipes/hello.sh", "--raw"], repo, env)
-    assert sum("│ jax_hello: OK" in line for line in raw.stdout.splitlines()) == 4
+    logs = sh(["tpufab", "logs"], repo, env).stdout.splitlines()   # the run's logs, folded
+    assert logs.count("jax_hello: all-gather of process ids = [0, 1, 2, 3]") == 1
+    assert logs.count("jax_hello: OK") == 1
+
+    # identical lines from 4 workers, followed live: each once, under no worker's name
+    same = repo / "recipes" / "same.sh"
+    same.write_text("#!/bin/sh\nfor i in 1 2 3; do echo \"same line $i\"; done\n")
+    same.chmod(0o755)
+    sh(["git", "add", "-A"], repo, env)
+    sh(["git", "commit", "-q", "-m", "same"], repo, env)
+    folded = sh(["invoke", "run", "recipes/same.sh"], repo, env).stdout.splitlines()
+    assert [line for line in folded if "same line" in line] == \
+        ["same line 1", "same line 2", "same line 3"], folded
+    raw = sh(["tpufab", "run", "recipes/same.sh", "--raw"], repo, env).stdout.splitlines()
+    assert sorted(line.split(" │ ")[0] for line in raw if "same line 1" in line) == \
+        ["w0", "w1", "w2", "w3"]
 
     killed = sh(["invoke", "kill"], repo, env)
     assert "TPU free on w[0-3]: yes" in killed.stdout
