@@ -34,6 +34,19 @@ NOT_ROOT = "the simulated pod needs root (sshd workers in namespaces on 127.x ad
 NO_GCLOUD = "gcloud is not installed"
 
 
+CURRENT_POD = Path(__file__).resolve().parents[1] / ".tpufab" / "current-pod.json"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def checkout_is_not_a_test_project():
+    """No test may leave a current pod in tpufab's own checkout (it would name the node for
+    every later test that loads settings there)."""
+    before = CURRENT_POD.read_bytes() if CURRENT_POD.exists() else None
+    yield
+    after = CURRENT_POD.read_bytes() if CURRENT_POD.exists() else None
+    assert after == before, f"a test wrote {CURRENT_POD}; run verbs that create from a tmp dir"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = os.geteuid() == 0
     gcloud = shutil.which("gcloud") is not None

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -44,8 +45,14 @@ def tpufab(*args, env, cwd):
     return run([TPUFAB, *args], env, cwd=cwd)
 
 
+# Outside the checkout: a verb that remembers a current pod writes it where it runs, and
+# tpufab's own checkout must not become a test's project.
+OUTSIDE = Path(tempfile.mkdtemp(prefix="tpufab-cli-cwd-"))
+
+
 def invoke(*args, env):
-    return run([INVOKE, *args], env, cwd=REPO)
+    """`invoke` with tpufab's own tasks.py (-r), run from outside the checkout."""
+    return run([INVOKE, "-r", str(REPO), *args], env, cwd=OUTSIDE)
 
 
 def assert_one_sentence_failure(result, *fragments):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,10 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
-def run(argv, env, *, cwd=REPO, timeout=120):
+OUTSIDE = Path(tempfile.mkdtemp(prefix="tpufab-exec-cwd-"))  # not a project: no current pod
+
+
+def run(argv, env, *, cwd=OUTSIDE, timeout=120):
     return subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, stdin=subprocess.DEVNULL)
 
@@ -26,7 +30,7 @@ def tpufab(*args, env):
 
 
 def invoke(*args, env):
-    return run([str(BIN / "invoke"), *args], env)
+    return run([str(BIN / "invoke"), "-r", str(REPO), *args], env)
 
 
 @pytest.fixture(scope="module")

@@ -34,8 +34,12 @@ def typer_doors() -> dict[str, dict[str, object]]:
             if param.name == "help":
                 continue
             if param.param_type_name == "argument":
-                if not param.nargs == -1:       # trailing words: invoke takes them after --
+                if param.nargs == -1:           # trailing words: invoke takes them after --
+                    continue
+                if param.required:
                     flags[f"<{param.name}>"] = "argument"
+                else:                           # invoke: an argument that may be left out
+                    flags[f"--{param.name}"] = param.default   # is a flag
                 continue
             long = sorted(o for o in param.opts if o.startswith("--"))
             default = param.default

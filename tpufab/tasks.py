@@ -36,7 +36,7 @@ class VerbTask(Task):
         self.declared_params = declared.params()
         super().__init__(self._call, name=declared.name, help={},
                          positional=[p.name for p in self.declared_params
-                                     if p.positional and not p.rest],
+                                     if p.positional and p.required],
                          iterable=[p.name for p in self.declared_params if p.kind is list])
         self.__doc__ = declared.help
 
@@ -77,8 +77,9 @@ def _argument(p: Param) -> Argument:
     if p.kind is list:
         default = list(p.default or [])
     attr = _key(p) if "-" in names[0] else None  # as invoke itself names dashed flags
+    # invoke's positional arguments are all required: one that may be left out is a flag there
     return Argument(names=tuple(names), attr_name=attr, kind=kind, default=default,
-                    help=p.help, positional=p.positional)
+                    help=p.help, positional=p.positional and p.required)
 
 
 def _build() -> tuple[Collection, dict[str, Task]]:
