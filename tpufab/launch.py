@@ -25,7 +25,7 @@ from tpufab.config import Settings
 from tpufab.errors import ConfigError, TpufabError
 from tpufab.quoting import quote
 from tpufab.remote_files import RemoteFile
-from tpufab.runs import Forwarded, forwarded_for, skypilot_variables
+from tpufab.runs import Forwarded, forwarded_environment, skypilot_variables
 from tpufab.taskfile import Task, resolve_envs
 
 if TYPE_CHECKING:
@@ -128,8 +128,9 @@ def plan(task: Task, *, settings: Settings, name: str | None = None, type: str |
     spec.runtime_version = version or task.runtime_version or settings.runtime_version
     spec.name = lifecycle.validate_name(name or task.name or settings.name)
     specs = resolve_envs(task, env, local_env)
-    secret_names = [*spec.secrets, *task.secret_envs]
-    forwarded = forwarded_for(replace(spec, secrets=secret_names, env=[]), specs)
+    configured = [e for e in spec.env if "=" in e or e in local_env]
+    forwarded = forwarded_environment([*configured, *specs], local_env,
+                                      [*spec.secrets, *task.secret_envs])
 
     root = commit = branch = deploy_dir = run_cwd = None
     if task.workdir:
@@ -149,6 +150,8 @@ def plan(task: Task, *, settings: Settings, name: str | None = None, type: str |
         from tpufab import deploy
 
         deploy_dir = spec.remote_dir or deploy.default_dir(root)
+        if not direct and not gitops.git(root, "remote").stdout.split():
+            direct = True   # no remote to push to: the commit travels over SSH
         relative = workdir.relative_to(root)
         run_cwd = deploy_dir if str(relative) == "." else \
             str(PurePosixPath(deploy_dir) / relative.as_posix())
@@ -194,7 +197,7 @@ def describe_steps(p: LaunchPlan) -> list[str]:
         steps.append(f"autostop: delete {s.name} after {human_duration(p.idle)} idle (a "
                      "watchdog on worker 0)")
     if p.commit:
-        how = "over SSH (--direct)" if p.direct else "through origin"
+        how = "over SSH (direct)" if p.direct else "through origin"
         steps.append(f"deploy {p.commit[:12]}" + (f" ({p.branch})" if p.branch else "") +
                      f" of {p.root} to {p.deploy_dir} {how}")
     for m in p.mounts:
@@ -202,12 +205,12 @@ def describe_steps(p: LaunchPlan) -> list[str]:
     for remote, local in p.files:
         steps.append(f"put {local} at {remote}")
     if p.task.setup:
-        steps.append(f"setup ({len(p.task.setup.splitlines())} lines, once per content) in "
+        steps.append(f"setup ({_lines(p.task.setup)}, once per content) in "
                      f"{p.run_cwd or '~'}")
     env = {**p.forwarded.public, **{k: "***" for k in p.forwarded.secrets}}
     shown = " ".join(f"{k}={v}" for k, v in sorted(env.items())) or "none"
     flavor = " + SKYPILOT_* variables" if p.task.source == "skypilot" else ""
-    steps.append(f"run ({len(p.task.run.splitlines())} lines) on every worker in "
+    steps.append(f"run ({_lines(p.task.run)}) on every worker in "
                  f"{p.run_cwd or '~'}; env: {shown}{flavor}")
     if p.detach:
         steps.append("detach: leave it running (follow with `tpufab logs --follow`)")
@@ -216,6 +219,11 @@ def describe_steps(p: LaunchPlan) -> list[str]:
     if p.down:
         steps.append(f"down: save the logs locally, then delete {s.name}")
     return steps
+
+
+def _lines(text: str) -> str:
+    n = len(text.splitlines())
+    return f"{n} line{'s' if n != 1 else ''}"
 
 
 @contextmanager

@@ -192,13 +192,13 @@ def skypilot_accelerator(value: Any, path: str) -> str:
                           "one TPU type: name one, e.g. tpu-v6e-8.")
     text = str(value or "").strip()
     name, _, count = text.partition(":")
+    if not name.lower().startswith("tpu-"):
+        raise ConfigError(f"{path}: resources.accelerators is {text!r}; tpufab launches Cloud "
+                          "TPUs only (tpu-v4-32, tpu-v6e-8, ...).")
     if count and count.strip() != "1":
         raise ConfigError(f"{path}: resources.accelerators asks for {count.strip()} x {name}; a "
                           f"TPU slice is one accelerator: ask for a bigger type (e.g. "
                           f"{name.rsplit('-', 1)[0]}-N) instead.")
-    if not name.lower().startswith("tpu-"):
-        raise ConfigError(f"{path}: resources.accelerators is {name!r}; tpufab launches Cloud "
-                          "TPUs only (tpu-v4-32, tpu-v6e-8, ...).")
     return name
 
 
