@@ -282,7 +282,7 @@ def daemon(_args):
     leader = config.get("worker") == 0
     idle_since = time.time()
     was_busy = None
-    last_check = 0.0
+    last_check = time.monotonic()   # the first check one period in: peers are listening by then
     fired_at = None
     while not stopping:
         try:
