@@ -1,15 +1,13 @@
 """launch, autostop, gc and create's capacity options on the simulated pod (real sshd workers,
 real git, real rclone mounts of the pod's Cloud Storage).
 
-The verbs run as a user runs them: a small `python -c` that calls `tpufab.verbs.*` the way the
-CLI does (exit code and output included); the test checks the pod through the TPU API and its
-own connections to the workers.
+The verbs run as a user runs them, through the real `tpufab` command (exit code and output
+included); the test checks the pod through the TPU API and its own connections to the workers.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import os
 import shutil
 import subprocess
@@ -21,11 +19,7 @@ import pytest
 from conftest import unique_name, wait_for
 
 SECRET = "hf_launch-secret-9931"
-CALL = ("import importlib, json, sys\n"
-        "from tpufab.console import run\n"
-        "family, name = sys.argv[1].split('.')\n"
-        "verb = getattr(importlib.import_module('tpufab.verbs.' + family), name)\n"
-        "sys.exit(run(verb, **json.loads(sys.argv[2])))\n")
+TPUFAB = str(Path(sys.executable).parent / "tpufab")
 
 SKY_TASK = """\
 name: sky-train
@@ -110,11 +104,11 @@ def _free_port() -> int:
     return free_port()
 
 
-def call(world, verb: str, *, timeout: float = 300, extra_env=None, **kwargs):
-    return subprocess.run([sys.executable, "-c", CALL, verb, json.dumps(kwargs)],
-                          env={**world["env"], **(extra_env or {})}, cwd=world["project"],
-                          capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+def tpufab(world, *args: str, timeout: float = 300, extra_env=None):
+    """The real `tpufab` command, run from the project checkout."""
+    return subprocess.run([TPUFAB, *args], env={**world["env"], **(extra_env or {})},
+                          cwd=world["project"], capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 def settings_of(world, **over):
@@ -157,8 +151,8 @@ def one_sentence(err: str) -> str:
 
 def test_skypilot_task_launches_end_to_end_and_down_leaves_no_node(world):
     name = unique_name("sky")
-    got = call(world, "launch.launch", task="sky.yaml", name=name, down=True,
-               extra_env={"HF_TOKEN": SECRET})
+    got = tpufab(world, "launch", "sky.yaml", "--name", name, "--down",
+                 extra_env={"HF_TOKEN": SECRET})
     out, err = got.stdout, got.stderr
     assert got.returncode == 0, out + err
     # setup ran once per worker in the workdir, shown once (every worker printed it)
@@ -181,8 +175,7 @@ def test_skypilot_task_launches_end_to_end_and_down_leaves_no_node(world):
 def test_tpufab_task_launches_then_reuses_the_node_and_refuses_another_spec(world):
     name = unique_name("tfb")
     try:
-        first = call(world, "launch.launch", task="task.yaml", name=name,
-                     env=["EXTRA=from-the-flag"])
+        first = tpufab(world, "launch", "task.yaml", "--name", name, "--env", "EXTRA=from-the-flag")
         assert first.returncode == 0, first.stdout + first.stderr
         assert "hello from the bucket" in first.stdout.splitlines()
         for w in range(4):
@@ -192,16 +185,15 @@ def test_tpufab_task_launches_then_reuses_the_node_and_refuses_another_spec(worl
             f"tpufab setup in /root/{world['project'].name}/code") == 1
         assert "Environment: EXTRA=from-the-flag GREETING=hello-from-the-task" in first.stderr
 
-        again = call(world, "launch.launch", task="task.yaml", name=name,
-                     extra_env={"EXTRA": "from-my-shell"})
+        again = tpufab(world, "launch", "task.yaml", "--name", name,
+                       extra_env={"EXTRA": "from-my-shell"})
         assert again.returncode == 0, again.stdout + again.stderr
         assert f"TPU node {name} already exists and is READY" in again.stderr
         assert "already there" in again.stderr and "Setup: already done" in again.stderr
         assert "4 already had it" in again.stderr
         assert "extra=from-my-shell" in again.stdout
 
-        other = call(world, "launch.launch", task="task.yaml", name=name, type="v4-16",
-                     env=["EXTRA=x"])
+        other = tpufab(world, "launch", "task.yaml", "-n", name, "--type", "v4-16", "-e", "EXTRA=x")
         assert other.returncode == 2
         assert one_sentence(other.stderr).endswith(
             f"launch failed at create: TPU node '{name}' already exists with another spec (it "
@@ -214,7 +206,7 @@ def test_tpufab_task_launches_then_reuses_the_node_and_refuses_another_spec(worl
 def test_a_failing_run_exits_with_its_code_and_down_still_deletes(world, tmp_path):
     name = unique_name("fail")
     (world["project"] / "fail.yaml").write_text("type: v4-16\nrun: |\n  echo bye\n  exit 7\n")
-    got = call(world, "launch.launch", task="fail.yaml", name=name, down=True)
+    got = tpufab(world, "launch", "fail.yaml", "--name", name, "--down")
     (world["project"] / "fail.yaml").unlink()
     assert got.returncode == 7, got.stdout + got.stderr
     assert "failed on w[0-1]" in got.stderr and f"Deleted TPU node {name}" in got.stderr
@@ -224,8 +216,8 @@ def test_a_failing_run_exits_with_its_code_and_down_still_deletes(world, tmp_pat
 def test_dry_run_prints_the_plan_and_touches_nothing(world, sim_admin):
     name = unique_name("dry")
     before = sim_admin.state()
-    got = call(world, "launch.launch", task="sky.yaml", name=name, dry_run=True,
-               extra_env={"HF_TOKEN": SECRET})
+    got = tpufab(world, "launch", "sky.yaml", "--name", name, "--dry-run",
+                 extra_env={"HF_TOKEN": SECRET})
     assert got.returncode == 0, got.stderr
     out = got.stdout
     assert out.startswith(f"Plan for sky.yaml (SkyPilot task) on {name}:")
@@ -257,8 +249,7 @@ def test_bad_task_files_get_their_sentence(world, sim_admin, text, env, sentence
     before = sim_admin.state()["nodes"]
     (world["project"] / "bad.yaml").write_text(text)
     try:
-        got = call(world, "launch.launch", task="bad.yaml", name=unique_name("bad"),
-                   extra_env=env)
+        got = tpufab(world, "launch", "bad.yaml", "--name", unique_name("bad"), extra_env=env)
     finally:
         (world["project"] / "bad.yaml").unlink()
     assert got.returncode == 2
@@ -273,8 +264,8 @@ def test_bad_task_files_get_their_sentence(world, sim_admin, text, env, sentence
 def test_stockout_falls_through_to_the_next_zone(world, sim_admin):
     name = unique_name("zone")
     sim_admin.fail_next_create("stockout", zone="us-central2-b")
-    got = call(world, "nodes.create", name=name, type="v4-8",
-               zones="us-central2-b,us-east5-a")
+    got = tpufab(world, "create", "--name", name, "--type", "v4-8",
+                 "--zones", "us-central2-b,us-east5-a")
     try:
         assert got.returncode == 0, got.stderr
         assert "No v4-8 capacity in us-central2-b right now; trying us-east5-a." in got.stdout
@@ -344,7 +335,7 @@ def test_gc_removes_a_preempted_node_and_a_failed_queued_resource_and_nothing_el
         lifecycle.create(settings_of(world, name=failed, type="v4-8"), queued=True,
                          console=quiet())
     try:
-        got = call(world, "launch.gc", yes=True)
+        got = tpufab(world, "gc", "--yes")
         assert got.returncode == 0, got.stderr
         assert f"TPU node {preempted} (v4-8, PREEMPTED) in us-central2-b" in got.stdout
         assert f"queued resource {failed} (v4-8, FAILED) in us-central2-b" in got.stdout
@@ -354,7 +345,7 @@ def test_gc_removes_a_preempted_node_and_a_failed_queued_resource_and_nothing_el
         qrs = {q.name for q in lifecycle.control_plane(settings_of(world))
                .list_queued_resources()}
         assert failed not in qrs
-        again = call(world, "launch.gc", yes=True)
+        again = tpufab(world, "gc", "--yes")
         assert again.returncode == 0 and "Nothing to collect" in again.stdout
     finally:
         delete(world, healthy)
@@ -414,14 +405,14 @@ def hold_device(p, worker: int, device: str, release: str) -> None:
 def test_autostop_deletes_an_idle_pod_and_list_and_status_show_it_first(world, pod16):
     name, _, p = pod16
     hold_device(p, 1, "/dev/accel2", "/tmp/release-2")   # busy while we look
-    got = call(world, "launch.autostop", name=name, idle="3s")
+    got = tpufab(world, "autostop", "--name", name, "--idle", "3s")
     assert got.returncode == 0, got.stderr
     assert f"Autostop of {name}: deletes the pod after 3s idle." in got.stdout
-    listed = call(world, "nodes.list_")
+    listed = tpufab(world, "list")
     row = next(line for line in listed.stdout.splitlines() if line.startswith(name))
     assert "idle 3s" in row and "AUTOSTOP" in listed.stdout
     checks_past(p, 0.5)
-    status = call(world, "status.status", name=name)
+    status = tpufab(world, "status", "--name", name)
     assert "Autostop: deletes the pod after 3s idle; busy now (w1: TPU held by pid" in \
         status.stdout, status.stdout
     assert " armed (idle=3.0" in status.stdout and " busy (reasons=" in status.stdout
@@ -436,10 +427,10 @@ def test_autostop_waits_for_a_run_and_for_a_device_holder_on_any_worker(world, p
     trigger = "/tmp/autostop-run-may-end"
     script = world["base"] / "long.sh"
     script.write_text(f"#!/bin/sh\nwhile [ ! -e {trigger} ]; do sleep 0.1; done\necho done\n")
-    started = call(world, "jobs.run", recipe=str(script), name=name, no_deploy=True, detach=True)
+    started = tpufab(world, "run", str(script), "--name", name, "--no-deploy", "--detach")
     assert started.returncode == 0, started.stderr
     hold_device(p, 1, "/dev/accel0", "/tmp/release")   # worker 1, not the leader
-    armed = call(world, "launch.autostop", name=name, idle="2s")
+    armed = tpufab(world, "autostop", "--name", name, "--idle", "2s")
     assert armed.returncode == 0, armed.stderr
     state = checks_past(p, 4)
     assert any(b.startswith("w0: run ") for b in state["busy"]), state
@@ -457,7 +448,7 @@ def test_autostop_waits_for_a_run_and_for_a_device_holder_on_any_worker(world, p
 def test_autostop_ttl_fires_even_while_busy(world, pod16):
     name, _, p = pod16
     hold_device(p, 0, "/dev/accel1", "/tmp/never")
-    got = call(world, "launch.autostop", name=name, ttl="3s", idle="1s")
+    got = tpufab(world, "autostop", "--name", name, "--ttl", "3s", "--idle", "1s")
     assert got.returncode == 0, got.stderr
     assert "at the latest (TTL)" in got.stdout
     wait_for(lambda: gone(world, name), 60, what="the TTL to delete the busy pod")
@@ -465,9 +456,9 @@ def test_autostop_ttl_fires_even_while_busy(world, pod16):
 
 def test_autostop_cancel_holds(world, pod16):
     name, _, p = pod16
-    assert call(world, "launch.autostop", name=name, idle="8s").returncode == 0
+    assert tpufab(world, "autostop", "--name", name, "--idle", "8s").returncode == 0
     armed_at = leader_state(p)["config"]["armed_at"]
-    got = call(world, "launch.autostop", name=name, cancel=True)
+    got = tpufab(world, "autostop", "--name", name, "--cancel")
     assert got.returncode == 0, got.stderr
     assert f"Autostop of {name} cancelled (it was: deletes the pod after 8s idle)." in got.stdout
     # well past the idle period: still there, no watchdog left on any worker
@@ -482,5 +473,5 @@ def test_autostop_cancel_holds(world, pod16):
         assert all(r.stdout.strip() == "" for r in left.values())
     finally:
         left.close()
-    listed = call(world, "nodes.list_")
+    listed = tpufab(world, "list")
     assert "idle 8s" not in listed.stdout

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from tpufab.errors import ConfigError, TpufabError
 from tpufab.verbs.common import note, pod_for, say, settings_from_flags
+from tpufab.verbs.declare import Opt, verb
 
 
 class _SetupSink:
@@ -24,6 +25,20 @@ class _SetupSink:
         self.view.done(result)
 
 
+@verb(options={
+    "task": Opt("Task file: tpufab's schema or a SkyPilot task YAML.", metavar="TASK.yaml"),
+    "type": Opt("Accelerator type (overrides the task's).", short="-t"),
+    "spot": "Spot capacity (overrides the task's).",
+    "version": "Runtime version (overrides the task's).",
+    "down": "Delete the node after the run (logs saved locally first), success or failure.",
+    "detach": "Start the run and return without following it.",
+    "idle": Opt("Arm autostop: delete the node after this long idle (30m, 2h).",
+                metavar="DURATION"),
+    "dry_run": "Print the plan (spec, steps, envs masked) and touch nothing.",
+    "direct": "Deploy the commit over SSH instead of through the git remote.",
+    "zones": Opt("Zones to try in order on a stockout.", metavar="Z1,Z2"),
+    "retry_for": Opt("Keep retrying stockouts this long (30m, 2h).", metavar="DURATION"),
+    "on_interrupt": Opt("On Ctrl-C: kill or detach (default: ask).", metavar="kill|detach")})
 def launch(task: str, *, name: str | None = None, type: str | None = None,
            zone: str | None = None, project: str | None = None, spot: bool = False,
            version: str | None = None, env: Sequence[str] | None = None, down: bool = False,
@@ -64,6 +79,10 @@ def launch(task: str, *, name: str | None = None, type: str | None = None,
 
     with step("create"):
         launching.provision(plan, console=stderr(), zones=zone_list or None, retry_for=retry_s)
+    if not down:
+        from tpufab import current
+
+        current.remember(s.name, zone=s.zone, project=s.project, set_by="launch")
     started: list = []        # (run id, workers, secrets) of the run, for --down
     try:
         return _after_create(plan, started, on_interrupt="kill" if down else on_interrupt)
@@ -118,8 +137,7 @@ def _after_create(plan, started: list, *, on_interrupt: str | None) -> int:
     with step("run"):
         run = launching.run_plan(pod, plan)
     started.append((run.run_id, run.workers, list(run.secrets.values())))
-    return _start_and_follow(pod, run, detach=plan.detach, on_interrupt=on_interrupt,
-                             folded=True)
+    return _start_and_follow(pod, run, detach=plan.detach, on_interrupt=on_interrupt)
 
 
 def _down(plan, started: list) -> None:
@@ -144,6 +162,11 @@ def _down(plan, started: list) -> None:
     lifecycle.delete(plan.settings, yes=True, console=stderr())
 
 
+@verb(options={
+    "idle": Opt("Delete the pod after this long idle: no run, no TPU holder (30m, 2h).",
+                metavar="DURATION"),
+    "ttl": Opt("Delete the pod this long from now, busy or not (8h).", metavar="DURATION"),
+    "cancel": "Remove the watchdog."})
 def autostop(*, name: str | None = None, idle: str | None = None, ttl: str | None = None,
              cancel: bool = False, zone: str | None = None, project: str | None = None) -> None:
     """Delete the pod once idle (no run, no TPU holder on any worker) or at a TTL; --cancel."""
@@ -169,6 +192,8 @@ def autostop(*, name: str | None = None, idle: str | None = None, ttl: str | Non
         "`tpufab autostop --cancel` removes it.")
 
 
+@verb(options={"yes": Opt("Do not ask for confirmation.", short="-y"),
+               "all_zones": "Every zone of the project, not only the current one."})
 def gc(*, yes: bool = False, all_zones: bool = False, zone: str | None = None,
        project: str | None = None) -> None:
     """Delete preempted/terminated/failed nodes and suspended/failed queued resources."""
