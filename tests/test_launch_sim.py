@@ -415,7 +415,7 @@ def test_autostop_deletes_an_idle_pod_and_list_and_status_show_it_first(world, p
     status = tpufab(world, "status", "--name", name)
     assert "Autostop: deletes the pod after 3s idle; busy now (w1: TPU held by pid" in \
         status.stdout, status.stdout
-    assert " armed (idle=3.0" in status.stdout and " busy (reasons=" in status.stdout
+    assert " armed (idle=3s)" in status.stdout and " busy (reasons=w1: TPU held" in status.stdout
     p.fanout.run("touch /tmp/release-2", workers=[1]).close()
     wait_for(lambda: gone(world, name), 60, what="the idle pod to be deleted")
 

@@ -217,7 +217,21 @@ def status_lines(state: Mapping[str, Any]) -> list[str]:
         lines.append("Autostop: off.")
     for e in events[-5:]:
         when = time.strftime("%H:%M:%S", time.localtime(e.get("time", 0)))
-        extra = {k: v for k, v in e.items() if k not in ("event", "time", "host")}
-        detail = ", ".join(f"{k}={v}" for k, v in sorted(extra.items()) if v not in (None, [], ""))
+        extra = {k: _shown(k, v) for k, v in e.items() if k not in ("event", "time", "host")
+                 and v not in (None, [], "", False)}
+        detail = ", ".join(f"{k}={v}" for k, v in sorted(extra.items()))
         lines.append(f"  {when} {e.get('event')}" + (f" ({detail})" if detail else ""))
     return lines
+
+
+def _shown(key: str, value: Any) -> Any:
+    """Event fields for people: times as clock times, the idle period as a duration."""
+    from tpufab.lifecycle import human_duration
+
+    if isinstance(value, int | float) and (key.endswith("_at") or key.endswith("since")):
+        return time.strftime("%H:%M:%S", time.localtime(value))
+    if key == "idle" and isinstance(value, int | float):
+        return human_duration(value)
+    if isinstance(value, list):
+        return "; ".join(str(v) for v in value[:3])
+    return value
