@@ -189,7 +189,8 @@ def test_tpufab_task_launches_then_reuses_the_node_and_refuses_another_spec(worl
                        extra_env={"EXTRA": "from-my-shell"})
         assert again.returncode == 0, again.stdout + again.stderr
         assert f"TPU node {name} already exists and is READY" in again.stderr
-        assert "already there" in again.stderr and "Setup: already done" in again.stderr
+        assert "already there" in again.stderr
+        assert "Setup: already done on w[0-3] (this content ran there before)." in again.stderr
         assert "4 already had it" in again.stderr
         assert "extra=from-my-shell" in again.stdout
 
@@ -201,6 +202,20 @@ def test_tpufab_task_launches_then_reuses_the_node_and_refuses_another_spec(worl
             f"first (`tpufab delete --name {name}`).")
     finally:
         delete(world, name)
+
+
+def test_detach_with_idle_leaves_the_run_going_and_the_pod_deletes_itself_after(world):
+    name = unique_name("idle")
+    (world["project"] / "short.yaml").write_text(
+        "type: v4-16\nrun: |\n  echo short run on $TPUFAB_WORKER_ID\n")
+    try:
+        got = tpufab(world, "launch", "short.yaml", "--name", name, "--detach", "--idle", "2s")
+    finally:
+        (world["project"] / "short.yaml").unlink()
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert "Autostop: deletes the pod after 2s idle." in got.stderr
+    assert "Detached." in got.stderr
+    wait_for(lambda: name not in node_names(world), 60, what="the idle pod to delete itself")
 
 
 def test_a_failing_run_exits_with_its_code_and_down_still_deletes(world, tmp_path):
@@ -349,6 +364,22 @@ def test_gc_removes_a_preempted_node_and_a_failed_queued_resource_and_nothing_el
         assert again.returncode == 0 and "Nothing to collect" in again.stdout
     finally:
         delete(world, healthy)
+
+
+def test_gc_all_zones_reaches_the_other_zones(world, sim_admin):
+    from tpufab import lifecycle
+
+    elsewhere = unique_name("far")
+    lifecycle.create(settings_of(world, name=elsewhere, type="v4-8", zone="us-east5-b"),
+                     console=quiet())
+    sim_admin.preempt(f"projects/{sim_admin.project}/locations/us-east5-b/nodes/{elsewhere}")
+    here = tpufab(world, "gc", "--yes")
+    assert here.returncode == 0 and elsewhere not in here.stdout
+    assert elsewhere in node_names(world, zone="us-east5-b")
+    everywhere = tpufab(world, "gc", "--yes", "--all-zones")
+    assert everywhere.returncode == 0, everywhere.stderr
+    assert f"TPU node {elsewhere} (v4-8, PREEMPTED) in us-east5-b" in everywhere.stdout
+    assert elsewhere not in node_names(world, zone="us-east5-b")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -132,8 +132,11 @@ def _after_create(plan, started: list, *, on_interrupt: str | None) -> int:
             finally:
                 view.close()
             ran = [w for w, o in outcomes.items() if o.status == "ran"]
-            note(f"Setup: {'ran on ' + nodeset.fold(ran) if ran else 'already done'} "
-                 f"(skipped where this setup already ran).")
+            skipped = [w for w in outcomes if w not in ran]
+            parts = ([f"ran on {nodeset.fold(ran)}"] if ran else []) + (
+                [f"already done on {nodeset.fold(skipped)} (this content ran there before)"]
+                if skipped else [])
+            note(f"Setup: {'; '.join(parts)}.")
     with step("run"):
         run = launching.run_plan(pod, plan)
     started.append((run.run_id, run.workers, list(run.secrets.values())))
