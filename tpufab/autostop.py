@@ -160,7 +160,7 @@ def arm(pod, settings, *, idle: float | None = None, ttl: float | None = None,
     from tpufab.controlplane import DEFAULT_ENDPOINT
 
     pol = policy(idle=idle, ttl=ttl, now=time.time())
-    node = pod.node
+    node = pod.nodes[0]
     configs = worker_configs(pol, ips=pod.internal_ips(),
                              endpoint=settings.api_endpoint or DEFAULT_ENDPOINT,
                              project=settings.project, zone=settings.zone, node=node.name,

@@ -9,22 +9,6 @@ from tpufab.verbs.common import note, pod_for, say, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
 
 
-class _SetupSink:
-    """The setup's output for a view, without the runner's closing JSON status line."""
-
-    def __init__(self, view):
-        self.view = view
-
-    def lines(self, worker: int, stream: str, data: bytes) -> None:
-        kept = b"".join(line + b"\n" for line in data.split(b"\n")[:-1]
-                        if not line.startswith(b'{"status": '))
-        if kept:
-            self.view.lines(worker, stream, kept)
-
-    def done(self, result) -> None:
-        self.view.done(result)
-
-
 @verb(options={
     "task": Opt("Task file: tpufab's schema or a SkyPilot task YAML.", metavar="TASK.yaml"),
     "type": Opt("Accelerator type (overrides the task's).", short="-t"),
@@ -94,8 +78,10 @@ def launch(task: str, *, name: str | None = None, type: str | None = None,
 def _after_create(plan, started: list, *, on_interrupt: str | None) -> int:
     from tpufab import autostop, babysit, nodeset
     from tpufab import launch as launching
+    from tpufab.fanout import Tee
     from tpufab.jobs import FoldingView
     from tpufab.launch import step
+    from tpufab.progress import WorkerProgress
     from tpufab.verbs.jobs import _start_and_follow
 
     with step("connect"):
@@ -128,7 +114,8 @@ def _after_create(plan, started: list, *, on_interrupt: str | None) -> int:
         with step("setup"):
             view = FoldingView(pod.workers).start()
             try:
-                outcomes = babysit.restore_setup(pod, restore, sink=_SetupSink(view))
+                with WorkerProgress("setup", len(pod.workers)) as progress:
+                    outcomes = babysit.restore_setup(pod, restore, sink=Tee([view, progress]))
             finally:
                 view.close()
             ran = [w for w, o in outcomes.items() if o.status == "ran"]
