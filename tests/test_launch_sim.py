@@ -38,7 +38,7 @@ file_mounts:
     store: gcs
     mode: MOUNT
 setup: |
-  echo "setup ran in $(pwd)"
+  echo "setup ran in $(pwd) for $MODEL with token=$HF_TOKEN"
 run: |
   python3 train.py
   echo "nodes=$SKYPILOT_NUM_NODES ips=$(printf '%s\\n' "$SKYPILOT_NODE_IPS" | wc -l) tpu=$TPU_NAME"
@@ -156,7 +156,8 @@ def test_skypilot_task_launches_end_to_end_and_down_leaves_no_node(world):
     out, err = got.stdout, got.stderr
     assert got.returncode == 0, out + err
     # setup ran once per worker in the workdir, shown once (every worker printed it)
-    assert out.splitlines().count(f"setup ran in /root/{world['project'].name}/code") == 1
+    assert out.splitlines().count(f"setup ran in /root/{world['project'].name}/code for tiny "
+                                  "with token=***") == 1
     # SkyPilot's variables from tpufab's job environment; lines that differ keep their worker
     for w in range(4):
         assert f"w{w}: train rank {w} model tiny" in out

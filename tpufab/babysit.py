@@ -780,11 +780,14 @@ class Babysitter:
 # Bringing a pod to a Restore (babysit after a preemption, launch on a new or reused pod)
 
 
-def restore_setup(pod, r: Restore, *, sink=None) -> dict:
-    """Run ``r.setup_script`` on every worker (once per content); {worker: SetupOutcome}."""
+def restore_setup(pod, r: Restore, *, sink=None, env: Mapping[str, str] | None = None,
+                  secrets: Mapping[str, str] | None = None) -> dict:
+    """Run ``r.setup_script`` on every worker (once per content; ``env`` and ``secrets``, the
+    latter on stdin only, do not count as content); {worker: SetupOutcome}."""
     from tpufab.fanout import run_setup
 
-    result, outcomes = run_setup(pod.fanout, r.setup_script, sink=sink)
+    result, outcomes = run_setup(pod.fanout, r.setup_script, sink=sink, env=env,
+                                 secrets=secrets)
     result.close()
     return outcomes
 

@@ -115,7 +115,9 @@ def _after_create(plan, started: list, *, on_interrupt: str | None) -> int:
             view = FoldingView(pod.workers).start()
             try:
                 with WorkerProgress("setup", len(pod.workers)) as progress:
-                    outcomes = babysit.restore_setup(pod, restore, sink=Tee([view, progress]))
+                    outcomes = babysit.restore_setup(pod, restore, sink=Tee([view, progress]),
+                                                     env=plan.forwarded.public,
+                                                     secrets=plan.forwarded.secrets)
             finally:
                 view.close()
             ran = [w for w, o in outcomes.items() if o.status == "ran"]
