@@ -149,9 +149,11 @@ def _down(plan, started: list) -> None:
             note(f"Could not save every log of run {run_id} ({err}); deleting the node "
                  "anyway (--down).", "yellow")
     pods.forget(plan.settings)
+    from tpufab import current
     from tpufab.console import stderr
 
     lifecycle.delete(plan.settings, yes=True, console=stderr())
+    current.forget(plan.settings.name)
 
 
 @verb(options={
