@@ -17,7 +17,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tpufab.errors import TpufabError
-from tpufab.remote_files import RemoteFile, put_each, python_command, run_with_files
+from tpufab.remote_files import (
+    RemoteFile,
+    last_json,
+    put_each,
+    python_command,
+    run_script,
+    run_with_files,
+)
 
 METADATA_KEY = "tpufab-autostop"
 SCRIPT = "autostop.py"
@@ -110,19 +117,13 @@ def list_cell(metadata: Mapping[str, str]) -> str:
 # -- applying ----------------------------------------------------------------------------------
 
 
-def _last_json(text: str) -> dict:
-    from tpufab.jobs import last_json
-
-    return last_json(text) or {}
-
-
 def _check(results: Mapping[int, Any], what: str) -> dict[int, dict]:
     from tpufab import nodeset
     from tpufab.jobs import failure_reason
 
     answers, failed = {}, {}
     for w, r in sorted(results.items()):
-        data = _last_json(r.stdout) if r.error is None else {}
+        data = (last_json(r.stdout) or {}) if r.error is None else {}
         if r.ok and "error" not in data:
             answers[w] = data
         else:
@@ -183,8 +184,7 @@ def arm(pod, settings, *, idle: float | None = None, ttl: float | None = None,
 
 def cancel(pod, settings, *, control=None) -> str | None:
     """Stop every watchdog; the description of what was armed, or None."""
-    line = python_command(script(), ["cancel"])
-    answers = _check(run_with_files(pod.fanout, [script()], line, pod.workers),
+    answers = _check(run_script(pod.fanout, SCRIPT, ["cancel"], pod.workers),
                      "cancel the autostop")
     _set_metadata(pod, settings, None, control)
     was = answers.get(pod.workers[0], {}).get("was")
@@ -194,8 +194,7 @@ def cancel(pod, settings, *, control=None) -> str | None:
 def worker_state(pod) -> dict[str, Any]:
     """Worker 0's view: config, state (idle since, fires at, busy), recent events."""
     first = pod.workers[0]
-    line = python_command(script(), ["state"])
-    results = run_with_files(pod.fanout, [script()], line, [first])
+    results = run_script(pod.fanout, SCRIPT, ["state"], [first])
     return _check(results, "read the autostop state")[first]
 
 
