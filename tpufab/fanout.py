@@ -1090,6 +1090,10 @@ class _HideStatus:
             self.sink.lines(worker, stream, kept)
 
     def done(self, result: WorkerResult) -> None:
+        from tpufab.remote_files import missing_files
+
+        if missing_files(result):
+            return      # the guard's answer: the files are shipped and it runs again
         self.sink.done(result)
 
 
