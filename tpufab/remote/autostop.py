@@ -287,7 +287,7 @@ def daemon(_args):
     while not stopping:
         try:
             conn, _ = listener.accept()
-        except TimeoutError:
+        except OSError:   # the 0.2 s accept timeout (socket.timeout is an OSError everywhere)
             conn = None
         if conn is not None:
             with conn:
@@ -331,7 +331,8 @@ def daemon(_args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="autostop.py")
-    sub = parser.add_subparsers(dest="verb", required=True)
+    sub = parser.add_subparsers(dest="verb")
+    sub.required = True   # (the keyword needs Python 3.7)
     p = sub.add_parser("arm")
     p.add_argument("--config", required=True)
     p.add_argument("--facts", required=True)
