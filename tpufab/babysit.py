@@ -108,6 +108,7 @@ class MountPoint:
     url: str
     at: str
     driver: str
+    options: tuple[str, ...] = ()
 
 
 @dataclass
@@ -554,26 +555,22 @@ class Babysitter:
         self._restore()
 
     def _restore(self) -> None:
-        from tpufab import deploy, mount, nodeset
-        from tpufab.fanout import run_setup
+        from tpufab import nodeset
 
         pod = self._pod()
         r = self.restore
         if r.setup_script is not None:
             self.note(f"babysit: setup ({r.setup_name}) on {nodeset.fold(pod.workers)} ...")
-            result, _ = run_setup(pod.fanout, r.setup_script)
-            result.close()
+            restore_setup(pod, r)
         if r.commit and self.root is not None:
-            report = deploy.deploy(pod.fanout, ref=r.commit, dir=r.deploy_dir,
-                                   direct=self.direct, cwd=self.root,
-                                   progress=lambda msg: self.note(f"deploy: {msg}", "dim"))
+            report = restore_commit(pod, r, root=self.root, direct=self.direct,
+                                    progress=lambda msg: self.note(f"deploy: {msg}", "dim"))
             self.note(f"babysit: deployed {report.commit[:12]} to {report.dir} again.")
         elif r.commit:
             self.note(f"babysit: commit {r.commit[:12]} was deployed, but this directory is "
                       "not its repository: not deploying it again.", "yellow")
         for m in r.mounts:
-            mount.mount(pod.fanout, m.url, at=m.at, driver=m.driver,
-                        endpoint=self.settings.storage_endpoint)
+            restore_mount(pod, m, endpoint=self.settings.storage_endpoint)
             self.note(f"babysit: mounted {m.url} at {m.at} again.")
 
     # -- one attempt --------------------------------------------------------------------------
@@ -777,6 +774,39 @@ class Babysitter:
         tmp = self.log_dir / "babysit.json.tmp"
         tmp.write_text(json.dumps(data, indent=2) + "\n")
         tmp.replace(self.log_dir / "babysit.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# Bringing a pod to a Restore (babysit after a preemption, launch on a new or reused pod)
+
+
+def restore_setup(pod, r: Restore, *, sink=None, env: Mapping[str, str] | None = None,
+                  secrets: Mapping[str, str] | None = None) -> dict:
+    """Run ``r.setup_script`` on every worker (once per content; ``env`` and ``secrets``, the
+    latter on stdin only, do not count as content); {worker: SetupOutcome}."""
+    from tpufab.fanout import run_setup
+
+    result, outcomes = run_setup(pod.fanout, r.setup_script, sink=sink, env=env,
+                                 secrets=secrets)
+    result.close()
+    return outcomes
+
+
+def restore_commit(pod, r: Restore, *, root: Path, direct: bool = False,
+                   progress: Callable[[str], None] | None = None):
+    """Deploy ``r.commit`` of the repository at ``root`` into ``r.deploy_dir``; the report."""
+    from tpufab import deploy
+
+    return deploy.deploy(pod.fanout, ref=r.commit or "HEAD", dir=r.deploy_dir, direct=direct,
+                         cwd=root, progress=progress)
+
+
+def restore_mount(pod, m: MountPoint, *, endpoint: str | None = None):
+    """Mount ``m`` on every worker (a verified no-op where it is mounted); the report."""
+    from tpufab import mount
+
+    return mount.mount(pod.fanout, m.url, at=m.at, driver=m.driver, options=m.options,
+                       endpoint=endpoint)
 
 
 def _masked(data: bytes, secrets: Iterable[str]) -> bytes:

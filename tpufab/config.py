@@ -71,6 +71,9 @@ class Settings:
     # data
     storage_endpoint: str | None = None  # a GCS-compatible JSON API, e.g. the simulated pod's
     mount_driver: str = "gcsfuse"        # or rclone
+    # autostop (the watchdog on the workers)
+    autostop_port: int = 8479            # where each worker's watchdog answers its peers
+    autostop_check: float = 30.0         # seconds between the leader's checks
 
     def source_of(self, key: str) -> str:
         """Where ``key``'s value came from: "command line", "environment", a file ..."""

@@ -67,13 +67,24 @@ def node_body(settings: Settings, *, ssh_entry: str | None = None) -> dict:
     return body
 
 
+def reservation_path(settings: Settings, reservation: str) -> str:
+    """``NAME`` -> ``projects/P/locations/Z/reservations/NAME``; a full path stays as it is."""
+    if reservation.startswith("projects/"):
+        return reservation
+    if not reservation or "/" in reservation:
+        raise ConfigError(f"--reservation takes a reservation name or its full path "
+                          f"(projects/P/locations/Z/reservations/NAME), not {reservation!r}.")
+    return f"projects/{settings.project}/locations/{settings.zone}/reservations/{reservation}"
+
+
 def queued_resource_body(settings: Settings, *, num_slices: int = 1,
-                         ssh_entry: str | None = None) -> dict:
+                         ssh_entry: str | None = None, reservation: str | None = None) -> dict:
     """The `QueuedResource` asking for ``num_slices`` nodes named after settings.name.
 
     Spot requests use the spot tier; everything else the guaranteed tier (reserved capacity
     is asked for on the node). Several slices become `multisliceParams`, which names the
-    nodes `NAME-0 .. NAME-(n-1)`.
+    nodes `NAME-0 .. NAME-(n-1)`. ``reservation`` consumes that named reservation
+    (`reservationName`, the nodes scheduled as reserved).
     """
     name = settings.require("name")
     if num_slices < 1:
@@ -81,6 +92,11 @@ def queued_resource_body(settings: Settings, *, num_slices: int = 1,
     tier = scheduling_tier(settings)
     if tier == "preemptible":
         raise ConfigError("Queued resources cannot be preemptible; use --spot instead.")
+    if reservation and tier == "spot":
+        raise ConfigError("--reservation and --spot cannot be combined: a reservation is "
+                          "capacity you already hold; drop one of them.")
+    if reservation:
+        tier = "reserved"
     node = node_body(settings, ssh_entry=ssh_entry)
     node.pop("scheduling_config", None)
     if tier == "reserved":
@@ -96,6 +112,8 @@ def queued_resource_body(settings: Settings, *, num_slices: int = 1,
         body["spot"] = {}
     else:
         body["guaranteed"] = {}
+    if reservation:
+        body["reservation_name"] = reservation_path(settings, reservation)
     return body
 
 
@@ -105,6 +123,14 @@ def queued_resource_body(settings: Settings, *, num_slices: int = 1,
 
 class AlreadyExists(ApiError):
     """The node or queued resource to create is already there."""
+
+
+class Stockout(ApiError):
+    """No capacity for the accelerator type in the zone right now (worth another zone)."""
+
+
+class QuotaExceeded(ApiError):
+    """The project's quota does not allow it (another try will not help)."""
 
 
 @dataclass(frozen=True)
@@ -246,12 +272,12 @@ def translate(exc: BaseException, action: Action, endpoint: str) -> TpufabError:
         kind = exhausted_kind(exc)
         shape = action.accelerator_type or "TPU"
         if kind == "quota":
-            return ApiError(
+            return QuotaExceeded(
                 f"Not enough quota to {action.verb} {action.target} ({shape}) {where}: {message}; "
                 "request more TPU quota for this zone in the Cloud console (IAM & Admin > Quotas), "
                 "delete unused or preempted nodes, or try --spot or another --zone.")
         if kind == "stockout":
-            return ApiError(
+            return Stockout(
                 f"No {shape} capacity is available {where} right now (stockout: {message}); "
                 "try --spot, --queued to wait in line for capacity, or another --zone.")
         return ApiError(f"The TPU API is rate-limiting requests ({message}); wait a minute and "
@@ -577,6 +603,17 @@ class ControlPlane:
             raise translate(gexc.from_grpc_status(op.error.code, op.error.message),
                             action, self.endpoint)
         return bool(op.done)
+
+    def zones(self) -> list[str]:
+        """Every zone of the project where the TPU API answers."""
+        def fetch(**kw: Any) -> list:
+            response = self.client.list_locations(request={"name": f"projects/{self.project}"},
+                                                  **kw)
+            return list(response.locations)
+
+        locations = self._call(Action("list", "locations", "tpu.locations.list",
+                                      zone=self.zone, project=self.project), fetch)
+        return sorted({loc.location_id or loc.name.rsplit("/", 1)[-1] for loc in locations})
 
     def accelerator_types(self) -> list[str]:
         def fetch(**kw: Any) -> list:

@@ -61,6 +61,9 @@ def remember(name: str, *, zone: str | None, project: str | None, set_by: str,
              cwd: Path | None = None) -> Path:
     path = project_root(cwd) / FILE
     path.parent.mkdir(parents=True, exist_ok=True)
+    ignore = path.parent / ".gitignore"   # as jobs.local_log_dir: never dirties a checkout
+    if not ignore.exists():
+        ignore.write_text("*\n")
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"name": name, "zone": zone, "project": project,
                                "set_by": set_by, "at": time.time()}, indent=2) + "\n")

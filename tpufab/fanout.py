@@ -1090,12 +1090,18 @@ class _HideStatus:
             self.sink.lines(worker, stream, kept)
 
     def done(self, result: WorkerResult) -> None:
+        from tpufab.remote_files import missing_files
+
+        if missing_files(result):
+            return      # the guard's answer: the files are shipped and it runs again
         self.sink.done(result)
 
 
 def run_setup(fanout: Fanout, script: bytes | str | os.PathLike[str], *, workers=None,
               force: bool = False, sink: OutputSink | None = None,
-              timeout: float | None = None) -> tuple[GroupResult, dict[int, SetupOutcome]]:
+              timeout: float | None = None, env: Mapping[str, str] | None = None,
+              secrets: Mapping[str, str | Secret] | None = None,
+              ) -> tuple[GroupResult, dict[int, SetupOutcome]]:
     """Run a setup script on every selected worker unless it already ran this exact content.
 
     The script and ``remote/setup_runner.sh`` are shipped by content hash (tpufab.remote_files,
@@ -1115,7 +1121,7 @@ def run_setup(fanout: Fanout, script: bytes | str | os.PathLike[str], *, workers
     chosen = fanout.select(workers)
     result = GroupResult(run_with_files(fanout, files, line, chosen,
                                         sink=_HideStatus(sink) if sink else None,
-                                        timeout=timeout))
+                                        timeout=timeout, env=env, secrets=secrets))
     outcomes = {}
     for worker, r in result.items():
         info = (last_json(r.stdout) or {}) if r.error is None else {}

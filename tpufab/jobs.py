@@ -606,7 +606,7 @@ def environment_summary(plan: RunPlan) -> str:
     """The forwarded and framework variables of a run, secrets masked (for display)."""
     first = plan.environments[plan.workers[0]]
     shown = {k: v for k, v in first.masked().items()
-             if not k.startswith("TPUFAB_") and k != "TPU_WORKER_ID"}
+             if not k.startswith(("TPUFAB_", "SKYPILOT_")) and k != "TPU_WORKER_ID"}
     return " ".join(f"{k}={v}" for k, v in sorted(shown.items()))
 
 

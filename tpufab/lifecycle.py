@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from tpufab import sshkeys
@@ -18,6 +19,7 @@ from tpufab.config import Settings
 from tpufab.controlplane import (
     AlreadyExists,
     ControlPlane,
+    Stockout,
     node_body,
     queued_resource_body,
     scheduling_tier,
@@ -133,14 +135,126 @@ def _wait_operation(control: ControlPlane, op: str, *, what: str, settings: Sett
 # create
 
 
+def parse_duration(text: str | float | int | None, flag: str) -> float | None:
+    """``90``, ``90s``, ``30m``, ``2h``, ``1d``, ``1h30m`` -> seconds; None stays None."""
+    if text is None or text == "":
+        return None
+    if isinstance(text, int | float) and not isinstance(text, bool):
+        seconds = float(text)
+    else:
+        raw = str(text).strip().lower()
+        parts = re.findall(r"(\d+(?:\.\d+)?)\s*([smhd]?)", raw)
+        if not parts or re.sub(r"(\d+(?:\.\d+)?)\s*([smhd]?)", "", raw).strip():
+            raise ConfigError(f"{flag} takes a duration such as 90s, 30m, 2h or 1h30m, not "
+                              f"{text!r}.")
+        unit = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+        seconds = sum(float(n) * unit[u] for n, u in parts)
+    if seconds <= 0:
+        raise ConfigError(f"{flag} must be longer than 0, not {text!r}.")
+    return seconds
+
+
+def human_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m" + (f"{seconds % 60:02d}s" if seconds % 60 else "")
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h" + (f"{rest // 60:02d}m" if rest // 60 else "")
+
+
+def stockout_delay(attempt: int, base: float, cap: float = 300.0) -> float:
+    """Seconds before retry round ``attempt`` (0, 1, ...): base, 2*base, ... at most ``cap``."""
+    return min(cap, base * 2 ** attempt)
+
+
 def create(settings: Settings, *, queued: bool = False, num_slices: int = 1, async_: bool = False,
-           console: Console | None = None, control: ControlPlane | None = None) -> list[Node]:
+           console: Console | None = None, control: ControlPlane | None = None,
+           zones: Sequence[str] | None = None, retry_for: float | None = None,
+           reservation: str | None = None, retry_base: float = 30.0,
+           clock: Callable[[], float] = time.monotonic,
+           sleep: Callable[[float], None] = time.sleep) -> list[Node]:
     """Create node ``settings.name`` (or a queued resource) and wait until it is READY.
 
     Returns the node(s) as last seen (several for a multislice queued resource; possibly none
-    with ``async_``).
+    with ``async_``). On a stockout, ``zones`` are tried in order (``settings.zone`` is left at
+    the zone that had capacity); ``retry_for`` seconds keeps going round them with backoff
+    (from ``retry_base``) and a live status line. Quota and every other error stop at once.
+    ``reservation`` creates a queued resource that consumes that named reservation.
     """
     console = _console(console)
+    zone_list = list(dict.fromkeys(z.strip() for z in (zones or ()) if z and z.strip()))
+    if reservation:
+        if not queued and num_slices <= 1:
+            console.print("A reservation is consumed through a queued resource: creating one "
+                          "(as with --queued).")
+        queued = True
+    if (len(zone_list) > 1 or retry_for) and (queued or num_slices > 1):
+        raise ConfigError("--zones and --retry-for work for TPU nodes; a queued resource "
+                          "already waits in line for capacity in its zone: drop --queued "
+                          "(and --num-slices/--reservation) or drop --zones/--retry-for.")
+    if not zone_list and not retry_for:
+        return _create(settings, queued=queued, num_slices=num_slices, async_=async_,
+                       console=console, control=control, reservation=reservation)
+    zone_list = zone_list or [settings.zone]
+    deadline = clock() + (retry_for or 0.0)
+    attempt = 0
+    while True:
+        last: Stockout | None = None
+        for i, zone in enumerate(zone_list):
+            here = replace(settings, zone=zone)
+            mine = control if control is not None and control.zone == zone else None
+            try:
+                nodes = _create(here, queued=queued, num_slices=num_slices, async_=async_,
+                                console=console, control=mine, reservation=reservation)
+            except Stockout as err:
+                last = err
+                if i + 1 < len(zone_list):
+                    console.print(f"[yellow]No {_escape(here.type)} capacity in {zone} right "
+                                  f"now; trying {zone_list[i + 1]}.[/yellow]")
+                continue
+            settings.zone = zone
+            return nodes
+        assert last is not None
+        left = deadline - clock()
+        where = ", ".join(zone_list)
+        if not retry_for or left <= 0:
+            if retry_for:
+                raise Stockout(f"No {settings.type} capacity in {where} after retrying for "
+                               f"{human_duration(retry_for)}; try --spot, --queued, other "
+                               "--zones or a longer --retry-for.") from last
+            raise Stockout(f"No {settings.type} capacity in any of {where} right now; try "
+                           "--spot, --queued, other --zones, or --retry-for 2h to keep "
+                           "trying.") from last
+        delay = min(stockout_delay(attempt, retry_base), left)
+        attempt += 1
+        line = (f"No {settings.type} capacity in {where}; trying again in {{rest}} (attempt "
+                f"{attempt + 1}, giving up in {{left}})")  # placeholders filled by _wait_retry
+        _wait_retry(console, delay, line=line, deadline=deadline, clock=clock, sleep=sleep)
+
+
+def _wait_retry(console: Console, delay: float, *, line: str, deadline: float,
+                clock: Callable[[], float], sleep: Callable[[float], None]) -> None:
+    """Sleep ``delay`` seconds behind a live status line that counts down (``line`` has
+    ``{rest}`` and ``{left}``: until the next try, until the deadline)."""
+    end = clock() + delay
+
+    def text() -> str:
+        now = clock()
+        return _escape(line.replace("{rest}", human_duration(max(0.0, end - now)))
+                       .replace("{left}", human_duration(max(0.0, deadline - now))))
+
+    console.print(f"[yellow]{text()}.[/yellow]")
+    with console.status(text()) as status:
+        while (rest := end - clock()) > 0:
+            sleep(min(1.0, rest))
+            status.update(text())
+
+
+def _create(settings: Settings, *, queued: bool = False, num_slices: int = 1,
+            async_: bool = False, console: Console, control: ControlPlane | None = None,
+            reservation: str | None = None) -> list[Node]:
     num_slices = num_slices or 1
     queued = queued or num_slices > 1   # several slices only exist as a queued resource
     name = validate_name(settings.name, num_slices=num_slices)
@@ -169,7 +283,8 @@ def create(settings: Settings, *, queued: bool = False, num_slices: int = 1, asy
                   f"in {_escape(where)}.")
     try:
         if queued:
-            body = queued_resource_body(settings, num_slices=num_slices, ssh_entry=entry)
+            body = queued_resource_body(settings, num_slices=num_slices, ssh_entry=entry,
+                                        reservation=reservation)
             op = control.create_queued_resource(name, body)
         else:
             op = control.create_node(name, node_body(settings, ssh_entry=entry))
@@ -410,6 +525,119 @@ def delete(settings: Settings, *, yes: bool = False, console: Console | None = N
 
 
 # ---------------------------------------------------------------------------------------------
+# gc
+
+GC_NODE_STATES = frozenset({"PREEMPTED", "TERMINATED", "FAILED"})
+GC_QUEUED_STATES = frozenset({"SUSPENDED", "FAILED"})
+
+
+@dataclass(frozen=True)
+class Garbage:
+    """A node or queued resource that only costs quota: what `gc` deletes."""
+
+    kind: str                  # "node" or "queued resource"
+    name: str
+    zone: str
+    state: str
+    accelerator_type: str
+    detail: str = ""
+
+    @property
+    def label(self) -> str:
+        what = "TPU node" if self.kind == "node" else "queued resource"
+        return f"{what} {self.name} ({self.accelerator_type}, {self.state}) in {self.zone}"
+
+
+def find_garbage(nodes: Sequence[Node], queued: Sequence[QueuedResourceInfo],
+                 zone: str) -> list[Garbage]:
+    """Dead nodes and failed or suspended queued resources (pure). A node that belongs to a
+    queued resource in the list goes with it (deleting the queued resource deletes it)."""
+    out: list[Garbage] = []
+    dead_qrs = {qr.name for qr in queued if qr.state in GC_QUEUED_STATES}
+    for qr in sorted(queued, key=lambda q: q.name):
+        if qr.name in dead_qrs:
+            out.append(Garbage("queued resource", qr.name, zone, qr.state, qr.accelerator_type,
+                               qr.failure or ""))
+    for node in sorted(nodes, key=lambda n: n.name):
+        if node.state in GC_NODE_STATES and node.queued_resource not in dead_qrs:
+            if node.queued_resource:  # a dead node of a live queued resource: delete them both
+                out.append(Garbage("queued resource", node.queued_resource, zone,
+                                   f"node {node.name} {node.state}", node.accelerator_type))
+            else:
+                out.append(Garbage("node", node.name, zone, node.state, node.accelerator_type))
+    seen: set[tuple[str, str]] = set()
+    return [g for g in out if (g.kind, g.name) not in seen and not seen.add((g.kind, g.name))]
+
+
+def gc(settings: Settings, *, yes: bool = False, all_zones: bool = False,
+       console: Console | None = None, control: ControlPlane | None = None,
+       confirm: Callable[[str, Console], bool] = _confirm) -> list[Garbage]:
+    """Delete PREEMPTED/TERMINATED/FAILED nodes and SUSPENDED/FAILED queued resources in the
+    zone (every zone with ``all_zones``), after asking; returns what was deleted."""
+    console = _console(console)
+    settings.project = settings.require("project")
+    control = control_plane(settings, control)
+    zones = control.zones() if all_zones else [settings.zone]
+    found: list[Garbage] = []
+    for zone in zones:
+        here = control if zone == control.zone else control_plane(replace(settings, zone=zone))
+        found += find_garbage(here.list_nodes(), here.list_queued_resources(), zone)
+    where = "any zone" if all_zones else f"{settings.zone}"
+    if not found:
+        console.print(f"Nothing to collect in {_escape(where)} (project {settings.project}): no "
+                      "preempted, terminated or failed nodes, no suspended or failed queued "
+                      "resources.")
+        return []
+    console.print(f"Found {len(found)} thing{'s' if len(found) != 1 else ''} that only cost "
+                  "quota:")
+    for g in found:
+        console.print(f"  {_escape(g.label)}" + (f": {_escape(g.detail)}" if g.detail else ""))
+    if not yes and not confirm(f"Delete {'them' if len(found) > 1 else 'it'}?", console):
+        console.print("Nothing deleted.")
+        return []
+    deleted = []
+    for g in found:
+        here = replace(settings, zone=g.zone, name=g.name)
+        mine = control if g.zone == control.zone else None
+        try:
+            if g.kind == "node":
+                gone = delete(here, yes=True, console=console, control=mine)
+            else:
+                gone = _delete_queued(here, g.name, console=console, control=mine)
+        except ApiError as err:
+            console.print(f"[red]Could not delete {_escape(g.label)}: {_escape(err)}[/red]")
+            continue
+        if gone:
+            deleted.append(g)
+    failed = len(found) - len(deleted)
+    console.print(f"Deleted {len(deleted)} of {len(found)}" +
+                  (f"; {failed} could not be deleted (see above)." if failed else "."))
+    if failed:
+        raise ApiError(f"gc could not delete {failed} of {len(found)}; run `tpufab gc` again "
+                       "or delete them with `tpufab delete --name NAME --yes`.")
+    return deleted
+
+
+def _delete_queued(settings: Settings, name: str, *, console: Console,
+                   control: ControlPlane | None) -> bool:
+    control = control_plane(settings, control)
+    if control.find_queued_resource(name) is None:
+        return False
+    started = time.monotonic()
+    control.delete_queued_resource(name, force=True)
+
+    def probe() -> tuple[str, bool]:
+        current = control.find_queued_resource(name)
+        return (current.state, False) if current else ("DELETED", True)
+
+    wait_for(probe, what=f"Queued resource {name}", timeout=settings.wait_timeout,
+             console=console, check_hint=f"check it with `tpufab describe --name {name}`, ")
+    console.print(f"[green]Deleted queued resource {_escape(name)}[/green] in "
+                  f"{_elapsed(time.monotonic() - started)}.")
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
 # list / describe
 
 
@@ -461,13 +689,20 @@ def nodes_table(nodes: list[Node]) -> RenderableType:
     """The `tpufab list` table."""
     from rich.table import Table
 
+    from tpufab.autostop import METADATA_KEY, list_cell
+
     table = Table(title=None, box=None, pad_edge=False, header_style="bold")
-    for column in ("NAME", "TYPE", "STATE", "HEALTH", "HOSTS", "WORKER IPS", "SPOT", "CREATED"):
+    autostop = any(METADATA_KEY in node.metadata for node in nodes)
+    columns = ["NAME", "TYPE", "STATE", "HEALTH", "HOSTS", "WORKER IPS", "SPOT", "CREATED"]
+    for column in columns + (["AUTOSTOP"] if autostop else []):
         table.add_column(column, overflow="fold")
     for node in nodes:
-        table.add_row(_escape(node.name), node.accelerator_type, _state_text(node.state),
-                      node.health or "-", str(node.hosts), " ".join(node.addresses()) or "-",
-                      "yes" if node.spot or node.preemptible else "no", _created(node))
+        cells = [_escape(node.name), node.accelerator_type, _state_text(node.state),
+                 node.health or "-", str(node.hosts), " ".join(node.addresses()) or "-",
+                 "yes" if node.spot or node.preemptible else "no", _created(node)]
+        if autostop:
+            cells.append(list_cell(node.metadata))
+        table.add_row(*cells)
     return table
 
 

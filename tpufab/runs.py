@@ -191,6 +191,20 @@ def job_environment(run_id: str, layout: JobLayout, rank: int, *, platform: str 
     return JobEnvironment(public=env, secrets=dict(forwarded.secrets))
 
 
+def skypilot_variables(public: Mapping[str, str], *, task_id: str,
+                       node_name: str) -> dict[str, str]:
+    """The variables SkyPilot documents for a task's ``run``, from tpufab's job environment
+    (one worker's ``JobEnvironment.public``): every host of the pod is a node to the run."""
+    return {
+        "SKYPILOT_NODE_RANK": public["TPUFAB_WORKER_ID"],
+        "SKYPILOT_NUM_NODES": public["TPUFAB_NUM_WORKERS"],
+        "SKYPILOT_NODE_IPS": "\n".join(public["TPUFAB_WORKER_IPS"].split(",")),
+        "SKYPILOT_TASK_ID": task_id,
+        "SKYPILOT_NUM_GPUS_PER_NODE": "0",
+        "TPU_NAME": node_name,
+    }
+
+
 def job_environments(run_id: str, layout: JobLayout, **options) -> list[JobEnvironment]:
     """Every worker's environment, indexed by global rank."""
     return [job_environment(run_id, layout, rank, **options)

@@ -88,11 +88,13 @@ class SimAdmin:
         return self._call("POST", f"{self.node_name(node)}:killSshd", {"worker": worker})
 
     def fail_next_create(self, reason: str = "stockout", *, count: int = 1,
-                         immediate: bool = False) -> dict[str, Any]:
-        """The next `count` creates fail with RESOURCE_EXHAUSTED: a stockout or a quota
-        message; as a failed operation (code 8), or with immediate=True as HTTP 429."""
+                         immediate: bool = False, zone: str | None = None) -> dict[str, Any]:
+        """The next `count` creates (in ``zone``, or anywhere) fail with RESOURCE_EXHAUSTED: a
+        stockout or a quota message; as a failed operation (code 8), or with immediate=True
+        as HTTP 429."""
         return self._call("POST", "faults:failNextCreate",
-                          {"reason": reason, "count": count, "immediate": immediate})
+                          {"reason": reason, "count": count, "immediate": immediate,
+                           "zone": zone})
 
     def error_burst(self, count: int, *, code: int = 503, match: str = "") -> dict[str, Any]:
         """The next `count` API requests (whose path contains `match`) fail with 503 or 429."""

@@ -540,11 +540,11 @@ class Emulator:
         """The error a create will end with, if a fault is armed or quota is exceeded."""
         project, zone, _, _ = split_name(name)
         failure = None
-        if self._create_failures:
-            fault = self._create_failures[0]
+        fault = next((f for f in self._create_failures if f.get("zone") in (None, zone)), None)
+        if fault is not None:  # the first armed fault for this zone (or for every zone)
             fault["count"] -= 1
             if fault["count"] <= 0:
-                self._create_failures.pop(0)
+                self._create_failures.remove(fault)
             if fault["reason"] == "quota":
                 failure = quota_message(topo, zone, self.settings.quota_chips or 0)
             else:
@@ -1089,8 +1089,9 @@ class Emulator:
         count = int(body.get("count", 1))
         if count < 1:
             raise ApiFailure("INVALID_ARGUMENT", "count must be at least 1.")
+        zone = body.get("zone") or None
         with self._lock:
-            self._create_failures.append({"reason": reason, "count": count,
+            self._create_failures.append({"reason": reason, "count": count, "zone": zone,
                                           "immediate": bool(body.get("immediate", False))})
             return {"createFailures": list(self._create_failures)}
 

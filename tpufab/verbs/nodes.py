@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from tpufab.errors import ConfigError
 from tpufab.verbs.common import count, note, print_json, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
 
@@ -15,27 +16,40 @@ from tpufab.verbs.declare import Opt, verb
                  "reserved": "Reserved capacity.", "queued": "Create a queued resource.",
                  "num_slices": Opt("Slices of a multislice queued resource.", min=1),
                  "async_": "Return without waiting.",
-                 "labels": Opt("Label (repeatable).", flag="--label", metavar="KEY=VALUE")})
+                 "labels": Opt("Label (repeatable).", flag="--label", metavar="KEY=VALUE"),
+                 "zones": Opt("Zones to try in order on a stockout.", metavar="Z1,Z2"),
+                 "retry_for": Opt("Keep retrying stockouts this long (30m, 2h).",
+                                  metavar="DURATION"),
+                 "reservation": "Consume this reservation (a queued resource)."})
 def create(*, name: str | None = None, type: str | None = None, zone: str | None = None,
            project: str | None = None, version: str | None = None, spot: bool = False,
            preemptible: bool = False, reserved: bool = False, queued: bool = False,
            num_slices: int = 1, async_: bool = False,
-           labels: Iterable[str] | None = None) -> None:
+           labels: Iterable[str] | None = None, zones: str | None = None,
+           retry_for: str | None = None, reservation: str | None = None) -> None:
     """Create a TPU VM node (or queued resource) and wait until it is READY.
 
     Without a name (no --name, TPUFAB_NAME or `name:`) it picks <user>-<type> and says so.
-    The node becomes this project's current pod either way.
+    The node becomes this project's current pod either way. On a stockout it tries the next
+    of --zones, and keeps retrying with backoff for --retry-for; quota errors stop at once.
     """
     from tpufab import current, lifecycle
 
-    settings = settings_from_flags(name=name, type=type, zone=zone, project=project,
-                                   version=version, spot=spot, preemptible=preemptible,
-                                   reserved=reserved, labels=labels)
+    zone_list = [z.strip() for z in (zones or "").split(",") if z.strip()]
+    if zone_list and zone and zone_list[0] != zone:
+        raise ConfigError("--zone and --zones disagree; give the zones to try in order with "
+                          "--zones only.")
+    retry_s = lifecycle.parse_duration(retry_for, "--retry-for")
+    settings = settings_from_flags(name=name, type=type,
+                                   zone=zone or (zone_list[0] if zone_list else None),
+                                   project=project, version=version, spot=spot,
+                                   preemptible=preemptible, reserved=reserved, labels=labels)
     source = settings.source_of("name")
     if source == "default" or source.startswith("current pod"):
         settings.name = default_name(settings.ssh_user, settings.require("type", "--type"))
         note(f"No node name given: calling it {settings.name} (pass --name to choose).")
-    lifecycle.create(settings, queued=queued, num_slices=num_slices, async_=async_)
+    lifecycle.create(settings, queued=queued, num_slices=num_slices, async_=async_,
+                     zones=zone_list or None, retry_for=retry_s, reservation=reservation)
     path = current.remember(settings.name, zone=settings.zone, project=settings.project,
                             set_by="create")
     note(f"{settings.name} is this project's current pod ({path}).", "dim")

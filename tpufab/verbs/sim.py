@@ -118,14 +118,21 @@ def sim_unreachable(*, name: str, worker: int, restore: bool = False) -> None:
     stdout().print(f"Worker {worker} of {name} is {state}.")
 
 
-@verb(name="fail-create", group="sim", options={"quota": "Quota exceeded, not stockout."})
-def sim_fail_create(*, quota: bool = False) -> None:
-    """Make the next create fail with RESOURCE_EXHAUSTED."""
+@verb(name="fail-create", group="sim",
+      options={"quota": "Quota exceeded, not stockout.",
+               "zone": "Only creates in this zone (default: any zone).",
+               "count": Opt("How many creates fail.", min=1)})
+def sim_fail_create(*, quota: bool = False, zone: str | None = None, count: int = 1) -> None:
+    """Make the next create (or COUNT creates, in ZONE) fail with RESOURCE_EXHAUSTED."""
     from tpufab.console import stdout
 
+    if count < 1:
+        raise ConfigError(f"--count must be 1 or more, not {count}.")
     reason = "quota" if quota else "stockout"
-    sim_admin().fail_next_create(reason)
-    stdout().print(f"The next create will fail with RESOURCE_EXHAUSTED ({reason}).")
+    sim_admin().fail_next_create(reason, zone=zone, count=count)
+    which = "create" if count == 1 else f"{count} creates"
+    where = f" in {zone}" if zone else ""
+    stdout().print(f"The next {which}{where} will fail with RESOURCE_EXHAUSTED ({reason}).")
 
 
 @verb(name="burst", group="sim",

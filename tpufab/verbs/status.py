@@ -24,11 +24,34 @@ def status(*, name: str | None = None, as_json: bool = False, zone: str | None =
     if not as_json and settings.name:
         note(f"Pod {chosen_name_note(settings)}", "dim")
     found = status_mod.collect(settings)
+    stopping = _autostop_state(found, settings)
     if as_json:
-        print(json.dumps(found.to_json(), indent=2))
+        print(json.dumps({**found.to_json(), "autostop": stopping}, indent=2))
     else:
         status_mod.render(found, stdout())
+        if stopping:
+            from tpufab.autostop import status_lines
+
+            for line in status_lines(stopping):
+                stdout().print(line, markup=False)
     return 0 if found.healthy else 1
+
+
+def _autostop_state(found, settings) -> dict | None:
+    """Worker 0's autostop view when the node says one is armed or the worker has events."""
+    from tpufab import autostop
+    from tpufab.errors import TpufabError
+
+    nodes = [n for n in found.nodes if n.ready]
+    if not nodes or 0 not in found.workers or not found.workers[0].reachable:
+        return None
+    try:
+        from tpufab import pod as pods
+
+        state = autostop.worker_state(pods.shared(settings))
+    except TpufabError as err:
+        return {"error": str(err)}
+    return state if state.get("config") or state.get("events") else None
 
 
 @verb(options={"recipe": RUN_OPTIONS["recipe"], "args": RUN_OPTIONS["args"],

@@ -1,0 +1,353 @@
+#!/usr/bin/env python3
+"""tpufab autostop, worker side (stdlib only, Python 3.6+): delete the pod when it idles.
+
+    autostop.py arm --config FILE --facts PATH   start (or replace) this worker's watchdog
+    autostop.py cancel                           stop it and forget the config
+    autostop.py state                            the config, the leader's view, recent events
+    autostop.py daemon                           the watchdog itself (started by arm)
+
+Every worker runs a watchdog. It answers, on its own internal address and the config's
+port, one JSON line saying whether this worker is busy (a tpufab run running or starting,
+or a process holding a TPU device file; both read by tpufab's ``facts.py``). The leader
+(worker 0) also asks every peer, every ``check_every`` seconds; a peer that does not answer
+counts as busy. Once nothing was busy for ``idle`` seconds, or at ``ttl_at``, the leader
+deletes the node (or its queued resource) through the TPU API: anonymously for a plain
+``http://`` endpoint (as tpufab's own client does: the simulated pod), else as the VM's
+service account, with a token from the metadata server. Each decision is appended to
+``~/.tpufab/autostop/events.jsonl``; ``state.json`` holds when it will fire.
+
+The config holds no secrets. Everything prints one JSON line and exits 0 unless the usage is
+wrong.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+BASE = "~/.tpufab/autostop"
+DROPPED_ENV = ("TPUFAB_TASK",)   # the fan-out agent's marker: the watchdog outlives the command
+METADATA_HOST = "metadata.google.internal"
+TOKEN_PATH = "/computeMetadata/v1/instance/service-accounts/default/token"
+
+
+def path(name):
+    return os.path.join(os.path.expanduser(BASE), name)
+
+
+def write_atomic(target, text, mode=0o600):
+    tmp = target + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, target)
+
+
+def read_json(target):
+    try:
+        with open(target) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def log_event(event, **fields):
+    fields.update(event=event, time=time.time(), host=socket.gethostname())
+    os.makedirs(os.path.dirname(path("events.jsonl")), exist_ok=True)
+    with open(path("events.jsonl"), "a") as fh:
+        fh.write(json.dumps(fields, sort_keys=True) + "\n")
+
+
+def recent_events(limit=10):
+    try:
+        with open(path("events.jsonl")) as fh:
+            lines = fh.readlines()[-limit:]
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+# -- the watchdog's process ------------------------------------------------------------------
+
+
+def proc_start_time(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    fields = data[data.rindex(b")") + 2:].split()
+    if fields[0] in (b"Z", b"X", b"x"):
+        return None
+    return int(fields[19])
+
+
+def running_daemon():
+    """(pid) of this worker's live watchdog, verified by its start time; else None."""
+    info = read_json(path("pid.json")) or {}
+    pid, start = info.get("pid"), info.get("start_time")
+    if isinstance(pid, int) and start is not None and proc_start_time(pid) == start:
+        return pid
+    return None
+
+
+def stop_daemon(timeout=5.0):
+    pid = running_daemon()
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return True
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc_start_time(pid) is not None:
+        time.sleep(0.05)
+    if proc_start_time(pid) is not None:
+        os.kill(pid, signal.SIGKILL)
+    return True
+
+
+def arm(args):
+    with open(os.path.expanduser(args.config)) as fh:
+        config = json.load(fh)
+    config["facts"] = os.path.expanduser(args.facts)
+    os.makedirs(os.path.expanduser(BASE), mode=0o700, exist_ok=True)
+    replaced = stop_daemon()
+    write_atomic(path("config.json"), json.dumps(config, sort_keys=True))
+    try:
+        os.remove(path("state.json"))
+    except OSError:
+        pass
+    os.remove(os.path.expanduser(args.config))
+    env = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV}
+    with open(os.devnull, "rb") as devnull, open(path("daemon.log"), "ab") as log:
+        child = subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__),
+                                  "daemon"], stdin=devnull, stdout=log, stderr=log, env=env,
+                                 cwd=os.path.expanduser("~"), start_new_session=True,
+                                 close_fds=True)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if running_daemon() == child.pid:
+            break
+        if child.poll() is not None:
+            return {"error": "the watchdog exited at once (see {})".format(path("daemon.log"))}
+        time.sleep(0.02)
+    else:
+        return {"error": "the watchdog did not start within 10 s"}
+    if config.get("worker") == 0:
+        log_event("armed", idle=config.get("idle"), ttl_at=config.get("ttl_at"),
+                  replaced=replaced)
+    return {"armed": True, "pid": child.pid, "replaced": replaced}
+
+
+def cancel(_args):
+    was = read_json(path("config.json"))
+    stopped = stop_daemon()
+    for name in ("config.json", "state.json"):
+        try:
+            os.remove(path(name))
+        except OSError:
+            pass
+    if was is not None and was.get("worker") == 0:
+        log_event("cancelled")
+    return {"cancelled": was is not None or stopped, "was": was}
+
+
+def state(_args):
+    return {"config": read_json(path("config.json")), "state": read_json(path("state.json")),
+            "running": running_daemon() is not None, "events": recent_events()}
+
+
+# -- what is busy ------------------------------------------------------------------------------
+
+
+def load_facts(facts_path):
+    spec = importlib.util.spec_from_file_location("tpufab_facts", facts_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def local_activity(facts):
+    """Reasons this worker is busy (empty: idle)."""
+    reasons = []
+    live, _ = facts.runs("~/.tpufab/runs", 0)
+    for run in live:
+        reasons.append("run {} {}".format(run["run"], run["state"]))
+    holders, _ = facts.device_holders(facts.device_paths(facts.DEVICE_GLOBS))
+    pids = sorted({h["pid"] for found in holders.values() for h in found})
+    if pids:
+        reasons.append("TPU held by pid {}".format(",".join(str(p) for p in pids[:5])))
+    return reasons
+
+
+def ask_peer(ip, port, timeout):
+    with socket.create_connection((ip, port), timeout=timeout) as conn:
+        conn.settimeout(timeout)
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = conn.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    return json.loads(data.decode() or "{}")
+
+
+# -- deleting through the TPU API ----------------------------------------------------------------
+
+
+def token(config):
+    host = config.get("metadata_host") or os.environ.get("GCE_METADATA_HOST") or METADATA_HOST
+    request = urllib.request.Request(f"http://{host}{TOKEN_PATH}",
+                                     headers={"Metadata-Flavor": "Google"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(request, timeout=10) as response:
+        return json.loads(response.read().decode())["access_token"]
+
+
+def delete_request(config):
+    """(method, url) that deletes the pod: its queued resource if it has one."""
+    parent = "{}/v2/projects/{}/locations/{}".format(config["endpoint"].rstrip("/"),
+                                                 config["project"], config["zone"])
+    if config.get("queued_resource"):
+        return "DELETE", "{}/queuedResources/{}?force=true".format(parent, config["queued_resource"])
+    return "DELETE", "{}/nodes/{}".format(parent, config["node"])
+
+
+def delete_pod(config):
+    method, url = delete_request(config)
+    headers = {"Content-Type": "application/json"}
+    if config.get("auth") == "metadata":
+        headers["Authorization"] = "Bearer " + token(config)
+    request = urllib.request.Request(url, method=method, headers=headers)
+    handlers = [urllib.request.ProxyHandler({})] if url.startswith("http://") else []
+    opener = urllib.request.build_opener(*handlers)
+    try:
+        with opener.open(request, timeout=30) as response:
+            body = json.loads(response.read().decode() or "{}")
+            return {"ok": True, "operation": body.get("name")}
+    except urllib.error.HTTPError as err:
+        detail = err.read().decode(errors="replace")[:300]
+        return {"ok": False, "error": f"HTTP {err.code}: {detail}"}
+    except (OSError, ValueError, KeyError) as err:
+        return {"ok": False, "error": f"{type(err).__name__}: {err}"}
+
+
+# -- the loop ----------------------------------------------------------------------------------
+
+
+def decide(config, now, idle_since):
+    """(reason to fire or None, when it will fire or None) (pure)."""
+    ttl_at = config.get("ttl_at")
+    idle = config.get("idle")
+    fires = []
+    if ttl_at:
+        fires.append((ttl_at, "ttl"))
+    if idle and idle_since is not None:
+        fires.append((idle_since + idle, "idle"))
+    if not fires:
+        return None, None
+    at, why = min(fires)
+    return (why if now >= at else None), at
+
+
+def daemon(_args):
+    config = read_json(path("config.json"))
+    if config is None:
+        return {"error": "no config"}
+    write_atomic(path("pid.json"), json.dumps({"pid": os.getpid(),
+                                               "start_time": proc_start_time(os.getpid())}))
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    facts = load_facts(config["facts"])
+    every = float(config.get("check_every", 30))
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((config.get("listen") or "0.0.0.0", int(config["port"])))
+    listener.listen(64)
+    listener.settimeout(0.2)
+    leader = config.get("worker") == 0
+    idle_since = time.time()
+    was_busy = None
+    last_check = time.monotonic()   # the first check one period in: peers are listening by then
+    fired_at = None
+    while not stopping:
+        try:
+            conn, _ = listener.accept()
+        except OSError:   # the 0.2 s accept timeout (socket.timeout is an OSError everywhere)
+            conn = None
+        if conn is not None:
+            with conn:
+                try:
+                    conn.sendall((json.dumps({"busy": local_activity(facts)}) + "\n").encode())
+                except OSError:
+                    pass
+        if not leader or time.monotonic() - last_check < every:
+            continue
+        last_check = time.monotonic()
+        now = time.time()
+        busy = ["w0: " + r for r in local_activity(facts)]
+        for index, ip in enumerate(config.get("peers") or []):
+            if index == 0:
+                continue
+            try:
+                answer = ask_peer(ip, int(config["port"]), min(5.0, every))
+                busy += [f"w{index}: {r}" for r in answer.get("busy") or []]
+            except (OSError, ValueError) as err:
+                busy.append(f"w{index}: no answer ({type(err).__name__})")
+        if busy:
+            idle_since = None
+        elif idle_since is None:
+            idle_since = now
+        if bool(busy) != was_busy:
+            log_event("busy" if busy else "idle", reasons=busy[:10])
+            was_busy = bool(busy)
+        why, fires_at = decide(config, now, idle_since)
+        write_atomic(path("state.json"), json.dumps({
+            "checked_at": now, "busy": busy[:10], "idle_since": idle_since,
+            "fires_at": fires_at, "fired_at": fired_at}))
+        if why is None or (fired_at is not None and now - fired_at < 60):
+            continue
+        fired_at = now
+        log_event("firing", reason=why, idle_since=idle_since, ttl_at=config.get("ttl_at"))
+        result = delete_pod(config)
+        log_event("deleted" if result["ok"] else "delete failed", **result)
+    listener.close()
+    return {"stopped": True}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="autostop.py")
+    sub = parser.add_subparsers(dest="verb")
+    sub.required = True   # (the keyword needs Python 3.7)
+    p = sub.add_parser("arm")
+    p.add_argument("--config", required=True)
+    p.add_argument("--facts", required=True)
+    sub.add_parser("cancel")
+    sub.add_parser("state")
+    sub.add_parser("daemon")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    verbs = {"arm": arm, "cancel": cancel, "state": state, "daemon": daemon}
+    try:
+        out = verbs[args.verb](args)
+    except (OSError, ValueError, KeyError) as err:
+        out = {"error": f"{type(err).__name__}: {err}"}
+    sys.stdout.write(json.dumps(out, sort_keys=True) + "\n")
+    return 1 if "error" in out else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
