@@ -7,7 +7,7 @@
 See tpufab.api. Importing tpufab loads neither fabric nor google-cloud-tpu.
 """
 
-from tpufab.api import Pod, PodError, PodResult, Run, create, delete
+from tpufab.api import Pod, PodError, PodResult, Run, create, delete, gc
 
 __version__ = "0.1.0"
-__all__ = ["Pod", "PodError", "PodResult", "Run", "create", "delete"]
+__all__ = ["Pod", "PodError", "PodResult", "Run", "create", "delete", "gc"]

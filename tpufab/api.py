@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from tpufab.fanout import OutputSink, WorkerResult
     from tpufab.pod import Pod as Connected
 
-__all__ = ["Pod", "PodError", "PodResult", "Run", "create", "delete"]
+__all__ = ["Pod", "PodError", "PodResult", "Run", "create", "delete", "gc"]
 
 
 class PodResult(dict):
@@ -275,6 +275,19 @@ class Pod:
 
         return status.collect(self.settings)
 
+    def autostop(self, *, idle: float | None = None, ttl: float | None = None,
+                 cancel: bool = False) -> Any:
+        """Arm the watchdog on the workers that deletes this pod after ``idle`` seconds with
+        no run and no TPU holder (or at ``ttl`` seconds); ``cancel`` removes it. Returns the
+        policy armed (or, with cancel, what was armed)."""
+        from tpufab import autostop
+
+        if cancel:
+            return autostop.cancel(self, self.settings)
+        if idle is None and ttl is None:
+            raise ConfigError("Give idle=SECONDS or ttl=SECONDS (or cancel=True).")
+        return autostop.arm(self, self.settings, idle=idle, ttl=ttl)
+
 
 class _Silent:
     """A view that shows nothing (the logs stay on the workers)."""
@@ -325,6 +338,15 @@ def create(name: str | None = None, *, type: str | None = None, zone: str | None
     chosen = _settings(name, zone, project, {"type": type, **settings})
     lifecycle.create(chosen, queued=queued, num_slices=num_slices)
     return Pod(chosen.name, zone=chosen.zone, project=chosen.project, **settings)
+
+
+def gc(*, zone: str | None = None, project: str | None = None, all_zones: bool = False,
+       **settings: Any) -> list:
+    """Delete preempted, terminated and failed nodes and suspended and failed queued resources
+    (in the zone, or every zone), without asking; returns what was deleted."""
+    from tpufab import lifecycle
+
+    return lifecycle.gc(_settings(None, zone, project, settings), yes=True, all_zones=all_zones)
 
 
 def delete(name: str | None = None, *, zone: str | None = None,
