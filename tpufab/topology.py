@@ -142,7 +142,8 @@ CUSTOM_TOPOLOGY = ("v4", "v5p", "v5litepod", "v6e")   # generations the API take
 AXES = "xyz"
 # 2D generations whose full pod is a 2D torus: (pod shape).
 FULL_POD_2D = {"v2": (16, 16), "v3": (32, 32), "v5litepod": (16, 16), "v6e": (16, 16)}
-MAX_SUBMESHES = 8
+# acceleratorConfig.type of each generation that takes a custom topology (Cloud TPU API v2).
+ACCELERATOR_CONFIG_TYPE = {"v4": "V4", "v5p": "V5P", "v5litepod": "V5LITE_POD", "v6e": "V6E"}
 
 
 def _prod(values) -> int:
@@ -245,6 +246,12 @@ def check_topology(topo: Topology, dims: tuple[int, ...]) -> tuple[int, ...]:
            "v4 and v5p dimensions must all be at most 4 or all be multiples of 4")
     raise ConfigError(f"--topology {given} is not a shape {topo.name} comes in ({why}); valid "
                       f"shapes for {topo.name}: {_shape_list(valid)}.")
+
+
+def accelerator_config(type_text: str, topology: str) -> dict[str, str]:
+    """The API's ``acceleratorConfig`` for a custom shape, validated first (pure)."""
+    shape = slice_shape(type_text, topology)
+    return {"type": ACCELERATOR_CONFIG_TYPE[shape.topology.generation], "topology": shape.text}
 
 
 @dataclass(frozen=True)

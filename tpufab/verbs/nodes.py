@@ -15,16 +15,20 @@ from tpufab.verbs.declare import Opt, verb
                  "reserved": "Reserved capacity.", "queued": "Create a queued resource.",
                  "num_slices": Opt("Slices of a multislice queued resource.", min=1),
                  "async_": "Return without waiting.",
-                 "labels": Opt("Label (repeatable).", flag="--label", metavar="KEY=VALUE")})
+                 "labels": Opt("Label (repeatable).", flag="--label", metavar="KEY=VALUE"),
+                 "topology": Opt("Custom chip shape, e.g. 4x4x4 (v4, v5p, v5e, v6e).",
+                                 metavar="AxBxC")})
 def create(*, name: str | None = None, type: str | None = None, zone: str | None = None,
            project: str | None = None, version: str | None = None, spot: bool = False,
            preemptible: bool = False, reserved: bool = False, queued: bool = False,
            num_slices: int = 1, async_: bool = False,
-           labels: Iterable[str] | None = None) -> None:
+           labels: Iterable[str] | None = None, topology: str | None = None) -> None:
     """Create a TPU VM node (or queued resource) and wait until it is READY.
 
     Without a name (no --name, TPUFAB_NAME or `name:`) it picks <user>-<type> and says so.
-    The node becomes this project's current pod either way.
+    The node becomes this project's current pod either way. ``topology``: a custom chip
+    shape (4x4x4) for v4, v5p, v5e and v6e, checked before any API call and sent as the
+    API's acceleratorConfig.
     """
     from tpufab import current, lifecycle
 
@@ -35,7 +39,8 @@ def create(*, name: str | None = None, type: str | None = None, zone: str | None
     if source == "default" or source.startswith("current pod"):
         settings.name = default_name(settings.ssh_user, settings.require("type", "--type"))
         note(f"No node name given: calling it {settings.name} (pass --name to choose).")
-    lifecycle.create(settings, queued=queued, num_slices=num_slices, async_=async_)
+    lifecycle.create(settings, queued=queued, num_slices=num_slices, async_=async_,
+                     topology=topology)
     path = current.remember(settings.name, zone=settings.zone, project=settings.project,
                             set_by="create")
     note(f"{settings.name} is this project's current pod ({path}).", "dim")
