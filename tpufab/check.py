@@ -285,7 +285,7 @@ def check_clock(facts: Mapping[int, WorkerFacts], before: float, after: float,
                                 "sync it (chrony or systemd-timesyncd); skewed clocks break "
                                 "token expiry, logs and coordinator timeouts"))
     worst = max((abs(s) for s in skews.values() if s is not None), default=None)
-    detail = (f"within {max(limit, after - before):.1f} s of this machine"
+    detail = (f"within {limit:g} s of this machine (round trip {after - before:.1f} s)"
               if worst is not None and not off else "unknown" if worst is None else
               f"up to {worst:.1f} s off")
     return Result("clock", detail, problems,
