@@ -1,7 +1,7 @@
 """tpufab check and run --check: the judging as data, then on a simulated v4-32 with JAX.
 
-The verbs run as a user runs them, in a subprocess (exit code and output included); the test
-breaks one worker at a time (a zombie, a different package version, a different commit, an
+The verbs run as a user runs them, through the real `tpufab` command; the test breaks one
+worker at a time (a zombie, a different package version, a different commit, an
 unreachable worker) and expects the check to name that worker and the fix.
 """
 
@@ -30,12 +30,7 @@ from tpufab.check import (
 from tpufab.status import Deployed, Device, Disk, Holder, MountFact, MountProbe, WorkerFacts
 
 REPO = Path(__file__).resolve().parents[1]
-CALL = ("import json, sys\n"
-        "from tpufab.verbs import check, data, jobs, sim\n"
-        "from tpufab.console import run\n"
-        "verb = next(getattr(m, sys.argv[1]) for m in (check, jobs, data, sim)\n"
-        "            if hasattr(m, sys.argv[1]))\n"
-        "sys.exit(run(verb, **json.loads(sys.argv[2])))\n")
+TPUFAB = str(Path(sys.executable).parent / "tpufab")
 ACCEL = tuple(f"/dev/accel{i}" for i in range(4))
 PACKAGES = {"python": "3.11.2", "executable": "/root/.venv/bin/python", "jax": "0.10.2",
             "jaxlib": "0.10.2", "libtpu": None, "torch": None}
@@ -166,10 +161,9 @@ def _quiet():
     return Console(file=io.StringIO())
 
 
-def call(env, verb: str, *, cwd: Path, timeout: float = 300, **kwargs):
-    return subprocess.run([sys.executable, "-c", CALL, verb, json.dumps(kwargs)], env=env,
-                          cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+def tpufab(*args: str, env, cwd: Path, timeout: float = 300):
+    return subprocess.run([TPUFAB, *args], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 def git(folder: Path, *argv: str) -> str:
@@ -207,7 +201,7 @@ def pod_env(sim, tmp_path_factory):
     git(project, "commit", "-q", "-m", "first")
     try:
         run_setup(pod.fanout, REPO / "scripts" / "setup-sim.sh")[0].close()
-        deployed = call(env, "deploy", cwd=project, direct=True)
+        deployed = tpufab("deploy", "--direct", env=env, cwd=project)
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         yield env, pod, project
     finally:
@@ -230,19 +224,19 @@ def assert_refused(env, project, tmp_path, text: str) -> None:
     recipe = tmp_path / "never.sh"
     recipe.write_text("#!/bin/sh\necho should-not-run\n")
     recipe.chmod(0o755)
-    before = call(env, "runs", cwd=project, as_json=True).stdout
-    refused = call(env, "run", cwd=project, recipe=str(recipe), no_deploy=True, check=True)
+    before = tpufab("runs", "--json", env=env, cwd=project).stdout
+    refused = tpufab("run", str(recipe), "--no-deploy", "--check", env=env, cwd=project)
     assert refused.returncode == 1, refused.stdout + refused.stderr
     assert "Not starting: `tpufab check --quick` found" in refused.stderr, refused.stderr
     assert text in refused.stderr, refused.stderr
     assert "should-not-run" not in refused.stdout
-    assert call(env, "runs", cwd=project, as_json=True).stdout == before
+    assert tpufab("runs", "--json", env=env, cwd=project).stdout == before
 
 
 @pytest.mark.sim
 def test_a_healthy_v4_32_passes_with_a_real_collective(pod_env, tmp_path):
     env, _, project = pod_env
-    result = call(env, "check", cwd=project)
+    result = tpufab("check", env=env, cwd=project)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert "ok    tpu         4 device files, free, on w[0-3]" in lines, lines
@@ -251,7 +245,7 @@ def test_a_healthy_v4_32_passes_with_a_real_collective(pod_env, tmp_path):
     assert "slowest host w" in collective and " ms median over 10 rounds" in collective
     assert "passed every check" in result.stderr
 
-    as_json = call(env, "check", cwd=project, quick=True, as_json=True)
+    as_json = tpufab("check", "--quick", "--json", env=env, cwd=project)
     assert as_json.returncode == 0, as_json.stderr
     data = json.loads(as_json.stdout)
     assert data["ok"] and data["workers"] == "w[0-3]"
@@ -260,28 +254,29 @@ def test_a_healthy_v4_32_passes_with_a_real_collective(pod_env, tmp_path):
         on_workers(pod_env[1], ["/root/.venv/bin/python", "-c",
                                 "import jax; print(jax.__version__)"])[0]}
 
-    started = call(env, "run", cwd=project, recipe=str(REPO / "recipes" / "jax_hello.sh"),
-                   no_deploy=True, check=True)
+    started = tpufab("run", str(REPO / "recipes" / "jax_hello.sh"), "--no-deploy", "--check",
+                     env=env, cwd=project)
     assert started.returncode == 0, started.stdout + started.stderr
     assert "every quick check passed" in started.stderr
-    assert "w3 │ jax_hello: OK" in started.stdout
+    assert "jax_hello: OK" in started.stdout and "jax_hello: MISMATCH" not in started.stdout
+    assert "finished on w[0-3]: exit 0" in started.stderr
 
 
 @pytest.mark.sim
 def test_a_zombie_on_one_worker_is_named_with_tpufab_kill(pod_env, tmp_path):
     env, _, project = pod_env
-    made = call(env, "sim_zombie", cwd=project, worker="1")
+    made = tpufab("sim", "zombie", "--worker", "1", env=env, cwd=project)
     assert made.returncode == 0, made.stdout + made.stderr
     try:
-        result = call(env, "check", cwd=project, quick=True)
+        result = tpufab("check", "--quick", env=env, cwd=project)
         assert result.returncode == 1, result.stdout + result.stderr
         [line] = [p for p in problem_lines(result) if "TPU busy" in p]
         assert line.startswith("w1: TPU busy: 4 of 4 device files held by ")
         assert line.endswith("free it with `tpufab kill`.")
         assert_refused(env, project, tmp_path, "w1: TPU busy")
     finally:
-        assert call(env, "kill", cwd=project, grace=0.5, force=True).returncode == 0
-    assert call(env, "check", cwd=project, quick=True).returncode == 0
+        assert tpufab("kill", "--grace", "0.5", "--force", env=env, cwd=project).returncode == 0
+    assert tpufab("check", "--quick", env=env, cwd=project).returncode == 0
 
 
 @pytest.mark.sim
@@ -293,7 +288,7 @@ def test_a_different_package_version_on_one_worker(pod_env, tmp_path):
     on_workers(pod, f"mkdir -p {fake} && printf 'Metadata-Version: 2.1\\nName: jax\\n"
                     f"Version: 0.0.1\\n' > {fake}/METADATA", [1])
     try:
-        result = call(env, "check", cwd=project, quick=True)
+        result = tpufab("check", "--quick", env=env, cwd=project)
         assert result.returncode == 1, result.stdout + result.stderr
         [line] = problem_lines(result)
         assert line.startswith("w1: jax 0.0.1, but ") and " on w[0,2-3]; make the workers " \
@@ -308,7 +303,7 @@ def test_a_different_commit_on_one_worker_until_deploy(pod_env, tmp_path):
     env, pod, project = pod_env
     on_workers(pod, "cd ~/proj && git -c user.name=t -c user.email=t@t commit -q "
                     "--allow-empty -m drift", [2])
-    result = call(env, "check", cwd=project, quick=True)
+    result = tpufab("check", "--quick", env=env, cwd=project)
     assert result.returncode == 1, result.stdout + result.stderr
     [line] = problem_lines(result)
     head = git(project, "rev-parse", "HEAD")
@@ -316,9 +311,9 @@ def test_a_different_commit_on_one_worker_until_deploy(pod_env, tmp_path):
     assert line.endswith("put one commit everywhere with `tpufab deploy`.")
     assert_refused(env, project, tmp_path, "w2: checkout at")
 
-    fixed = call(env, "deploy", cwd=project, direct=True)
+    fixed = tpufab("deploy", "--direct", env=env, cwd=project)
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr
-    again = call(env, "check", cwd=project, quick=True)
+    again = tpufab("check", "--quick", env=env, cwd=project)
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"{head[:12]} on w[0-3]" in again.stdout
 
@@ -328,11 +323,11 @@ def test_an_unreachable_worker(pod_env, sim_admin, tmp_path):
     env, _, project = pod_env
     sim_admin.set_reachable(env["TPUFAB_NAME"], 3, False)
     try:
-        result = call(env, "check", cwd=project, quick=True)
+        result = tpufab("check", "--quick", env=env, cwd=project)
         assert result.returncode == 1, result.stdout + result.stderr
         [line] = problem_lines(result)
         assert line.startswith("w3: unreachable (") and "`tpufab status`" in line
-        full = call(env, "check", cwd=project)
+        full = tpufab("check", env=env, cwd=project)
         assert full.returncode == 1
         assert "skip  collective  skipped: fix the problems above first" in full.stdout
         assert_refused(env, project, tmp_path, "w3: unreachable")

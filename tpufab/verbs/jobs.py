@@ -38,8 +38,9 @@ def run(recipe: str, *, name: str | None = None, args: str = "", detach: bool = 
         check: bool = False, zone: str | None = None, project: str | None = None) -> int:
     """Run a recipe on every worker at once (deploying first) and follow its logs.
 
-    ``check``: run `tpufab check --quick` first and refuse to start on any problem (the
-    commit is compared only with --no-deploy: otherwise run deploys one commit everywhere).
+    With --check, the quick checks of `tpufab check` run first and any problem stops the run
+    before it starts (the deployed commit is compared only with --no-deploy: otherwise run
+    deploys one commit everywhere).
     """
     from tpufab.runs import forwarded_for
 

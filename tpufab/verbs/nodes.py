@@ -26,9 +26,9 @@ def create(*, name: str | None = None, type: str | None = None, zone: str | None
     """Create a TPU VM node (or queued resource) and wait until it is READY.
 
     Without a name (no --name, TPUFAB_NAME or `name:`) it picks <user>-<type> and says so.
-    The node becomes this project's current pod either way. ``topology``: a custom chip
-    shape (4x4x4) for v4, v5p, v5e and v6e, checked before any API call and sent as the
-    API's acceleratorConfig.
+    The node becomes this project's current pod either way. --topology asks for a custom
+    chip shape (v4, v5p, v5e, v6e), checked before any API call and sent as the API's
+    acceleratorConfig.
     """
     from tpufab import current, lifecycle
 
@@ -159,6 +159,12 @@ def known_hosts_forget(*, node: str, zone: str | None = None, project: str | Non
                    markup=False)
 
 
+@verb(options={"type": "Accelerator type: v4-512, v6e-8, tpu-v5p-128 ...",
+               "model_parallel": Opt("Rank the submeshes of M devices for M-way model "
+                                     "parallelism.", min=1, metavar="M"),
+               "topology": Opt("A custom chip shape to describe instead, e.g. 4x4x16.",
+                               metavar="AxBxC"),
+               "limit": Opt("How many submeshes to list.", min=1)})
 def topology(type: str, *, model_parallel: int | None = None, topology: str | None = None,
              limit: int = 6, as_json: bool = False) -> None:
     """The physical shape of TYPE (chips, hosts, what jax.device_count() returns, torus axes)
