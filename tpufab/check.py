@@ -153,7 +153,7 @@ def check_tpu(facts: Mapping[int, WorkerFacts],
             missing.append((w, f"{len(lost)} of {len(expected[w])} TPU device files missing "
                                f"({', '.join(lost)})"))
         if f.busy_devices:
-            commands = sorted({h.command for d in f.busy_devices for h in d.holders})
+            commands = sorted({_short(h.command) for d in f.busy_devices for h in d.holders})
             shown = "; ".join(commands[:3]) + (f"; +{len(commands) - 3} more"
                                                 if len(commands) > 3 else "")
             busy.append((w, f"TPU busy: {len(f.busy_devices)} of {len(f.devices)} device "
@@ -164,8 +164,9 @@ def check_tpu(facts: Mapping[int, WorkerFacts],
         problems.append(Problem("tpu", tuple(ws), text, "the VM lost its TPU: recreate the "
                                 "node (`tpufab delete`, then `tpufab create`)"))
     for text, ws in _group(busy).items():
-        pids = ", ".join(f"{nodeset.label(w)} pid {h['pid']}" for w in ws
-                         for h in holders[w][:2])
+        pids = "; ".join(f"{nodeset.label(w)} pid "
+                         f"{', '.join(str(p) for p in sorted({h['pid'] for h in holders[w]}))}"
+                         for w in ws[:4]) + ("; ..." if len(ws) > 4 else "")
         problems.append(Problem("tpu", tuple(ws), f"{text} ({pids})", FIX_KILL))
     free = [w for w, f in facts.items() if f.reachable and not f.busy_devices
             and w not in dict(missing)]
@@ -173,6 +174,11 @@ def check_tpu(facts: Mapping[int, WorkerFacts],
     what = "/".join(str(c) for c in counts) if counts else "no"
     return Result("tpu", f"{what} device files, free, on {nodeset.fold(free) or 'no worker'}",
                   problems, data={"holders": {str(w): h for w, h in holders.items()}})
+
+
+def _short(command: str, width: int = 60) -> str:
+    """A holder's command fit for one line (--json has it whole)."""
+    return command if len(command) <= width else command[:width - 3] + "..."
 
 
 def check_versions(facts: Mapping[int, WorkerFacts]) -> Result:
