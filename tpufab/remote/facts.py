@@ -421,8 +421,9 @@ def setups(setup_dir):
 # -- what a job would run on: its Python and packages ------------------------------------
 
 
-def packages(candidates, timeout=20.0):
-    """Versions of PACKAGES as the first existing interpreter of ``candidates`` sees them."""
+def start_packages(candidates):
+    """Start reading PACKAGES' versions as the first existing interpreter of ``candidates``
+    sees them (in a child, so the rest of the facts are gathered meanwhile)."""
     for candidate in candidates:
         path = os.path.expanduser(candidate)
         if os.sep not in path:
@@ -430,20 +431,33 @@ def packages(candidates, timeout=20.0):
         if not path or not os.access(path, os.X_OK):
             continue
         try:
-            done = subprocess.run(  # noqa: UP022 - Python 3.6 has no capture_output
-                [path, "-I", "-c", VERSIONS, *PACKAGES], timeout=timeout,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
-        except (OSError, subprocess.TimeoutExpired) as err:
+            child = subprocess.Popen([path, "-I", "-c", VERSIONS, *PACKAGES],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     stdin=subprocess.DEVNULL)
+        except OSError as err:
             return {"executable": path, "error": str(err)[:200]}
-        if done.returncode != 0:
-            tail = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:]
-            return {"executable": path, "error": (tail[0] if tail else
-                                                  f"exit status {done.returncode}")[:200]}
-        try:
-            return json.loads(done.stdout.decode().strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            return {"executable": path, "error": "no answer"}
+        return (path, child)
     return {"error": "none of " + ", ".join(candidates) + " exists"}
+
+
+def finish_packages(started, timeout=20.0):
+    if isinstance(started, dict):
+        return started
+    path, child = started
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        return {"executable": path, "error": f"no answer in {timeout:g} s"}
+    if child.returncode != 0:
+        tail = err.decode("utf-8", "replace").strip().splitlines()[-1:]
+        return {"executable": path, "error": (tail[0] if tail else
+                                              f"exit status {child.returncode}")[:200]}
+    try:
+        return json.loads(out.decode().strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"executable": path, "error": "no answer"}
 
 
 def shutil_which(name):
@@ -489,13 +503,14 @@ def probe_mounts(found, timeout):
 
 
 def gather(args):
+    reading = start_packages(args.python) if args.python else None
     paths = device_paths(args.devices_glob or DEVICE_GLOBS)
     holders, unreadable = device_holders(paths)
     recent, total = runs(args.run_dir, args.max_runs)
     found_mounts = mounts(args.mount_state_dir)
     extra = {}
-    if args.python:
-        extra["packages"] = packages(args.python)
+    if reading is not None:
+        extra["packages"] = finish_packages(reading)
     if args.probe_mounts:
         extra["mount_probes"] = probe_mounts(found_mounts, args.probe_mounts)
     return {**extra,
