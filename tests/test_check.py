@@ -32,6 +32,20 @@ from tpufab.status import Deployed, Device, Disk, Holder, MountFact, MountProbe,
 REPO = Path(__file__).resolve().parents[1]
 TPUFAB = str(Path(sys.executable).parent / "tpufab")
 ACCEL = tuple(f"/dev/accel{i}" for i in range(4))
+# The pid of the rclone process serving a mount point (on a worker).
+MOUNT_DAEMON = r"""
+import json, os, sys
+found = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            argv = fh.read().split(b"\0")
+    except OSError:
+        continue
+    if argv and b"rclone" in argv[0] and sys.argv[1].encode() in argv:
+        found.append(int(pid))
+print(json.dumps(found))
+"""
 PACKAGES = {"python": "3.11.2", "executable": "/root/.venv/bin/python", "jax": "0.10.2",
             "jaxlib": "0.10.2", "libtpu": None, "torch": None}
 
@@ -333,3 +347,30 @@ def test_an_unreachable_worker(pod_env, sim_admin, tmp_path):
         assert_refused(env, project, tmp_path, "w3: unreachable")
     finally:
         sim_admin.set_reachable(env["TPUFAB_NAME"], 3, True)
+
+
+@pytest.mark.sim
+def test_a_mount_that_hangs_on_one_worker(pod_env, tmp_path):
+    env, pod, project = pod_env
+    bucket = unique_name("chk")
+    assert tpufab("sim", "bucket", bucket, env=env, cwd=project).returncode == 0
+    mounted = tpufab("mount", bucket, "--driver", "rclone", "--at", "/mnt/chk", env=env,
+                     cwd=project)
+    assert mounted.returncode == 0, mounted.stdout + mounted.stderr
+    try:
+        fine = tpufab("check", "--quick", env=env, cwd=project)
+        assert fine.returncode == 0, fine.stdout + fine.stderr
+        assert "ok    mounts     /mnt/chk answers" in fine.stdout.splitlines()
+        # freeze worker 3's rclone: its mount stops answering, as a wedged gcsfuse does
+        [pid] = json.loads(on_workers(pod, ["python3", "-c", MOUNT_DAEMON, "/mnt/chk"], [3])[3])
+        on_workers(pod, ["kill", "-STOP", str(pid)], [3])
+        try:
+            hung = tpufab("check", "--quick", env=env, cwd=project)
+        finally:
+            on_workers(pod, ["kill", "-CONT", str(pid)], [3])
+        assert hung.returncode == 1, hung.stdout + hung.stderr
+        assert problem_lines(hung) == [
+            "w3: /mnt/chk does not answer (no answer in 5 s); remount it: `tpufab umount "
+            "--at /mnt/chk --lazy`, then `tpufab mount` again."]
+    finally:
+        tpufab("umount", "--at", "/mnt/chk", "--lazy", env=env, cwd=project)
