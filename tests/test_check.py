@@ -145,7 +145,8 @@ def test_the_collective_names_its_slowest_host_and_failures():
     result = judge_collective(answers, {}, Promise(4, 16), "r1")
     assert result.ok
     assert result.detail.startswith("4 processes, 16 cpu devices (as promised); all-reduce of "
-                                    "4.0M: 5.5 ms median over 3 rounds; slowest host w2")
+                                    "256K per device: 5.5 ms median over 3 rounds; slowest "
+                                    "host w2")
     assert result.data["slowest_host"] == 2
 
     answers[1] = {"error": "JAX sees 3 processes and 12 devices, the accelerator type "

@@ -29,7 +29,7 @@ PACKAGES = ("python", "jax", "jaxlib", "libtpu", "libtpu-nightly", "torch", "tor
 CLOCK_SKEW_SECONDS = 1.0
 MOUNT_PROBE_SECONDS = 5.0
 COLLECTIVE = "check_collective.sh"
-COLLECTIVE_BYTES = 4 << 20
+COLLECTIVE_BYTES = 1 << 20        # the buffer each device contributes and gets back
 COLLECTIVE_ITERATIONS = 10
 MARK = "TPUFAB_CHECK "
 
@@ -364,7 +364,7 @@ def collective_args(promise: Promise, *, timeout: float, size: int = COLLECTIVE_
                     iterations: int = COLLECTIVE_ITERATIONS) -> list[str]:
     return ["--expect-processes", str(promise.processes), "--expect-devices",
             str(promise.devices), "--local-devices", str(promise.local_devices),
-            "--bytes", str(size // max(1, promise.devices)), "--iterations", str(iterations),
+            "--bytes", str(size), "--iterations", str(iterations),
             "--timeout", f"{timeout:g}"]
 
 
@@ -429,16 +429,16 @@ def judge_collective(answers: Mapping[int, dict | None], ended: Mapping[int, str
         leads.setdefault(last, []).append(max(round_times.values()) - round_times[last])
     slowest = stragglers.most_common(1)[0][0] if stragglers else min(good)
     waited = statistics.median(leads.get(slowest, [0.0]))
-    size = first.get("bytes", 0) * int(first.get("device_count") or 0)
+    size = int(first.get("bytes") or 0)
     detail = (f"{first.get('process_count')} processes, {first.get('device_count')} "
               f"{first.get('backend')} devices (as promised); all-reduce of "
-              f"{human_bytes(size)}: {median:.1f} ms median over {rounds} rounds; slowest "
+              f"{human_bytes(size)} per device: {median:.1f} ms median over {rounds} rounds; slowest "
               f"host {nodeset.label(slowest)} (the others waited {waited:.1f} ms for it)")
     return Result("collective", detail, data={
         "run": run_id, "processes": first.get("process_count"),
         "devices": first.get("device_count"), "backend": first.get("backend"),
         "promised": {"processes": promise.processes, "devices": promise.devices},
-        "allreduce_bytes": size, "median_ms": median, "rounds_ms": per_round,
+        "allreduce_bytes_per_device": size, "median_ms": median, "rounds_ms": per_round,
         "slowest_host": slowest, "slowest_host_lead_ms": waited})
 
 
