@@ -237,3 +237,12 @@ def test_topology_report_reads_as_the_user_sees_it(capsys):
     assert rows[0][:5] == ["1", "(4,", "2,", "2,", "1)"]
     assert "  ... 7 more (--limit N, or --json for all)" in out
     assert "In t5x: model_parallel_submesh=(4, 2, 2, 1)." in out
+
+
+@pytest.mark.parametrize("name,m,t5x_default", [
+    ("v3-32", 2, (1, 1, 1, 2)), ("v3-32", 4, (2, 1, 1, 2)), ("v3-32", 8, (2, 2, 1, 2)),
+    ("v3-32", 16, (4, 2, 1, 2)), ("v4-128", 4, (4, 1, 1, 1)), ("v4-128", 8, (4, 2, 1, 1)),
+    ("v4-128", 16, (4, 4, 1, 1)),
+])
+def test_rank_one_agrees_with_t5x_defaults_where_the_docs_say_so(name, m, t5x_default):
+    assert submeshes(slice_shape(name), m)[0].t5x == t5x_default
