@@ -288,6 +288,13 @@ class Pod:
             raise ConfigError("Give idle=SECONDS or ttl=SECONDS (or cancel=True).")
         return autostop.arm(self, self.settings, idle=idle, ttl=ttl)
 
+    def check(self, *, quick: bool = False, timeout: float = 120.0) -> Any:
+        """`tpufab check`: every worker compared, then (unless ``quick``) a collective across
+        every host; a report (``.ok``, ``.problems``, ``.to_json()``)."""
+        from tpufab import check
+
+        return check.run_check(self.settings, self.connected, quick=quick, timeout=timeout)
+
 
 class _Silent:
     """A view that shows nothing (the logs stay on the workers)."""

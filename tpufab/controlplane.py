@@ -19,7 +19,7 @@ from tpufab.config import Settings
 from tpufab.errors import ApiError, ConfigError, NotFound, TpufabError
 from tpufab.nodes import Node, QueuedResourceInfo
 from tpufab.sshkeys import SSH_KEYS, merge_entry
-from tpufab.topology import parse_accelerator_type
+from tpufab.topology import accelerator_config, parse_accelerator_type
 
 DEFAULT_ENDPOINT = "https://tpu.googleapis.com"
 CLOUD_PLATFORM_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
@@ -40,8 +40,13 @@ def scheduling_tier(settings: Settings) -> str:
     return chosen[0] if chosen else "on-demand"
 
 
-def node_body(settings: Settings, *, ssh_entry: str | None = None) -> dict:
-    """The `Node` to create for ``settings`` (accelerator type, runtime, tier, network, keys)."""
+def node_body(settings: Settings, *, ssh_entry: str | None = None,
+              chip_topology: str | None = None) -> dict:
+    """The `Node` to create for ``settings`` (accelerator type, runtime, tier, network, keys).
+
+    With ``chip_topology`` (``--topology 4x4x4``) the node asks for ``acceleratorConfig``
+    (generation + shape) instead of ``acceleratorType``, as gcloud's --type/--topology do.
+    """
     topology = parse_accelerator_type(settings.require("type", "--type"))
     tier = scheduling_tier(settings)
     metadata = dict(settings.metadata)
@@ -59,6 +64,11 @@ def node_body(settings: Settings, *, ssh_entry: str | None = None) -> dict:
         "labels": dict(settings.labels),
         "metadata": metadata,
     }
+    if chip_topology:
+        del body["accelerator_type"]
+        config = accelerator_config(topology.name, chip_topology)
+        # proto-plus spells the field type_ (type is a Python builtin)
+        body["accelerator_config"] = {"type_": config["type"], "topology": config["topology"]}
     if tier != "on-demand":
         body["scheduling_config"] = {tier: True}
     if settings.service_account:
@@ -78,7 +88,8 @@ def reservation_path(settings: Settings, reservation: str) -> str:
 
 
 def queued_resource_body(settings: Settings, *, num_slices: int = 1,
-                         ssh_entry: str | None = None, reservation: str | None = None) -> dict:
+                         ssh_entry: str | None = None, reservation: str | None = None,
+                         chip_topology: str | None = None) -> dict:
     """The `QueuedResource` asking for ``num_slices`` nodes named after settings.name.
 
     Spot requests use the spot tier; everything else the guaranteed tier (reserved capacity
@@ -97,7 +108,7 @@ def queued_resource_body(settings: Settings, *, num_slices: int = 1,
                           "capacity you already hold; drop one of them.")
     if reservation:
         tier = "reserved"
-    node = node_body(settings, ssh_entry=ssh_entry)
+    node = node_body(settings, ssh_entry=ssh_entry, chip_topology=chip_topology)
     node.pop("scheduling_config", None)
     if tier == "reserved":
         node["scheduling_config"] = {"reserved": True}
@@ -115,6 +126,14 @@ def queued_resource_body(settings: Settings, *, num_slices: int = 1,
     if reservation:
         body["reservation_name"] = reservation_path(settings, reservation)
     return body
+
+
+def _config_text(config: dict | None) -> str | None:
+    """``{"type": "V4", "topology": "4x4x4"}`` -> "v4 4x4x4" (for error sentences)."""
+    if not config:
+        return None
+    kind = config.get("type_") or config.get("type") or ""
+    return f"{str(kind).lower()} {config.get('topology', '')}".strip()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -505,7 +524,8 @@ class ControlPlane:
         """Start creating node ``name``; returns the long-running operation's name."""
         from google.cloud import tpu_v2
 
-        op = self._call(self._action("create", name=name, accelerator_type=body.get("accelerator_type")),
+        shape = body.get("accelerator_type") or _config_text(body.get("accelerator_config"))
+        op = self._call(self._action("create", name=name, accelerator_type=shape),
                         self.client.create_node, parent=self.parent, node_id=name,
                         node=tpu_v2.Node(body))
         return op.operation.name
@@ -559,7 +579,8 @@ class ControlPlane:
         spec = body.get("tpu", {}).get("node_spec", [{}])[0]
         op = self._call(
             self._action("create", "queued resource", name,
-                         spec.get("node", {}).get("accelerator_type")),
+                         spec.get("node", {}).get("accelerator_type")
+                         or _config_text(spec.get("node", {}).get("accelerator_config"))),
             self.client.create_queued_resource, parent=self.parent, queued_resource_id=name,
             queued_resource=tpu_v2.QueuedResource(body))
         return op.operation.name

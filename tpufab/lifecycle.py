@@ -26,7 +26,7 @@ from tpufab.controlplane import (
 )
 from tpufab.errors import ApiError, ConfigError
 from tpufab.nodes import DEAD_STATES, Node, QueuedResourceInfo
-from tpufab.topology import parse_accelerator_type
+from tpufab.topology import parse_accelerator_type, slice_shape
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
@@ -172,7 +172,8 @@ def stockout_delay(attempt: int, base: float, cap: float = 300.0) -> float:
 def create(settings: Settings, *, queued: bool = False, num_slices: int = 1, async_: bool = False,
            console: Console | None = None, control: ControlPlane | None = None,
            zones: Sequence[str] | None = None, retry_for: float | None = None,
-           reservation: str | None = None, retry_base: float = 30.0,
+           reservation: str | None = None, topology: str | None = None,
+           retry_base: float = 30.0,
            clock: Callable[[], float] = time.monotonic,
            sleep: Callable[[float], None] = time.sleep) -> list[Node]:
     """Create node ``settings.name`` (or a queued resource) and wait until it is READY.
@@ -182,6 +183,8 @@ def create(settings: Settings, *, queued: bool = False, num_slices: int = 1, asy
     the zone that had capacity); ``retry_for`` seconds keeps going round them with backoff
     (from ``retry_base``) and a live status line. Quota and every other error stop at once.
     ``reservation`` creates a queued resource that consumes that named reservation.
+    ``topology`` (``"4x4x4"``): a custom chip shape, checked against the generation's rules
+    before any API call and sent as ``acceleratorConfig``.
     """
     console = _console(console)
     zone_list = list(dict.fromkeys(z.strip() for z in (zones or ()) if z and z.strip()))
@@ -196,7 +199,8 @@ def create(settings: Settings, *, queued: bool = False, num_slices: int = 1, asy
                           "(and --num-slices/--reservation) or drop --zones/--retry-for.")
     if not zone_list and not retry_for:
         return _create(settings, queued=queued, num_slices=num_slices, async_=async_,
-                       console=console, control=control, reservation=reservation)
+                       console=console, control=control, reservation=reservation,
+                       topology=topology)
     zone_list = zone_list or [settings.zone]
     deadline = clock() + (retry_for or 0.0)
     attempt = 0
@@ -207,7 +211,8 @@ def create(settings: Settings, *, queued: bool = False, num_slices: int = 1, asy
             mine = control if control is not None and control.zone == zone else None
             try:
                 nodes = _create(here, queued=queued, num_slices=num_slices, async_=async_,
-                                console=console, control=mine, reservation=reservation)
+                                console=console, control=mine, reservation=reservation,
+                                topology=topology)
             except Stockout as err:
                 last = err
                 if i + 1 < len(zone_list):
@@ -254,11 +259,13 @@ def _wait_retry(console: Console, delay: float, *, line: str, deadline: float,
 
 def _create(settings: Settings, *, queued: bool = False, num_slices: int = 1,
             async_: bool = False, console: Console, control: ControlPlane | None = None,
-            reservation: str | None = None) -> list[Node]:
+            reservation: str | None = None, topology: str | None = None) -> list[Node]:
     num_slices = num_slices or 1
     queued = queued or num_slices > 1   # several slices only exist as a queued resource
     name = validate_name(settings.name, num_slices=num_slices)
-    topology = parse_accelerator_type(settings.require("type", "--type"))
+    accelerator = settings.require("type", "--type")
+    chip_topology = slice_shape(accelerator, topology).text if topology else None
+    topology = parse_accelerator_type(accelerator)
     settings.project = settings.require("project")
     scheduling_tier(settings)
     entry = sshkeys.metadata_entry(settings.ssh_user, sshkeys.ensure_key(settings.ssh_key_path))
@@ -272,22 +279,26 @@ def _create(settings: Settings, *, queued: bool = False, num_slices: int = 1,
                                     async_=async_, console=console)
     existing = control.find_node(name)
     if existing is not None:
+        _same_topology(existing, chip_topology)
         return _existing_node(control, existing, settings, topology.name, entry,
                               async_=async_, console=console)
 
     kind = "queued resource" if queued else "TPU node"
     slices = f" x {num_slices} slices" if num_slices > 1 else ""
-    console.print(f"Creating {kind} [bold]{name}[/bold] ({topology.name}{slices}, "
+    shape = f" as {chip_topology}" if chip_topology else ""
+    console.print(f"Creating {kind} [bold]{name}[/bold] ({topology.name}{shape}{slices}, "
                   f"{_hosts(topology.hosts)}{' per slice' if num_slices > 1 else ''}, "
                   f"{scheduling_tier(settings)}) "
                   f"in {_escape(where)}.")
     try:
         if queued:
             body = queued_resource_body(settings, num_slices=num_slices, ssh_entry=entry,
-                                        reservation=reservation)
+                                        reservation=reservation,
+                                        chip_topology=chip_topology)
             op = control.create_queued_resource(name, body)
         else:
-            op = control.create_node(name, node_body(settings, ssh_entry=entry))
+            op = control.create_node(name, node_body(settings, ssh_entry=entry,
+                                                     chip_topology=chip_topology))
     except AlreadyExists:
         # created meanwhile (by another tpufab, or by our own request before a retried 503)
         if queued and (existing_qr := control.find_queued_resource(name)) is not None:
@@ -306,6 +317,13 @@ def _create(settings: Settings, *, queued: bool = False, num_slices: int = 1,
         return _wait_queued(control, name, op, settings, console=console)
     return [_wait_node(control, name, settings, console=console, op=op,
                        accelerator_type=topology.name)]
+
+
+def _same_topology(node: Node, chip_topology: str | None) -> None:
+    if chip_topology and node.chip_topology and node.chip_topology != chip_topology:
+        raise ConfigError(f"TPU node {node.name!r} already exists with topology "
+                          f"{node.chip_topology}, not {chip_topology}; delete it first "
+                          f"(`tpufab delete --name {node.name}`) or pick another --name.")
 
 
 def _wait_node(control: ControlPlane, name: str, settings: Settings, *, console: Console,

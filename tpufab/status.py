@@ -96,6 +96,14 @@ class MountFact:
 
 
 @dataclass(frozen=True)
+class MountProbe:
+    at: str
+    ok: bool
+    error: str | None = None
+    seconds: float | None = None
+
+
+@dataclass(frozen=True)
 class Deployed:
     dir: str
     exists: bool
@@ -142,6 +150,10 @@ class WorkerFacts:
     disk: tuple[Disk, ...] = ()
     memory_total: int | None = None
     memory_available: int | None = None
+    python: str | None = None
+    time: float | None = None                     # the worker's clock when it answered
+    packages: dict[str, Any] = field(default_factory=dict)      # asked with --python
+    mount_probes: tuple[MountProbe, ...] = ()     # asked with --probe-mounts
 
     @property
     def commit(self) -> str | None:
@@ -173,9 +185,14 @@ class WorkerFacts:
 
 
 def facts_args(*, deploy_dirs: Sequence[str] = (), run_dir: str | None = None,
-               device_globs: Sequence[str] = (), max_runs: int | None = None) -> list[str]:
+               device_globs: Sequence[str] = (), max_runs: int | None = None,
+               pythons: Sequence[str] = (), probe_mounts: float | None = None) -> list[str]:
     """Arguments of ``facts.py`` (pure)."""
     args: list[str] = []
+    for python in pythons:
+        args += ["--python", python]
+    if probe_mounts:
+        args += ["--probe-mounts", f"{probe_mounts:g}"]
     if run_dir:
         args += ["--run-dir", run_dir]
     for path in deploy_dirs:
@@ -247,13 +264,20 @@ def parse_facts(worker: int, outcome: Any) -> WorkerFacts:
     disk = tuple(Disk(str(d["path"]), _int(d.get("free_bytes"), 0) or 0,
                       _int(d.get("total_bytes"), 0) or 0) for d in items("disk") if d.get("path"))
     memory = data.get("memory") if isinstance(data.get("memory"), dict) else {}
+    found = data.get("packages")
+    packages = {str(k): v for k, v in found.items() if v is None or isinstance(v, str)} \
+        if isinstance(found, dict) else {}
+    probes = tuple(MountProbe(str(p["at"]), bool(p.get("ok")), _text(p.get("error")),
+                              _float(p.get("seconds")))
+                   for p in items("mount_probes") if p.get("at"))
     return WorkerFacts(
         worker, True, host=_text(data.get("host")), uptime_s=_float(data.get("uptime_s")),
         boot_id=_text(data.get("boot_id")), devices=tuple(devices),
         unreadable_processes=_int(data.get("unreadable_processes"), 0) or 0, runs=runs,
         runs_total=_int(data.get("runs_total"), len(runs)) or 0, deploys=deploys, mounts=mounts,
         setup=setup, disk=disk, memory_total=_int(memory.get("total_bytes")),
-        memory_available=_int(memory.get("available_bytes")))
+        memory_available=_int(memory.get("available_bytes")), python=_text(data.get("python")),
+        time=_float(data.get("time")), packages=packages, mount_probes=probes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -485,13 +509,15 @@ def default_deploy_dirs(settings: Settings) -> list[str]:
 
 
 def gather_facts(group: Any, *, workers: Iterable[int] | None = None,
-                 deploy_dirs: Sequence[str] = (), max_runs: int | None = None
-                 ) -> dict[int, WorkerFacts]:
+                 deploy_dirs: Sequence[str] = (), max_runs: int | None = None,
+                 pythons: Sequence[str] = (), probe_mounts: float | None = None,
+                 device_globs: Sequence[str] = ()) -> dict[int, WorkerFacts]:
     """One round trip per worker (the fan-out runs them all at once): facts.py's answer."""
     from tpufab.remote_files import run_script
 
     chosen = list(workers if workers is not None else group.workers)
-    args = facts_args(deploy_dirs=deploy_dirs, max_runs=max_runs)
+    args = facts_args(deploy_dirs=deploy_dirs, max_runs=max_runs, pythons=pythons,
+                      probe_mounts=probe_mounts, device_globs=device_globs)
     outcomes = run_script(group, SCRIPT, args, chosen)
     return {w: parse_facts(w, outcomes[w]) for w in chosen}
 

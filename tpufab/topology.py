@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tpufab.errors import ConfigError
 
@@ -131,3 +131,329 @@ def parse_accelerator_type(text: str) -> Topology:
         ", ".join(options[:-1]) + " or " + options[-1])
     what = f"Unknown TPU accelerator type {raw!r}" if raw else "No TPU accelerator type given"
     raise ConfigError(f"{what}; did you mean {nearest}? (see `tpufab types` for the full list)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The physical shape of a slice, custom topologies, model-parallel submeshes (pure).
+# Rules and sources: docs/topology.md.
+
+THREE_D = ("v4", "v5p")                 # 3D chip meshes (tori once made of whole 4x4x4 cubes)
+CUSTOM_TOPOLOGY = ("v4", "v5p", "v5litepod", "v6e")   # generations the API takes a shape for
+AXES = "xyz"
+# 2D generations whose full pod is a 2D torus: (pod shape).
+FULL_POD_2D = {"v2": (16, 16), "v3": (32, 32), "v5litepod": (16, 16), "v6e": (16, 16)}
+# acceleratorConfig.type of each generation that takes a custom topology (Cloud TPU API v2).
+ACCELERATOR_CONFIG_TYPE = {"v4": "V4", "v5p": "V5P", "v5litepod": "V5LITE_POD", "v6e": "V6E"}
+
+
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def format_dims(dims: tuple[int, ...]) -> str:
+    return "x".join(str(d) for d in dims)
+
+
+def parse_topology_text(text: str) -> tuple[int, ...]:
+    """``"4x4x8"`` -> (4, 4, 8); anything else is one sentence saying how to write it."""
+    raw = (text or "").strip().lower()
+    parts = raw.split("x")
+    if not raw or not all(p.isdigit() and 0 < int(p) < 100000 for p in parts) or len(parts) > 3:
+        raise ConfigError(f"--topology {text!r} is not a chip shape; write it AxBxC (v4, v5p) "
+                          "or AxB (v5e, v6e), e.g. --topology 4x4x8.")
+    return tuple(int(p) for p in parts)
+
+
+def _three_d_ok(dims: tuple[int, ...]) -> bool:
+    """v4/v5p shapes the API takes: 2x2x1 (one host), else A<=B<=C, all <= 4 or all multiples
+    of 4 (docs/topology.md)."""
+    if dims == (2, 2, 1):
+        return True
+    if len(dims) != 3 or list(dims) != sorted(dims) or dims[0] < 2:
+        return False
+    return all(d <= 4 for d in dims) or all(d % 4 == 0 for d in dims)
+
+
+def _doubling_dims(chips: int, rank: int) -> tuple[int, ...] | None:
+    dims = [1] * rank
+    while _prod(dims) < chips:
+        smallest = min(dims)
+        dims[max(i for i, d in enumerate(dims) if d == smallest)] *= 2
+    return tuple(dims) if _prod(dims) == chips else None
+
+
+def valid_topologies(topo: Topology) -> list[tuple[int, ...]]:
+    """Every chip shape the API takes for ``topo``'s chip count, most cube-like first."""
+    if topo.generation not in THREE_D:
+        dims = _doubling_dims(topo.chips, 2)
+        return [dims] if dims else []
+    if topo.chips == 4:
+        return [(2, 2, 1)]
+    found = []
+    n = topo.chips
+    for a in range(1, n + 1):
+        if n % a or a * a * a > n:
+            continue
+        for b in range(a, n // a + 1):
+            if (n // a) % b:
+                continue
+            c = n // a // b
+            if c >= b and _three_d_ok((a, b, c)):
+                found.append((a, b, c))
+    return sorted(found, key=lambda d: (d[-1] / d[0], sum(d), d))
+
+
+def default_dims(topo: Topology) -> tuple[int, ...]:
+    """The chip shape a type gets without --topology: the most cube-like valid shape."""
+    shapes = valid_topologies(topo)
+    if shapes:
+        return shapes[0]
+    return _doubling_dims(topo.chips, 3 if topo.generation in THREE_D else 2) or (topo.chips, 1)
+
+
+def _shape_list(shapes: list[tuple[int, ...]], limit: int = 6) -> str:
+    texts = [format_dims(s) for s in shapes[:limit]]
+    more = f" (and {len(shapes) - limit} more)" if len(shapes) > limit else ""
+    return (", ".join(texts) or "none") + more
+
+
+def check_topology(topo: Topology, dims: tuple[int, ...]) -> tuple[int, ...]:
+    """``dims`` if the API takes it for ``topo``; else one sentence naming the valid shapes."""
+    valid = valid_topologies(topo)
+    if topo.generation not in CUSTOM_TOPOLOGY:
+        raise ConfigError(f"--topology is for v4, v5p, v5e (v5litepod) and v6e; a {topo.name} "
+                          f"always has its fixed shape {format_dims(default_dims(topo))}, so "
+                          "drop --topology.")
+    rank = 3 if topo.generation in THREE_D else 2
+    given = format_dims(dims)
+    if len(dims) != rank:
+        raise ConfigError(f"--topology {given} has {len(dims)} dimensions, but {topo.generation} "
+                          f"slices are {rank}D; valid shapes for {topo.name}: "
+                          f"{_shape_list(valid)}.")
+    if _prod(dims) != topo.chips:
+        raise ConfigError(f"--topology {given} is {_prod(dims)} chips, but {topo.name} has "
+                          f"{topo.chips}; valid shapes for {topo.name}: {_shape_list(valid)} "
+                          "(or change --type to match the shape).")
+    if dims in valid:
+        return dims
+    if rank == 3 and tuple(sorted(dims)) in valid:
+        raise ConfigError(f"--topology {given}: the API wants the dimensions in ascending "
+                          f"order; write --topology {format_dims(tuple(sorted(dims)))}.")
+    why = ("v5e and v6e have no custom shapes" if rank == 2 else
+           "v4 and v5p dimensions must all be at most 4 or all be multiples of 4")
+    raise ConfigError(f"--topology {given} is not a shape {topo.name} comes in ({why}); valid "
+                      f"shapes for {topo.name}: {_shape_list(valid)}.")
+
+
+def accelerator_config(type_text: str, topology: str) -> dict[str, str]:
+    """The API's ``acceleratorConfig`` for a custom shape, validated first (pure)."""
+    shape = slice_shape(type_text, topology)
+    return {"type": ACCELERATOR_CONFIG_TYPE[shape.topology.generation], "topology": shape.text}
+
+
+@dataclass(frozen=True)
+class SliceShape:
+    """Where a slice's chips sit: the physical mesh, its hosts, and what JAX sees."""
+
+    topology: Topology
+    dims: tuple[int, ...]            # chips along x, y[, z]
+    host_block: tuple[int, ...]      # chips of one host along each axis
+    wraps: tuple[bool, ...]          # wraparound (torus) links along each axis
+    twisted: bool = False            # a twisted torus can be asked for
+    custom: bool = False             # not the type's default shape
+
+    @property
+    def text(self) -> str:
+        return format_dims(self.dims)
+
+    @property
+    def host_grid(self) -> tuple[int, ...]:
+        return tuple(d // h for d, h in zip(self.dims, self.host_block, strict=True))
+
+    @property
+    def cores_per_chip(self) -> int:
+        return self.topology.cores // self.topology.chips
+
+    @property
+    def jax_device_count(self) -> int:
+        """One JAX device per chip on v4 and later (megacore), per TensorCore on v2/v3."""
+        return self.topology.cores if self.topology.generation in ("v2", "v3") \
+            else self.topology.chips
+
+    @property
+    def core_axis(self) -> int:
+        """The TensorCores of a chip as their own mesh axis (2 on v2/v3, else 1)."""
+        return self.cores_per_chip if self.topology.generation in ("v2", "v3") else 1
+
+    @property
+    def wrap_axes(self) -> str:
+        return "".join(AXES[i] for i, w in enumerate(self.wraps) if w)
+
+    def to_json(self) -> dict:
+        t = self.topology
+        return {"type": t.name, "generation": t.generation, "topology": self.text,
+                "custom": self.custom, "dims": list(self.dims), "chips": t.chips,
+                "tensorcores": t.cores, "hosts": t.hosts, "chips_per_host": t.chips_per_host,
+                "host_block": list(self.host_block), "host_grid": list(self.host_grid),
+                "jax_device_count": self.jax_device_count, "wraparound_axes": self.wrap_axes,
+                "twisted_torus_available": self.twisted}
+
+
+def _wraps(generation: str, dims: tuple[int, ...]) -> tuple[bool, ...]:
+    if generation in THREE_D:
+        whole_cubes = len(dims) == 3 and all(d % 4 == 0 for d in dims)
+        return tuple(whole_cubes for _ in dims)
+    full = FULL_POD_2D.get(generation)
+    return tuple(dims == full for _ in dims)
+
+
+def _host_block(topo: Topology, dims: tuple[int, ...]) -> tuple[int, ...]:
+    if topo.hosts == 1:
+        return dims
+    if topo.generation in THREE_D:
+        return (2, 2, 1)
+    return (2, 2)
+
+
+def slice_shape(type_text: str, topology: str | None = None) -> SliceShape:
+    """The physical shape of ``type_text`` (or of the custom ``topology`` for it)."""
+    topo = parse_accelerator_type(type_text)
+    dims = default_dims(topo)
+    custom = False
+    if topology:
+        wanted = check_topology(topo, parse_topology_text(topology))
+        custom = wanted != dims
+        dims = wanted
+    block = _host_block(topo, dims)
+    if any(d % b for d, b in zip(dims, block, strict=True)):
+        raise ConfigError(f"--topology {format_dims(dims)} cannot be split into "
+                          f"{format_dims(block)} hosts; valid shapes for {topo.name}: "
+                          f"{_shape_list(valid_topologies(topo))}.")
+    sorted_dims = sorted(dims)
+    twisted = (topo.generation in THREE_D and len(dims) == 3 and all(d % 4 == 0 for d in dims)
+               and (2 * sorted_dims[0] == sorted_dims[1] == sorted_dims[2]
+                    or 2 * sorted_dims[0] == 2 * sorted_dims[1] == sorted_dims[2]))
+    return SliceShape(topo, dims, block, _wraps(topo.generation, dims), twisted, custom)
+
+
+@dataclass(frozen=True)
+class Submesh:
+    """One model-parallel replica's tile of the physical mesh, and how it ranks."""
+
+    tile: tuple[int, ...]             # along x, y[, z] (and the cores of a chip on v2/v3)
+    shape: SliceShape = field(repr=False, compare=False)
+
+    @property
+    def _bounds(self) -> tuple[int, ...]:
+        s = self.shape
+        return s.dims + ((s.core_axis,) if s.core_axis > 1 else ())
+
+    @property
+    def _wraps(self) -> tuple[bool, ...]:
+        return self.shape.wraps + ((False,) if self.shape.core_axis > 1 else ())
+
+    @property
+    def _host_block(self) -> tuple[int, ...]:
+        s = self.shape
+        return s.host_block + ((s.core_axis,) if s.core_axis > 1 else ())
+
+    @property
+    def size(self) -> int:
+        return _prod(self.tile)
+
+    @property
+    def whole_wrapping_axes(self) -> int:
+        """Physical axes with wraparound links that the tile spans end to end."""
+        return sum(1 for m, g, w in zip(self.tile, self._bounds, self._wraps, strict=True)
+                   if w and m == g > 1)
+
+    @property
+    def whole_axes(self) -> int:
+        return sum(1 for m, g in zip(self.tile, self._bounds, strict=True) if m == g > 1)
+
+    @property
+    def hosts_per_tile(self) -> int:
+        return _prod(-(-m // h) for m, h in zip(self.tile, self._host_block, strict=True))
+
+    @property
+    def axes_used(self) -> int:
+        return sum(1 for m in self.tile if m > 1)
+
+    def rank_key(self) -> tuple:
+        """Smaller sorts first (the rule, and why, in docs/topology.md): whole wrapping axes,
+        then fewest hosts per tile, then whole axes, then more axes used, then x before y."""
+        return (-self.whole_wrapping_axes, self.hosts_per_tile, -self.whole_axes,
+                -self.axes_used, tuple(-m for m in self.tile))
+
+    @property
+    def t5x(self) -> tuple[int, int, int, int]:
+        """t5x's ``model_parallel_submesh``: (x, y, z, cores of a chip)."""
+        dims = len(self.shape.dims)
+        spatial = list(self.tile[:dims]) + [1] * (3 - dims)
+        core = self.tile[dims] if len(self.tile) > dims else 1
+        return (spatial[0], spatial[1], spatial[2], core)
+
+    @property
+    def data(self) -> int:
+        return self.shape.jax_device_count // self.size
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """The JAX mesh ('data', 'model')."""
+        return (self.data, self.size)
+
+    @property
+    def direct_mesh(self) -> bool:
+        """Each axis is whole or untouched, so ``create_device_mesh((data, model))`` itself
+        maps 'model' onto this tile (up to swapping equal-length axes)."""
+        return all(m in (1, g) for m, g in zip(self.tile, self._bounds, strict=True))
+
+    def reshape_recipe(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(reshape, transpose) that turn the physical device array (indexed by x, y[, z][,
+        core]) into the ('data', 'model') mesh, as t5x's get_mesh does."""
+        pairs = [(g // m, m) for g, m in zip(self._bounds, self.tile, strict=True)]
+        reshape = tuple(v for pair in pairs for v in pair)
+        n = len(pairs)
+        transpose = tuple(2 * i for i in range(n)) + tuple(2 * i + 1 for i in range(n))
+        return reshape, transpose
+
+    def to_json(self) -> dict:
+        reshape, transpose = self.reshape_recipe()
+        return {"t5x_model_parallel_submesh": list(self.t5x), "tile": list(self.tile),
+                "jax_mesh_shape": list(self.mesh_shape), "direct_create_device_mesh":
+                self.direct_mesh, "reshape": list(reshape), "transpose": list(transpose),
+                "hosts_per_tile": self.hosts_per_tile,
+                "whole_wrapping_axes": self.whole_wrapping_axes,
+                "whole_axes": self.whole_axes, "axes_used": self.axes_used}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def submeshes(shape: SliceShape, model_parallel: int) -> list[Submesh]:
+    """Every contiguous tile of ``model_parallel`` devices that tiles ``shape``, best first."""
+    bounds = shape.dims + ((shape.core_axis,) if shape.core_axis > 1 else ())
+    if model_parallel < 1 or shape.jax_device_count % model_parallel:
+        raise ConfigError(f"--model-parallel {model_parallel} does not divide the "
+                          f"{shape.jax_device_count} JAX devices of {shape.topology.name}; "
+                          f"pick one of {_possible(shape, bounds)}.")
+    tiles: list[tuple[int, ...]] = [()]
+    for g in bounds:
+        tiles = [t + (d,) for t in tiles for d in _divisors(g)]
+    found = [Submesh(t, shape) for t in tiles if _prod(t) == model_parallel]
+    if not found:
+        raise ConfigError(f"--model-parallel {model_parallel} cannot be a block of the "
+                          f"{format_dims(bounds)} mesh of {shape.topology.name}; pick one of "
+                          f"{_possible(shape, bounds)}.")
+    return sorted(found, key=Submesh.rank_key)
+
+
+def _possible(shape: SliceShape, bounds: tuple[int, ...]) -> str:
+    sizes = {1}
+    for g in bounds:
+        sizes = {s * d for s in sizes for d in _divisors(g)}
+    return ", ".join(str(s) for s in sorted(sizes))

@@ -3,6 +3,7 @@
 
     facts.py [--run-dir DIR] [--deploy-dir DIR ...] [--devices-glob GLOB ...]
              [--mount-state-dir DIR] [--setup-dir DIR] [--disk PATH ...] [--max-runs N]
+             [--python PATH ...] [--probe-mounts SECONDS]
 
 Prints one JSON object on one line and exits 0 (a fact it cannot read is reported as
 missing, never as a failure):
@@ -14,7 +15,14 @@ missing, never as a failure):
      "mounts": [{"at", "fstype", "source", "url"}],
      "setup": [{"hash", "done", "mtime"}],
      "disk": [{"path", "free_bytes", "total_bytes"}],
-     "memory": {"total_bytes", "available_bytes"}}
+     "memory": {"total_bytes", "available_bytes"}, "python", "time",
+     "packages": {"python", "executable", "jax", "jaxlib", "libtpu", ...}   (with --python)
+     "mount_probes": [{"at", "ok", "error", "seconds"}]}                   (with --probe-mounts)
+
+``--python``: the interpreters a job would use, first that exists wins (`~/.venv/bin/python`
+as the recipes pick it); its package versions are read from their installed metadata, in a
+child process, without importing the packages. ``--probe-mounts``: list every FUSE mount in a
+child process that is killed after SECONDS, so a hung mount is reported, not waited for.
 
 Only reads: it never changes anything on the worker. Holders of the TPU device files (both
 families: /dev/accel* and /dev/vfio/<n>) are found by scanning /proc/*/fd; without root,
@@ -27,11 +35,28 @@ import json
 import os
 import socket
 import stat
+import subprocess
 import sys
+import threading
 import time
 
 DEVICE_GLOBS = ("/dev/accel*", "/dev/vfio/[0-9]*")
 COMMAND_CHARS = 200
+PACKAGES = ("jax", "jaxlib", "libtpu", "libtpu-nightly", "torch", "torch_xla")
+VERSIONS = r"""
+import json, sys
+try:
+    from importlib import metadata
+except ImportError:
+    metadata = None
+found = {"python": "%d.%d.%d" % tuple(sys.version_info[:3]), "executable": sys.executable}
+for name in sys.argv[1:]:
+    try:
+        found[name] = metadata.version(name) if metadata else None
+    except Exception:
+        found[name] = None
+print(json.dumps(found))
+"""
 
 
 # -- small readers -----------------------------------------------------------------------
@@ -393,14 +418,102 @@ def setups(setup_dir):
     return out
 
 
+# -- what a job would run on: its Python and packages ------------------------------------
+
+
+def start_packages(candidates):
+    """Start reading PACKAGES' versions as the first existing interpreter of ``candidates``
+    sees them (in a child, so the rest of the facts are gathered meanwhile)."""
+    for candidate in candidates:
+        path = os.path.expanduser(candidate)
+        if os.sep not in path:
+            path = shutil_which(path)
+        if not path or not os.access(path, os.X_OK):
+            continue
+        try:
+            child = subprocess.Popen([path, "-I", "-c", VERSIONS, *PACKAGES],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     stdin=subprocess.DEVNULL)
+        except OSError as err:
+            return {"executable": path, "error": str(err)[:200]}
+        return (path, child)
+    return {"error": "none of " + ", ".join(candidates) + " exists"}
+
+
+def finish_packages(started, timeout=20.0):
+    if isinstance(started, dict):
+        return started
+    path, child = started
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        return {"executable": path, "error": f"no answer in {timeout:g} s"}
+    if child.returncode != 0:
+        tail = err.decode("utf-8", "replace").strip().splitlines()[-1:]
+        return {"executable": path, "error": (tail[0] if tail else
+                                              f"exit status {child.returncode}")[:200]}
+    try:
+        return json.loads(out.decode().strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"executable": path, "error": "no answer"}
+
+
+def shutil_which(name):
+    for folder in os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep):
+        path = os.path.join(folder, name)
+        if os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def probe_mounts(found, timeout):
+    """Whether each mount answers a directory listing within ``timeout`` seconds."""
+    results = [None] * len(found)
+
+    def probe(index, at):
+        started = time.monotonic()
+        try:
+            done = subprocess.run(["ls", "-A", "--", at], timeout=timeout,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  stdin=subprocess.DEVNULL)
+            error = None if done.returncode == 0 else (
+                done.stderr.decode("utf-8", "replace").strip()[:200]
+                or f"exit status {done.returncode}")
+        except subprocess.TimeoutExpired:
+            error = f"no answer in {timeout:g} s"
+        except OSError as err:
+            error = str(err)[:200]
+        results[index] = {"at": at, "ok": error is None, "error": error,
+                          "seconds": round(time.monotonic() - started, 3)}
+
+    threads = [threading.Thread(target=probe, args=(i, m["at"]), daemon=True)
+               for i, m in enumerate(found)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 2)
+    return [r if r is not None else {"at": found[i]["at"], "ok": False, "seconds": None,
+                                     "error": f"no answer in {timeout:g} s"}
+            for i, r in enumerate(results)]
+
+
 # -- main --------------------------------------------------------------------------------
 
 
 def gather(args):
+    reading = start_packages(args.python) if args.python else None
     paths = device_paths(args.devices_glob or DEVICE_GLOBS)
     holders, unreadable = device_holders(paths)
     recent, total = runs(args.run_dir, args.max_runs)
-    return {
+    found_mounts = mounts(args.mount_state_dir)
+    extra = {}
+    if reading is not None:
+        extra["packages"] = finish_packages(reading)
+    if args.probe_mounts:
+        extra["mount_probes"] = probe_mounts(found_mounts, args.probe_mounts)
+    return {**extra,
         "host": socket.gethostname(),
         "uptime_s": uptime(),
         "boot_id": read_text("/proc/sys/kernel/random/boot_id"),
@@ -410,7 +523,7 @@ def gather(args):
         "runs": recent,
         "runs_total": total,
         "deploys": [deployed(d) for d in args.deploy_dir],
-        "mounts": mounts(args.mount_state_dir),
+        "mounts": found_mounts,
         "setup": setups(args.setup_dir),
         "disk": disk(args.disk or ["~", "/"]),
         "memory": memory(),
@@ -429,6 +542,10 @@ def parse_args(argv):
     parser.add_argument("--disk", action="append", default=[])
     parser.add_argument("--max-runs", type=int, default=5,
                         help="finished runs to list besides the running ones")
+    parser.add_argument("--python", action="append", default=[],
+                        help="interpreter whose package versions to report (first found)")
+    parser.add_argument("--probe-mounts", type=float, default=0.0,
+                        help="list each FUSE mount, giving up after this many seconds")
     return parser.parse_args(argv)
 
 

@@ -11,7 +11,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 from tpufab.errors import ConfigError
-from tpufab.topology import Topology, all_accelerator_types, parse_accelerator_type
+from tpufab.topology import (
+    Topology,
+    all_accelerator_types,
+    check_topology,
+    parse_accelerator_type,
+)
 
 MAX_WORKERS_PER_NODE = 254  # worker w answers on 127.x.y.(w + 1); .255 stays unused
 DEFAULT_PROJECT = "sim-project"
@@ -220,9 +225,16 @@ def _type_from_config(config: dict[str, Any]) -> str:
             "INVALID_ARGUMENT",
             f"Invalid acceleratorConfig {{type: {config.get('type')}, topology: {topology}}}.",
         )
-    chips = _product([int(d) for d in topology.split("x")])
+    dims = tuple(int(d) for d in topology.split("x"))
     cores_per_chip = 2 if generation in ("v2", "v3", "v4", "v5p") else 1
-    return f"{generation}-{chips * cores_per_chip}"
+    name = f"{generation}-{_product(list(dims)) * cores_per_chip}"
+    try:
+        check_topology(parse_accelerator_type(name), dims)
+    except ConfigError as err:
+        raise ApiFailure("INVALID_ARGUMENT",
+                         f"Invalid acceleratorConfig {{type: {config.get('type')}, topology: "
+                         f"{topology}}}: {err}") from None
+    return name
 
 
 def accelerator_type_resource(parent: str, name: str) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from tpufab.verbs.declare import Verb
 
-FAMILIES = ("project", "launch", "nodes", "workers", "data", "jobs", "status", "sim")
+FAMILIES = ("project", "launch", "nodes", "workers", "data", "jobs", "status", "check", "sim")
 
 GROUP_HELP = {
     "sim": "The simulated TPU pod: a local TPU API with real SSH workers.",
@@ -29,6 +29,7 @@ GROUP_HELP = {
 def all_verbs() -> list[Verb]:
     """Every declared verb, in the order the front doors list them."""
     from tpufab.verbs import (  # noqa: F401
+        check,
         data,
         jobs,
         launch,

@@ -26,6 +26,7 @@ RUN_OPTIONS = {
     "on_interrupt": "Ctrl-C: kill the run everywhere, or detach (default: ask).",
     "spmd": "torch_xla SPMD (XLA_USE_SPMD=1).",
     "raw": "Follow every worker's lines, prefixed (default: folded, each line once).",
+    "check": "Run the quick checks of `tpufab check` first; refuse to start on a problem.",
 }
 
 
@@ -34,8 +35,13 @@ def run(recipe: str, *, name: str | None = None, args: str = "", detach: bool = 
         no_deploy: bool = False, direct: bool = False, wip: bool = False,
         env: Sequence[str] | None = None, local: bool = False, workers: int | None = None,
         on_interrupt: str | None = None, spmd: bool = False, raw: bool = False,
-        zone: str | None = None, project: str | None = None) -> int:
-    """Run a recipe on every worker at once (deploying first) and follow its logs."""
+        check: bool = False, zone: str | None = None, project: str | None = None) -> int:
+    """Run a recipe on every worker at once (deploying first) and follow its logs.
+
+    With --check, the quick checks of `tpufab check` run first and any problem stops the run
+    before it starts (the deployed commit is compared only with --no-deploy: otherwise run
+    deploys one commit everywhere).
+    """
     from tpufab.runs import forwarded_for
 
     path = Path(recipe)
@@ -50,6 +56,8 @@ def run(recipe: str, *, name: str | None = None, args: str = "", detach: bool = 
     argv = split_args(args)
     settings = settings_from_flags(name=name, zone=zone, project=project)
     forwarded = forwarded_for(settings, env)
+    if local and check:
+        raise ConfigError("--check checks a pod; drop it with --local.")
     if local:
         return _run_local(path, workers if workers is not None else 1, argv, forwarded, spmd)
     if workers is not None:
@@ -70,9 +78,26 @@ def run(recipe: str, *, name: str | None = None, args: str = "", detach: bool = 
             note("This repository has no git remote yet: deploying over SSH (--direct).")
             direct = True
     pod = pod_for(settings)
+    if check:
+        _preflight(pod, settings, compare_commits=no_deploy)
     plan = _plan(pod, settings, path, argv, forwarded, spmd, root=root, direct=direct,
                  wip=wip)
     return _start_and_follow(pod, plan, detach=detach, on_interrupt=on_interrupt, raw=raw)
+
+
+def _preflight(pod, settings, *, compare_commits: bool) -> None:
+    """The quick checks; a problem stops the run before anything starts."""
+    from tpufab import check as checking
+
+    report = checking.run_check(settings, pod, quick=True, compare_commits=compare_commits)
+    if report.ok:
+        note(f"Checked {report.accelerator} ({len(report.workers)} workers): every quick "
+             f"check passed ({report.seconds:.1f} s).", "dim")
+        return
+    n = len(report.problems)
+    raise checking.CheckError(
+        f"Not starting: `tpufab check --quick` found {n} problem{'s' if n != 1 else ''} on "
+        f"{report.name}.", details="\n".join(p.line() for p in report.problems))
 
 
 def _plan(pod, settings, path: Path, argv, forwarded, spmd, *, root, direct, wip):

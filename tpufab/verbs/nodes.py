@@ -20,18 +20,23 @@ from tpufab.verbs.declare import Opt, verb
                  "zones": Opt("Zones to try in order on a stockout.", metavar="Z1,Z2"),
                  "retry_for": Opt("Keep retrying stockouts this long (30m, 2h).",
                                   metavar="DURATION"),
-                 "reservation": "Consume this reservation (a queued resource)."})
+                 "reservation": "Consume this reservation (a queued resource).",
+                 "topology": Opt("Custom chip shape, e.g. 4x4x4 (v4, v5p, v5e, v6e).",
+                                 metavar="AxBxC")})
 def create(*, name: str | None = None, type: str | None = None, zone: str | None = None,
            project: str | None = None, version: str | None = None, spot: bool = False,
            preemptible: bool = False, reserved: bool = False, queued: bool = False,
            num_slices: int = 1, async_: bool = False,
            labels: Iterable[str] | None = None, zones: str | None = None,
-           retry_for: str | None = None, reservation: str | None = None) -> None:
+           retry_for: str | None = None, reservation: str | None = None,
+           topology: str | None = None) -> None:
     """Create a TPU VM node (or queued resource) and wait until it is READY.
 
     Without a name (no --name, TPUFAB_NAME or `name:`) it picks <user>-<type> and says so.
     The node becomes this project's current pod either way. On a stockout it tries the next
     of --zones, and keeps retrying with backoff for --retry-for; quota errors stop at once.
+    --topology asks for a custom chip shape (v4, v5p, v5e, v6e), checked before any API call
+    and sent as the API's acceleratorConfig.
     """
     from tpufab import current, lifecycle
 
@@ -49,7 +54,8 @@ def create(*, name: str | None = None, type: str | None = None, zone: str | None
         settings.name = default_name(settings.ssh_user, settings.require("type", "--type"))
         note(f"No node name given: calling it {settings.name} (pass --name to choose).")
     lifecycle.create(settings, queued=queued, num_slices=num_slices, async_=async_,
-                     zones=zone_list or None, retry_for=retry_s, reservation=reservation)
+                     zones=zone_list or None, retry_for=retry_s, reservation=reservation,
+                     topology=topology)
     path = current.remember(settings.name, zone=settings.zone, project=settings.project,
                             set_by="create")
     note(f"{settings.name} is this project's current pod ({path}).", "dim")
@@ -166,3 +172,86 @@ def known_hosts_forget(*, node: str, zone: str | None = None, project: str | Non
     stdout().print(f"Forgot {count(removed, 'pinned host key')} of node {node} "
                    f"({settings.known_hosts_path}); the next connection pins the keys again.",
                    markup=False)
+
+
+@verb(options={"type": "Accelerator type: v4-512, v6e-8, tpu-v5p-128 ...",
+               "model_parallel": Opt("Rank the submeshes of M devices for M-way model "
+                                     "parallelism.", min=1, metavar="M"),
+               "topology": Opt("A custom chip shape to describe instead, e.g. 4x4x16.",
+                               metavar="AxBxC"),
+               "limit": Opt("How many submeshes to list.", min=1)})
+def topology(type: str, *, model_parallel: int | None = None, topology: str | None = None,
+             limit: int = 6, as_json: bool = False) -> None:
+    """The physical shape of TYPE (chips, hosts, what jax.device_count() returns, torus axes)
+    and, with --model-parallel M, the submeshes that tile it, best first (no cloud calls)."""
+    from tpufab import topology as shapes
+
+    shape = shapes.slice_shape(type, topology)
+    ranked = shapes.submeshes(shape, model_parallel) if model_parallel is not None else []
+    if as_json:
+        data = shape.to_json()
+        if model_parallel is not None:
+            data["model_parallel"] = model_parallel
+            data["submeshes"] = [s.to_json() for s in ranked]
+        print_json(data)
+        return
+    for line in topology_lines(shape, ranked, limit=limit):
+        print(line)
+
+
+def topology_lines(shape, ranked, *, limit: int = 6) -> list[str]:
+    """The `tpufab topology` report (pure)."""
+    from tpufab.topology import format_dims
+
+    t = shape.topology
+    per_chip = "one per chip, megacore" if shape.jax_device_count == t.chips and \
+        t.cores != t.chips else ("one per chip" if t.cores == t.chips else "one per TensorCore")
+    if shape.wrap_axes:
+        links = f"wraparound (torus) on {', '.join(shape.wrap_axes)}"
+        if shape.twisted:
+            links += "; a twisted torus can be asked for"
+    else:
+        links = "no wraparound links (a mesh)"
+    lines = [f"{t.name}: {shape.text} chips{' (custom topology)' if shape.custom else ''}, "
+             f"{len(shape.dims)}D, {links}",
+             f"  hosts:              {t.hosts} ({format_dims(shape.host_grid)} hosts of "
+             f"{format_dims(shape.host_block)} chips each)",
+             f"  chips:              {t.chips} ({t.chips_per_host} per host)",
+             f"  TensorCores:        {t.cores}",
+             f"  jax.device_count(): {shape.jax_device_count} ({per_chip}); "
+             f"jax.process_count(): {t.hosts}"]
+    if not ranked:
+        return lines
+    size = ranked[0].size
+    lines += ["", f"{size}-way model parallelism: {len(ranked)} submesh"
+              f"{'es tile' if len(ranked) != 1 else ' tiles'} {shape.text}"
+              f"{', best first' if len(ranked) > 1 else ''} (a heuristic: docs/topology.md)"]
+    header = ("RANK", "t5x model_parallel_submesh", "JAX mesh (data, model)", "HOSTS/TILE",
+              "WHOLE AXES")
+    rows = []
+    for n, s in enumerate(ranked[:limit], 1):
+        whole = f"{s.whole_axes}" + (f" ({s.whole_wrapping_axes} wrapping)"
+                                     if s.whole_wrapping_axes else "")
+        rows.append((str(n), str(s.t5x), str(s.mesh_shape), str(s.hosts_per_tile), whole))
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    if len(ranked) > limit:
+        lines.append(f"  ... {len(ranked) - limit} more (--limit N, or --json for all)")
+    best = ranked[0]
+    reshape, transpose = best.reshape_recipe()
+    if shape.core_axis > 1:
+        physical = (f"jax.devices() in an array of shape {tuple(shape.dims) + (shape.core_axis,)}"
+                    " indexed by (*device.coords[:2], device.core_on_chip)")
+    else:
+        physical = (f"jax.devices() in an array of shape {tuple(shape.dims)} indexed by "
+                    f"device.coords (mesh_utils.create_device_mesh({tuple(shape.dims)}) "
+                    "gives one)")
+    lines += ["", f"Rank 1 in JAX: physical = {physical}; then",
+              f"  mesh = Mesh(physical.reshape{reshape}.transpose{transpose}"
+              f".reshape{best.mesh_shape}, ('data', 'model'))"]
+    if best.direct_mesh:
+        lines.append(f"  or simply Mesh(mesh_utils.create_device_mesh({best.mesh_shape}), "
+                     "('data', 'model')).")
+    lines.append(f"In t5x: model_parallel_submesh={best.t5x}.")
+    return lines
