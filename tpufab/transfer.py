@@ -430,8 +430,11 @@ def _upload_error(fanout, plan: _PutPlan, token: str, err: Exception) -> str:
     text = str(err) or type(err).__name__
     remaining = sum(f.size for f in plan.needed)
     free = answer.get("free")
-    if "No space" in text or "no space" in text or (
-            isinstance(err, OSError) and free is not None and free < min(remaining, 1 << 20)):
+    inodes = answer.get("inodes")
+    # SFTP reports ENOSPC as a bare "Failure": look at the worker's free bytes and inodes.
+    if "No space" in text or "no space" in text or (isinstance(err, OSError) and (
+            (free is not None and free < min(remaining, 1 << 20))
+            or (inodes is not None and inodes < len(plan.needed)))):
         return _no_space_sentence(plan.worker, free, plan.root)
     if isinstance(err, PermissionError) or "ermission denied" in text:
         return f"permission denied writing under {os.path.dirname(plan.root)}"

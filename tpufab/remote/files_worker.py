@@ -60,10 +60,10 @@ def plan(request):
     out = {"root": root, "files": {}, "error": None}
     if request["is_dir"]:
         if os.path.exists(root) and not os.path.isdir(root):
-            out["error"] = "not a directory: %s exists and is a file" % root
+            out["error"] = f"not a directory: {root} exists and is a file"
             return out
     elif os.path.isdir(root):
-        out["error"] = "is a directory: %s" % root
+        out["error"] = f"is a directory: {root}"
         return out
     need = 0
     for entry in request["files"]:
@@ -76,7 +76,7 @@ def plan(request):
             need += entry["size"]
             continue
         if stat.S_ISDIR(st.st_mode):
-            out["error"] = "is a directory: %s" % final
+            out["error"] = f"is a directory: {final}"
             return out
         same = st.st_size == entry["size"] and sha256_of(final) == entry["sha256"]
         if same and stat.S_IMODE(st.st_mode) != entry["mode"]:
@@ -93,7 +93,7 @@ def plan(request):
             if not os.path.isdir(path):
                 os.makedirs(path, exist_ok=True)
     except OSError as err:
-        out["error"] = "%s: %s" % (why(err), err.filename or root)
+        out["error"] = f"{why(err)}: {err.filename or root}"
         return out
     free = free_bytes(root)
     out["free"] = free
@@ -126,14 +126,24 @@ def commit(request):
             done.append(final)
         except OSError as err:
             remove([tmp])
-            return {"committed": done, "mismatch": bad, "error": "%s: %s" % (why(err), final)}
+            return {"committed": done, "mismatch": bad, "error": f"{why(err)}: {final}"}
     return {"committed": done, "mismatch": bad, "error": None}
+
+
+def free_inodes(path):
+    while path and not os.path.isdir(path):
+        path = os.path.dirname(path)
+    try:
+        return os.statvfs(path or "/").f_favail
+    except OSError:
+        return None
 
 
 def cleanup(request):
     remove(request["paths"])
     left = [p for p in request["paths"] if os.path.exists(p)]
-    return {"left": left, "free": free_bytes(request.get("near") or "/")}
+    near = request.get("near") or "/"
+    return {"left": left, "free": free_bytes(near), "inodes": free_inodes(near)}
 
 
 def listing(request):
@@ -141,12 +151,12 @@ def listing(request):
     try:
         st = os.stat(root)
     except OSError as err:
-        return {"root": root, "error": "%s: %s" % (why(err), root)}
+        return {"root": root, "error": f"{why(err)}: {root}"}
     files, dirs = [], []
     is_dir = stat.S_ISDIR(st.st_mode)
     if not is_dir:
         if request.get("want") == "dir":
-            return {"root": root, "error": "not a directory: %s" % root}
+            return {"root": root, "error": f"not a directory: {root}"}
         paths = [("", root)]
     else:
         paths = []
@@ -166,7 +176,7 @@ def listing(request):
                           "sha256": sha256_of(path)})
         except OSError as err:
             if err.errno in (errno.EACCES, errno.EPERM):
-                return {"root": root, "error": "%s: %s" % (why(err), path)}
+                return {"root": root, "error": f"{why(err)}: {path}"}
     return {"root": root, "is_dir": is_dir, "files": files, "dirs": dirs, "error": None}
 
 
@@ -226,7 +236,7 @@ def serve(request):
                 break
         try:
             conn, _ = listener.accept()
-        except socket.timeout:
+        except TimeoutError:
             if time.time() - last[0] > idle:
                 break
             continue
@@ -247,42 +257,44 @@ def pull(request):
                                         timeout=float(request.get("timeout", 60)))
     except OSError as err:
         return {"committed": [], "mismatch": [], "bytes": 0, "unreachable": True,
-                "error": "cannot reach %s:%s: %s" % (host, port, why(err))}
+                "error": f"cannot reach {host}:{port}: {why(err)}"}
     reader = sock.makefile("rb")
-    done, moved, last = [], 0, 0
+    moved, last = 0, 0
+    written = []   # temp files, renamed into place only once every file arrived intact
     try:
         for entry in request["files"]:
             tmp, final = entry["tmp"], entry["final"]
             sock.sendall(token + b" " + str(entry["index"]).encode() + b"\n")
             size = int.from_bytes(reader.read(8), "big")
             digest = hashlib.sha256()
-            try:
-                with open(tmp, "wb") as out:
-                    left = size
-                    while left:
-                        block = reader.read(min(CHUNK, left))
-                        if not block:
-                            raise OSError(errno.ECONNRESET, "the serving worker went away")
-                        out.write(block)
-                        digest.update(block)
-                        left -= len(block)
-                        moved += len(block)
-                        if moved - last >= 8 * CHUNK:
-                            last = moved
-                            say({"progress": moved})
-                if digest.hexdigest() != entry["sha256"]:
-                    remove([tmp])
-                    return {"committed": done, "mismatch": [final], "error": None,
-                            "bytes": moved}
-                os.chmod(tmp, entry["mode"])
-                os.rename(tmp, final)
-                done.append(final)
-            except OSError as err:
-                remove([tmp])
-                return {"committed": done, "mismatch": [], "bytes": moved,
-                        "error": "%s: %s" % (why(err), final),
-                        "no_space": err.errno == errno.ENOSPC}
+            written.append(tmp)
+            with open(tmp, "wb") as out:
+                left = size
+                while left:
+                    block = reader.read(min(CHUNK, left))
+                    if not block:
+                        raise OSError(errno.ECONNRESET, "the serving worker went away")
+                    out.write(block)
+                    digest.update(block)
+                    left -= len(block)
+                    moved += len(block)
+                    if moved - last >= 8 * CHUNK:
+                        last = moved
+                        say({"progress": moved})
+            if digest.hexdigest() != entry["sha256"]:
+                remove(written)
+                return {"committed": [], "mismatch": [final], "error": None, "bytes": moved}
         sock.sendall(token + b" BYE\n")
+        done = []
+        for entry in request["files"]:
+            os.chmod(entry["tmp"], entry["mode"])
+            os.rename(entry["tmp"], entry["final"])
+            done.append(entry["final"])
+    except OSError as err:
+        remove(written)
+        return {"committed": [], "mismatch": [], "bytes": moved,
+                "error": "{}: {}".format(why(err), err.filename or request["files"][0]["final"]),
+                "no_space": err.errno in (errno.ENOSPC, errno.EDQUOT)}
     finally:
         sock.close()
     return {"committed": done, "mismatch": [], "error": None, "bytes": moved}
@@ -295,7 +307,7 @@ OPS = {"plan": plan, "commit": commit, "cleanup": cleanup, "list": listing, "ser
 def main():
     op = sys.argv[1] if len(sys.argv) > 1 else ""
     if op not in OPS:
-        sys.stderr.write("files_worker: unknown operation %r\n" % op)
+        sys.stderr.write(f"files_worker: unknown operation {op!r}\n")
         return 2
     request = json.loads(sys.stdin.read() or "{}")
     say(OPS[op](request))
