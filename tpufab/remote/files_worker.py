@@ -98,8 +98,8 @@ def plan(request):
     free = free_bytes(root)
     out["free"] = free
     if free is not None and need > free:
-        out["error"] = "no space left: %d bytes needed, %d free under %s" % (need, free,
-                                                                           os.path.dirname(root))
+        out["error"] = "no space left: {} bytes needed, {} free under {}".format(
+            need, free, os.path.dirname(root))
     return out
 
 
