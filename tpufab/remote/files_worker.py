@@ -98,8 +98,7 @@ def plan(request):
     free = free_bytes(root)
     out["free"] = free
     if free is not None and need > free:
-        out["error"] = "no space left: {} bytes needed, {} free under {}".format(
-            need, free, os.path.dirname(root))
+        out["error"] = f"no space left: {need} bytes needed, {free} free under {os.path.dirname(root)}"
     return out
 
 
