@@ -93,9 +93,13 @@ def _report(report, verb: str) -> None:
 
 
 def put(local: str, remote: str | None = None, *, name: str | None = None,
-        worker: str = "all", relay: bool = True, zone: str | None = None,
+        worker: str = "all", no_relay: bool = False, zone: str | None = None,
         project: str | None = None) -> None:
-    """Copy a local file or directory to every (selected) worker; identical files are skipped."""
+    """Copy a local file or directory to every (selected) worker; identical files are skipped.
+
+    ``no_relay``: send every worker its own copy over SSH instead of uploading once and
+    letting one worker serve the others over the pod's internal network.
+    """
     from pathlib import Path
 
     from tpufab import transfer
@@ -106,7 +110,7 @@ def put(local: str, remote: str | None = None, *, name: str | None = None,
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
     chosen = pod.fanout.select(worker)
     report = transfer.put(pod.fanout, local, remote, workers=chosen,
-                          peers=_peers(pod) if relay else None,
+                          peers=None if no_relay else _peers(pod),
                           progress=BarProgress(f"put {Path(local).name}"))
     _report(report, "put")
 
