@@ -94,24 +94,25 @@ def main() -> None:
             hosts_file = root / f"hosts{n}"
             hosts_file.write_text("\n".join(chosen) + "\n")
 
-            def clean():
+            def clean(n=n):
                 for w in range(n):
                     pod.sh(w, "rm -f /tmp/payload.bin /tmp/.payload.bin.*")
 
-            def check():
+            def check(n=n):
                 want = pod.sh(0, "sha256sum /tmp/payload.bin").split()[0]
                 for w in range(n):
                     assert pod.sh(w, "sha256sum /tmp/payload.bin").split()[0] == want
 
+            loop = ("for h in " + " ".join(chosen) +
+                    f"; do scp -q -F {config} {local} $h:/tmp/ || exit 1; done")
             tools = {
-                "tpufab put (relay)": lambda: [sys.executable, "-c", DRIVER, _spec(
+                "tpufab put (relay)": [sys.executable, "-c", DRIVER, _spec(
                     root, pod, chosen, local, relay=True)],
-                "tpufab put (SFTP to each)": lambda: [sys.executable, "-c", DRIVER, _spec(
+                "tpufab put (SFTP to each)": [sys.executable, "-c", DRIVER, _spec(
                     root, pod, chosen, local, relay=False)],
-                "pscp": lambda: ["parallel-scp", "-h", str(hosts_file), "-p", "32", "-x",
-                                 f"-F {config}", str(local), "/tmp/payload.bin"],
-                "scp loop": lambda: ["sh", "-c", "for h in " + " ".join(chosen) +
-                                     f"; do scp -q -F {config} {local} $h:/tmp/ || exit 1; done"],
+                "pscp": ["parallel-scp", "-h", str(hosts_file), "-p", "32", "-x",
+                         f"-F {config}", str(local), "/tmp/payload.bin"],
+                "scp loop": ["sh", "-c", loop],
             }
             for name, argv in tools.items():
                 walls, cpus = [], []
@@ -119,7 +120,7 @@ def main() -> None:
                 for _ in range(reps):
                     clean()
                     load = os.getloadavg()[0]
-                    wall, cpu, out = timed(argv())
+                    wall, cpu, out = timed(argv)
                     check()
                     walls.append(wall)
                     cpus.append(cpu)

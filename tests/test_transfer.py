@@ -31,7 +31,9 @@ pytestmark = pytest.mark.sim
 def pod(tmp_path_factory):
     if os.geteuid() != 0:
         pytest.skip("the simulated workers need root")
-    pod = SimPod(tmp_path_factory.mktemp("pod"), 4, "7301", 63)
+    root = tmp_path_factory.mktemp("pod")
+    pod = SimPod(root, 4, "7301", 63)
+    pod.root = root
     try:
         pod.fanout.open().check()
         yield pod
@@ -164,6 +166,49 @@ def test_a_full_disk_fails_naming_the_worker_and_leaves_nothing(pod, tmp_path):
             assert pod.sh(0, "cat /root/small/many/f3 | wc -l") == "100"
     finally:
         pod.sh(2, "umount /root/small", check=False)
+
+
+# A put in its own process, as `tpufab put` runs: Ctrl-C arrives while bytes are moving.
+PUT_DRIVER = r"""
+import json, sys
+from tpufab import transfer
+from tpufab.console import run
+from tpufab.fanout import Fanout, Target
+from tpufab.hostkeys import KnownHosts, alias
+spec = json.loads(sys.argv[1])
+targets = [Target(w, h, "root", spec["key"], 22, alias(spec["node"], w))
+           for w, h in enumerate(spec["hosts"])]
+with Fanout(targets, known_hosts=KnownHosts(spec["known_hosts"])) as fan:
+    sys.exit(run(lambda: transfer.put(fan, spec["local"], "/root/big/", workers="1").check()))
+"""
+
+
+def test_ctrl_c_leaves_no_partial_file_under_the_final_name(pod, tmp_path):
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    big = tmp_path / "huge.bin"
+    with open(big, "wb") as fh:
+        fh.truncate(1 << 30)          # 1 GiB (sparse here, real bytes on the wire)
+    pod.sh(1, "mkdir -p /root/big && rm -f /root/big/huge.bin")
+    spec = {"key": str(pod.root / "client"), "known_hosts": str(pod.root / "known_hosts"),
+            "node": pod.node_id, "local": str(big),
+            "hosts": [t.host for _w, t in sorted(pod.fanout.targets.items())]}
+    proc = subprocess.Popen([sys.executable, "-c", PUT_DRIVER, json.dumps(spec)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: pod.sh(1, "find /root/big -name '*.tpufab-*.part' -size +1M",
+                                check=False), 120, 0.1, what="the upload to be under way")
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "Interrupted: put stopped on w1; no partial file was left" in err
+    assert pod.sh(1, "ls -A /root/big") == ""
 
 
 def fetch(url: str, timeout: float = 10.0) -> str:
