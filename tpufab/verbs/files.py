@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
 
 from tpufab.errors import ConfigError
 from tpufab.verbs.common import note, pod_for, say, settings_from_flags
+from tpufab.verbs.declare import Opt, verb
 
 PROGRESS_AFTER = 0.5   # seconds: a quick transfer prints only its summary
 
@@ -92,6 +92,11 @@ def _report(report, verb: str) -> None:
     report.check()
 
 
+@verb(options={"local": "Local file or directory.",
+                 "remote": Opt("Where on each worker (default: the home directory; into it if "
+                               "it is a directory or ends with /).", argument=True),
+                 "no_relay": "Send each worker its own copy over SSH instead of one upload "
+                             "that a worker relays to the others."})
 def put(local: str, remote: str | None = None, *, name: str | None = None,
         worker: str = "all", no_relay: bool = False, zone: str | None = None,
         project: str | None = None) -> None:
@@ -115,6 +120,8 @@ def put(local: str, remote: str | None = None, *, name: str | None = None,
     _report(report, "put")
 
 
+@verb(options={"remote": "File or directory on the workers.",
+                 "local": "Where here: LOCAL/w0/..., LOCAL/w1/... (one worker: LOCAL)."})
 def get(remote: str, local: str, *, name: str | None = None, worker: str = "all",
         zone: str | None = None, project: str | None = None) -> None:
     """Copy a file or directory from every (selected) worker: LOCAL/w0/..., LOCAL/w1/..."""
@@ -129,7 +136,10 @@ def get(remote: str, local: str, *, name: str | None = None, worker: str = "all"
     _report(report, "get")
 
 
-def forward(ports: Sequence[str], *, name: str | None = None, worker: int = 0,
+@verb(options={"ports": Opt("PORT, LOCAL:REMOTE or LOCAL:HOST:REMOTE (several allowed).",
+                             rest=True),
+                 "worker": Opt("Worker index.", short="-w")})
+def forward(ports: list[str], *, name: str | None = None, worker: int = 0,
             zone: str | None = None, project: str | None = None) -> int:
     """Forward local ports to a worker (default 0) over SSH until Ctrl-C: PORT[:REMOTE_PORT]."""
     from tpufab import forward as forwarding
@@ -156,6 +166,9 @@ def forward(ports: Sequence[str], *, name: str | None = None, worker: int = 0,
     return 0
 
 
+@verb(options={"duration": "How long to trace: 5s, 500ms, 1m.",
+                 "run": "Run id (default: the latest running run).",
+                 "port": "Profiler port (default: the job's TPUFAB_PROFILER_PORT)."})
 def profile(*, name: str | None = None, worker: str = "0", duration: str = "5s",
             run: str | None = None, port: int | None = None, zone: str | None = None,
             project: str | None = None) -> None:
