@@ -2,13 +2,12 @@
 `run recipes/serve_jax.sh --wait-port`, `forward`, the benchmark client, `profile`, and
 `--wait-port` on a server that never comes up.
 
-The verbs run as a user runs them (a `python -c` calling tpufab.verbs the way the CLI
-does); the benchmark client runs here against the forwarded port.
+The verbs run as a user runs them, through the real `tpufab` command; the benchmark client
+runs here against the forwarded port.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -22,11 +21,7 @@ from conftest import free_port, unique_name, wait_for
 from test_run_sim import _quiet, build_shared_jax
 
 REPO = Path(__file__).resolve().parents[1]
-CALL = ("import json, sys\n"
-        "from tpufab.verbs import files, jobs\n"
-        "from tpufab.console import run\n"
-        "verb = getattr(files, sys.argv[1], None) or getattr(jobs, sys.argv[1])\n"
-        "sys.exit(run(verb, **json.loads(sys.argv[2])))\n")
+TPUFAB = str(Path(sys.executable).parent / "tpufab")
 
 pytestmark = pytest.mark.sim
 
@@ -71,18 +66,16 @@ def serve_env(sim, tmp_path_factory):
         lifecycle.delete(settings, yes=True, console=_quiet())
 
 
-def call(env, verb: str, *, cwd: Path, timeout: float = 300, **kwargs):
-    return subprocess.run([sys.executable, "-c", CALL, verb, json.dumps(kwargs)], env=env,
-                          cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+def call(env, *args: str, cwd: Path, timeout: float = 300):
+    return subprocess.run([TPUFAB, *args], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 class Background:
-    """A verb running in the background, its output collected as it arrives."""
+    """`tpufab ...` running in the background, its output collected as it arrives."""
 
-    def __init__(self, env, cwd: Path, verb: str, **kwargs):
-        self.proc = subprocess.Popen([sys.executable, "-c", CALL, verb, json.dumps(kwargs)],
-                                     env=env, cwd=cwd, stdout=subprocess.PIPE,
+    def __init__(self, env, cwd: Path, *args: str):
+        self.proc = subprocess.Popen([TPUFAB, *args], env=env, cwd=cwd, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True,
                                      stdin=subprocess.DEVNULL)
         self.out: list[str] = []
@@ -106,19 +99,20 @@ def run_id_of(stderr: str) -> str:
 def test_serve_wait_port_forward_benchmark_and_profile(serve_env):
     env, pod, project = serve_env
     port, local = free_port(), free_port()
-    started = call(env, "run", cwd=project, recipe="recipes/serve_jax.sh", no_deploy=True,
-                   args=f"--port {port} --threads 4", wait_port=port, wait_timeout=240)
+    started = call(env, "run", "recipes/serve_jax.sh", "--no-deploy",
+                   f"--args=--port {port} --threads 4", "--wait-port", str(port),
+                   "--wait-timeout", "240", cwd=project)
     assert started.returncode == 0, started.stdout + started.stderr
     assert f"Port {port} answers on w0" in started.stderr
     run_id = run_id_of(started.stderr)
     forwarder = None
     try:
-        logs = call(env, "logs", cwd=project, run=run_id, raw=True)
+        logs = call(env, "logs", "--run", run_id, "--raw", cwd=project)
         assert f"w0 │ serve_jax: serving on port {port}" in logs.stdout, logs.stdout
         for w in (1, 2, 3):
             assert f"w{w} │ serve_jax: worker {w} idle: the model fits on one host" in logs.stdout
 
-        forwarder = Background(env, project, "forward", ports=[f"{local}:{port}"])
+        forwarder = Background(env, project, "forward", f"{local}:{port}")
         wait_for(lambda: any(f"http://127.0.0.1:{local} -> w0" in line
                              for line in forwarder.out), 60, what="the forward to start")
         bench = subprocess.run([sys.executable, str(project / "recipes" / "bench_serve.py"),
@@ -132,7 +126,7 @@ def test_serve_wait_port_forward_benchmark_and_profile(serve_env):
                        "P99 latency: ", "Total generated tokens: 192"):
             assert any(line.startswith(prefix) for line in lines), (prefix, lines)
 
-        profiled = call(env, "profile", cwd=project, worker="0", duration="2s")
+        profiled = call(env, "profile", "--worker", "0", "--duration", "2s", cwd=project)
         assert profiled.returncode == 0, profiled.stdout + profiled.stderr
         assert "profile: w0 1 trace file" in profiled.stdout
         traces = list((project / ".tpufab" / "runs" / run_id / "profiles").rglob("*.xplane.pb"))
@@ -141,7 +135,7 @@ def test_serve_wait_port_forward_benchmark_and_profile(serve_env):
         if forwarder is not None:
             assert forwarder.stop() == 0
             assert any("Stopped forwarding" in line for line in forwarder.err), forwarder.err
-        killed = call(env, "kill", cwd=project, run=run_id)
+        killed = call(env, "kill", "--run", run_id, cwd=project)
         assert killed.returncode == 0, killed.stdout + killed.stderr
 
 
@@ -152,8 +146,8 @@ def test_wait_port_on_a_server_that_never_listens_shows_the_logs(serve_env):
                       "echo 'out of memory' >&2\nexit 3\n")
     recipe.chmod(0o755)
     port = free_port()
-    failed = call(env, "run", cwd=project, recipe="recipes/no_server.sh", no_deploy=True,
-                  wait_port=port, wait_timeout=60)
+    failed = call(env, "run", "recipes/no_server.sh", "--no-deploy", "--wait-port", str(port),
+                  "--wait-timeout", "60", cwd=project)
     assert failed.returncode == 1, failed.stdout + failed.stderr
     assert "the run ended on w0 (exited, exit 3) before port" in failed.stderr, failed.stderr
     assert "out of memory" in failed.stdout and "loading weights on" in failed.stdout
@@ -161,7 +155,28 @@ def test_wait_port_on_a_server_that_never_listens_shows_the_logs(serve_env):
 
 def test_profile_without_a_running_job_says_so(serve_env):
     env, _pod, project = serve_env
-    result = call(env, "profile", cwd=project, worker="1", duration="1s")
+    result = call(env, "profile", "--worker", "1", "--duration", "1s", cwd=project)
     assert result.returncode == 1
     assert "No run is running on w1" in result.stderr or "no trace from" in result.stderr, \
         result.stderr
+
+
+def test_put_and_get_through_the_command(serve_env, tmp_path):
+    env, pod, project = serve_env
+    (project / "cfg").mkdir(exist_ok=True)
+    (project / "cfg" / "model.yaml").write_text("layers: 4\n")
+    put = call(env, "put", "cfg", "/root/", cwd=project)
+    assert put.returncode == 0, put.stdout + put.stderr
+    assert put.stdout.startswith("put: w[0-3] 1 file, 10 B, ")
+    again = call(env, "put", "cfg", "/root/", cwd=project)
+    assert again.stdout.startswith("put: w[0-3] 0 files, 1 already there, 0 B, ")
+    pod.fanout.run("echo $(hostname) > /root/cfg/host.txt", check=True)
+    got = call(env, "get", "/root/cfg", str(tmp_path / "back"), cwd=project)
+    assert got.returncode == 0, got.stdout + got.stderr
+    for w in range(4):
+        assert (tmp_path / "back" / f"w{w}" / "cfg" / "model.yaml").read_text() == "layers: 4\n"
+        assert (tmp_path / "back" / f"w{w}" / "cfg" / "host.txt").read_text().strip()\
+            .endswith(f"-w-{w}")
+    missing = call(env, "put", "nothing-here", cwd=project)
+    assert missing.returncode != 0
+    assert "nothing-here does not exist here" in missing.stderr

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from tpufab.verbs.declare import Verb
 
-FAMILIES = ("project", "launch", "nodes", "workers", "data", "jobs", "status", "sim")
+FAMILIES = ("project", "launch", "nodes", "workers", "files", "data", "jobs", "status",
+            "sim")
 
 GROUP_HELP = {
     "sim": "The simulated TPU pod: a local TPU API with real SSH workers.",
@@ -30,6 +31,7 @@ def all_verbs() -> list[Verb]:
     """Every declared verb, in the order the front doors list them."""
     from tpufab.verbs import (  # noqa: F401
         data,
+        files,
         jobs,
         launch,
         nodes,

@@ -102,8 +102,9 @@ def put(local: str, remote: str | None = None, *, name: str | None = None,
         project: str | None = None) -> None:
     """Copy a local file or directory to every (selected) worker; identical files are skipped.
 
-    ``no_relay``: send every worker its own copy over SSH instead of uploading once and
-    letting one worker serve the others over the pod's internal network.
+    Verified (sha256) and atomic (a temporary name, then a rename); to many workers the
+    file is uploaded once and relayed by one worker over the pod's network (--no-relay to
+    send each its own copy over SSH).
     """
     from pathlib import Path
 
