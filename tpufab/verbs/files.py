@@ -81,15 +81,10 @@ class BarProgress:
                 self.bar = None
 
 
-def _peers(pod) -> dict[int, str]:
-    """Worker -> the address its peers reach it at (the relay serves from there)."""
-    return dict(enumerate(pod.internal_ips()))
-
-
 def _report(report, verb: str) -> None:
+    """The folded summary on stdout (failures included: the error sentence follows)."""
     for line in report.lines():
         say(f"{verb}: {line}")
-    report.check()
 
 
 @verb(options={"local": "Local file or directory.",
@@ -114,10 +109,12 @@ def put(local: str, remote: str | None = None, *, name: str | None = None,
         raise ConfigError(f"{local} does not exist here; check the local path (put copies a "
                           "file or directory from this machine).")
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
-    chosen = pod.fanout.select(worker)
-    report = transfer.put(pod.fanout, local, remote, workers=chosen,
-                          peers=None if no_relay else _peers(pod),
-                          progress=BarProgress(f"put {Path(local).name}"))
+    try:
+        report = pod.put(local, remote, workers=worker, relay=not no_relay,
+                         progress=BarProgress(f"put {Path(local).name}"))
+    except transfer.TransferError as err:
+        _report(err.report, "put")
+        raise
     _report(report, "put")
 
 
@@ -131,9 +128,11 @@ def get(remote: str, local: str, *, name: str | None = None, worker: str = "all"
     if not remote or not remote.strip():
         raise ConfigError("No remote path given: tpufab get REMOTE LOCAL.")
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
-    chosen = pod.fanout.select(worker)
-    report = transfer.get(pod.fanout, remote, local, workers=chosen,
-                          progress=BarProgress(f"get {remote}"))
+    try:
+        report = pod.get(remote, local, workers=worker, progress=BarProgress(f"get {remote}"))
+    except transfer.TransferError as err:
+        _report(err.report, "get")
+        raise
     _report(report, "get")
 
 
@@ -179,9 +178,8 @@ def profile(*, name: str | None = None, worker: str = "0", duration: str = "5s",
     seconds = profiling.parse_duration(duration)
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
     began = time.monotonic()
-    captured = profiling.capture(pod.fanout, workers=pod.fanout.select(worker), run=run,
-                                 port=port, seconds=seconds,
-                                 progress=lambda text: note(text, "dim"))
+    note(f"Capturing {seconds:g} s of trace...", "dim")
+    captured = pod.profile(workers=worker, seconds=seconds, run=run, port=port)
     for line in captured.lines():
         say(f"profile: {line}")
     note(f"Traces under {captured.local_dir} ({time.monotonic() - began:.1f} s). View them "
