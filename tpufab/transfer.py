@@ -29,6 +29,7 @@ from pathlib import Path
 
 from tpufab import nodeset
 from tpufab.errors import ConfigError, TpufabError
+from tpufab.fanout import FanoutInterrupted
 from tpufab.remote_files import RemoteFile, python_command, run_with_files
 
 CHUNK = 1 << 18
@@ -326,7 +327,7 @@ def put(fanout, local: str | os.PathLike[str], remote: str | None = None, *, wor
             for w in fallback:
                 rows[w] = WorkerTransfer(w, skipped=rows[w].skipped)
             _upload_all(fanout, fallback, token, rows, progress, concurrency)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, FanoutInterrupted):
         _cleanup(fanout, todo, token)
         raise TpufabError(f"Interrupted: put stopped on {nodeset.fold(chosen)}; no partial "
                           "file was left under a final name.", exit_code=130) from None
@@ -561,13 +562,14 @@ def get(fanout, remote: str, local: str | os.PathLike[str], *, workers=None,
     total = sum(f["size"] for _root, answer in jobs.values() for f in answer["files"])
     progress.start(total, len(chosen))
     token = secrets.token_hex(8)
+    stop = threading.Event()
 
     def one(worker: int) -> None:
         root, answer = jobs[worker]
         row = rows[worker]
         began = time.perf_counter()
         try:
-            _download(fanout, worker, answer, root, token, row, progress)
+            _download(fanout, worker, answer, root, token, row, progress, stop)
         except OSError as err:
             row.error = _local_error(err)
         except Exception as err:  # noqa: BLE001 - becomes this worker's row
@@ -575,12 +577,14 @@ def get(fanout, remote: str, local: str | os.PathLike[str], *, workers=None,
         row.seconds = time.perf_counter() - began
         progress.worker_done(worker)
 
+    pool = ThreadPoolExecutor(max_workers=min(concurrency, max(1, len(jobs))),
+                              thread_name_prefix="tpufab-get")
     try:
-        if jobs:
-            with ThreadPoolExecutor(max_workers=min(concurrency, len(jobs)),
-                                    thread_name_prefix="tpufab-get") as pool:
-                _wait_all([pool.submit(one, w) for w in jobs])
+        _wait_all([pool.submit(one, w) for w in jobs])
+        pool.shutdown()
     except KeyboardInterrupt:
+        stop.set()   # each download removes its temporary file as it stops
+        pool.shutdown(wait=True, cancel_futures=True)
         raise TpufabError(f"Interrupted: get stopped on {nodeset.fold(chosen)}; no partial "
                           "file was left under a final name.", exit_code=130) from None
     finally:
@@ -599,7 +603,7 @@ def _local_error(err: OSError) -> str:
 
 
 def _download(fanout, worker: int, answer: dict, root: Path, token: str,
-              row: WorkerTransfer, progress: Progress) -> None:
+              row: WorkerTransfer, progress: Progress, stop: threading.Event) -> None:
     for rel in answer.get("dirs", []):
         (root / rel if rel else root).mkdir(parents=True, exist_ok=True)
     root.parent.mkdir(parents=True, exist_ok=True)
@@ -623,6 +627,8 @@ def _download(fanout, worker: int, answer: dict, root: Path, token: str,
                 with sftp.open(remote_path, "rb") as src, open(tmp, "wb") as dst:
                     src.prefetch(entry["size"])
                     while block := src.read(CHUNK):
+                        if stop.is_set():
+                            raise KeyboardInterrupt
                         dst.write(block)
                         digest.update(block)
                         progress.advance(len(block))

@@ -2,83 +2,11 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 from tpufab.errors import ConfigError
 from tpufab.verbs.common import note, pod_for, say, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
-
-PROGRESS_AFTER = 0.5   # seconds: a quick transfer prints only its summary
-
-
-class BarProgress:
-    """A rich progress bar (bytes, speed, workers done) once a transfer takes a moment."""
-
-    def __init__(self, what: str):
-        self.what = what
-        self.bar = None
-        self.task = None
-        self.total = 0
-        self.workers = 0
-        self.done: set[int] = set()
-        self.moved = 0
-        self._lock = threading.Lock()
-        self._timer: threading.Timer | None = None
-
-    def start(self, total_bytes: int, workers: int) -> None:
-        self.total, self.workers = total_bytes, workers
-        if total_bytes:
-            self._timer = threading.Timer(PROGRESS_AFTER, self._show)
-            self._timer.daemon = True
-            self._timer.start()
-
-    def _show(self) -> None:
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-            TransferSpeedColumn,
-        )
-
-        from tpufab.console import stderr
-
-        with self._lock:
-            if self._timer is None:
-                return
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(),
-                                DownloadColumn(binary_units=True), TransferSpeedColumn(),
-                                TextColumn("{task.fields[workers]}"), TimeRemainingColumn(),
-                                console=stderr(), transient=True)
-            self.task = self.bar.add_task(self.what, total=self.total, completed=self.moved,
-                                          workers=self._workers_text())
-            self.bar.start()
-
-    def _workers_text(self) -> str:
-        return f"{len(self.done)}/{self.workers} workers done"
-
-    def advance(self, nbytes: int) -> None:
-        with self._lock:
-            self.moved += nbytes
-            if self.bar is not None:
-                self.bar.update(self.task, completed=self.moved)
-
-    def worker_done(self, worker: int) -> None:
-        with self._lock:
-            self.done.add(worker)
-            if self.bar is not None:
-                self.bar.update(self.task, workers=self._workers_text())
-
-    def stop(self) -> None:
-        with self._lock:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-            if self.bar is not None:
-                self.bar.stop()
-                self.bar = None
 
 
 def _report(report, verb: str) -> None:
@@ -104,6 +32,7 @@ def put(local: str, remote: str | None = None, *, name: str | None = None,
     from pathlib import Path
 
     from tpufab import transfer
+    from tpufab.progress import BytesProgress
 
     if not Path(local).expanduser().exists():
         raise ConfigError(f"{local} does not exist here; check the local path (put copies a "
@@ -111,7 +40,7 @@ def put(local: str, remote: str | None = None, *, name: str | None = None,
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
     try:
         report = pod.put(local, remote, workers=worker, relay=not no_relay,
-                         progress=BarProgress(f"put {Path(local).name}"))
+                         progress=BytesProgress(f"put {Path(local).name}"))
     except transfer.TransferError as err:
         _report(err.report, "put")
         raise
@@ -124,12 +53,13 @@ def get(remote: str, local: str, *, name: str | None = None, worker: str = "all"
         zone: str | None = None, project: str | None = None) -> None:
     """Copy a file or directory from every (selected) worker: LOCAL/w0/..., LOCAL/w1/..."""
     from tpufab import transfer
+    from tpufab.progress import BytesProgress
 
     if not remote or not remote.strip():
         raise ConfigError("No remote path given: tpufab get REMOTE LOCAL.")
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
     try:
-        report = pod.get(remote, local, workers=worker, progress=BarProgress(f"get {remote}"))
+        report = pod.get(remote, local, workers=worker, progress=BytesProgress(f"get {remote}"))
     except transfer.TransferError as err:
         _report(err.report, "get")
         raise
