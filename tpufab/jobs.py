@@ -32,6 +32,7 @@ from tpufab.remote_files import (
     last_json,
     missing_files,
     python_command,
+    run_script,
     run_with_files,
 )
 from tpufab.runs import Forwarded, JobEnvironment, JobLayout, job_environments, new_run_id
@@ -375,12 +376,11 @@ def wait_port(group, run_id: str, port: int, *, worker: int = 0, timeout: float 
     Each round asks the worker to try for up to ``probe`` s (``remote/ports.py``), then checks
     that the run is still running there. Returns ``(True, "after N s")`` or ``(False, why)``.
     """
-    script = RemoteFile.bundled("ports.py")
     began = time.monotonic()
     while True:
         left = timeout - (time.monotonic() - began)
-        line = python_command(script, ["wait", int(port), max(0.1, min(probe, left))])
-        result = run_with_files(group, [script], line, [worker])[worker]
+        result = run_script(group, "ports.py", ["wait", int(port), max(0.1, min(probe, left))],
+                            [worker])[worker]
         answer = last_json(result.stdout) if result.ok else None
         if answer and answer.get("open"):
             return True, f"after {time.monotonic() - began:.1f} s"

@@ -19,7 +19,7 @@ from pathlib import Path
 from tpufab import nodeset
 from tpufab.errors import ConfigError, TpufabError
 from tpufab.quoting import Raw, command
-from tpufab.remote_files import RemoteFile, guard, run_with_files
+from tpufab.remote_files import RemoteFile, guard, last_json, run_with_files
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*$")
 
@@ -104,7 +104,7 @@ def capture(group, *, workers: Sequence[int], run: str | None = None, port: int 
     captured = Captured(run_id, local_dir / stamp if len(workers) == 1 else local_dir)
     good = []
     for w, r in results.items():
-        answer = jobs.last_json(r.stdout) if r.ok else None
+        answer = last_json(r.stdout) if r.ok else None
         if not answer or answer.get("error"):
             captured.errors[w] = (answer or {}).get("error") or jobs.failure_reason(r)
         else:

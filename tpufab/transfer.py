@@ -30,7 +30,13 @@ from pathlib import Path
 from tpufab import nodeset
 from tpufab.errors import ConfigError, TpufabError
 from tpufab.fanout import FanoutInterrupted
-from tpufab.remote_files import RemoteFile, python_command, run_with_files
+from tpufab.remote_files import (
+    RemoteFile,
+    last_json,
+    last_line,
+    python_command,
+    run_with_files,
+)
 
 CHUNK = 1 << 18
 DEFAULT_CONCURRENCY = 16
@@ -234,16 +240,13 @@ def _call(fanout, op: str, requests: Mapping[int, dict], *, on_line=None,
 
 
 def _answer(r) -> dict:
+    """A worker's JSON answer, or ``{"error": ..., "_failed": True}`` saying why there is none."""
     if getattr(r, "error", None):
         return {"error": r.error, "_failed": True}
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-    try:
-        answer = json.loads(lines[-1]) if lines else None
-    except ValueError:
-        answer = None
-    if r.exit_code != 0 or not isinstance(answer, dict):
-        err = r.stderr.strip().splitlines()
-        return {"error": f"files worker exit {r.exit_code}" + (f": {err[-1]}" if err else ""),
+    answer = last_json(r.stdout)
+    if r.exit_code != 0 or answer is None:
+        why = last_line(r.stderr)
+        return {"error": f"files worker exit {r.exit_code}" + (f": {why}" if why else ""),
                 "_failed": True}
     return answer
 
