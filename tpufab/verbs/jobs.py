@@ -58,6 +58,9 @@ def run(recipe: str, *, name: str | None = None, args: str = "", detach: bool = 
     argv = split_args(args)
     settings = settings_from_flags(name=name, zone=zone, project=project)
     forwarded = forwarded_for(settings, env)
+    if local and wait_port is not None:
+        raise ConfigError("--wait-port waits for a port on worker 0 of a pod and does not go "
+                          "with --local; drop one of them.")
     if local:
         return _run_local(path, workers if workers is not None else 1, argv, forwarded, spmd)
     if wait_port is not None and not 1 <= int(wait_port) <= 65535:
