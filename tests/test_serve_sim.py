@@ -8,6 +8,7 @@ runs here against the forwarded port.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -89,6 +90,16 @@ class Background:
         return self.proc.wait(30)
 
 
+def _health(port: int) -> dict | None:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as answer:
+            return json.loads(answer.read())
+    except OSError:
+        return None
+
+
 def run_id_of(stderr: str) -> str:
     for line in stderr.splitlines():
         if line.startswith("Run ") and " started on " in line:
@@ -125,6 +136,17 @@ def test_serve_wait_port_forward_benchmark_and_profile(serve_env):
         for prefix in ("Benchmark duration: ", "Request throughput: ", "Median latency (P50): ",
                        "P99 latency: ", "Total generated tokens: 192"):
             assert any(line.startswith(prefix) for line in lines), (prefix, lines)
+
+        # The same port through the system ssh: `tpufab ssh --forward L:R -- CMD`.
+        plain = free_port()
+        tunnel = Background(env, project, "ssh", "--forward", f"{plain}:{port}", "--",
+                            "sleep", "60")
+        try:
+            health = wait_for(lambda: _health(plain), 60, 0.2, what="ssh -L to forward")
+            assert health["status"] == "ok" and health["served"] >= 24
+        finally:
+            tunnel.proc.terminate()
+            tunnel.proc.wait(30)
 
         profiled = call(env, "profile", "--worker", "0", "--duration", "2s", cwd=project)
         assert profiled.returncode == 0, profiled.stdout + profiled.stderr
