@@ -17,6 +17,7 @@ import argparse
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -140,6 +141,7 @@ def main() -> None:
             print(f"| {n} | {name} | {wall:.2f} | {cpu:.2f} | {load:.1f} |")
     finally:
         pod.close()
+        shutil.rmtree(root, ignore_errors=True)   # the payload and the workers' copies
 
 
 def _spec(root: Path, pod, hosts, local: Path, *, relay: bool) -> str:
