@@ -26,8 +26,11 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 purelib=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 pth=$purelib/tpufab-sim-share.pth
-if [ "$(cat "$pth" 2>/dev/null)" != "$site" ]; then
-    printf '%s\n' "$site" > "$pth"
+paths=$site
+# xprof's trace client (for `tpufab profile`), when scripts/sim-wheels.sh put it there.
+[ -d "$share/xprof" ] && paths=$(printf '%s\n%s' "$site" "$share/xprof")
+if [ "$(cat "$pth" 2>/dev/null)" != "$paths" ]; then
+    printf '%s\n' "$paths" > "$pth"
 fi
 
 JAX_PLATFORMS=cpu "$venv/bin/python" - <<'PYTHON'

@@ -71,6 +71,7 @@ def test_single_slice_contract(rank, expected):
         "TPUFAB_COORDINATOR": "10.0.0.2:8476",
         "TPUFAB_SLICE_ID": "0",
         "TPUFAB_NUM_SLICES": "1",
+        "TPUFAB_PROFILER_PORT": str(9431 + rank),
         "PJRT_DEVICE": "TPU",
         **expected,
     }

@@ -233,6 +233,46 @@ class Pod:
         mounting.umount_args(at, lazy=lazy)
         return mounting.umount(self.connected.fanout, at, lazy=lazy)
 
+    # -- files, ports, profiles ------------------------------------------------------------
+    def put(self, local: str | Path, remote: str | None = None, *,
+            workers: str | Iterable[int] = "all", relay: bool = True,
+            progress: Any = None) -> Any:
+        """Copy a local file or directory to the workers: verified, atomic, identical files
+        skipped; with ``relay`` one upload that a worker serves to the others. Returns the
+        per-worker report (``.lines()``); raises TransferError naming every failed worker."""
+        from tpufab import transfer
+
+        peers = dict(enumerate(self.internal_ips())) if relay else None
+        return transfer.put(self.connected.fanout, local, remote, workers=self.select(workers),
+                            peers=peers, progress=progress).check()
+
+    def get(self, remote: str, local: str | Path, *, workers: str | Iterable[int] = "all",
+            progress: Any = None) -> Any:
+        """Copy a file or directory from the workers into ``local/w0/...`` (one worker:
+        ``local``); returns the per-worker report, raises TransferError on failures."""
+        from tpufab import transfer
+
+        return transfer.get(self.connected.fanout, remote, local, workers=self.select(workers),
+                            progress=progress).check()
+
+    def forward(self, *ports: str, worker: int = 0, on_event: Any = None) -> Any:
+        """Listen on 127.0.0.1 ports here and tunnel them to ``worker`` over SSH
+        (``"8080"``, ``"8080:6006"``); returns the started Forwarder (``close()`` it, or use
+        it in a ``with``)."""
+        from tpufab import forward as forwarding
+
+        return forwarding.forward(self.connected.fanout, forwarding.parse_forwards(ports),
+                                  worker=worker, on_event=on_event)
+
+    def profile(self, *, workers: str | Iterable[int] = "0", seconds: float = 5.0,
+                run: str | None = None, port: int | None = None) -> Any:
+        """Capture ``seconds`` of profiler trace from the running JAX job; returns where it
+        was copied (``.local_dir``) and the files per worker."""
+        from tpufab import profiling
+
+        return profiling.capture(self.connected.fanout, workers=self.select(workers), run=run,
+                                 port=port, seconds=seconds)
+
     # -- jobs ----------------------------------------------------------------------------
     def start(self, recipe: str | Path, args: Sequence[str] = (), *,
               env: Mapping[str, str] | None = None, deploy: bool = True,

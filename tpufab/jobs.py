@@ -32,6 +32,7 @@ from tpufab.remote_files import (
     last_json,
     missing_files,
     python_command,
+    run_script,
     run_with_files,
 )
 from tpufab.runs import Forwarded, JobEnvironment, JobLayout, job_environments, new_run_id
@@ -366,6 +367,33 @@ def stop(group, run_id: str, workers: Sequence[int],
         data = last_json(r.stdout) if r.error is None else None
         out[w] = data if data is not None else {"error": failure_reason(r)}
     return out
+
+
+def wait_port(group, run_id: str, port: int, *, worker: int = 0, timeout: float = 600.0,
+              probe: float = 5.0) -> tuple[bool, str]:
+    """Wait (at most ``timeout`` s) until ``port`` answers on ``worker`` while the run lives.
+
+    Each round asks the worker to try for up to ``probe`` s (``remote/ports.py``), then checks
+    that the run is still running there. Returns ``(True, "after N s")`` or ``(False, why)``.
+    """
+    began = time.monotonic()
+    while True:
+        left = timeout - (time.monotonic() - began)
+        result = run_script(group, "ports.py", ["wait", int(port), max(0.1, min(probe, left))],
+                            [worker])[worker]
+        answer = last_json(result.stdout) if result.ok else None
+        if answer and answer.get("open"):
+            return True, f"after {time.monotonic() - began:.1f} s"
+        why = (answer or {}).get("error") or failure_reason(result)
+        state = statuses(group, [worker])[worker]
+        entry = next((e for e in state.runs if e.get("run") == run_id), None)
+        if entry is not None and entry.get("state") != "running":
+            return False, f"the run ended on {nodeset.label(worker)} ({entry.get('state')}" + (
+                f", exit {entry['exit_code']}" if entry.get("exit_code") is not None else "") \
+                + f") before port {port} answered"
+        if time.monotonic() - began >= timeout:
+            return False, f"port {port} did not answer on {nodeset.label(worker)} within " \
+                          f"{timeout:g} s ({why})"
 
 
 # -- live views ---------------------------------------------------------------------------------

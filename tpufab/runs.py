@@ -21,13 +21,16 @@ from tpufab.nodeset import fold
 RUN_DIR = "~/.tpufab/runs"
 DEFAULT_COORDINATOR_PORT = 8476
 DEFAULT_MEGASCALE_PORT = 8081
+# jax.profiler.start_server port of rank 0; rank N uses this + N, so processes that share one
+# network (the simulated pod, `run --local`) never collide. `tpufab profile` connects there.
+DEFAULT_PROFILER_PORT = 9431
 _RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{4}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 # Names a forwarded variable may not take: tpufab sets them per worker.
 RESERVED = ("TPUFAB_RUN_ID", "TPUFAB_RUN_DIR", "TPUFAB_WORKER_ID", "TPU_WORKER_ID",
             "TPUFAB_NUM_WORKERS", "TPUFAB_WORKER_IPS", "TPUFAB_COORDINATOR",
-            "TPUFAB_SLICE_ID", "TPUFAB_NUM_SLICES", "TPUFAB_TASK")
+            "TPUFAB_SLICE_ID", "TPUFAB_NUM_SLICES", "TPUFAB_TASK", "TPUFAB_PROFILER_PORT")
 # Forwarded values whose names look like these are secrets too (besides config `secrets`).
 SECRET_PATTERNS = ("*TOKEN*", "*SECRET*", "*PASSWORD*", "*PASSWD*", "*API_KEY*",
                    "*ACCESS_KEY*", "*PRIVATE_KEY*", "*CREDENTIAL*")
@@ -187,6 +190,7 @@ def job_environment(run_id: str, layout: JobLayout, rank: int, *, platform: str 
         TPUFAB_COORDINATOR=f"{ips[0]}:{coordinator_port}",
         TPUFAB_SLICE_ID=str(slice_id),
         TPUFAB_NUM_SLICES=str(len(layout.slices)),
+        TPUFAB_PROFILER_PORT=str(profiler_port(rank)),
     )
     return JobEnvironment(public=env, secrets=dict(forwarded.secrets))
 
@@ -203,6 +207,11 @@ def skypilot_variables(public: Mapping[str, str], *, task_id: str,
         "SKYPILOT_NUM_GPUS_PER_NODE": "0",
         "TPU_NAME": node_name,
     }
+
+
+def profiler_port(rank: int) -> int:
+    """Where rank ``rank``'s profiler server listens (TPUFAB_PROFILER_PORT)."""
+    return DEFAULT_PROFILER_PORT + rank
 
 
 def job_environments(run_id: str, layout: JobLayout, **options) -> list[JobEnvironment]:

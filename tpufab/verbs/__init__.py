@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from tpufab.verbs.declare import Verb
 
-FAMILIES = ("project", "launch", "nodes", "workers", "data", "jobs", "status", "check", "sim")
+FAMILIES = ("project", "launch", "nodes", "workers", "files", "data", "jobs", "status",
+            "check", "sim")
 
 GROUP_HELP = {
     "sim": "The simulated TPU pod: a local TPU API with real SSH workers.",
@@ -31,6 +32,7 @@ def all_verbs() -> list[Verb]:
     from tpufab.verbs import (  # noqa: F401
         check,
         data,
+        files,
         jobs,
         launch,
         nodes,

@@ -27,6 +27,9 @@ RUN_OPTIONS = {
     "spmd": "torch_xla SPMD (XLA_USE_SPMD=1).",
     "raw": "Follow every worker's lines, prefixed (default: folded, each line once).",
     "check": "Run the quick checks of `tpufab check` first; refuse to start on a problem.",
+    "wait_port": Opt("Return once this port answers on worker 0 (the run goes on).",
+                     min=1),
+    "wait_timeout": Opt("With --wait-port: seconds to wait before showing the logs.", min=1),
 }
 
 
@@ -35,12 +38,15 @@ def run(recipe: str, *, name: str | None = None, args: str = "", detach: bool = 
         no_deploy: bool = False, direct: bool = False, wip: bool = False,
         env: Sequence[str] | None = None, local: bool = False, workers: int | None = None,
         on_interrupt: str | None = None, spmd: bool = False, raw: bool = False,
-        check: bool = False, zone: str | None = None, project: str | None = None) -> int:
+        check: bool = False, wait_port: int | None = None, wait_timeout: float = 600.0,
+        zone: str | None = None, project: str | None = None) -> int:
     """Run a recipe on every worker at once (deploying first) and follow its logs.
 
     With --check, the quick checks of `tpufab check` run first and any problem stops the run
     before it starts (the deployed commit is compared only with --no-deploy: otherwise run
-    deploys one commit everywhere).
+    deploys one commit everywhere). With --wait-port, return instead (the run goes on) once
+    that port answers on worker 0, e.g. a model server; if it never does within
+    --wait-timeout, show the logs and fail.
     """
     from tpufab.runs import forwarded_for
 
@@ -58,8 +64,13 @@ def run(recipe: str, *, name: str | None = None, args: str = "", detach: bool = 
     forwarded = forwarded_for(settings, env)
     if local and check:
         raise ConfigError("--check checks a pod; drop it with --local.")
+    if local and wait_port is not None:
+        raise ConfigError("--wait-port waits for a port on worker 0 of a pod and does not go "
+                          "with --local; drop one of them.")
     if local:
         return _run_local(path, workers if workers is not None else 1, argv, forwarded, spmd)
+    if wait_port is not None and not 1 <= int(wait_port) <= 65535:
+        raise ConfigError(f"--wait-port takes a TCP port (1-65535), not {wait_port}.")
     if workers is not None:
         raise ConfigError("--workers N goes with --local (N processes on this machine); on a "
                           "pod the recipe runs on every worker.")
@@ -82,6 +93,9 @@ def run(recipe: str, *, name: str | None = None, args: str = "", detach: bool = 
         _preflight(pod, settings, compare_commits=no_deploy)
     plan = _plan(pod, settings, path, argv, forwarded, spmd, root=root, direct=direct,
                  wip=wip)
+    if wait_port is not None:
+        code = _start_and_follow(pod, plan, detach=True, on_interrupt=on_interrupt, quiet=True)
+        return code or _wait_for_port(pod, plan, int(wait_port), wait_timeout)
     return _start_and_follow(pod, plan, detach=detach, on_interrupt=on_interrupt, raw=raw)
 
 
@@ -98,6 +112,31 @@ def _preflight(pod, settings, *, compare_commits: bool) -> None:
     raise checking.CheckError(
         f"Not starting: `tpufab check --quick` found {n} problem{'s' if n != 1 else ''} on "
         f"{report.name}.", details="\n".join(p.line() for p in report.problems))
+
+
+def _wait_for_port(pod, plan, port: int, timeout: float) -> int:
+    from tpufab import jobs
+    from tpufab.runs import fold_logs, render_folded
+
+    worker = plan.workers[0]
+    note(f"Waiting (up to {timeout:g} s) for port {port} to answer on w{worker}...", "dim")
+    try:
+        ok, how = jobs.wait_port(pod.fanout, plan.run_id, port, worker=worker, timeout=timeout)
+    except KeyboardInterrupt:
+        raise TpufabError(f"Stopped waiting for port {port}; run {plan.run_id} goes on (stop "
+                          f"it with `tpufab kill --run {plan.run_id}`).", exit_code=130) from None
+    if ok:
+        note(f"Port {port} answers on w{worker} ({how}); run {plan.run_id} goes on. Reach it "
+             f"with `tpufab forward {port}`; stop it with `tpufab kill --run {plan.run_id}`.")
+        return 0
+    texts, _states = jobs.fetch_logs(pod.fanout, plan.run_id, plan.workers)
+    per_worker = {w: data.decode("utf-8", "replace").splitlines()[-40:]
+                  for w, data in texts.items()}
+    for line in render_folded(fold_logs(per_worker), per_worker):
+        sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+    raise TpufabError(f"Run {plan.run_id}: {how}; its logs are above (last 40 lines per "
+                      f"worker; `tpufab logs --run {plan.run_id}` has them all).")
 
 
 def _plan(pod, settings, path: Path, argv, forwarded, spmd, *, root, direct, wip):
@@ -121,7 +160,7 @@ def _plan(pod, settings, path: Path, argv, forwarded, spmd, *, root, direct, wip
 
 
 def _start_and_follow(pod, plan, *, detach: bool, on_interrupt: str | None,
-                      raw: bool = False) -> int:
+                      raw: bool = False, quiet: bool = False) -> int:
     from tpufab import jobs, nodeset
     from tpufab.fanout import FanoutInterrupted
 
@@ -144,6 +183,8 @@ def _start_and_follow(pod, plan, *, detach: bool, on_interrupt: str | None,
     summary = jobs.environment_summary(plan)
     if summary:
         note(f"Environment: {summary}", "dim")
+    if detach and quiet:
+        return 0
     if detach:
         note(f"Detached. Follow it with `tpufab logs --run {plan.run_id} --follow`, list "
               f"runs with `tpufab runs`, stop it with `tpufab kill --run {plan.run_id}`.")

@@ -71,15 +71,24 @@ def setup(*, name: str | None = None, script: str = "scripts/setup.sh", force: b
 
 
 @verb(options={"worker": Opt("Worker index.", short="-w"),
-                 "command": Opt("Command (default: a shell; with invoke, after --).", rest=True)})
+                 "command": Opt("Command (default: a shell; with invoke, after --).", rest=True),
+                 "forward": Opt("Forward a local port: PORT, LOCAL:REMOTE or LOCAL:HOST:REMOTE "
+                                "(repeatable).", short="-L")})
 def ssh(*, name: str | None = None, worker: int = 0, command: list[str] | None = None,
-        zone: str | None = None, project: str | None = None) -> None:
-    """An interactive shell (or one command) on one worker, with the right key and host key."""
+        forward: list[str] | None = None, zone: str | None = None,
+        project: str | None = None) -> None:
+    """An interactive shell (or one command) on one worker, with the right key and host key.
+
+    ``--forward`` adds ``-L``-style port forwards (PORT, LOCAL:REMOTE or LOCAL:HOST:REMOTE),
+    bound to 127.0.0.1 here.
+    """
     import shutil
 
     from tpufab import pod as pods
+    from tpufab.forward import parse_forward
     from tpufab.hostkeys import KnownHosts
 
+    forwards = [parse_forward(spec) for spec in forward or ()]
     settings = settings_from_flags(name=name, zone=zone, project=project)
     pod = pods.connect(settings)
     try:
@@ -94,7 +103,12 @@ def ssh(*, name: str | None = None, worker: int = 0, command: list[str] | None =
         raise ConfigError("The system ssh client is missing; install openssh-client.")
     argv = ["ssh", "-i", str(settings.ssh_key_path), "-o", "IdentitiesOnly=yes",
             *KnownHosts(settings.known_hosts_path).ssh_options(target.host_key_alias),
-            "-p", str(target.port), f"{target.user}@{target.host}"]
+            "-p", str(target.port)]
+    for f in forwards:
+        argv += ["-L", f.ssh_option()]
+    if forwards:
+        argv += ["-o", "ExitOnForwardFailure=yes"]
+    argv.append(f"{target.user}@{target.host}")
     if command:
         argv += ["--", *command]
     elif sys.stdin.isatty():

@@ -1,0 +1,204 @@
+"""Serving and profiling on a simulated v4-32 (real sshd workers, JAX on CPU), end to end:
+`run recipes/serve_jax.sh --wait-port`, `forward`, the benchmark client, `profile`, and
+`--wait-port` on a server that never comes up.
+
+The verbs run as a user runs them, through the real `tpufab` command; the benchmark client
+runs here against the forwarded port.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from conftest import free_port, unique_name, wait_for
+from test_run_sim import _quiet, build_shared_jax
+
+REPO = Path(__file__).resolve().parents[1]
+TPUFAB = str(Path(sys.executable).parent / "tpufab")
+
+pytestmark = pytest.mark.sim
+
+
+def share_xprof(state: Path) -> None:
+    """xprof's trace client next to the shared JAX (scripts/sim-wheels.sh builds both)."""
+    cache = Path(os.environ.get("TPUFAB_TEST_SIM_CACHE",
+                                Path.home() / ".cache" / "tpufab" / "test-sim"))
+    source, target = cache / "share" / "xprof", state / "share" / "xprof"
+    if source.is_dir() and not target.exists():
+        shutil.copytree(source, target, symlinks=True)
+
+
+@pytest.fixture(scope="module")
+def serve_env(sim, tmp_path_factory):
+    from tpufab import lifecycle
+    from tpufab import pod as pods
+    from tpufab.config import load_settings
+    from tpufab.fanout import run_setup
+
+    base = tmp_path_factory.mktemp("serve-sim")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
+    env.update(sim.env(), TPUFAB_USER_CONFIG=str(base / "none.yaml"), TPUFAB_SSH_USER="root",
+               TPUFAB_SSH_KEY=str(base / "key" / "tpufab_ed25519"),
+               TPUFAB_KNOWN_HOSTS=str(base / "known_hosts"), TPUFAB_NAME=unique_name("srv"),
+               COLUMNS="200")
+    settings = load_settings(env=env, cwd=base)
+    state = Path(sim.state_dir)
+    build_shared_jax([state / "share"])
+    share_xprof(state)
+    lifecycle.create(load_settings({"type": "v4-32"}, env=env, cwd=base), console=_quiet())
+    pod = pods.connect(settings, console=_quiet())
+    try:
+        run_setup(pod.fanout, REPO / "scripts" / "setup-sim.sh")[0].close()
+        project = base / "proj"
+        (project / "recipes").mkdir(parents=True)
+        for name in ("serve_jax.sh", "bench_serve.py"):
+            shutil.copy(REPO / "recipes" / name, project / "recipes" / name)
+        yield env, pod, project
+    finally:
+        pod.close()
+        lifecycle.delete(settings, yes=True, console=_quiet())
+
+
+def call(env, *args: str, cwd: Path, timeout: float = 300):
+    return subprocess.run([TPUFAB, *args], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+class Background:
+    """`tpufab ...` running in the background, its output collected as it arrives."""
+
+    def __init__(self, env, cwd: Path, *args: str):
+        self.proc = subprocess.Popen([TPUFAB, *args], env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True,
+                                     stdin=subprocess.DEVNULL)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        for stream, into in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
+            threading.Thread(target=lambda s=stream, i=into: [i.append(x.rstrip("\n"))
+                                                              for x in s], daemon=True).start()
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(30)
+
+
+def _health(port: int) -> dict | None:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as answer:
+            return json.loads(answer.read())
+    except OSError:
+        return None
+
+
+def run_id_of(stderr: str) -> str:
+    for line in stderr.splitlines():
+        if line.startswith("Run ") and " started on " in line:
+            return line.split()[1].rstrip(":")
+    raise AssertionError(f"no run id in {stderr!r}")
+
+
+def test_serve_wait_port_forward_benchmark_and_profile(serve_env):
+    env, pod, project = serve_env
+    port, local = free_port(), free_port()
+    started = call(env, "run", "recipes/serve_jax.sh", "--no-deploy",
+                   f"--args=--port {port} --threads 4", "--wait-port", str(port),
+                   "--wait-timeout", "240", cwd=project)
+    assert started.returncode == 0, started.stdout + started.stderr
+    assert f"Port {port} answers on w0" in started.stderr
+    run_id = run_id_of(started.stderr)
+    forwarder = None
+    try:
+        logs = call(env, "logs", "--run", run_id, "--raw", cwd=project)
+        assert f"w0 │ serve_jax: serving on port {port}" in logs.stdout, logs.stdout
+        for w in (1, 2, 3):
+            assert f"w{w} │ serve_jax: worker {w} idle: the model fits on one host" in logs.stdout
+
+        forwarder = Background(env, project, "forward", f"{local}:{port}")
+        wait_for(lambda: any(f"http://127.0.0.1:{local} -> w0" in line
+                             for line in forwarder.out), 60, what="the forward to start")
+        bench = subprocess.run([sys.executable, str(project / "recipes" / "bench_serve.py"),
+                                "--url", f"http://127.0.0.1:{local}", "--requests", "24",
+                                "--concurrency", "6", "--max-tokens", "8"],
+                               capture_output=True, text=True, timeout=300)
+        assert bench.returncode == 0, bench.stdout + bench.stderr
+        lines = bench.stdout.splitlines()
+        assert "Successful requests: 24" in lines
+        for prefix in ("Benchmark duration: ", "Request throughput: ", "Median latency (P50): ",
+                       "P99 latency: ", "Total generated tokens: 192"):
+            assert any(line.startswith(prefix) for line in lines), (prefix, lines)
+
+        # The same port through the system ssh: `tpufab ssh --forward L:R -- CMD`.
+        plain = free_port()
+        tunnel = Background(env, project, "ssh", "--forward", f"{plain}:{port}", "--",
+                            "sleep", "60")
+        try:
+            health = wait_for(lambda: _health(plain), 60, 0.2, what="ssh -L to forward")
+            assert health["status"] == "ok" and health["served"] >= 24
+        finally:
+            tunnel.proc.terminate()
+            tunnel.proc.wait(30)
+
+        profiled = call(env, "profile", "--worker", "0", "--duration", "2s", cwd=project)
+        assert profiled.returncode == 0, profiled.stdout + profiled.stderr
+        assert "profile: w0 1 trace file" in profiled.stdout
+        traces = list((project / ".tpufab" / "runs" / run_id / "profiles").rglob("*.xplane.pb"))
+        assert len(traces) == 1 and traces[0].stat().st_size > 1000, traces
+    finally:
+        if forwarder is not None:
+            assert forwarder.stop() == 0
+            assert any("Stopped forwarding" in line for line in forwarder.err), forwarder.err
+        killed = call(env, "kill", "--run", run_id, cwd=project)
+        assert killed.returncode == 0, killed.stdout + killed.stderr
+
+
+def test_wait_port_on_a_server_that_never_listens_shows_the_logs(serve_env):
+    env, _pod, project = serve_env
+    recipe = project / "recipes" / "no_server.sh"
+    recipe.write_text("#!/bin/sh\necho \"loading weights on $TPUFAB_WORKER_ID\"\n"
+                      "echo 'out of memory' >&2\nexit 3\n")
+    recipe.chmod(0o755)
+    port = free_port()
+    failed = call(env, "run", "recipes/no_server.sh", "--no-deploy", "--wait-port", str(port),
+                  "--wait-timeout", "60", cwd=project)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "the run ended on w0 (exited, exit 3) before port" in failed.stderr, failed.stderr
+    assert "out of memory" in failed.stdout and "loading weights on" in failed.stdout
+
+
+def test_profile_without_a_running_job_says_so(serve_env):
+    env, _pod, project = serve_env
+    result = call(env, "profile", "--worker", "1", "--duration", "1s", cwd=project)
+    assert result.returncode == 1
+    assert "No run is running on w1" in result.stderr or "no trace from" in result.stderr, \
+        result.stderr
+
+
+def test_put_and_get_through_the_command(serve_env, tmp_path):
+    env, pod, project = serve_env
+    (project / "cfg").mkdir(exist_ok=True)
+    (project / "cfg" / "model.yaml").write_text("layers: 4\n")
+    put = call(env, "put", "cfg", "/root/", cwd=project)
+    assert put.returncode == 0, put.stdout + put.stderr
+    assert put.stdout.startswith("put: w[0-3] 1 file, 10 B, ")
+    again = call(env, "put", "cfg", "/root/", cwd=project)
+    assert again.stdout.startswith("put: w[0-3] 0 files, 1 already there, 0 B, ")
+    pod.fanout.run("echo $(hostname) > /root/cfg/host.txt", check=True)
+    got = call(env, "get", "/root/cfg", str(tmp_path / "back"), cwd=project)
+    assert got.returncode == 0, got.stdout + got.stderr
+    for w in range(4):
+        assert (tmp_path / "back" / f"w{w}" / "cfg" / "model.yaml").read_text() == "layers: 4\n"
+        assert (tmp_path / "back" / f"w{w}" / "cfg" / "host.txt").read_text().strip()\
+            .endswith(f"-w-{w}")
+    missing = call(env, "put", "nothing-here", cwd=project)
+    assert missing.returncode != 0
+    assert "nothing-here does not exist here" in missing.stderr
