@@ -11,7 +11,7 @@ import difflib
 import fnmatch
 import re
 import secrets as _random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -287,6 +287,73 @@ def fold_logs(per_worker_lines: Mapping[int, Sequence[str]]) -> list[FoldedLine]
         if i < len(reference):
             folded.append(FoldedLine(reference[i], tuple(sorted(have[i]))))
     return folded
+
+
+FOLD_WINDOW = 1000            # lines of the reference worker folded at a time
+FOLD_WINDOW_BYTES = 256 << 10  # ... and at most this many bytes of any worker's lines
+
+
+def fold_stream(streams: Mapping[int, Iterable[str]], *, window: int = FOLD_WINDOW,
+                window_bytes: int = FOLD_WINDOW_BYTES) -> Iterator[FoldedLine]:
+    """:func:`fold_logs` over line streams of any length, in bounded memory and linear time.
+
+    The lowest worker with lines left is the reference; a window of its lines is folded with
+    the lines of each other worker that align with it (difflib finds the last matching line;
+    unmatched lines at the end pair up one for one), and what a worker printed beyond that
+    waits for the next window. A worker whose stream ends drops out; one with lines after
+    the reference ended becomes the reference for the rest.
+    """
+    iters = {w: iter(lines) for w, lines in streams.items()}
+    buffers: dict[int, list[str]] = {w: [] for w in iters}
+    sizes = dict.fromkeys(iters, 0)
+    ended: set[int] = set()
+
+    def fill(worker: int, lines: int, size: int) -> None:
+        buf, it = buffers[worker], iters[worker]
+        while worker not in ended and len(buf) < lines and sizes[worker] < size:
+            try:
+                line = next(it)
+            except StopIteration:
+                ended.add(worker)
+                break
+            buf.append(line)
+            sizes[worker] += len(line)
+
+    def take(worker: int, count: int) -> list[str]:
+        buf = buffers[worker]
+        taken, buffers[worker] = buf[:count], buf[count:]
+        sizes[worker] -= sum(len(line) for line in taken)
+        return taken
+
+    while True:
+        for w in iters:
+            fill(w, 1, 1)
+        active = sorted(w for w in iters if buffers[w])
+        if not active:
+            return
+        ref = active[0]
+        fill(ref, window, window_bytes)
+        reference = take(ref, len(buffers[ref]))
+        chunks = {ref: reference}
+        slack = len(reference) // 2 + 8
+        for w in active[1:]:
+            fill(w, len(reference) + slack, window_bytes + window_bytes // 2)
+            chunks[w] = take(w, _aligned(reference, buffers[w]))
+        yield from fold_logs(chunks)
+
+
+def _aligned(reference: Sequence[str], lines: Sequence[str]) -> int:
+    """How many of ``lines`` go with ``reference`` (a window of the reference worker)."""
+    count = len(reference)
+    if list(lines[:count]) == list(reference):
+        return count
+    matcher = difflib.SequenceMatcher(None, reference, lines, autojunk=False)
+    blocks = [b for b in matcher.get_matching_blocks() if b.size]
+    if not blocks:
+        return min(len(lines), count)
+    last = blocks[-1]
+    i, j = last.a + last.size, last.b + last.size
+    return min(len(lines), j + (count - i))
 
 
 def render_folded(folded: Sequence[FoldedLine], workers: Iterable[int]) -> list[str]:

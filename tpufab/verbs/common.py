@@ -101,15 +101,17 @@ def pod_for(settings: Settings) -> Any:
 def note(text: str, style: str | None = None) -> None:
     """tpufab's own words, on stderr (stdout stays the workers' output)."""
     from tpufab.console import stderr
+    from tpufab.terminal import neutralise_text
 
-    stderr().print(text, markup=False, style=style)
+    stderr().print(neutralise_text(text), markup=False, style=style)
 
 
 def say(text: str) -> None:
     """A result line on stdout, printed as it is."""
     from tpufab.console import stdout
+    from tpufab.terminal import neutralise_text
 
-    stdout().print(text, markup=False)
+    stdout().print(neutralise_text(text), markup=False)
 
 
 def progress(message: str) -> None:
