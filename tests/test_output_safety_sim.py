@@ -6,29 +6,22 @@ pruned. The pure and worker-side parts are in tests/test_output_safety.py.
 
 from __future__ import annotations
 
-import json
 import os
 import pty
 import re
 import select
 import subprocess
-import sys
 import time
 from types import SimpleNamespace
 
 import pytest
 from conftest import unique_name
-from test_status import cli_env, in_worker, quiet_console, sim_settings
+from test_status import TPUFAB, cli_env, in_worker, quiet_console, sim_settings
 
 pytestmark = pytest.mark.sim
 
 HF = "hf_Sim9/x+y=z&w-must-not-leak"
 WANDB = "wandb-51d3-must-not-leak"
-CALL = ("import json, sys\n"
-        "from tpufab.verbs import jobs, workers\n"
-        "from tpufab.console import run\n"
-        "verb = getattr(jobs, sys.argv[1], None) or getattr(workers, sys.argv[1])\n"
-        "sys.exit(run(verb, **json.loads(sys.argv[2])))\n")
 
 SET_X = r"""#!/bin/bash
 set -x
@@ -49,6 +42,7 @@ printf '\033[31mred\033[0m end\n'
 """
 
 HOSTILE_COMMAND = HOSTILE.split("\n", 1)[1]      # the same, for exec
+VIEWS = [(), ("--raw",), ("--follow",), ("--follow", "--raw")]     # every view of `logs`
 
 
 @pytest.fixture(scope="module")
@@ -72,12 +66,11 @@ def pod(sim, tmp_path_factory):
     lifecycle.delete(settings, yes=True, console=quiet_console())
 
 
-def call(pod, verb: str, *, environ=None, timeout: float = 180, **kwargs):
-    """A verb as the CLI calls it (``kwargs`` are its parameters), in the user's shell
-    ``environ`` (default: without the secrets)."""
-    return subprocess.run([sys.executable, "-c", CALL, verb, json.dumps(kwargs)],
-                          env=environ or pod.env, cwd=pod.home, capture_output=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+def tpufab(pod, *argv: str, environ=None, timeout: float = 180):
+    """The real `tpufab` command in the user's shell ``environ`` (default: without the
+    secrets), from their home directory."""
+    return subprocess.run([TPUFAB, *argv], env=environ or pod.env, cwd=pod.home,
+                          capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 def text(proc) -> str:
@@ -104,8 +97,8 @@ def test_secrets_are_masked_in_every_view_and_on_every_disk(pod):
     for name in old:
         (runs_dir / name).mkdir(parents=True, exist_ok=True)
         (runs_dir / name / "w0.log").write_text("old\n")
-    ran = call(pod, "run", environ={**pod.secret_env, "TPUFAB_KEEP_RUNS": "2"},
-               recipe="setx.sh", no_deploy=True, env=["HF_TOKEN", "WANDB_API_KEY"])
+    ran = tpufab(pod, "run", "setx.sh", "--no-deploy", "--raw", "-e", "HF_TOKEN", "-e",
+                 "WANDB_API_KEY", environ={**pod.secret_env, "TPUFAB_KEEP_RUNS": "2"})
     assert ran.returncode == 0, text(ran)
     run_id = run_id_of(ran)
     assert "HF_TOKEN=*** WANDB_API_KEY=***" in text(ran)       # the run's environment line
@@ -120,24 +113,23 @@ def test_secrets_are_masked_in_every_view_and_on_every_disk(pod):
 
     # every view of `logs`, from a shell that does not even have the secrets: the workers'
     # logs were masked as they were written
-    views = {"plain": {}, "raw": {"raw": True}, "follow": {"follow": True},
-             "follow raw": {"follow": True, "raw": True}}
-    for view, flags in views.items():
-        shown = call(pod, "logs", run=run_id, **flags)
+    for flags in VIEWS:
+        view = " ".join(flags) or "plain"
+        shown = tpufab(pod, "logs", "--run", run_id, *flags)
         assert shown.returncode == 0, (view, text(shown))
         out = text(shown)
         assert_no_secret(f"logs {view}", out)
         assert "https://user:***@hub.example/x?key=***" in out, (view, out)
         assert "+ echo 'HF_TOKEN=*** WANDB_API_KEY=*** on 1'" in out, (view, out)
-    listed = call(pod, "runs")
+    listed = tpufab(pod, "runs")
     assert listed.returncode == 0 and run_id in text(listed)
     assert_no_secret("runs", listed.stdout + listed.stderr)
 
     # exec --env: forwarded like run's, masked in live and gathered output
     for gather in (False, True):
-        done = call(pod, "exec_", environ=pod.secret_env, gather=gather,
-                    env=["HF_TOKEN", "WANDB_API_KEY"],
-                    command='set -x; echo "$HF_TOKEN" "$WANDB_API_KEY" >&2; echo "t=$HF_TOKEN"')
+        done = tpufab(pod, "exec", 'set -x; echo "$HF_TOKEN" "$WANDB_API_KEY" >&2; '
+                      'echo "t=$HF_TOKEN"', "-e", "HF_TOKEN", "-e", "WANDB_API_KEY",
+                      *(["--gather"] if gather else []), environ=pod.secret_env)
         assert done.returncode == 0, text(done)
         assert "t=***" in text(done) and "*** ***" in text(done)
         assert_no_secret(f"exec gather={gather}", done.stdout + done.stderr)
@@ -174,22 +166,22 @@ def assert_harmless(where: str, data: bytes, *, prefixed: bool = True) -> None:
 
 
 def test_hostile_output_cannot_drive_the_terminal(pod):
-    ran = call(pod, "run", recipe="hostile.sh", no_deploy=True)
+    ran = tpufab(pod, "run", "hostile.sh", "--no-deploy", "--raw")
     assert ran.returncode == 0, text(ran)
     assert_harmless("run", ran.stdout)
     assert b"w0 \xe2\x94\x82 title ^[]0;pwned^G clip ^[]52;c;cHduZWQ=^G clear ^[[2J^[[H bell ^G" \
         in ran.stdout
     assert b"w1 \xe2\x94\x82 w9 \xe2\x94\x82 forged\n" in ran.stdout
     run_id = run_id_of(ran)
-    for flags in ({}, {"raw": True}, {"follow": True}, {"follow": True, "raw": True}):
-        shown = call(pod, "logs", run=run_id, **flags)
+    for flags in VIEWS:
+        shown = tpufab(pod, "logs", "--run", run_id, *flags)
         assert shown.returncode == 0, text(shown)
-        assert_harmless(f"logs {flags}", shown.stdout, prefixed=bool(flags.get("raw")))
+        assert_harmless(f"logs {flags}", shown.stdout, prefixed="--raw" in flags)
         assert b"^[]0;pwned^G" in shown.stdout
-    colored = call(pod, "logs", run=run_id, raw=True, color=True)
+    colored = tpufab(pod, "logs", "--run", run_id, "--raw", "--color")
     assert b"\x1b[31mred\x1b[0m end\x1b[0m" in colored.stdout
     assert_harmless("logs --color", colored.stdout.replace(b"\x1b[31mred", b"red"))
-    gathered = call(pod, "exec_", command=HOSTILE_COMMAND, gather=True)
+    gathered = tpufab(pod, "exec", HOSTILE_COMMAND, "--gather")
     assert gathered.returncode == 0, text(gathered)
     assert_harmless("exec --gather", gathered.stdout, prefixed=False)
 
@@ -225,8 +217,7 @@ def read_pty(argv, env, cwd, timeout=120.0) -> bytes:
 
 
 def test_hostile_output_through_a_real_terminal(pod):
-    data = read_pty([sys.executable, "-c", CALL, "exec_",
-                     json.dumps({"command": HOSTILE_COMMAND})], pod.env, pod.home)
+    data = read_pty([TPUFAB, "exec", HOSTILE_COMMAND], pod.env, pod.home)
     assert b"forged" in data and b"title" in data, data
     assert_harmless("exec on a tty", data)
     assert re.search(rb"\x1b\[\d+mw0 \xe2\x94\x82 \x1b\[0m", data), data  # prefixes coloured
@@ -239,7 +230,7 @@ def test_a_disk_that_fills_up_mid_run_is_named(pod):
     in_worker(pod.sim, pod.node, 1, "mkdir -p /root/.tpufab/runs && "
               "mount -t tmpfs -o size=256k tmpfs /root/.tpufab/runs")
     try:
-        ran = call(pod, "run", recipe="fill.sh", no_deploy=True)
+        ran = tpufab(pod, "run", "fill.sh", "--no-deploy")
         out = text(ran)
         assert ran.returncode == 1, out
         assert re.search(r"failed on w1: w0 exited 0; w1 exited 0 \(disk full: the log stops "
@@ -247,7 +238,7 @@ def test_a_disk_that_fills_up_mid_run_is_named(pod):
                          r"in /root/.tpufab/runs/\d{8}-\d{6}-[0-9a-f]{4}\)\)", out), out
         assert "lost" not in out.replace("of output lost", ""), out
         run_id = run_id_of(ran)
-        listed = text(call(pod, "runs"))
+        listed = text(tpufab(pod, "runs"))
         row = listed[listed.index(run_id):].split("\n20")[0]     # the run's row (wrapped)
         assert re.search(r"w0 exited 0; w1 exited 0 \(disk full", row), listed
         assert "no record" not in row, listed
