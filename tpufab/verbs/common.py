@@ -77,12 +77,14 @@ def print_table(columns: Sequence[str], lines: Iterable[Sequence[str]]) -> None:
     from rich.table import Table
 
     from tpufab.console import stdout
+    from tpufab.terminal import neutralise_text
 
     table = Table(box=None, pad_edge=False, header_style="bold")
     for column in columns:
         table.add_column(column)
-    for line in lines:
-        table.add_row(*line)
+    for line in lines:   # cells may quote workers (a process's command line): shown as text
+        table.add_row(*(neutralise_text(cell) if isinstance(cell, str) else cell
+                        for cell in line))
     stdout().print(table)
 
 
