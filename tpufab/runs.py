@@ -241,6 +241,39 @@ class FoldedLine:
         return fold(self.workers)
 
 
+def _positional(reference: Sequence[str], lines: Sequence[str]) -> list[bool] | None:
+    """Where the two agree line by line, when that is their alignment: as long, at least half
+    their lines equal where they stand, and no differing line equal to its neighbour in the
+    other (the mark of a line inserted or dropped, which shifts what follows); else None."""
+    n = len(reference)
+    if n != len(lines) or not n:
+        return None
+    same = [a == b for a, b in zip(reference, lines, strict=True)]
+    if 2 * sum(same) < n:
+        return None
+    for i, equal in enumerate(same):
+        if not equal and ((i and (lines[i] == reference[i - 1] or reference[i] == lines[i - 1]))
+                          or (i + 1 < n and (lines[i] == reference[i + 1]
+                                             or reference[i] == lines[i + 1]))):
+            return None
+    return same
+
+
+def _opcodes(reference: Sequence[str], lines: Sequence[str]) -> list[tuple]:
+    """difflib's opcodes, or the same found by position when that is the alignment (the
+    common case: one line per step, some differing per worker). difflib costs a search per
+    matching block, which is slow when workers differ every few lines."""
+    same = _positional(reference, lines)
+    if same is None:
+        return difflib.SequenceMatcher(None, reference, lines, autojunk=False).get_opcodes()
+    codes, start, n = [], 0, len(same)
+    for i in range(1, n + 1):
+        if i == n or same[i] != same[start]:
+            codes.append(("equal" if same[start] else "replace", start, i, start, i))
+            start = i
+    return codes
+
+
 def fold_logs(per_worker_lines: Mapping[int, Sequence[str]]) -> list[FoldedLine]:
     """Worker 0's lines once, each with the set of workers that printed it there, plus the
     lines where other workers differ, placed where they occur, with their worker set.
@@ -262,8 +295,7 @@ def fold_logs(per_worker_lines: Mapping[int, Sequence[str]]) -> list[FoldedLine]
             for holders in have:
                 holders.add(worker)
             continue
-        matcher = difflib.SequenceMatcher(None, reference, lines, autojunk=False)
-        for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        for tag, i1, i2, j1, j2 in _opcodes(reference, lines):
             if tag == "equal":
                 for i in range(i1, i2):
                     have[i].add(worker)
@@ -345,8 +377,8 @@ def fold_stream(streams: Mapping[int, Iterable[str]], *, window: int = FOLD_WIND
 def _aligned(reference: Sequence[str], lines: Sequence[str]) -> int:
     """How many of ``lines`` go with ``reference`` (a window of the reference worker)."""
     count = len(reference)
-    if list(lines[:count]) == list(reference):
-        return count
+    if _positional(reference, lines[:count]) is not None:
+        return count          # aligned where they stand (see _opcodes)
     matcher = difflib.SequenceMatcher(None, reference, lines, autojunk=False)
     blocks = [b for b in matcher.get_matching_blocks() if b.size]
     if not blocks:
