@@ -753,28 +753,9 @@ class Babysitter:
         if not reachable:
             return
         try:
-            logs, _ = jobs.fetch_logs(pod.fanout, run_id, reachable)
-        except TpufabError as err:
+            jobs.save_logs(pod.fanout, run_id, reachable, attempt_dir, self._secret_values())
+        except (TpufabError, OSError) as err:
             self.note(f"babysit: could not fetch the logs ({err}).", "yellow")
-            return
-        from tpufab.quoting import mask_bytes, secret_bytes
-        from tpufab.terminal import lines_of
-
-        secrets = secret_bytes(self._secret_values())
-        try:
-            for w, output in logs.items():
-                path = attempt_dir / f"w{w}.log"
-                have = path.stat().st_size if path.exists() else 0
-                if output.size < have:
-                    continue
-                tmp = path.with_name(path.name + ".tmp")
-                with open(tmp, "wb") as fh:
-                    for line in lines_of(output.chunks()):
-                        fh.write(mask_bytes(line, secrets))
-                tmp.replace(path)
-        finally:
-            for output in logs.values():
-                output.close()
 
     def _secret_values(self) -> list[str]:
         return list(self._forwarded().secrets.values())

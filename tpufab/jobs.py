@@ -390,6 +390,32 @@ def fetch_logs(group, run_id: str, workers: Sequence[int]) -> tuple[dict[int, Ou
     return logs, states
 
 
+def save_logs(group, run_id: str, workers: Sequence[int], into: Path,
+              secrets: Iterable[str] = ()) -> list[int]:
+    """Each worker's whole log into ``into/w<N>.log``, masked line by line as it streams from
+    the spooled output (a copy already there that is longer, made while following, stays);
+    the workers saved."""
+    from tpufab.terminal import lines_of
+
+    masked = secret_bytes(list(secrets))
+    logs, _ = fetch_logs(group, run_id, workers)
+    into.mkdir(parents=True, exist_ok=True)
+    try:
+        for w, output in logs.items():
+            path = into / f"w{w}.log"
+            if path.exists() and path.stat().st_size > output.size:
+                continue
+            tmp = path.with_name(path.name + ".tmp")
+            with open(tmp, "wb") as fh:
+                for line in lines_of(output.chunks()):
+                    fh.write(mask_bytes(line, masked))
+            tmp.replace(path)
+    finally:
+        for output in logs.values():
+            output.close()
+    return sorted(logs)
+
+
 def follow(group, run_id: str, workers: Sequence[int], sink) -> dict[int, WorkerState]:
     """Stream the run's log from every worker into ``sink`` until it ends everywhere.
 
