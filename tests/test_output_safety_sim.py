@@ -134,6 +134,14 @@ def test_secrets_are_masked_in_every_view_and_on_every_disk(pod):
         assert "t=***" in text(done) and "*** ***" in text(done)
         assert_no_secret(f"exec gather={gather}", done.stdout + done.stderr)
 
+    # babysit: its live view, attempt copies and babysit.json (checked with every file below)
+    sat = tpufab(pod, "babysit", "setx.sh", "--no-deploy", "-e", "HF_TOKEN", "-e",
+                 "WANDB_API_KEY", environ=pod.secret_env)
+    assert sat.returncode == 0, text(sat)
+    assert "HF_TOKEN=*** WANDB_API_KEY=*** on 1" in text(sat)
+    assert_no_secret("babysit", sat.stdout + sat.stderr)
+    assert list(runs_dir.glob("*/babysit.json")) and list(runs_dir.glob("*/attempt-0/w1.log"))
+
     # nothing on the workers' disks (state, caches, /tmp) or here holds either secret
     for w in (0, 1):
         hits = in_worker(pod.sim, pod.node, w,
