@@ -131,11 +131,20 @@ def _wait_for_port(pod, plan, port: int, timeout: float) -> int:
         note(f"Port {port} answers on w{worker} ({how}); run {plan.run_id} goes on. Reach it "
              f"with `tpufab forward {port}`; stop it with `tpufab kill --run {plan.run_id}`.")
         return 0
-    texts, _states = jobs.fetch_logs(pod.fanout, plan.run_id, plan.workers)
-    per_worker = {w: data.decode("utf-8", "replace").splitlines()[-40:]
-                  for w, data in texts.items()}
+    from collections import deque
+
+    from tpufab.terminal import lines_of, neutralise_text
+
+    logs, _states = jobs.fetch_logs(pod.fanout, plan.run_id, plan.workers)
+    try:
+        per_worker = {w: [line[:-1].decode("utf-8", "replace")
+                          for line in deque(lines_of(output.chunks()), maxlen=40)]
+                      for w, output in logs.items()}
+    finally:
+        for output in logs.values():
+            output.close()
     for line in render_folded(fold_logs(per_worker), per_worker):
-        sys.stdout.write(line + "\n")
+        sys.stdout.write(neutralise_text(line) + "\n")
     sys.stdout.flush()
     raise TpufabError(f"Run {plan.run_id}: {how}; its logs are above (last 40 lines per "
                       f"worker; `tpufab logs --run {plan.run_id}` has them all).")
