@@ -280,5 +280,5 @@ def test_recipe_args_reach_the_recipe_literally(pod2, args):
     assert all(s.ended for s in states.values()), states
     logs, _ = jobs.fetch_logs(pod2.pod.fanout, plan.run_id, plan.workers)
     for w in plan.workers:
-        assert json.loads(logs[w].decode().strip().splitlines()[-1]) == args
+        assert json.loads(logs[w].read().decode().strip().splitlines()[-1]) == args
     assert not canary_on_workers(pod2)

@@ -120,13 +120,16 @@ def test_run_outlives_its_caller_and_records_the_exit_code(runs):
 
 
 def test_run_records(runs):
-    started = runs.start("rec", "echo $TPUFAB_RUN_ID $FOO $PWD \"$@\"\n", "--commit", "abc123",
-                         "--cwd", str(runs.root), "--", "x", "y z",
-                         env={"FOO": "bar", "HF_TOKEN": SECRET})
+    # public values come in the env file, secrets on stdin (and are masked in the log)
+    env_file = runs.root / "public.json"
+    env_file.write_text(json.dumps({"FOO": "bar"}))
+    started = runs.start("rec", "echo $TPUFAB_RUN_ID $FOO $HF_TOKEN $PWD \"$@\"\n",
+                         "--commit", "abc123", "--env-file", str(env_file),
+                         "--cwd", str(runs.root), "--", "x", "y z", env={"HF_TOKEN": SECRET})
     assert started["state"] == "running" and started["pid"] == started["pgid"]
     wait_for(lambda: runs.status("rec")["state"] == "exited", what="the run to end")
     rundir = runs.dir / "rec"
-    assert (rundir / "log").read_text() == f"rec bar {runs.root} x y z\n"
+    assert (rundir / "log").read_text() == f"rec bar *** {runs.root} x y z\n"
     assert (rundir / "commit").read_text().strip() == "abc123"
     assert (rundir / "env_keys").read_text().split() == ["FOO", "HF_TOKEN"]
     assert (rundir / "recipe" / "rec.sh").exists()

@@ -366,8 +366,12 @@ class Run:
         """Each worker's log so far."""
         from tpufab import jobs
 
-        texts, _states = jobs.fetch_logs(self.pod.connected.fanout, self.id, self.workers)
-        return {w: data.decode("utf-8", "replace") for w, data in texts.items()}
+        logs, _states = jobs.fetch_logs(self.pod.connected.fanout, self.id, self.workers)
+        try:
+            return {w: output.read().decode("utf-8", "replace") for w, output in logs.items()}
+        finally:
+            for output in logs.values():
+                output.close()
 
     def kill(self, grace: float = 5.0) -> dict:
         from tpufab import jobs

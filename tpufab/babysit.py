@@ -590,7 +590,9 @@ class Babysitter:
             self._first_run_id = run_id
             if self.base_dir is not None:
                 self.base_dir.mkdir(parents=True, exist_ok=True)
-            self.log_dir = jobs.local_log_dir(run_id, self.base_dir)
+            self.log_dir = jobs.local_log_dir(run_id, self.base_dir,
+                                              keep_runs=self.settings.keep_runs,
+                                              keep_gib=self.settings.keep_logs_gib)
         assert self.log_dir is not None
         attempt_dir = self.log_dir / f"attempt-{number}"
         attempt_dir.mkdir(parents=True, exist_ok=True)
@@ -751,15 +753,9 @@ class Babysitter:
         if not reachable:
             return
         try:
-            logs, _ = jobs.fetch_logs(pod.fanout, run_id, reachable)
-        except TpufabError as err:
+            jobs.save_logs(pod.fanout, run_id, reachable, attempt_dir, self._secret_values())
+        except (TpufabError, OSError) as err:
             self.note(f"babysit: could not fetch the logs ({err}).", "yellow")
-            return
-        for w, data in logs.items():
-            path = attempt_dir / f"w{w}.log"
-            have = path.stat().st_size if path.exists() else 0
-            if len(data) >= have:
-                path.write_bytes(_masked(data, self._secret_values()))
 
     def _secret_values(self) -> list[str]:
         return list(self._forwarded().secrets.values())
@@ -807,13 +803,6 @@ def restore_mount(pod, m: MountPoint, *, endpoint: str | None = None):
 
     return mount.mount(pod.fanout, m.url, at=m.at, driver=m.driver, options=m.options,
                        endpoint=endpoint)
-
-
-def _masked(data: bytes, secrets: Iterable[str]) -> bytes:
-    from tpufab.quoting import mask_bytes
-
-    values = sorted({s.encode() for s in secrets if s}, key=len, reverse=True)
-    return mask_bytes(data, values) if values else data
 
 
 def _relative(path: Path | None) -> str:

@@ -68,6 +68,8 @@ class Settings:
     secrets: list[str] = field(default_factory=lambda: list(DEFAULT_SECRETS))
     remote_dir: str | None = None
     state_dir: str = "~/.tpufab"
+    keep_runs: int = 20                  # local log copies (./.tpufab/runs/<id>/) kept ...
+    keep_logs_gib: float = 5.0           # ... and their total size at most (newest first)
     # data
     storage_endpoint: str | None = None  # a GCS-compatible JSON API, e.g. the simulated pod's
     mount_driver: str = "gcsfuse"        # or rclone

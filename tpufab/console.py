@@ -45,6 +45,7 @@ def report_error(exc: BaseException, *, debug: bool = False, console: Console | 
     from rich.text import Text
 
     from tpufab.errors import TpufabError
+    from tpufab.terminal import neutralise_text as safe
 
     console = console or stderr()
     if debug:
@@ -52,14 +53,15 @@ def report_error(exc: BaseException, *, debug: bool = False, console: Console | 
 
         console.print(Traceback.from_exception(type(exc), exc, exc.__traceback__))
     if isinstance(exc, TpufabError):
-        console.print(Text(exc.message, style="bold red"), soft_wrap=True)
+        # Errors quote what workers said: shown as data, never as terminal controls.
+        console.print(Text(safe(exc.message), style="bold red"), soft_wrap=True)
         if exc.details:
-            console.print(Text(exc.details), soft_wrap=True)
+            console.print(Text(safe(exc.details)), soft_wrap=True)
         return exc.exit_code
     if isinstance(exc, KeyboardInterrupt):
         console.print(Text("Interrupted.", style="bold red"))
         return 130
-    console.print(Text(f"Unexpected error: {type(exc).__name__}: {exc}", style="bold red"),
+    console.print(Text(safe(f"Unexpected error: {type(exc).__name__}: {exc}"), style="bold red"),
                   soft_wrap=True)
     if not debug:
         console.print(Text("This is a bug in tpufab or an unexpected answer; rerun with --debug "

@@ -29,6 +29,7 @@ from typing import IO, Protocol
 from tpufab import nodeset, quoting
 from tpufab.errors import TpufabError
 from tpufab.quoting import Secret
+from tpufab.terminal import Lines, neutralise
 
 HEADER = struct.Struct(">BII")
 DEFAULT_CONCURRENCY = 64
@@ -268,13 +269,18 @@ def _binary(stream: IO) -> _BytesTo:
 
 
 class LiveView:
-    """Lines as they arrive, each prefixed ``w3 │``, colored per worker, never split mid-line."""
+    """Lines as they arrive, each prefixed ``w3 │``, colored per worker, never split mid-line.
+
+    Worker output is shown through :func:`tpufab.terminal.neutralise`: control sequences
+    are made visible; the workers' own colours pass only with ``worker_colors``.
+    """
 
     def __init__(self, out: IO | None = None, err: IO | None = None, *, color: bool | None = None,
-                 workers: Iterable[int] = ()):
+                 workers: Iterable[int] = (), worker_colors: bool = False):
         self.out = out if out is not None else sys.stdout
         self.err = err if err is not None else sys.stderr
         self.color = self.out.isatty() if color is None and hasattr(self.out, "isatty") else bool(color)
+        self.worker_colors = worker_colors
         self.width = max((len(nodeset.label(w)) for w in workers), default=2)
         self._prefixes: dict[int, bytes] = {}
         self._lock = threading.Lock()
@@ -290,6 +296,7 @@ class LiveView:
 
     def lines(self, worker: int, stream: str, data: bytes) -> None:
         prefix = self.prefix(worker)
+        data = neutralise(data, color=self.worker_colors)
         # One replace per chunk instead of a Python loop per line.
         rendered = prefix + data[:-1].replace(b"\n", b"\n" + prefix) + b"\n"
         target = self.out if stream == "stdout" else self.err
@@ -302,7 +309,8 @@ class LiveView:
         if result.error:
             with self._lock:
                 out = _binary(self.err)
-                out.write(self.prefix(result.worker) + f"{result.error}\n".encode())
+                out.write(self.prefix(result.worker)
+                          + neutralise(f"{result.error}\n".encode()))
                 out.flush()
 
 
@@ -334,10 +342,11 @@ class Tee:
 
 
 def print_gathered(result: GroupResult, out: IO | None = None, err: IO | None = None, *,
-                   color: bool | None = None) -> None:
+                   color: bool | None = None, worker_colors: bool = False) -> None:
     """``clush -b``: each distinct output once, under the folded set of workers, by exit code.
 
-    Reads from the spooled outputs in chunks, so memory stays bounded whatever the size.
+    Reads from the spooled outputs line by line (a line at most ``terminal.LINE_LIMIT``), so
+    memory stays bounded whatever the size; shown through ``terminal.neutralise``.
     """
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
@@ -363,14 +372,14 @@ def print_gathered(result: GroupResult, out: IO | None = None, err: IO | None = 
                 text = f"\x1b[1;{32 if members[0].ok else 31}m{text}\x1b[0m"
             binary.write(text.encode())
             body = members[0].stdout_output if stream_name == "stdout" else members[0].stderr_output
-            last = b"\n"
+            cutter = Lines()
             for chunk in body.chunks():
-                binary.write(chunk)
-                last = chunk[-1:]
+                for run in cutter.feed(chunk):
+                    binary.write(neutralise(run, color=worker_colors))
+            for run in cutter.end():
+                binary.write(neutralise(run, color=worker_colors))
             if error and stream_name == "stderr":
-                binary.write(f"{error}\n".encode())
-            elif last != b"\n":
-                binary.write(b"\n")
+                binary.write(neutralise(f"{error}\n".encode()))
         binary.flush()
 
 
@@ -930,9 +939,9 @@ class Fanout:
         timeout = timeout if timeout is not None else self.command_timeout
         all_env = dict(env or {})
         all_env.update(secrets or {})
-        masked = [v.encode() for v in quoting.secret_values(
+        masked = quoting.secret_bytes(
             [v for v in all_env.values() if isinstance(v, Secret)] + list((secrets or {}).values())
-        )]
+        )
         request: dict = {}
         if command is not None and _put is None:
             if isinstance(command, str):

@@ -16,17 +16,18 @@ instant. ``launch.py`` detaches the recipe (own session, supervisor) and records
 from __future__ import annotations
 
 import json
+import os
 import signal as signals
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from tpufab import nodeset
 from tpufab.errors import TpufabError
-from tpufab.quoting import Command, mask_bytes
+from tpufab.quoting import Command, mask, mask_bytes, secret_bytes
 from tpufab.remote_files import (
     RemoteFile,
     last_json,
@@ -36,6 +37,10 @@ from tpufab.remote_files import (
     run_with_files,
 )
 from tpufab.runs import Forwarded, JobEnvironment, JobLayout, job_environments, new_run_id
+from tpufab.terminal import neutralise_text
+
+if TYPE_CHECKING:
+    from tpufab.fanout import Output
 
 LAUNCH = "launch.py"
 ENV_FILE = ".tpufab/runs/.{run_id}.env.json"     # relative to the worker's home
@@ -145,7 +150,19 @@ class WorkerState:
     info: Mapping = field(default_factory=dict, compare=False, repr=False)
 
     @property
+    def disk_full(self) -> Mapping | None:
+        """What the worker's supervisor recorded when the disk filled up during the run."""
+        found = self.info.get("disk_full")
+        return found if isinstance(found, Mapping) else None
+
+    @property
     def label(self) -> str:
+        if self.disk_full:
+            return f"{self._label} ({disk_full_text(self.disk_full)})"
+        return self._label
+
+    @property
+    def _label(self) -> str:
         if self.state == "exited":
             return f"exited {self.exit_code}"
         if self.state == "killed":
@@ -156,7 +173,7 @@ class WorkerState:
 
     @property
     def ok(self) -> bool:
-        return self.state == "exited" and self.exit_code == 0
+        return self.state == "exited" and self.exit_code == 0 and not self.disk_full
 
     @property
     def ended(self) -> bool:
@@ -166,13 +183,32 @@ class WorkerState:
     def exit_status(self) -> int:
         """A shell-style exit status: N, 128+signal, 255 when lost."""
         if self.state == "exited" and self.exit_code is not None:
-            return self.exit_code
+            return self.exit_code or (1 if self.disk_full else 0)
         if self.state == "killed":
             try:
                 return 128 + signals.Signals[self.signal or ""].value
             except KeyError:
                 return 128
         return 255
+
+
+def disk_full_text(record: Mapping) -> str:
+    """``disk full: the log stops at 1.2 MiB, 3.4 MiB of output lost (no space left on
+    device in ~/.tpufab/runs/ID)``."""
+    kept = _size(record.get("log_bytes"))
+    lost = _size(record.get("lost_bytes"))
+    where = f" in {record['dir']}" if record.get("dir") else ""
+    why = record.get("error") or "no space left on device"
+    return f"disk full: the log stops at {kept}, {lost} of output lost ({why}{where})"
+
+
+def _size(n) -> str:
+    n = int(n or 0)
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
 
 
 def state_from_status(worker: int, entry: Mapping) -> WorkerState:
@@ -320,7 +356,8 @@ def start(group, plan: RunPlan) -> dict[int, dict]:
         reasons = {}
         for w, why in failed.items():
             reasons.setdefault(why, []).append(w)
-        detail = "; ".join(f"{nodeset.fold(ws)}: {why}" for why, ws in reasons.items())
+        detail = mask("; ".join(f"{nodeset.fold(ws)}: {why}" for why, ws in reasons.items()),
+                      plan.secrets)
         tail = (f" It was stopped on {nodeset.fold(started)} so no worker waits for a missing "
                 "peer." if started else "")
         raise RunError(f"Run {plan.run_id} could not start on {nodeset.fold(failed)} "
@@ -334,16 +371,49 @@ def statuses(group, workers: Sequence[int]) -> dict[int, WorkerRuns]:
     return {w: parse_status(r) for w, r in sorted(results.items())}
 
 
-def fetch_logs(group, run_id: str, workers: Sequence[int]) -> tuple[dict[int, bytes],
+def fetch_logs(group, run_id: str, workers: Sequence[int]) -> tuple[dict[int, Output],
                                                                      dict[int, WorkerState]]:
-    """Each worker's whole log so far, and how the run stands there."""
+    """Each worker's whole log so far, and how the run stands there.
+
+    The logs are the fan-out's spooled outputs (in memory up to a small cap, then in a temp
+    file): read them with ``.chunks()`` (or ``terminal.lines_of``) and ``close()`` them.
+    """
     results = run_with_files(group, [launch_file()], tail_command(run_id), workers)
     logs, states = {}, {}
     for w, r in sorted(results.items()):
         states[w] = parse_tail(r)
         if states[w].state not in ("unreachable", "no record"):
-            logs[w] = r.stdout_bytes
+            logs[w] = r.stdout_output
+        else:
+            r.stdout_output.close()
+        r.stderr_output.close()
     return logs, states
+
+
+def save_logs(group, run_id: str, workers: Sequence[int], into: Path,
+              secrets: Iterable[str] = ()) -> list[int]:
+    """Each worker's whole log into ``into/w<N>.log``, masked line by line as it streams from
+    the spooled output (a copy already there that is longer, made while following, stays);
+    the workers saved."""
+    from tpufab.terminal import lines_of
+
+    masked = secret_bytes(list(secrets))
+    logs, _ = fetch_logs(group, run_id, workers)
+    into.mkdir(parents=True, exist_ok=True)
+    try:
+        for w, output in logs.items():
+            path = into / f"w{w}.log"
+            if path.exists() and path.stat().st_size > output.size:
+                continue
+            tmp = path.with_name(path.name + ".tmp")
+            with open(tmp, "wb") as fh:
+                for line in lines_of(output.chunks()):
+                    fh.write(mask_bytes(line, masked))
+            tmp.replace(path)
+    finally:
+        for output in logs.values():
+            output.close()
+    return sorted(logs)
 
 
 def follow(group, run_id: str, workers: Sequence[int], sink) -> dict[int, WorkerState]:
@@ -399,8 +469,16 @@ def wait_port(group, run_id: str, port: int, *, worker: int = 0, timeout: float 
 # -- live views ---------------------------------------------------------------------------------
 
 
-def local_log_dir(run_id: str, base: Path | None = None) -> Path:
-    """``./.tpufab/runs/<run-id>/`` (with a .gitignore, so it never dirties a checkout)."""
+KEEP_RUNS = 20
+KEEP_LOGS_GIB = 5.0
+
+
+def local_log_dir(run_id: str, base: Path | None = None, *, keep_runs: int = KEEP_RUNS,
+                  keep_gib: float = KEEP_LOGS_GIB) -> Path:
+    """``./.tpufab/runs/<run-id>/`` (with a .gitignore, so it never dirties a checkout).
+
+    Older copies are pruned first (see :func:`prune_local_runs`).
+    """
     root = (base or Path.cwd()) / ".tpufab"
     root.mkdir(exist_ok=True)
     ignore = root / ".gitignore"
@@ -408,7 +486,47 @@ def local_log_dir(run_id: str, base: Path | None = None) -> Path:
         ignore.write_text("*\n")
     path = root / "runs" / run_id
     path.mkdir(parents=True, exist_ok=True)
+    prune_local_runs(root / "runs", keep_runs=keep_runs, keep_bytes=int(keep_gib * 2**30),
+                     current=run_id)
     return path
+
+
+def prune_local_runs(runs_dir: Path, *, keep_runs: int, keep_bytes: int,
+                     current: str | None = None) -> list[str]:
+    """Delete local run copies beyond the newest ``keep_runs``, and the oldest of those
+    while they take more than ``keep_bytes`` together; ``current`` always stays. Only
+    directories named like run ids are touched. Returns the run ids removed."""
+    import shutil
+
+    from tpufab.runs import is_run_id
+
+    try:
+        names = sorted((p.name for p in runs_dir.iterdir() if p.is_dir() and is_run_id(p.name)),
+                       reverse=True)
+    except OSError:
+        return []
+    removed, total, kept, full = [], 0, 0, False
+    for name in names:
+        size = _tree_size(runs_dir / name)
+        full = full or kept >= keep_runs or (total + size > keep_bytes and name != current)
+        if name == current or not full:
+            kept += 1
+            total += size
+            continue
+        shutil.rmtree(runs_dir / name, ignore_errors=True)
+        removed.append(name)
+    return removed
+
+
+def _tree_size(path: Path) -> int:
+    total = 0
+    for folder, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += (Path(folder) / name).lstat().st_size
+            except OSError:
+                pass
+    return total
 
 
 class FollowSink:
@@ -422,7 +540,7 @@ class FollowSink:
     def __init__(self, view, *, secrets: Iterable[str] = (), copy_dir: Path | None = None,
                  on_end: Callable[[int, WorkerState], None] | None = None):
         self.view = view
-        self.secrets = sorted({s.encode() for s in secrets if s}, key=len, reverse=True)
+        self.secrets = secret_bytes(list(secrets))
         self.copy_dir = copy_dir
         self.on_end = on_end
         self._files: dict[int, IO[bytes]] = {}
@@ -488,8 +606,9 @@ class FoldingView:
 
     def __init__(self, workers: Iterable[int], out: IO[str] | None = None, *,
                  delay: float = 3.0, lookahead: int = 8,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, color: bool = False):
         self.workers = frozenset(workers)
+        self.color = color
         self.out = out
         self.delay = delay
         self.lookahead = lookahead
@@ -615,8 +734,12 @@ class FoldingView:
         self._trim()
 
     def _trim(self) -> None:
+        # A worker more than ``lookahead`` lines behind what was shown can only match lines
+        # already shown: it does not hold them in memory (its lines show as its own).
         live = self.workers - self.finished
-        keep_from = min([self.emitted, *(self.cursor.get(w, 0) for w in live)])
+        floor = self.emitted - self.lookahead
+        keep_from = min([self.emitted, *(c for c in (self.cursor.get(w, 0) for w in live)
+                                         if c >= floor)])
         drop = keep_from - self.base
         if drop > 256:
             del self.canon[:drop], self.holders[:drop], self.arrived[:drop]
@@ -626,7 +749,7 @@ class FoldingView:
         import sys
 
         out = self.out if self.out is not None else sys.stdout
-        out.write(text + "\n")
+        out.write(neutralise_text(text, color=self.color) + "\n")
         out.flush()
 
 

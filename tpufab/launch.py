@@ -301,14 +301,5 @@ def save_logs(pod, run_id: str, workers: Sequence[int], into: Path,
               secrets: Iterable[str] = ()) -> list[int]:
     """Every reachable worker's whole log into ``into/w<N>.log`` (masked); the workers saved."""
     from tpufab import jobs
-    from tpufab.quoting import mask_bytes
 
-    values = sorted({s.encode() for s in secrets if s}, key=len, reverse=True)
-    logs, _ = jobs.fetch_logs(pod.fanout, run_id, list(workers))
-    into.mkdir(parents=True, exist_ok=True)
-    for w, data in logs.items():
-        path = into / f"w{w}.log"
-        have = path.stat().st_size if path.exists() else 0
-        if len(data) >= have:
-            path.write_bytes(mask_bytes(data, values) if values else data)
-    return sorted(logs)
+    return jobs.save_logs(pod.fanout, run_id, list(workers), into, secrets)

@@ -9,6 +9,7 @@ from :func:`export_lines`.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from collections.abc import Iterable, Mapping
@@ -139,14 +140,37 @@ def reveal_env(env: Mapping[str, str | Secret] | None) -> dict[str, str]:
     }
 
 
+def secret_forms(values: Iterable[str]) -> list[str]:
+    """Each value in every form worth masking, longest first: as is, URL-encoded (``quote``,
+    ``quote`` keeping ``/``, ``quote_plus``; upper- and lower-case hex) and JSON-escaped.
+    The worker-side supervisor (remote/launch.py ``secret_forms``) masks the same forms."""
+    from urllib.parse import quote as url_quote
+    from urllib.parse import quote_plus
+
+    forms: set[str] = set()
+    for value in values:
+        if not value:
+            continue
+        for form in (value, url_quote(value, safe=""), url_quote(value), quote_plus(value),
+                     json.dumps(value)[1:-1]):
+            forms.add(form)
+            forms.add(re.sub("%[0-9A-F]{2}", lambda m: m.group(0).lower(), form))
+    return sorted((f for f in forms if f), key=lambda f: (-len(f.encode()), f.encode()))
+
+
 def secret_values(values: Iterable[str | Secret] | Mapping[str, str | Secret] | None) -> list[str]:
-    """The raw strings to mask, longest first (so a secret containing another masks whole)."""
+    """The strings to mask (every form of every value, see :func:`secret_forms`), longest
+    first (so a secret containing another masks whole)."""
     if values is None:
         return []
     if isinstance(values, Mapping):
         values = values.values()
-    raw = {v.reveal() if isinstance(v, Secret) else str(v) for v in values}
-    return sorted((v for v in raw if v), key=len, reverse=True)
+    return secret_forms({v.reveal() if isinstance(v, Secret) else str(v) for v in values})
+
+
+def secret_bytes(values: Iterable[str | Secret] | Mapping[str, str | Secret] | None) -> list[bytes]:
+    """:func:`secret_values` encoded, for :func:`mask_bytes`."""
+    return [v.encode() for v in secret_values(values)]
 
 
 def mask(text: str, secrets: Iterable[str | Secret] | Mapping[str, str | Secret] | None) -> str:

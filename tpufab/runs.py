@@ -11,7 +11,7 @@ import difflib
 import fnmatch
 import re
 import secrets as _random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -241,6 +241,39 @@ class FoldedLine:
         return fold(self.workers)
 
 
+def _positional(reference: Sequence[str], lines: Sequence[str]) -> list[bool] | None:
+    """Where the two agree line by line, when that is their alignment: as long, at least half
+    their lines equal where they stand, and no differing line equal to its neighbour in the
+    other (the mark of a line inserted or dropped, which shifts what follows); else None."""
+    n = len(reference)
+    if n != len(lines) or not n:
+        return None
+    same = [a == b for a, b in zip(reference, lines, strict=True)]
+    if 2 * sum(same) < n:
+        return None
+    for i, equal in enumerate(same):
+        if not equal and ((i and (lines[i] == reference[i - 1] or reference[i] == lines[i - 1]))
+                          or (i + 1 < n and (lines[i] == reference[i + 1]
+                                             or reference[i] == lines[i + 1]))):
+            return None
+    return same
+
+
+def _opcodes(reference: Sequence[str], lines: Sequence[str]) -> list[tuple]:
+    """difflib's opcodes, or the same found by position when that is the alignment (the
+    common case: one line per step, some differing per worker). difflib costs a search per
+    matching block, which is slow when workers differ every few lines."""
+    same = _positional(reference, lines)
+    if same is None:
+        return difflib.SequenceMatcher(None, reference, lines, autojunk=False).get_opcodes()
+    codes, start, n = [], 0, len(same)
+    for i in range(1, n + 1):
+        if i == n or same[i] != same[start]:
+            codes.append(("equal" if same[start] else "replace", start, i, start, i))
+            start = i
+    return codes
+
+
 def fold_logs(per_worker_lines: Mapping[int, Sequence[str]]) -> list[FoldedLine]:
     """Worker 0's lines once, each with the set of workers that printed it there, plus the
     lines where other workers differ, placed where they occur, with their worker set.
@@ -262,8 +295,7 @@ def fold_logs(per_worker_lines: Mapping[int, Sequence[str]]) -> list[FoldedLine]
             for holders in have:
                 holders.add(worker)
             continue
-        matcher = difflib.SequenceMatcher(None, reference, lines, autojunk=False)
-        for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        for tag, i1, i2, j1, j2 in _opcodes(reference, lines):
             if tag == "equal":
                 for i in range(i1, i2):
                     have[i].add(worker)
@@ -287,6 +319,73 @@ def fold_logs(per_worker_lines: Mapping[int, Sequence[str]]) -> list[FoldedLine]
         if i < len(reference):
             folded.append(FoldedLine(reference[i], tuple(sorted(have[i]))))
     return folded
+
+
+FOLD_WINDOW = 1000            # lines of the reference worker folded at a time
+FOLD_WINDOW_BYTES = 256 << 10  # ... and at most this many bytes of any worker's lines
+
+
+def fold_stream(streams: Mapping[int, Iterable[str]], *, window: int = FOLD_WINDOW,
+                window_bytes: int = FOLD_WINDOW_BYTES) -> Iterator[FoldedLine]:
+    """:func:`fold_logs` over line streams of any length, in bounded memory and linear time.
+
+    The lowest worker with lines left is the reference; a window of its lines is folded with
+    the lines of each other worker that align with it (difflib finds the last matching line;
+    unmatched lines at the end pair up one for one), and what a worker printed beyond that
+    waits for the next window. A worker whose stream ends drops out; one with lines after
+    the reference ended becomes the reference for the rest.
+    """
+    iters = {w: iter(lines) for w, lines in streams.items()}
+    buffers: dict[int, list[str]] = {w: [] for w in iters}
+    sizes = dict.fromkeys(iters, 0)
+    ended: set[int] = set()
+
+    def fill(worker: int, lines: int, size: int) -> None:
+        buf, it = buffers[worker], iters[worker]
+        while worker not in ended and len(buf) < lines and sizes[worker] < size:
+            try:
+                line = next(it)
+            except StopIteration:
+                ended.add(worker)
+                break
+            buf.append(line)
+            sizes[worker] += len(line)
+
+    def take(worker: int, count: int) -> list[str]:
+        buf = buffers[worker]
+        taken, buffers[worker] = buf[:count], buf[count:]
+        sizes[worker] -= sum(len(line) for line in taken)
+        return taken
+
+    while True:
+        for w in iters:
+            fill(w, 1, 1)
+        active = sorted(w for w in iters if buffers[w])
+        if not active:
+            return
+        ref = active[0]
+        fill(ref, window, window_bytes)
+        reference = take(ref, len(buffers[ref]))
+        chunks = {ref: reference}
+        slack = len(reference) // 2 + 8
+        for w in active[1:]:
+            fill(w, len(reference) + slack, window_bytes + window_bytes // 2)
+            chunks[w] = take(w, _aligned(reference, buffers[w]))
+        yield from fold_logs(chunks)
+
+
+def _aligned(reference: Sequence[str], lines: Sequence[str]) -> int:
+    """How many of ``lines`` go with ``reference`` (a window of the reference worker)."""
+    count = len(reference)
+    if _positional(reference, lines[:count]) is not None:
+        return count          # aligned where they stand (see _opcodes)
+    matcher = difflib.SequenceMatcher(None, reference, lines, autojunk=False)
+    blocks = [b for b in matcher.get_matching_blocks() if b.size]
+    if not blocks:
+        return min(len(lines), count)
+    last = blocks[-1]
+    i, j = last.a + last.size, last.b + last.size
+    return min(len(lines), j + (count - i))
 
 
 def render_folded(folded: Sequence[FoldedLine], workers: Iterable[int]) -> list[str]:

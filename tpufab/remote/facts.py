@@ -257,7 +257,31 @@ def device_holders(paths):
 # -- tpufab runs (records written by launch.py) ------------------------------------------
 
 
+def read_end(rundir):
+    """How a run ended (launch.py's ``end.json``, else its one-value files), or None."""
+    try:
+        with open(os.path.join(rundir, "end.json"), "rb") as fh:
+            text = fh.read(4096).strip()
+        record = json.loads(text.decode()) if text else None
+    except (OSError, ValueError):
+        record = None
+    if isinstance(record, dict):
+        return record
+    exit_code = read_int(os.path.join(rundir, "exit_code"))
+    killed = read_text(os.path.join(rundir, "killed"))
+    if exit_code is None and not killed:
+        return None
+    found = {"ended_at": read_float(os.path.join(rundir, "ended_at"))}
+    if exit_code is not None:
+        found["exit_code"] = exit_code
+    else:
+        found["killed"] = killed
+    return found
+
+
 def run_state(rundir):
+    """A run's state. The end record is read again after the liveness checks (the
+    supervisor writes it, then exits), so a run that ends in between is never "lost"."""
     state = {"run": os.path.basename(rundir)}
     meta = read_text(os.path.join(rundir, "meta.json"))
     info = {}
@@ -268,27 +292,33 @@ def run_state(rundir):
             info = {}
     state["recipe"] = info.get("recipe")
     state["started_at"] = info.get("started_at")
-    exit_code = read_int(os.path.join(rundir, "exit_code"))
-    killed = read_text(os.path.join(rundir, "killed"))
     pid = read_int(os.path.join(rundir, "pid"))
     start_time = read_int(os.path.join(rundir, "start_time"))
-    if exit_code is not None:
-        state.update(state="exited", exit_code=exit_code)
-    elif killed:
-        state.update(state="killed", signal=killed)
-    elif pid is not None and start_time is not None and alive(pid, start_time):
-        state["state"] = "running"
-    elif supervising(rundir):
-        state["state"] = "running"   # the recipe just ended; its supervisor is writing that
-    elif pid is None and read_int(os.path.join(rundir, "supervisor")) is None:
-        try:
-            young = time.time() - os.path.getmtime(rundir) < 30
-        except OSError:
-            young = False
-        state["state"] = "starting" if young else "lost"
-    else:
-        state["state"] = "lost"
-    state["ended_at"] = read_float(os.path.join(rundir, "ended_at"))
+    end = read_end(rundir)
+    if end is None:
+        if pid is not None and start_time is not None and alive(pid, start_time):
+            state["state"] = "running"
+        elif supervising(rundir):
+            state["state"] = "running"   # the recipe just ended; its supervisor is writing that
+        else:
+            end = read_end(rundir)
+            if end is None and pid is None and \
+                    read_int(os.path.join(rundir, "supervisor")) is None:
+                try:
+                    young = time.time() - os.path.getmtime(rundir) < 30
+                except OSError:
+                    young = False
+                state["state"] = "starting" if young else "lost"
+            elif end is None:
+                state["state"] = "lost"
+    if end is not None:
+        if end.get("killed"):
+            state.update(state="killed", signal=end["killed"])
+        else:
+            state.update(state="exited", exit_code=end.get("exit_code"))
+        if end.get("disk_full"):
+            state["disk_full"] = end["disk_full"]
+    state["ended_at"] = end.get("ended_at") if end else None
     return state
 
 

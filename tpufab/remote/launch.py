@@ -10,12 +10,18 @@
 A run lives in <run-dir>/<run-id>/ (default ~/.tpufab/runs): `recipe/<name>` (the exact file
 that runs), `pid`, `pgid`, `start_time` (field 22 of /proc/<pid>/stat), `commit`,
 `recipe_sha256`, `env_keys` (names only, never values), `meta.json`, `log` (stdout and stderr),
-and, once the recipe ends, `exit_code` or `killed` (signal name) plus `ended_at`.
+`end.json` (4 KiB reserved when the run starts, so how it ended can be recorded on a full
+disk) and, once the recipe ends, `exit_code` or `killed` (signal name) plus `ended_at`.
 
 The recipe runs in its own session and process group with stdin from /dev/null, under a
 small supervisor (also its own session) that waits for it and records how it ended, so
 neither survives on the SSH connection that started them. The job environment (secrets
 included) comes from a JSON object in a 0600 file or on stdin, never from argv.
+
+The recipe's output reaches `log` only through the supervisor, which masks every secret
+value of the job environment (as is, URL-encoded and JSON-escaped; also when a value is
+split across two writes) as `***` before writing. When the disk fills up, output is counted
+and dropped (the recipe never blocks on it) and `end.json` says so.
 
 `start`, `status` and `stop` print one JSON object. `tail` streams the log bytes (whole lines
 while the run is live), then prints one JSON status line on stderr and exits with the run's
@@ -34,6 +40,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 DEFAULT_RUN_DIR = "~/.tpufab/runs"
@@ -44,6 +51,11 @@ ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 DROPPED_ENV = ("TPUFAB_TASK",)
 POLL = 0.05
 EXIT_LOST = 255
+MASK = b"***"
+CHUNK = 1 << 16
+LINE_LIMIT = 1 << 20     # tail --follow holds back a partial line up to this size
+END_RESERVED = 4096      # bytes of end.json written at start, overwritten in place at the end
+DISK_FULL = (28, 122)    # ENOSPC, EDQUOT
 
 
 class UsageError(Exception):
@@ -75,6 +87,58 @@ def read_int(path):
         return int(text) if text is not None else None
     except ValueError:
         return None
+
+
+def secret_forms(values):
+    """Each secret value in every form worth masking, encoded, longest first: as is,
+    URL-encoded (quote, quote with "/" kept, quote_plus; upper- and lower-case hex) and
+    JSON-escaped. Keep in step with tpufab.quoting.secret_forms (a test checks)."""
+    from urllib.parse import quote, quote_plus
+
+    forms = set()
+    for value in values:
+        if not value:
+            continue
+        for form in (value, quote(value, safe=""), quote(value), quote_plus(value),
+                     json.dumps(value)[1:-1]):
+            forms.add(form)
+            forms.add(re.sub("%[0-9A-F]{2}", lambda m: m.group(0).lower(), form))
+    return sorted({f.encode() for f in forms if f}, key=lambda f: (-len(f), f))
+
+
+class Masker:
+    """Masks secret forms in a byte stream fed in arbitrary pieces: only the end of what was
+    fed that could still grow into a secret (a prefix of one) is held back for the next piece.
+    """
+
+    def __init__(self, forms):
+        self.forms = list(forms)
+        self.held = b""
+
+    def feed(self, data):
+        if not self.forms:
+            return data
+        data = self.held + data
+        for form in self.forms:
+            if form in data:
+                data = data.replace(form, MASK)
+        keep = self._partial(data)
+        self.held = data[len(data) - keep:] if keep else b""
+        return data[:len(data) - keep]
+
+    def flush(self):
+        out, self.held = self.held, b""
+        return out
+
+    def _partial(self, data):
+        best = 0
+        last = data[-1:]
+        for form in self.forms:
+            for k in range(min(len(form) - 1, len(data)), best, -1):
+                if form[k - 1:k] == last and data.endswith(form[:k]):
+                    best = k
+                    break
+        return best
 
 
 def proc_stat(pid):
@@ -127,10 +191,11 @@ def run_path(run_dir, run_id):
 
 
 def read_environment(args):
-    """The job environment: JSON objects of strings from --env-file and/or --env-stdin.
+    """The job environment and the values to mask: JSON objects of strings from --env-file
+    and/or --env-stdin.
 
     Both may be given: the file holds what differs per worker (its rank), stdin what must
-    never touch a disk (secrets); stdin wins on a clash.
+    never touch a disk (secrets, masked in the log); stdin wins on a clash.
     """
     env = {}
     sources = []
@@ -138,7 +203,7 @@ def read_environment(args):
         path = os.path.expanduser(args.env_file)
         try:
             with open(path, "rb") as fh:
-                sources.append(fh.read())
+                sources.append((fh.read(), False))
         finally:
             if not args.keep_env_file:
                 try:
@@ -146,17 +211,20 @@ def read_environment(args):
                 except OSError:
                     pass
     if args.env_stdin:
-        sources.append(sys.stdin.buffer.read())
-    for raw in sources:
+        sources.append((sys.stdin.buffer.read(), True))
+    secrets = []
+    for raw, secret in sources:
         part = json.loads(raw.decode() or "{}")
         if not isinstance(part, dict):
             raise UsageError("the job environment must be a JSON object")
         env.update(part)
+        if secret:
+            secrets += [v for v in part.values() if isinstance(v, str)]
     for key, value in env.items():
         if not ENV_KEY.match(key) or not isinstance(value, str):
             raise UsageError(f"bad environment entry {key!r}: names are identifiers, "
                              "values strings")
-    return env
+    return env, secrets
 
 
 def recipe_argv(path, args):
@@ -170,7 +238,7 @@ def recipe_argv(path, args):
 
 
 def start(args):
-    env = read_environment(args)   # first: the env file is consumed even if we fail below
+    env, secrets = read_environment(args)   # first: the env file is consumed even on failure
     rundir = run_path(args.run_dir, args.run)
     recipe = os.path.expanduser(args.recipe)
     with open(recipe, "rb") as fh:
@@ -218,7 +286,7 @@ def start(args):
         os.close(ready_r)
         code = 1
         try:
-            supervise(rundir, argv, cwd, job_env, ready_w)
+            supervise(rundir, argv, cwd, job_env, ready_w, secret_forms(secrets))
             code = 0
         finally:
             os._exit(code)
@@ -237,8 +305,9 @@ def start(args):
     return started
 
 
-def supervise(rundir, argv, cwd, env, ready_w):
-    """Start the recipe in its own session, tell the caller, then record how it ends."""
+def supervise(rundir, argv, cwd, env, ready_w, forms=()):
+    """Start the recipe in its own session, tell the caller, copy its output (masked) into
+    the log, then record how it ended."""
     os.setsid()
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -253,17 +322,21 @@ def supervise(rundir, argv, cwd, env, ready_w):
             fh.write("tpufab-run")
     except OSError:
         pass
+    end = EndRecord(rundir)
     log = os.open(os.path.join(rundir, "log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    out_r, out_w = os.pipe()
     try:
-        child = subprocess.Popen(argv, cwd=cwd, env=env, stdin=devnull, stdout=log,
-                                 stderr=log, start_new_session=True, close_fds=True)
+        child = subprocess.Popen(argv, cwd=cwd, env=env, stdin=devnull, stdout=out_w,
+                                 stderr=out_w, start_new_session=True, close_fds=True)
     except OSError as err:
         os.write(ready_w, json.dumps({"error": f"cannot start {argv[0]}: {err}"}).encode())
         os.close(ready_w)
-        write_atomic(os.path.join(rundir, "exit_code"), "127\n")
-        write_atomic(os.path.join(rundir, "ended_at"), f"{time.time()}\n")
+        end.write(exit_code=127)
         return
-    os.close(log)
+    os.close(out_w)
+    copier = LogCopier(out_r, log, Masker(forms), rundir)
+    thread = threading.Thread(target=copier.run, name="tpufab-log", daemon=True)
+    thread.start()
     stat = proc_stat(child.pid)
     start_time = stat[2] if stat else 0
     write_atomic(os.path.join(rundir, "pid"), f"{child.pid}\n")
@@ -276,18 +349,149 @@ def supervise(rundir, argv, cwd, env, ready_w):
                                   "start_time": start_time}).encode())
     os.close(ready_w)
     code = child.wait()
-    if code < 0:
-        write_atomic(os.path.join(rundir, "killed"), signal.Signals(-code).name + "\n")
-    else:
-        write_atomic(os.path.join(rundir, "exit_code"), f"{code}\n")
-    write_atomic(os.path.join(rundir, "ended_at"), f"{time.time()}\n")
+    # The output is whole once nothing holds the pipe; a process the recipe left behind may
+    # hold it longer: record the end anyway, and keep copying until it lets go.
+    thread.join(1.0)
+    end.write(exit_code=code if code >= 0 else None,
+              killed=signal.Signals(-code).name if code < 0 else None,
+              disk_full=copier.disk_full())
+    thread.join()
+
+
+class EndRecord:
+    """How a run ended, in `end.json`: its space is taken when the run starts and overwritten
+    in place at the end, so a disk that fills up meanwhile cannot lose the record. The
+    one-value files (`exit_code`, `killed`, `ended_at`) follow when there is room."""
+
+    def __init__(self, rundir):
+        self.rundir = rundir
+        self.fd = os.open(os.path.join(rundir, "end.json"), os.O_RDWR | os.O_CREAT, 0o644)
+        os.write(self.fd, b" " * END_RESERVED)
+
+    def write(self, exit_code=None, killed=None, disk_full=None):
+        record = {"ended_at": time.time()}
+        if killed:
+            record["killed"] = killed
+        else:
+            record["exit_code"] = exit_code
+        if disk_full:
+            record["disk_full"] = disk_full
+        data = json.dumps(record, sort_keys=True).encode()[:END_RESERVED - 1] + b"\n"
+        os.pwrite(self.fd, data.ljust(END_RESERVED), 0)
+        os.close(self.fd)
+        try:
+            if killed:
+                write_atomic(os.path.join(self.rundir, "killed"), killed + "\n")
+            else:
+                write_atomic(os.path.join(self.rundir, "exit_code"), f"{exit_code}\n")
+            write_atomic(os.path.join(self.rundir, "ended_at"), f"{record['ended_at']}\n")
+        except OSError:
+            pass    # end.json has it
+
+
+def read_end(rundir):
+    """The end record of a run ({"exit_code"|"killed", "ended_at", "disk_full"?}), or None
+    while it runs. Runs recorded before end.json existed have only the one-value files."""
+    try:
+        with open(os.path.join(rundir, "end.json"), "rb") as fh:
+            text = fh.read(END_RESERVED).strip()
+        record = json.loads(text.decode()) if text else None
+    except (OSError, ValueError):
+        record = None
+    if isinstance(record, dict):
+        return record
+    exit_code = read_int(os.path.join(rundir, "exit_code"))
+    killed = read_text(os.path.join(rundir, "killed"))
+    if exit_code is None and not killed:
+        return None
+    ended = read_text(os.path.join(rundir, "ended_at"))
+    try:
+        ended_at = float(ended) if ended else None
+    except ValueError:
+        ended_at = None
+    if exit_code is not None:
+        return {"exit_code": exit_code, "ended_at": ended_at}
+    return {"killed": killed, "ended_at": ended_at}
+
+
+class LogCopier:
+    """Copies the recipe's output from a pipe into the log, masking secrets. On a full disk
+    the output is counted and dropped (the recipe never blocks on it); once there is room
+    again, a line says how much is missing there."""
+
+    def __init__(self, pipe, log, masker, where):
+        self.pipe, self.log, self.masker, self.where = pipe, log, masker, where
+        self.written = 0
+        self.missing = 0        # dropped since the last successful write
+        self.lost = 0           # dropped in all
+        self.full_at = None     # log size when the disk first filled up
+        self.error = None
+
+    def run(self):
+        try:
+            while True:
+                data = os.read(self.pipe, CHUNK)
+                if not data:
+                    break
+                self._write(self.masker.feed(data))
+            self._write(self.masker.flush())
+        finally:
+            os.close(self.pipe)
+            os.close(self.log)
+
+    def _write(self, data):
+        if not data:
+            return
+        if self.missing:
+            note = (f"[tpufab: {self.missing} bytes of output lost here: "
+                    f"{self.error}]\n").encode()
+            if self._put(note):
+                self._drop(len(data))
+                return
+            self.missing = 0
+        left = self._put(data)
+        if left:
+            self._drop(left)
+
+    def _drop(self, size):
+        self.missing += size
+        self.lost += size
+
+    def _put(self, data):
+        """Write all of `data`; the number of bytes that did not fit."""
+        view = memoryview(data)
+        while view:
+            try:
+                n = os.write(self.log, view)
+            except OSError as err:
+                if err.errno not in DISK_FULL:
+                    raise
+                if self.full_at is None:
+                    self.full_at = self.written
+                self.error = os.strerror(err.errno).lower()
+                return len(view)
+            self.written += n
+            view = view[n:]
+        return 0
+
+    def disk_full(self):
+        """What the end record says about a disk that filled up, or None."""
+        if self.full_at is None:
+            return None
+        return {"dir": self.where, "log_bytes": self.full_at, "lost_bytes": self.lost,
+                "error": self.error}
 
 
 # -- status --------------------------------------------------------------------------------
 
 
 def run_status(rundir):
-    """One run's state: running, exited (exit_code), killed (signal) or lost."""
+    """One run's state: running, exited (exit_code), killed (signal) or lost.
+
+    The end record is read again after the liveness checks: the supervisor writes it before
+    it exits, so a run found without a live process or supervisor but with a record by then
+    ended normally in between; only a run without either is lost.
+    """
     status = {"run": os.path.basename(rundir)}
     meta = read_text(os.path.join(rundir, "meta.json"))
     if meta:
@@ -297,23 +501,28 @@ def run_status(rundir):
     pid = read_int(os.path.join(rundir, "pid"))
     start_time = read_int(os.path.join(rundir, "start_time"))
     status["pid"] = pid
-    exit_code = read_int(os.path.join(rundir, "exit_code"))
-    killed = read_text(os.path.join(rundir, "killed"))
-    if exit_code is not None:
-        status.update(state="exited", exit_code=exit_code)
-    elif killed:
-        status.update(state="killed", signal=killed)
-    elif pid is not None and start_time is not None and same_process(pid, start_time):
-        status["state"] = "running"
-    elif pid is not None and start_time is not None and run_processes(status["run"]):
-        status["state"] = "running"   # the leader is gone, some of its processes live on
-    elif supervisor_alive(rundir):
-        status["state"] = "running"   # the recipe just ended; its supervisor is recording it
-    else:
-        # No supervisor left to say how it ended (reboot, supervisor killed): lost.
-        status["state"] = "lost" if pid is not None or not _starting(rundir) else "starting"
-    ended = read_text(os.path.join(rundir, "ended_at"))
-    status["ended_at"] = float(ended) if ended else None
+    end = read_end(rundir)
+    if end is None:
+        if pid is not None and start_time is not None and same_process(pid, start_time):
+            status["state"] = "running"
+        elif pid is not None and start_time is not None and run_processes(status["run"]):
+            status["state"] = "running"   # the leader is gone, some of its processes live on
+        elif supervisor_alive(rundir):
+            status["state"] = "running"   # the recipe just ended; its supervisor records it
+        else:
+            end = read_end(rundir)
+            if end is None:
+                # No supervisor left to say how it ended (reboot, supervisor killed): lost.
+                status["state"] = "lost" if pid is not None or not _starting(rundir) \
+                    else "starting"
+    if end is not None:
+        if end.get("killed"):
+            status.update(state="killed", signal=end["killed"])
+        else:
+            status.update(state="exited", exit_code=end.get("exit_code"))
+        if end.get("disk_full"):
+            status["disk_full"] = end["disk_full"]
+    status["ended_at"] = end.get("ended_at") if end else None
     if os.path.exists(os.path.join(rundir, "stop_requested")):
         status["stop_requested"] = True
     try:
@@ -366,6 +575,8 @@ def exit_status(state):
 
 
 def tail(args):
+    """Stream the log from --offset in bounded pieces; with --follow, until the run ends,
+    holding back a partial last line (up to LINE_LIMIT) while it is live."""
     rundir = run_path(args.run_dir, args.run)
     if not os.path.isdir(rundir):
         raise UsageError(f"no run {args.run} on this worker")
@@ -376,16 +587,20 @@ def tail(args):
         while True:
             state = run_status(rundir)
             live = state["state"] in ("running", "starting")
-            fh.seek(offset)
-            data = fh.read()
-            if live and args.follow:
-                # Hold back a partial last line until it is complete (or the run ends).
-                data = data[:data.rfind(b"\n") + 1]
-            if data:
+            hold = live and args.follow
+            while True:
+                fh.seek(offset)
+                data = fh.read(LINE_LIMIT)
+                if hold:
+                    cut = data.rfind(b"\n") + 1
+                    if cut or len(data) < LINE_LIMIT:
+                        data = data[:cut]     # a longer line goes out in LINE_LIMIT pieces
+                if not data:
+                    break
                 out.write(data)
-                out.flush()
                 offset += len(data)
-            if not (live and args.follow):
+            out.flush()
+            if not hold:
                 break
             time.sleep(POLL)
     state["offset"] = offset

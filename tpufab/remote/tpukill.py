@@ -250,6 +250,15 @@ def read_int(path):
         return None
 
 
+def _end_recorded(rundir):
+    """launch.py's end.json holds a record (it is all spaces while the run lives)."""
+    try:
+        with open(os.path.join(rundir, "end.json"), "rb") as fh:
+            return bool(fh.read(4096).strip())
+    except OSError:
+        return False
+
+
 def list_runs(run_dir, only):
     run_dir = os.path.expanduser(run_dir)
     try:
@@ -477,7 +486,7 @@ def kill(devices_globs, lockfiles, run_dir, run_id, grace, settle, dry_run, forc
         pid, pgid = read_int(os.path.join(path, "pid")), read_int(os.path.join(path, "pgid"))
         start_time = read_int(os.path.join(path, "start_time"))
         ended = os.path.exists(os.path.join(path, "exit_code")) or os.path.exists(
-            os.path.join(path, "killed"))
+            os.path.join(path, "killed")) or _end_recorded(path)
         if pid is None or pgid is None or start_time is None:
             entry["state"] = "ended" if ended else "no record"
             runs[name] = (None, False)      # stragglers still carry its TPUFAB_RUN_ID

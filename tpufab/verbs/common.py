@@ -77,12 +77,14 @@ def print_table(columns: Sequence[str], lines: Iterable[Sequence[str]]) -> None:
     from rich.table import Table
 
     from tpufab.console import stdout
+    from tpufab.terminal import neutralise_text
 
     table = Table(box=None, pad_edge=False, header_style="bold")
     for column in columns:
         table.add_column(column)
-    for line in lines:
-        table.add_row(*line)
+    for line in lines:   # cells may quote workers (a process's command line): shown as text
+        table.add_row(*(neutralise_text(cell) if isinstance(cell, str) else cell
+                        for cell in line))
     stdout().print(table)
 
 
@@ -101,15 +103,17 @@ def pod_for(settings: Settings) -> Any:
 def note(text: str, style: str | None = None) -> None:
     """tpufab's own words, on stderr (stdout stays the workers' output)."""
     from tpufab.console import stderr
+    from tpufab.terminal import neutralise_text
 
-    stderr().print(text, markup=False, style=style)
+    stderr().print(neutralise_text(text), markup=False, style=style)
 
 
 def say(text: str) -> None:
     """A result line on stdout, printed as it is."""
     from tpufab.console import stdout
+    from tpufab.terminal import neutralise_text
 
-    stdout().print(text, markup=False)
+    stdout().print(neutralise_text(text), markup=False)
 
 
 def progress(message: str) -> None:

@@ -52,6 +52,8 @@ COMMON: dict[str, Opt] = {
     "timeout": Opt("Seconds before giving up on a worker's command.", min=0),
     "env": Opt("Set K=V, or forward the local K (repeatable).", short="-e", metavar="K=V|K"),
     "state_dir": Opt("Where the simulated pod keeps its state (TPUFAB_SIM_DIR)."),
+    "color": Opt("Let the workers' own colours through (other control sequences always show "
+                 "escaped)."),
 }
 
 

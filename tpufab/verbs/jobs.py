@@ -39,7 +39,7 @@ def run(recipe: str, *, name: str | None = None, args: str = "", detach: bool = 
         env: Sequence[str] | None = None, local: bool = False, workers: int | None = None,
         on_interrupt: str | None = None, spmd: bool = False, raw: bool = False,
         check: bool = False, wait_port: int | None = None, wait_timeout: float = 600.0,
-        zone: str | None = None, project: str | None = None) -> int:
+        color: bool = False, zone: str | None = None, project: str | None = None) -> int:
     """Run a recipe on every worker at once (deploying first) and follow its logs.
 
     With --check, the quick checks of `tpufab check` run first and any problem stops the run
@@ -94,9 +94,11 @@ def run(recipe: str, *, name: str | None = None, args: str = "", detach: bool = 
     plan = _plan(pod, settings, path, argv, forwarded, spmd, root=root, direct=direct,
                  wip=wip)
     if wait_port is not None:
-        code = _start_and_follow(pod, plan, detach=True, on_interrupt=on_interrupt, quiet=True)
+        code = _start_and_follow(pod, plan, detach=True, on_interrupt=on_interrupt, quiet=True,
+                                 settings=settings)
         return code or _wait_for_port(pod, plan, int(wait_port), wait_timeout)
-    return _start_and_follow(pod, plan, detach=detach, on_interrupt=on_interrupt, raw=raw)
+    return _start_and_follow(pod, plan, detach=detach, on_interrupt=on_interrupt, raw=raw,
+                             color=color, settings=settings)
 
 
 def _preflight(pod, settings, *, compare_commits: bool) -> None:
@@ -129,11 +131,20 @@ def _wait_for_port(pod, plan, port: int, timeout: float) -> int:
         note(f"Port {port} answers on w{worker} ({how}); run {plan.run_id} goes on. Reach it "
              f"with `tpufab forward {port}`; stop it with `tpufab kill --run {plan.run_id}`.")
         return 0
-    texts, _states = jobs.fetch_logs(pod.fanout, plan.run_id, plan.workers)
-    per_worker = {w: data.decode("utf-8", "replace").splitlines()[-40:]
-                  for w, data in texts.items()}
+    from collections import deque
+
+    from tpufab.terminal import lines_of, neutralise_text
+
+    logs, _states = jobs.fetch_logs(pod.fanout, plan.run_id, plan.workers)
+    try:
+        per_worker = {w: [line[:-1].decode("utf-8", "replace")
+                          for line in deque(lines_of(output.chunks()), maxlen=40)]
+                      for w, output in logs.items()}
+    finally:
+        for output in logs.values():
+            output.close()
     for line in render_folded(fold_logs(per_worker), per_worker):
-        sys.stdout.write(line + "\n")
+        sys.stdout.write(neutralise_text(line) + "\n")
     sys.stdout.flush()
     raise TpufabError(f"Run {plan.run_id}: {how}; its logs are above (last 40 lines per "
                       f"worker; `tpufab logs --run {plan.run_id}` has them all).")
@@ -160,7 +171,8 @@ def _plan(pod, settings, path: Path, argv, forwarded, spmd, *, root, direct, wip
 
 
 def _start_and_follow(pod, plan, *, detach: bool, on_interrupt: str | None,
-                      raw: bool = False, quiet: bool = False) -> int:
+                      raw: bool = False, quiet: bool = False, color: bool = False,
+                      settings=None) -> int:
     from tpufab import jobs, nodeset
     from tpufab.fanout import FanoutInterrupted
 
@@ -189,16 +201,19 @@ def _start_and_follow(pod, plan, *, detach: bool, on_interrupt: str | None,
         note(f"Detached. Follow it with `tpufab logs --run {plan.run_id} --follow`, list "
               f"runs with `tpufab runs`, stop it with `tpufab kill --run {plan.run_id}`.")
         return 0
-    return _follow_run(pod, plan, on_interrupt, raw)
+    return _follow_run(pod, plan, on_interrupt, raw, color=color, settings=settings)
 
 
-def _follow_run(pod, plan, on_interrupt: str | None, raw: bool = False) -> int:
+def _follow_run(pod, plan, on_interrupt: str | None, raw: bool = False, *,
+                color: bool = False, settings=None) -> int:
     from tpufab import jobs, nodeset
     from tpufab.fanout import FanoutInterrupted, LiveView
 
     workers = plan.workers
+    keep = {} if settings is None else {"keep_runs": settings.keep_runs,
+                                        "keep_gib": settings.keep_logs_gib}
     try:
-        copy_dir = jobs.local_log_dir(plan.run_id)
+        copy_dir = jobs.local_log_dir(plan.run_id, **keep)
     except OSError:
         copy_dir = None
     ended: dict[int, object] = {}
@@ -213,7 +228,8 @@ def _follow_run(pod, plan, on_interrupt: str | None, raw: bool = False) -> int:
                   f"{nodeset.fold(running)} still running (Ctrl-C to stop following or to "
                   "stop the run).", "yellow")
 
-    view = LiveView(workers=workers) if raw else jobs.FoldingView(workers).start()
+    view = LiveView(workers=workers, worker_colors=color) if raw else \
+        jobs.FoldingView(workers, color=color).start()
     sink = jobs.FollowSink(view, secrets=plan.secrets.values(),
                            copy_dir=copy_dir, on_end=on_end)
     began = time.monotonic()
@@ -344,12 +360,13 @@ def _unreachable(statuses):
 @verb(options={"run": "Run id (default: the latest).", "follow": Opt("Keep following.", short="-f"),
                  "raw": "Every line, prefixed by its worker."})
 def logs(*, run: str | None = None, follow: bool = False, worker: str = "all",
-         raw: bool = False, name: str | None = None, zone: str | None = None,
-         project: str | None = None) -> int:
+         raw: bool = False, color: bool = False, name: str | None = None,
+         zone: str | None = None, project: str | None = None) -> int:
     """A run's logs: worker 0's lines once, plus only the lines where others differ."""
     from tpufab import jobs, nodeset
 
-    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
+    settings = settings_from_flags(name=name, zone=zone, project=project)
+    pod = pod_for(settings)
     chosen = pod.fanout.select(worker)
     run_id, statuses, have = _find_run(pod, chosen, run)
     rows = {r.run: r for r in jobs.run_rows({w: statuses[w] for w in chosen})}
@@ -359,34 +376,81 @@ def logs(*, run: str | None = None, follow: bool = False, worker: str = "all",
     if absent:
         note(f"({nodeset.fold(absent)} {'has' if len(absent) == 1 else 'have'} no record of "
               "it.)", "dim")
+    # The workers masked the run's secrets as they wrote the log; the ones this machine
+    # would forward are masked again (a log written by an older tpufab).
+    secrets = _local_secrets(settings)
     if follow:
-        return _follow_logs(pod, run_id, have, raw)
-    from tpufab.runs import fold_logs, render_folded
-
-    texts, states = jobs.fetch_logs(pod.fanout, run_id, have)
-    per_worker = {w: data.decode("utf-8", "replace").splitlines() for w, data in texts.items()}
-    out = sys.stdout
-    if raw:
-        width = max(len(nodeset.label(w)) for w in per_worker) if per_worker else 2
-        for w in sorted(per_worker):
-            for line in per_worker[w]:
-                out.write(f"{nodeset.label(w):<{width}} │ {line}\n")
-    else:
-        for line in render_folded(fold_logs(per_worker), per_worker):
-            out.write(line + "\n")
-    out.flush()
+        return _follow_logs(pod, run_id, have, raw, color, secrets)
+    logs, states = jobs.fetch_logs(pod.fanout, run_id, have)
+    try:
+        _print_logs(logs, raw=raw, color=color, secrets=secrets)
+    finally:
+        for output in logs.values():
+            output.close()
     gone = [s for s in states.values() if s.state in ("unreachable", "no record")]
     if gone:
         note(f"No log from {jobs.fold_states(gone)}.", "yellow")
     return 0
 
 
-def _follow_logs(pod, run_id: str, workers, raw: bool) -> int:
+def _local_secrets(settings) -> list[str]:
+    from tpufab.runs import forwarded_for
+
+    try:
+        return list(forwarded_for(settings, None).secrets.values())
+    except ConfigError:
+        return []
+
+
+def _print_logs(logs, *, raw: bool, color: bool, secrets: Sequence[str], out=None) -> None:
+    """Every worker's log, prefixed (raw) or folded, streamed from the spooled outputs: a
+    window of lines per worker in memory at a time (runs.fold_stream)."""
+    from tpufab import nodeset
+    from tpufab.quoting import mask_bytes, secret_bytes
+    from tpufab.runs import fold_stream
+    from tpufab.terminal import Lines, neutralise
+
+    masked = secret_bytes(secrets)
+
+    def blocks(output):
+        """Runs of whole lines, masked."""
+        cutter = Lines()
+        for chunk in output.chunks():
+            for block in cutter.feed(chunk):
+                yield mask_bytes(block, masked)
+        for block in cutter.end():
+            yield mask_bytes(block, masked)
+
+    out = out if out is not None else sys.stdout.buffer
+    if raw:
+        width = max((len(nodeset.label(w)) for w in logs), default=2)
+        for w in sorted(logs):
+            prefix = f"{nodeset.label(w):<{width}} │ ".encode()
+            for block in blocks(logs[w]):
+                block = neutralise(block, color=color)
+                out.write(prefix + block[:-1].replace(b"\n", b"\n" + prefix) + b"\n")
+        out.flush()
+        return
+
+    def text(w):
+        for block in blocks(logs[w]):
+            yield from block.decode("utf-8", "replace").split("\n")[:-1]
+
+    everyone = tuple(sorted(logs))
+    for folded in fold_stream({w: text(w) for w in logs}):
+        shown = folded.text if folded.workers == everyone else f"{folded.label}: {folded.text}"
+        out.write(neutralise(shown.encode("utf-8", "replace") + b"\n", color=color))
+    out.flush()
+
+
+def _follow_logs(pod, run_id: str, workers, raw: bool, color: bool = False,
+                 secrets: Sequence[str] = ()) -> int:
     from tpufab import jobs
     from tpufab.fanout import FanoutInterrupted, LiveView
 
-    view = LiveView(workers=workers) if raw else jobs.FoldingView(workers).start()
-    sink = jobs.FollowSink(view)
+    view = LiveView(workers=workers, worker_colors=color) if raw else \
+        jobs.FoldingView(workers, color=color).start()
+    sink = jobs.FollowSink(view, secrets=secrets)
     try:
         states = jobs.follow(pod.fanout, run_id, workers, sink)
     except FanoutInterrupted:
@@ -439,6 +503,7 @@ def _say_table(rows) -> None:
     from rich.table import Table
 
     from tpufab.console import stdout
+    from tpufab.terminal import neutralise_text
 
     table = Table(box=None, pad_edge=False, header_style="bold")
     for column in ("RUN", "RECIPE", "STARTED", "TIME", "COMMIT", "WORKERS"):
@@ -453,7 +518,8 @@ def _say_table(rows) -> None:
             took = _duration(now - r.started_at) + "+"
         else:
             took = "-"
-        table.add_row(r.run, r.recipe or "-", started, took, (r.commit or "-")[:12], r.workers)
+        table.add_row(*(neutralise_text(cell) for cell in (
+            r.run, r.recipe or "-", started, took, (r.commit or "-")[:12], r.workers)))
     stdout().print(table)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from tpufab.errors import ConfigError
@@ -14,20 +15,28 @@ from tpufab.verbs.declare import Opt, verb
 @verb(options={"command": "Shell command, quoted as one argument.",
                  "gather": Opt("Print each distinct output once under its workers.", short="-b")})
 def exec_(*, command: str, name: str | None = None, worker: str = "all", gather: bool = False,
-          timeout: float | None = None, zone: str | None = None,
-          project: str | None = None) -> None:
+          timeout: float | None = None, env: Sequence[str] | None = None, color: bool = False,
+          zone: str | None = None, project: str | None = None) -> None:
     """Run a shell command on every (or the selected) worker."""
     from tpufab.fanout import LiveView, print_gathered
+    from tpufab.quoting import Secret
+    from tpufab.runs import forwarded_for
 
     if not command or not command.strip():
         raise ConfigError("No command given: tpufab exec 'CMD' (quote it as one argument).")
-    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
+    settings = settings_from_flags(name=name, zone=zone, project=project)
+    # --env as for run: secrets travel in the request (never argv) and are masked in output.
+    forwarded = forwarded_for(settings, env) if env else None
+    pod = pod_for(settings)
     chosen = pod.fanout.select(worker)
-    sink = None if gather else LiveView(workers=chosen)
-    result = pod.fanout.run(command, workers=chosen, timeout=timeout, sink=sink)
+    sink = None if gather else LiveView(workers=chosen, worker_colors=color)
+    result = pod.fanout.run(command, workers=chosen, timeout=timeout, sink=sink,
+                            env=dict(forwarded.public) if forwarded else None,
+                            secrets={k: Secret(v) for k, v in forwarded.secrets.items()}
+                            if forwarded else None)
     try:
         if gather:
-            print_gathered(result)
+            print_gathered(result, worker_colors=color)
         result.check()
     finally:
         result.close()

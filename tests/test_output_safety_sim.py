@@ -1,0 +1,254 @@
+"""Output safety on a simulated v4-16 (2 real sshd workers), through the verbs as a user runs
+them: secrets masked in every view and on every disk, hostile worker output that cannot drive
+the terminal (also through a real pty), a full disk mid-run named as such, local log copies
+pruned. The pure and worker-side parts are in tests/test_output_safety.py.
+"""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import select
+import subprocess
+import time
+from types import SimpleNamespace
+
+import pytest
+from conftest import unique_name
+from test_status import TPUFAB, cli_env, in_worker, quiet_console, sim_settings
+
+pytestmark = pytest.mark.sim
+
+HF = "hf_Sim9/x+y=z&w-must-not-leak"
+WANDB = "wandb-51d3-must-not-leak"
+
+SET_X = r"""#!/bin/bash
+set -x
+echo "HF_TOKEN=$HF_TOKEN WANDB_API_KEY=$WANDB_API_KEY on $TPUFAB_WORKER_ID"
+url="https://user:${HF_TOKEN}@hub.example/x?key=${WANDB_API_KEY}"
+echo "$url"
+python3 -c 'import os, urllib.parse as u; print("encoded", u.quote(os.environ["HF_TOKEN"], safe=""))'
+set +x
+printf '%s' "${HF_TOKEN:0:7}"; sleep 0.2; printf '%s\n' "${HF_TOKEN:7}"
+echo done
+"""
+
+HOSTILE = r"""#!/bin/sh
+printf 'title \033]0;pwned\007 clip \033]52;c;cHduZWQ=\007 clear \033[2J\033[H bell \007\n'
+printf 'real\rw9 \342\224\202 forged\n'
+printf 'back\b\b\b\bw9 \342\224\202 forged2\n'
+printf '\033[31mred\033[0m end\n'
+"""
+
+HOSTILE_COMMAND = HOSTILE.split("\n", 1)[1]      # the same, for exec
+VIEWS = [(), ("--raw",), ("--follow",), ("--follow", "--raw")]     # every view of `logs`
+
+
+@pytest.fixture(scope="module")
+def pod(sim, tmp_path_factory):
+    """A READY v4-16, its user's environment (with HF_TOKEN and WANDB_API_KEY) and home."""
+    from tpufab import lifecycle
+    from tpufab import pod as pods
+
+    home = tmp_path_factory.mktemp("safety-home")
+    name = unique_name("safe")
+    settings = sim_settings(sim, home, name=name, type="v4-16")
+    [node] = lifecycle.create(settings, console=quiet_console())
+    connected = pods.connect(settings, console=quiet_console())
+    connected.close()
+    env = cli_env(sim, home, name)
+    for script, body in (("setx.sh", SET_X), ("hostile.sh", HOSTILE)):
+        (home / script).write_text(body)
+        (home / script).chmod(0o755)
+    yield SimpleNamespace(sim=sim, node=node, home=home, env=env,
+                          secret_env={**env, "HF_TOKEN": HF, "WANDB_API_KEY": WANDB})
+    lifecycle.delete(settings, yes=True, console=quiet_console())
+
+
+def tpufab(pod, *argv: str, environ=None, timeout: float = 180):
+    """The real `tpufab` command in the user's shell ``environ`` (default: without the
+    secrets), from their home directory."""
+    return subprocess.run([TPUFAB, *argv], env=environ or pod.env, cwd=pod.home,
+                          capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def text(proc) -> str:
+    return (proc.stdout + proc.stderr).decode("utf-8", "replace")
+
+
+def assert_no_secret(where: str, data: bytes | str) -> None:
+    data = data.encode() if isinstance(data, str) else data
+    from urllib.parse import quote
+
+    for secret in (HF, WANDB, quote(HF, safe="")):
+        assert secret.encode() not in data, f"{secret} in {where}"
+
+
+def run_id_of(proc) -> str:
+    found = re.search(r"Run (\d{8}-\d{6}-[0-9a-f]{4})", text(proc))
+    assert found, text(proc)
+    return found.group(1)
+
+
+def test_secrets_are_masked_in_every_view_and_on_every_disk(pod):
+    runs_dir = pod.home / ".tpufab" / "runs"
+    old = [f"20200101-00000{n}-abcd" for n in range(3)]     # local copies of older runs
+    for name in old:
+        (runs_dir / name).mkdir(parents=True, exist_ok=True)
+        (runs_dir / name / "w0.log").write_text("old\n")
+    ran = tpufab(pod, "run", "setx.sh", "--no-deploy", "--raw", "-e", "HF_TOKEN", "-e",
+                 "WANDB_API_KEY", environ={**pod.secret_env, "TPUFAB_KEEP_RUNS": "2"})
+    assert ran.returncode == 0, text(ran)
+    run_id = run_id_of(ran)
+    assert "HF_TOKEN=*** WANDB_API_KEY=***" in text(ran)       # the run's environment line
+    assert "w1 │ + echo 'HF_TOKEN=*** WANDB_API_KEY=*** on 1'" in text(ran)
+    assert "w0 │ https://user:***@hub.example/x?key=***" in text(ran)
+    assert "w1 │ encoded ***" in text(ran) and "w0 │ ***\n" in text(ran)
+    assert_no_secret("run", ran.stdout + ran.stderr)
+    # the local copy is masked; older copies beyond TPUFAB_KEEP_RUNS=2 are pruned
+    assert sorted(p.name for p in runs_dir.iterdir()) == sorted([old[-1], run_id])
+    copy = (runs_dir / run_id / "w1.log").read_text()
+    assert "+ echo 'HF_TOKEN=*** WANDB_API_KEY=*** on 1'" in copy
+
+    # every view of `logs`, from a shell that does not even have the secrets: the workers'
+    # logs were masked as they were written
+    for flags in VIEWS:
+        view = " ".join(flags) or "plain"
+        shown = tpufab(pod, "logs", "--run", run_id, *flags)
+        assert shown.returncode == 0, (view, text(shown))
+        out = text(shown)
+        assert_no_secret(f"logs {view}", out)
+        assert "https://user:***@hub.example/x?key=***" in out, (view, out)
+        assert "+ echo 'HF_TOKEN=*** WANDB_API_KEY=*** on 1'" in out, (view, out)
+    listed = tpufab(pod, "runs")
+    assert listed.returncode == 0 and run_id in text(listed)
+    assert_no_secret("runs", listed.stdout + listed.stderr)
+
+    # exec --env: forwarded like run's, masked in live and gathered output
+    for gather in (False, True):
+        done = tpufab(pod, "exec", 'set -x; echo "$HF_TOKEN" "$WANDB_API_KEY" >&2; '
+                      'echo "t=$HF_TOKEN"', "-e", "HF_TOKEN", "-e", "WANDB_API_KEY",
+                      *(["--gather"] if gather else []), environ=pod.secret_env)
+        assert done.returncode == 0, text(done)
+        assert "t=***" in text(done) and "*** ***" in text(done)
+        assert_no_secret(f"exec gather={gather}", done.stdout + done.stderr)
+
+    # babysit: its live view, attempt copies and babysit.json (checked with every file below)
+    sat = tpufab(pod, "babysit", "setx.sh", "--no-deploy", "-e", "HF_TOKEN", "-e",
+                 "WANDB_API_KEY", environ=pod.secret_env)
+    assert sat.returncode == 0, text(sat)
+    assert "HF_TOKEN=*** WANDB_API_KEY=*** on 1" in text(sat)
+    assert_no_secret("babysit", sat.stdout + sat.stderr)
+    assert list(runs_dir.glob("*/babysit.json")) and list(runs_dir.glob("*/attempt-0/w1.log"))
+
+    # nothing on the workers' disks (state, caches, /tmp) or here holds either secret
+    for w in (0, 1):
+        hits = in_worker(pod.sim, pod.node, w,
+                         f"grep -rlF -e '{HF}' -e '{WANDB}' /root /tmp 2>/dev/null || true")
+        assert hits.strip() == "", f"w{w}: {hits}"
+        env_files = in_worker(pod.sim, pod.node, w, "ls -a /root/.tpufab/runs")
+        assert ".env.json" not in env_files          # the env file is gone once read
+        modes = in_worker(pod.sim, pod.node, w,
+                          f"stat -c '%a %n' /root/.tpufab/runs/{run_id} "
+                          f"/root/.tpufab/runs/{run_id}/log")
+        assert [line.split()[0] for line in modes.splitlines()] == ["700", "600"]
+    for path in pod.home.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            assert_no_secret(str(path), path.read_bytes())
+
+
+ESCAPES = re.compile(rb"\x1b\]|\x1b\[2J|\x1b\[H|\x07|\x08|\r(?!\n)")
+
+
+def assert_harmless(where: str, data: bytes, *, prefixed: bool = True) -> None:
+    """No worker-sent control sequence reached the terminal, and (in the prefixed views)
+    every line that says "forged" carries the real worker's prefix. The folded view shows a
+    line that every worker printed as it is: there, a worker's text is only ever text."""
+    assert not ESCAPES.search(data), (where, data)
+    assert b"\x1b[31mred" not in data, (where, data)            # colours only with --color
+    plain = re.sub(rb"\x1b\[(?:\d+)?m", b"", data)             # our own prefix colours
+    for line in plain.replace(b"\r\n", b"\n").split(b"\n"):
+        if b"forged" in line and prefixed:
+            assert re.match(rb"^w[01] +\xe2\x94\x82 ", line), (where, line)
+
+
+def test_hostile_output_cannot_drive_the_terminal(pod):
+    ran = tpufab(pod, "run", "hostile.sh", "--no-deploy", "--raw")
+    assert ran.returncode == 0, text(ran)
+    assert_harmless("run", ran.stdout)
+    assert b"w0 \xe2\x94\x82 title ^[]0;pwned^G clip ^[]52;c;cHduZWQ=^G clear ^[[2J^[[H bell ^G" \
+        in ran.stdout
+    assert b"w1 \xe2\x94\x82 w9 \xe2\x94\x82 forged\n" in ran.stdout
+    run_id = run_id_of(ran)
+    for flags in VIEWS:
+        shown = tpufab(pod, "logs", "--run", run_id, *flags)
+        assert shown.returncode == 0, text(shown)
+        assert_harmless(f"logs {flags}", shown.stdout, prefixed="--raw" in flags)
+        assert b"^[]0;pwned^G" in shown.stdout
+    colored = tpufab(pod, "logs", "--run", run_id, "--raw", "--color")
+    assert b"\x1b[31mred\x1b[0m end\x1b[0m" in colored.stdout
+    assert_harmless("logs --color", colored.stdout.replace(b"\x1b[31mred", b"red"))
+    gathered = tpufab(pod, "exec", HOSTILE_COMMAND, "--gather")
+    assert gathered.returncode == 0, text(gathered)
+    assert_harmless("exec --gather", gathered.stdout, prefixed=False)
+
+
+def read_pty(argv, env, cwd, timeout=120.0) -> bytes:
+    """Everything a program writes to a real terminal (stdout and stderr on one pty)."""
+    main, secondary = pty.openpty()
+    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=secondary, stdout=secondary,
+                            stderr=secondary, close_fds=True)
+    os.close(secondary)
+    data = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([main], [], [], 1.0)
+            if not ready:
+                if proc.poll() is not None:
+                    break
+                continue
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:      # EIO: every writer is gone
+                break
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(main)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+    return data
+
+
+def test_hostile_output_through_a_real_terminal(pod):
+    data = read_pty([TPUFAB, "exec", HOSTILE_COMMAND], pod.env, pod.home)
+    assert b"forged" in data and b"title" in data, data
+    assert_harmless("exec on a tty", data)
+    assert re.search(rb"\x1b\[\d+mw0 \xe2\x94\x82 \x1b\[0m", data), data  # prefixes coloured
+
+
+def test_a_disk_that_fills_up_mid_run_is_named(pod):
+    body = ("#!/bin/sh\necho start\nif [ \"$TPUFAB_WORKER_ID\" = 1 ]; then\n"
+            "  head -c 700000 /dev/zero | tr '\\0' x | fold -w 100\nfi\necho finished\n")
+    (pod.home / "fill.sh").write_text(body)
+    in_worker(pod.sim, pod.node, 1, "mkdir -p /root/.tpufab/runs && "
+              "mount -t tmpfs -o size=256k tmpfs /root/.tpufab/runs")
+    try:
+        ran = tpufab(pod, "run", "fill.sh", "--no-deploy")
+        out = text(ran)
+        assert ran.returncode == 1, out
+        assert re.search(r"failed on w1: w0 exited 0; w1 exited 0 \(disk full: the log stops "
+                         r"at [\d.]+ KiB, [\d.]+ KiB of output lost \(no space left on device "
+                         r"in /root/.tpufab/runs/\d{8}-\d{6}-[0-9a-f]{4}\)\)", out), out
+        assert "lost" not in out.replace("of output lost", ""), out
+        run_id = run_id_of(ran)
+        listed = text(tpufab(pod, "runs"))
+        row = listed[listed.index(run_id):].split("\n20")[0]     # the run's row (wrapped)
+        assert re.search(r"w0 exited 0; w1 exited 0 \(disk full", row), listed
+        assert "no record" not in row, listed
+    finally:
+        in_worker(pod.sim, pod.node, 1, "umount -l /root/.tpufab/runs")
