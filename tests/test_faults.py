@@ -283,7 +283,7 @@ def test_fault_6_ctrl_c_during_setup(sim, pod4, tmp_path):
     marker = unique_name("setup")
     script = tmp_path / "setup.sh"
     script.write_text(f"#!/bin/sh\necho setting-up\n{wait_loop(marker)}\necho done-setting-up\n")
-    result = interrupted_when([TPUFAB, "setup", "--script", str(script)], pod4.env,
+    result = interrupted_when([TPUFAB, "setup", "--raw", "--script", str(script)], pod4.env,
                               lambda r: all(r.saw(f"w{w} │ setting-up") for w in range(4)),
                               "setup to run on every worker")
     interrupted(result)
@@ -508,7 +508,8 @@ RECIPE_RUNNING = "recipe/waiting.sh"
 def test_fault_1_sshd_dies_mid_run(sim, sim_admin, pod4, tmp_path, waiting_recipe):
     go = unique_name("go")
     env = {**pod4.env, "GO": go}
-    running = Running([TPUFAB, "run", str(waiting_recipe), "--no-deploy", "--env", "GO"], env,
+    running = Running([TPUFAB, "run", str(waiting_recipe), "--raw", "--no-deploy", "--env",
+                       "GO"], env,
                       cwd=tmp_path)
     try:
         wait_for(lambda: sum(running.saw(f"w{w} │ started w{w}") for w in range(4)) == 4, 60,
@@ -535,7 +536,7 @@ def test_fault_1_sshd_dies_mid_run(sim, sim_admin, pod4, tmp_path, waiting_recip
 def test_fault_6_ctrl_c_during_run(sim, pod4, tmp_path, waiting_recipe, choice):
     go = unique_name("go")
     env = {**pod4.env, "GO": go}
-    running = Running([TPUFAB, "run", str(waiting_recipe), "--no-deploy", "--env", "GO",
+    running = Running([TPUFAB, "run", str(waiting_recipe), "--raw", "--no-deploy", "--env", "GO",
                        "--on-interrupt", choice], env, cwd=tmp_path)
     try:
         wait_for(lambda: sum(running.saw(f"w{w} │ started w{w}") for w in range(4)) == 4, 60,
@@ -615,7 +616,7 @@ def test_fault_8_forwarded_hf_token_never_appears(sim, pod4, tmp_path):
     recipe.chmod(0o755)
     go = unique_name("go")
     env = {**pod4.env, "GO": go, "HF_TOKEN": token}
-    running = Running([TPUFAB, "run", str(recipe), "--no-deploy", "--env", "GO", "--env",
+    running = Running([TPUFAB, "run", str(recipe), "--raw", "--no-deploy", "--env", "GO", "--env",
                        "HF_TOKEN"], env, cwd=tmp_path)
     digest = hashlib.sha256(token.encode()).hexdigest()[:16]
     try:

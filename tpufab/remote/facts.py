@@ -434,10 +434,12 @@ def mounts(state_dir, proc_mounts="/proc/mounts"):
 
 
 def setups(setup_dir):
+    """Every script the setup runner ran here: it keeps <hash>.log (and <hash>.done once it
+    succeeded) in setup_dir; the script itself lives in the content-hash cache."""
     base = os.path.expanduser(setup_dir)
     out = []
-    for path in glob.glob(os.path.join(base, "*.sh")):
-        digest = os.path.basename(path)[:-3]
+    for path in glob.glob(os.path.join(base, "*.log")):
+        digest = os.path.basename(path)[:-4]
         done = os.path.join(base, digest + ".done")
         try:
             mtime = os.path.getmtime(done if os.path.exists(done) else path)

@@ -42,17 +42,18 @@ def exec_(*, command: str, name: str | None = None, worker: str = "all", gather:
         result.close()
 
 
-@verb(options={"script": "Setup script to run.", "force": "Run even where it already ran."})
+@verb(options={"script": "Setup script to run.", "force": "Run even where it already ran.",
+               "raw": "Every worker's lines, prefixed (default: folded, each line once)."})
 def setup(*, name: str | None = None, script: str = "scripts/setup.sh", force: bool = False,
-          worker: str = "all", timeout: float | None = None, zone: str | None = None,
-          project: str | None = None) -> None:
+          worker: str = "all", timeout: float | None = None, raw: bool = False,
+          zone: str | None = None, project: str | None = None) -> None:
     """Ship a setup script and run it on every worker (once per script content).
 
     The workers' output is folded live (each identical line once; lines where workers differ
     under their workers), with a progress line on a terminal.
     """
     from tpufab.console import stdout
-    from tpufab.fanout import Tee
+    from tpufab.fanout import LiveView, Tee
     from tpufab.jobs import FoldingView
     from tpufab.nodeset import fold
     from tpufab.progress import WorkerProgress
@@ -63,13 +64,15 @@ def setup(*, name: str | None = None, script: str = "scripts/setup.sh", force: b
                           "(default scripts/setup.sh).")
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
     chosen = pod.select(worker)
-    view = FoldingView(chosen).start()
+    folding = None if raw else FoldingView(chosen).start()
     try:
         with WorkerProgress(f"setup {path.name}", len(chosen)) as progress:
+            view = folding or LiveView(workers=chosen)
             outcomes = pod.setup(path, force=force, workers=chosen, timeout=timeout,
                                  sink=Tee([view, progress]))
     finally:
-        view.close()
+        if folding is not None:
+            folding.close()
     by_status: dict[str, list[int]] = {}
     for w, outcome in outcomes.items():
         by_status.setdefault(outcome.status, []).append(w)
