@@ -2,8 +2,7 @@
 
 The workers import torch 2.9, torch_xla 2.9 and Lightning from the pod's shared site
 (scripts/sim-wheels.sh --torch, built once per machine and cached; scripts/setup-sim.sh on
-every worker). The recipes run through the real `tpufab run` command; pass-through arguments
-go through the verb function (`tpufab.verbs.jobs.run(..., extra=[...])`) in a subprocess.
+every worker). Everything runs through the real `tpufab` command, as a user types it.
 """
 
 from __future__ import annotations
@@ -25,10 +24,6 @@ from conftest import build_shared_site, unique_name
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 SECRET = "hf_Tq3-torchprime-never-in-logs-9921"
-CALL = ("import json, sys\n"
-        "from tpufab.verbs import jobs\n"
-        "from tpufab.console import run\n"
-        "sys.exit(run(jobs.run, **json.loads(sys.argv[1])))\n")
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(1800)]
 
@@ -101,12 +96,6 @@ def tpufab(env, *argv, cwd: Path, timeout: float = 900) -> subprocess.CompletedP
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
-def call_run(env, *, cwd: Path, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", CALL, json.dumps(kwargs)], env=env, cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
-
-
 def worker_lines(stdout: str, worker: int, prefix: str) -> list[str]:
     """What worker N printed (`wN │ text`), the lines starting with `prefix`."""
     mark = f"w{worker} │ "
@@ -117,7 +106,7 @@ def worker_lines(stdout: str, worker: int, prefix: str) -> list[str]:
 def test_torch_xla_hello_forms_one_world_across_the_workers(torch_pod, tmp_path):
     env, _, _ = torch_pod
     result = tpufab(env, "run", str(RECIPES / "torch_xla_hello.sh"), "--no-deploy",
-                    cwd=tmp_path)
+                    "--raw", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     for w in range(4):
         said = worker_lines(result.stdout, w, "torch_xla_hello:")
@@ -138,7 +127,7 @@ def test_torch_xla_hello_forms_one_world_across_the_workers(torch_pod, tmp_path)
 def test_torch_xla_training_prints_its_metrics_once_and_the_loss_goes_down(torch_pod,
                                                                           tmp_path):
     env, _, _ = torch_pod
-    result = tpufab(env, "run", str(RECIPES / "torch_xla_train.sh"), "--no-deploy",
+    result = tpufab(env, "run", str(RECIPES / "torch_xla_train.sh"), "--no-deploy", "--raw",
                     "--args=--steps 16 --log-every 5", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     metric_lines = [line for line in result.stdout.splitlines() if "'train_loss'" in line]
@@ -158,7 +147,7 @@ def test_torch_xla_training_prints_its_metrics_once_and_the_loss_goes_down(torch
 
 def test_lightning_ddp_finishes_fit_on_every_rank(torch_pod, tmp_path):
     env, _, _ = torch_pod
-    result = tpufab(env, "run", str(RECIPES / "lightning_train.sh"), "--no-deploy",
+    result = tpufab(env, "run", str(RECIPES / "lightning_train.sh"), "--no-deploy", "--raw",
                     "--args=--steps 12", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     checksums = set()
@@ -179,8 +168,8 @@ def test_torchprime_style_python_file_with_pass_through_arguments(torch_pod, tmp
     train.write_text(TRAIN_PY)                                  # no shebang, not executable
     local = {**env, "HF_TOKEN": SECRET, "XLA_IR_DEBUG": "1",
              "LIBTPU_INIT_ARGS": "--xla_tpu_enable_async_collective_fusion=true"}
-    extra = ["model=tiny", "global_batch_size=8", "run.name=a b's", "--", "x;y"]
-    result = call_run(local, cwd=tmp_path, recipe=str(train), no_deploy=True, extra=extra)
+    extra = ["model=tiny", "global_batch_size=8", "run.name=a b's", "x;y", "$HOME"]
+    result = tpufab(local, "run", "--no-deploy", "--raw", str(train), *extra, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert SECRET not in result.stdout + result.stderr
     assert "HF_TOKEN=***" in result.stderr and "XLA_IR_DEBUG=1" in result.stderr
@@ -213,8 +202,8 @@ def test_torchprime_style_python_file_with_pass_through_arguments(torch_pod, tmp
     echo = tmp_path / "x.sh"                                  # a recipe: `x.sh -- --steps 10`
     echo.write_text(ECHO_SH)
     echo.chmod(0o755)
-    result = call_run(env, cwd=tmp_path, recipe=str(echo), no_deploy=True,
-                      args="--lr 0.1", extra=["--steps", "10", "two words"])
+    result = tpufab(env, "run", "--no-deploy", "--raw", "--args=--lr 0.1", str(echo), "--",
+                    "--steps", "10", "two words", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert worker_lines(result.stdout, 2, "arg:") == ["arg:--lr", "arg:0.1", "arg:--steps",
                                                       "arg:10", "arg:two words"]

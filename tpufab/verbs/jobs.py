@@ -67,7 +67,7 @@ def run(recipe: str, extra: Sequence[str] = (), *, name: str | None = None, args
     if no_deploy and (direct or wip):
         raise ConfigError("--no-deploy skips deploy, while --direct and --wip say how to "
                           "deploy: give one or the other.")
-    argv = [*split_args(args), *(str(item) for item in extra)]
+    argv = [*split_args(args), *(str(item) for item in extra or ())]
     settings = settings_from_flags(name=name, zone=zone, project=project)
     forwarded = forwarded_for(settings, env)
     if local and check:
