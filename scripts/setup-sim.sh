@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Setup for simulated workers: `tpufab setup --script scripts/setup-sim.sh`.
 #
-# Makes JAX (CPU) importable from ~/.venv/bin/python in seconds: the venv is made with the
-# worker's /usr/bin/python3 and a .pth file points it at the pod-wide, read-only JAX that
-# the host built once (scripts/sim-wheels.sh) and the sim binds at /opt/tpufab-sim/share.
+# Makes JAX (CPU), and torch + torch_xla + Lightning when the host built them
+# (scripts/sim-wheels.sh --torch), importable from ~/.venv/bin/python in seconds: the venv is
+# made with the worker's /usr/bin/python3 and a .pth file points it at the pod-wide,
+# read-only site that the host built once and the sim binds at /opt/tpufab-sim/share.
 # Idempotent.
 set -euo pipefail
 
@@ -14,7 +15,7 @@ python=/usr/bin/python3
 [ -x "$python" ] || python=python3
 
 if [ ! -d "$site" ]; then
-    echo "setup-sim: no shared JAX at $site; on the host run scripts/sim-wheels.sh, then" \
+    echo "setup-sim: no shared site at $site; on the host run scripts/sim-wheels.sh, then" \
          "restart the simulated pod (tpufab sim down; tpufab sim up)" >&2
     exit 1
 fi
@@ -39,3 +40,15 @@ import jax.numpy as jnp
 assert float(jnp.arange(4.0).sum()) == 6.0
 print(f"setup-sim: jax {jax.__version__} on {jax.default_backend()} ready in {jax.__file__.rsplit('/jax/', 1)[0]}")
 PYTHON
+if [ -d "$site/torch_xla" ]; then
+    # Imported, not run on a device: the check stays quick (torch alone takes seconds to load).
+    PJRT_DEVICE=CPU "$venv/bin/python" - <<'PYTHON'
+from importlib.metadata import version
+
+import torch
+import torch_xla
+
+print(f"setup-sim: torch {torch.__version__}, torch_xla {torch_xla.__version__}, "
+      f"lightning {version('lightning')} ready")
+PYTHON
+fi

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# Build, once on the host, the JAX (CPU) that every simulated worker imports.
+# Build, once on the host, the Python packages (CPU builds) that every simulated worker imports.
 #
-#   scripts/sim-wheels.sh [--sim-dir DIR] [--spec "jax==X.Y.Z"] [--force] [--no-xprof]
+#   scripts/sim-wheels.sh [--sim-dir DIR] [--spec "jax==X.Y.Z"] [--torch] [--force] [--no-xprof]
 #   (default spec: the jax version of the project's .venv, else the latest jax)
 # Also puts xprof (its trace client only, --no-deps, ~30 MB) in $TPUFAB_SIM_DIR/share/xprof
 # for `tpufab profile`; setup-sim.sh adds it to the workers' venv when it is there.
 # Installs jax + jaxlib (CPU wheels for the workers' /usr/bin/python3) into
-# $TPUFAB_SIM_DIR/share/site. The simulated pod binds $TPUFAB_SIM_DIR/share read-only into
-# every worker at /opt/tpufab-sim/share, and scripts/setup-sim.sh points a worker's ~/.venv
-# at it with a .pth file: one download for the whole pod instead of ~600 MB per worker.
-# Idempotent: a build for the same spec is kept.
+# $TPUFAB_SIM_DIR/share/site; --torch adds torch, torch_xla and Lightning
+# (TPUFAB_SIM_TORCH_VERSION, default 2.9.0: torch_xla needs the torch of its own version).
+# The simulated pod binds $TPUFAB_SIM_DIR/share read-only into every worker at
+# /opt/tpufab-sim/share, and scripts/setup-sim.sh points a worker's ~/.venv at it with a
+# .pth file: one download for the whole pod instead of one per worker.
+# Idempotent: a build for the same spec is kept (a site with torch also serves a run without
+# --torch).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -20,18 +23,32 @@ if [ -z "$spec" ]; then
     version=$("$here/.venv/bin/python" -c 'import jax; print(jax.__version__)' 2>/dev/null || true)
     spec=jax${version:+==$version}
 fi
+torch_version=${TPUFAB_SIM_TORCH_VERSION:-2.9.0}
+torch=0
 force=0
 xprof_spec=${TPUFAB_SIM_XPROF_SPEC:-xprof}
 while [ $# -gt 0 ]; do
     case $1 in
         --sim-dir) sim_dir=$2; shift 2 ;;
         --spec) spec=$2; shift 2 ;;
+        --torch) torch=1; shift ;;
         --force) force=1; shift ;;
         --no-xprof) xprof_spec=""; shift ;;
-        -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
         *) echo "sim-wheels: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
+
+# PyPI's torch for Linux is a CUDA build: it imports only with the nvidia-* runtime libraries
+# it links against, even with no GPU. These four it never loads at import (cusolver only for
+# CUDA linear algebra, nvrtc and nvtx on demand, triton for torch.compile on GPUs), so the
+# pod's site leaves them out (~525 MB of wheels, ~1 GB installed).
+NOT_LOADED="triton nvidia-cusolver-cu12 nvidia-cuda-nvrtc-cu12 nvidia-nvtx-cu12"
+
+specs=("$spec")
+if [ "$torch" = 1 ]; then
+    specs+=("torch==$torch_version" "torch_xla==$torch_version" "lightning")
+fi
 
 site=$sim_dir/share/site
 stamp=$site/.tpufab-spec
@@ -54,9 +71,12 @@ if [ -z "$pip_python" ]; then
     exit 1
 fi
 
-works() {
-    JAX_PLATFORMS=cpu PYTHONPATH=$site "$worker_python" -c 'import jax, jax.numpy as jnp
-assert float(jnp.arange(4.0).sum()) == 6.0' >/dev/null 2>&1
+works() {   # works DIR: the workers' python imports what DIR should hold
+    JAX_PLATFORMS=cpu PYTHONPATH=$1 "$worker_python" -c 'import jax, jax.numpy as jnp
+assert float(jnp.arange(4.0).sum()) == 6.0' >/dev/null 2>&1 || return 1
+    [ "$torch" = 0 ] && return 0
+    PJRT_DEVICE=CPU PYTHONPATH=$1 "$worker_python" -c 'import torch, torch_xla, lightning
+assert float((torch.arange(4.0, device=torch_xla.device()) * 2).sum()) == 12.0' >/dev/null 2>&1
 }
 
 mkdir -p "$sim_dir/share"
@@ -88,24 +108,50 @@ install_xprof() {
 }
 install_xprof
 
-want="$spec python$pyver"
-if [ "$force" = 0 ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && works; then
-    echo "sim-wheels: $site already has $want"
+want="${specs[*]} python$pyver"
+have=$(cat "$stamp" 2>/dev/null || true)
+if [ "$force" = 0 ] && { [ "$have" = "$want" ] || { [ "$torch" = 0 ] && [ "${have%% *}" = "$spec" ] \
+        && [ "${have##* }" = "python$pyver" ]; }; } && works "$site"; then
+    echo "sim-wheels: $site already has $have"
     exit 0
 fi
 
-mkdir -p "$sim_dir/share"
 tmp=$(mktemp -d "$sim_dir/share/.site.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
+started=$(date +%s)
 # Wheels for the workers' interpreter, not necessarily the one running pip.
-"$pip_python" -m pip install --quiet --disable-pip-version-check --no-warn-script-location \
-    --target "$tmp" --python-version "$pyver" --only-binary=:all: "$spec"
+pip_install=("$pip_python" -m pip install --quiet --disable-pip-version-check
+             --no-warn-script-location --target "$tmp" --python-version "$pyver"
+             --only-binary=:all:)
+if [ "$torch" = 1 ]; then
+    # Download once (pip resolves everything together), resolve again offline to learn the
+    # exact list, drop what torch never loads, and install exactly that list from the files.
+    wheels=$tmp/.wheels
+    "$pip_python" -m pip download --quiet --disable-pip-version-check -d "$wheels" \
+        --python-version "$pyver" --only-binary=:all: "${specs[@]}"
+    "${pip_install[@]}" --no-index --find-links "$wheels" --dry-run --ignore-installed \
+        --report "$tmp/.report.json" "${specs[@]}"
+    "$pip_python" - "$tmp/.report.json" "$tmp/.requirements.txt" $NOT_LOADED <<'PYTHON'
+import json, sys
+report, out, skipped = sys.argv[1], sys.argv[2], {name.lower() for name in sys.argv[3:]}
+with open(report) as fh:
+    picked = [item["metadata"] for item in json.load(fh)["install"]]
+with open(out, "w") as fh:
+    for meta in picked:
+        if meta["name"].lower() not in skipped:
+            fh.write(f"{meta['name']}=={meta['version']}\n")
+PYTHON
+    "${pip_install[@]}" --no-index --find-links "$wheels" --no-deps -r "$tmp/.requirements.txt"
+    rm -rf "$wheels" "$tmp/.report.json"
+else
+    "${pip_install[@]}" "${specs[@]}"
+fi
 printf '%s\n' "$want" > "$tmp/.tpufab-spec"
 chmod -R a+rX "$tmp"
+works "$tmp" || { echo "sim-wheels: $worker_python cannot import ${specs[*]} from the new build" >&2; exit 1; }
 rm -rf "$site.old"
 [ -e "$site" ] && mv "$site" "$site.old"
 mv "$tmp" "$site"
 trap - EXIT
 rm -rf "$site.old"
-works || { echo "sim-wheels: $worker_python cannot import JAX from $site" >&2; exit 1; }
-echo "sim-wheels: $site has $want ($(du -sh "$site" | cut -f1))"
+echo "sim-wheels: $site has $want ($(du -sh "$site" | cut -f1), built in $(( $(date +%s) - started )) s)"

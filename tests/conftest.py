@@ -237,3 +237,39 @@ def git_daemon(base: Path) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def build_shared_site(share_dirs: list[Path], *, torch: bool = False) -> Path:
+    """The workers' Python packages (JAX; with ``torch``, torch + torch_xla + Lightning too):
+    built once per machine into a cache by scripts/sim-wheels.sh (pip: ~20 s for JAX, minutes
+    for torch), then hard-linked into each pod's share (a second). A share whose site was
+    built for other packages gets the cache's. Returns the cached site."""
+    repo = Path(__file__).resolve().parents[1]
+    cache = Path(os.environ.get("TPUFAB_TEST_SIM_CACHE",
+                                Path.home() / ".cache" / "tpufab" / "test-sim"))
+    argv = ["bash", str(repo / "scripts" / "sim-wheels.sh"), "--sim-dir", str(cache)]
+    built = subprocess.run(argv + (["--torch"] if torch else []), capture_output=True,
+                           text=True, timeout=1800)
+    assert built.returncode == 0, built.stdout + built.stderr
+    site = cache / "share" / "site"
+    stamp = (site / ".tpufab-spec").read_text()
+    for share in share_dirs:
+        share.mkdir(parents=True, exist_ok=True)
+        target = share / "site"
+        try:
+            if (target / ".tpufab-spec").read_text() == stamp:
+                continue
+        except OSError:
+            pass
+        fresh = share / ".site.new"
+        shutil.rmtree(fresh, ignore_errors=True)
+        linked = subprocess.run(["cp", "-al", str(site), str(fresh)], capture_output=True)
+        if linked.returncode != 0:
+            shutil.copytree(site, fresh, symlinks=True)
+        old = share / ".site.old"
+        if target.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            target.rename(old)
+        fresh.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
+    return site

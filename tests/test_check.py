@@ -191,7 +191,7 @@ def git(folder: Path, *argv: str) -> str:
 @pytest.fixture(scope="module")
 def pod_env(sim, tmp_path_factory):
     """A v4-32 with JAX set up (scripts/setup-sim.sh) and a project deployed to it."""
-    from test_run_sim import build_shared_jax
+    from conftest import build_shared_site
 
     from tpufab import lifecycle
     from tpufab import pod as pods
@@ -205,7 +205,7 @@ def pod_env(sim, tmp_path_factory):
                TPUFAB_KNOWN_HOSTS=str(base / "known_hosts"), TPUFAB_NAME=unique_name("chk"),
                COLUMNS="250")
     settings = load_settings(env=env, cwd=base)
-    build_shared_jax([Path(sim.state_dir) / "share"])
+    build_shared_site([Path(sim.state_dir) / "share"])
     lifecycle.create(load_settings({"type": "v4-32"}, env=env, cwd=base), console=_quiet())
     pod = pods.connect(settings, console=_quiet())
     project = base / "proj"

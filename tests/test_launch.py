@@ -234,3 +234,53 @@ def test_start_refuses_bad_input(runs, tmp_path):
     runs.start("dup", "exit 0\n")
     dup = runs.launch("start", "--run", "dup", "--recipe", str(recipe), check=False)
     assert dup.returncode == 2 and "already exists" in json.loads(dup.stdout)["error"]
+
+
+def _launch_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("launch_under_test", LAUNCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_output_dirs_go_to_the_first_mounted_bucket_else_the_run_dir(tmp_path):
+    import shutil
+
+    launch = _launch_module()
+    mounts = tmp_path / "mounts"
+    mounts.mkdir()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (mounts / "not_mounted.json").write_text(json.dumps({"at": str(tmp_path / "bucket")}))
+    dirs = launch.output_dirs("20261123-000000-abcd", str(run_dir), str(mounts))
+    assert dirs == {"TPUFAB_OUTPUT_DIR": str(run_dir / "output"),
+                    "TPUFAB_PROFILE_DIR": str(run_dir / "profile")}
+    assert (run_dir / "output").is_dir() and (run_dir / "profile").is_dir()
+    if not os.path.ismount("/dev/shm") or not os.access("/dev/shm", os.W_OK):
+        pytest.skip("no writable mount point to stand in for a bucket")
+    run_id = f"20261123-000000-{os.getpid() % 0x10000:04x}"
+    (mounts / "a_bucket.json").write_text(json.dumps({"at": "/dev/shm"}))
+    try:
+        dirs = launch.output_dirs(run_id, str(run_dir), str(mounts))
+        assert dirs["TPUFAB_OUTPUT_DIR"] == f"/dev/shm/tpufab/runs/{run_id}/output"
+        assert os.path.isdir(dirs["TPUFAB_PROFILE_DIR"])
+    finally:
+        shutil.rmtree(f"/dev/shm/tpufab/runs/{run_id}", ignore_errors=True)
+
+
+def test_a_python_recipe_runs_with_the_jobs_python(tmp_path):
+    launch = _launch_module()
+    script = tmp_path / "train.py"
+    script.write_text("#!/usr/bin/env python3\nprint('hi')\n")
+    venv_python = tmp_path / "venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.symlink_to(sys.executable)
+    assert launch.recipe_argv(str(script), ["a=1"], {"TPUFAB_PYTHON": str(venv_python)}) == \
+        [str(venv_python), str(script), "a=1"]
+    assert launch.recipe_argv(str(script), [], {"VIRTUAL_ENV": str(tmp_path / "venv")})[0] == \
+        str(venv_python)
+    shell = tmp_path / "x.sh"
+    shell.write_text("#!/bin/sh\necho hi\n")
+    assert launch.recipe_argv(str(shell), ["--steps", "10"], {}) == [str(shell), "--steps", "10"]

@@ -151,3 +151,35 @@ def test_torch_xla_hello_says_clearly_that_torch_xla_is_missing():
     assert result.exit_codes == (2,)
     lines = [line for line in result.output[0] if line.strip()]
     assert len(lines) == 1 and "torch_xla is not installed" in lines[0]
+
+
+def test_run_passes_the_trailing_arguments_through_after_args(tmp_path, capsys, monkeypatch):
+    from tpufab.verbs.jobs import run
+
+    monkeypatch.chdir(tmp_path)
+    path = recipe(tmp_path, 'printf "%s|" "$@"; echo\n')
+    code = run(str(path), ["--steps", "10", "two words", "x;y"], args="--lr '0.1 0.2'",
+               local=True, workers=2)
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert sorted(lines) == [f"w{w}: --lr|0.1 0.2|--steps|10|two words|x;y|" for w in (0, 1)]
+
+
+def test_a_python_file_runs_with_the_jobs_python_and_gets_the_torch_contract(tmp_path):
+    path = tmp_path / "train.py"                       # no shebang, not executable
+    path.write_text("import os, sys\n"
+                    "keys = ('RANK', 'NODE_RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'MASTER_ADDR')\n"
+                    "print(sys.executable, sys.argv[1:], [os.environ[k] for k in keys],\n"
+                    "      os.path.isdir(os.environ['TPUFAB_OUTPUT_DIR']),\n"
+                    "      os.path.isdir(os.environ['TPUFAB_PROFILE_DIR']))\n")
+    result = run_local(path, workers=2, args=["model=tiny", "global_batch_size=8"],
+                       echo=False, cwd=tmp_path,
+                       env={**os.environ, "TPUFAB_PYTHON": sys.executable})
+    assert result.ok, result.output
+    for w in (0, 1):
+        assert result.output[w] == (
+            f"{sys.executable} ['model=tiny', 'global_batch_size=8'] "
+            f"['{w}', '{w}', '0', '2', '127.0.0.1'] True True",)
+    runs = list((tmp_path / ".tpufab" / "runs").iterdir())
+    assert [r.name for r in runs] == [result.run_id]
+    assert (runs[0] / "output").is_dir() and (runs[0] / "profile").is_dir()

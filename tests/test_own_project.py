@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from test_run_sim import build_shared_jax
+from conftest import build_shared_site
 
 pytestmark = pytest.mark.sim
 
@@ -34,7 +34,7 @@ def project(sim, tmp_path):
     env.update(sim.env(), HOME=str(home), TPUFAB_USER_CONFIG=str(tmp_path / "none.yaml"),
                TPUFAB_SSH_USER="root", TPUFAB_STATE_DIR=str(tmp_path / "state"),
                COLUMNS="200", PATH=f"{BIN}:{env.get('PATH', '')}")
-    build_shared_jax([Path(sim.state_dir) / "share"])
+    build_shared_site([Path(sim.state_dir) / "share"])
     yield repo, env
     subprocess.run([str(BIN / "tpufab"), "delete", "--name", "root-v4-32", "--yes"], env=env,
                    cwd=tmp_path, capture_output=True, timeout=120)

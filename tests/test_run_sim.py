@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import unique_name, wait_for
+from conftest import build_shared_site, unique_name, wait_for
 
 from tpufab.jobs import (
     FoldingView,
@@ -257,25 +257,6 @@ def test_follow_sink_masks_secrets_keeps_status_lines_out_and_copies_logs(tmp_pa
 # ---------------------------------------------------------------------------------------------
 # on the simulated pod
 
-def build_shared_jax(share_dirs: list[Path]) -> None:
-    """JAX for the workers: built once into a cache by scripts/sim-wheels.sh (pip, ~20 s),
-    then hard-linked into the pod's share (a second)."""
-    cache = Path(os.environ.get("TPUFAB_TEST_SIM_CACHE",
-                                Path.home() / ".cache" / "tpufab" / "test-sim"))
-    built = subprocess.run(["bash", str(REPO / "scripts" / "sim-wheels.sh"), "--sim-dir",
-                            str(cache)], capture_output=True, text=True, timeout=600)
-    assert built.returncode == 0, built.stdout + built.stderr
-    for share in share_dirs:
-        share.mkdir(parents=True, exist_ok=True)
-        target = share / "site"
-        if target.exists():
-            continue
-        linked = subprocess.run(["cp", "-al", str(cache / "share" / "site"), str(target)],
-                                capture_output=True)
-        if linked.returncode != 0:
-            shutil.copytree(cache / "share" / "site", target, symlinks=True)
-
-
 @pytest.fixture(scope="module")
 def pod_env(sim, tmp_path_factory):
     """A v4-32 with JAX set up (scripts/setup-sim.sh) and the environment naming it."""
@@ -293,7 +274,7 @@ def pod_env(sim, tmp_path_factory):
     env.pop("HF_TOKEN", None)
     settings = load_settings(env=env, cwd=base)
     state = Path(sim.state_dir)
-    build_shared_jax([state / "share"])          # bound at /opt/tpufab-sim/share in workers
+    build_shared_site([state / "share"])         # bound at /opt/tpufab-sim/share in workers
     lifecycle.create(load_settings({"type": "v4-32"}, env=env, cwd=base), console=_quiet())
     pod = pods.connect(settings, console=_quiet())
     try:

@@ -59,8 +59,8 @@ IPS = ["10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.5"]
 
 
 @pytest.mark.parametrize("rank,expected", [
-    (0, {"TPUFAB_WORKER_ID": "0", "TPU_WORKER_ID": "0"}),
-    (3, {"TPUFAB_WORKER_ID": "3", "TPU_WORKER_ID": "3"}),
+    (0, {"TPUFAB_WORKER_ID": "0", "TPU_WORKER_ID": "0", "RANK": "0", "NODE_RANK": "0"}),
+    (3, {"TPUFAB_WORKER_ID": "3", "TPU_WORKER_ID": "3", "RANK": "3", "NODE_RANK": "3"}),
 ])
 def test_single_slice_contract(rank, expected):
     env = job_environment("r1", JobLayout.single(IPS), rank)
@@ -73,9 +73,42 @@ def test_single_slice_contract(rank, expected):
         "TPUFAB_NUM_SLICES": "1",
         "TPUFAB_PROFILER_PORT": str(9431 + rank),
         "PJRT_DEVICE": "TPU",
+        "MASTER_ADDR": "10.0.0.2",
+        "MASTER_PORT": "29500",                          # r1 is no run id: the base port
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "0",
         **expected,
     }
     assert env.secrets == {}
+
+
+def test_torch_distributed_names_follow_the_tpufab_contract_on_every_layout():
+    layout = JobLayout.multislice([["10.0.0.2", "10.0.0.3"], ["10.1.0.2", "10.1.0.3"]])
+    for env in (e.public for e in job_environments("r1", layout, coordinator_port=7000)):
+        assert env["RANK"] == env["NODE_RANK"] == env["TPUFAB_WORKER_ID"]
+        assert env["WORLD_SIZE"] == env["TPUFAB_NUM_WORKERS"] == "4"
+        assert env["MASTER_ADDR"] == env["TPUFAB_COORDINATOR"].split(":")[0] == "10.0.0.2"
+        assert env["LOCAL_RANK"] == "0"
+    local = [e.public for e in local_environments("r2", 3, 5555, master_port=6000)]
+    assert [e["RANK"] for e in local] == ["0", "1", "2"]
+    assert {(e["MASTER_ADDR"], e["MASTER_PORT"], e["WORLD_SIZE"]) for e in local} == \
+        {("127.0.0.1", "6000", "3")}
+
+
+def test_master_port_comes_from_the_run_id_so_a_stale_process_cannot_block_the_next_run():
+    ports = {job_environment(run_id, JobLayout.single(IPS), 0).public["MASTER_PORT"]
+             for run_id in ("20261122-104455-0000", "20261122-104455-03e7",
+                            "20261122-104455-03e8")}
+    assert ports == {"29500", "30499"}                 # 0x3e7 = 999, 0x3e8 = 1000 -> 0
+
+
+def test_a_forwarded_master_port_wins_but_ranks_cannot_be_forwarded():
+    env = job_environment("r1", JobLayout.single(IPS), 1,
+                          forwarded=Forwarded({"MASTER_PORT": "12355"})).public
+    assert env["MASTER_PORT"] == "12355"
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "NODE_RANK", "LOCAL_RANK"):
+        with pytest.raises(ConfigError, match="tpufab sets it"):
+            forwarded_environment([f"{name}=5"], {})
 
 
 @pytest.mark.parametrize("options,present,absent", [
@@ -226,3 +259,22 @@ def test_64_hosts_read_like_one():
     assert rendered[1000] == "w17: NaN detected on w17"
     assert rendered[1001] == "step 1000 loss 0.0010"
     assert rendered[-1] == "w[0-39,41-63]: step 1999 loss 0.0005"
+
+
+def test_torchprime_variables_are_forwarded_when_set_and_hf_token_stays_secret(monkeypatch):
+    from types import SimpleNamespace
+
+    from tpufab.runs import forwarded_for
+
+    for name in ("HF_TOKEN", "XLA_IR_DEBUG", "XLA_HLO_DEBUG", "LIBTPU_INIT_ARGS", "OTHER"):
+        monkeypatch.delenv(name, raising=False)
+    settings = SimpleNamespace(env=[], secrets=[])
+    assert forwarded_for(settings, None) == Forwarded()          # nothing set: nothing sent
+    monkeypatch.setenv("HF_TOKEN", "hf_abc")
+    monkeypatch.setenv("XLA_IR_DEBUG", "1")
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_enable_latency_hiding_scheduler=true")
+    monkeypatch.setenv("OTHER", "x")
+    fwd = forwarded_for(settings, ["XLA_IR_DEBUG=0"])
+    assert dict(fwd.secrets) == {"HF_TOKEN": "hf_abc"}
+    assert dict(fwd.public) == {"XLA_IR_DEBUG": "0",              # --env wins
+                                "LIBTPU_INIT_ARGS": "--xla_tpu_enable_latency_hiding_scheduler=true"}

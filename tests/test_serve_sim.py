@@ -18,8 +18,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import free_port, unique_name, wait_for
-from test_run_sim import _quiet, build_shared_jax
+from conftest import build_shared_site, free_port, unique_name, wait_for
+from test_run_sim import _quiet
 
 REPO = Path(__file__).resolve().parents[1]
 TPUFAB = str(Path(sys.executable).parent / "tpufab")
@@ -51,7 +51,7 @@ def serve_env(sim, tmp_path_factory):
                COLUMNS="200")
     settings = load_settings(env=env, cwd=base)
     state = Path(sim.state_dir)
-    build_shared_jax([state / "share"])
+    build_shared_site([state / "share"])
     share_xprof(state)
     lifecycle.create(load_settings({"type": "v4-32"}, env=env, cwd=base), console=_quiet())
     pod = pods.connect(settings, console=_quiet())

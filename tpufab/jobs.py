@@ -36,7 +36,14 @@ from tpufab.remote_files import (
     run_script,
     run_with_files,
 )
-from tpufab.runs import Forwarded, JobEnvironment, JobLayout, job_environments, new_run_id
+from tpufab.runs import (
+    RESERVED,
+    Forwarded,
+    JobEnvironment,
+    JobLayout,
+    job_environments,
+    new_run_id,
+)
 from tpufab.terminal import neutralise_text
 
 if TYPE_CHECKING:
@@ -98,8 +105,11 @@ def plan_run(recipe: RemoteFile, *, slices: Sequence[Sequence[int]], ips: Sequen
 
 
 def start_command(plan: RunPlan) -> Command:
+    from tpufab.mount import STATE_DIR as MOUNTS_DIR
+
     args: list = ["start", "--run", plan.run_id, "--recipe", plan.recipe.path,
-                  "--recipe-sha256", plan.recipe.sha256, "--env-file", plan.env_file()]
+                  "--recipe-sha256", plan.recipe.sha256, "--env-file", plan.env_file(),
+                  "--mounts-dir", MOUNTS_DIR]
     if plan.cwd:
         args += ["--cwd", plan.cwd]
     if plan.commit:
@@ -757,7 +767,8 @@ def environment_summary(plan: RunPlan) -> str:
     """The forwarded and framework variables of a run, secrets masked (for display)."""
     first = plan.environments[plan.workers[0]]
     shown = {k: v for k, v in first.masked().items()
-             if not k.startswith(("TPUFAB_", "SKYPILOT_")) and k != "TPU_WORKER_ID"}
+             if not k.startswith(("TPUFAB_", "SKYPILOT_")) and k not in RESERVED
+             and k not in ("TPU_WORKER_ID", "MASTER_PORT")}
     return " ".join(f"{k}={v}" for k, v in sorted(shown.items()))
 
 

@@ -85,8 +85,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def recipe_command(recipe: Path, args: Sequence[str]) -> list[str]:
-    """How a recipe file runs: its own shebang, else python3 for .py, else sh."""
+def recipe_command(recipe: Path, args: Sequence[str],
+                   env: Mapping[str, str] | None = None) -> list[str]:
+    """How a recipe file runs: a .py file with the job's Python (``$TPUFAB_PYTHON``, else
+    ``$VIRTUAL_ENV/bin/python``, else this Python), as on a worker; anything else by its own
+    shebang, else sh."""
+    if recipe.suffix == ".py":
+        env = os.environ if env is None else env
+        python = env.get("TPUFAB_PYTHON") or (
+            f"{env['VIRTUAL_ENV']}/bin/python" if env.get("VIRTUAL_ENV") else sys.executable)
+        return [python, str(recipe), *args]
     with recipe.open("rb") as fh:
         head = fh.read(2)
     if head == b"#!" and os.access(recipe, os.X_OK):
@@ -95,8 +103,6 @@ def recipe_command(recipe: Path, args: Sequence[str]) -> list[str]:
         with recipe.open("rb") as fh:
             interpreter = fh.readline()[2:].decode().split()
         return [*interpreter, str(recipe), *args]
-    if recipe.suffix == ".py":
-        return [sys.executable, str(recipe), *args]
     return ["/bin/sh", str(recipe), *args]
 
 
@@ -124,7 +130,9 @@ def run_local(recipe: str | Path, workers: int = 1, args: Sequence[str] = (),
     if "TPUFAB_PYTHON" not in base and "VIRTUAL_ENV" not in base:
         base["TPUFAB_PYTHON"] = sys.executable     # the Python running tpufab, unless told
     base.setdefault("PYTHONUNBUFFERED", "1")
-    envs = local_environments(run_id, workers, port, forwarded=forwarded, spmd=spmd)
+    envs = local_environments(run_id, workers, port, master_port=free_port(),
+                              forwarded=forwarded, spmd=spmd)
+    outputs = _output_dirs(Path(cwd or Path.cwd()), run_id)
     out = out if out is not None else sys.stdout
     lock = threading.Lock()
     output: dict[int, list[str]] = {w: [] for w in range(workers)}
@@ -134,7 +142,8 @@ def run_local(recipe: str | Path, workers: int = 1, args: Sequence[str] = (),
     try:
         for worker, job_env in enumerate(envs):
             proc = subprocess.Popen(
-                recipe_command(recipe.resolve(), args), cwd=cwd, env={**base, **job_env.merged()},
+                recipe_command(recipe.resolve(), args, base), cwd=cwd,
+                env={**base, **outputs, **job_env.merged()},
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 start_new_session=True)
             procs.append(proc)
@@ -151,6 +160,18 @@ def run_local(recipe: str | Path, workers: int = 1, args: Sequence[str] = (),
     return LocalRunResult(run_id, tuple(p.returncode for p in procs),
                           {w: tuple(lines) for w, lines in output.items()},
                           first_failure, timed_out)
+
+
+def _output_dirs(cwd: Path, run_id: str) -> dict[str, str]:
+    """TPUFAB_OUTPUT_DIR and TPUFAB_PROFILE_DIR of a local run, shared by its processes as a
+    bucket is on a pod: ``./.tpufab/runs/<run-id>/{output,profile}``."""
+    from tpufab.jobs import local_log_dir
+
+    run_dir = local_log_dir(run_id, cwd)
+    dirs = {"TPUFAB_OUTPUT_DIR": run_dir / "output", "TPUFAB_PROFILE_DIR": run_dir / "profile"}
+    for path in dirs.values():
+        path.mkdir(exist_ok=True)
+    return {key: str(path) for key, path in dirs.items()}
 
 
 def _pump(proc, worker, lines, out, lock, echo, prefixed):

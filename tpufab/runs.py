@@ -24,13 +24,20 @@ DEFAULT_MEGASCALE_PORT = 8081
 # jax.profiler.start_server port of rank 0; rank N uses this + N, so processes that share one
 # network (the simulated pod, `run --local`) never collide. `tpufab profile` connects there.
 DEFAULT_PROFILER_PORT = 9431
+# torch.distributed's default port (torchrun's too), plus 0-999 from the run id: a process
+# left over from an earlier run that still holds its port cannot block the next run.
+DEFAULT_MASTER_PORT = 29500
 _RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{4}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 # Names a forwarded variable may not take: tpufab sets them per worker.
 RESERVED = ("TPUFAB_RUN_ID", "TPUFAB_RUN_DIR", "TPUFAB_WORKER_ID", "TPU_WORKER_ID",
             "TPUFAB_NUM_WORKERS", "TPUFAB_WORKER_IPS", "TPUFAB_COORDINATOR",
-            "TPUFAB_SLICE_ID", "TPUFAB_NUM_SLICES", "TPUFAB_TASK", "TPUFAB_PROFILER_PORT")
+            "TPUFAB_SLICE_ID", "TPUFAB_NUM_SLICES", "TPUFAB_TASK", "TPUFAB_PROFILER_PORT",
+            "MASTER_ADDR", "WORLD_SIZE", "RANK", "NODE_RANK", "LOCAL_RANK")
+# Forwarded on every run when set locally, as torchprime's `tp run` does (HF_TOKEN is a
+# secret by its name, so it travels on stdin only).
+ALWAYS_FORWARDED = ("HF_TOKEN", "XLA_IR_DEBUG", "XLA_HLO_DEBUG", "LIBTPU_INIT_ARGS")
 # Forwarded values whose names look like these are secrets too (besides config `secrets`).
 SECRET_PATTERNS = ("*TOKEN*", "*SECRET*", "*PASSWORD*", "*PASSWD*", "*API_KEY*",
                    "*ACCESS_KEY*", "*PRIVATE_KEY*", "*CREDENTIAL*")
@@ -155,13 +162,18 @@ def forwarded_environment(specs: Iterable[str], local_env: Mapping[str, str],
 def job_environment(run_id: str, layout: JobLayout, rank: int, *, platform: str = "tpu",
                     spmd: bool = False, coordinator_port: int = DEFAULT_COORDINATOR_PORT,
                     megascale_port: int = DEFAULT_MEGASCALE_PORT,
+                    master_port: int | None = None,
                     forwarded: Forwarded | None = None) -> JobEnvironment:
     """The environment of global `rank` in `layout`.
 
     TPUFAB_* describe the whole job (rank, count, IPs in rank order, rank 0's ip:port as
     coordinator); TPU_WORKER_ID is the worker within its slice, as the TPU runtime counts.
+    torch.distributed and Lightning get the same job in their words: one process per worker
+    (WORLD_SIZE workers, RANK = NODE_RANK = the worker's rank, LOCAL_RANK 0), rendezvous at
+    rank 0's IP (MASTER_ADDR) on `master_port` (default: ``master_port_for(run_id)``).
     `platform="cpu"` is for runs without a TPU (JAX_PLATFORMS=cpu, PJRT_DEVICE=CPU).
-    Forwarded variables override the framework defaults, never the TPUFAB_* contract.
+    Forwarded variables override the framework defaults (MASTER_PORT included), never the
+    TPUFAB_* contract.
     """
     if platform not in ("tpu", "cpu"):
         raise ValueError(f"platform must be 'tpu' or 'cpu', not {platform!r}")
@@ -174,6 +186,7 @@ def job_environment(run_id: str, layout: JobLayout, rank: int, *, platform: str 
         env.update(JAX_PLATFORMS="cpu", PJRT_DEVICE="CPU")
     if spmd:
         env["XLA_USE_SPMD"] = "1"
+    env["MASTER_PORT"] = str(master_port or master_port_for(run_id))
     if len(layout.slices) > 1:
         env.update(MEGASCALE_COORDINATOR_ADDRESS=layout.slices[0][0],
                    MEGASCALE_NUM_SLICES=str(len(layout.slices)),
@@ -191,6 +204,11 @@ def job_environment(run_id: str, layout: JobLayout, rank: int, *, platform: str 
         TPUFAB_SLICE_ID=str(slice_id),
         TPUFAB_NUM_SLICES=str(len(layout.slices)),
         TPUFAB_PROFILER_PORT=str(profiler_port(rank)),
+        MASTER_ADDR=ips[0],
+        WORLD_SIZE=str(layout.num_workers),
+        RANK=str(rank),
+        NODE_RANK=str(rank),
+        LOCAL_RANK="0",
     )
     return JobEnvironment(public=env, secrets=dict(forwarded.secrets))
 
@@ -214,6 +232,15 @@ def profiler_port(rank: int) -> int:
     return DEFAULT_PROFILER_PORT + rank
 
 
+def master_port_for(run_id: str) -> int:
+    """MASTER_PORT of a run: 29500 plus 0-999 taken from the run id's random suffix."""
+    suffix = run_id.rsplit("-", 1)[-1]
+    try:
+        return DEFAULT_MASTER_PORT + int(suffix, 16) % 1000
+    except ValueError:
+        return DEFAULT_MASTER_PORT
+
+
 def job_environments(run_id: str, layout: JobLayout, **options) -> list[JobEnvironment]:
     """Every worker's environment, indexed by global rank."""
     return [job_environment(run_id, layout, rank, **options)
@@ -221,11 +248,12 @@ def job_environments(run_id: str, layout: JobLayout, **options) -> list[JobEnvir
 
 
 def local_environments(run_id: str, workers: int, coordinator_port: int,
-                       **options) -> list[JobEnvironment]:
+                       master_port: int | None = None, **options) -> list[JobEnvironment]:
     """The same contract for N processes on this machine (coordinator 127.0.0.1, CPU)."""
     options.setdefault("platform", "cpu")
     layout = JobLayout.single(["127.0.0.1"] * workers)
-    return job_environments(run_id, layout, coordinator_port=coordinator_port, **options)
+    return job_environments(run_id, layout, coordinator_port=coordinator_port,
+                            master_port=master_port or coordinator_port + 1, **options)
 
 
 # -- the folded log view ---------------------------------------------------------------------
@@ -396,10 +424,11 @@ def render_folded(folded: Sequence[FoldedLine], workers: Iterable[int]) -> list[
 
 
 def forwarded_for(settings, env: Iterable[str] | None) -> Forwarded:
-    """``--env`` specs on top of the config's ``env``; a config name that is not set here is
-    skipped (it means "forward it when I have it"), an ``--env NAME`` that is not set is an
-    error."""
+    """``--env`` specs on top of the config's ``env``, on top of ``ALWAYS_FORWARDED``; a
+    configured or always-forwarded name that is not set here is skipped (it means "forward it
+    when I have it"), an ``--env NAME`` that is not set is an error."""
     import os
 
-    configured = [spec for spec in settings.env if "=" in spec or spec in os.environ]
+    configured = [spec for spec in (*ALWAYS_FORWARDED, *settings.env)
+                  if "=" in spec or spec in os.environ]
     return forwarded_environment([*configured, *(env or ())], os.environ, settings.secrets)

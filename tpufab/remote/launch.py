@@ -2,7 +2,8 @@
 """tpufab runs, worker side (stdlib only): start a recipe detached, report, follow, stop.
 
     launch.py start  --run ID --recipe PATH [--recipe-sha256 HEX] [--cwd DIR] [--commit SHA]
-                     [--env-file PATH] [--env-stdin] [--keep-env-file] [--run-dir DIR] [-- ARGS]
+                     [--env-file PATH] [--env-stdin] [--keep-env-file] [--mounts-dir DIR]
+                     [--run-dir DIR] [-- ARGS]
     launch.py status [--run ID ...] [--run-dir DIR]
     launch.py tail   --run ID [--offset N] [--follow] [--run-dir DIR]
     launch.py stop   --run ID [--grace S] [--run-dir DIR]
@@ -227,14 +228,56 @@ def read_environment(args):
     return env, secrets
 
 
-def recipe_argv(path, args):
+def job_python(env):
+    """The Python a .py recipe runs with, in the order the shipped recipes look:
+    $TPUFAB_PYTHON, $VIRTUAL_ENV/bin/python, ~/.venv/bin/python (what setup makes), python3."""
+    for candidate in (env.get("TPUFAB_PYTHON"),
+                      env.get("VIRTUAL_ENV") and os.path.join(env["VIRTUAL_ENV"], "bin", "python"),
+                      os.path.expanduser("~/.venv/bin/python")):
+        if candidate and os.access(os.path.expanduser(candidate), os.X_OK):
+            return os.path.expanduser(candidate)
+    return "python3"
+
+
+def recipe_argv(path, args, env=None):
+    """A .py file runs with the job's Python (like `python train.py`, whatever its shebang);
+    anything else by its shebang, else sh."""
+    if path.endswith(".py"):
+        return [job_python(os.environ if env is None else env), path, *args]
     with open(path, "rb") as fh:
         head = fh.read(2)
     if head == b"#!":
         return [path, *args]
-    if path.endswith(".py"):
-        return ["python3", path, *args]
     return ["/bin/sh", path, *args]
+
+
+def output_dirs(run_id, rundir, mounts_dir):
+    """TPUFAB_OUTPUT_DIR and TPUFAB_PROFILE_DIR: on the first bucket tpufab mounted here
+    (``<mount>/tpufab/runs/<run-id>/{output,profile}``, shared by every worker), else in the
+    run's own directory. Made here, so a recipe can write at once."""
+    bases = []
+    if mounts_dir:
+        folder = os.path.expanduser(mounts_dir)
+        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+            if not name.endswith(".json"):
+                continue
+            try:
+                with open(os.path.join(folder, name)) as fh:
+                    at = json.load(fh).get("at")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if at and os.path.ismount(at):
+                bases.append(os.path.join(at, "tpufab", "runs", run_id))
+    for base in (*bases, rundir):
+        dirs = {"TPUFAB_OUTPUT_DIR": os.path.join(base, "output"),
+                "TPUFAB_PROFILE_DIR": os.path.join(base, "profile")}
+        try:
+            for path in dirs.values():
+                os.makedirs(path, exist_ok=True)
+        except OSError:
+            continue                  # a read-only or broken mount: the next place
+        return dirs
+    return {}
 
 
 def start(args):
@@ -261,20 +304,24 @@ def start(args):
     copy = os.path.join(rundir, "recipe", os.path.basename(recipe) or "recipe")
     shutil.copyfile(recipe, copy)
     os.chmod(copy, 0o755)
-    argv = recipe_argv(copy, args.args)
 
     job_env = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV}
     job_env.update(env)
     job_env["TPUFAB_RUN_ID"] = args.run
     job_env["TPUFAB_RUN_DIR"] = rundir
     job_env.setdefault("PYTHONUNBUFFERED", "1")   # log lines as they happen, not per 8 KiB
+    for key, value in output_dirs(args.run, rundir, args.mounts_dir).items():
+        if key not in env:                        # `--env TPUFAB_OUTPUT_DIR=...` wins
+            job_env[key] = value
+    argv = recipe_argv(copy, args.args, job_env)
 
     write_atomic(os.path.join(rundir, "commit"), (args.commit or "") + "\n")
     write_atomic(os.path.join(rundir, "recipe_sha256"), digest + "\n")
     write_atomic(os.path.join(rundir, "env_keys"), "".join(k + "\n" for k in sorted(env)))
     meta = {"run": args.run, "recipe": os.path.basename(copy), "args": args.args, "cwd": cwd,
             "commit": args.commit, "recipe_sha256": digest, "host": socket.gethostname(),
-            "started_at": time.time()}
+            "started_at": time.time(), "output_dir": job_env.get("TPUFAB_OUTPUT_DIR"),
+            "profile_dir": job_env.get("TPUFAB_PROFILE_DIR")}
     if cwd_note:
         meta["cwd_missing"] = cwd_note
     write_atomic(os.path.join(rundir, "meta.json"), json.dumps(meta, sort_keys=True) + "\n")
@@ -678,6 +725,8 @@ def parse_args(argv):
     p.add_argument("--env-stdin", action="store_true",
                    help="read a JSON job environment from stdin (on top of --env-file)")
     p.add_argument("--keep-env-file", action="store_true")
+    p.add_argument("--mounts-dir", help="where tpufab records its mounts; the first mounted "
+                   "one holds TPUFAB_OUTPUT_DIR and TPUFAB_PROFILE_DIR")
     p.add_argument("args", nargs="*", help="arguments for the recipe (after --)")
     p = sub.add_parser("status", help="state of runs (all, or --run ID ...)")
     p.add_argument("--run", action="append")

@@ -16,7 +16,9 @@ INTERRUPT_CHOICES = ("kill", "detach")
 
 RUN_OPTIONS = {
     "recipe": "Recipe: an executable file, e.g. recipes/jax_hello.sh.",
-    "args": "The recipe's arguments, as one quoted string.",
+    "extra": Opt("The program's arguments, passed through as given (after -- when one "
+                  "starts with a dash).", rest=True, metavar="ARGS..."),
+    "args": "The recipe's arguments, as one quoted string (before ARGS).",
     "detach": "Start it and return.",
     "no_deploy": "Skip deploying the current commit.",
     "direct": "Deploy straight to the workers over SSH.",
@@ -34,13 +36,19 @@ RUN_OPTIONS = {
 
 
 @verb(options=RUN_OPTIONS)
-def run(recipe: str, *, name: str | None = None, args: str = "", detach: bool = False,
-        no_deploy: bool = False, direct: bool = False, wip: bool = False,
-        env: Sequence[str] | None = None, local: bool = False, workers: int | None = None,
-        on_interrupt: str | None = None, spmd: bool = False, raw: bool = False,
-        check: bool = False, wait_port: int | None = None, wait_timeout: float = 600.0,
-        color: bool = False, zone: str | None = None, project: str | None = None) -> int:
+def run(recipe: str, extra: Sequence[str] = (), *, name: str | None = None, args: str = "",
+        detach: bool = False, no_deploy: bool = False, direct: bool = False,
+        wip: bool = False, env: Sequence[str] | None = None, local: bool = False,
+        workers: int | None = None, on_interrupt: str | None = None, spmd: bool = False,
+        raw: bool = False, check: bool = False, wait_port: int | None = None,
+        wait_timeout: float = 600.0, color: bool = False, zone: str | None = None,
+        project: str | None = None) -> int:
     """Run a recipe on every worker at once (deploying first) and follow its logs.
+
+    A Python file runs with the workers' Python: `tpufab run train.py model=tiny
+    global_batch_size=8`. Everything after the recipe is passed through as its arguments,
+    each exactly as given (after `--` when one starts with a dash: `tpufab run x.sh --
+    --steps 10`); `--args '...'` (one string, split as a shell would) comes first.
 
     With --check, the quick checks of `tpufab check` run first and any problem stops the run
     before it starts (the deployed commit is compared only with --no-deploy: otherwise run
@@ -59,7 +67,7 @@ def run(recipe: str, *, name: str | None = None, args: str = "", detach: bool = 
     if no_deploy and (direct or wip):
         raise ConfigError("--no-deploy skips deploy, while --direct and --wip say how to "
                           "deploy: give one or the other.")
-    argv = split_args(args)
+    argv = [*split_args(args), *(str(item) for item in extra or ())]
     settings = settings_from_flags(name=name, zone=zone, project=project)
     forwarded = forwarded_for(settings, env)
     if local and check:
@@ -197,6 +205,8 @@ def _start_and_follow(pod, plan, *, detach: bool, on_interrupt: str | None,
         note(f"Environment: {summary}", "dim")
     if detach and quiet:
         return 0
+    if first.get("output_dir"):
+        note(f"Output: {first['output_dir']} (profiles: {first.get('profile_dir')})", "dim")
     if detach:
         note(f"Detached. Follow it with `tpufab logs --run {plan.run_id} --follow`, list "
               f"runs with `tpufab runs`, stop it with `tpufab kill --run {plan.run_id}`.")

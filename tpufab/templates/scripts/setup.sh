@@ -9,17 +9,26 @@
 # pointed at it instead of downloading (TPUFAB_PREBUILT_SITE, default /opt/tpufab-sim/share/site).
 #
 #   scripts/setup.sh [--framework jax|torch|none] [--jax-version V] [--torch-version V]
-#                    [--venv DIR] [--python BIN] [--extra PKG]... [--no-gcsfuse]
+#                    [--torch-index URL] [--venv DIR] [--python BIN] [--extra PKG]...
+#                    [--no-gcsfuse]
+#
+# --framework torch pins torch and torch_xla[tpu] to the same version (default 2.9.0; a
+# torch_xla release works only with the torch release of its own version). torch comes from
+# PyTorch's CPU index (--torch-index, default https://download.pytorch.org/whl/cpu: PyPI's
+# Linux torch is a CUDA build that drags several GB of nvidia-* wheels onto a TPU VM; pass
+# --torch-index pypi for PyPI's); torch_xla and the libtpu it pins (torch_xla 2.9.0 ->
+# libtpu 0.0.21) come from PyPI, older releases from Google's libtpu index (-f).
 #
 # Environment equivalents: TPUFAB_FRAMEWORK, TPUFAB_VENV, TPUFAB_JAX_VERSION,
-# TPUFAB_TORCH_VERSION.
+# TPUFAB_TORCH_VERSION, TPUFAB_TORCH_INDEX.
 set -euo pipefail
 
 framework=${TPUFAB_FRAMEWORK:-jax}
 venv=${TPUFAB_VENV:-$HOME/.venv}
 python=""
 jax_version=${TPUFAB_JAX_VERSION:-}
-torch_version=${TPUFAB_TORCH_VERSION:-2.6.0}
+torch_version=${TPUFAB_TORCH_VERSION:-2.9.0}
+torch_index=${TPUFAB_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 gcsfuse=1
 extras=()
 
@@ -34,11 +43,12 @@ while [ $# -gt 0 ]; do
         --framework) framework=$2; shift 2 ;;
         --jax-version) jax_version=$2; shift 2 ;;
         --torch-version) torch_version=$2; shift 2 ;;
+        --torch-index) torch_index=$2; shift 2 ;;
         --venv) venv=$2; shift 2 ;;
         --python) python=$2; shift 2 ;;
         --extra) extras+=("$2"); shift 2 ;;
         --no-gcsfuse) gcsfuse=0; shift ;;
-        -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
         *) echo "setup: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -139,10 +149,19 @@ case $framework in
         ;;
     torch)
         have=$(installed_version torch_xla)
-        if [ -n "$have" ] && [ "${have%%+*}" = "$torch_version" ]; then
-            log "torch_xla $have already installed"
+        have_torch=$(installed_version torch)
+        if [ -n "$have" ] && [ "${have%%+*}" = "$torch_version" ] \
+                && [ "${have_torch%%+*}" = "$torch_version" ]; then
+            log "torch $have_torch with torch_xla $have already installed"
         else
-            log "installing torch==$torch_version torch_xla[tpu]==$torch_version"
+            # torch first, from its index, so torch_xla's `torch==V` finds it installed.
+            log "installing torch==$torch_version${torch_index:+ from $torch_index}"
+            if [ "$torch_index" = pypi ] || [ -z "$torch_index" ]; then
+                "${pip[@]}" "torch==$torch_version"
+            else
+                "${pip[@]}" "torch==$torch_version" --index-url "$torch_index"
+            fi
+            log "installing torch_xla[tpu]==$torch_version"
             "${pip[@]}" "torch==$torch_version" "torch_xla[tpu]==$torch_version" -f "$LIBTPU_INDEX"
         fi
         ;;
