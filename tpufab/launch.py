@@ -25,7 +25,12 @@ from tpufab.config import Settings
 from tpufab.errors import ConfigError, TpufabError
 from tpufab.quoting import quote
 from tpufab.remote_files import RemoteFile
-from tpufab.runs import Forwarded, forwarded_environment, skypilot_variables
+from tpufab.runs import (
+    ALWAYS_FORWARDED,
+    Forwarded,
+    forwarded_environment,
+    skypilot_variables,
+)
 from tpufab.taskfile import Task, resolve_envs
 
 if TYPE_CHECKING:
@@ -128,7 +133,7 @@ def plan(task: Task, *, settings: Settings, name: str | None = None, type: str |
     spec.runtime_version = version or task.runtime_version or settings.runtime_version
     spec.name = lifecycle.validate_name(name or task.name or settings.name)
     specs = resolve_envs(task, env, local_env)
-    configured = [e for e in spec.env if "=" in e or e in local_env]
+    configured = [e for e in (*ALWAYS_FORWARDED, *spec.env) if "=" in e or e in local_env]
     forwarded = forwarded_environment([*configured, *specs], local_env,
                                       [*spec.secrets, *task.secret_envs])
 
