@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEBIAN_PACKAGES=(openssh-server openssh-client fuse3 git rclone clustershell pssh psmisc
+DEBIAN_PACKAGES=(openssh-server openssh-client fuse3 git rclone clustershell pssh psmisc sudo
                  procps iproute2 lsof util-linux)
 
 need_apt=()

@@ -26,6 +26,7 @@ from tpufab.sim._model import (
     CONFIG_TYPE_OF_GENERATION,
     LOCATIONS,
     RUNTIME_VERSIONS,
+    TPU_PCI_DEVICE,
     UPDATABLE_FIELDS,
     ApiFailure,
     accelerator_type_of,
@@ -47,6 +48,7 @@ from tpufab.sim._model import (
     worker_hostname,
 )
 from tpufab.sim._slots import SlotRegistry
+from tpufab.sim.guest import NO_EVENT, TERMINATE, Tokens, metadata_tree
 from tpufab.topology import Topology, parse_accelerator_type
 
 log = logging.getLogger("tpufab.sim")
@@ -73,6 +75,7 @@ class Workers(Protocol):
     def kill_sshd(self, node_id: str, index: int) -> None: ...
     def running(self, node_id: str) -> dict[int, bool]: ...
     def stop_all(self) -> None: ...
+    def exec_in(self, node_id: str, index: int, argv: list[str], **popen_kw: Any) -> Any: ...
 
 
 @dataclass
@@ -84,6 +87,7 @@ class SimSettings:
     operation_delay: float = 0.1      # stop / delete / update / reset before they act
     listen_timeout: float = 60.0      # bound on waiting for a node's sshd to listen
     quota_chips: int | None = None    # chips per project, zone and generation; None = no limit
+    maintenance_notice: float = 30.0  # simulateMaintenanceEvent: how long the event is announced
 
     def update(self, changes: dict[str, Any]) -> None:
         known = {f.name: f for f in fields(self)}
@@ -135,6 +139,8 @@ class Emulator:
         self._slots = SlotRegistry(self.state_dir)
         self._state = self._load()
         self.started = time.time()
+        self.tokens = Tokens(self.state_dir / "tokens.json")
+        self.metadata: Any = None  # a tpufab.sim.metadata.MetadataServer when workers are real
 
     # ------------------------------------------------------------------ persistence
 
@@ -163,14 +169,21 @@ class Emulator:
         tmp = self._path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self._state, indent=1, sort_keys=True))
         os.replace(tmp, self._path)
+        if self.metadata is not None:  # wakes metadata requests waiting for a change
+            self.metadata.changed()
 
     # ------------------------------------------------------------------ request entry
 
     def handle(self, method: str, path: str, query: dict[str, str],
-               body: Any) -> tuple[int, dict[str, Any]]:
-        """Answer one request: (HTTP status, JSON body)."""
+               body: Any, authorization: str | None = None) -> tuple[int, dict[str, Any]]:
+        """Answer one request: (HTTP status, JSON body).
+
+        No credentials are anonymous (as before); ``Bearer`` tokens must be ones a worker's
+        metadata server issued and that have not expired.
+        """
         try:
             path = unquote(path)
+            self._check_credentials(authorization)
             if path.startswith("/sim/v1/"):
                 return 200, self._admin(method, path[len("/sim/v1/"):], query, body or {})
             if path.startswith(("/v2/", "/v2alpha1/", "/compute/v1/")):
@@ -192,6 +205,16 @@ class Emulator:
             log.exception("internal error on %s %s", method, path)
             failure = ApiFailure("INTERNAL", f"Internal error in the TPU emulator: {exc!r}")
             return failure.http_code, failure.body()
+
+    def _check_credentials(self, authorization: str | None) -> None:
+        if not authorization:
+            return
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() == "bearer" and self.tokens.holder(token.strip()) is not None:
+            return
+        raise ApiFailure("UNAUTHENTICATED", "Request had invalid authentication credentials. "
+                         "Expected OAuth 2 access token, login cookie or other valid "
+                         "authentication credential.")
 
     def _maybe_inject_error(self, path: str) -> None:
         with self._lock:
@@ -257,6 +280,8 @@ class Emulator:
                 ("POST", "nodes", "start"): lambda: self._start_node(version, name),
                 ("POST", "nodes", "getGuestAttributes"): lambda: self._guest_attributes(name,
                                                                                          body),
+                ("POST", "nodes", "simulateMaintenanceEvent"):
+                    lambda: self._simulate_maintenance(version, name, body),
                 ("GET", "acceleratorTypes", None): lambda: self._accelerator_type(name),
                 ("GET", "runtimeVersions", None): lambda: self._runtime_version(name),
                 ("GET", "queuedResources", None): lambda: self._qr(name)["qr"],
@@ -434,6 +459,17 @@ class Emulator:
                               "value": blob.split()[0] if blob else ""})
             items.append({"namespace": "", "key": "hostname",
                           "value": worker_hostname(node["id"], w)})
+            startup = (record["sim"].get("startup") or {}).get(str(w))
+            if startup is not None:  # the boot's startup-script: running, its exit code, or why not
+                if "exitCode" in startup:
+                    status = f"exit {startup['exitCode']}"
+                elif "error" in startup:
+                    status = f"error: {startup['error']}"
+                elif startup.get("ran") is False:
+                    status = "none"
+                else:
+                    status = "running"
+                items.append({"namespace": "startup-script", "key": "status", "value": status})
             items = [i for i in items
                      if f"{i['namespace']}/{i['key']}".startswith(query_path)
                      or (i["namespace"] + "/").startswith(query_path)]
@@ -591,6 +627,7 @@ class Emulator:
                         return
                 self.workers.start_node(node_id, specs, keys,
                                         delay=self.settings.worker_start_delay)
+                self._open_metadata(node_id, specs)
                 self.workers.wait_listening(node_id, timeout=self.settings.listen_timeout)
                 host_keys = self.workers.host_keys(node_id)
                 for _ in range(5):  # metadata may have changed while the workers started
@@ -623,6 +660,7 @@ class Emulator:
                     record["node"]["state"] not in BRING_UP_STATES:
                 return  # deleted or changed meanwhile; that operation owns the workers now
             record["sim"]["hostKeys"] = {str(i): k for i, k in host_keys.items()}
+            record["sim"].pop("notices", None)  # a new boot: no notice pending
             record["node"]["state"] = "READY"
             record["node"]["health"] = "HEALTHY"
             record["node"].pop("healthDescription", None)
@@ -630,6 +668,7 @@ class Emulator:
                                    response=record["node"])
             self._refresh_qr(record["node"].get("queuedResource"))
             self._save()
+        self._booted(name, node_id, specs)
 
     def _specs(self, node: dict[str, Any]) -> list[Any]:
         factory = self._spec_factory
@@ -640,7 +679,8 @@ class Emulator:
         topo = parse_accelerator_type(node["acceleratorType"])
         return [factory(node_id=node["id"], index=w, ip=e["ipAddress"],
                         hostname=worker_hostname(node["id"], w),
-                        device_files=tuple(topo.device_files))
+                        device_files=tuple(topo.device_files),
+                        pci_device=TPU_PCI_DEVICE.get(topo.generation, ""))
                 for w, e in enumerate(node["networkEndpoints"])]
 
     def _stop_node(self, version: str, name: str) -> dict[str, Any]:
@@ -667,6 +707,7 @@ class Emulator:
                 return
             node_id = record["node"]["id"]
         with self._node_lock(node_id):
+            self._close_metadata(node_id)
             self.workers.stop_node(node_id)
         with self._lock:
             record = self._state["nodes"].get(name)
@@ -716,6 +757,7 @@ class Emulator:
                 return
             node_id = record["node"]["id"]
         with self._node_lock(node_id):
+            self._close_metadata(node_id)
             self.workers.delete_node(node_id)
         with self._lock:
             record = self._forget_node(name)
@@ -964,6 +1006,7 @@ class Emulator:
                 self._state["nodes"][node_name]["node"]["state"] = "DELETING"
         for node_name, node_id in nodes:
             with self._node_lock(node_id):
+                self._close_metadata(node_id)
                 self.workers.delete_node(node_id)
             with self._lock:
                 self._forget_node(node_name)
@@ -1055,7 +1098,8 @@ class Emulator:
             return self._arm_error_burst(body)
         if rest.startswith("projects/") and ":" in rest and method == "POST":
             name, verb = rest.rsplit(":", 1)
-            action = {"preempt": lambda: self.preempt(name),
+            action = {"preempt": lambda: self.preempt(name, float(body.get("noticeSeconds")
+                                                                    or 0)),
                       "setReachable": lambda: self._set_reachable(name, body),
                       "killSshd": lambda: self._kill_sshd(name, body)}.get(verb)
             if action:
@@ -1106,8 +1150,27 @@ class Emulator:
             self._error_burst = {"code": code, "count": count, "match": body.get("match") or ""}
             return {"errorBurst": dict(self._error_burst)}
 
-    def preempt(self, name: str) -> dict[str, Any]:
-        """Preempt a node: PREEMPTED, workers stopped; it stays until deleted."""
+    def preempt(self, name: str, notice: float = 0.0) -> dict[str, Any]:
+        """Preempt a node: PREEMPTED, workers stopped; it stays until deleted.
+
+        With ``notice`` seconds, the workers' metadata says ``instance/preempted: TRUE`` (and
+        ``maintenance-event: TERMINATE_ON_HOST_MAINTENANCE``) at once, and the preemption
+        follows after the notice; the call returns at once with the node still READY.
+        """
+        if notice > 0:
+            with self._lock:
+                record = self._require_node(name)
+                if record["node"]["state"] != "READY":
+                    raise ApiFailure("FAILED_PRECONDITION",
+                                     f"Node {name} is {record['node']['state']}; only a READY "
+                                     "node can be given a preemption notice.")
+                hosts = len(record["node"]["networkEndpoints"])
+                record["sim"]["notices"] = {
+                    "preempted": True, "maintenance": {str(w): TERMINATE for w in range(hosts)},
+                    "preemptAt": time.time() + notice}
+                self._save()
+            self._spawn(self._preempt_after_notice, name, notice)
+            return self._node(name)["node"]
         with self._lock:
             record = self._require_node(name)
             state = record["node"]["state"]
@@ -1123,8 +1186,135 @@ class Emulator:
             self._refresh_qr(record["node"].get("queuedResource"))
             self._save()
         with self._node_lock(node_id):
+            self._close_metadata(node_id)
             self.workers.stop_node(node_id)
         return self._node(name)["node"]
+
+    def _preempt_after_notice(self, name: str, notice: float) -> None:
+        if self._stopping.wait(notice):
+            return
+        with self._lock:
+            record = self._state["nodes"].get(name)
+            if record is None or record["node"]["state"] != "READY" or \
+                    not (record["sim"].get("notices") or {}).get("preempted"):
+                return
+        self.preempt(name)
+
+    # ------------------------------------------------------------------ guest environment
+
+    def metadata_tree(self, node_id: str, worker: int) -> dict[str, Any] | None:
+        """A worker's computeMetadata/v1 tree (tpufab.sim.metadata asks for it per request)."""
+        with self._lock:
+            found = [(n, r) for n, r in self._state["nodes"].items() if r["node"]["id"] == node_id]
+            if not found:
+                return None
+            name, record = found[0]
+            record = json.loads(json.dumps(record))
+            slice_info = self._slice_info(name, record)
+        return metadata_tree(record, worker, slice_info=slice_info, tokens=self.tokens)
+
+    def _slice_info(self, name: str, record: dict[str, Any]) -> dict[str, Any] | None:
+        """Multislice facts for tpu-env (caller holds the lock), None for a single slice."""
+        qr = self._state["queuedResources"].get(record["node"].get("queuedResource") or "")
+        if qr is None or not record["node"].get("multisliceNode"):
+            return None
+        names = [p["name"] for p in qr["sim"]["plan"]]
+        first = self._state["nodes"].get(names[0])
+        if name not in names or first is None:
+            return None
+        return {"id": names.index(name), "count": len(names),
+                "coordinator": first["node"]["networkEndpoints"][0]["ipAddress"]}
+
+    def _open_metadata(self, node_id: str, specs: list[Any]) -> None:
+        if self.metadata is not None:
+            self.metadata.open(node_id, [(s.index, s.ip) for s in specs])
+
+    def _close_metadata(self, node_id: str) -> None:
+        if self.metadata is not None:
+            self.metadata.close(node_id)
+
+    def _booted(self, name: str, node_id: str, specs: list[Any]) -> None:
+        """After every boot (create, start, daemon restart): run startup-script metadata."""
+        with self._lock:
+            record = self._state["nodes"].get(name)
+            if record is None or "startup-script" not in (record["node"].get("metadata") or {}):
+                return
+            record["sim"]["startup"] = {str(s.index): {} for s in specs}
+            self._save()
+        if self.metadata is None:
+            return  # paper workers: nothing to run on
+        for spec in specs:
+            self._spawn(self._run_startup_script, name, node_id, spec.index)
+
+    def _run_startup_script(self, name: str, node_id: str, worker: int) -> None:
+        from tpufab.sim.guest import STARTUP_RUNNER
+
+        started = time.time()
+        try:
+            proc = self.workers.exec_in(node_id, worker, ["/usr/bin/python3", "-I", "-S", "-"],
+                                        input=STARTUP_RUNNER.read_text(), timeout=3600)
+            outcome = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() \
+                else {"error": proc.stderr.strip()[-500:] or f"runner exited {proc.returncode}"}
+        except Exception as exc:  # noqa: BLE001 - recorded where a user looks
+            outcome = {"error": str(exc)}
+        outcome["startedAt"] = rfc3339(started)
+        outcome["endedAt"] = rfc3339()
+        with self._lock:
+            record = self._state["nodes"].get(name)
+            if record is None or record["node"]["id"] != node_id:
+                return
+            record["sim"].setdefault("startup", {})[str(worker)] = outcome
+            self._save()
+
+    def _simulate_maintenance(self, version: str, name: str,
+                              body: dict[str, Any]) -> dict[str, Any]:
+        """nodes:simulateMaintenanceEvent: the workers' metadata announces host maintenance
+        (``instance/maintenance-event: TERMINATE_ON_HOST_MAINTENANCE``) for
+        ``maintenance_notice`` seconds, then the event is over and it says NONE again."""
+        with self._lock:
+            record = self._require_node(name)
+            if record["node"]["state"] != "READY":
+                raise ApiFailure("FAILED_PRECONDITION", f"Node {name} is "
+                                 f"{record['node']['state']}; only a READY node can have a "
+                                 "maintenance event.")
+            hosts = len(record["node"]["networkEndpoints"])
+            wanted = [w for w in (body.get("workerIds") or body.get("worker_ids") or [])
+                      if str(w) != ""]
+            try:
+                workers = sorted({int(w) for w in wanted}) if wanted else list(range(hosts))
+            except ValueError:
+                raise ApiFailure("INVALID_ARGUMENT", f"Invalid worker ids {wanted}.") from None
+            if any(not 0 <= w < hosts for w in workers):
+                raise ApiFailure("INVALID_ARGUMENT", f"Worker ids {workers} are out of range; "
+                                 f"node {name} has workers 0..{hosts - 1}.")
+            notices = record["sim"].setdefault("notices", {})
+            events = notices.setdefault("maintenance", {})
+            for w in workers:
+                events[str(w)] = TERMINATE
+            record["node"]["health"] = "UNHEALTHY_MAINTENANCE"
+            op = self._new_operation(version, name, "simulateMaintenanceEvent")
+            self._finish_operation(op["name"], response=record["node"])
+            self._save()
+            op = json.loads(json.dumps(self._state["operations"][op["name"]]))
+        self._spawn(self._end_maintenance, name, workers)
+        return op
+
+    def _end_maintenance(self, name: str, workers: list[int]) -> None:
+        if self._stopping.wait(self.settings.maintenance_notice):
+            return
+        with self._lock:
+            record = self._state["nodes"].get(name)
+            if record is None or record["node"]["state"] != "READY":
+                return
+            notices = record["sim"].get("notices") or {}
+            if notices.get("preempted"):
+                return  # a preemption notice took over
+            events = notices.get("maintenance") or {}
+            for w in workers:
+                events[str(w)] = NO_EVENT
+            if all(v == NO_EVENT for v in events.values()):
+                record["node"]["health"] = "HEALTHY"
+            self._save()
 
     def _worker_of(self, name: str, body: dict[str, Any]) -> tuple[str, int]:
         with self._lock:
@@ -1224,6 +1414,7 @@ class Emulator:
                 keys = record["node"].get("metadata", {}).get("ssh-keys", "")
             with self._node_lock(node_id):
                 self.workers.start_node(node_id, specs, keys, delay=0.0)
+                self._open_metadata(node_id, specs)
                 self.workers.wait_listening(node_id, timeout=self.settings.listen_timeout)
                 host_keys = self.workers.host_keys(node_id)
             with self._lock:
@@ -1231,6 +1422,7 @@ class Emulator:
                 if record is not None:
                     record["sim"]["hostKeys"] = {str(i): k for i, k in host_keys.items()}
                     self._save()
+            self._booted(name, node_id, specs)
         except Exception:
             log.exception("could not restart the workers of %s", name)
         finally:
@@ -1244,6 +1436,8 @@ class Emulator:
         for thread in list(self._threads):
             thread.join(max(0.0, deadline - time.monotonic()))
         try:
+            if self.metadata is not None:
+                self.metadata.shutdown()
             self.workers.stop_all()
         finally:
             with self._lock:
@@ -1314,7 +1508,8 @@ class _Handler(BaseHTTPRequestHandler):
             failure = ApiFailure("INVALID_ARGUMENT", "The request body is not valid JSON.")
             code, payload = failure.http_code, failure.body()
         else:
-            code, payload = self.server.emulator.handle(self.command, split.path, query, body)
+            code, payload = self.server.emulator.handle(self.command, split.path, query, body,
+                                                        self.headers.get("Authorization"))
         data = json.dumps(payload).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json; charset=UTF-8")

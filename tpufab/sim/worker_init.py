@@ -31,7 +31,11 @@ BINDS = (
     ("/etc/shadow", "etc/shadow"),
     ("/etc/hostname", "etc/hostname"),
     ("/etc/hosts", "etc/hosts"),
+    ("/var/log", "log"),  # the worker's own logs (startup scripts), not the host's
 )
+# Bound only where the host has them (sudo installed): the worker's sudo rules.
+OPTIONAL_BINDS = (("/etc/sudoers.d", "etc/sudoers.d"),)
+PCI_DEVICES = "/sys/bus/pci/devices"
 HANDLED = (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # Python starts with these ignored; sshd and user shells must get the defaults back.
 RESET_FOR_CHILDREN = (*HANDLED, signal.SIGPIPE, signal.SIGXFSZ)
@@ -86,6 +90,14 @@ def setup(worker_dir):
     # Open every source before mounting anything: WORKER_DIR may sit under /tmp, /root or /run,
     # which the mounts below cover.
     sources = {t: os.open(rel, os.O_PATH | os.O_CLOEXEC, dir_fd=dir_fd) for t, rel in BINDS}
+    for target, rel in OPTIONAL_BINDS:
+        if os.path.isdir(target):
+            sources[target] = os.open(rel, os.O_PATH | os.O_CLOEXEC, dir_fd=dir_fd)
+        else:
+            log(f"{target} is missing on the host (apt-get install sudo); workers have no sudo")
+    host_pci = {}
+    if config.get("pci") and os.path.isdir(PCI_DEVICES):
+        host_pci = {name: os.readlink(f"{PCI_DEVICES}/{name}") for name in os.listdir(PCI_DEVICES)}
     share = config.get("share")
     share_fd = os.open(share, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if share else None
     devices = {}
@@ -115,6 +127,8 @@ def setup(worker_dir):
         bind(share_fd, SHARE_AT)
         mount(None, SHARE_AT, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
         os.close(share_fd)
+    if config.get("pci") and os.path.isdir(PCI_DEVICES):
+        build_pci(host_pci, config["pci"])
     with open("/proc/sys/kernel/hostname", "w") as f:  # our own UTS namespace
         f.write(config["hostname"])
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -143,6 +157,22 @@ def build_dev(host_devices, placeholders, tty_gid):
             raise ValueError(f"device file {path!r} is not under /dev")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write_file(path, b"", 0o666)
+
+
+def build_pci(host_links, chips):
+    """The host's PCI devices plus the worker's TPU chips (vendor and device id files only).
+
+    Software that decides "am I on a TPU VM?" (JAX's cloud_tpu_init, libtpu) counts Google PCI
+    devices; the simulated chips are as real as the /dev/accel placeholders.
+    """
+    mount("tmpfs", PCI_DEVICES, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0755,size=1m")
+    for name, target in host_links.items():
+        os.symlink(target, f"{PCI_DEVICES}/{name}")
+    for i, chip in enumerate(chips):
+        path = f"{PCI_DEVICES}/0000:f{i // 32:x}:{i % 32:02x}.0"
+        os.mkdir(path)
+        for field in ("vendor", "device"):
+            write_file(f"{path}/{field}", (chip[field] + "\n").encode(), 0o444)
 
 
 class Sshd:
