@@ -94,8 +94,8 @@ def test_metadata_server_answers_each_worker_with_its_own_values(make_node, ssh_
 def test_service_account_token_is_accepted_by_the_api(make_node, ssh_key, sim, tpu_client):
     from google.api_core import exceptions as gexc
     from google.api_core.client_options import ClientOptions
-    from google.cloud import tpu_v2
     from google.auth.exceptions import RefreshError
+    from google.cloud import tpu_v2
     from google.oauth2.credentials import Credentials
 
     node = make_node("v4-8", metadata={"ssh-keys": keys_for(ssh_key, "alice")})

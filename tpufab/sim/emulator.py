@@ -186,11 +186,14 @@ class Emulator:
             self._check_credentials(authorization)
             if path.startswith("/sim/v1/"):
                 return 200, self._admin(method, path[len("/sim/v1/"):], query, body or {})
-            if path.startswith(("/v2/", "/v2alpha1/", "/compute/v1/")):
+            if path.startswith(("/v2/", "/v2alpha1/", "/v1/", "/compute/v1/")):
                 self._maybe_inject_error(path)
             if path.startswith("/compute/v1/"):
                 return 200, self._compute(method, path[len("/compute/v1/"):])
-            for version in ("v2", "v2alpha1"):
+            if path.startswith("/v1/") and path.count("/") > 5:
+                raise ApiFailure("UNIMPLEMENTED", "Legacy TPU Nodes (Cloud TPU API v1) are not "
+                                 "emulated; use TPU VMs (API v2).")
+            for version in ("v2", "v2alpha1", "v1"):  # v1: locations only (gcloud locations)
                 if path.startswith(f"/{version}/"):
                     if body is not None and not isinstance(body, dict):
                         raise ApiFailure("INVALID_ARGUMENT", "The request body must be a JSON "
