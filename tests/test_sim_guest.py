@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import shlex
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -235,3 +237,55 @@ def test_gcloud_simulate_maintenance_event_and_locations_list(make_node, ssh_key
                             capture_output=True, text=True, timeout=120)
     assert listed.returncode == 0, listed.stderr
     assert "us-central2-b" in listed.stdout.split()
+
+
+# --- tpufab relays a notice to the running job --------------------------------------------------
+
+CHECKPOINTING = """#!/bin/bash
+trap 'echo "checkpointing: $(cat "$TPUFAB_PREEMPT_NOTICE")"; exit 0' TERM
+echo started
+while true; do sleep 0.1; done
+"""
+
+
+def test_a_running_job_gets_sigterm_and_the_reason_when_its_node_is_preempted(
+        sim, sim_admin, tpu_client, tmp_path):
+    """`tpufab run` as a user runs it; `sim preempt --notice` (the verb) gives the notice."""
+    from rich.console import Console
+    from test_run_sim import CALL, Follower
+
+    from tpufab import lifecycle
+    from tpufab.config import load_settings
+
+    name = f"notice-{int(time.time() * 1000) % 10**8}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
+    env.update(sim.env(), TPUFAB_USER_CONFIG=str(tmp_path / "none.yaml"),
+               TPUFAB_SSH_KEY=str(tmp_path / "key" / "tpufab_ed25519"),
+               TPUFAB_KNOWN_HOSTS=str(tmp_path / "known_hosts"), TPUFAB_NAME=name,
+               COLUMNS="200")
+    quiet = Console(file=open("/dev/null", "w"))  # noqa: SIM115
+    lifecycle.create(load_settings({"type": "v4-16"}, env=env, cwd=tmp_path), console=quiet)
+    try:
+        recipe = tmp_path / "checkpointing.sh"
+        recipe.write_text(CHECKPOINTING)
+        recipe.chmod(0o755)
+        follower = Follower(env, tmp_path, recipe=str(recipe), no_deploy=True)
+        follower.wait_lines("started", 2)
+        preempt = subprocess.run(
+            [sys.executable, "-c", CALL, "sim_preempt",
+             json.dumps({"name": name, "notice": "2s"})],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert preempt.returncode == 0, preempt.stdout + preempt.stderr
+        assert "Preemption notice given to" in preempt.stdout
+        assert f"Preempted TPU node {name}" in preempt.stdout
+        assert follower.finish(120) == 0, follower.err
+        for w in (0, 1):
+            assert f"w{w} │ checkpointing: preempted: the VM is being preempted " \
+                   "(instance/preempted=TRUE)" in follower.out, follower.out
+            assert any(line.startswith(f"w{w} │ tpufab: notice: preempted") and
+                       "sent SIGTERM to the recipe" in line for line in follower.out)
+        node = tpu_client.get_node(name=f"projects/{sim.project}/locations/{sim.zone}/nodes/"
+                                   f"{name}")
+        assert node.state.name == "PREEMPTED"
+    finally:
+        lifecycle.delete(load_settings(env=env, cwd=tmp_path), yes=True, console=quiet)
