@@ -99,7 +99,8 @@ class SimPod:
         env = None
         if not as_root:
             argv = ["runuser", "-u", USER, "--", *argv]
-            env = {"PATH": "/usr/bin:/bin", "HOME": f"/home/{USER}", "LANG": "C.UTF-8"}
+            env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": f"/home/{USER}",
+                   "LANG": "C.UTF-8"}
         proc = self.pool.exec_in(self.node_id, w, argv, **({"env": env} if env else {}))
         if check and proc.returncode != 0:
             raise AssertionError(f"w{w}: {script!r} failed: {proc.stderr}")
