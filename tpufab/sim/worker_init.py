@@ -14,12 +14,14 @@ import ctypes
 import json
 import os
 import signal
+import stat
 import sys
 import time
 
 RUN_DIR = "/run/tpufab-worker"  # sshd config and host key, readable by sshd's re-exec
 STD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 HOST_DEVICES = ("null", "zero", "full", "random", "urandom", "tty", "fuse")
+OPEN_TO_ALL = ("fuse",)
 # target in the worker -> path in WORKER_DIR
 BINDS = (
     ("/home", "home"),
@@ -141,6 +143,12 @@ def setup(worker_dir):
 def build_dev(host_devices, placeholders, tty_gid):
     mount("tmpfs", "/dev", "tmpfs", MS_NOSUID, "mode=0755,size=4m")
     for name, fd in host_devices.items():
+        if name in OPEN_TO_ALL:
+            # A node of our own, not the host's (a container's may be 0600): as on a TPU VM,
+            # ordinary users mount FUSE filesystems (fusermount3 needs /dev/fuse read-write).
+            os.mknod(f"/dev/{name}", 0o666 | stat.S_IFCHR, os.fstat(fd).st_rdev)
+            os.chmod(f"/dev/{name}", 0o666)
+            continue
         write_file(f"/dev/{name}", b"", 0o600)
         bind(fd, f"/dev/{name}")
     os.mkdir("/dev/pts")
