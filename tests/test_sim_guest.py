@@ -10,7 +10,6 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -209,8 +208,7 @@ def test_preemption_notice_reaches_the_metadata_server_before_the_preemption(
     out, _ = watcher.communicate(timeout=60)
     value, seen_at = out.split()
     assert value == "TRUE" and float(seen_at) - given < 2.5
-    assert metadata(node, 0, ssh_key, "instance/maintenance-event") == \
-        "TERMINATE_ON_HOST_MAINTENANCE"
+    assert metadata(node, 0, ssh_key, "instance/maintenance-event") == "NONE"  # not maintenance
     assert tpu_client.get_node(name=node.name).state.name == "READY"  # not yet
     wait_node_state(tpu_client, node.name, "PREEMPTED", timeout=30)
     assert time.time() - given >= 3
@@ -252,7 +250,8 @@ def test_a_running_job_gets_sigterm_and_the_reason_when_its_node_is_preempted(
         sim, sim_admin, tpu_client, tmp_path):
     """`tpufab run` as a user runs it; `sim preempt --notice` (the verb) gives the notice."""
     from rich.console import Console
-    from test_run_sim import CALL, Follower
+    from test_run_sim import Follower
+    from test_status import TPUFAB
 
     from tpufab import lifecycle
     from tpufab.config import load_settings
@@ -269,12 +268,11 @@ def test_a_running_job_gets_sigterm_and_the_reason_when_its_node_is_preempted(
         recipe = tmp_path / "checkpointing.sh"
         recipe.write_text(CHECKPOINTING)
         recipe.chmod(0o755)
-        follower = Follower(env, tmp_path, recipe=str(recipe), no_deploy=True)
+        follower = Follower(env, tmp_path, recipe=str(recipe), no_deploy=True, raw=True)
         follower.wait_lines("started", 2)
-        preempt = subprocess.run(
-            [sys.executable, "-c", CALL, "sim_preempt",
-             json.dumps({"name": name, "notice": "2s"})],
-            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        preempt = subprocess.run([TPUFAB, "sim", "preempt", name, "--notice", "2s"],
+                                 env=env, cwd=tmp_path, capture_output=True, text=True,
+                                 timeout=120)
         assert preempt.returncode == 0, preempt.stdout + preempt.stderr
         assert "Preemption notice given to" in preempt.stdout
         assert f"Preempted TPU node {name}" in preempt.stdout

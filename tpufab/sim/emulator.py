@@ -1156,9 +1156,9 @@ class Emulator:
     def preempt(self, name: str, notice: float = 0.0) -> dict[str, Any]:
         """Preempt a node: PREEMPTED, workers stopped; it stays until deleted.
 
-        With ``notice`` seconds, the workers' metadata says ``instance/preempted: TRUE`` (and
-        ``maintenance-event: TERMINATE_ON_HOST_MAINTENANCE``) at once, and the preemption
-        follows after the notice; the call returns at once with the node still READY.
+        With ``notice`` seconds, the workers' metadata says ``instance/preempted: TRUE`` at
+        once, and the preemption follows after the notice; the call returns at once with the
+        node still READY.
         """
         if notice > 0:
             with self._lock:
@@ -1167,10 +1167,8 @@ class Emulator:
                     raise ApiFailure("FAILED_PRECONDITION",
                                      f"Node {name} is {record['node']['state']}; only a READY "
                                      "node can be given a preemption notice.")
-                hosts = len(record["node"]["networkEndpoints"])
-                record["sim"]["notices"] = {
-                    "preempted": True, "maintenance": {str(w): TERMINATE for w in range(hosts)},
-                    "preemptAt": time.time() + notice}
+                notices = record["sim"].setdefault("notices", {})
+                notices.update(preempted=True, preemptAt=time.time() + notice)
                 self._save()
             self._spawn(self._preempt_after_notice, name, notice)
             return self._node(name)["node"]
