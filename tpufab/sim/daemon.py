@@ -139,7 +139,7 @@ def serve(state_dir: Path | None = None, port: int | None = None, *, workers: bo
     if workers:  # each worker's metadata server, on its own address (port 80 needs root)
         from tpufab.sim.metadata import MetadataServer
 
-        emulator.metadata = MetadataServer(emulator)
+        emulator.metadata = MetadataServer(emulator.guest)
     try:
         server = make_server(emulator, port)
     except OSError as exc:

@@ -14,7 +14,6 @@ import logging
 import os
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,16 +21,13 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from tpufab.sim import catalog
 from tpufab.sim._model import (
     CONFIG_TYPE_OF_GENERATION,
-    LOCATIONS,
-    RUNTIME_VERSIONS,
     TPU_PCI_DEVICE,
     UPDATABLE_FIELDS,
     ApiFailure,
     accelerator_type_of,
-    accelerator_type_resource,
-    accelerator_types,
     camel_keys,
     check_id,
     new_node_id,
@@ -48,7 +44,7 @@ from tpufab.sim._model import (
     worker_hostname,
 )
 from tpufab.sim._slots import SlotRegistry
-from tpufab.sim.guest import NO_EVENT, TERMINATE, Tokens, metadata_tree
+from tpufab.sim.guest import GuestEnvironment, Tokens
 from tpufab.topology import Topology, parse_accelerator_type
 
 log = logging.getLogger("tpufab.sim")
@@ -141,6 +137,7 @@ class Emulator:
         self.started = time.time()
         self.tokens = Tokens(self.state_dir / "tokens.json")
         self.metadata: Any = None  # a tpufab.sim.metadata.MetadataServer when workers are real
+        self.guest = GuestEnvironment(self)  # metadata values, startup scripts, maintenance
 
     # ------------------------------------------------------------------ persistence
 
@@ -189,7 +186,7 @@ class Emulator:
             if path.startswith(("/v2/", "/v2alpha1/", "/v1/", "/compute/v1/")):
                 self._maybe_inject_error(path)
             if path.startswith("/compute/v1/"):
-                return 200, self._compute(method, path[len("/compute/v1/"):])
+                return 200, catalog.compute(method, path[len("/compute/v1/"):])
             if path.startswith("/v1/") and path.count("/") > 5:
                 raise ApiFailure("UNIMPLEMENTED", "Legacy TPU Nodes (Cloud TPU API v1) are not "
                                  "emulated; use TPU VMs (API v2).")
@@ -249,12 +246,12 @@ class Emulator:
             raise ApiFailure("NOT_FOUND", f"The requested URL /{version}/{rest} was not found.")
         project = parts[1]
         if len(parts) == 3 and method == "GET" and verb is None:
-            return self._list_locations(project, query)
+            return catalog.list_locations(project, query)
         zone = parts[3]
         parent = f"projects/{project}/locations/{zone}"
         if len(parts) == 4:
             if verb is None and method == "GET":
-                return self._location(project, zone)
+                return catalog.location(project, zone)
             if verb == "generateServiceIdentity" and method == "POST":
                 return {"identity": {"email": "service-0@cloud-tpu.iam.gserviceaccount.com"}}
         elif len(parts) == 5:
@@ -262,9 +259,9 @@ class Emulator:
             handler = {
                 ("GET", "nodes"): lambda: self._list_nodes(parent, query),
                 ("POST", "nodes"): lambda: self._create_node(version, parent, query, body),
-                ("GET", "acceleratorTypes"): lambda: self._list_accelerator_types(parent,
+                ("GET", "acceleratorTypes"): lambda: catalog.list_accelerator_types(parent,
                                                                                   query),
-                ("GET", "runtimeVersions"): lambda: self._list_runtime_versions(parent, query),
+                ("GET", "runtimeVersions"): lambda: catalog.list_runtime_versions(parent, query),
                 ("GET", "queuedResources"): lambda: self._list_qrs(parent, query),
                 ("POST", "queuedResources"): lambda: self._create_qr(version, parent, query,
                                                                      body),
@@ -284,9 +281,9 @@ class Emulator:
                 ("POST", "nodes", "getGuestAttributes"): lambda: self._guest_attributes(name,
                                                                                          body),
                 ("POST", "nodes", "simulateMaintenanceEvent"):
-                    lambda: self._simulate_maintenance(version, name, body),
-                ("GET", "acceleratorTypes", None): lambda: self._accelerator_type(name),
-                ("GET", "runtimeVersions", None): lambda: self._runtime_version(name),
+                    lambda: self.guest.simulate_maintenance(version, name, body),
+                ("GET", "acceleratorTypes", None): lambda: catalog.accelerator_type(name),
+                ("GET", "runtimeVersions", None): lambda: catalog.runtime_version(name),
                 ("GET", "queuedResources", None): lambda: self._qr(name)["qr"],
                 ("DELETE", "queuedResources", None): lambda: self._delete_qr(version, name,
                                                                              query),
@@ -299,48 +296,6 @@ class Emulator:
                 return handler()
         raise ApiFailure("NOT_FOUND", f"Method {method} /{version}/{rest} is not part of the "
                          "Cloud TPU API (or not emulated).")
-
-    # ------------------------------------------------------------------ catalog
-
-    def _list_locations(self, project: str, query: dict[str, str]) -> dict[str, Any]:
-        items, token = page([self._location(project, z) for z in LOCATIONS], query)
-        out: dict[str, Any] = {"locations": items}
-        if token:
-            out["nextPageToken"] = token
-        return out
-
-    @staticmethod
-    def _location(project: str, zone: str) -> dict[str, Any]:
-        return {"name": f"projects/{project}/locations/{zone}", "locationId": zone}
-
-    def _list_accelerator_types(self, parent: str, query: dict[str, str]) -> dict[str, Any]:
-        all_types = [accelerator_type_resource(parent, t) for t in accelerator_types()]
-        items, token = page(all_types, query)
-        out: dict[str, Any] = {"acceleratorTypes": items}
-        if token:
-            out["nextPageToken"] = token
-        return out
-
-    def _accelerator_type(self, name: str) -> dict[str, Any]:
-        project, zone, _, type_name = split_name(name)
-        if type_name not in accelerator_types():
-            raise not_found(name)
-        return accelerator_type_resource(f"projects/{project}/locations/{zone}", type_name)
-
-    def _list_runtime_versions(self, parent: str, query: dict[str, str]) -> dict[str, Any]:
-        versions = [{"name": f"{parent}/runtimeVersions/{v}", "version": v}
-                    for v in RUNTIME_VERSIONS]
-        items, token = page(versions, query)
-        out: dict[str, Any] = {"runtimeVersions": items}
-        if token:
-            out["nextPageToken"] = token
-        return out
-
-    def _runtime_version(self, name: str) -> dict[str, Any]:
-        version = split_name(name)[3]
-        if version not in RUNTIME_VERSIONS:
-            raise not_found(name)
-        return {"name": name, "version": version}
 
     # ------------------------------------------------------------------ operations
 
@@ -630,7 +585,7 @@ class Emulator:
                         return
                 self.workers.start_node(node_id, specs, keys,
                                         delay=self.settings.worker_start_delay)
-                self._open_metadata(node_id, specs)
+                self.guest.open_metadata(node_id, specs)
                 self.workers.wait_listening(node_id, timeout=self.settings.listen_timeout)
                 host_keys = self.workers.host_keys(node_id)
                 for _ in range(5):  # metadata may have changed while the workers started
@@ -671,7 +626,7 @@ class Emulator:
                                    response=record["node"])
             self._refresh_qr(record["node"].get("queuedResource"))
             self._save()
-        self._booted(name, node_id, specs)
+        self.guest.booted(name, node_id, specs)
 
     def _specs(self, node: dict[str, Any]) -> list[Any]:
         factory = self._spec_factory
@@ -710,7 +665,7 @@ class Emulator:
                 return
             node_id = record["node"]["id"]
         with self._node_lock(node_id):
-            self._close_metadata(node_id)
+            self.guest.close_metadata(node_id)
             self.workers.stop_node(node_id)
         with self._lock:
             record = self._state["nodes"].get(name)
@@ -760,7 +715,7 @@ class Emulator:
                 return
             node_id = record["node"]["id"]
         with self._node_lock(node_id):
-            self._close_metadata(node_id)
+            self.guest.close_metadata(node_id)
             self.workers.delete_node(node_id)
         with self._lock:
             record = self._forget_node(name)
@@ -1009,7 +964,7 @@ class Emulator:
                 self._state["nodes"][node_name]["node"]["state"] = "DELETING"
         for node_name, node_id in nodes:
             with self._node_lock(node_id):
-                self._close_metadata(node_id)
+                self.guest.close_metadata(node_id)
                 self.workers.delete_node(node_id)
             with self._lock:
                 self._forget_node(node_name)
@@ -1057,21 +1012,6 @@ class Emulator:
         self._spawn(self._provision_qr, name, self.settings.create_delay)
 
     # ------------------------------------------------------------------ compute (gcloud ssh)
-
-    def _compute(self, method: str, rest: str) -> dict[str, Any]:
-        parts = rest.split("/")
-        if method == "GET" and len(parts) == 2 and parts[0] == "projects":
-            project = parts[1]
-            return {
-                "kind": "compute#project",
-                "id": str(zlib.crc32(project.encode()) * 1000 + 7),
-                "name": project,
-                "commonInstanceMetadata": {"kind": "compute#metadata",
-                                           "fingerprint": "c2ltLXBvZA==", "items": []},
-                "defaultServiceAccount": f"{project}@developer.gserviceaccount.com",
-                "xpnProjectStatus": "UNSPECIFIED_XPN_PROJECT_STATUS",
-            }
-        raise ApiFailure("NOT_FOUND", f"The resource 'projects/{rest}' was not found")
 
     # ------------------------------------------------------------------ admin (/sim/v1/)
 
@@ -1187,7 +1127,7 @@ class Emulator:
             self._refresh_qr(record["node"].get("queuedResource"))
             self._save()
         with self._node_lock(node_id):
-            self._close_metadata(node_id)
+            self.guest.close_metadata(node_id)
             self.workers.stop_node(node_id)
         return self._node(name)["node"]
 
@@ -1200,122 +1140,6 @@ class Emulator:
                     not (record["sim"].get("notices") or {}).get("preempted"):
                 return
         self.preempt(name)
-
-    # ------------------------------------------------------------------ guest environment
-
-    def metadata_tree(self, node_id: str, worker: int) -> dict[str, Any] | None:
-        """A worker's computeMetadata/v1 tree (tpufab.sim.metadata asks for it per request)."""
-        with self._lock:
-            found = [(n, r) for n, r in self._state["nodes"].items() if r["node"]["id"] == node_id]
-            if not found:
-                return None
-            name, record = found[0]
-            record = json.loads(json.dumps(record))
-            slice_info = self._slice_info(name, record)
-        return metadata_tree(record, worker, slice_info=slice_info, tokens=self.tokens)
-
-    def _slice_info(self, name: str, record: dict[str, Any]) -> dict[str, Any] | None:
-        """Multislice facts for tpu-env (caller holds the lock), None for a single slice."""
-        qr = self._state["queuedResources"].get(record["node"].get("queuedResource") or "")
-        if qr is None or not record["node"].get("multisliceNode"):
-            return None
-        names = [p["name"] for p in qr["sim"]["plan"]]
-        first = self._state["nodes"].get(names[0])
-        if name not in names or first is None:
-            return None
-        return {"id": names.index(name), "count": len(names),
-                "coordinator": first["node"]["networkEndpoints"][0]["ipAddress"]}
-
-    def _open_metadata(self, node_id: str, specs: list[Any]) -> None:
-        if self.metadata is not None:
-            self.metadata.open(node_id, [(s.index, s.ip) for s in specs])
-
-    def _close_metadata(self, node_id: str) -> None:
-        if self.metadata is not None:
-            self.metadata.close(node_id)
-
-    def _booted(self, name: str, node_id: str, specs: list[Any]) -> None:
-        """After every boot (create, start, daemon restart): run startup-script metadata."""
-        with self._lock:
-            record = self._state["nodes"].get(name)
-            if record is None or "startup-script" not in (record["node"].get("metadata") or {}):
-                return
-            record["sim"]["startup"] = {str(s.index): {} for s in specs}
-            self._save()
-        if self.metadata is None:
-            return  # paper workers: nothing to run on
-        for spec in specs:
-            self._spawn(self._run_startup_script, name, node_id, spec.index)
-
-    def _run_startup_script(self, name: str, node_id: str, worker: int) -> None:
-        from tpufab.sim.guest import STARTUP_RUNNER
-
-        started = time.time()
-        try:
-            proc = self.workers.exec_in(node_id, worker, ["/usr/bin/python3", "-I", "-S", "-"],
-                                        input=STARTUP_RUNNER.read_text(), timeout=3600)
-            outcome = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() \
-                else {"error": proc.stderr.strip()[-500:] or f"runner exited {proc.returncode}"}
-        except Exception as exc:  # noqa: BLE001 - recorded where a user looks
-            outcome = {"error": str(exc)}
-        outcome["startedAt"] = rfc3339(started)
-        outcome["endedAt"] = rfc3339()
-        with self._lock:
-            record = self._state["nodes"].get(name)
-            if record is None or record["node"]["id"] != node_id:
-                return
-            record["sim"].setdefault("startup", {})[str(worker)] = outcome
-            self._save()
-
-    def _simulate_maintenance(self, version: str, name: str,
-                              body: dict[str, Any]) -> dict[str, Any]:
-        """nodes:simulateMaintenanceEvent: the workers' metadata announces host maintenance
-        (``instance/maintenance-event: TERMINATE_ON_HOST_MAINTENANCE``) for
-        ``maintenance_notice`` seconds, then the event is over and it says NONE again."""
-        with self._lock:
-            record = self._require_node(name)
-            if record["node"]["state"] != "READY":
-                raise ApiFailure("FAILED_PRECONDITION", f"Node {name} is "
-                                 f"{record['node']['state']}; only a READY node can have a "
-                                 "maintenance event.")
-            hosts = len(record["node"]["networkEndpoints"])
-            wanted = [w for w in (body.get("workerIds") or body.get("worker_ids") or [])
-                      if str(w) != ""]
-            try:
-                workers = sorted({int(w) for w in wanted}) if wanted else list(range(hosts))
-            except ValueError:
-                raise ApiFailure("INVALID_ARGUMENT", f"Invalid worker ids {wanted}.") from None
-            if any(not 0 <= w < hosts for w in workers):
-                raise ApiFailure("INVALID_ARGUMENT", f"Worker ids {workers} are out of range; "
-                                 f"node {name} has workers 0..{hosts - 1}.")
-            notices = record["sim"].setdefault("notices", {})
-            events = notices.setdefault("maintenance", {})
-            for w in workers:
-                events[str(w)] = TERMINATE
-            record["node"]["health"] = "UNHEALTHY_MAINTENANCE"
-            op = self._new_operation(version, name, "simulateMaintenanceEvent")
-            self._finish_operation(op["name"], response=record["node"])
-            self._save()
-            op = json.loads(json.dumps(self._state["operations"][op["name"]]))
-        self._spawn(self._end_maintenance, name, workers)
-        return op
-
-    def _end_maintenance(self, name: str, workers: list[int]) -> None:
-        if self._stopping.wait(self.settings.maintenance_notice):
-            return
-        with self._lock:
-            record = self._state["nodes"].get(name)
-            if record is None or record["node"]["state"] != "READY":
-                return
-            notices = record["sim"].get("notices") or {}
-            if notices.get("preempted"):
-                return  # a preemption notice took over
-            events = notices.get("maintenance") or {}
-            for w in workers:
-                events[str(w)] = NO_EVENT
-            if all(v == NO_EVENT for v in events.values()):
-                record["node"]["health"] = "HEALTHY"
-            self._save()
 
     def _worker_of(self, name: str, body: dict[str, Any]) -> tuple[str, int]:
         with self._lock:
@@ -1415,7 +1239,7 @@ class Emulator:
                 keys = record["node"].get("metadata", {}).get("ssh-keys", "")
             with self._node_lock(node_id):
                 self.workers.start_node(node_id, specs, keys, delay=0.0)
-                self._open_metadata(node_id, specs)
+                self.guest.open_metadata(node_id, specs)
                 self.workers.wait_listening(node_id, timeout=self.settings.listen_timeout)
                 host_keys = self.workers.host_keys(node_id)
             with self._lock:
@@ -1423,7 +1247,7 @@ class Emulator:
                 if record is not None:
                     record["sim"]["hostKeys"] = {str(i): k for i, k in host_keys.items()}
                     self._save()
-            self._booted(name, node_id, specs)
+            self.guest.booted(name, node_id, specs)
         except Exception:
             log.exception("could not restart the workers of %s", name)
         finally:

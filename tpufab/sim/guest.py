@@ -16,13 +16,16 @@ import os
 import secrets
 import threading
 import time
-import zlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tpufab.sim._model import topology_string, worker_hostname
+from tpufab.sim._model import ApiFailure, rfc3339, topology_string, worker_hostname
+from tpufab.sim.catalog import project_number
 from tpufab.sim.metadata import JsonLeaf
 from tpufab.topology import parse_accelerator_type
+
+if TYPE_CHECKING:
+    from tpufab.sim.emulator import Emulator
 
 log = logging.getLogger("tpufab.sim")
 
@@ -37,10 +40,6 @@ NO_EVENT = "NONE"
 TERMINATE = "TERMINATE_ON_HOST_MAINTENANCE"
 # chips per host as a 3D box (x,y,z) by chips per host, as tpu-env's CHIPS_PER_HOST_BOUNDS says
 CHIPS_PER_HOST_BOUNDS = {1: (1, 1, 1), 4: (2, 2, 1), 8: (2, 4, 1)}
-
-
-def project_number(project: str) -> str:
-    return str(zlib.crc32(project.encode()) * 1000 + 7)  # the same as /compute/v1/projects/P
 
 
 def host_bounds(topo_text: str | None, chips_per_host: int, hosts: int) -> tuple[str, str]:
@@ -185,3 +184,124 @@ def metadata_tree(record: dict[str, Any], worker: int, *, slice_info: dict[str, 
             "project-id": project,
         },
     }
+
+
+class GuestEnvironment:
+    """The emulator's handler for what runs inside a node's VMs: metadata servers, startup
+    scripts, maintenance events. It reads and changes the emulator's node records under the
+    emulator's lock; the emulator calls it when workers boot and stop."""
+
+    def __init__(self, emu: Emulator):
+        self.emu = emu
+
+    def metadata_tree(self, node_id: str, worker: int) -> dict[str, Any] | None:
+        """A worker's computeMetadata/v1 tree (tpufab.sim.metadata asks for it per request)."""
+        with self.emu._lock:
+            found = [(n, r) for n, r in self.emu._state["nodes"].items() if r["node"]["id"] == node_id]
+            if not found:
+                return None
+            name, record = found[0]
+            record = json.loads(json.dumps(record))
+            slice_info = self._slice_info(name, record)
+        return metadata_tree(record, worker, slice_info=slice_info, tokens=self.emu.tokens)
+
+    def _slice_info(self, name: str, record: dict[str, Any]) -> dict[str, Any] | None:
+        """Multislice facts for tpu-env (caller holds the lock), None for a single slice."""
+        qr = self.emu._state["queuedResources"].get(record["node"].get("queuedResource") or "")
+        if qr is None or not record["node"].get("multisliceNode"):
+            return None
+        names = [p["name"] for p in qr["sim"]["plan"]]
+        first = self.emu._state["nodes"].get(names[0])
+        if name not in names or first is None:
+            return None
+        return {"id": names.index(name), "count": len(names),
+                "coordinator": first["node"]["networkEndpoints"][0]["ipAddress"]}
+
+    def open_metadata(self, node_id: str, specs: list[Any]) -> None:
+        if self.emu.metadata is not None:
+            self.emu.metadata.open(node_id, [(s.index, s.ip) for s in specs])
+
+    def close_metadata(self, node_id: str) -> None:
+        if self.emu.metadata is not None:
+            self.emu.metadata.close(node_id)
+
+    def booted(self, name: str, node_id: str, specs: list[Any]) -> None:
+        """After every boot (create, start, daemon restart): run startup-script metadata."""
+        with self.emu._lock:
+            record = self.emu._state["nodes"].get(name)
+            if record is None or "startup-script" not in (record["node"].get("metadata") or {}):
+                return
+            record["sim"]["startup"] = {str(s.index): {} for s in specs}
+            self.emu._save()
+        if self.emu.metadata is None:
+            return  # paper workers: nothing to run on
+        for spec in specs:
+            self.emu._spawn(self._run_startup_script, name, node_id, spec.index)
+
+    def _run_startup_script(self, name: str, node_id: str, worker: int) -> None:
+        started = time.time()
+        try:
+            proc = self.emu.workers.exec_in(node_id, worker, ["/usr/bin/python3", "-I", "-S", "-"],
+                                        input=STARTUP_RUNNER.read_text(), timeout=3600)
+            outcome = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() \
+                else {"error": proc.stderr.strip()[-500:] or f"runner exited {proc.returncode}"}
+        except Exception as exc:  # noqa: BLE001 - recorded where a user looks
+            outcome = {"error": str(exc)}
+        outcome["startedAt"] = rfc3339(started)
+        outcome["endedAt"] = rfc3339()
+        with self.emu._lock:
+            record = self.emu._state["nodes"].get(name)
+            if record is None or record["node"]["id"] != node_id:
+                return
+            record["sim"].setdefault("startup", {})[str(worker)] = outcome
+            self.emu._save()
+
+    def simulate_maintenance(self, version: str, name: str,
+                              body: dict[str, Any]) -> dict[str, Any]:
+        """nodes:simulateMaintenanceEvent: the workers' metadata announces host maintenance
+        (``instance/maintenance-event: TERMINATE_ON_HOST_MAINTENANCE``) for
+        ``maintenance_notice`` seconds, then the event is over and it says NONE again."""
+        with self.emu._lock:
+            record = self.emu._require_node(name)
+            if record["node"]["state"] != "READY":
+                raise ApiFailure("FAILED_PRECONDITION", f"Node {name} is "
+                                 f"{record['node']['state']}; only a READY node can have a "
+                                 "maintenance event.")
+            hosts = len(record["node"]["networkEndpoints"])
+            wanted = [w for w in (body.get("workerIds") or body.get("worker_ids") or [])
+                      if str(w) != ""]
+            try:
+                workers = sorted({int(w) for w in wanted}) if wanted else list(range(hosts))
+            except ValueError:
+                raise ApiFailure("INVALID_ARGUMENT", f"Invalid worker ids {wanted}.") from None
+            if any(not 0 <= w < hosts for w in workers):
+                raise ApiFailure("INVALID_ARGUMENT", f"Worker ids {workers} are out of range; "
+                                 f"node {name} has workers 0..{hosts - 1}.")
+            notices = record["sim"].setdefault("notices", {})
+            events = notices.setdefault("maintenance", {})
+            for w in workers:
+                events[str(w)] = TERMINATE
+            record["node"]["health"] = "UNHEALTHY_MAINTENANCE"
+            op = self.emu._new_operation(version, name, "simulateMaintenanceEvent")
+            self.emu._finish_operation(op["name"], response=record["node"])
+            self.emu._save()
+            op = json.loads(json.dumps(self.emu._state["operations"][op["name"]]))
+        self.emu._spawn(self._end_maintenance, name, workers)
+        return op
+
+    def _end_maintenance(self, name: str, workers: list[int]) -> None:
+        if self.emu._stopping.wait(self.emu.settings.maintenance_notice):
+            return
+        with self.emu._lock:
+            record = self.emu._state["nodes"].get(name)
+            if record is None or record["node"]["state"] != "READY":
+                return
+            notices = record["sim"].get("notices") or {}
+            if notices.get("preempted"):
+                return  # a preemption notice took over
+            events = notices.get("maintenance") or {}
+            for w in workers:
+                events[str(w)] = NO_EVENT
+            if all(v == NO_EVENT for v in events.values()):
+                record["node"]["health"] = "HEALTHY"
+            self.emu._save()
