@@ -28,7 +28,6 @@ from tpufab.sim._model import (
     UPDATABLE_FIELDS,
     ApiFailure,
     accelerator_type_of,
-    camel_keys,
     check_id,
     new_node_id,
     new_operation_id,
@@ -45,6 +44,7 @@ from tpufab.sim._model import (
 )
 from tpufab.sim._slots import SlotRegistry
 from tpufab.sim.guest import GuestEnvironment, Tokens
+from tpufab.sim.queued import QueuedResources
 from tpufab.topology import Topology, parse_accelerator_type
 
 log = logging.getLogger("tpufab.sim")
@@ -138,6 +138,7 @@ class Emulator:
         self.tokens = Tokens(self.state_dir / "tokens.json")
         self.metadata: Any = None  # a tpufab.sim.metadata.MetadataServer when workers are real
         self.guest = GuestEnvironment(self)  # metadata values, startup scripts, maintenance
+        self.queued = QueuedResources(self)  # queued resources (and multislice)
 
     # ------------------------------------------------------------------ persistence
 
@@ -262,8 +263,8 @@ class Emulator:
                 ("GET", "acceleratorTypes"): lambda: catalog.list_accelerator_types(parent,
                                                                                   query),
                 ("GET", "runtimeVersions"): lambda: catalog.list_runtime_versions(parent, query),
-                ("GET", "queuedResources"): lambda: self._list_qrs(parent, query),
-                ("POST", "queuedResources"): lambda: self._create_qr(version, parent, query,
+                ("GET", "queuedResources"): lambda: self.queued.list(parent, query),
+                ("POST", "queuedResources"): lambda: self.queued.create(version, parent, query,
                                                                      body),
                 ("GET", "operations"): lambda: self._list_operations(parent, query),
             }.get((method, collection))
@@ -284,10 +285,10 @@ class Emulator:
                     lambda: self.guest.simulate_maintenance(version, name, body),
                 ("GET", "acceleratorTypes", None): lambda: catalog.accelerator_type(name),
                 ("GET", "runtimeVersions", None): lambda: catalog.runtime_version(name),
-                ("GET", "queuedResources", None): lambda: self._qr(name)["qr"],
-                ("DELETE", "queuedResources", None): lambda: self._delete_qr(version, name,
+                ("GET", "queuedResources", None): lambda: self.queued.get(name)["qr"],
+                ("DELETE", "queuedResources", None): lambda: self.queued.delete(version, name,
                                                                              query),
-                ("POST", "queuedResources", "reset"): lambda: self._reset_qr(version, name),
+                ("POST", "queuedResources", "reset"): lambda: self.queued.reset(version, name),
                 ("GET", "operations", None): lambda: self._operation(name),
                 ("DELETE", "operations", None): lambda: self._delete_operation(name),
                 ("POST", "operations", "cancel"): lambda: self._cancel_operation(name),
@@ -570,7 +571,7 @@ class Emulator:
             if failure:
                 self._finish_operation(record["sim"].get("op"), error=(8, failure))
                 self._forget_node(name)
-                self._refresh_qr(record["node"].get("queuedResource"))
+                self.queued.refresh(record["node"].get("queuedResource"))
                 self._save()
                 return
             node_id = record["node"]["id"]
@@ -624,7 +625,7 @@ class Emulator:
             record["node"].pop("healthDescription", None)
             self._finish_operation(record["sim"].pop("op", None),
                                    response=record["node"])
-            self._refresh_qr(record["node"].get("queuedResource"))
+            self.queued.refresh(record["node"].get("queuedResource"))
             self._save()
         self.guest.booted(name, node_id, specs)
 
@@ -722,7 +723,7 @@ class Emulator:
             if record is None:
                 return
             self._finish_operation(record["sim"].get("op"), response_type="Empty")
-            self._refresh_qr(record["node"].get("queuedResource"))
+            self.queued.refresh(record["node"].get("queuedResource"))
             self._save()
 
     def _update_node(self, version: str, name: str, query: dict[str, str],
@@ -794,224 +795,6 @@ class Emulator:
         if record is None:
             raise not_found(name)
         return record
-
-    # ------------------------------------------------------------------ queued resources
-
-    def _qr(self, name: str) -> dict[str, Any]:
-        with self._lock:
-            record = self._state["queuedResources"].get(name)
-            if record is None:
-                raise not_found(name)
-            return json.loads(json.dumps(record))
-
-    def _list_qrs(self, parent: str, query: dict[str, str]) -> dict[str, Any]:
-        with self._lock:
-            qrs = [json.loads(json.dumps(r["qr"]))
-                   for n, r in self._state["queuedResources"].items()
-                   if n.startswith(parent + "/queuedResources/")]
-        items, token = page(qrs, query)
-        out: dict[str, Any] = {"queuedResources": items}
-        if token:
-            out["nextPageToken"] = token
-        return out
-
-    def _create_qr(self, version: str, parent: str, query: dict[str, str],
-                   body: dict[str, Any]) -> dict[str, Any]:
-        qr_id = check_id("queued resource",
-                         query.get("queuedResourceId") or query.get("queued_resource_id"))
-        body = camel_keys(body)
-        name = f"{parent}/queuedResources/{qr_id}"
-        specs = (body.get("tpu") or {}).get("nodeSpec") or []
-        if not specs:
-            raise ApiFailure("INVALID_ARGUMENT", "tpu.nodeSpec is required: a queued resource "
-                             "needs at least one node spec.")
-        plan = []
-        for spec in specs:
-            spec_parent = spec.get("parent") or parent
-            if spec_parent != parent:
-                raise ApiFailure("INVALID_ARGUMENT", f"nodeSpec.parent {spec_parent} must be "
-                                 f"the queued resource's location {parent}.")
-            node_in = normalize_node_input(spec.get("node") or {})
-            if body.get("spot") is not None:
-                node_in.setdefault("schedulingConfig", {})["spot"] = True
-            multi = spec.get("multisliceParams") or spec.get("multiNodeParams")
-            if multi:
-                count = int(multi.get("nodeCount") or 0)
-                if count < 1:
-                    raise ApiFailure("INVALID_ARGUMENT", "multisliceParams.nodeCount must be "
-                                     "at least 1.")
-                prefix = multi.get("nodeIdPrefix") or qr_id
-                node_ids = [check_id("node", f"{prefix}-{i}") for i in range(count)]
-            else:
-                node_ids = [check_id("node", spec.get("nodeId"))]
-            for node_id in node_ids:
-                plan.append({"name": f"{parent}/nodes/{node_id}", "node": node_in,
-                             "multislice": bool(multi)})
-        names = [p["name"] for p in plan]
-        with self._lock:
-            if name in self._state["queuedResources"]:
-                raise ApiFailure("ALREADY_EXISTS", f"Resource '{name}' already exists")
-            for node_name in names:
-                if node_name in self._state["nodes"] or names.count(node_name) > 1:
-                    raise ApiFailure("ALREADY_EXISTS", f"Resource '{node_name}' already exists")
-            failure = None
-            for item in plan:  # validate every node now; the first failure wins
-                topo = self._validate_node(item["name"], item["node"])
-                failure = failure or self._take_create_failure(item["name"], topo)
-            qr = {k: v for k, v in body.items() if k not in ("name", "state", "createTime")}
-            qr.update({"name": name, "createTime": rfc3339(),
-                       "state": {"state": "WAITING_FOR_RESOURCES"}})
-            record = {"qr": qr, "sim": {"plan": plan, "failure": failure, "op": None,
-                                        "version": version}}
-            self._state["queuedResources"][name] = record
-            op = self._new_operation(version, name, "create")
-            self._finish_operation(op["name"], response=qr, response_type="QueuedResource")
-            self._save()
-            op = json.loads(json.dumps(op))
-        self._spawn(self._provision_qr, name, self.settings.create_delay)
-        return op
-
-    def _provision_qr(self, name: str, delay: float) -> None:
-        if self._stopping.wait(delay):
-            return
-        with self._lock:
-            record = self._state["queuedResources"].get(name)
-            if record is None or record["qr"]["state"]["state"] != "WAITING_FOR_RESOURCES":
-                return
-            failure = record["sim"].pop("failure", None)
-            taken = [p["name"] for p in record["sim"]["plan"] if p["name"] in self._state["nodes"]]
-            if taken and not failure:
-                failure = f"Resource '{taken[0]}' already exists"
-            if failure:
-                record["qr"]["state"] = {"state": "FAILED", "failedData": {
-                    "error": {"code": 8, "message": failure}}}
-                self._save()
-                return
-            version = record["sim"].get("version", "v2")
-            for item in record["sim"]["plan"]:
-                _, node = self._new_node(item["name"], item["node"], version)
-                node["queuedResource"] = name
-                if item["multislice"]:
-                    node["multisliceNode"] = True
-                self._state["nodes"][item["name"]] = {"node": node, "sim": self._sim_fields(
-                    node, None, None)}
-            record["qr"]["state"] = {"state": "PROVISIONING", "provisioningData": {}}
-            self._save()
-            names = [p["name"] for p in record["sim"]["plan"]]
-        for node_name in names:
-            self._spawn(self._bring_up, node_name, 0.0)
-
-    def _refresh_qr(self, name: str | None) -> None:
-        """Derive a queued resource's state from its nodes (caller holds the lock)."""
-        record = self._state["queuedResources"].get(name or "")
-        if record is None:
-            return
-        state = record["qr"]["state"]["state"]
-        if state not in ("PROVISIONING", "ACTIVE"):
-            return
-        nodes = [self._state["nodes"].get(p["name"]) for p in record["sim"]["plan"]]
-        states = [n["node"]["state"] if n else None for n in nodes]
-        if any(s == "PREEMPTED" for s in states):
-            record["qr"]["state"] = {"state": "SUSPENDED", "suspendedData": {},
-                                     "stateInitiator": "SERVICE"}
-        elif any(s is None or s == "DELETING" for s in states):
-            record["qr"]["state"] = {"state": "SUSPENDED", "suspendedData": {},
-                                     "stateInitiator": "USER"}
-        elif all(s == "READY" for s in states):
-            record["qr"]["state"] = {"state": "ACTIVE", "activeData": {}}
-
-    def _qr_nodes(self, record: dict[str, Any]) -> list[str]:
-        qr_name = record["qr"]["name"]
-        return [p["name"] for p in record["sim"]["plan"]
-                if self._state["nodes"].get(p["name"], {}).get("node", {}).get(
-                    "queuedResource") == qr_name]
-
-    def _delete_qr(self, version: str, name: str, query: dict[str, str]) -> dict[str, Any]:
-        force = str(query.get("force", "")).lower() == "true"
-        with self._lock:
-            record = self._state["queuedResources"].get(name)
-            if record is None:
-                raise not_found(name)
-            state = record["qr"]["state"]["state"]
-            if state == "DELETING":
-                raise ApiFailure("FAILED_PRECONDITION",
-                                 f"Queued resource {name} is already being deleted.")
-            nodes = self._qr_nodes(record)
-            if nodes and not force:
-                raise ApiFailure(
-                    "FAILED_PRECONDITION",
-                    f"Queued resource {name} is {state} and still has {len(nodes)} node(s); "
-                    "delete them first, or delete with force=true (gcloud: --force) to delete "
-                    "them with it.")
-            record["qr"]["state"] = {"state": "DELETING", "deletingData": {}}
-            for node_name in nodes:
-                self._state["nodes"][node_name]["node"]["state"] = "DELETING"
-            op = self._new_operation(version, name, "delete")
-            record["sim"]["op"] = op["name"]
-            self._save()
-            op = json.loads(json.dumps(op))
-        self._spawn(self._finish_qr_delete, name)
-        return op
-
-    def _drop_qr_nodes(self, name: str) -> None:
-        """Delete every node of a queued resource, workers first."""
-        with self._lock:
-            record = self._state["queuedResources"].get(name)
-            if record is None:
-                return
-            nodes = [(n, self._state["nodes"][n]["node"]["id"]) for n in self._qr_nodes(record)]
-            for node_name, _ in nodes:
-                self._state["nodes"][node_name]["node"]["state"] = "DELETING"
-        for node_name, node_id in nodes:
-            with self._node_lock(node_id):
-                self.guest.close_metadata(node_id)
-                self.workers.delete_node(node_id)
-            with self._lock:
-                self._forget_node(node_name)
-                self._save()
-
-    def _finish_qr_delete(self, name: str) -> None:
-        if self._stopping.wait(self.settings.operation_delay):
-            return
-        self._drop_qr_nodes(name)
-        with self._lock:
-            record = self._state["queuedResources"].pop(name, None)
-            if record is not None:
-                self._finish_operation(record["sim"].get("op"), response_type="Empty")
-            self._save()
-
-    def _reset_qr(self, version: str, name: str) -> dict[str, Any]:
-        with self._lock:
-            record = self._state["queuedResources"].get(name)
-            if record is None:
-                raise not_found(name)
-            state = record["qr"]["state"]["state"]
-            if state not in ("FAILED", "SUSPENDED", "ACTIVE", "PROVISIONING"):
-                raise ApiFailure("FAILED_PRECONDITION",
-                                 f"Queued resource {name} is {state}; it cannot be reset.")
-            record["qr"]["state"] = {"state": "SUSPENDING", "suspendingData": {}}
-            op = self._new_operation(version, name, "reset")
-            record["sim"]["op"] = op["name"]
-            self._save()
-            op = json.loads(json.dumps(op))
-        self._spawn(self._finish_qr_reset, name)
-        return op
-
-    def _finish_qr_reset(self, name: str) -> None:
-        if self._stopping.wait(self.settings.operation_delay):
-            return
-        self._drop_qr_nodes(name)
-        with self._lock:
-            record = self._state["queuedResources"].get(name)
-            if record is None:
-                return
-            record["qr"]["state"] = {"state": "WAITING_FOR_RESOURCES"}
-            self._finish_operation(record["sim"].pop("op", None), response=record["qr"],
-                                   response_type="QueuedResource")
-            self._save()
-        self._spawn(self._provision_qr, name, self.settings.create_delay)
-
-    # ------------------------------------------------------------------ compute (gcloud ssh)
 
     # ------------------------------------------------------------------ admin (/sim/v1/)
 
@@ -1124,7 +907,7 @@ class Emulator:
             self._finish_operation(record["sim"].pop("op", None),
                                    error=(10, f"Node {name} was preempted."))
             node_id = record["node"]["id"]
-            self._refresh_qr(record["node"].get("queuedResource"))
+            self.queued.refresh(record["node"].get("queuedResource"))
             self._save()
         with self._node_lock(node_id):
             self.guest.close_metadata(node_id)
@@ -1199,11 +982,11 @@ class Emulator:
                 state = record["qr"]["state"]["state"]
                 owned.add(record["sim"].get("op"))
                 if state == "WAITING_FOR_RESOURCES":
-                    self._spawn(self._provision_qr, name, 0.0)
+                    self._spawn(self.queued.provision, name, 0.0)
                 elif state == "DELETING":
-                    self._spawn(self._finish_qr_delete, name)
+                    self._spawn(self.queued.finish_delete, name)
                 elif state == "SUSPENDING":
-                    self._spawn(self._finish_qr_reset, name)
+                    self._spawn(self.queued.finish_reset, name)
             for name, op in self._state["operations"].items():  # updates in flight
                 if op.get("done") or name in owned:
                     continue
