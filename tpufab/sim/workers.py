@@ -457,6 +457,7 @@ class WorkerPool:
         for name in ("passwd", "group", "shadow"):
             if not (wdir / "etc" / name).exists():
                 shutil.copy2(f"/etc/{name}", wdir / "etc" / name)
+        (wdir / "log" / "apt").mkdir(exist_ok=True)  # apt (setup scripts) logs there
         sudoers = wdir / "etc" / "sudoers.d"
         sudoers.mkdir(mode=0o755, exist_ok=True)
         rule = sudoers / "google_sudoers"
