@@ -287,3 +287,26 @@ def test_a_running_job_gets_sigterm_and_the_reason_when_its_node_is_preempted(
         assert node.state.name == "PREEMPTED"
     finally:
         lifecycle.delete(load_settings(env=env, cwd=tmp_path), yes=True, console=quiet)
+
+
+# --- legacy TPU Nodes (API v1) ---------------------------------------------------------------
+
+
+@pytest.mark.gcloud
+def test_gcloud_creates_describes_lists_and_deletes_a_legacy_tpu_node(sim, gcloud_env):
+    name = f"legacy-{int(time.time() * 1000) % 10**8}"
+
+    def gcloud(*args: str) -> str:
+        done = subprocess.run(["gcloud", "compute", "tpus", *args], env=gcloud_env,
+                              capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    gcloud("create", name, "--accelerator-type=v2-8", "--version=2.12.0", "--network=default",
+           "--range=10.240.8.0/29")
+    described = json.loads(gcloud("describe", name, "--format=json"))
+    assert described["state"] == "READY" and described["acceleratorType"] == "v2-8"
+    assert described["networkEndpoints"] == [{"ipAddress": "10.240.8.1", "port": 8470}]
+    assert name in gcloud("list", "--format=value(name)").split()
+    gcloud("delete", name, "--quiet")
+    assert name not in gcloud("list", "--format=value(name)").split()

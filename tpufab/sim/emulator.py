@@ -44,6 +44,7 @@ from tpufab.sim._model import (
 )
 from tpufab.sim._slots import SlotRegistry
 from tpufab.sim.guest import GuestEnvironment, Tokens
+from tpufab.sim.legacy import LegacyNodes
 from tpufab.sim.queued import QueuedResources
 from tpufab.topology import Topology, parse_accelerator_type
 
@@ -139,6 +140,7 @@ class Emulator:
         self.metadata: Any = None  # a tpufab.sim.metadata.MetadataServer when workers are real
         self.guest = GuestEnvironment(self)  # metadata values, startup scripts, maintenance
         self.queued = QueuedResources(self)  # queued resources (and multislice)
+        self.legacy = LegacyNodes(self)  # API v1 nodes: control plane only, no workers
 
     # ------------------------------------------------------------------ persistence
 
@@ -188,9 +190,11 @@ class Emulator:
                 self._maybe_inject_error(path)
             if path.startswith("/compute/v1/"):
                 return 200, catalog.compute(method, path[len("/compute/v1/"):])
-            if path.startswith("/v1/") and path.count("/") > 5:
-                raise ApiFailure("UNIMPLEMENTED", "Legacy TPU Nodes (Cloud TPU API v1) are not "
-                                 "emulated; use TPU VMs (API v2).")
+            if path.startswith("/v1/") and path.count("/") > 5:  # legacy TPU Nodes
+                if body is not None and not isinstance(body, dict):
+                    raise ApiFailure("INVALID_ARGUMENT", "The request body must be a JSON "
+                                     "object.")
+                return 200, self.legacy.handle(method, path[len("/v1/"):], query, body or {})
             for version in ("v2", "v2alpha1", "v1"):  # v1: locations only (gcloud locations)
                 if path.startswith(f"/{version}/"):
                     if body is not None and not isinstance(body, dict):
@@ -987,6 +991,7 @@ class Emulator:
                     self._spawn(self.queued.finish_delete, name)
                 elif state == "SUSPENDING":
                     self._spawn(self.queued.finish_reset, name)
+            owned |= self.legacy.resume()
             for name, op in self._state["operations"].items():  # updates in flight
                 if op.get("done") or name in owned:
                     continue
