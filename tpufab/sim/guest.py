@@ -227,14 +227,14 @@ class GuestEnvironment:
 
     def booted(self, name: str, node_id: str, specs: list[Any]) -> None:
         """After every boot (create, start, daemon restart): run startup-script metadata."""
+        if self.emu.metadata is None:
+            return  # paper workers (no root): nothing to run on
         with self.emu._lock:
             record = self.emu._state["nodes"].get(name)
             if record is None or "startup-script" not in (record["node"].get("metadata") or {}):
                 return
             record["sim"]["startup"] = {str(s.index): {} for s in specs}
             self.emu._save()
-        if self.emu.metadata is None:
-            return  # paper workers: nothing to run on
         for spec in specs:
             self.emu._spawn(self._run_startup_script, name, node_id, spec.index)
 
