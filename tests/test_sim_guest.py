@@ -293,8 +293,20 @@ def test_a_running_job_gets_sigterm_and_the_reason_when_its_node_is_preempted(
 
 
 @pytest.mark.gcloud
-def test_gcloud_creates_describes_lists_and_deletes_a_legacy_tpu_node(sim, gcloud_env):
+def test_a_legacy_tpu_node_from_gcloud_is_listed_refused_and_deleted_by_tpufab(sim, gcloud_env,
+                                                                              tmp_path):
+    """gcloud compute tpus create|describe|list (API v1); tpufab lists it, says it has no
+    workers to SSH into, and deletes it (API v2 sees nodes the v1 API made: apiVersion V1)."""
+    from test_status import TPUFAB
+
     name = f"legacy-{int(time.time() * 1000) % 10**8}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
+    env.update(sim.env(), HOME=str(tmp_path), TPUFAB_USER_CONFIG=str(tmp_path / "none.yaml"),
+               COLUMNS="200")
+
+    def tpufab(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([TPUFAB, *args], env=env, cwd=tmp_path, capture_output=True,
+                              text=True, timeout=180)
 
     def gcloud(*args: str) -> str:
         done = subprocess.run(["gcloud", "compute", "tpus", *args], env=gcloud_env,
@@ -308,5 +320,13 @@ def test_gcloud_creates_describes_lists_and_deletes_a_legacy_tpu_node(sim, gclou
     assert described["state"] == "READY" and described["acceleratorType"] == "v2-8"
     assert described["networkEndpoints"] == [{"ipAddress": "10.240.8.1", "port": 8470}]
     assert name in gcloud("list", "--format=value(name)").split()
-    gcloud("delete", name, "--quiet")
+
+    listed = tpufab("list")
+    assert listed.returncode == 0 and name in listed.stdout, listed.stdout + listed.stderr
+    refused = tpufab("exec", "--name", name, "hostname")
+    assert refused.returncode != 0
+    assert f"TPU node {name} is a legacy TPU Node (API v1): it has no workers to SSH into" in \
+        " ".join(refused.stderr.split()), refused.stderr
+    deleted = tpufab("delete", "--name", name, "--yes")
+    assert deleted.returncode == 0, deleted.stdout + deleted.stderr
     assert name not in gcloud("list", "--format=value(name)").split()

@@ -278,8 +278,10 @@ class Emulator:
             collection = parts[4]
             name = f"{parent}/{collection}/{parts[5]}"
             handler = {
-                ("GET", "nodes", None): lambda: self._node(name)["node"],
-                ("DELETE", "nodes", None): lambda: self._delete_node(version, name),
+                ("GET", "nodes", None): lambda: self.legacy.v2_view(name) or
+                    self._node(name)["node"],
+                ("DELETE", "nodes", None): lambda: self.legacy.delete(name, version)
+                    if self.legacy.v2_view(name) else self._delete_node(version, name),
                 ("PATCH", "nodes", None): lambda: self._update_node(version, name, query, body),
                 ("POST", "nodes", "stop"): lambda: self._stop_node(version, name),
                 ("POST", "nodes", "start"): lambda: self._start_node(version, name),
@@ -389,6 +391,7 @@ class Emulator:
         with self._lock:
             nodes = [json.loads(json.dumps(r["node"])) for n, r in self._state["nodes"].items()
                      if n.startswith(prefix)]
+        nodes += self.legacy.v2_list(prefix)  # nodes the v1 API made (apiVersion V1)
         items, token = page(nodes, query)
         out: dict[str, Any] = {"nodes": items}
         if token:

@@ -122,14 +122,33 @@ class LegacyNodes:
             self.emu._finish_operation(op_name, response=node)
             self.emu._save()
 
-    def delete(self, name: str) -> dict[str, Any]:
+    def v2_view(self, name: str) -> dict[str, Any] | None:
+        """The node as API v2 shows a node the v1 API created (apiVersion V1), or None."""
+        with self.emu._lock:
+            node = self._nodes.get(name)
+            if node is None:
+                return None
+            view = {k: json.loads(json.dumps(v)) for k, v in node.items()
+                    if k in ("name", "acceleratorType", "state", "health", "createTime",
+                             "networkEndpoints", "cidrBlock", "schedulingConfig", "description",
+                             "labels", "apiVersion")}
+        view["runtimeVersion"] = node["tensorflowVersion"]
+        view["networkConfig"] = {"network": node["network"]}
+        return view
+
+    def v2_list(self, prefix: str) -> list[dict[str, Any]]:
+        with self.emu._lock:
+            names = [n for n in self._nodes if n.startswith(prefix)]
+        return [v for v in (self.v2_view(n) for n in names) if v is not None]
+
+    def delete(self, name: str, version: str = "v1") -> dict[str, Any]:
         with self.emu._lock:
             node = self._nodes.get(name)
             if node is None:
                 raise not_found(name)
             node["state"] = "DELETING"
             node.pop("health", None)
-            op = self.emu._new_operation("v1", name, "delete")
+            op = self.emu._new_operation(version, name, "delete")
             self.emu._save()
             op = json.loads(json.dumps(op))
         self.emu._spawn(self._finish_delete, name, op["name"])
