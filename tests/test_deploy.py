@@ -54,12 +54,14 @@ class SimPod:
     """``count`` simulated workers (own /home, /tmp, /dev, PID and mount namespaces) and a
     Fanout logged in as an ordinary user with sudo (as on a real TPU VM), host keys pinned."""
 
-    def __init__(self, root: Path, count: int, node_id: str, octet: int):
+    def __init__(self, root: Path, count: int, node_id: str, octet: int, user: str = USER):
         from tpufab.fanout import Fanout, Target
         from tpufab.hostkeys import KnownHosts, alias
         from tpufab.sim.workers import WorkerPool, WorkerSpec
 
         self.node_id = node_id
+        self.user = user
+        self.home = "/root" if user == "root" else f"/home/{user}"
         self.pool = WorkerPool(root / "state")
         key = root / "client"
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)],
@@ -68,12 +70,12 @@ class SimPod:
         specs = [WorkerSpec(node_id, w, f"127.{octet}.{sub}.{w + 1}",
                             f"t1v-n-{int(node_id):08x}-w-{w}", ACCEL) for w in range(count)]
         self.pool.start_node(node_id, specs,
-                             f"{USER}:{key.with_suffix('.pub').read_text().strip()}")
+                             f"{user}:{key.with_suffix('.pub').read_text().strip()}")
         try:
             self.pool.wait_listening(node_id, 60)
             known = KnownHosts(root / "known_hosts")
             known.pin(node_id, self.pool.host_keys(node_id))
-            self.fanout = Fanout([Target(s.index, s.ip, USER, str(key), 22,
+            self.fanout = Fanout([Target(s.index, s.ip, user, str(key), 22,
                                          alias(node_id, s.index)) for s in specs],
                                  known_hosts=known)
         except BaseException:
@@ -98,8 +100,8 @@ class SimPod:
         argv = ["sh", "-c", script]
         env = None
         if not as_root:
-            argv = ["runuser", "-u", USER, "--", *argv]
-            env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": f"/home/{USER}",
+            argv = ["runuser", "-u", self.user, "--", *argv]
+            env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": self.home,
                    "LANG": "C.UTF-8"}
         proc = self.pool.exec_in(self.node_id, w, argv, **({"env": env} if env else {}))
         if check and proc.returncode != 0:
