@@ -4,8 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEBIAN_PACKAGES=(openssh-server openssh-client fuse3 git rclone clustershell pssh psmisc
-                 procps iproute2 lsof util-linux)
+# sudo and python3-requests are for the simulated workers, which use the host's /usr: TPU VM
+# users have passwordless sudo, and JAX's pod discovery (metadata server) imports requests.
+DEBIAN_PACKAGES=(openssh-server openssh-client fuse3 git rclone clustershell pssh psmisc sudo
+                 python3-requests procps iproute2 lsof util-linux)
 
 need_apt=()
 for pkg in "${DEBIAN_PACKAGES[@]}"; do

@@ -72,3 +72,14 @@ def test_require_names_every_way_to_set_it(tmp_path):
     with pytest.raises(ConfigError) as info:
         s.require("name")
     assert "--name" in str(info.value) and "TPUFAB_NAME" in str(info.value)
+
+
+@pytest.mark.parametrize(("local", "expected"), [("alice", "alice"), ("root", "tpufab")])
+def test_the_default_login_is_the_local_user_but_never_root(monkeypatch, local, expected):
+    """TPU VMs are entered as an ordinary user with sudo; CI runs as root."""
+    import getpass
+
+    monkeypatch.setattr(getpass, "getuser", lambda: local)
+    assert load_settings(env={}).ssh_user == expected
+    assert load_settings({"ssh_user": "root"}, env={}).ssh_user == "root"
+    assert load_settings(env={"TPUFAB_SSH_USER": "root"}).ssh_user == "root"

@@ -47,18 +47,21 @@ def dead_url() -> str:
 # --- the simulated pod: real sshd workers in their own namespaces, reached by the fan-out ---
 
 ACCEL = tuple(f"/dev/accel{i}" for i in range(4))
+USER = "tpufab"  # the login user: not root, passwordless sudo (google-sudoers)
 
 
 class SimPod:
-    """``count`` simulated workers (own /root, /tmp, /dev, PID and mount namespaces) and a
-    Fanout logged in as root with pinned host keys."""
+    """``count`` simulated workers (own /home, /tmp, /dev, PID and mount namespaces) and a
+    Fanout logged in as an ordinary user with sudo (as on a real TPU VM), host keys pinned."""
 
-    def __init__(self, root: Path, count: int, node_id: str, octet: int):
+    def __init__(self, root: Path, count: int, node_id: str, octet: int, user: str = USER):
         from tpufab.fanout import Fanout, Target
         from tpufab.hostkeys import KnownHosts, alias
         from tpufab.sim.workers import WorkerPool, WorkerSpec
 
         self.node_id = node_id
+        self.user = user
+        self.home = "/root" if user == "root" else f"/home/{user}"
         self.pool = WorkerPool(root / "state")
         key = root / "client"
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)],
@@ -67,12 +70,12 @@ class SimPod:
         specs = [WorkerSpec(node_id, w, f"127.{octet}.{sub}.{w + 1}",
                             f"t1v-n-{int(node_id):08x}-w-{w}", ACCEL) for w in range(count)]
         self.pool.start_node(node_id, specs,
-                             f"root:{key.with_suffix('.pub').read_text().strip()}")
+                             f"{user}:{key.with_suffix('.pub').read_text().strip()}")
         try:
             self.pool.wait_listening(node_id, 60)
             known = KnownHosts(root / "known_hosts")
             known.pin(node_id, self.pool.host_keys(node_id))
-            self.fanout = Fanout([Target(s.index, s.ip, "root", str(key), 22,
+            self.fanout = Fanout([Target(s.index, s.ip, user, str(key), 22,
                                          alias(node_id, s.index)) for s in specs],
                                  known_hosts=known)
         except BaseException:
@@ -92,9 +95,15 @@ class SimPod:
     def put(self, data, remote_path, **kw):
         return self.fanout.put(data, remote_path, **kw)
 
-    # looking inside a worker, as root, without SSH
-    def sh(self, w: int, script: str, check: bool = True) -> str:
-        proc = self.pool.exec_in(self.node_id, w, ["sh", "-c", script])
+    # looking inside a worker without SSH, as the login user (or root)
+    def sh(self, w: int, script: str, check: bool = True, as_root: bool = False) -> str:
+        argv = ["sh", "-c", script]
+        env = None
+        if not as_root:
+            argv = ["runuser", "-u", self.user, "--", *argv]
+            env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": self.home,
+                   "LANG": "C.UTF-8"}
+        proc = self.pool.exec_in(self.node_id, w, argv, **({"env": env} if env else {}))
         if check and proc.returncode != 0:
             raise AssertionError(f"w{w}: {script!r} failed: {proc.stderr}")
         return proc.stdout.strip()
@@ -357,15 +366,16 @@ def test_worker_cannot_reach_remote(repo: Path, pod: SimPod):
 def test_disk_full_on_a_worker(repo: Path, pod: SimPod):
     commit(repo, "big.bin", os.urandom(512 * 1024).hex())
     for w in pod.workers:
-        pod.sh(w, "mkdir -p /root/tiny")
-    pod.sh(2, "mount -t tmpfs -o size=64k tmpfs /root/tiny")
+        pod.sh(w, "mkdir -p ~/tiny")
+    pod.sh(2, f"mount -t tmpfs -o size=64k,uid=$(id -u {USER}) tmpfs /home/{USER}/tiny",
+           as_root=True)
     try:
         with pytest.raises(DeployError, match="Worker w2 ran out of disk space in ~/tiny") as err:
             deploy(pod, cwd=repo, dir=f"~/tiny/{repo.name}")
         assert "disk_full" in err.value.details
         assert pod.git(0, f"~/tiny/{repo.name}", "rev-parse", "HEAD")
     finally:
-        pod.sh(2, "umount /root/tiny")
+        pod.sh(2, f"umount /home/{USER}/tiny", as_root=True)
 
 
 def test_divergent_commits_detected(repo: Path, pod: SimPod):

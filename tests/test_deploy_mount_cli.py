@@ -62,12 +62,13 @@ def node(sim, tpu_client, sim_parent):
 
 @pytest.fixture(scope="module")
 def env(sim, node, tmp_path_factory):
-    """A user's shell: own HOME (a fresh tpufab key), root on the workers (/mnt needs it),
-    the pod's API and Cloud Storage exported, the node named once."""
+    """A user's shell: own HOME (a fresh tpufab key), the default login on the workers (an
+    ordinary user with sudo, which /mnt needs), the pod's API and Cloud Storage exported, the
+    node named once."""
     home = tmp_path_factory.mktemp("home")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
     env.update(sim.env(), HOME=str(home), TPUFAB_USER_CONFIG=str(home / "none.yaml"),
-               TPUFAB_SSH_USER="root", TPUFAB_NAME=node, COLUMNS="200", **GIT_ENV)
+               TPUFAB_NAME=node, COLUMNS="200", **GIT_ENV)
     assert env["TPUFAB_STORAGE_ENDPOINT"] == sim.storage_endpoint
     return env
 

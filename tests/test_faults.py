@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import unique_name, wait_for
-from test_status import TPUFAB, cli_env, in_worker, quiet_console, sim_settings
+from test_status import LOGIN, TPUFAB, cli_env, in_worker, quiet_console, sim_settings
 
 pytestmark = pytest.mark.sim
 
@@ -347,7 +347,8 @@ def test_fault_6_ctrl_c_during_deploy(sim, pod4, tmp_path):
     marker = unique_name("deploy")
     for w in range(4):
         in_worker(sim, pod4.node, w, f"printf '#!/bin/sh\\necho hook >&2\\n{wait_loop(marker)}\\n' "
-                  "> ~/proj/.git/hooks/post-checkout && chmod +x ~/proj/.git/hooks/post-checkout")
+                  "> ~/proj/.git/hooks/post-checkout && chmod +x ~/proj/.git/hooks/post-checkout",
+                  user=LOGIN)
     (repo / "a.txt").write_text("two\n")
     git(repo, "commit", "-q", "-am", "two")
     second = git(repo, "rev-parse", "HEAD")
@@ -364,7 +365,8 @@ def test_fault_6_ctrl_c_during_deploy(sim, pod4, tmp_path):
     assert again.returncode == 0, again.stderr
     assert f"deployed {second}" in again.stdout
     for w in range(4):
-        assert in_worker(sim, pod4.node, w, "git -C ~/proj rev-parse HEAD").strip() == second
+        assert in_worker(sim, pod4.node, w, "git -C ~/proj rev-parse HEAD",
+                         user=LOGIN).strip() == second
 
 
 # ---------------------------------------------------------------------------------------------
@@ -528,7 +530,8 @@ def test_fault_1_sshd_dies_mid_run(sim, sim_admin, pod4, tmp_path, waiting_recip
         assert (copy / f"w{w}.log").read_text() == f"started w{w}\nfinished w{w}\n"
     # the run itself went on on w2 (it is detached) and finished there
     wait_for(lambda: "exit_code" in in_worker(sim, pod4.node, 2,
-                                              f"ls ~/.tpufab/runs/{copy.name}/"), 20,
+                                              f"ls ~/.tpufab/runs/{copy.name}/", user=LOGIN),
+             20,
              what="the run to end on w2")
 
 
@@ -627,8 +630,8 @@ def test_fault_8_forwarded_hf_token_never_appears(sim, pod4, tmp_path):
                              "tr '\\0' ' '; ps -eo args")
             assert token not in argv
             # nor in any file tpufab keeps on the worker (records, env files, logs, scripts)
-            found = in_worker(sim, pod4.node, w, f"grep -rl -- '{token}' ~/.tpufab ~/.cache "
-                              "/tmp 2>/dev/null || true")
+            found = in_worker(sim, pod4.node, w, f"grep -rl -- '{token}' /home /root /tmp "
+                              "2>/dev/null || true")
             assert found.strip() == "", found
         release(sim, pod4, go)
         result = running.wait(60)

@@ -28,7 +28,10 @@ LIBTPU_LIKE = r"""#!/usr/bin/env python3
 import fcntl, glob, os, sys
 devices = sorted(glob.glob("/dev/accel*") + glob.glob("/dev/vfio/[0-9]*"))
 held = [os.open(d, os.O_RDONLY | os.O_NONBLOCK) for d in devices]
-fd = os.open("/tmp/libtpu_lockfile", os.O_RDWR | os.O_CREAT, 0o644)
+try:
+    fd = os.open("/tmp/libtpu_lockfile", os.O_RDWR | os.O_CREAT, 0o644)
+except PermissionError:  # another user's lockfile: flock works on a read-only descriptor too
+    fd = os.open("/tmp/libtpu_lockfile", os.O_RDONLY)
 try:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 except BlockingIOError:
@@ -175,14 +178,15 @@ def test_a_device_still_held_makes_the_result_fail():
 
 @pytest.fixture(scope="module")
 def pod_env(sim, tmp_path_factory):
-    """A v4-32 and the environment naming it (ssh as root, like kill needs)."""
+    """A v4-32 and the environment naming it (ssh as the default user, `tpufab`: an ordinary
+    user with passwordless sudo, as on a real TPU VM)."""
     from tpufab import lifecycle
     from tpufab import pod as pods
     from tpufab.config import load_settings
 
     base = tmp_path_factory.mktemp("kill-sim")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
-    env.update(sim.env(), TPUFAB_USER_CONFIG=str(base / "none.yaml"), TPUFAB_SSH_USER="root",
+    env.update(sim.env(), TPUFAB_USER_CONFIG=str(base / "none.yaml"),
                TPUFAB_SSH_KEY=str(base / "key" / "tpufab_ed25519"),
                TPUFAB_KNOWN_HOSTS=str(base / "known_hosts"), TPUFAB_NAME=unique_name("kill"),
                COLUMNS="250")
@@ -202,7 +206,8 @@ def flat(text: str) -> list[str]:
 
 
 def holders(pod) -> dict[int, dict[str, str]]:
-    return {w: json.loads(out) for w, out in on_workers(pod, ["python3", "-c", HOLDERS]).items()}
+    return {w: json.loads(out)  # every user's processes: as root
+            for w, out in on_workers(pod, ["sudo", "-n", "python3", "-c", HOLDERS]).items()}
 
 
 def lockfiles(pod) -> dict[int, bool]:
@@ -296,3 +301,17 @@ def test_without_root_free_is_unknown_and_kill_fails():
     assert "TPU free on w0: unknown" in summary(result)
     seen["dry_run"] = True
     assert KillResult({0: WorkerReport(0, seen)}, dry_run=True).ok
+
+
+@pytest.mark.sim
+def test_kill_as_root_still_works(pod_env, tmp_path):
+    """The root path (ssh_user: root, no sudo involved) on the same pod."""
+    env, pod, _ = pod_env
+    as_root = {"TPUFAB_SSH_USER": "root"}
+    made = call(env, "sim_zombie", cwd=tmp_path, worker="3", extra_env=as_root)
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert len(holders(pod)[3]) == 3
+    killed = call(env, "kill", cwd=tmp_path, grace=0.5, force=True, extra_env=as_root)
+    assert killed.returncode == 0, killed.stdout + killed.stderr
+    assert "TPU free on w[0-3]: yes." in killed.stdout
+    assert holders(pod)[3] == {} and not lockfiles(pod)[3]

@@ -16,7 +16,9 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import unique_name
-from test_status import TPUFAB, cli_env, in_worker, quiet_console, sim_settings
+from test_status import LOGIN, TPUFAB, cli_env, in_worker, quiet_console, sim_settings
+
+HOME = f"/home/{LOGIN}"  # the login user's home on the workers (not root: TPU VMs)
 
 pytestmark = pytest.mark.sim
 
@@ -145,13 +147,13 @@ def test_secrets_are_masked_in_every_view_and_on_every_disk(pod):
     # nothing on the workers' disks (state, caches, /tmp) or here holds either secret
     for w in (0, 1):
         hits = in_worker(pod.sim, pod.node, w,
-                         f"grep -rlF -e '{HF}' -e '{WANDB}' /root /tmp 2>/dev/null || true")
+                         f"grep -rlF -e '{HF}' -e '{WANDB}' /home /root /tmp 2>/dev/null || true")
         assert hits.strip() == "", f"w{w}: {hits}"
-        env_files = in_worker(pod.sim, pod.node, w, "ls -a /root/.tpufab/runs")
+        env_files = in_worker(pod.sim, pod.node, w, f"ls -a {HOME}/.tpufab/runs")
         assert ".env.json" not in env_files          # the env file is gone once read
         modes = in_worker(pod.sim, pod.node, w,
-                          f"stat -c '%a %n' /root/.tpufab/runs/{run_id} "
-                          f"/root/.tpufab/runs/{run_id}/log")
+                          f"stat -c '%a %n' {HOME}/.tpufab/runs/{run_id} "
+                          f"{HOME}/.tpufab/runs/{run_id}/log")
         assert [line.split()[0] for line in modes.splitlines()] == ["700", "600"]
     for path in pod.home.rglob("*"):
         if path.is_file() and not path.is_symlink():
@@ -235,15 +237,16 @@ def test_a_disk_that_fills_up_mid_run_is_named(pod):
     body = ("#!/bin/sh\necho start\nif [ \"$TPUFAB_WORKER_ID\" = 1 ]; then\n"
             "  head -c 700000 /dev/zero | tr '\\0' x | fold -w 100\nfi\necho finished\n")
     (pod.home / "fill.sh").write_text(body)
-    in_worker(pod.sim, pod.node, 1, "mkdir -p /root/.tpufab/runs && "
-              "mount -t tmpfs -o size=256k tmpfs /root/.tpufab/runs")
+    in_worker(pod.sim, pod.node, 1, "mkdir -p ~/.tpufab/runs", user=LOGIN)
+    in_worker(pod.sim, pod.node, 1, f"mount -t tmpfs -o size=256k,uid=$(id -u {LOGIN}),"
+              f"mode=0700 tmpfs {HOME}/.tpufab/runs")
     try:
         ran = tpufab(pod, "run", "fill.sh", "--no-deploy")
         out = text(ran)
         assert ran.returncode == 1, out
         assert re.search(r"failed on w1: w0 exited 0; w1 exited 0 \(disk full: the log stops "
                          r"at [\d.]+ KiB, [\d.]+ KiB of output lost \(no space left on device "
-                         r"in /root/.tpufab/runs/\d{8}-\d{6}-[0-9a-f]{4}\)\)", out), out
+                         rf"in {HOME}/.tpufab/runs/\d{{8}}-\d{{6}}-[0-9a-f]{{4}}\)\)", out), out
         assert "lost" not in out.replace("of output lost", ""), out
         run_id = run_id_of(ran)
         listed = text(tpufab(pod, "runs"))
@@ -251,4 +254,4 @@ def test_a_disk_that_fills_up_mid_run_is_named(pod):
         assert re.search(r"w0 exited 0; w1 exited 0 \(disk full", row), listed
         assert "no record" not in row, listed
     finally:
-        in_worker(pod.sim, pod.node, 1, "umount -l /root/.tpufab/runs")
+        in_worker(pod.sim, pod.node, 1, f"umount -l {HOME}/.tpufab/runs")

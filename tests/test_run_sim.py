@@ -267,7 +267,7 @@ def pod_env(sim, tmp_path_factory):
 
     base = tmp_path_factory.mktemp("run-sim")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
-    env.update(sim.env(), TPUFAB_USER_CONFIG=str(base / "none.yaml"), TPUFAB_SSH_USER="root",
+    env.update(sim.env(), TPUFAB_USER_CONFIG=str(base / "none.yaml"),
                TPUFAB_SSH_KEY=str(base / "key" / "tpufab_ed25519"),
                TPUFAB_KNOWN_HOSTS=str(base / "known_hosts"), TPUFAB_NAME=unique_name("run"),
                COLUMNS="200")
@@ -394,7 +394,7 @@ def test_jax_hello_runs_on_every_worker_and_logs_fold(pod_env, tmp_path):
     records = on_workers(pod, f"cat ~/.tpufab/runs/{run_id}/meta.json")
     for text in records.values():
         meta = json.loads(text)
-        assert meta["commit"] == commit and meta["cwd"] == "/root/proj"
+        assert meta["commit"] == commit and meta["cwd"] == "/home/tpufab/proj"
         assert meta["recipe_sha256"] == hashlib.sha256(
             (REPO / "recipes" / "jax_hello.sh").read_bytes()).hexdigest()
     # a local copy of every worker's log, in a folder git ignores

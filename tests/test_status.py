@@ -60,9 +60,20 @@ def sim_pool(sim):
     return WorkerPool(Path(sim.state_dir) / "workers")
 
 
-def in_worker(sim, node, worker: int, script: str, check: bool = True) -> str:
-    """Run a shell script as root inside a worker (no SSH involved)."""
-    proc = sim_pool(sim).exec_in(node.id, worker, ["sh", "-c", script])
+# The login on the workers where the local user is root (tpufab.config.DEFAULT_REMOTE_USER).
+LOGIN = "tpufab"
+
+
+def in_worker(sim, node, worker: int, script: str, check: bool = True,
+              user: str | None = None) -> str:
+    """Run a shell script inside a worker (no SSH involved): as root, or as ``user`` (with
+    that user's HOME, so ``~`` is theirs)."""
+    argv, kw = ["sh", "-c", script], {}
+    if user:
+        argv = ["runuser", "-u", user, "--", *argv]
+        kw["env"] = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": f"/home/{user}",
+                     "LANG": "C.UTF-8"}
+    proc = sim_pool(sim).exec_in(node.id, worker, argv, **kw)
     if check and proc.returncode != 0:
         raise AssertionError(f"w{worker}: {script!r} failed: {proc.stderr}")
     return proc.stdout

@@ -32,7 +32,7 @@ def pod(tmp_path_factory):
     if os.geteuid() != 0:
         pytest.skip("the simulated workers need root")
     root = tmp_path_factory.mktemp("pod")
-    pod = SimPod(root, 4, "7301", 63)
+    pod = SimPod(root, 4, "7301", 63, user="root")  # writes under /root: the root path
     pod.root = root
     try:
         pod.fanout.open().check()

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 PREEMPTED_STATES = frozenset({"PREEMPTED", "TERMINATED"})
 QUEUED_LOST_STATES = frozenset({"SUSPENDED", "FAILED"})
 RESTART_VARIABLE = "TPUFAB_RESTART_COUNT"
+NOTICE_MARK = "tpufab: notice:"  # tpufab/remote/launch.py's log line for a relayed notice
 BABYSIT_VARIABLE = "TPUFAB_BABYSIT_RUN"      # the first attempt's run id, the same every time
 DEFAULT_POLL = 10.0
 DEFAULT_UNREACHABLE_GRACE = 300.0
@@ -289,10 +290,28 @@ class Attempt:
     reason: str
     log_dir: Path
     states: dict[int, str] = field(default_factory=dict)
+    # worker -> the preemption/maintenance notice relayed to the recipe (from its log copy)
+    notices: dict[int, str] = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {"attempt": self.number, "run": self.run_id, "outcome": self.outcome,
-                "reason": self.reason, "log_dir": str(self.log_dir), "states": self.states}
+        out = {"attempt": self.number, "run": self.run_id, "outcome": self.outcome,
+               "reason": self.reason, "log_dir": str(self.log_dir), "states": self.states}
+        if self.notices:
+            out["notices"] = {str(w): n for w, n in sorted(self.notices.items())}
+        return out
+
+
+def notices_in(attempt_dir: Path) -> dict[int, str]:
+    """worker -> the notice line tpufab's run supervisor wrote into that worker's log copy."""
+    found = {}
+    for log in sorted(attempt_dir.glob("w*.log")):
+        if not log.stem[1:].isdigit():
+            continue
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith(NOTICE_MARK):
+                found[int(log.stem[1:])] = line[len(NOTICE_MARK):].strip()
+                break
+    return found
 
 
 @dataclass
@@ -716,7 +735,8 @@ class Babysitter:
                       "yellow")
         self._keep_logs(pod, plan.run_id, states, attempt_dir)
         return Attempt(number, plan.run_id, decision.action, decision.reason, attempt_dir,
-                       {w: s.label for w, s in sorted(states.items())})
+                       {w: s.label for w, s in sorted(states.items())},
+                       notices_in(attempt_dir))
 
     def _probe(self, pod, run_id: str, workers: Sequence[int]) -> dict[int, WorkerState]:
         """Ask workers nobody follows any more (their follower's connection broke) how the run

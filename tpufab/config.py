@@ -104,11 +104,18 @@ class Settings:
         return value
 
 
+DEFAULT_REMOTE_USER = "tpufab"
+
+
 def _local_user() -> str:
+    """The worker login: the local user name, as gcloud uses it; where that is root (CI,
+    containers) an ordinary user instead, because TPU VMs are entered as an ordinary user with
+    passwordless sudo (``ssh_user: root`` still works where root login is allowed)."""
     try:
-        return getpass.getuser()
+        user = getpass.getuser()
     except Exception:  # no passwd entry (containers): fall back to a safe name
-        return "tpufab"
+        return DEFAULT_REMOTE_USER
+    return DEFAULT_REMOTE_USER if user == "root" else user
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}

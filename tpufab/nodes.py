@@ -92,6 +92,7 @@ class Node:
     queued_resource: str | None = None   # the queued resource's short name, if any
     multislice: bool = False
     slice_index: int | None = None       # for multislice nodes named PREFIX-<i>
+    api_version: str = ""                # "V1" for a legacy TPU Node (no workers to SSH into)
 
     def __post_init__(self) -> None:
         if self.topology is None and self.accelerator_type:
@@ -138,6 +139,7 @@ class Node:
             queued_resource=qr,
             multislice=multislice,
             slice_index=slice_index,
+            api_version=_enum_name(proto.api_version),
         )
 
     @property
@@ -147,6 +149,11 @@ class Node:
     @property
     def ready(self) -> bool:
         return self.state == "READY"
+
+    @property
+    def legacy(self) -> bool:
+        """A TPU Node of the legacy architecture (API v1): reached over gRPC, no TPU VMs."""
+        return self.api_version in ("V1", "V1_ALPHA1")
 
     @property
     def preempted(self) -> bool:

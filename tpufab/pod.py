@@ -79,6 +79,10 @@ def resolve_nodes(control: ControlPlane, name: str) -> list[Node]:
 
 def _check_ready(nodes: list[Node]) -> None:
     for node in nodes:
+        if node.legacy:
+            raise ApiError(f"TPU node {node.name} is a legacy TPU Node (API v1): it has no "
+                           "workers to SSH into, so tpufab can only list, describe and delete "
+                           "it; create a TPU VM instead (`tpufab create`).")
         if node.preempted:
             raise ApiError(f"TPU node {node.name} was preempted ({node.state}); its workers are "
                            f"gone. Recover with `tpufab delete --name {node.name} --yes` and "

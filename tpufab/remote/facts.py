@@ -25,8 +25,10 @@ child process, without importing the packages. ``--probe-mounts``: list every FU
 child process that is killed after SECONDS, so a hung mount is reported, not waited for.
 
 Only reads: it never changes anything on the worker. Holders of the TPU device files (both
-families: /dev/accel* and /dev/vfio/<n>) are found by scanning /proc/*/fd; without root,
-other users' processes cannot be read and are counted in ``unreadable_processes``.
+families: /dev/accel* and /dev/vfio/<n>) are found by scanning /proc/*/fd. Other users'
+processes can only be read by root: when some are unreadable, that scan alone is done again
+through ``sudo -n`` (``--holders-only``; TPU VM users have passwordless sudo), and where sudo
+is not allowed they are counted in ``unreadable_processes``.
 """
 
 import argparse
@@ -534,10 +536,35 @@ def probe_mounts(found, timeout):
 # -- main --------------------------------------------------------------------------------
 
 
+def holders_as_root(globs):
+    """The holder scan as root through ``sudo -n`` (never a password prompt), or None."""
+    argv = ["sudo", "-n", sys.executable, "-I", "-S", os.path.abspath(__file__),
+            "--holders-only"]
+    for pattern in globs:
+        argv += ["--devices-glob", pattern]
+    try:
+        done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, timeout=30)
+        answer = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    return {d["path"]: d["holders"] for d in answer["devices"]}, answer["unreadable_processes"]
+
+
 def gather(args):
     reading = start_packages(args.python) if args.python else None
-    paths = device_paths(args.devices_glob or DEVICE_GLOBS)
+    globs = args.devices_glob or DEVICE_GLOBS
+    paths = device_paths(globs)
     holders, unreadable = device_holders(paths)
+    if unreadable and paths and os.geteuid() != 0:
+        as_root = holders_as_root(globs)
+        if as_root is not None:
+            holders, unreadable = as_root
+    if args.holders_only:
+        return {"devices": [{"path": p, "holders": holders.get(p, [])} for p in paths],
+                "unreadable_processes": unreadable}
     recent, total = runs(args.run_dir, args.max_runs)
     found_mounts = mounts(args.mount_state_dir)
     extra = {}
@@ -572,6 +599,8 @@ def parse_args(argv):
     parser.add_argument("--mount-state-dir", default="~/.cache/tpufab/mounts")
     parser.add_argument("--setup-dir", default="~/.tpufab/setup")
     parser.add_argument("--disk", action="append", default=[])
+    parser.add_argument("--holders-only", action="store_true",
+                        help="only the device holders (what `sudo -n` runs)")
     parser.add_argument("--max-runs", type=int, default=5,
                         help="finished runs to list besides the running ones")
     parser.add_argument("--python", action="append", default=[],

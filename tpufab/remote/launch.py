@@ -14,6 +14,13 @@ that runs), `pid`, `pgid`, `start_time` (field 22 of /proc/<pid>/stat), `commit`
 `end.json` (4 KiB reserved when the run starts, so how it ended can be recorded on a full
 disk) and, once the recipe ends, `exit_code` or `killed` (signal name) plus `ended_at`.
 
+Preemption and maintenance notices: while the recipe runs, the supervisor watches the VM's
+metadata server (`instance/preempted`, `instance/maintenance-event`, with `wait_for_change`).
+When a notice comes, it writes it to `notice` (the path is in the recipe's
+`TPUFAB_PREEMPT_NOTICE`), appends a line to the log, and sends the recipe's process group
+`TPUFAB_PREEMPT_SIGNAL` from the job environment (default TERM; `none` sends nothing), so the
+job can checkpoint. Where there is no metadata server (not a cloud VM) it quietly does nothing.
+
 The recipe runs in its own session and process group with stdin from /dev/null, under a
 small supervisor (also its own session) that waits for it and records how it ended, so
 neither survives on the SSH connection that started them. The job environment (secrets
@@ -43,8 +50,11 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 DEFAULT_RUN_DIR = "~/.tpufab/runs"
+METADATA = "http://metadata.google.internal/computeMetadata/v1/instance/"
+NOTICE_MARK = "tpufab: notice:"  # the log line babysit looks for
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # The fan-out agent tags the processes of a connection with this, and reaps them when the
@@ -309,6 +319,7 @@ def start(args):
     job_env.update(env)
     job_env["TPUFAB_RUN_ID"] = args.run
     job_env["TPUFAB_RUN_DIR"] = rundir
+    job_env["TPUFAB_PREEMPT_NOTICE"] = os.path.join(rundir, "notice")
     job_env.setdefault("PYTHONUNBUFFERED", "1")   # log lines as they happen, not per 8 KiB
     for key, value in output_dirs(args.run, rundir, args.mounts_dir).items():
         if key not in env:                        # `--env TPUFAB_OUTPUT_DIR=...` wins
@@ -395,6 +406,7 @@ def supervise(rundir, argv, cwd, env, ready_w, forms=()):
     os.write(ready_w, json.dumps({"pid": child.pid, "pgid": child.pid,
                                   "start_time": start_time}).encode())
     os.close(ready_w)
+    threading.Thread(target=relay_notices, args=(rundir, child, env), daemon=True).start()
     code = child.wait()
     # The output is whole once nothing holds the pipe; a process the recipe left behind may
     # hold it longer: record the end anyway, and keep copying until it lets go.
@@ -529,6 +541,69 @@ class LogCopier:
                 "error": self.error}
 
 
+# -- preemption and maintenance notices ---------------------------------------------------
+
+
+def metadata_value(key, etag=None, timeout=None):
+    """(value, etag) of instance/KEY; with etag, block until it changes (or timeout s)."""
+    url = METADATA + key
+    if etag is not None:
+        url += "?wait_for_change=true&last_etag=" + etag + f"&timeout_sec={int(timeout or 300)}"
+    request = urllib.request.Request(url, headers={"Metadata-Flavor": "Google"})
+    with urllib.request.urlopen(request, timeout=(timeout or 10) + 10) as answer:
+        return answer.read().decode().strip(), answer.headers.get("ETag", "")
+
+
+def notice_of(key, value):
+    if key == "preempted" and value == "TRUE":
+        return "preempted: the VM is being preempted (instance/preempted=TRUE)"
+    if key == "maintenance-event" and value not in ("", "NONE"):
+        return f"maintenance: {value} (instance/maintenance-event)"
+    return None
+
+
+def relay_notices(rundir, child, env):
+    """Watch both keys (a thread each); the first notice signals the recipe's group once."""
+    name = (env.get("TPUFAB_PREEMPT_SIGNAL") or "TERM").upper().removeprefix("SIG")
+    signum = None if name == "NONE" else getattr(signal, "SIG" + name, signal.SIGTERM)
+    once = threading.Lock()
+
+    def deliver(text):
+        if not once.acquire(blocking=False):
+            return
+        write_atomic(os.path.join(rundir, "notice"), text + "\n")
+        sent = "nothing sent" if signum is None else \
+            f"sent SIG{signal.Signals(signum).name[3:]} to the recipe"
+        with open(os.path.join(rundir, "log"), "a") as log:
+            log.write(f"{NOTICE_MARK} {text}; {sent}\n")
+        if signum is not None and child.poll() is None:
+            try:
+                os.killpg(child.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def watch(key):
+        failures = 0
+        etag = None
+        while child.poll() is None:
+            try:
+                value, etag = metadata_value(key, etag, timeout=300 if etag else None)
+            except (OSError, ValueError):  # no metadata server here, or it went away
+                failures += 1
+                if failures >= 3:
+                    return
+                time.sleep(1.0 * failures)
+                continue
+            failures = 0
+            text = notice_of(key, value)
+            if text:
+                deliver(text)
+                return
+
+    for key in ("preempted", "maintenance-event"):
+        threading.Thread(target=watch, args=(key,), daemon=True).start()
+
+
 # -- status --------------------------------------------------------------------------------
 
 
@@ -572,6 +647,9 @@ def run_status(rundir):
     status["ended_at"] = end.get("ended_at") if end else None
     if os.path.exists(os.path.join(rundir, "stop_requested")):
         status["stop_requested"] = True
+    notice = read_text(os.path.join(rundir, "notice"))
+    if notice:
+        status["notice"] = notice
     try:
         status["log_size"] = os.path.getsize(os.path.join(rundir, "log"))
     except OSError:

@@ -17,6 +17,7 @@ class PaperSpec:
     ip: str
     hostname: str
     device_files: tuple[str, ...]
+    pci_device: str = ""
 
 
 class PaperWorkers:

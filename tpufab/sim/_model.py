@@ -54,6 +54,7 @@ CONFIG_TYPE_OF_GENERATION = {v: k for k, v in GENERATION_OF_CONFIG_TYPE.items()}
 # HTTP status and gRPC code of each canonical error status.
 STATUS_CODES: dict[str, tuple[int, int]] = {
     "INVALID_ARGUMENT": (400, 3),
+    "UNAUTHENTICATED": (401, 16),
     "FAILED_PRECONDITION": (400, 9),
     "NOT_FOUND": (404, 5),
     "ALREADY_EXISTS": (409, 6),
@@ -63,6 +64,12 @@ STATUS_CODES: dict[str, tuple[int, int]] = {
     "UNIMPLEMENTED": (501, 12),
     "UNAVAILABLE": (503, 14),
 }
+
+# PCI device id of one chip per generation (vendor 0x1ae0, Google), as JAX and libtpu read them
+# from /sys/bus/pci/devices to decide that they run on a TPU VM.
+TPU_PCI_VENDOR = "0x1ae0"
+TPU_PCI_DEVICE = {"v2": "0x0027", "v3": "0x0027", "v4": "0x005e", "v5p": "0x0062",
+                  "v5litepod": "0x0063", "v6e": "0x006f"}
 
 MAP_FIELDS = frozenset({"metadata", "labels"})
 UPDATABLE_FIELDS = {

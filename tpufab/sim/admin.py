@@ -74,9 +74,14 @@ class SimAdmin:
 
     # faults
 
-    def preempt(self, node: str) -> dict[str, Any]:
-        """Preempt a node: state PREEMPTED, workers stopped; it stays until deleted."""
-        return self._call("POST", f"{self.node_name(node)}:preempt")
+    def preempt(self, node: str, notice: float = 0.0) -> dict[str, Any]:
+        """Preempt a node: state PREEMPTED, workers stopped; it stays until deleted.
+
+        ``notice`` > 0: the workers' metadata server says ``instance/preempted: TRUE`` now and
+        the preemption follows ``notice`` seconds later (this call returns at once).
+        """
+        body = {"noticeSeconds": notice} if notice > 0 else None
+        return self._call("POST", f"{self.node_name(node)}:preempt", body)
 
     def set_reachable(self, node: str, worker: int, reachable: bool) -> dict[str, Any]:
         """Make a worker refuse connections (False) or listen again (True)."""

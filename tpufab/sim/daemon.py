@@ -136,6 +136,10 @@ def serve(state_dir: Path | None = None, port: int | None = None, *, workers: bo
     if settings:
         sim_settings.update(settings)
     emulator = Emulator(state_dir, pool, settings=sim_settings)
+    if workers:  # each worker's metadata server, on its own address (port 80 needs root)
+        from tpufab.sim.metadata import MetadataServer
+
+        emulator.metadata = MetadataServer(emulator.guest)
     try:
         server = make_server(emulator, port)
     except OSError as exc:

@@ -14,7 +14,6 @@ import logging
 import os
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,16 +21,13 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from tpufab.sim import catalog
 from tpufab.sim._model import (
     CONFIG_TYPE_OF_GENERATION,
-    LOCATIONS,
-    RUNTIME_VERSIONS,
+    TPU_PCI_DEVICE,
     UPDATABLE_FIELDS,
     ApiFailure,
     accelerator_type_of,
-    accelerator_type_resource,
-    accelerator_types,
-    camel_keys,
     check_id,
     new_node_id,
     new_operation_id,
@@ -47,6 +43,9 @@ from tpufab.sim._model import (
     worker_hostname,
 )
 from tpufab.sim._slots import SlotRegistry
+from tpufab.sim.guest import GuestEnvironment, Tokens
+from tpufab.sim.legacy import LegacyNodes
+from tpufab.sim.queued import QueuedResources
 from tpufab.topology import Topology, parse_accelerator_type
 
 log = logging.getLogger("tpufab.sim")
@@ -73,6 +72,7 @@ class Workers(Protocol):
     def kill_sshd(self, node_id: str, index: int) -> None: ...
     def running(self, node_id: str) -> dict[int, bool]: ...
     def stop_all(self) -> None: ...
+    def exec_in(self, node_id: str, index: int, argv: list[str], **popen_kw: Any) -> Any: ...
 
 
 @dataclass
@@ -84,6 +84,7 @@ class SimSettings:
     operation_delay: float = 0.1      # stop / delete / update / reset before they act
     listen_timeout: float = 60.0      # bound on waiting for a node's sshd to listen
     quota_chips: int | None = None    # chips per project, zone and generation; None = no limit
+    maintenance_notice: float = 30.0  # simulateMaintenanceEvent: how long the event is announced
 
     def update(self, changes: dict[str, Any]) -> None:
         known = {f.name: f for f in fields(self)}
@@ -135,6 +136,11 @@ class Emulator:
         self._slots = SlotRegistry(self.state_dir)
         self._state = self._load()
         self.started = time.time()
+        self.tokens = Tokens(self.state_dir / "tokens.json")
+        self.metadata: Any = None  # a tpufab.sim.metadata.MetadataServer when workers are real
+        self.guest = GuestEnvironment(self)  # metadata values, startup scripts, maintenance
+        self.queued = QueuedResources(self)  # queued resources (and multislice)
+        self.legacy = LegacyNodes(self)  # API v1 nodes: control plane only, no workers
 
     # ------------------------------------------------------------------ persistence
 
@@ -163,21 +169,33 @@ class Emulator:
         tmp = self._path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self._state, indent=1, sort_keys=True))
         os.replace(tmp, self._path)
+        if self.metadata is not None:  # wakes metadata requests waiting for a change
+            self.metadata.changed()
 
     # ------------------------------------------------------------------ request entry
 
     def handle(self, method: str, path: str, query: dict[str, str],
-               body: Any) -> tuple[int, dict[str, Any]]:
-        """Answer one request: (HTTP status, JSON body)."""
+               body: Any, authorization: str | None = None) -> tuple[int, dict[str, Any]]:
+        """Answer one request: (HTTP status, JSON body).
+
+        No credentials are anonymous (as before); ``Bearer`` tokens must be ones a worker's
+        metadata server issued and that have not expired.
+        """
         try:
             path = unquote(path)
+            self._check_credentials(authorization)
             if path.startswith("/sim/v1/"):
                 return 200, self._admin(method, path[len("/sim/v1/"):], query, body or {})
-            if path.startswith(("/v2/", "/v2alpha1/", "/compute/v1/")):
+            if path.startswith(("/v2/", "/v2alpha1/", "/v1/", "/compute/v1/")):
                 self._maybe_inject_error(path)
             if path.startswith("/compute/v1/"):
-                return 200, self._compute(method, path[len("/compute/v1/"):])
-            for version in ("v2", "v2alpha1"):
+                return 200, catalog.compute(method, path[len("/compute/v1/"):])
+            if path.startswith("/v1/") and path.count("/") > 5:  # legacy TPU Nodes
+                if body is not None and not isinstance(body, dict):
+                    raise ApiFailure("INVALID_ARGUMENT", "The request body must be a JSON "
+                                     "object.")
+                return 200, self.legacy.handle(method, path[len("/v1/"):], query, body or {})
+            for version in ("v2", "v2alpha1", "v1"):  # v1: locations only (gcloud locations)
                 if path.startswith(f"/{version}/"):
                     if body is not None and not isinstance(body, dict):
                         raise ApiFailure("INVALID_ARGUMENT", "The request body must be a JSON "
@@ -192,6 +210,16 @@ class Emulator:
             log.exception("internal error on %s %s", method, path)
             failure = ApiFailure("INTERNAL", f"Internal error in the TPU emulator: {exc!r}")
             return failure.http_code, failure.body()
+
+    def _check_credentials(self, authorization: str | None) -> None:
+        if not authorization:
+            return
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() == "bearer" and self.tokens.holder(token.strip()) is not None:
+            return
+        raise ApiFailure("UNAUTHENTICATED", "Request had invalid authentication credentials. "
+                         "Expected OAuth 2 access token, login cookie or other valid "
+                         "authentication credential.")
 
     def _maybe_inject_error(self, path: str) -> None:
         with self._lock:
@@ -223,12 +251,12 @@ class Emulator:
             raise ApiFailure("NOT_FOUND", f"The requested URL /{version}/{rest} was not found.")
         project = parts[1]
         if len(parts) == 3 and method == "GET" and verb is None:
-            return self._list_locations(project, query)
+            return catalog.list_locations(project, query)
         zone = parts[3]
         parent = f"projects/{project}/locations/{zone}"
         if len(parts) == 4:
             if verb is None and method == "GET":
-                return self._location(project, zone)
+                return catalog.location(project, zone)
             if verb == "generateServiceIdentity" and method == "POST":
                 return {"identity": {"email": "service-0@cloud-tpu.iam.gserviceaccount.com"}}
         elif len(parts) == 5:
@@ -236,11 +264,11 @@ class Emulator:
             handler = {
                 ("GET", "nodes"): lambda: self._list_nodes(parent, query),
                 ("POST", "nodes"): lambda: self._create_node(version, parent, query, body),
-                ("GET", "acceleratorTypes"): lambda: self._list_accelerator_types(parent,
+                ("GET", "acceleratorTypes"): lambda: catalog.list_accelerator_types(parent,
                                                                                   query),
-                ("GET", "runtimeVersions"): lambda: self._list_runtime_versions(parent, query),
-                ("GET", "queuedResources"): lambda: self._list_qrs(parent, query),
-                ("POST", "queuedResources"): lambda: self._create_qr(version, parent, query,
+                ("GET", "runtimeVersions"): lambda: catalog.list_runtime_versions(parent, query),
+                ("GET", "queuedResources"): lambda: self.queued.list(parent, query),
+                ("POST", "queuedResources"): lambda: self.queued.create(version, parent, query,
                                                                      body),
                 ("GET", "operations"): lambda: self._list_operations(parent, query),
             }.get((method, collection))
@@ -250,19 +278,23 @@ class Emulator:
             collection = parts[4]
             name = f"{parent}/{collection}/{parts[5]}"
             handler = {
-                ("GET", "nodes", None): lambda: self._node(name)["node"],
-                ("DELETE", "nodes", None): lambda: self._delete_node(version, name),
+                ("GET", "nodes", None): lambda: self.legacy.v2_view(name) or
+                    self._node(name)["node"],
+                ("DELETE", "nodes", None): lambda: self.legacy.delete(name, version)
+                    if self.legacy.v2_view(name) else self._delete_node(version, name),
                 ("PATCH", "nodes", None): lambda: self._update_node(version, name, query, body),
                 ("POST", "nodes", "stop"): lambda: self._stop_node(version, name),
                 ("POST", "nodes", "start"): lambda: self._start_node(version, name),
                 ("POST", "nodes", "getGuestAttributes"): lambda: self._guest_attributes(name,
                                                                                          body),
-                ("GET", "acceleratorTypes", None): lambda: self._accelerator_type(name),
-                ("GET", "runtimeVersions", None): lambda: self._runtime_version(name),
-                ("GET", "queuedResources", None): lambda: self._qr(name)["qr"],
-                ("DELETE", "queuedResources", None): lambda: self._delete_qr(version, name,
+                ("POST", "nodes", "simulateMaintenanceEvent"):
+                    lambda: self.guest.simulate_maintenance(version, name, body),
+                ("GET", "acceleratorTypes", None): lambda: catalog.accelerator_type(name),
+                ("GET", "runtimeVersions", None): lambda: catalog.runtime_version(name),
+                ("GET", "queuedResources", None): lambda: self.queued.get(name)["qr"],
+                ("DELETE", "queuedResources", None): lambda: self.queued.delete(version, name,
                                                                              query),
-                ("POST", "queuedResources", "reset"): lambda: self._reset_qr(version, name),
+                ("POST", "queuedResources", "reset"): lambda: self.queued.reset(version, name),
                 ("GET", "operations", None): lambda: self._operation(name),
                 ("DELETE", "operations", None): lambda: self._delete_operation(name),
                 ("POST", "operations", "cancel"): lambda: self._cancel_operation(name),
@@ -271,48 +303,6 @@ class Emulator:
                 return handler()
         raise ApiFailure("NOT_FOUND", f"Method {method} /{version}/{rest} is not part of the "
                          "Cloud TPU API (or not emulated).")
-
-    # ------------------------------------------------------------------ catalog
-
-    def _list_locations(self, project: str, query: dict[str, str]) -> dict[str, Any]:
-        items, token = page([self._location(project, z) for z in LOCATIONS], query)
-        out: dict[str, Any] = {"locations": items}
-        if token:
-            out["nextPageToken"] = token
-        return out
-
-    @staticmethod
-    def _location(project: str, zone: str) -> dict[str, Any]:
-        return {"name": f"projects/{project}/locations/{zone}", "locationId": zone}
-
-    def _list_accelerator_types(self, parent: str, query: dict[str, str]) -> dict[str, Any]:
-        all_types = [accelerator_type_resource(parent, t) for t in accelerator_types()]
-        items, token = page(all_types, query)
-        out: dict[str, Any] = {"acceleratorTypes": items}
-        if token:
-            out["nextPageToken"] = token
-        return out
-
-    def _accelerator_type(self, name: str) -> dict[str, Any]:
-        project, zone, _, type_name = split_name(name)
-        if type_name not in accelerator_types():
-            raise not_found(name)
-        return accelerator_type_resource(f"projects/{project}/locations/{zone}", type_name)
-
-    def _list_runtime_versions(self, parent: str, query: dict[str, str]) -> dict[str, Any]:
-        versions = [{"name": f"{parent}/runtimeVersions/{v}", "version": v}
-                    for v in RUNTIME_VERSIONS]
-        items, token = page(versions, query)
-        out: dict[str, Any] = {"runtimeVersions": items}
-        if token:
-            out["nextPageToken"] = token
-        return out
-
-    def _runtime_version(self, name: str) -> dict[str, Any]:
-        version = split_name(name)[3]
-        if version not in RUNTIME_VERSIONS:
-            raise not_found(name)
-        return {"name": name, "version": version}
 
     # ------------------------------------------------------------------ operations
 
@@ -401,6 +391,7 @@ class Emulator:
         with self._lock:
             nodes = [json.loads(json.dumps(r["node"])) for n, r in self._state["nodes"].items()
                      if n.startswith(prefix)]
+        nodes += self.legacy.v2_list(prefix)  # nodes the v1 API made (apiVersion V1)
         items, token = page(nodes, query)
         out: dict[str, Any] = {"nodes": items}
         if token:
@@ -434,6 +425,17 @@ class Emulator:
                               "value": blob.split()[0] if blob else ""})
             items.append({"namespace": "", "key": "hostname",
                           "value": worker_hostname(node["id"], w)})
+            startup = (record["sim"].get("startup") or {}).get(str(w))
+            if startup is not None:  # the boot's startup-script: running, its exit code, or why not
+                if "exitCode" in startup:
+                    status = f"exit {startup['exitCode']}"
+                elif "error" in startup:
+                    status = f"error: {startup['error']}"
+                elif startup.get("ran") is False:
+                    status = "none"
+                else:
+                    status = "running"
+                items.append({"namespace": "startup-script", "key": "status", "value": status})
             items = [i for i in items
                      if f"{i['namespace']}/{i['key']}".startswith(query_path)
                      or (i["namespace"] + "/").startswith(query_path)]
@@ -576,7 +578,7 @@ class Emulator:
             if failure:
                 self._finish_operation(record["sim"].get("op"), error=(8, failure))
                 self._forget_node(name)
-                self._refresh_qr(record["node"].get("queuedResource"))
+                self.queued.refresh(record["node"].get("queuedResource"))
                 self._save()
                 return
             node_id = record["node"]["id"]
@@ -591,6 +593,7 @@ class Emulator:
                         return
                 self.workers.start_node(node_id, specs, keys,
                                         delay=self.settings.worker_start_delay)
+                self.guest.open_metadata(node_id, specs)
                 self.workers.wait_listening(node_id, timeout=self.settings.listen_timeout)
                 host_keys = self.workers.host_keys(node_id)
                 for _ in range(5):  # metadata may have changed while the workers started
@@ -623,13 +626,15 @@ class Emulator:
                     record["node"]["state"] not in BRING_UP_STATES:
                 return  # deleted or changed meanwhile; that operation owns the workers now
             record["sim"]["hostKeys"] = {str(i): k for i, k in host_keys.items()}
+            record["sim"].pop("notices", None)  # a new boot: no notice pending
             record["node"]["state"] = "READY"
             record["node"]["health"] = "HEALTHY"
             record["node"].pop("healthDescription", None)
             self._finish_operation(record["sim"].pop("op", None),
                                    response=record["node"])
-            self._refresh_qr(record["node"].get("queuedResource"))
+            self.queued.refresh(record["node"].get("queuedResource"))
             self._save()
+        self.guest.booted(name, node_id, specs)
 
     def _specs(self, node: dict[str, Any]) -> list[Any]:
         factory = self._spec_factory
@@ -640,7 +645,8 @@ class Emulator:
         topo = parse_accelerator_type(node["acceleratorType"])
         return [factory(node_id=node["id"], index=w, ip=e["ipAddress"],
                         hostname=worker_hostname(node["id"], w),
-                        device_files=tuple(topo.device_files))
+                        device_files=tuple(topo.device_files),
+                        pci_device=TPU_PCI_DEVICE.get(topo.generation, ""))
                 for w, e in enumerate(node["networkEndpoints"])]
 
     def _stop_node(self, version: str, name: str) -> dict[str, Any]:
@@ -667,6 +673,7 @@ class Emulator:
                 return
             node_id = record["node"]["id"]
         with self._node_lock(node_id):
+            self.guest.close_metadata(node_id)
             self.workers.stop_node(node_id)
         with self._lock:
             record = self._state["nodes"].get(name)
@@ -716,13 +723,14 @@ class Emulator:
                 return
             node_id = record["node"]["id"]
         with self._node_lock(node_id):
+            self.guest.close_metadata(node_id)
             self.workers.delete_node(node_id)
         with self._lock:
             record = self._forget_node(name)
             if record is None:
                 return
             self._finish_operation(record["sim"].get("op"), response_type="Empty")
-            self._refresh_qr(record["node"].get("queuedResource"))
+            self.queued.refresh(record["node"].get("queuedResource"))
             self._save()
 
     def _update_node(self, version: str, name: str, query: dict[str, str],
@@ -795,238 +803,6 @@ class Emulator:
             raise not_found(name)
         return record
 
-    # ------------------------------------------------------------------ queued resources
-
-    def _qr(self, name: str) -> dict[str, Any]:
-        with self._lock:
-            record = self._state["queuedResources"].get(name)
-            if record is None:
-                raise not_found(name)
-            return json.loads(json.dumps(record))
-
-    def _list_qrs(self, parent: str, query: dict[str, str]) -> dict[str, Any]:
-        with self._lock:
-            qrs = [json.loads(json.dumps(r["qr"]))
-                   for n, r in self._state["queuedResources"].items()
-                   if n.startswith(parent + "/queuedResources/")]
-        items, token = page(qrs, query)
-        out: dict[str, Any] = {"queuedResources": items}
-        if token:
-            out["nextPageToken"] = token
-        return out
-
-    def _create_qr(self, version: str, parent: str, query: dict[str, str],
-                   body: dict[str, Any]) -> dict[str, Any]:
-        qr_id = check_id("queued resource",
-                         query.get("queuedResourceId") or query.get("queued_resource_id"))
-        body = camel_keys(body)
-        name = f"{parent}/queuedResources/{qr_id}"
-        specs = (body.get("tpu") or {}).get("nodeSpec") or []
-        if not specs:
-            raise ApiFailure("INVALID_ARGUMENT", "tpu.nodeSpec is required: a queued resource "
-                             "needs at least one node spec.")
-        plan = []
-        for spec in specs:
-            spec_parent = spec.get("parent") or parent
-            if spec_parent != parent:
-                raise ApiFailure("INVALID_ARGUMENT", f"nodeSpec.parent {spec_parent} must be "
-                                 f"the queued resource's location {parent}.")
-            node_in = normalize_node_input(spec.get("node") or {})
-            if body.get("spot") is not None:
-                node_in.setdefault("schedulingConfig", {})["spot"] = True
-            multi = spec.get("multisliceParams") or spec.get("multiNodeParams")
-            if multi:
-                count = int(multi.get("nodeCount") or 0)
-                if count < 1:
-                    raise ApiFailure("INVALID_ARGUMENT", "multisliceParams.nodeCount must be "
-                                     "at least 1.")
-                prefix = multi.get("nodeIdPrefix") or qr_id
-                node_ids = [check_id("node", f"{prefix}-{i}") for i in range(count)]
-            else:
-                node_ids = [check_id("node", spec.get("nodeId"))]
-            for node_id in node_ids:
-                plan.append({"name": f"{parent}/nodes/{node_id}", "node": node_in,
-                             "multislice": bool(multi)})
-        names = [p["name"] for p in plan]
-        with self._lock:
-            if name in self._state["queuedResources"]:
-                raise ApiFailure("ALREADY_EXISTS", f"Resource '{name}' already exists")
-            for node_name in names:
-                if node_name in self._state["nodes"] or names.count(node_name) > 1:
-                    raise ApiFailure("ALREADY_EXISTS", f"Resource '{node_name}' already exists")
-            failure = None
-            for item in plan:  # validate every node now; the first failure wins
-                topo = self._validate_node(item["name"], item["node"])
-                failure = failure or self._take_create_failure(item["name"], topo)
-            qr = {k: v for k, v in body.items() if k not in ("name", "state", "createTime")}
-            qr.update({"name": name, "createTime": rfc3339(),
-                       "state": {"state": "WAITING_FOR_RESOURCES"}})
-            record = {"qr": qr, "sim": {"plan": plan, "failure": failure, "op": None,
-                                        "version": version}}
-            self._state["queuedResources"][name] = record
-            op = self._new_operation(version, name, "create")
-            self._finish_operation(op["name"], response=qr, response_type="QueuedResource")
-            self._save()
-            op = json.loads(json.dumps(op))
-        self._spawn(self._provision_qr, name, self.settings.create_delay)
-        return op
-
-    def _provision_qr(self, name: str, delay: float) -> None:
-        if self._stopping.wait(delay):
-            return
-        with self._lock:
-            record = self._state["queuedResources"].get(name)
-            if record is None or record["qr"]["state"]["state"] != "WAITING_FOR_RESOURCES":
-                return
-            failure = record["sim"].pop("failure", None)
-            taken = [p["name"] for p in record["sim"]["plan"] if p["name"] in self._state["nodes"]]
-            if taken and not failure:
-                failure = f"Resource '{taken[0]}' already exists"
-            if failure:
-                record["qr"]["state"] = {"state": "FAILED", "failedData": {
-                    "error": {"code": 8, "message": failure}}}
-                self._save()
-                return
-            version = record["sim"].get("version", "v2")
-            for item in record["sim"]["plan"]:
-                _, node = self._new_node(item["name"], item["node"], version)
-                node["queuedResource"] = name
-                if item["multislice"]:
-                    node["multisliceNode"] = True
-                self._state["nodes"][item["name"]] = {"node": node, "sim": self._sim_fields(
-                    node, None, None)}
-            record["qr"]["state"] = {"state": "PROVISIONING", "provisioningData": {}}
-            self._save()
-            names = [p["name"] for p in record["sim"]["plan"]]
-        for node_name in names:
-            self._spawn(self._bring_up, node_name, 0.0)
-
-    def _refresh_qr(self, name: str | None) -> None:
-        """Derive a queued resource's state from its nodes (caller holds the lock)."""
-        record = self._state["queuedResources"].get(name or "")
-        if record is None:
-            return
-        state = record["qr"]["state"]["state"]
-        if state not in ("PROVISIONING", "ACTIVE"):
-            return
-        nodes = [self._state["nodes"].get(p["name"]) for p in record["sim"]["plan"]]
-        states = [n["node"]["state"] if n else None for n in nodes]
-        if any(s == "PREEMPTED" for s in states):
-            record["qr"]["state"] = {"state": "SUSPENDED", "suspendedData": {},
-                                     "stateInitiator": "SERVICE"}
-        elif any(s is None or s == "DELETING" for s in states):
-            record["qr"]["state"] = {"state": "SUSPENDED", "suspendedData": {},
-                                     "stateInitiator": "USER"}
-        elif all(s == "READY" for s in states):
-            record["qr"]["state"] = {"state": "ACTIVE", "activeData": {}}
-
-    def _qr_nodes(self, record: dict[str, Any]) -> list[str]:
-        qr_name = record["qr"]["name"]
-        return [p["name"] for p in record["sim"]["plan"]
-                if self._state["nodes"].get(p["name"], {}).get("node", {}).get(
-                    "queuedResource") == qr_name]
-
-    def _delete_qr(self, version: str, name: str, query: dict[str, str]) -> dict[str, Any]:
-        force = str(query.get("force", "")).lower() == "true"
-        with self._lock:
-            record = self._state["queuedResources"].get(name)
-            if record is None:
-                raise not_found(name)
-            state = record["qr"]["state"]["state"]
-            if state == "DELETING":
-                raise ApiFailure("FAILED_PRECONDITION",
-                                 f"Queued resource {name} is already being deleted.")
-            nodes = self._qr_nodes(record)
-            if nodes and not force:
-                raise ApiFailure(
-                    "FAILED_PRECONDITION",
-                    f"Queued resource {name} is {state} and still has {len(nodes)} node(s); "
-                    "delete them first, or delete with force=true (gcloud: --force) to delete "
-                    "them with it.")
-            record["qr"]["state"] = {"state": "DELETING", "deletingData": {}}
-            for node_name in nodes:
-                self._state["nodes"][node_name]["node"]["state"] = "DELETING"
-            op = self._new_operation(version, name, "delete")
-            record["sim"]["op"] = op["name"]
-            self._save()
-            op = json.loads(json.dumps(op))
-        self._spawn(self._finish_qr_delete, name)
-        return op
-
-    def _drop_qr_nodes(self, name: str) -> None:
-        """Delete every node of a queued resource, workers first."""
-        with self._lock:
-            record = self._state["queuedResources"].get(name)
-            if record is None:
-                return
-            nodes = [(n, self._state["nodes"][n]["node"]["id"]) for n in self._qr_nodes(record)]
-            for node_name, _ in nodes:
-                self._state["nodes"][node_name]["node"]["state"] = "DELETING"
-        for node_name, node_id in nodes:
-            with self._node_lock(node_id):
-                self.workers.delete_node(node_id)
-            with self._lock:
-                self._forget_node(node_name)
-                self._save()
-
-    def _finish_qr_delete(self, name: str) -> None:
-        if self._stopping.wait(self.settings.operation_delay):
-            return
-        self._drop_qr_nodes(name)
-        with self._lock:
-            record = self._state["queuedResources"].pop(name, None)
-            if record is not None:
-                self._finish_operation(record["sim"].get("op"), response_type="Empty")
-            self._save()
-
-    def _reset_qr(self, version: str, name: str) -> dict[str, Any]:
-        with self._lock:
-            record = self._state["queuedResources"].get(name)
-            if record is None:
-                raise not_found(name)
-            state = record["qr"]["state"]["state"]
-            if state not in ("FAILED", "SUSPENDED", "ACTIVE", "PROVISIONING"):
-                raise ApiFailure("FAILED_PRECONDITION",
-                                 f"Queued resource {name} is {state}; it cannot be reset.")
-            record["qr"]["state"] = {"state": "SUSPENDING", "suspendingData": {}}
-            op = self._new_operation(version, name, "reset")
-            record["sim"]["op"] = op["name"]
-            self._save()
-            op = json.loads(json.dumps(op))
-        self._spawn(self._finish_qr_reset, name)
-        return op
-
-    def _finish_qr_reset(self, name: str) -> None:
-        if self._stopping.wait(self.settings.operation_delay):
-            return
-        self._drop_qr_nodes(name)
-        with self._lock:
-            record = self._state["queuedResources"].get(name)
-            if record is None:
-                return
-            record["qr"]["state"] = {"state": "WAITING_FOR_RESOURCES"}
-            self._finish_operation(record["sim"].pop("op", None), response=record["qr"],
-                                   response_type="QueuedResource")
-            self._save()
-        self._spawn(self._provision_qr, name, self.settings.create_delay)
-
-    # ------------------------------------------------------------------ compute (gcloud ssh)
-
-    def _compute(self, method: str, rest: str) -> dict[str, Any]:
-        parts = rest.split("/")
-        if method == "GET" and len(parts) == 2 and parts[0] == "projects":
-            project = parts[1]
-            return {
-                "kind": "compute#project",
-                "id": str(zlib.crc32(project.encode()) * 1000 + 7),
-                "name": project,
-                "commonInstanceMetadata": {"kind": "compute#metadata",
-                                           "fingerprint": "c2ltLXBvZA==", "items": []},
-                "defaultServiceAccount": f"{project}@developer.gserviceaccount.com",
-                "xpnProjectStatus": "UNSPECIFIED_XPN_PROJECT_STATUS",
-            }
-        raise ApiFailure("NOT_FOUND", f"The resource 'projects/{rest}' was not found")
-
     # ------------------------------------------------------------------ admin (/sim/v1/)
 
     def _admin(self, method: str, rest: str, query: dict[str, str],
@@ -1055,7 +831,8 @@ class Emulator:
             return self._arm_error_burst(body)
         if rest.startswith("projects/") and ":" in rest and method == "POST":
             name, verb = rest.rsplit(":", 1)
-            action = {"preempt": lambda: self.preempt(name),
+            action = {"preempt": lambda: self.preempt(name, float(body.get("noticeSeconds")
+                                                                    or 0)),
                       "setReachable": lambda: self._set_reachable(name, body),
                       "killSshd": lambda: self._kill_sshd(name, body)}.get(verb)
             if action:
@@ -1106,8 +883,25 @@ class Emulator:
             self._error_burst = {"code": code, "count": count, "match": body.get("match") or ""}
             return {"errorBurst": dict(self._error_burst)}
 
-    def preempt(self, name: str) -> dict[str, Any]:
-        """Preempt a node: PREEMPTED, workers stopped; it stays until deleted."""
+    def preempt(self, name: str, notice: float = 0.0) -> dict[str, Any]:
+        """Preempt a node: PREEMPTED, workers stopped; it stays until deleted.
+
+        With ``notice`` seconds, the workers' metadata says ``instance/preempted: TRUE`` at
+        once, and the preemption follows after the notice; the call returns at once with the
+        node still READY.
+        """
+        if notice > 0:
+            with self._lock:
+                record = self._require_node(name)
+                if record["node"]["state"] != "READY":
+                    raise ApiFailure("FAILED_PRECONDITION",
+                                     f"Node {name} is {record['node']['state']}; only a READY "
+                                     "node can be given a preemption notice.")
+                notices = record["sim"].setdefault("notices", {})
+                notices.update(preempted=True, preemptAt=time.time() + notice)
+                self._save()
+            self._spawn(self._preempt_after_notice, name, notice)
+            return self._node(name)["node"]
         with self._lock:
             record = self._require_node(name)
             state = record["node"]["state"]
@@ -1120,11 +914,22 @@ class Emulator:
             self._finish_operation(record["sim"].pop("op", None),
                                    error=(10, f"Node {name} was preempted."))
             node_id = record["node"]["id"]
-            self._refresh_qr(record["node"].get("queuedResource"))
+            self.queued.refresh(record["node"].get("queuedResource"))
             self._save()
         with self._node_lock(node_id):
+            self.guest.close_metadata(node_id)
             self.workers.stop_node(node_id)
         return self._node(name)["node"]
+
+    def _preempt_after_notice(self, name: str, notice: float) -> None:
+        if self._stopping.wait(notice):
+            return
+        with self._lock:
+            record = self._state["nodes"].get(name)
+            if record is None or record["node"]["state"] != "READY" or \
+                    not (record["sim"].get("notices") or {}).get("preempted"):
+                return
+        self.preempt(name)
 
     def _worker_of(self, name: str, body: dict[str, Any]) -> tuple[str, int]:
         with self._lock:
@@ -1184,11 +989,12 @@ class Emulator:
                 state = record["qr"]["state"]["state"]
                 owned.add(record["sim"].get("op"))
                 if state == "WAITING_FOR_RESOURCES":
-                    self._spawn(self._provision_qr, name, 0.0)
+                    self._spawn(self.queued.provision, name, 0.0)
                 elif state == "DELETING":
-                    self._spawn(self._finish_qr_delete, name)
+                    self._spawn(self.queued.finish_delete, name)
                 elif state == "SUSPENDING":
-                    self._spawn(self._finish_qr_reset, name)
+                    self._spawn(self.queued.finish_reset, name)
+            owned |= self.legacy.resume()
             for name, op in self._state["operations"].items():  # updates in flight
                 if op.get("done") or name in owned:
                     continue
@@ -1224,6 +1030,7 @@ class Emulator:
                 keys = record["node"].get("metadata", {}).get("ssh-keys", "")
             with self._node_lock(node_id):
                 self.workers.start_node(node_id, specs, keys, delay=0.0)
+                self.guest.open_metadata(node_id, specs)
                 self.workers.wait_listening(node_id, timeout=self.settings.listen_timeout)
                 host_keys = self.workers.host_keys(node_id)
             with self._lock:
@@ -1231,6 +1038,7 @@ class Emulator:
                 if record is not None:
                     record["sim"]["hostKeys"] = {str(i): k for i, k in host_keys.items()}
                     self._save()
+            self.guest.booted(name, node_id, specs)
         except Exception:
             log.exception("could not restart the workers of %s", name)
         finally:
@@ -1244,6 +1052,8 @@ class Emulator:
         for thread in list(self._threads):
             thread.join(max(0.0, deadline - time.monotonic()))
         try:
+            if self.metadata is not None:
+                self.metadata.shutdown()
             self.workers.stop_all()
         finally:
             with self._lock:
@@ -1314,7 +1124,8 @@ class _Handler(BaseHTTPRequestHandler):
             failure = ApiFailure("INVALID_ARGUMENT", "The request body is not valid JSON.")
             code, payload = failure.http_code, failure.body()
         else:
-            code, payload = self.server.emulator.handle(self.command, split.path, query, body)
+            code, payload = self.server.emulator.handle(self.command, split.path, query, body,
+                                                        self.headers.get("Authorization"))
         data = json.dumps(payload).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json; charset=UTF-8")

@@ -14,12 +14,14 @@ import ctypes
 import json
 import os
 import signal
+import stat
 import sys
 import time
 
 RUN_DIR = "/run/tpufab-worker"  # sshd config and host key, readable by sshd's re-exec
 STD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 HOST_DEVICES = ("null", "zero", "full", "random", "urandom", "tty", "fuse")
+OPEN_TO_ALL = ("fuse",)
 # target in the worker -> path in WORKER_DIR
 BINDS = (
     ("/home", "home"),
@@ -31,7 +33,11 @@ BINDS = (
     ("/etc/shadow", "etc/shadow"),
     ("/etc/hostname", "etc/hostname"),
     ("/etc/hosts", "etc/hosts"),
+    ("/var/log", "log"),  # the worker's own logs (startup scripts), not the host's
 )
+# Bound only where the host has them (sudo installed): the worker's sudo rules.
+OPTIONAL_BINDS = (("/etc/sudoers.d", "etc/sudoers.d"),)
+PCI_DEVICES = "/sys/bus/pci/devices"
 HANDLED = (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # Python starts with these ignored; sshd and user shells must get the defaults back.
 RESET_FOR_CHILDREN = (*HANDLED, signal.SIGPIPE, signal.SIGXFSZ)
@@ -86,6 +92,14 @@ def setup(worker_dir):
     # Open every source before mounting anything: WORKER_DIR may sit under /tmp, /root or /run,
     # which the mounts below cover.
     sources = {t: os.open(rel, os.O_PATH | os.O_CLOEXEC, dir_fd=dir_fd) for t, rel in BINDS}
+    for target, rel in OPTIONAL_BINDS:
+        if os.path.isdir(target):
+            sources[target] = os.open(rel, os.O_PATH | os.O_CLOEXEC, dir_fd=dir_fd)
+        else:
+            log(f"{target} is missing on the host (apt-get install sudo); workers have no sudo")
+    host_pci = {}
+    if config.get("pci") and os.path.isdir(PCI_DEVICES):
+        host_pci = {name: os.readlink(f"{PCI_DEVICES}/{name}") for name in os.listdir(PCI_DEVICES)}
     share = config.get("share")
     share_fd = os.open(share, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if share else None
     devices = {}
@@ -115,6 +129,8 @@ def setup(worker_dir):
         bind(share_fd, SHARE_AT)
         mount(None, SHARE_AT, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
         os.close(share_fd)
+    if config.get("pci") and os.path.isdir(PCI_DEVICES):
+        build_pci(host_pci, config["pci"])
     with open("/proc/sys/kernel/hostname", "w") as f:  # our own UTS namespace
         f.write(config["hostname"])
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -127,6 +143,12 @@ def setup(worker_dir):
 def build_dev(host_devices, placeholders, tty_gid):
     mount("tmpfs", "/dev", "tmpfs", MS_NOSUID, "mode=0755,size=4m")
     for name, fd in host_devices.items():
+        if name in OPEN_TO_ALL:
+            # A node of our own, not the host's (a container's may be 0600): as on a TPU VM,
+            # ordinary users mount FUSE filesystems (fusermount3 needs /dev/fuse read-write).
+            os.mknod(f"/dev/{name}", 0o666 | stat.S_IFCHR, os.fstat(fd).st_rdev)
+            os.chmod(f"/dev/{name}", 0o666)
+            continue
         write_file(f"/dev/{name}", b"", 0o600)
         bind(fd, f"/dev/{name}")
     os.mkdir("/dev/pts")
@@ -143,6 +165,24 @@ def build_dev(host_devices, placeholders, tty_gid):
             raise ValueError(f"device file {path!r} is not under /dev")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write_file(path, b"", 0o666)
+
+
+def build_pci(host_links, chips):
+    """The host's PCI devices plus the worker's TPU chips (vendor and device id files only).
+
+    Software that decides "am I on a TPU VM?" (JAX's cloud_tpu_init, libtpu) counts Google PCI
+    devices; the simulated chips are as real as the /dev/accel placeholders.
+    """
+    mount("tmpfs", PCI_DEVICES, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0755,size=1m")
+    for name, target in host_links.items():
+        os.symlink(target, f"{PCI_DEVICES}/{name}")
+    for i, chip in enumerate(chips):
+        path = f"{PCI_DEVICES}/0000:f{i // 32:x}:{i % 32:02x}.0"
+        os.mkdir(path)
+        # class 0x1200: processing accelerator (gloo and lspci read it for every device)
+        for field, value in (("vendor", chip["vendor"]), ("device", chip["device"]),
+                             ("class", "0x120000")):
+            write_file(f"{path}/{field}", (value + "\n").encode(), 0o444)
 
 
 class Sshd:

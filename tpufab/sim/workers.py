@@ -53,6 +53,9 @@ KEY_TYPES = frozenset({
     "ssh-ed25519", "ssh-rsa", "ssh-dss", "ecdsa-sha2-nistp256", "ecdsa-sha2-nistp384",
     "ecdsa-sha2-nistp521", "sk-ssh-ed25519@openssh.com", "sk-ecdsa-sha2-nistp256@openssh.com",
 })
+SUDOERS_GROUP = "google-sudoers"  # as the guest environment names it on real TPU VMs
+SUDOERS_RULE = f"%{SUDOERS_GROUP} ALL=(ALL:ALL) NOPASSWD:ALL\n"
+TPU_PCI_VENDOR = "0x1ae0"
 USER_NAME = re.compile(r"[a-z_][a-z0-9_.-]{0,31}")
 NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
@@ -64,6 +67,7 @@ class WorkerSpec:
     ip: str  # loopback address; sshd listens on ip:22
     hostname: str  # t1v-n-<8 hex>-w-<index>
     device_files: tuple[str, ...]  # ("/dev/accel0", ...) or ("/dev/vfio/0", ...)
+    pci_device: str = ""  # PCI device id of its TPU chips ("0x005e" for v4); "" = no chips
 
 
 # --- host requirements -------------------------------------------------------------------
@@ -75,6 +79,7 @@ class HostTools:
     nsenter: str
     setpriv: str
     sshd: str
+    sudo: str  # workers use the host's; users from metadata ssh-keys get passwordless sudo
     python: str
 
 
@@ -83,6 +88,7 @@ _TOOL_PACKAGES = (
     ("nsenter", "util-linux"),
     ("setpriv", "util-linux"),
     ("sshd", "openssh-server"),
+    ("sudo", "sudo"),
 )
 
 
@@ -176,10 +182,13 @@ def sshd_config_text(spec: WorkerSpec) -> str:
 
 
 def hosts_text(spec: WorkerSpec, node_specs: Iterable[WorkerSpec]) -> str:
-    """/etc/hosts: the worker's own name first, then its node's other workers."""
+    """/etc/hosts: the worker's own name first, then its node's other workers, then the
+    metadata server."""
     lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
              f"{spec.ip}\t{spec.hostname}"]
     lines += [f"{s.ip}\t{s.hostname}" for s in node_specs if s.index != spec.index]
+    # The worker's metadata server (169.254.169.254 on GCE) answers on its own address, port 80.
+    lines.append(f"{spec.ip}\tmetadata.google.internal metadata")
     return "\n".join(lines) + "\n"
 
 
@@ -268,6 +277,11 @@ def _listening_addresses(port: int = SSH_PORT) -> set[str]:
             if fields[3] == "0A" and int(hex_port, 16) == port:
                 found.add(socket.inet_ntoa(int(address, 16).to_bytes(4, sys.byteorder)))
     return found
+
+
+def _host_uptime() -> float:
+    with open("/proc/uptime") as f:
+        return float(f.read().split()[0])
 
 
 def _wait_for(condition: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
@@ -432,7 +446,7 @@ class WorkerPool:
                         tools: HostTools, sshd_at: float) -> None:
         wdir = self._worker_dir(node_id, spec.index)
         (wdir / "etc").mkdir(parents=True, exist_ok=True)
-        for sub, mode in (("home", 0o755), ("root", 0o700), ("mnt", 0o755)):
+        for sub, mode in (("home", 0o755), ("root", 0o700), ("mnt", 0o755), ("log", 0o755)):
             (wdir / sub).mkdir(exist_ok=True)
             os.chmod(wdir / sub, mode)
         tmp = wdir / "tmp"  # cleared at every start, like a reboot
@@ -443,6 +457,12 @@ class WorkerPool:
         for name in ("passwd", "group", "shadow"):
             if not (wdir / "etc" / name).exists():
                 shutil.copy2(f"/etc/{name}", wdir / "etc" / name)
+        (wdir / "log" / "apt").mkdir(exist_ok=True)  # apt (setup scripts) logs there
+        sudoers = wdir / "etc" / "sudoers.d"
+        sudoers.mkdir(mode=0o755, exist_ok=True)
+        rule = sudoers / "google_sudoers"
+        rule.write_text(SUDOERS_RULE)
+        os.chmod(rule, 0o440)  # sudo ignores rule files that others may write
         (wdir / "etc" / "hostname").write_text(spec.hostname + "\n")
         (wdir / "etc" / "hosts").write_text(hosts_text(spec, node_specs))
         if not (wdir / "ssh_host_ed25519_key").exists():
@@ -456,6 +476,8 @@ class WorkerPool:
             "stop_grace": self.stop_grace,
             "tty_gid": grp.getgrnam("tty").gr_gid,
             "share": str(self.share_dir),
+            "pci": [{"vendor": TPU_PCI_VENDOR, "device": spec.pci_device}
+                    for _ in spec.device_files] if spec.pci_device else [],
         })
         (wdir / "init.json").unlink(missing_ok=True)
 
@@ -507,7 +529,9 @@ class WorkerPool:
             # The owner dies -> unshare gets SIGKILL -> (--kill-child) the worker's PID 1 gets
             # SIGKILL -> the kernel kills the whole PID namespace. Nothing lingers.
             tools.setpriv, "--pdeathsig", "KILL", "--",
-            tools.unshare, "--pid", "--mount", "--uts", "--kill-child", "--",
+            # A time namespace whose boot clock starts now: the worker reports its own uptime.
+            tools.unshare, "--pid", "--mount", "--uts", "--time", "--boottime",
+            str(-int(_host_uptime())), "--kill-child", "--",
             tools.python, "-I", "-S", str(INIT_SCRIPT), str(wdir), str(ready_write),
         ]
         try:
@@ -645,12 +669,13 @@ class WorkerPool:
                 return  # never started: start_node applies the keys
             managed = set(_read_json(node_dir / "keys.json", {"users": []})["users"])
             users = sorted(set(keys) | managed)
-            uids = self._allocate_uids(sorted(keys))
+            uids = self._allocate_uids([*sorted(keys), SUDOERS_GROUP])
             for spec in specs:
                 wdir = self._worker_dir(node_id, spec.index)
                 if not (wdir / "etc" / "passwd").exists():
                     continue
                 accounts = _ensure_users(wdir / "etc", sorted(keys), uids)
+                _ensure_sudoers(wdir / "etc", sorted(set(keys) - {"root"}), uids[SUDOERS_GROUP])
                 for user in users:
                     if user in accounts:
                         _sync_authorized_keys(wdir, accounts[user], keys.get(user, []))
@@ -792,6 +817,28 @@ def _ensure_users(etc: Path, users: list[str], uids: dict[str, int]) -> dict[str
         _append(etc / "shadow", f"{user}:*:{int(time.time() // 86400)}:0:99999:7:::")
         accounts[user] = _Account(user, uid, uid, f"/home/{user}")
     return accounts
+
+
+def _ensure_sudoers(etc: Path, users: list[str], gid: int) -> None:
+    """Every metadata user is in google-sudoers (passwordless sudo), as on a real TPU VM."""
+    path = etc / "group"
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        fields = line.split(":")
+        if fields[0] == SUDOERS_GROUP and len(fields) == 4:
+            members = [m for m in fields[3].split(",") if m]
+            missing = [u for u in users if u not in members]
+            if not missing:
+                return
+            fields[3] = ",".join(members + missing)
+            lines[i] = ":".join(fields)
+            break
+    else:
+        lines.append(f"{SUDOERS_GROUP}:x:{gid}:{','.join(users)}")
+    # Rewrite in place (same inode): the file is bind-mounted into the running worker.
+    with open(path, "r+") as f:
+        f.write("".join(f"{line}\n" for line in lines))
+        f.truncate()
 
 
 def _host_home(wdir: Path, home: str) -> Path | None:

@@ -95,13 +95,52 @@ def sim_admin() -> Any:
     return SimAdmin(endpoint, **kw)
 
 
-@verb(name="preempt", group="sim", options={"name": "Node to preempt."})
-def sim_preempt(*, name: str) -> None:
-    """Preempt a node: state PREEMPTED, workers stopped."""
+def parse_seconds(text: str | float | None) -> float:
+    """'10s', '2m', '1.5', 30 -> seconds; bad input is a ConfigError with the fix."""
+    if text in (None, ""):
+        return 0.0
+    if isinstance(text, int | float):
+        value = float(text)
+    else:
+        raw = str(text).strip().lower()
+        scale = {"s": 1, "m": 60, "h": 3600}.get(raw[-1:], None)
+        try:
+            value = float(raw[:-1] if scale else raw) * (scale or 1)
+        except ValueError:
+            raise ConfigError(f"--notice takes a duration such as 30s, 2m or 10, not "
+                              f"{text!r}.") from None
+    if value < 0:
+        raise ConfigError(f"--notice cannot be negative ({text!r}).")
+    return value
+
+
+@verb(name="preempt", group="sim",
+      options={"name": "Node to preempt.",
+               "notice": "Announce it this long before (10s, 2m): meanwhile the workers' "
+                         "metadata server says instance/preempted=TRUE, as spot VMs get."})
+def sim_preempt(*, name: str, notice: str | None = None) -> None:
+    """Preempt a node: state PREEMPTED, workers stopped (with --notice, announced first)."""
+    import time
+
     from tpufab.console import stdout
     from tpufab.lifecycle import validate_name
 
-    sim_admin().preempt(validate_name(name))
+    seconds = parse_seconds(notice)
+    admin = sim_admin()
+    node = validate_name(name)
+    if seconds <= 0:
+        admin.preempt(node)
+        stdout().print(f"Preempted TPU node {name}: it is PREEMPTED and its workers are stopped.")
+        return
+    admin.preempt(node, notice=seconds)
+    stdout().print(f"Preemption notice given to {name}: its workers' metadata server says "
+                   f"instance/preempted=TRUE; preempting in {seconds:g} s.")
+    deadline = time.monotonic() + seconds + 60
+    while admin.node(node)["node"]["state"] != "PREEMPTED":
+        if time.monotonic() > deadline:
+            raise ConfigError(f"{name} was not preempted within {seconds + 60:g} s of the "
+                              "notice; see the simulated pod's daemon.log.")
+        time.sleep(0.2)
     stdout().print(f"Preempted TPU node {name}: it is PREEMPTED and its workers are stopped.")
 
 

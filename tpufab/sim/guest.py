@@ -1,0 +1,307 @@
+"""What a simulated worker sees of its VM beyond SSH: its metadata, service-account tokens,
+preemption and maintenance notices, and startup scripts.
+
+The emulator owns the node records; this module turns one record into a worker's
+``computeMetadata/v1`` tree (served by tpufab.sim.metadata), keeps the tokens it issued (the
+emulator's API accepts them as ``Authorization: Bearer``), and runs ``startup-script`` metadata
+inside each worker as root (tpufab/sim/startup_runner.py, which fetches the script from the
+metadata server as Google's guest agent does).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tpufab.sim._model import ApiFailure, rfc3339, topology_string, worker_hostname
+from tpufab.sim.catalog import project_number
+from tpufab.sim.metadata import JsonLeaf
+from tpufab.topology import parse_accelerator_type
+
+if TYPE_CHECKING:
+    from tpufab.sim.emulator import Emulator
+
+log = logging.getLogger("tpufab.sim")
+
+TOKEN_LIFETIME = 3600  # seconds, as GCE's metadata server issues them
+TOKEN_PREFIX = "ya29.sim-"
+STARTUP_RUNNER = Path(__file__).with_name("startup_runner.py")
+STARTUP_LOG = "/var/log/google-startup-scripts.log"
+MEGASCALE_PORT = 8080
+JAX_COORDINATOR_PORT = 8482
+# GCE's values of instance/maintenance-event
+NO_EVENT = "NONE"
+TERMINATE = "TERMINATE_ON_HOST_MAINTENANCE"
+# chips per host as a 3D box (x,y,z) by chips per host, as tpu-env's CHIPS_PER_HOST_BOUNDS says
+CHIPS_PER_HOST_BOUNDS = {1: (1, 1, 1), 4: (2, 2, 1), 8: (2, 4, 1)}
+
+
+def host_bounds(topo_text: str | None, chips_per_host: int, hosts: int) -> tuple[str, str]:
+    """(CHIPS_PER_HOST_BOUNDS, HOST_BOUNDS) of tpu-env, e.g. v4-32 -> ("2,2,1", "1,1,4")."""
+    per_host = CHIPS_PER_HOST_BOUNDS.get(chips_per_host, (chips_per_host, 1, 1))
+    dims = [int(d) for d in topo_text.split("x")] if topo_text else [chips_per_host, 1]
+    dims = (dims + [1, 1, 1])[:3]
+    if all(d % p == 0 for d, p in zip(dims, per_host, strict=True)):
+        bounds = [d // p for d, p in zip(dims, per_host, strict=True)]
+    else:
+        bounds = [1, 1, hosts]
+    return ",".join(map(str, per_host)), ",".join(map(str, bounds))
+
+
+def tpu_env(node: dict[str, Any], worker: int, slice_info: dict[str, Any] | None) -> str:
+    """instance/attributes/tpu-env: lines ``KEY: 'value'`` (what libtpu and JAX read)."""
+    project, zone = node["name"].split("/")[1], node["name"].split("/")[3]
+    topo = parse_accelerator_type(node["acceleratorType"])
+    topo_text = (node.get("acceleratorConfig") or {}).get("topology") or topology_string(topo)
+    per_host, bounds = host_bounds(topo_text, topo.chips_per_host, topo.hosts)
+    values = {
+        "ACCELERATOR_TYPE": topo.name,
+        "CHIPS_PER_HOST_BOUNDS": per_host,
+        "HOST_BOUNDS": bounds,
+        "NODE_ID": node["name"].rsplit("/", 1)[1],
+        "PROJECT_ID": project,
+        "RUNTIME_VERSION": node.get("runtimeVersion", ""),
+        "TOPOLOGY": topo_text or "",
+        "TPU_PROCESS_BOUNDS": bounds,
+        "WORKER_ID": str(worker),
+        "ZONE": zone,
+    }
+    if slice_info:
+        values.update({
+            "MEGASCALE_COORDINATOR_ADDRESS": f"{slice_info['coordinator']}:{MEGASCALE_PORT}",
+            "MEGASCALE_NUM_SLICES": str(slice_info["count"]),
+            "MEGASCALE_PORT": str(MEGASCALE_PORT),
+            "MEGASCALE_SLICE_ID": str(slice_info["id"]),
+        })
+    return "".join(f"{k}: '{v}'\n" for k, v in sorted(values.items()))
+
+
+class Tokens:
+    """Service-account access tokens issued by the metadata servers; kept in a 0600 file so
+    they stay valid across a daemon restart, like real tokens outlive a metadata server."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._lock = threading.Lock()
+        try:
+            self._tokens: dict[str, dict[str, Any]] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            self._tokens = {}
+
+    def issue(self, node: str, worker: int, email: str) -> dict[str, Any]:
+        token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+        now = time.time()
+        with self._lock:
+            self._tokens = {t: v for t, v in self._tokens.items() if v["expires"] > now}
+            self._tokens[token] = {"node": node, "worker": worker, "email": email,
+                                   "expires": now + TOKEN_LIFETIME}
+            self._write()
+        return {"access_token": token, "expires_in": TOKEN_LIFETIME - 1, "token_type": "Bearer"}
+
+    def holder(self, token: str) -> dict[str, Any] | None:
+        """Who the token was issued to (node, worker, email), or None if unknown or expired."""
+        with self._lock:
+            found = self._tokens.get(token)
+        if found is None or found["expires"] <= time.time():
+            return None
+        return dict(found)
+
+    def _write(self) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(self._tokens, f)
+        os.replace(tmp, self.path)
+
+
+def metadata_tree(record: dict[str, Any], worker: int, *, slice_info: dict[str, Any] | None,
+                  tokens: Tokens) -> dict[str, Any]:
+    """The ``computeMetadata/v1`` tree of one worker of a node record (emulator state)."""
+    node, sim = record["node"], record["sim"]
+    name = node["name"]
+    project, zone = name.split("/")[1], name.split("/")[3]
+    endpoints = node.get("networkEndpoints") or []
+    hostname = worker_hostname(node["id"], worker)
+    notices = sim.get("notices") or {}
+    account = node.get("serviceAccount") or {}
+    email = account.get("email") or "default"
+    if email == "default":
+        email = f"{project_number(project)}-compute@developer.gserviceaccount.com"
+    scopes = list(account.get("scope") or ["https://www.googleapis.com/auth/cloud-platform"])
+    attributes: dict[str, Any] = dict(node.get("metadata") or {})
+    attributes.update({
+        "accelerator-type": node["acceleratorType"],
+        "agent-worker-number": str(worker),
+        "tpu-env": tpu_env(node, worker, slice_info),
+        # name:id:ip triples (the older of the two formats JAX accepts)
+        "worker-network-endpoints": ",".join(
+            f"{worker_hostname(node['id'], w)}:{w}:{e['ipAddress']}"
+            for w, e in enumerate(endpoints)),
+        "instance-id": node["id"],
+        "zone": zone,
+    })
+    account_tree = {
+        "aliases": ["default"],
+        "email": email,
+        "scopes": scopes,
+        "token": lambda: JsonLeaf(json.dumps(tokens.issue(name, worker, email))),
+    }
+    return {
+        "instance": {
+            "attributes": attributes,
+            "cpu-platform": "Simulated CPU",
+            "description": node.get("description", ""),
+            "guest-attributes": {},
+            "hostname": f"{hostname}.{zone}.c.{project}.internal",
+            "id": int(node["id"]) if str(node["id"]).isdigit() else node["id"],
+            "maintenance-event": (notices.get("maintenance") or {}).get(str(worker), NO_EVENT),
+            "name": hostname,
+            "network-interfaces": [{
+                "ip": endpoints[worker]["ipAddress"] if worker < len(endpoints) else "",
+                "network": f"projects/{project_number(project)}/networks/default",
+                "access-configs": [{"external-ip": endpoints[worker]["ipAddress"]
+                                    if worker < len(endpoints) else "", "type": "ONE_TO_ONE_NAT"}],
+            }],
+            "preempted": "TRUE" if notices.get("preempted") else "FALSE",
+            "scheduling": {
+                "preemptible": "TRUE" if (node.get("schedulingConfig") or {}).get("preemptible")
+                or (node.get("schedulingConfig") or {}).get("spot") else "FALSE",
+                "on-host-maintenance": "TERMINATE",
+            },
+            "service-accounts": {"default": account_tree, email: dict(account_tree)},
+            "tags": list(node.get("tags") or []),
+            "zone": f"projects/{project_number(project)}/zones/{zone}",
+        },
+        "project": {
+            "attributes": {},
+            "numeric-project-id": int(project_number(project)),
+            "project-id": project,
+        },
+    }
+
+
+class GuestEnvironment:
+    """The emulator's handler for what runs inside a node's VMs: metadata servers, startup
+    scripts, maintenance events. It reads and changes the emulator's node records under the
+    emulator's lock; the emulator calls it when workers boot and stop."""
+
+    def __init__(self, emu: Emulator):
+        self.emu = emu
+
+    def metadata_tree(self, node_id: str, worker: int) -> dict[str, Any] | None:
+        """A worker's computeMetadata/v1 tree (tpufab.sim.metadata asks for it per request)."""
+        with self.emu._lock:
+            found = [(n, r) for n, r in self.emu._state["nodes"].items() if r["node"]["id"] == node_id]
+            if not found:
+                return None
+            name, record = found[0]
+            record = json.loads(json.dumps(record))
+            slice_info = self._slice_info(name, record)
+        return metadata_tree(record, worker, slice_info=slice_info, tokens=self.emu.tokens)
+
+    def _slice_info(self, name: str, record: dict[str, Any]) -> dict[str, Any] | None:
+        """Multislice facts for tpu-env (caller holds the lock), None for a single slice."""
+        qr = self.emu._state["queuedResources"].get(record["node"].get("queuedResource") or "")
+        if qr is None or not record["node"].get("multisliceNode"):
+            return None
+        names = [p["name"] for p in qr["sim"]["plan"]]
+        first = self.emu._state["nodes"].get(names[0])
+        if name not in names or first is None:
+            return None
+        return {"id": names.index(name), "count": len(names),
+                "coordinator": first["node"]["networkEndpoints"][0]["ipAddress"]}
+
+    def open_metadata(self, node_id: str, specs: list[Any]) -> None:
+        if self.emu.metadata is not None:
+            self.emu.metadata.open(node_id, [(s.index, s.ip) for s in specs])
+
+    def close_metadata(self, node_id: str) -> None:
+        if self.emu.metadata is not None:
+            self.emu.metadata.close(node_id)
+
+    def booted(self, name: str, node_id: str, specs: list[Any]) -> None:
+        """After every boot (create, start, daemon restart): run startup-script metadata."""
+        if self.emu.metadata is None:
+            return  # paper workers (no root): nothing to run on
+        with self.emu._lock:
+            record = self.emu._state["nodes"].get(name)
+            if record is None or "startup-script" not in (record["node"].get("metadata") or {}):
+                return
+            record["sim"]["startup"] = {str(s.index): {} for s in specs}
+            self.emu._save()
+        for spec in specs:
+            self.emu._spawn(self._run_startup_script, name, node_id, spec.index)
+
+    def _run_startup_script(self, name: str, node_id: str, worker: int) -> None:
+        started = time.time()
+        try:
+            proc = self.emu.workers.exec_in(node_id, worker, ["/usr/bin/python3", "-I", "-S", "-"],
+                                        input=STARTUP_RUNNER.read_text(), timeout=3600)
+            outcome = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() \
+                else {"error": proc.stderr.strip()[-500:] or f"runner exited {proc.returncode}"}
+        except Exception as exc:  # noqa: BLE001 - recorded where a user looks
+            outcome = {"error": str(exc)}
+        outcome["startedAt"] = rfc3339(started)
+        outcome["endedAt"] = rfc3339()
+        with self.emu._lock:
+            record = self.emu._state["nodes"].get(name)
+            if record is None or record["node"]["id"] != node_id:
+                return
+            record["sim"].setdefault("startup", {})[str(worker)] = outcome
+            self.emu._save()
+
+    def simulate_maintenance(self, version: str, name: str,
+                              body: dict[str, Any]) -> dict[str, Any]:
+        """nodes:simulateMaintenanceEvent: the workers' metadata announces host maintenance
+        (``instance/maintenance-event: TERMINATE_ON_HOST_MAINTENANCE``) for
+        ``maintenance_notice`` seconds, then the event is over and it says NONE again."""
+        with self.emu._lock:
+            record = self.emu._require_node(name)
+            if record["node"]["state"] != "READY":
+                raise ApiFailure("FAILED_PRECONDITION", f"Node {name} is "
+                                 f"{record['node']['state']}; only a READY node can have a "
+                                 "maintenance event.")
+            hosts = len(record["node"]["networkEndpoints"])
+            wanted = [w for w in (body.get("workerIds") or body.get("worker_ids") or [])
+                      if str(w) != ""]
+            try:
+                workers = sorted({int(w) for w in wanted}) if wanted else list(range(hosts))
+            except ValueError:
+                raise ApiFailure("INVALID_ARGUMENT", f"Invalid worker ids {wanted}.") from None
+            if any(not 0 <= w < hosts for w in workers):
+                raise ApiFailure("INVALID_ARGUMENT", f"Worker ids {workers} are out of range; "
+                                 f"node {name} has workers 0..{hosts - 1}.")
+            notices = record["sim"].setdefault("notices", {})
+            events = notices.setdefault("maintenance", {})
+            for w in workers:
+                events[str(w)] = TERMINATE
+            record["node"]["health"] = "UNHEALTHY_MAINTENANCE"
+            op = self.emu._new_operation(version, name, "simulateMaintenanceEvent")
+            self.emu._finish_operation(op["name"], response=record["node"])
+            self.emu._save()
+            op = json.loads(json.dumps(self.emu._state["operations"][op["name"]]))
+        self.emu._spawn(self._end_maintenance, name, workers)
+        return op
+
+    def _end_maintenance(self, name: str, workers: list[int]) -> None:
+        if self.emu._stopping.wait(self.emu.settings.maintenance_notice):
+            return
+        with self.emu._lock:
+            record = self.emu._state["nodes"].get(name)
+            if record is None or record["node"]["state"] != "READY":
+                return
+            notices = record["sim"].get("notices") or {}
+            if notices.get("preempted"):
+                return  # a preemption notice took over
+            events = notices.get("maintenance") or {}
+            for w in workers:
+                events[str(w)] = NO_EVENT
+            if all(v == NO_EVENT for v in events.values()):
+                record["node"]["health"] = "HEALTHY"
+            self.emu._save()

@@ -1,0 +1,241 @@
+"""The emulator's queued resources: create (one node or a multislice of them), provision after
+`create_delay`, follow their nodes' states (ACTIVE, SUSPENDED, FAILED), delete (with `force`),
+reset. A handler of the emulator: it works on the emulator's state under its lock, and makes
+nodes through it."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from tpufab.sim._model import (
+    ApiFailure,
+    camel_keys,
+    check_id,
+    normalize_node_input,
+    not_found,
+    page,
+    rfc3339,
+)
+
+if TYPE_CHECKING:
+    from tpufab.sim.emulator import Emulator
+
+
+class QueuedResources:
+    def __init__(self, emu: Emulator):
+        self.emu = emu
+
+    def get(self, name: str) -> dict[str, Any]:
+        with self.emu._lock:
+            record = self.emu._state["queuedResources"].get(name)
+            if record is None:
+                raise not_found(name)
+            return json.loads(json.dumps(record))
+
+    def list(self, parent: str, query: dict[str, str]) -> dict[str, Any]:
+        with self.emu._lock:
+            qrs = [json.loads(json.dumps(r["qr"]))
+                   for n, r in self.emu._state["queuedResources"].items()
+                   if n.startswith(parent + "/queuedResources/")]
+        items, token = page(qrs, query)
+        out: dict[str, Any] = {"queuedResources": items}
+        if token:
+            out["nextPageToken"] = token
+        return out
+
+    def create(self, version: str, parent: str, query: dict[str, str],
+                   body: dict[str, Any]) -> dict[str, Any]:
+        qr_id = check_id("queued resource",
+                         query.get("queuedResourceId") or query.get("queued_resource_id"))
+        body = camel_keys(body)
+        name = f"{parent}/queuedResources/{qr_id}"
+        specs = (body.get("tpu") or {}).get("nodeSpec") or []
+        if not specs:
+            raise ApiFailure("INVALID_ARGUMENT", "tpu.nodeSpec is required: a queued resource "
+                             "needs at least one node spec.")
+        plan = []
+        for spec in specs:
+            spec_parent = spec.get("parent") or parent
+            if spec_parent != parent:
+                raise ApiFailure("INVALID_ARGUMENT", f"nodeSpec.parent {spec_parent} must be "
+                                 f"the queued resource's location {parent}.")
+            node_in = normalize_node_input(spec.get("node") or {})
+            if body.get("spot") is not None:
+                node_in.setdefault("schedulingConfig", {})["spot"] = True
+            multi = spec.get("multisliceParams") or spec.get("multiNodeParams")
+            if multi:
+                count = int(multi.get("nodeCount") or 0)
+                if count < 1:
+                    raise ApiFailure("INVALID_ARGUMENT", "multisliceParams.nodeCount must be "
+                                     "at least 1.")
+                prefix = multi.get("nodeIdPrefix") or qr_id
+                node_ids = [check_id("node", f"{prefix}-{i}") for i in range(count)]
+            else:
+                node_ids = [check_id("node", spec.get("nodeId"))]
+            for node_id in node_ids:
+                plan.append({"name": f"{parent}/nodes/{node_id}", "node": node_in,
+                             "multislice": bool(multi)})
+        names = [p["name"] for p in plan]
+        with self.emu._lock:
+            if name in self.emu._state["queuedResources"]:
+                raise ApiFailure("ALREADY_EXISTS", f"Resource '{name}' already exists")
+            for node_name in names:
+                if node_name in self.emu._state["nodes"] or names.count(node_name) > 1:
+                    raise ApiFailure("ALREADY_EXISTS", f"Resource '{node_name}' already exists")
+            failure = None
+            for item in plan:  # validate every node now; the first failure wins
+                topo = self.emu._validate_node(item["name"], item["node"])
+                failure = failure or self.emu._take_create_failure(item["name"], topo)
+            qr = {k: v for k, v in body.items() if k not in ("name", "state", "createTime")}
+            qr.update({"name": name, "createTime": rfc3339(),
+                       "state": {"state": "WAITING_FOR_RESOURCES"}})
+            record = {"qr": qr, "sim": {"plan": plan, "failure": failure, "op": None,
+                                        "version": version}}
+            self.emu._state["queuedResources"][name] = record
+            op = self.emu._new_operation(version, name, "create")
+            self.emu._finish_operation(op["name"], response=qr, response_type="QueuedResource")
+            self.emu._save()
+            op = json.loads(json.dumps(op))
+        self.emu._spawn(self.provision, name, self.emu.settings.create_delay)
+        return op
+
+    def provision(self, name: str, delay: float) -> None:
+        if self.emu._stopping.wait(delay):
+            return
+        with self.emu._lock:
+            record = self.emu._state["queuedResources"].get(name)
+            if record is None or record["qr"]["state"]["state"] != "WAITING_FOR_RESOURCES":
+                return
+            failure = record["sim"].pop("failure", None)
+            taken = [p["name"] for p in record["sim"]["plan"] if p["name"] in self.emu._state["nodes"]]
+            if taken and not failure:
+                failure = f"Resource '{taken[0]}' already exists"
+            if failure:
+                record["qr"]["state"] = {"state": "FAILED", "failedData": {
+                    "error": {"code": 8, "message": failure}}}
+                self.emu._save()
+                return
+            version = record["sim"].get("version", "v2")
+            for item in record["sim"]["plan"]:
+                _, node = self.emu._new_node(item["name"], item["node"], version)
+                node["queuedResource"] = name
+                if item["multislice"]:
+                    node["multisliceNode"] = True
+                self.emu._state["nodes"][item["name"]] = {"node": node, "sim": self.emu._sim_fields(
+                    node, None, None)}
+            record["qr"]["state"] = {"state": "PROVISIONING", "provisioningData": {}}
+            self.emu._save()
+            names = [p["name"] for p in record["sim"]["plan"]]
+        for node_name in names:
+            self.emu._spawn(self.emu._bring_up, node_name, 0.0)
+
+    def refresh(self, name: str | None) -> None:
+        """Derive a queued resource's state from its nodes (caller holds the lock)."""
+        record = self.emu._state["queuedResources"].get(name or "")
+        if record is None:
+            return
+        state = record["qr"]["state"]["state"]
+        if state not in ("PROVISIONING", "ACTIVE"):
+            return
+        nodes = [self.emu._state["nodes"].get(p["name"]) for p in record["sim"]["plan"]]
+        states = [n["node"]["state"] if n else None for n in nodes]
+        if any(s == "PREEMPTED" for s in states):
+            record["qr"]["state"] = {"state": "SUSPENDED", "suspendedData": {},
+                                     "stateInitiator": "SERVICE"}
+        elif any(s is None or s == "DELETING" for s in states):
+            record["qr"]["state"] = {"state": "SUSPENDED", "suspendedData": {},
+                                     "stateInitiator": "USER"}
+        elif all(s == "READY" for s in states):
+            record["qr"]["state"] = {"state": "ACTIVE", "activeData": {}}
+
+    def node_names(self, record: dict[str, Any]) -> list[str]:
+        qr_name = record["qr"]["name"]
+        return [p["name"] for p in record["sim"]["plan"]
+                if self.emu._state["nodes"].get(p["name"], {}).get("node", {}).get(
+                    "queuedResource") == qr_name]
+
+    def delete(self, version: str, name: str, query: dict[str, str]) -> dict[str, Any]:
+        force = str(query.get("force", "")).lower() == "true"
+        with self.emu._lock:
+            record = self.emu._state["queuedResources"].get(name)
+            if record is None:
+                raise not_found(name)
+            state = record["qr"]["state"]["state"]
+            if state == "DELETING":
+                raise ApiFailure("FAILED_PRECONDITION",
+                                 f"Queued resource {name} is already being deleted.")
+            nodes = self.node_names(record)
+            if nodes and not force:
+                raise ApiFailure(
+                    "FAILED_PRECONDITION",
+                    f"Queued resource {name} is {state} and still has {len(nodes)} node(s); "
+                    "delete them first, or delete with force=true (gcloud: --force) to delete "
+                    "them with it.")
+            record["qr"]["state"] = {"state": "DELETING", "deletingData": {}}
+            for node_name in nodes:
+                self.emu._state["nodes"][node_name]["node"]["state"] = "DELETING"
+            op = self.emu._new_operation(version, name, "delete")
+            record["sim"]["op"] = op["name"]
+            self.emu._save()
+            op = json.loads(json.dumps(op))
+        self.emu._spawn(self.finish_delete, name)
+        return op
+
+    def _drop_nodes(self, name: str) -> None:
+        """Delete every node of a queued resource, workers first."""
+        with self.emu._lock:
+            record = self.emu._state["queuedResources"].get(name)
+            if record is None:
+                return
+            nodes = [(n, self.emu._state["nodes"][n]["node"]["id"]) for n in self.node_names(record)]
+            for node_name, _ in nodes:
+                self.emu._state["nodes"][node_name]["node"]["state"] = "DELETING"
+        for node_name, node_id in nodes:
+            with self.emu._node_lock(node_id):
+                self.emu.guest.close_metadata(node_id)
+                self.emu.workers.delete_node(node_id)
+            with self.emu._lock:
+                self.emu._forget_node(node_name)
+                self.emu._save()
+
+    def finish_delete(self, name: str) -> None:
+        if self.emu._stopping.wait(self.emu.settings.operation_delay):
+            return
+        self._drop_nodes(name)
+        with self.emu._lock:
+            record = self.emu._state["queuedResources"].pop(name, None)
+            if record is not None:
+                self.emu._finish_operation(record["sim"].get("op"), response_type="Empty")
+            self.emu._save()
+
+    def reset(self, version: str, name: str) -> dict[str, Any]:
+        with self.emu._lock:
+            record = self.emu._state["queuedResources"].get(name)
+            if record is None:
+                raise not_found(name)
+            state = record["qr"]["state"]["state"]
+            if state not in ("FAILED", "SUSPENDED", "ACTIVE", "PROVISIONING"):
+                raise ApiFailure("FAILED_PRECONDITION",
+                                 f"Queued resource {name} is {state}; it cannot be reset.")
+            record["qr"]["state"] = {"state": "SUSPENDING", "suspendingData": {}}
+            op = self.emu._new_operation(version, name, "reset")
+            record["sim"]["op"] = op["name"]
+            self.emu._save()
+            op = json.loads(json.dumps(op))
+        self.emu._spawn(self.finish_reset, name)
+        return op
+
+    def finish_reset(self, name: str) -> None:
+        if self.emu._stopping.wait(self.emu.settings.operation_delay):
+            return
+        self._drop_nodes(name)
+        with self.emu._lock:
+            record = self.emu._state["queuedResources"].get(name)
+            if record is None:
+                return
+            record["qr"]["state"] = {"state": "WAITING_FOR_RESOURCES"}
+            self.emu._finish_operation(record["sim"].pop("op", None), response=record["qr"],
+                                   response_type="QueuedResource")
+            self.emu._save()
+        self.emu._spawn(self.provision, name, self.emu.settings.create_delay)
