@@ -22,7 +22,9 @@ BIN = Path(sys.executable).parent
 
 @pytest.fixture
 def project(sim, tmp_path):
-    """An empty git repository of the user's, and the environment pointing at the pod."""
+    """An empty git repository of the user's, and the environment pointing at the pod. The
+    login is tpufab's default (here, as root: the ordinary user `tpufab`, with sudo), which
+    also names the node: tpufab-v4-32."""
     repo = tmp_path / "climate"
     repo.mkdir()
     for args in (["init", "-q", "-b", "main"], ["config", "user.email", "u@example.com"],
@@ -32,11 +34,11 @@ def project(sim, tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     env.update(sim.env(), HOME=str(home), TPUFAB_USER_CONFIG=str(tmp_path / "none.yaml"),
-               TPUFAB_SSH_USER="root", TPUFAB_STATE_DIR=str(tmp_path / "state"),
+               TPUFAB_STATE_DIR=str(tmp_path / "state"),
                COLUMNS="200", PATH=f"{BIN}:{env.get('PATH', '')}")
     build_shared_site([Path(sim.state_dir) / "share"])
     yield repo, env
-    subprocess.run([str(BIN / "tpufab"), "delete", "--name", "root-v4-32", "--yes"], env=env,
+    subprocess.run([str(BIN / "tpufab"), "delete", "--name", "tpufab-v4-32", "--yes"], env=env,
                    cwd=tmp_path, capture_output=True, timeout=120)
 
 
@@ -66,10 +68,10 @@ def test_the_headline_sequence_in_a_fresh_project(project):
         assert verb in listed, verb
 
     created = sh(["invoke", "create", "--type", "v4-32"], repo, env)
-    assert "No node name given: calling it root-v4-32" in created.stderr
-    assert "root-v4-32 is this project's current pod" in created.stderr
+    assert "No node name given: calling it tpufab-v4-32" in created.stderr
+    assert "tpufab-v4-32 is this project's current pod" in created.stderr
     current = json.loads((repo / ".tpufab" / "current-pod.json").read_text())
-    assert current["name"] == "root-v4-32" and current["set_by"] == "create"
+    assert current["name"] == "tpufab-v4-32" and current["set_by"] == "create"
 
     setup = sh(["invoke", "setup"], repo, env)
     assert "Setup setup.sh: w[0-3] ran" in setup.stdout
@@ -103,13 +105,13 @@ def test_the_headline_sequence_in_a_fresh_project(project):
     killed = sh(["invoke", "kill"], repo, env)
     assert "TPU free on w[0-3]: yes" in killed.stdout
     status = sh(["tpufab", "status"], repo, env)
-    assert "Pod root-v4-32 (this project's current pod, set by `tpufab create`" in status.stderr
+    assert "Pod tpufab-v4-32 (this project's current pod, set by `tpufab create`" in status.stderr
     assert "w[0-3]" in status.stdout and "4 free" in status.stdout
 
     deleted = sh(["invoke", "delete", "--yes"], repo, env)
-    assert "Deleted TPU node root-v4-32" in deleted.stdout + deleted.stderr
+    assert "Deleted TPU node tpufab-v4-32" in deleted.stdout + deleted.stderr
     assert not (repo / ".tpufab" / "current-pod.json").exists()
-    assert "root-v4-32" not in sh(["tpufab", "list"], repo, env).stdout
+    assert "tpufab-v4-32" not in sh(["tpufab", "list"], repo, env).stdout
     gone = sh(["tpufab", "status"], repo, env, ok=False)
     assert gone.returncode != 0 and "no current pod" in gone.stderr
 
