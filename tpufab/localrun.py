@@ -127,8 +127,9 @@ def run_local(recipe: str | Path, workers: int = 1, args: Sequence[str] = (),
     port = coordinator_port or free_port()
     base = dict(os.environ if env is None else env)
     base.pop("TPUFAB_TASK", None)
-    if "TPUFAB_PYTHON" not in base and "VIRTUAL_ENV" not in base:
-        base["TPUFAB_PYTHON"] = sys.executable     # the Python running tpufab, unless told
+    if "TPUFAB_PYTHON" not in base:    # the job's Python, as on a worker: the active venv's,
+        venv = base.get("VIRTUAL_ENV")  # else the one running tpufab
+        base["TPUFAB_PYTHON"] = os.path.join(venv, "bin", "python") if venv else sys.executable
     base.setdefault("PYTHONUNBUFFERED", "1")
     envs = local_environments(run_id, workers, port, master_port=free_port(),
                               forwarded=forwarded, spmd=spmd)

@@ -14,16 +14,11 @@
 # process and gloo collectives between processes.
 set -euo pipefail
 
-PY=""
-for candidate in "${TPUFAB_PYTHON:-}" "${VIRTUAL_ENV:+$VIRTUAL_ENV/bin/python}" \
-                 "$HOME/.venv/bin/python" python3; do
-    if [ -n "$candidate" ] && command -v "$candidate" >/dev/null 2>&1; then
-        PY=$candidate
-        break
-    fi
-done
-if [ -z "$PY" ]; then
-    echo 'TPUFAB_CHECK {"stage": "python", "error": "no python found (looked for $TPUFAB_PYTHON, ~/.venv/bin/python, python3)"}'
+# The job's Python: tpufab's launcher names it in TPUFAB_PYTHON (the venv setup made, else
+# python3).
+PY=${TPUFAB_PYTHON:-python3}
+if ! command -v "$PY" >/dev/null 2>&1; then
+    echo "TPUFAB_CHECK {\"stage\": \"python\", \"error\": \"no python at $PY\"}"
     exit 2
 fi
 

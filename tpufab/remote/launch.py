@@ -239,7 +239,7 @@ def read_environment(args):
 
 
 def job_python(env):
-    """The Python a .py recipe runs with, in the order the shipped recipes look:
+    """The job's Python, handed to the recipe as $TPUFAB_PYTHON (and running a .py recipe):
     $TPUFAB_PYTHON, $VIRTUAL_ENV/bin/python, ~/.venv/bin/python (what setup makes), python3."""
     for candidate in (env.get("TPUFAB_PYTHON"),
                       env.get("VIRTUAL_ENV") and os.path.join(env["VIRTUAL_ENV"], "bin", "python"),
@@ -321,6 +321,7 @@ def start(args):
     job_env["TPUFAB_RUN_DIR"] = rundir
     job_env["TPUFAB_PREEMPT_NOTICE"] = os.path.join(rundir, "notice")
     job_env.setdefault("PYTHONUNBUFFERED", "1")   # log lines as they happen, not per 8 KiB
+    job_env["TPUFAB_PYTHON"] = job_python(job_env)  # one lookup: every recipe runs $TPUFAB_PYTHON
     for key, value in output_dirs(args.run, rundir, args.mounts_dir).items():
         if key not in env:                        # `--env TPUFAB_OUTPUT_DIR=...` wins
             job_env[key] = value

@@ -7,18 +7,9 @@
 # same lines, so `tpufab logs` folds them into one copy.
 set -euo pipefail
 
-PY=""
-for candidate in "${TPUFAB_PYTHON:-}" "${VIRTUAL_ENV:+$VIRTUAL_ENV/bin/python}" \
-                 "$HOME/.venv/bin/python" python3; do
-    if [ -n "$candidate" ] && command -v "$candidate" >/dev/null 2>&1; then
-        PY=$candidate
-        break
-    fi
-done
-if [ -z "$PY" ]; then
-    echo "jax_hello: no python found (looked for \$TPUFAB_PYTHON, ~/.venv/bin/python, python3)" >&2
-    exit 2
-fi
+# The job's Python: `tpufab run` (and `run --local`) name it in TPUFAB_PYTHON (the venv
+# `tpufab setup` made, else python3).
+PY=${TPUFAB_PYTHON:-python3}
 
 exec "$PY" - "$@" <<'PYTHON'
 import glob

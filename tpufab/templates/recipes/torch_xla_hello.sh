@@ -13,18 +13,9 @@
 # lines, so `tpufab logs` shows them once.
 set -euo pipefail
 
-PY=""
-for candidate in "${TPUFAB_PYTHON:-}" "${VIRTUAL_ENV:+$VIRTUAL_ENV/bin/python}" \
-                 "$HOME/.venv/bin/python" python3; do
-    if [ -n "$candidate" ] && command -v "$candidate" >/dev/null 2>&1; then
-        PY=$candidate
-        break
-    fi
-done
-if [ -z "$PY" ]; then
-    echo "torch_xla_hello: no python found (looked for \$TPUFAB_PYTHON, ~/.venv/bin/python, python3)" >&2
-    exit 2
-fi
+# The job's Python: `tpufab run` (and `run --local`) name it in TPUFAB_PYTHON (the venv
+# `tpufab setup` made, else python3).
+PY=${TPUFAB_PYTHON:-python3}
 
 # xmp.spawn starts fresh interpreters that import the main module: it must be a file.
 work=${TPUFAB_RUN_DIR:-}
