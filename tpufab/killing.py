@@ -128,12 +128,14 @@ def parse_report(result) -> WorkerReport:
 
 def kill(group, workers: Sequence[int], *, run: str | None = None, grace: float = 5.0,
          dry_run: bool = False, force: bool = False,
-         device_globs: Sequence[str] = DEVICE_GLOBS) -> KillResult:
+         device_globs: Sequence[str] = DEVICE_GLOBS, timeout: float | None = None) -> KillResult:
     """Run tpukill on every worker at once (one shared grace period per worker)."""
     line = kill_command(run=run, grace=grace, dry_run=dry_run, force=force,
                         device_globs=device_globs)
     files = [RemoteFile.bundled(TPUKILL)]
-    results = run_with_files(group, files, line, workers, timeout=grace + 2 * SETTLE + 30)
+    if timeout is None:
+        timeout = grace + 2 * SETTLE + 30
+    results = run_with_files(group, files, line, workers, timeout=timeout)
     return KillResult({w: parse_report(r) for w, r in sorted(results.items())}, dry_run, grace)
 
 
