@@ -298,8 +298,9 @@ def run_rows(statuses: Mapping[int, WorkerRuns]) -> list[RunRow]:
         started = [e.get("started_at") for e in by_worker.values() if e.get("started_at")]
         ended = [e.get("ended_at") for e in by_worker.values() if e.get("ended_at")]
         rows.append(RunRow(run, first.get("recipe"), min(started) if started else None,
-                           max(ended) if ended and all(s.ended for s in states
-                                                       if s.state != "no record") else None,
+                           max(ended) if ended and all(
+                               s.ended for s in states
+                               if s.state not in ("no record", "unreachable")) else None,
                            first.get("commit"), tuple(states)))
     return sorted(rows, key=lambda r: r.run, reverse=True)
 
