@@ -55,7 +55,7 @@ def _owner() -> str:
 @contextmanager
 def hold(group, workers: Sequence[int], *, purpose: str) -> Iterator[Lease]:
     """The pod's code lease on ``workers`` for the block, or CodeBusy naming who has it."""
-    from tpufab.deploy import SCRIPT, DeployError, failure_sentence, parse_outcome, run_script
+    from tpufab.deploy import SCRIPT, parse_outcome, run_script
     from tpufab.jobs import last_json
 
     workers = sorted(workers)
@@ -69,7 +69,7 @@ def hold(group, workers: Sequence[int], *, purpose: str) -> Iterator[Lease]:
         for w in batch:
             rows[w] = parse_outcome(w, outcomes[w])
             homes[w] = (last_json(outcomes[w].stdout or "") or {}).get("home") or "~"
-        if not all(r.ok for r in rows.values()):
+        if any(r.error == "busy" for r in rows.values()):
             break
     held = [w for w, r in rows.items() if r.ok]
     try:
@@ -79,9 +79,8 @@ def hold(group, workers: Sequence[int], *, purpose: str) -> Iterator[Lease]:
             raise CodeBusy(f"Another tpufab is changing the code on "
                            f"{nodeset.fold(r.worker for r in busy)} ({'; '.join(holders)}); "
                            f"wait for it to finish, then {purpose.split()[0]} again.")
-        failed = [r for r in rows.values() if not r.ok]
-        if failed:
-            raise DeployError(failure_sentence(failed, source="-", dir="-", commit=""))
+        # A worker that could not be asked (unreachable) holds no lease and is reported by
+        # the step that needs it, as before; the others go on.
         yield Lease(token, homes)
     finally:
         if held:
