@@ -335,7 +335,7 @@ def test_kill_and_status_say_the_same_about_a_protected_holder(pod_env, tmp_path
         assert "held by protected tpu-runtime" in rows["w1"], seen.stdout
         others = [row for label, row in rows.items() if label != "w1"]
         assert others and all("busy" not in row and "held" not in row for row in others)
-        holder = next(line for line in seen.stdout.splitlines() if "tpu-runtime: w1" in line)
+        holder = next(line for line in seen.stdout.splitlines() if ": w1 (w1 pid" in line)
         assert holder.strip().endswith(advice), holder
     forced = call(env, "kill", cwd=tmp_path, grace=0.5, force=True)
     assert forced.returncode == 0, forced.stdout + forced.stderr
