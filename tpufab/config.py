@@ -118,7 +118,8 @@ OTHER_ENV = frozenset({
     "USER_CONFIG", "DEBUG", "GIT_TOKEN", "GIT_USERNAME", "PYTHON", "PIP_PYTHON", "VENV",
     "FRAMEWORK", "JAX_VERSION", "TORCH_VERSION", "INIT_TIMEOUT", "TASK", "BABYSIT_RUN",
     "RUN_ID", "RUN_DIR", "WORKER_ID", "NUM_WORKERS", "WORKER_IPS", "COORDINATOR",
-    "RESTART_COUNT", "SLICE_ID", "NUM_SLICES", "TEST_SIM_CACHE", "PREBUILT_SITE"})
+    "RESTART_COUNT", "SLICE_ID", "NUM_SLICES", "TEST_SIM_CACHE", "PREBUILT_SITE",
+    "PROFILER_PORT"})
 OTHER_ENV_PREFIXES = ("SIM_",)
 _WARNED: set[str] = set()
 ALIASES = {"accelerator_type": "type", "version": "runtime_version", "runtime": "runtime_version",
