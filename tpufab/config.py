@@ -112,14 +112,12 @@ def _local_user() -> str:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
-# TPUFAB_* variables that are not settings: tpufab's own switches, the simulated pod's, the
-# setup scripts', and the job contract every recipe sees (a recipe may call tpufab itself).
+# TPUFAB_* variables that are not settings: tpufab's own switches, the simulated pod's and the
+# setup scripts'; the job contract every recipe sees is runs.RESERVED (a recipe may call tpufab).
 OTHER_ENV = frozenset({
     "USER_CONFIG", "DEBUG", "GIT_TOKEN", "GIT_USERNAME", "PYTHON", "PIP_PYTHON", "VENV",
-    "FRAMEWORK", "JAX_VERSION", "TORCH_VERSION", "INIT_TIMEOUT", "TASK", "BABYSIT_RUN",
-    "RUN_ID", "RUN_DIR", "WORKER_ID", "NUM_WORKERS", "WORKER_IPS", "COORDINATOR",
-    "RESTART_COUNT", "SLICE_ID", "NUM_SLICES", "TEST_SIM_CACHE", "PREBUILT_SITE",
-    "PROFILER_PORT"})
+    "FRAMEWORK", "JAX_VERSION", "TORCH_VERSION", "INIT_TIMEOUT", "BABYSIT_RUN",
+    "RESTART_COUNT", "TEST_SIM_CACHE", "PREBUILT_SITE"})
 OTHER_ENV_PREFIXES = ("SIM_",)
 _WARNED: set[str] = set()
 ALIASES = {"accelerator_type": "type", "version": "runtime_version", "runtime": "runtime_version",
@@ -270,8 +268,10 @@ def layers(overrides: Mapping[str, Any] | None = None, *, cwd: Path | None = Non
 def _unknown_env(key: str) -> None:
     """A TPUFAB_* variable that is no setting: refused when it looks like a misspelt one (a
     zone silently left at its default creates a pod in the wrong place), else warned once."""
+    from tpufab.runs import RESERVED
+
     short = key[len(ENV_PREFIX):]
-    if short in OTHER_ENV or short.startswith(OTHER_ENV_PREFIXES):
+    if short in OTHER_ENV or short.startswith(OTHER_ENV_PREFIXES) or key in RESERVED:
         return
     close = difflib.get_close_matches(short.lower(), list(FIELDS) + list(ALIASES), n=1,
                                       cutoff=0.75)
