@@ -1,8 +1,34 @@
 #!/usr/bin/env bash
 # Install what tpufab and its simulated pod need on this machine (idempotent, quick when done).
 # Used by scripts/demo.sh and scripts/test.sh; safe to run by hand.
+# --which-python: print the Python it would use (or say why none) and stop.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# The Python versions tpufab supports: 3.$PY_MIN to 3.$PY_MAX (pyproject.toml's requires-python
+# and ruff's target say the same; tests/test_python_versions.py checks that they agree).
+PY_MIN=10
+PY_MAX=13
+supported() {
+  "$1" -c "import sys; sys.exit(not (3, $PY_MIN) <= sys.version_info[:2] <= (3, $PY_MAX))" \
+    >/dev/null 2>&1
+}
+PYTHON=${PYTHON:-}
+if [[ -n $PYTHON ]]; then
+  supported "$PYTHON" || { echo "PYTHON=$PYTHON is not Python 3.$PY_MIN to 3.$PY_MAX; point PYTHON at one of those (or unset it)" >&2; exit 1; }
+else
+  # an existing .venv keeps its Python; else python3, else the newest supported python3.X
+  for candidate in .venv/bin/python python3 python3.$PY_MAX python3.12 python3.11 python3.$PY_MIN; do
+    if command -v "$candidate" >/dev/null && supported "$candidate"; then
+      PYTHON=$(command -v "$candidate"); break
+    fi
+  done
+fi
+[[ -n $PYTHON ]] || { echo "tpufab needs Python 3.$PY_MIN to 3.$PY_MAX: install one (apt-get install python3) or set PYTHON=/path/to/python3.X" >&2; exit 1; }
+if [[ ${1:-} == --which-python ]]; then
+  echo "$PYTHON"
+  exit 0
+fi
 
 # sudo and python3-requests are for the simulated workers, which use the host's /usr: TPU VM
 # users have passwordless sudo, and JAX's pod discovery (metadata server) imports requests.
@@ -23,15 +49,6 @@ if ((${#need_apt[@]})); then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
 fi
 
-PYTHON=${PYTHON:-}
-if [[ -z $PYTHON ]]; then
-  for candidate in python3.11 python3; do
-    if command -v "$candidate" >/dev/null && "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
-      PYTHON=$(command -v "$candidate"); break
-    fi
-  done
-fi
-[[ -n $PYTHON ]] || { echo "tpufab needs Python 3.11 (set PYTHON=/path/to/python3.11)" >&2; exit 1; }
 
 if [[ ! -x .venv/bin/python ]]; then
   echo "==> creating .venv with $PYTHON"

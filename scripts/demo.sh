@@ -6,6 +6,7 @@
 #   -> sim bucket -> mount it on every worker (rclone) -> write on w0, read on w3 -> umount
 #   -> invoke setup (JAX on every worker) -> invoke run recipes/hello.sh on all 4 workers at once
 #   -> logs, runs -> sim zombie (a crashed job's mess) -> status -> kill -> status
+#   -> kill --force (the protected holder too) -> status
 #   -> delete -> sim down.
 # Run as root (the simulated workers use namespaces). Keep the pod with KEEP=1.
 set -euo pipefail
@@ -90,7 +91,12 @@ cd "$REPO"
 say "A crashed job leaves processes holding the TPU (one ignores SIGTERM) and the lockfile"
 step tpufab sim zombie --name "$NAME" --worker 0-2
 step tpufab status --name "$NAME"              # the TPU is busy on w[0-2]
-step tpufab kill --name "$NAME" --grace 2
+if step tpufab kill --name "$NAME" --grace 2; then
+  echo "expected kill to say the protected tpu-runtime still holds /dev/accel0" >&2; exit 1
+fi
+say "kill left the protected tpu-runtime running (status says the same); --force stops it too"
+step tpufab status --name "$NAME"
+step tpufab kill --name "$NAME" --grace 2 --force
 step tpufab status --name "$NAME"
 
 step tpufab delete --name "$NAME" --yes

@@ -155,7 +155,11 @@ def test_reports_of_many_workers_fold_into_a_few_lines():
     text = summary(result)
     assert text.startswith("Killed 3 processes on w[0-2] (3 needed SIGKILL after the 5 s grace).")
     assert "Left running (protected): tpu-runtime on w[0-3]; --force stops them too." in text
-    assert "TPU free on w[0-3]: yes." in text and "Removed /tmp/libtpu_lockfile on w[0-2]." in text
+    # the protected tpu-runtime still holds /dev/accel0: not free, and the same words as status
+    assert "TPU free on w[0-3]: NO - protected (tpu-runtime): `tpufab kill` leaves it running; " \
+           "if it should not hold the TPU, stop it with `tpufab kill --force`" in text
+    assert "TPU free on w[0-3]: yes" not in text
+    assert "Removed /tmp/libtpu_lockfile on w[0-2]." in text
     assert "Could not check w4 (w4: connection refused)" in text
     assert not result.ok
 
@@ -234,7 +238,8 @@ def test_zombies_are_cleared_the_protected_process_survives_and_a_new_run_works(
     assert "failed on w[0-2]: w[0-2] exited 1; w3 exited 0." in blocked.stderr
 
     killed = call(env, "kill", cwd=tmp_path, grace=1)
-    assert killed.returncode == 0, killed.stdout + killed.stderr
+    # the protected tpu-runtime still holds /dev/accel0 on w[0-2]: kill says so and fails
+    assert killed.returncode == 1, killed.stdout + killed.stderr
     lines = flat(killed.stdout)
     assert any(line.startswith("w[0-2] killed") and "needed SIGKILL" in line
                for line in lines), lines
@@ -244,8 +249,9 @@ def test_zombies_are_cleared_the_protected_process_survives_and_a_new_run_works(
                for line in lines), lines
     assert "w[0-2] lockfile /tmp/libtpu_lockfile removed" in lines
     assert "w3 nothing to kill" in lines
-    assert "Killed 6 processes on w[0-2] (3 needed SIGKILL after the 1 s grace)." in lines[-1]
-    assert "TPU free on w[0-3]: yes." in lines[-1]
+    summary_line = flat(killed.stderr)[-1]
+    assert "Killed 6 processes on w[0-2] (3 needed SIGKILL after the 1 s grace)." in summary_line
+    assert "TPU free on w3: yes. TPU free on w[0-2]: NO - protected (tpu-runtime)" in summary_line
     after = holders(pod)
     runtime = {w: {p: c for p, c in before[w].items() if c == "tpu-runtime"} for w in range(3)}
     assert after == {**runtime, 3: {}} and all(len(r) == 1 for r in runtime.values())
@@ -257,7 +263,8 @@ def test_zombies_are_cleared_the_protected_process_survives_and_a_new_run_works(
         [f"w{w} │ TPU acquired: 4 devices" for w in range(4)]
 
     again = call(env, "kill", cwd=tmp_path)
-    assert again.returncode == 0 and "Nothing to kill on w[0-3]." in again.stdout
+    assert again.returncode == 1 and "Nothing to kill on w[0-3]." in again.stderr
+    assert "`tpufab kill --force`" in again.stderr
     assert call(env, "kill", cwd=tmp_path, force=True).returncode == 0
     assert holders(pod) == {w: {} for w in range(4)}
 
@@ -293,6 +300,7 @@ def test_a_holder_that_comes_back_keeps_the_tpu_busy_and_kill_fails(pod_env, tmp
 
 def test_without_root_free_is_unknown_and_kill_fails():
     seen = report(0, killed=False)
+    seen["protected"] = []
     seen["unreadable_processes"] = 5
     result = KillResult({0: WorkerReport(0, seen)})
     assert result.unverified == [0] and not result.ok
@@ -315,3 +323,39 @@ def test_kill_as_root_still_works(pod_env, tmp_path):
     assert killed.returncode == 0, killed.stdout + killed.stderr
     assert "TPU free on w[0-3]: yes." in killed.stdout
     assert holders(pod)[3] == {} and not lockfiles(pod)[3]
+
+
+def test_kill_and_status_say_the_same_about_a_protected_holder(pod_env, tmp_path):
+    """Issue 11, finding 7: after `sim zombie`, kill said "TPU free: yes" (exit 0) while status
+    said busy and advised `tpufab kill`: the user looped. Now both name the protected holder
+    with the same advice, kill fails until it is gone, and --force ends the loop."""
+    import subprocess
+    import sys
+
+    env, pod, _ = pod_env
+    tpufab = str(Path(sys.executable).parent / "tpufab")
+
+    def status() -> subprocess.CompletedProcess:
+        return subprocess.run([tpufab, "status"], env=env, cwd=tmp_path, capture_output=True,
+                              text=True, timeout=180, stdin=subprocess.DEVNULL)
+
+    assert call(env, "sim_zombie", cwd=tmp_path, worker="1").returncode == 0
+    advice = "protected (tpu-runtime): `tpufab kill` leaves it running; if it should not " \
+             "hold the TPU, stop it with `tpufab kill --force` (or its service)"
+    for _ in range(2):  # the second kill says the same: no "yes" after a "NO"
+        killed = call(env, "kill", cwd=tmp_path, grace=0.5)
+        assert killed.returncode == 1, killed.stdout + killed.stderr
+        assert f"TPU free on w1: NO - {advice}" in killed.stderr, killed.stderr
+        assert "TPU free on w[0,2-3]: yes" in killed.stderr
+        seen = status()
+        rows = {line.split()[0]: line for line in seen.stdout.splitlines()
+                if line.startswith("w") and ":" not in line.split()[0]}
+        assert "held by protected tpu-runtime" in rows["w1"], seen.stdout
+        others = [row for label, row in rows.items() if label != "w1"]
+        assert others and all("busy" not in row and "held" not in row for row in others)
+        holder = next(line for line in seen.stdout.splitlines() if ": w1 (w1 pid" in line)
+        assert holder.strip().endswith(advice), holder
+    forced = call(env, "kill", cwd=tmp_path, grace=0.5, force=True)
+    assert forced.returncode == 0, forced.stdout + forced.stderr
+    assert "TPU free on w[0-3]: yes." in forced.stdout
+    assert "held" not in status().stdout

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime, timedelta, timezone
+from datetime import datetime, timedelta, timezone
 
 import pytest
 
@@ -26,7 +26,7 @@ from tpufab.runs import (
 
 
 def test_run_id_format_and_order():
-    t = datetime(2026, 11, 22, 10, 44, 55, tzinfo=UTC)
+    t = datetime(2026, 11, 22, 10, 44, 55, tzinfo=timezone.utc)
     assert new_run_id(t, "ab12") == "20261122-104455-ab12"
     later = new_run_id(t + timedelta(seconds=1), "0000")
     assert sorted([later, new_run_id(t, "ffff")]) == [new_run_id(t, "ffff"), later]

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -83,7 +83,7 @@ KEY_R = "AAAAB3NzaC1yc2EAAAADAQABAAABAQC7"
      '"expireOn":"2020-01-01T00:00:00+0000"}', {}),  # expired
 ])
 def test_parse_ssh_keys(text, expected):
-    now = datetime(2025, 6, 1, tzinfo=UTC)
+    now = datetime(2025, 6, 1, tzinfo=timezone.utc)
     assert parse_ssh_keys(text, now=now) == expected
 
 

@@ -68,6 +68,8 @@ class Pod:
     stay open (``close()``, or use ``with Pod(...) as pod``).
     """
 
+    _leased = False  # True while start() holds the code lease its deploy runs under
+
     def __init__(self, name: str | None = None, *, zone: str | None = None,
                  project: str | None = None, **settings: Any):
         self.settings = _settings(name, zone, project, settings)
@@ -214,7 +216,7 @@ class Pod:
         return deploying.deploy(self.connected.fanout, ref=ref, remote=remote,
                                 dir=dir or self.settings.remote_dir, direct=direct, wip=wip,
                                 cwd=root, token=Secret(token) if token else None,
-                                progress=progress, sink=sink)
+                                progress=progress, sink=sink, lease=not self._leased)
 
     def mount(self, bucket: str, *, at: str | None = None, driver: str | None = None,
               options: Sequence[str] = (), install: bool = False,
@@ -289,15 +291,25 @@ class Pod:
                               "recipes/hello.sh.")
         specs = [f"{k}={v}" for k, v in (env or {}).items()]
         forwarded = forwarded_for(self.settings, specs)
-        commit = None
-        cwd = jobs.default_cwd(self.settings.remote_dir)
-        if deploy:
-            report = self.deploy(direct=direct)
-            commit, cwd = report.commit, report.dir
-        plan = jobs.plan_run(RemoteFile.from_path(path), slices=self.connected.slices,
-                             ips=self.connected.internal_ips(), args=list(args), cwd=cwd,
-                             commit=commit, forwarded=forwarded, spmd=spmd)
-        jobs.start(self.connected.fanout, plan)
+        from tpufab import codelock
+
+        fanout = self.connected.fanout
+        # as `tpufab run`: one writer for the code and one job at a time (docs/reliability.md)
+        with codelock.hold(fanout, fanout.workers, purpose=f"run {path.name}"):
+            codelock.refuse_a_second_run(fanout, fanout.workers)
+            commit = None
+            cwd = jobs.default_cwd(self.settings.remote_dir)
+            if deploy:
+                self._leased = True  # this lease covers the deploy
+                try:
+                    report = self.deploy(direct=direct)
+                finally:
+                    self._leased = False
+                commit, cwd = report.commit, report.dir
+            plan = jobs.plan_run(RemoteFile.from_path(path), slices=self.connected.slices,
+                                 ips=self.connected.internal_ips(), args=list(args), cwd=cwd,
+                                 commit=commit, forwarded=forwarded, spmd=spmd)
+            jobs.start(fanout, plan)
         return Run(self, plan.run_id, plan.workers)
 
     def kill(self, *, run: str | None = None, grace: float = 5.0, dry_run: bool = False,

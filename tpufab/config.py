@@ -119,6 +119,14 @@ def _local_user() -> str:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+# TPUFAB_* variables that are not settings: tpufab's own switches, the simulated pod's and the
+# setup scripts'; the job contract every recipe sees is runs.RESERVED (a recipe may call tpufab).
+OTHER_ENV = frozenset({
+    "USER_CONFIG", "DEBUG", "GIT_TOKEN", "GIT_USERNAME", "PYTHON", "PIP_PYTHON", "VENV",
+    "FRAMEWORK", "JAX_VERSION", "TORCH_VERSION", "INIT_TIMEOUT", "BABYSIT_RUN",
+    "RESTART_COUNT", "TEST_SIM_CACHE", "PREBUILT_SITE"})
+OTHER_ENV_PREFIXES = ("SIM_",)
+_WARNED: set[str] = set()
 ALIASES = {"accelerator_type": "type", "version": "runtime_version", "runtime": "runtime_version",
            "endpoint": "api_endpoint", "user": "ssh_user"}
 
@@ -186,7 +194,10 @@ def _read_yaml(path: Path) -> dict:
     import yaml  # lazily: only when a file exists
 
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a text file (YAML in UTF-8 is expected); fix or "
+                          "remove it.") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path} is not valid YAML ({err.__class__.__name__}); fix or remove it.") from None
     if not isinstance(data, dict):
@@ -254,9 +265,76 @@ def layers(overrides: Mapping[str, Any] | None = None, *, cwd: Path | None = Non
             short = key[len(ENV_PREFIX):].lower()
             if ALIASES.get(short, short) in FIELDS:
                 env_layer[short] = value
+            else:
+                _unknown_env(key)
     found.append(("environment", env_layer))
     found.append(("command line", {k: v for k, v in (overrides or {}).items() if v is not None}))
     return found
+
+
+def _unknown_env(key: str) -> None:
+    """A TPUFAB_* variable that is no setting: refused when it looks like a misspelt one (a
+    zone silently left at its default creates a pod in the wrong place), else warned once."""
+    from tpufab.runs import RESERVED
+
+    short = key[len(ENV_PREFIX):]
+    if short in OTHER_ENV or short.startswith(OTHER_ENV_PREFIXES) or key in RESERVED:
+        return
+    close = difflib.get_close_matches(short.lower(), list(FIELDS) + list(ALIASES), n=1,
+                                      cutoff=0.75)
+    if close:
+        raise ConfigError(f"{key} is not a tpufab setting; did you mean "
+                          f"{ENV_PREFIX}{ALIASES.get(close[0], close[0]).upper()}? Rename "
+                          "or unset it.")
+    if key not in _WARNED:
+        _WARNED.add(key)
+        import sys
+
+        print(f"tpufab: ignoring {key}: not a tpufab setting (README.md, Configuration, "
+              "lists them).", file=sys.stderr)
+
+
+# Bounds of numeric settings: (smallest allowed, whether the smallest is excluded, what it is).
+LIMITS = {
+    "concurrency": (1, False, "SSH connections at once"),
+    "connect_timeout": (0, True, "seconds to wait for a worker to answer"),
+    "command_timeout": (0, True, "seconds a command may run"),
+    "api_timeout": (0, True, "seconds per TPU API call"),
+    "api_retries": (1, False, "attempts per TPU API call"),
+    "api_retry_seconds": (0, False, "seconds of TPU API retries"),
+    "wait_timeout": (0, True, "seconds to wait for a node"),
+}
+URL_SETTINGS = {"api_endpoint": "http://127.0.0.1:8475 (the simulated pod) or "
+                                "https://tpu.googleapis.com",
+                "storage_endpoint": "http://127.0.0.1:PORT (the simulated pod's) or "
+                                    "https://storage.googleapis.com"}
+
+
+def check_limits(settings: Settings, origin: Mapping[str, str]) -> None:
+    """Out-of-range numbers and endpoints that are no URL: one sentence naming where they
+    came from (``origin``: setting -> TPUFAB_X, a file, or --flag)."""
+    from urllib.parse import urlsplit
+
+    for name, (low, exclusive, what) in LIMITS.items():
+        value = getattr(settings, name)
+        if value is None or (value > low if exclusive else value >= low):
+            continue
+        bound = f"more than {low:g}" if exclusive else f"at least {low:g}"
+        raise ConfigError(f"{origin.get(name, name)}: {name} ({what}) must be {bound}, "
+                          f"not {value:g}.")
+    for name, example in URL_SETTINGS.items():
+        value = getattr(settings, name)
+        if value is None:
+            continue
+        try:
+            parts = urlsplit(value)
+            valid = parts.scheme in ("http", "https") and bool(parts.hostname)
+            parts.port  # noqa: B018 - raises on a bad port
+        except ValueError:
+            valid = False
+        if not valid:
+            raise ConfigError(f"{origin.get(name, name)}: {name} must be a URL such as "
+                              f"{example}, not {value!r}.")
 
 
 def load_settings(overrides: Mapping[str, Any] | None = None, *, cwd: Path | None = None,
@@ -264,12 +342,17 @@ def load_settings(overrides: Mapping[str, Any] | None = None, *, cwd: Path | Non
     """Merge every layer into one Settings (later layers win, key by key)."""
     settings = Settings()
     sources: dict[str, str] = {}
+    origin: dict[str, str] = {}
     for source, values in layers(overrides, cwd=cwd, env=env):
         for key, value in values.items():
             name = _canonical_key(key, source)
             setattr(settings, name, _coerce(name, value, source))
             sources[name] = source
+            origin[name] = {"environment": f"{ENV_PREFIX}{key.upper()}",
+                            "command line": f"--{key.replace('_', '-')}"}.get(
+                                source, f"{source} ({key})")
     settings.sources = sources
+    check_limits(settings, origin)
     if settings.type:
         from tpufab.topology import parse_accelerator_type
 

@@ -175,6 +175,9 @@ _REST_PREFIX_RE = re.compile(r"^(?:GET|POST|PATCH|PUT|DELETE) \S+: ")
 _REFUSED_RE = re.compile(r"Connection refused|Errno 111|ECONNREFUSED", re.I)
 _DNS_RE = re.compile(r"Name or service not known|name resolution|nodename nor servname|"
                      r"getaddrinfo failed|No address associated", re.I)
+# The port answered, but not in HTTP (an sshd, a database ...): no retry will change that.
+_NOT_HTTP_RE = re.compile(r"BadStatusLine|LineTooLong|UnknownProtocol|WRONG_VERSION_NUMBER|"
+                          r"wrong version number", re.I)
 _RESET_RE = re.compile(r"Connection reset|Connection aborted|RemoteDisconnected|Broken ?pipe|"
                        r"Errno 104|Errno 32|IncompleteRead|ProtocolError", re.I)
 
@@ -214,7 +217,7 @@ def is_transient(exc: BaseException) -> bool:
         return exhausted_kind(exc) == "rate"
     if _is_connection_error(exc):
         text = _chain_text(exc)
-        if _REFUSED_RE.search(text) or _DNS_RE.search(text):
+        if _REFUSED_RE.search(text) or _DNS_RE.search(text) or _NOT_HTTP_RE.search(text):
             return False
         return bool(_RESET_RE.search(text)) or _is_timeout(exc)
     return False
@@ -281,6 +284,11 @@ def translate(exc: BaseException, action: Action, endpoint: str) -> TpufabError:
         return exc
     where = f"in {action.zone} (project {action.project})" if action.zone else ""
     message = api_message(exc).rstrip(". ")
+    if _is_connection_error(exc) and _NOT_HTTP_RE.search(_chain_text(exc)):
+        return ApiError(f"The TPU API endpoint {endpoint} answered, but not in HTTP(S) (is it "
+                        "another service's port?); set TPUFAB_API_ENDPOINT (api_endpoint) to the "
+                        "API's URL, e.g. the one `tpufab sim status` prints for the simulated "
+                        "pod.")
     if _is_connection_error(exc) and not is_transient(exc):
         return ApiError(f"Cannot reach the TPU API at {endpoint} ({_connection_reason(exc)}); "
                         f"{_unreachable_hint(endpoint)}.")

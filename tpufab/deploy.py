@@ -198,9 +198,15 @@ def worker_command(*, dir: str, source: str, commit: str, fetch_ref: str | None,
 def deploy(group: Workers, *, ref: str = "HEAD", remote: str = "origin", dir: str | None = None,
            direct: bool = False, wip: bool = False, cwd: Path | str | None = None,
            worker_url: str | None = None, token: str | Secret | None = None,
-           progress: Callable[[str], None] | None = None, sink=None) -> DeployReport:
+           progress: Callable[[str], None] | None = None, sink=None,
+           lease: bool = True) -> DeployReport:
     """Deploy ``ref`` (or a ``wip`` snapshot) of the repository at ``cwd`` to every worker of
     ``group`` and verify they all report the same commit.
+
+    ``lease``: hold the pod's code lease (``codelock``) from the push to the verification,
+    and refuse while a live run reads the target checkout; pass False when the caller holds
+    it already (``run``). So two deploys at once never both report success: the second is
+    refused with one sentence naming the first.
 
     ``worker_url``: the URL workers fetch from, when it differs from the remote's local URL
     (e.g. https for workers, ssh for you). ``token``: an HTTPS token for a private remote,
@@ -220,7 +226,25 @@ def deploy(group: Workers, *, ref: str = "HEAD", remote: str = "origin", dir: st
                           wip_ref=resolved.push_ref if resolved.wip else None,
                           branch=resolved.branch)
     workers = list(group.workers)
+    if lease:
+        from tpufab import codelock
 
+        with codelock.hold(group, workers, purpose=f"deploy {resolved.commit[:12]}") as held:
+            codelock.refuse_deploy_under_a_run(group, workers, held, target_dir)
+            _apply(group, root, resolved, report, workers, remote=remote, direct=direct,
+                   worker_url=worker_url, token=token, say=say, start=start, sink=sink)
+    else:
+        _apply(group, root, resolved, report, workers, remote=remote, direct=direct,
+               worker_url=worker_url, token=token, say=say, start=start, sink=sink)
+    return report
+
+
+def _apply(group: Workers, root: Path, resolved: gitops.Resolved, report: DeployReport,
+           workers: list[int], *, remote: str, direct: bool, worker_url: str | None,
+           token: str | Secret | None, say: Callable[[str], None], start: float,
+           sink=None) -> None:
+    """Push (or bundle), check out on every worker, verify: the part the lease covers."""
+    target_dir = report.dir
     if direct:
         source = "your machine (direct)"
         _deploy_direct(group, root, resolved, target_dir, workers, report, say, sink)
@@ -243,7 +267,6 @@ def deploy(group: Workers, *, ref: str = "HEAD", remote: str = "origin", dir: st
         raise DeployError(failure_sentence(report.rows, source=source, dir=target_dir,
                                            commit=resolved.commit), details=report.table())
     verify_same_commit(report)
-    return report
 
 
 def _deploy_direct(group: Workers, root: Path, resolved: gitops.Resolved, target_dir: str,

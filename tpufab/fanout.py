@@ -63,6 +63,10 @@ class ConnectError(TpufabError):
     """A worker could not be reached or logged into."""
 
 
+class WorkerSilent(ConnectError):
+    """The worker accepted the connection but did not answer within the connect timeout."""
+
+
 class FanoutError(TpufabError):
     """One or more workers failed; carries every worker's result."""
 
@@ -676,13 +680,35 @@ def _open_socket(host: str, port: int, timeout: float) -> socket.socket:
     raise last or OSError(errno.EHOSTUNREACH, f"no address for {host}")
 
 
+def _timed_out(err: BaseException) -> bool:
+    """The worker accepted the connection (or not) but never answered within the timeout."""
+    text = str(err)
+    return isinstance(err, socket.timeout | TimeoutError) or "protocol banner" in text \
+        or "timed out" in text.lower()
+
+
 def _transient(err: BaseException) -> bool:
-    """Connection-level failures worth retrying; auth and host-key failures are not."""
+    """Connection-level failures worth retrying: quick ones (refused, reset). Auth and host-key
+    failures are not, and neither is a timeout: a frozen worker would cost the timeout again
+    per attempt (82 s for 4 attempts of 20 s)."""
     import paramiko
 
     if isinstance(err, TpufabError | paramiko.AuthenticationException | paramiko.BadHostKeyException):
         return False
+    if _timed_out(err):
+        return False
     return isinstance(err, OSError | EOFError | paramiko.SSHException)
+
+
+def quiet_paramiko() -> None:
+    """paramiko logs its transport thread's failures with tracebacks through the logging
+    module's last-resort handler (stderr); each worker's failure is reported as one sentence
+    instead. --debug (a configured root logger) still sees them."""
+    import logging
+
+    logger = logging.getLogger("paramiko")
+    if not any(isinstance(h, logging.NullHandler) for h in logger.handlers):
+        logger.addHandler(logging.NullHandler())
 
 
 def _describe(err: BaseException) -> str:
@@ -692,7 +718,7 @@ def _describe(err: BaseException) -> str:
         return "connection refused"
     if isinstance(err, ConnectionResetError):
         return "connection reset"
-    if isinstance(err, socket.timeout | TimeoutError):
+    if _timed_out(err):
         return "connection timed out"
     if isinstance(err, paramiko.AuthenticationException):
         return "authentication failed (is the tpufab key in the worker's authorized_keys?)"
@@ -757,6 +783,7 @@ class Fanout:
     ):
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        quiet_paramiko()
         if known_hosts is None:
             from tpufab.hostkeys import KnownHosts
 
@@ -863,18 +890,23 @@ class Fanout:
         conn.client.set_missing_host_key_policy(self.known_hosts.policy(target.key_alias))
         if not conn.gateway:
             conn.connect_kwargs["sock"] = _open_socket(target.host, target.port, self.connect_timeout)
+        started = time.monotonic()
         try:
             conn.open()
-        except BaseException:
+            agent = _Agent(conn.transport, target.worker, self.python, self.connect_timeout)
+        except BaseException as err:
             conn.close()
+            # paramiko says "No existing session" or "Error reading SSH protocol banner" when
+            # the worker took the TCP connection and never spoke: a frozen sshd. Another
+            # attempt would only wait as long again.
+            if not isinstance(err, OSError | EOFError | KeyboardInterrupt) and \
+                    time.monotonic() - started >= 0.9 * self.connect_timeout:
+                raise WorkerSilent(
+                    f"no answer within {self.connect_timeout:g} s (the worker accepts "
+                    "connections but its sshd does not respond: frozen or overloaded)") from err
             raise
         finally:
             conn.connect_kwargs.pop("sock", None)
-        try:
-            agent = _Agent(conn.transport, target.worker, self.python, self.connect_timeout)
-        except BaseException:
-            conn.close()
-            raise
         link.conn, link.agent = conn, agent
 
     def _connect(self, link: _Link) -> None:
@@ -929,14 +961,18 @@ class Fanout:
         """Run ``command`` on the selected workers; one :class:`WorkerResult` each.
 
         ``command`` is a shell command line (run by the worker user's shell, exactly once, as
-        ``ssh`` would) or an argv list (run without a shell). ``env`` values are plain; any
+        ``ssh`` would) or an argv list (run without a shell). ``timeout`` None means the
+        fan-out's ``command_timeout``, ``math.inf`` no limit at all. ``env`` values are plain; any
         :class:`Secret` there or in ``secrets`` travels on stdin, is masked as ``***`` in
         output and results, and never appears in argv on the worker. ``timeout`` is per
         command: the worker kills it (TERM, then KILL) and the result says "timed out".
         Ctrl-C stops the command on every worker, then raises :class:`FanoutInterrupted`.
         """
         chosen = self.select(workers)
-        timeout = timeout if timeout is not None else self.command_timeout
+        if timeout is None:
+            timeout = self.command_timeout
+        elif timeout == float("inf"):
+            timeout = None  # explicitly unbounded (a log follower), whatever the default
         all_env = dict(env or {})
         all_env.update(secrets or {})
         masked = quoting.secret_bytes(

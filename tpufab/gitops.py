@@ -199,6 +199,12 @@ def push(root: Path, remote: str, commit: str, ref: str) -> str:
         raise GitError(f"The push to {remote} was rejected: {remote}/{short} has commits that "
                        f"{commit[:12]} does not contain (non-fast-forward); pull or rebase, "
                        f"then deploy again.")
+    refused = re.search(r"\[remote rejected\] \(([^)\n]*)\)|(cannot lock ref[^\n]*)", text)
+    if refused:
+        why = (refused.group(1) or refused.group(2) or "").strip()
+        raise GitError(f"{remote} refused to move {short} to {commit[:12]} ({why}): another push "
+                       f"to {remote}/{short} was under way at the same moment; deploy again "
+                       "once it is done.")
     if re.search(r"Could not read from remote|unable to connect|Connection refused|"
                  r"Could not resolve host|does not appear to be a git repository|not found",
                  text, re.I):

@@ -308,8 +308,9 @@ def run_rows(statuses: Mapping[int, WorkerRuns]) -> list[RunRow]:
         started = [e.get("started_at") for e in by_worker.values() if e.get("started_at")]
         ended = [e.get("ended_at") for e in by_worker.values() if e.get("ended_at")]
         rows.append(RunRow(run, first.get("recipe"), min(started) if started else None,
-                           max(ended) if ended and all(s.ended for s in states
-                                                       if s.state != "no record") else None,
+                           max(ended) if ended and all(
+                               s.ended for s in states
+                               if s.state not in ("no record", "unreachable")) else None,
                            first.get("commit"), tuple(states)))
     return sorted(rows, key=lambda r: r.run, reverse=True)
 
@@ -426,14 +427,17 @@ def save_logs(group, run_id: str, workers: Sequence[int], into: Path,
     return sorted(logs)
 
 
-def follow(group, run_id: str, workers: Sequence[int], sink) -> dict[int, WorkerState]:
-    """Stream the run's log from every worker into ``sink`` until it ends everywhere.
+def follow(group, run_id: str, workers: Sequence[int], sink,
+           timeout: float = float("inf")) -> dict[int, WorkerState]:
+    """Stream the run's log from every worker into ``sink`` until it ends everywhere (or
+    ``timeout`` seconds pass: no limit by default, whatever the fan-out's command timeout,
+    since a training run may last days).
 
     Only the followers (``launch.py tail --follow``) are stopped by Ctrl-C (FanoutInterrupted
-    propagates): the run itself never is.
+    propagates) or the timeout: the run itself never is.
     """
     results = run_with_files(group, [launch_file()], tail_command(run_id, follow=True),
-                             workers, sink=sink)
+                             workers, sink=sink, timeout=timeout)
     return {w: parse_tail(r) for w, r in sorted(results.items())}
 
 

@@ -83,6 +83,17 @@ class WorkerReport:
         return r is not None and not r.get("dry_run") and not self.busy and \
             bool(r.get("unreadable_processes"))
 
+    @property
+    def protected_holders(self) -> list[str]:
+        """Names of protected processes left running that still hold a TPU device: the TPU
+        is not free (`tpufab status` says "held by protected ..." about the same ones)."""
+        r = self.report
+        if r is None or r.get("dry_run"):
+            return []
+        devices = set(r.get("devices") or ())
+        return sorted({str(e.get("name")) for e in r.get("protected", ())
+                       if devices & set(e.get("holds") or ())})
+
 
 @dataclass
 class KillResult:
@@ -107,8 +118,13 @@ class KillResult:
         return [w for w, r in self.workers.items() if r.unverified]
 
     @property
+    def held_by_protected(self) -> dict[int, list[str]]:
+        return {w: r.protected_holders for w, r in self.workers.items() if r.protected_holders}
+
+    @property
     def ok(self) -> bool:
-        return not self.unreachable and not self.busy and not self.unverified
+        return not self.unreachable and not self.busy and not self.unverified \
+            and not self.held_by_protected
 
 
 def parse_report(result) -> WorkerReport:
@@ -128,12 +144,14 @@ def parse_report(result) -> WorkerReport:
 
 def kill(group, workers: Sequence[int], *, run: str | None = None, grace: float = 5.0,
          dry_run: bool = False, force: bool = False,
-         device_globs: Sequence[str] = DEVICE_GLOBS) -> KillResult:
+         device_globs: Sequence[str] = DEVICE_GLOBS, timeout: float | None = None) -> KillResult:
     """Run tpukill on every worker at once (one shared grace period per worker)."""
     line = kill_command(run=run, grace=grace, dry_run=dry_run, force=force,
                         device_globs=device_globs)
     files = [RemoteFile.bundled(TPUKILL)]
-    results = run_with_files(group, files, line, workers, timeout=grace + 2 * SETTLE + 30)
+    if timeout is None:
+        timeout = grace + 2 * SETTLE + 30
+    results = run_with_files(group, files, line, workers, timeout=timeout)
     return KillResult({w: parse_report(r) for w, r in sorted(results.items())}, dry_run, grace)
 
 
@@ -318,11 +336,20 @@ def summary(result: KillResult) -> str:
         parts.append(f"Left running (protected): {names}; --force stops them too.")
     if not result.dry_run and reports:
         busy, unverified = result.busy, result.unverified
-        free = [w for w in reports if w not in busy and w not in unverified]
+        held = {w: names for w, names in result.held_by_protected.items() if w not in busy}
+        unverified = [w for w in unverified if w not in held]  # held: surely not free
+        free = [w for w in reports if w not in busy and w not in unverified and w not in held]
         if free:
             parts.append(f"TPU free on {nodeset.fold(free)}: yes.")
         if busy:
             parts.append(f"TPU free on {nodeset.fold(busy)}: NO (see the lines above).")
+        by_names: dict[str, list[int]] = {}
+        for w, names in held.items():
+            by_names.setdefault(", ".join(names), []).append(w)
+        if by_names:
+            from tpufab.status import PROTECTED_ADVICE
+        for names, ws in by_names.items():
+            parts.append(f"TPU free on {nodeset.fold(ws)}: NO{PROTECTED_ADVICE.format(name=names)}.")
         if unverified:
             parts.append(f"TPU free on {nodeset.fold(unverified)}: unknown, because processes "
                          "of other users could not be inspected there: log in as root "

@@ -24,7 +24,7 @@ from tpufab.controlplane import (
     queued_resource_body,
     scheduling_tier,
 )
-from tpufab.errors import ApiError, ConfigError
+from tpufab.errors import ApiError, ConfigError, TpufabError
 from tpufab.nodes import DEAD_STATES, Node, QueuedResourceInfo
 from tpufab.topology import parse_accelerator_type, slice_shape
 
@@ -272,24 +272,52 @@ def _create(settings: Settings, *, queued: bool = False, num_slices: int = 1,
     control = control_plane(settings, control)
     where = f"{settings.zone} (project {settings.project})"
 
+    kind = "queued resource" if queued else "TPU node"
     if queued:
         existing_qr = control.find_queued_resource(name)
         if existing_qr is not None:
-            return _existing_queued(control, existing_qr, settings, topology.name, entry,
-                                    async_=async_, console=console)
+            try:
+                return _existing_queued(control, existing_qr, settings, topology.name, entry,
+                                        async_=async_, console=console)
+            except KeyboardInterrupt:
+                raise _interrupted_create(kind, name, where, topology.name) from None
     existing = control.find_node(name)
     if existing is not None:
         _same_topology(existing, chip_topology)
-        return _existing_node(control, existing, settings, topology.name, entry,
-                              async_=async_, console=console)
+        try:
+            return _existing_node(control, existing, settings, topology.name, entry,
+                                  async_=async_, console=console)
+        except KeyboardInterrupt:
+            raise _interrupted_create("TPU node", name, where, topology.name) from None
 
-    kind = "queued resource" if queued else "TPU node"
     slices = f" x {num_slices} slices" if num_slices > 1 else ""
     shape = f" as {chip_topology}" if chip_topology else ""
     console.print(f"Creating {kind} [bold]{name}[/bold] ({topology.name}{shape}{slices}, "
                   f"{_hosts(topology.hosts)}{' per slice' if num_slices > 1 else ''}, "
                   f"{scheduling_tier(settings)}) "
                   f"in {_escape(where)}.")
+    try:
+        return _create_and_wait(control, settings, name, topology.name, entry, queued=queued,
+                                num_slices=num_slices, async_=async_, console=console,
+                                reservation=reservation, chip_topology=chip_topology)
+    except KeyboardInterrupt:
+        raise _interrupted_create(kind, name, where, topology.name) from None
+
+
+def _interrupted_create(kind: str, name: str, where: str, type_name: str) -> TpufabError:
+    """Ctrl-C while a create is under way: the node goes on coming up (and is billed once
+    READY) whether we wait or not. Say so, and how to be rid of it."""
+    return TpufabError(
+        f"Interrupted: {kind} {name} may still be coming up in {where} (billed once it is "
+        f"READY). Delete it with `tpufab delete --name {name} --yes`, or wait for it with "
+        f"`tpufab create --name {name} --type {type_name}` again.", exit_code=130)
+
+
+def _create_and_wait(control: ControlPlane, settings: Settings, name: str, type_name: str,
+                     entry: str, *, queued: bool, num_slices: int, async_: bool,
+                     console: Console, reservation: str | None = None,
+                     chip_topology: str | None = None) -> list[Node]:
+    """Send the create request, then wait for READY/ACTIVE (unless ``async_``)."""
     try:
         if queued:
             body = queued_resource_body(settings, num_slices=num_slices, ssh_entry=entry,
@@ -302,10 +330,10 @@ def _create(settings: Settings, *, queued: bool = False, num_slices: int = 1,
     except AlreadyExists:
         # created meanwhile (by another tpufab, or by our own request before a retried 503)
         if queued and (existing_qr := control.find_queued_resource(name)) is not None:
-            return _existing_queued(control, existing_qr, settings, topology.name, entry,
+            return _existing_queued(control, existing_qr, settings, type_name, entry,
                                     async_=async_, console=console)
         if (existing := control.find_node(name)) is not None:
-            return _existing_node(control, existing, settings, topology.name, entry,
+            return _existing_node(control, existing, settings, type_name, entry,
                                   async_=async_, console=console)
         raise
 
@@ -316,7 +344,7 @@ def _create(settings: Settings, *, queued: bool = False, num_slices: int = 1,
     if queued:
         return _wait_queued(control, name, op, settings, console=console)
     return [_wait_node(control, name, settings, console=console, op=op,
-                       accelerator_type=topology.name)]
+                       accelerator_type=type_name)]
 
 
 def _same_topology(node: Node, chip_topology: str | None) -> None:

@@ -169,6 +169,9 @@ def shared(settings: Settings, **kwargs) -> Pod:
             atexit.register(close_all)
     else:
         pod.settings = settings
+        # this verb's --timeout (settings_from_flags), not the one of the verb before it
+        pod.fanout.connect_timeout = settings.connect_timeout
+        pod.fanout.command_timeout = settings.command_timeout
     return pod
 
 

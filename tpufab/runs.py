@@ -13,7 +13,7 @@ import re
 import secrets as _random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 
 from tpufab.errors import ConfigError
 from tpufab.nodeset import fold
@@ -48,7 +48,7 @@ SECRET_PATTERNS = ("*TOKEN*", "*SECRET*", "*PASSWORD*", "*PASSWD*", "*API_KEY*",
 
 def new_run_id(now: datetime | None = None, suffix: str | None = None) -> str:
     """A sortable run id in UTC: ``20261122-104455-ab12``."""
-    now = (now or datetime.now(UTC)).astimezone(UTC)
+    now = (now or datetime.now(timezone.utc)).astimezone(timezone.utc)
     suffix = suffix if suffix is not None else _random.token_hex(2)
     run_id = f"{now:%Y%m%d-%H%M%S}-{suffix}"
     if not _RUN_ID.match(run_id):

@@ -44,6 +44,17 @@ GONE_STATES = frozenset({"PREEMPTED", "TERMINATED", "STOPPED", "STOPPING", "DELE
 class Holder:
     pid: int
     command: str
+    protected: str = ""   # the protected name (tpu-runtime, ...) `tpufab kill` leaves running
+
+
+def protected_holder(names: object) -> str:
+    """The name by which `tpufab kill` would leave this holder running ("" if it would not):
+    the same rule (tpukill's PROTECTED_NAMES), so status and kill agree."""
+    from tpufab.remote.tpukill import protected_name
+
+    if not isinstance(names, list):
+        return ""
+    return protected_name([str(n) for n in names])
 
 
 @dataclass(frozen=True)
@@ -246,7 +257,8 @@ def parse_facts(worker: int, outcome: Any) -> WorkerFacts:
 
     devices = []
     for d in items("devices"):
-        holders = tuple(Holder(_int(h.get("pid"), 0) or 0, str(h.get("command") or "?"))
+        holders = tuple(Holder(_int(h.get("pid"), 0) or 0, str(h.get("command") or "?"),
+                               protected_holder(h.get("names")))
                         for h in d.get("holders") or [] if isinstance(h, dict))
         if d.get("path"):
             devices.append(Device(str(d["path"]), tuple(sorted(holders, key=lambda h: h.pid))))
@@ -326,6 +338,9 @@ def tpu_cell(f: WorkerFacts) -> str:
         return f"{len(f.devices)} free{unread}"
     commands = sorted({_short(h.command) for d in busy for h in d.holders})
     shown = "; ".join(commands[:2]) + (f" +{len(commands) - 2}" if len(commands) > 2 else "")
+    if all(h.protected for d in busy for h in d.holders):
+        names = sorted({h.protected for d in busy for h in d.holders})
+        return f"{len(busy)}/{len(f.devices)} held by protected {', '.join(names)}{unread}"
     return f"{len(busy)}/{len(f.devices)} busy: {shown}{unread}"
 
 
@@ -607,16 +622,27 @@ def table(status: PodStatus) -> RenderableType:
 def holder_lines(facts: Mapping[int, WorkerFacts], shown: int = 8) -> list[str]:
     """``python3 train.py: w[0-3] (w0 pid 812, w1 pid 9, ...)``: one line per command (pure)."""
     by_command: dict[str, dict[int, set[int]]] = {}
+    protected: dict[str, str] = {}
     for w, f in sorted(facts.items()):
         for device in f.busy_devices:
             for h in device.holders:
                 by_command.setdefault(h.command, {}).setdefault(w, set()).add(h.pid)
+                if h.protected:
+                    protected[h.command] = h.protected
     lines = []
     for command, where in sorted(by_command.items(), key=lambda kv: min(kv[1])):
         pids = [f"{nodeset.label(w)} pid {p}" for w, ps in sorted(where.items()) for p in sorted(ps)]
         more = f", +{len(pids) - shown} more (see --json)" if len(pids) > shown else ""
-        lines.append(f"{command}: {nodeset.fold(where)} ({', '.join(pids[:shown])}{more})")
+        line = f"{command}: {nodeset.fold(where)} ({', '.join(pids[:shown])}{more})"
+        if command in protected:
+            line += PROTECTED_ADVICE.format(name=protected[command])
+        lines.append(line)
     return lines
+
+
+# Said by `status` under a protected holder and by `kill` about it: the same words.
+PROTECTED_ADVICE = (" - protected ({name}): `tpufab kill` leaves it running; if it should not "
+                    "hold the TPU, stop it with `tpufab kill --force` (or its service)")
 
 
 def render(status: PodStatus, console: Any) -> None:
@@ -634,7 +660,9 @@ def render(status: PodStatus, console: Any) -> None:
     holders = holder_lines(status.workers)
     if holders:
         console.print()
-        console.print("[bold]TPU holders[/bold] (free them with `tpufab kill`):")
+        every = [h for f in status.workers.values() for d in f.busy_devices for h in d.holders]
+        console.print("[bold]TPU holders[/bold]:" if all(h.protected for h in every) else
+                      "[bold]TPU holders[/bold] (free them with `tpufab kill`):")
         for line in holders:
             console.print(f"  {_escape(line)}")
     unreachable = status.unreachable

@@ -2,6 +2,8 @@
 """tpufab deploy, worker side (stdlib only; shipped once per content hash).
 
     deploy_worker.py status --dir DIR
+    deploy_worker.py lease --token T --owner TEXT --purpose TEXT
+    deploy_worker.py release --token T
     deploy_worker.py checkout --dir DIR --source URL|BUNDLE --commit SHA
                      [--fetch-ref REF] [--branch NAME] [--origin URL] [--remove-source]
 
@@ -15,12 +17,18 @@ Prints exactly one JSON object on stdout:
   {"ok": true, "commit": SHA, "before": SHA|null, "action": "clone"|"update"|"noop", ...}
   {"ok": false, "error": KIND, "message": TEXT, ...}
 with KIND one of unreachable, auth_failed, disk_full, not_a_repo, local_changes, missing_commit,
-no_git, git_failed. Exit status: 0 ok, 3 failure.
+no_git, git_failed, busy. Exit status: 0 ok, 3 failure.
+
+``lease``: the pod's code has one writer at a time. A lease (``~/.tpufab/locks/code.json``)
+names its holder: the fan-out agent of the tpufab process that took it (TPUFAB_TASK carries
+the agent's pid), so it ends with that process's SSH connection, a SIGKILLed client
+included. Another token's lease whose agent lives is ``busy``; ``release`` drops one's own.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import resource
@@ -179,11 +187,85 @@ def checkout(args: argparse.Namespace) -> dict:
             "fetched": fetched, "seconds": round(time.monotonic() - start, 3)}
 
 
+LOCK_DIR = "~/.tpufab/locks"
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    return int(data[data.rindex(b")") + 2:].split()[19])
+
+
+def _holder_pid() -> int:
+    """The fan-out agent this script runs under (it lives as long as the SSH connection)."""
+    head = os.environ.get("TPUFAB_TASK", "").split(".", 1)[0]
+    return int(head) if head.isdigit() else os.getppid()
+
+
+def _locked(fn):
+    """Run ``fn(path of the lease)`` holding the lease file's flock (a short critical section)."""
+    folder = os.path.expanduser(LOCK_DIR)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    with open(os.path.join(folder, "code.lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        return fn(os.path.join(folder, "code.json"))
+
+
+def _read_lease(path: str) -> dict | None:
+    try:
+        with open(path) as fh:
+            lease = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    pid, started = lease.get("pid"), lease.get("start_time")
+    if not isinstance(pid, int) or _start_time(pid) != started:
+        return None  # its holder is gone (a finished or killed tpufab): the lease is stale
+    return lease
+
+
+def lease(args: argparse.Namespace) -> dict:
+    def take(path: str) -> dict:
+        current = _read_lease(path)
+        if current is not None and current.get("token") != args.token:
+            age = max(0.0, time.time() - float(current.get("since") or time.time()))
+            raise Failure("busy", f"{current.get('purpose')} by {current.get('owner')}, "
+                                  f"under way for {age:.0f} s")
+        pid = _holder_pid()
+        record = {"token": args.token, "owner": args.owner, "purpose": args.purpose,
+                  "pid": pid, "start_time": _start_time(pid), "since": time.time()}
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w") as fh:
+            json.dump(record, fh)
+        os.replace(tmp, path)
+        return {"ok": True, "action": "leased", "home": os.path.expanduser("~")}
+
+    return _locked(take)
+
+
+def release(args: argparse.Namespace) -> dict:
+    def drop(path: str) -> dict:
+        current = _read_lease(path)
+        if current is not None and current.get("token") == args.token:
+            os.unlink(path)
+        return {"ok": True, "action": "released"}
+
+    return _locked(drop)
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="deploy_worker.py")
     sub = parser.add_subparsers(dest="verb", required=True)
     st = sub.add_parser("status")
     st.add_argument("--dir", required=True)
+    le = sub.add_parser("lease")
+    le.add_argument("--token", required=True)
+    le.add_argument("--owner", required=True)
+    le.add_argument("--purpose", required=True)
+    re_ = sub.add_parser("release")
+    re_.add_argument("--token", required=True)
     co = sub.add_parser("checkout")
     co.add_argument("--dir", required=True)
     co.add_argument("--source", required=True, help="URL or bundle path to fetch from")
@@ -200,7 +282,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     try:
-        result = status(args) if args.verb == "status" else checkout(args)
+        verbs = {"status": status, "lease": lease, "release": release, "checkout": checkout}
+        result = verbs[args.verb](args)
         code = 0
     except Failure as err:
         result = {"ok": False, "error": err.kind, "message": err.message}

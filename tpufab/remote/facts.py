@@ -9,7 +9,7 @@ Prints one JSON object on one line and exits 0 (a fact it cannot read is reporte
 missing, never as a failure):
 
     {"host", "uptime_s", "boot_id", "load",
-     "devices": [{"path", "holders": [{"pid", "command"}]}], "unreadable_processes",
+     "devices": [{"path", "holders": [{"pid", "command", "names"}]}], "unreadable_processes",
      "runs": [{"run", "state", "exit_code"?, "signal"?, "recipe", "started_at", "ended_at"}],
      "runs_total", "deploys": [{"dir", "exists", "commit", "branch"}],
      "mounts": [{"at", "fstype", "source", "url"}],
@@ -116,6 +116,20 @@ def supervising(rundir):
     found = proc_stat(pid)
     return found is not None and found[0] not in ("Z", "X", "x") and \
         read_text(f"/proc/{pid}/comm") == "tpufab-run"
+
+
+def program_names(pid):
+    """Its comm and its program's base name (tpukill's protected names match either)."""
+    names = [read_text(f"/proc/{pid}/comm") or ""]
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            first = fh.read().split(b"\0", 1)[0].decode("utf-8", "replace")
+    except OSError:
+        first = ""
+    words = first.split(":")[0].split()
+    if words:
+        names.append(os.path.basename(words[0]))
+    return names
 
 
 def command_of(pid):
@@ -251,8 +265,9 @@ def device_holders(paths):
                 held.add(path)
         if held:
             command = command_of(pid)
+            names = program_names(pid)
             for path in held:
-                holders[path].append({"pid": pid, "command": command})
+                holders[path].append({"pid": pid, "command": command, "names": names})
     return holders, unreadable
 
 

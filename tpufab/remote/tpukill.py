@@ -125,23 +125,34 @@ def ancestry(pid):
     return chain
 
 
+def program_names(comm, argv):
+    """The names a process goes by: its comm and its program's (argv[0]'s) base name."""
+    names = [comm]
+    # "sshd: user@notty" style titles: the program name is the first word.
+    words = argv[0].split(":")[0].split() if argv else []
+    if words:
+        names.append(os.path.basename(words[0]))
+    return names
+
+
+def protected_name(names, patterns=PROTECTED_NAMES):
+    """The first of `names` that a protected pattern matches ("" when none). `tpufab status`
+    uses it too, so both say the same about a protected holder."""
+    for name in names:
+        for pattern in patterns:
+            if name and fnmatch.fnmatchcase(name, pattern):
+                return name
+    return ""
+
+
 def protection(proc, own_ancestry, patterns):
     """Why `proc` must not be stopped without --force ("" when it may be)."""
     if proc.pid == 1:
         return "pid 1"
     if proc.pid in own_ancestry:
         return "ancestor of this kill"
-    names = [proc.comm]
-    argv = argv_of(proc.pid)
-    # "sshd: user@notty" style titles: the program name is the first word.
-    words = argv[0].split(":")[0].split() if argv else []
-    if words:
-        names.append(os.path.basename(words[0]))
-    for name in names:
-        for pattern in patterns:
-            if name and fnmatch.fnmatchcase(name, pattern):
-                return f"protected name {name}"
-    return ""
+    name = protected_name(program_names(proc.comm, argv_of(proc.pid)), patterns)
+    return f"protected name {name}" if name else ""
 
 
 def unforceable(reason):

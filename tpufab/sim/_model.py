@@ -7,7 +7,7 @@ import re
 import secrets
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from tpufab.errors import ConfigError
@@ -114,7 +114,7 @@ def not_found(name: str) -> ApiFailure:
 
 
 def rfc3339(ts: float | None = None) -> str:
-    moment = datetime.fromtimestamp(time.time() if ts is None else ts, tz=UTC)
+    moment = datetime.fromtimestamp(time.time() if ts is None else ts, tz=timezone.utc)
     return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 

@@ -379,6 +379,9 @@ def _wait_gone(pid: int, timeout: float) -> bool:
 
 def _check_port_free(port: int) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As the server binds: connections of the last run in TIME_WAIT do not count, a
+        # listener does (without this, `sim down; sim up` failed for a minute after traffic).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError as exc:

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 from tpufab.errors import SimError
@@ -122,7 +122,7 @@ def parse_ssh_keys(text: str, *, now: datetime | None = None) -> dict[str, list[
     Lines are ``user:ssh-ed25519 AAAA... comment``; blank, malformed and expired
     (``google-ssh {"expireOn": ...}``) lines are skipped, like the guest agent does.
     """
-    now = now or datetime.now(UTC)
+    now = now or datetime.now(timezone.utc)
     keys: dict[str, list[str]] = {}
     for raw in text.splitlines():
         user, sep, key = raw.strip().partition(":")

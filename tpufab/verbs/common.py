@@ -24,18 +24,40 @@ def parse_labels(labels: Iterable[str] | None) -> dict[str, str]:
     return out
 
 
+def check_timeout(timeout: float | None, flag: str = "--timeout") -> float | None:
+    """A verb's ``--timeout`` in seconds (None: the verb's default), or one sentence."""
+    if timeout is None:
+        return None
+    try:
+        value = float(timeout)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not value > 0:  # also NaN
+        raise ConfigError(f"{flag} takes a number of seconds above 0, not {timeout}; leave it "
+                          "out for the verb's default (docs/reliability.md lists them).")
+    return value
+
+
 def settings_from_flags(*, type: str | None = None, accelerator_type: str | None = None,
                         version: str | None = None, labels: Iterable[str] | None = None,
-                        **flags: Any) -> Settings:
-    """Settings with the command-line flags on top. A False/None flag means "not given"."""
+                        timeout: float | None = None, **flags: Any) -> Settings:
+    """Settings with the command-line flags on top. A False/None flag means "not given".
+
+    ``timeout`` (a verb's --timeout): connecting to a worker waits at most that long
+    (or connect_timeout, if shorter) and every command on the workers too.
+    """
     if type and accelerator_type and type != accelerator_type:
         raise ConfigError(f"--type {type} and --accelerator-type {accelerator_type} disagree; "
                           "give one of them.")
     overrides = {k: v for k, v in flags.items() if v is not None and v is not False}
     overrides["type"] = type or accelerator_type
     overrides["runtime_version"] = version
+    timeout = check_timeout(timeout)
     settings = load_settings(overrides)
     settings.labels = {**settings.labels, **parse_labels(labels)}
+    if timeout is not None:
+        settings.connect_timeout = min(settings.connect_timeout, timeout)
+        settings.command_timeout = timeout
     return settings
 
 

@@ -16,6 +16,9 @@ from tpufab.verbs.common import (
 )
 from tpufab.verbs.declare import Opt, verb
 
+DEPLOY_TIMEOUT = 600.0   # seconds per step on the workers (a big clone over a slow link)
+MOUNT_TIMEOUT = 300.0    # seconds per step (installing gcsfuse included)
+
 
 @verb(options={"ref": "Commit, branch or tag to deploy.", "remote": "Git remote the workers fetch from.",
                  "dir": "Checkout on the workers (default: remote_dir, else ~/<repo name>).",
@@ -23,12 +26,17 @@ from tpufab.verbs.declare import Opt, verb
                  "wip": "Deploy the working tree as it is (a snapshot commit on a side ref)."})
 def deploy(*, name: str | None = None, ref: str = "HEAD", remote: str = "origin",
            dir: str | None = None, direct: bool = False, wip: bool = False,
-           zone: str | None = None, project: str | None = None) -> None:
-    """Put exactly one commit of this repository on every worker, verified."""
+           timeout: float = DEPLOY_TIMEOUT, zone: str | None = None,
+           project: str | None = None) -> None:
+    """Put exactly one commit of this repository on every worker, verified.
+
+    ``timeout``: seconds each step on the workers may take (default 600). One writer at a
+    time: a deploy while a run reads the checkout, or while another deploy is under way, is
+    refused with one sentence (docs/reliability.md)."""
     from tpufab.console import stdout
     from tpufab.progress import WorkerProgress
 
-    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, timeout=timeout))
     with WorkerProgress("deploy") as shown:  # the local checks come first, before any SSH
         report = pod.deploy(ref, remote=remote, dir=dir, direct=direct, wip=wip,
                             progress=progress, sink=shown)
@@ -70,13 +78,16 @@ def _driver_options(options: Iterable[str] | None) -> list[str]:
                  "install": "Install a missing driver on the workers."})
 def mount(*, bucket: str, name: str | None = None, at: str | None = None,
           driver: str | None = None, options: Iterable[str] | None = None,
-          install: bool = False, zone: str | None = None, project: str | None = None) -> None:
-    """Mount a Cloud Storage bucket (or a prefix of it) on every worker, verified."""
+          install: bool = False, timeout: float = MOUNT_TIMEOUT, zone: str | None = None,
+          project: str | None = None) -> None:
+    """Mount a Cloud Storage bucket (or a prefix of it) on every worker, verified.
+
+    ``timeout``: seconds each step on the workers may take (default 300)."""
     from tpufab import mount as mounting
     from tpufab.console import stdout
     from tpufab.progress import WorkerProgress
 
-    settings = settings_from_flags(name=name, zone=zone, project=project)
+    settings = settings_from_flags(name=name, zone=zone, project=project, timeout=timeout)
     spec = mounting.mount_spec(bucket, at=at, driver=driver or settings.mount_driver,
                                options=_driver_options(options),
                                endpoint=settings.storage_endpoint)
@@ -100,13 +111,16 @@ def mount(*, bucket: str, name: str | None = None, at: str | None = None,
 @verb(options={"at": "Mount point (default: every mount tpufab made).",
                  "lazy": "Detach now even if files are open there."})
 def umount(*, name: str | None = None, at: str | None = None, lazy: bool = False,
-           zone: str | None = None, project: str | None = None) -> None:
-    """Unmount --at (or every mount tpufab made) on every worker."""
+           timeout: float = MOUNT_TIMEOUT, zone: str | None = None,
+           project: str | None = None) -> None:
+    """Unmount --at (or every mount tpufab made) on every worker.
+
+    ``timeout``: seconds each step on the workers may take (default 300)."""
     from tpufab import mount as mounting
     from tpufab.console import stdout
 
     mounting.umount_args(at, lazy=lazy)  # a bad --at is refused before connecting
-    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, timeout=timeout))
     report = mounting.umount(pod.fanout, at, lazy=lazy)
     if at is None:
         print_table(("WORKERS", "RESULT", "MOUNT POINTS"), (

@@ -49,7 +49,7 @@ COMMON: dict[str, Opt] = {
     "project": Opt("Google Cloud project.", short="-p"),
     "as_json": Opt("Print JSON instead of a table.", flag="--json"),
     "worker": Opt("Workers: all, 0, 0,3-5 or w[0-3,7].", short="-w"),
-    "timeout": Opt("Seconds before giving up on a worker's command.", min=0),
+    "timeout": Opt("Seconds before giving up on a worker's command."),
     "env": Opt("Set K=V, or forward the local K (repeatable).", short="-e", metavar="K=V|K"),
     "state_dir": Opt("Where the simulated pod keeps its state (TPUFAB_SIM_DIR)."),
     "color": Opt("Let the workers' own colours through (other control sequences always show "

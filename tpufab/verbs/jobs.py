@@ -13,6 +13,10 @@ from tpufab.verbs.common import note, pod_for, say, settings_from_flags, split_a
 from tpufab.verbs.declare import Opt, verb
 
 INTERRUPT_CHOICES = ("kill", "detach")
+RUN_TIMEOUT = 600.0     # seconds per step before the recipe starts (deploy, start); following
+                        # the logs afterwards has no limit: a training run may last days
+LOGS_TIMEOUT = 300.0    # seconds for plain `logs` to fetch every worker's log
+LIST_TIMEOUT = 60.0     # `runs`: seconds for every worker to answer
 
 RUN_OPTIONS = {
     "recipe": "Recipe: an executable file, e.g. recipes/jax_hello.sh.",
@@ -41,7 +45,8 @@ def run(recipe: str, extra: Sequence[str] = (), *, name: str | None = None, args
         wip: bool = False, env: Sequence[str] | None = None, local: bool = False,
         workers: int | None = None, on_interrupt: str | None = None, spmd: bool = False,
         raw: bool = False, check: bool = False, wait_port: int | None = None,
-        wait_timeout: float = 600.0, color: bool = False, zone: str | None = None,
+        wait_timeout: float = 600.0, color: bool = False, timeout: float = RUN_TIMEOUT,
+        zone: str | None = None,
         project: str | None = None) -> int:
     """Run a recipe on every worker at once (deploying first) and follow its logs.
 
@@ -55,6 +60,10 @@ def run(recipe: str, extra: Sequence[str] = (), *, name: str | None = None, args
     deploys one commit everywhere). With --wait-port, return instead (the run goes on) once
     that port answers on worker 0, e.g. a model server; if it never does within
     --wait-timeout, show the logs and fail.
+
+    ``timeout``: seconds each step before the recipe starts may take on the workers (deploy,
+    start; default 600); following the logs afterwards has no limit. One job at a time: a
+    run while another one runs on the pod is refused with one sentence.
     """
     from tpufab.runs import forwarded_for
 
@@ -68,7 +77,7 @@ def run(recipe: str, extra: Sequence[str] = (), *, name: str | None = None, args
         raise ConfigError("--no-deploy skips deploy, while --direct and --wip say how to "
                           "deploy: give one or the other.")
     argv = [*split_args(args), *(str(item) for item in extra or ())]
-    settings = settings_from_flags(name=name, zone=zone, project=project)
+    settings = settings_from_flags(name=name, zone=zone, project=project, timeout=timeout)
     forwarded = forwarded_for(settings, env)
     if local and check:
         raise ConfigError("--check checks a pod; drop it with --local.")
@@ -96,17 +105,24 @@ def run(recipe: str, extra: Sequence[str] = (), *, name: str | None = None, args
         if not direct and not wip and not gitops.has_remote(root, "origin"):
             note("This repository has no git remote yet: deploying over SSH (--direct).")
             direct = True
+    from tpufab import codelock
+
     pod = pod_for(settings)
     if check:
         _preflight(pod, settings, compare_commits=no_deploy)
-    plan = _plan(pod, settings, path, argv, forwarded, spmd, root=root, direct=direct,
-                 wip=wip)
+    # One writer for the code and one job at a time: from the check for a live run until
+    # the recipe has started, no other tpufab deploys or starts a run on this pod.
+    with codelock.hold(pod.fanout, pod.workers, purpose=f"run {path.name}"):
+        codelock.refuse_a_second_run(pod.fanout, pod.workers)
+        plan = _plan(pod, settings, path, argv, forwarded, spmd, root=root, direct=direct,
+                     wip=wip)
+        started = _start(pod, plan)
     if wait_port is not None:
         code = _start_and_follow(pod, plan, detach=True, on_interrupt=on_interrupt, quiet=True,
-                                 settings=settings)
+                                 settings=settings, started=started)
         return code or _wait_for_port(pod, plan, int(wait_port), wait_timeout)
     return _start_and_follow(pod, plan, detach=detach, on_interrupt=on_interrupt, raw=raw,
-                             color=color, settings=settings)
+                             color=color, settings=settings, started=started)
 
 
 def _preflight(pod, settings, *, compare_commits: bool) -> None:
@@ -166,7 +182,8 @@ def _plan(pod, settings, path: Path, argv, forwarded, spmd, *, root, direct, wip
     commit = cwd = None
     if root is not None:
         report = deploy.deploy(pod.fanout, dir=settings.remote_dir, direct=direct, wip=wip,
-                               cwd=root, progress=lambda msg: note(f"deploy: {msg}", "dim"))
+                               cwd=root, progress=lambda msg: note(f"deploy: {msg}", "dim"),
+                               lease=False)  # run holds the lease already
         commit, cwd = report.commit, report.dir
         changed = [r.worker for r in report.rows if r.changed]
         how = f"updated {nodeset.fold(changed)}" if changed else "already there"
@@ -178,19 +195,26 @@ def _plan(pod, settings, path: Path, argv, forwarded, spmd, *, root, direct, wip
                          args=argv, cwd=cwd, commit=commit, forwarded=forwarded, spmd=spmd)
 
 
-def _start_and_follow(pod, plan, *, detach: bool, on_interrupt: str | None,
-                      raw: bool = False, quiet: bool = False, color: bool = False,
-                      settings=None) -> int:
+def _start(pod, plan) -> dict[int, dict]:
     from tpufab import jobs, nodeset
     from tpufab.fanout import FanoutInterrupted
 
-    workers = plan.workers
     try:
-        started = jobs.start(pod.fanout, plan)
+        return jobs.start(pod.fanout, plan)
     except FanoutInterrupted:
-        jobs.stop(pod.fanout, plan.run_id, workers, grace=2.0)
+        jobs.stop(pod.fanout, plan.run_id, plan.workers, grace=2.0)
         raise TpufabError(f"Interrupted while starting run {plan.run_id}; stopped it on "
-                          f"{nodeset.fold(workers)}.", exit_code=130) from None
+                          f"{nodeset.fold(plan.workers)}.", exit_code=130) from None
+
+
+def _start_and_follow(pod, plan, *, detach: bool, on_interrupt: str | None,
+                      raw: bool = False, quiet: bool = False, color: bool = False,
+                      settings=None, started: dict[int, dict] | None = None) -> int:
+    from tpufab import jobs, nodeset
+
+    workers = plan.workers
+    if started is None:
+        started = _start(pod, plan)
     first = started[workers[0]]
     where = first.get("cwd") or "~"
     missing = [w for w, s in started.items() if s.get("cwd_missing")]
@@ -370,18 +394,27 @@ def _unreachable(statuses):
 @verb(options={"run": "Run id (default: the latest).", "follow": Opt("Keep following.", short="-f"),
                  "raw": "Every line, prefixed by its worker."})
 def logs(*, run: str | None = None, follow: bool = False, worker: str = "all",
-         raw: bool = False, color: bool = False, name: str | None = None,
-         zone: str | None = None, project: str | None = None) -> int:
-    """A run's logs: worker 0's lines once, plus only the lines where others differ."""
+         raw: bool = False, color: bool = False, timeout: float | None = None,
+         name: str | None = None, zone: str | None = None, project: str | None = None) -> int:
+    """A run's logs: worker 0's lines once, plus only the lines where others differ.
+
+    ``timeout``: seconds to wait for the workers (default 300 for the logs so far; with
+    --follow, no limit: following stops when the run ends, or after ``timeout`` if given).
+    A worker that cannot be reached is named and makes logs fail.
+    """
     from tpufab import jobs, nodeset
 
-    settings = settings_from_flags(name=name, zone=zone, project=project)
+    follow_for = float("inf") if timeout is None else timeout
+    if timeout is None:
+        timeout = LOGS_TIMEOUT
+    settings = settings_from_flags(name=name, zone=zone, project=project, timeout=timeout)
     pod = pod_for(settings)
     chosen = pod.fanout.select(worker)
     run_id, statuses, have = _find_run(pod, chosen, run)
     rows = {r.run: r for r in jobs.run_rows({w: statuses[w] for w in chosen})}
     row = rows[run_id]
-    absent = [w for w in chosen if w not in have]
+    unreachable = _unreachable({w: statuses[w] for w in chosen})
+    absent = [w for w in chosen if w not in have and statuses[w].error is None]
     note(f"Run {run_id}: {row.recipe} - {row.workers}", "dim")
     if absent:
         note(f"({nodeset.fold(absent)} {'has' if len(absent) == 1 else 'have'} no record of "
@@ -390,7 +423,9 @@ def logs(*, run: str | None = None, follow: bool = False, worker: str = "all",
     # would forward are masked again (a log written by an older tpufab).
     secrets = _local_secrets(settings)
     if follow:
-        return _follow_logs(pod, run_id, have, raw, color, secrets)
+        code = _follow_logs(pod, run_id, have, raw, color, secrets, timeout=follow_for)
+        _refuse_partial(run_id, unreachable)
+        return code
     logs, states = jobs.fetch_logs(pod.fanout, run_id, have)
     try:
         _print_logs(logs, raw=raw, color=color, secrets=secrets)
@@ -398,9 +433,21 @@ def logs(*, run: str | None = None, follow: bool = False, worker: str = "all",
         for output in logs.values():
             output.close()
     gone = [s for s in states.values() if s.state in ("unreachable", "no record")]
+    _refuse_partial(run_id, unreachable + [s for s in gone if s.state == "unreachable"])
     if gone:
         note(f"No log from {jobs.fold_states(gone)}.", "yellow")
     return 0
+
+
+def _refuse_partial(run_id: str, unreachable) -> None:
+    """Logs missing a worker that did not answer are not the whole story: say so, fail."""
+    from tpufab import jobs
+
+    if unreachable:
+        raise jobs.RunError(f"No log from {jobs.fold_states(unreachable)}: the logs above "
+                            f"miss {'that worker' if len(unreachable) == 1 else 'those workers'}"
+                            f"; check it with `tpufab status`, then `tpufab logs --run {run_id}` "
+                            "again.")
 
 
 def _local_secrets(settings) -> list[str]:
@@ -454,21 +501,27 @@ def _print_logs(logs, *, raw: bool, color: bool, secrets: Sequence[str], out=Non
 
 
 def _follow_logs(pod, run_id: str, workers, raw: bool, color: bool = False,
-                 secrets: Sequence[str] = ()) -> int:
-    from tpufab import jobs
+                 secrets: Sequence[str] = (), *, timeout: float = float("inf")) -> int:
+    from tpufab import jobs, nodeset
     from tpufab.fanout import FanoutInterrupted, LiveView
 
     view = LiveView(workers=workers, worker_colors=color) if raw else \
         jobs.FoldingView(workers, color=color).start()
     sink = jobs.FollowSink(view, secrets=secrets)
     try:
-        states = jobs.follow(pod.fanout, run_id, workers, sink)
+        states = jobs.follow(pod.fanout, run_id, workers, sink, timeout=timeout)
     except FanoutInterrupted:
         sink.close()
         note(f"Stopped following; run {run_id} keeps running.")
         return 130
     finally:
         sink.close()
+    waited = [s.worker for s in states.values() if (s.detail or "").startswith("timed out")]
+    if waited:
+        raise jobs.RunError(f"Stopped following run {run_id} on {nodeset.fold(waited)} after "
+                            f"{timeout:g} s (--timeout); the run itself is untouched: "
+                            f"`tpufab runs`, `tpufab logs --run {run_id} --follow`.",
+                            exit_code=124)
     text = f"Run {run_id}: {jobs.fold_states(states.values())}."
     if all(s.ok for s in states.values()):
         note(text)
@@ -480,13 +533,16 @@ def _follow_logs(pod, run_id: str, workers, raw: bool, color: bool = False,
 
 @verb()
 def runs(*, name: str | None = None, worker: str = "all", as_json: bool = False,
-         zone: str | None = None, project: str | None = None) -> int:
-    """The runs the workers know, with each worker's state."""
+         timeout: float = LIST_TIMEOUT, zone: str | None = None,
+         project: str | None = None) -> int:
+    """The runs the workers know, with each worker's state.
+
+    ``timeout``: seconds for every worker to answer (default 60)."""
     import json
 
     from tpufab import jobs, nodeset
 
-    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, timeout=timeout))
     chosen = pod.fanout.select(worker)
     statuses = jobs.statuses(pod.fanout, chosen)
     rows = jobs.run_rows(statuses)
@@ -548,8 +604,14 @@ def _duration(seconds: float) -> str:
                  "dry_run": "Only report.", "force": "Also stop protected holders."})
 def kill(*, name: str | None = None, run: str | None = None, grace: float = 5.0,
          dry_run: bool = False, force: bool = False, worker: str = "all",
-         zone: str | None = None, project: str | None = None) -> int:
-    """Free the TPU everywhere: stop runs and stale holders, then remove the lockfile."""
+         timeout: float | None = None, zone: str | None = None,
+         project: str | None = None) -> int:
+    """Free the TPU everywhere: stop runs and stale holders, then remove the lockfile.
+
+    ``timeout``: seconds the kill may take on each worker (default: the grace period plus
+    34 s, enough for TERM, the grace, KILL and the lockfile's settle time). A protected
+    process (tpu-runtime, ...) still holding a device is named, with what to do about it
+    (the same words `status` uses), and kill fails until it is gone."""
     from tpufab import killing
     from tpufab.runs import is_run_id
 
@@ -558,10 +620,10 @@ def kill(*, name: str | None = None, run: str | None = None, grace: float = 5.0,
     if run is not None and not is_run_id(run):
         raise ConfigError(f"{run!r} is not a run id (they look like 20261122-104455-ab12); "
                           "`tpufab runs` lists them.")
-    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, timeout=timeout))
     chosen = pod.fanout.select(worker)
     result = killing.kill(pod.fanout, chosen, run=run, grace=grace, dry_run=dry_run,
-                          force=force, device_globs=pod.device_globs())
+                          force=force, device_globs=pod.device_globs(), timeout=timeout)
     for line in killing.report_lines(result):
         say(line)
     text = killing.summary(result)

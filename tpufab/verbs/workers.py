@@ -17,14 +17,18 @@ from tpufab.verbs.declare import Opt, verb
 def exec_(*, command: str, name: str | None = None, worker: str = "all", gather: bool = False,
           timeout: float | None = None, env: Sequence[str] | None = None, color: bool = False,
           zone: str | None = None, project: str | None = None) -> None:
-    """Run a shell command on every (or the selected) worker."""
+    """Run a shell command on every (or the selected) worker.
+
+    ``timeout``: seconds the command may run on each worker (then it is stopped there and
+    that worker fails); connecting waits at most connect_timeout (20 s) or this, if
+    shorter. Default: the command_timeout setting (none)."""
     from tpufab.fanout import LiveView, print_gathered
     from tpufab.quoting import Secret
     from tpufab.runs import forwarded_for
 
     if not command or not command.strip():
         raise ConfigError("No command given: tpufab exec 'CMD' (quote it as one argument).")
-    settings = settings_from_flags(name=name, zone=zone, project=project)
+    settings = settings_from_flags(name=name, zone=zone, project=project, timeout=timeout)
     # --env as for run: secrets travel in the request (never argv) and are masked in output.
     forwarded = forwarded_for(settings, env) if env else None
     pod = pod_for(settings)
@@ -50,7 +54,9 @@ def setup(*, name: str | None = None, script: str = "scripts/setup.sh", force: b
     """Ship a setup script and run it on every worker (once per script content).
 
     The workers' output is folded live (each identical line once; lines where workers differ
-    under their workers), with a progress line on a terminal.
+    under their workers), with a progress line on a terminal. ``timeout``: seconds each step
+    on a worker may take (connecting at most connect_timeout); default: no limit, since
+    installing a framework may take long.
     """
     from tpufab.console import stdout
     from tpufab.fanout import LiveView, Tee
@@ -62,7 +68,7 @@ def setup(*, name: str | None = None, script: str = "scripts/setup.sh", force: b
     if not path.is_file():
         raise ConfigError(f"Setup script {script} does not exist; pass --script PATH "
                           "(default scripts/setup.sh).")
-    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, timeout=timeout))
     chosen = pod.select(worker)
     folding = None if raw else FoldingView(chosen).start()
     try:

@@ -1,0 +1,212 @@
+"""A pod has one writer at a time for its code (issue 11, findings 3 and 4): a deploy while a
+run reads the checkout is refused, a second run while one runs is refused, two deploys at once
+never both report success, a killed deployer leaves no lease behind, and a push race says why.
+Everything through the real `tpufab` command on a simulated v4-32 with a `git daemon` remote.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import git_daemon, unique_name, wait_for
+from test_status import TPUFAB, cli_env, in_worker, quiet_console, sim_settings
+
+from tpufab import gitops
+
+GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin"}
+
+# Waits (bounded) for /tmp/<its first argument> on its worker; says which code it runs.
+READER = """#!/bin/sh
+echo "start $(cat version.txt)"
+n=0
+while [ ! -e "/tmp/$1" ]; do
+    n=$((n + 1)); [ $n -gt 1200 ] && exit 9
+    sleep 0.1
+done
+echo "end $(cat version.txt)"
+"""
+
+
+def git(repo: Path, *args: str) -> str:
+    env = {**GIT_ENV, "HOME": str(repo)}
+    return subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def tpufab(*args: str, env: dict, cwd: Path, timeout: float = 180):
+    return subprocess.run([TPUFAB, *args], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def start(*args: str, env: dict, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([TPUFAB, *args], env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+
+
+def refused(result, *fragments: str) -> str:
+    """Non-zero, one sentence on stderr holding every fragment, no traceback."""
+    assert result.returncode != 0, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines()
+             if line.strip() and not line.startswith("deploy: ")]
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def commit(repo: Path, version: str) -> str:
+    (repo / "version.txt").write_text(version + "\n")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", version)
+    return git(repo, "rev-parse", "HEAD")
+
+
+def heads(sim, pod, dir: str = "~/proj") -> set[str]:
+    return {in_worker(sim, pod.node, w, f"git -C {dir} rev-parse HEAD").strip()
+            for w in range(4)}
+
+
+def test_a_push_race_gets_its_reason(tmp_path):
+    """Two pushes to one branch at once: the loser finds the ref locked by the winner."""
+    bare = tmp_path / "srv.git"
+    subprocess.run(["git", "init", "-q", "--bare", "-b", "main", str(bare)], check=True)
+    repo = tmp_path / "proj"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "remote", "add", "origin", str(bare))
+    sha = commit(repo, "one")
+    (bare / "refs" / "heads" / "main.lock").write_text("")  # the other push, mid-update
+    with pytest.raises(gitops.GitError) as err:
+        gitops.push(repo, "origin", sha, "refs/heads/main")
+    text = str(err.value)
+    # before: "git push to origin failed: error: failed to push some refs to ..."
+    assert "failed to update ref" in text or "cannot lock ref" in text, text
+    assert "another push" in text and "deploy again" in text
+
+
+@pytest.fixture(scope="module")
+def pod4(sim, tmp_path_factory):
+    from tpufab import lifecycle
+    from tpufab import pod as pods
+
+    home = tmp_path_factory.mktemp("writer-home")
+    name = unique_name("one")
+    settings = sim_settings(sim, home, name=name, type="v4-32")
+    [node] = lifecycle.create(settings, console=quiet_console())
+    srv = home / "srv"
+    srv.mkdir()
+    subprocess.run(["git", "init", "-q", "--bare", "-b", "main", str(srv / "proj.git")],
+                   check=True)
+    with git_daemon(srv) as url:
+        repo = home / "proj"
+        repo.mkdir()
+        git(repo, "init", "-q", "-b", "main")
+        git(repo, "remote", "add", "origin", f"{url}/proj.git")
+        (repo / "reader.sh").write_text(READER)
+        (repo / "reader.sh").chmod(0o755)
+        commit(repo, "A")
+        env = {**cli_env(sim, home, name), **{k: v for k, v in GIT_ENV.items() if k != "PATH"}}
+        yield SimpleNamespace(settings=settings, node=node, home=home, name=name, env=env,
+                              repo=repo)
+    pods.forget(settings)
+    lifecycle.delete(settings, yes=True, console=quiet_console())
+
+
+@pytest.mark.sim
+def test_a_deploy_or_a_second_run_while_a_run_reads_the_checkout_is_refused(sim, pod4):
+    repo, env = pod4.repo, pod4.env
+    first = git(repo, "rev-parse", "HEAD")
+    trigger = unique_name("end")
+    started = tpufab("run", "reader.sh", "--args", trigger, "--detach", env=env, cwd=repo)
+    assert started.returncode == 0, started.stderr
+    run_id = started.stderr.split("Run ", 1)[1].split(":", 1)[0]
+    second = commit(repo, "B")
+    # before: the checkout was swapped under the run ("start A", then "end B")
+    deploy = tpufab("deploy", env=env, cwd=repo)
+    refused(deploy, f"Run {run_id} (reader.sh) is running in ~/proj on w[0-3]",
+            "would change its code under it", f"tpufab kill --run {run_id}")
+    # before: a second run started without a word (on a TPU: "TPU in use")
+    again = tpufab("run", "reader.sh", "--args", trigger, "--detach", env=env, cwd=repo)
+    refused(again, f"Run {run_id} (reader.sh) is still running on w[0-3]",
+            "one job at a time", f"tpufab kill --run {run_id}")
+    assert heads(sim, pod4) == {first}
+    for w in range(4):
+        in_worker(sim, pod4.node, w, f"touch /tmp/{trigger}")
+    logs = tpufab("logs", "--run", run_id, "--follow", env=env, cwd=repo)
+    assert logs.returncode == 0, logs.stderr
+    assert "start A" in logs.stdout and "end A" in logs.stdout and "B" not in logs.stdout
+    # once it ended, the deploy goes through
+    deploy = tpufab("deploy", env=env, cwd=repo)
+    assert deploy.returncode == 0, deploy.stderr
+    assert heads(sim, pod4) == {second}
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("loser", [["deploy"], ["deploy", "--direct"]])
+def test_two_deploys_at_once_never_both_report_success(sim, pod4, loser):
+    repo, env = pod4.repo, pod4.env
+    assert tpufab("deploy", env=env, cwd=repo).returncode == 0
+    marker = unique_name("hook")
+    for w in range(4):  # the next checkout hangs in a hook until the test releases it
+        in_worker(sim, pod4.node, w, "printf '#!/bin/sh\\nwhile [ ! -e /tmp/%s ]; do sleep "
+                  "0.05; done\\n' " + marker + " > ~/proj/.git/hooks/post-checkout && chmod +x "
+                  "~/proj/.git/hooks/post-checkout")
+    winner_commit = commit(repo, unique_name("W"))
+    winner = start("deploy", env=env, cwd=repo)
+    try:
+        wait_for(lambda: "hooks/post-checkout" in in_worker(sim, pod4.node, 3, "ps -eo args="),
+                 60, what="the first deploy to hang in its hook")
+        loser_commit = commit(repo, unique_name("L"))
+        began = time.monotonic()
+        second = tpufab(*loser, env=env, cwd=repo)
+        assert time.monotonic() - began < 60
+        # before: both exited 0, the loser for a commit the workers did not hold
+        refused(second, "Another tpufab is changing the code on w0",
+                f"deploy {winner_commit[:12]} by ", "wait for it to finish, then deploy again")
+        for w in range(4):
+            in_worker(sim, pod4.node, w, f"touch /tmp/{marker}")
+        out, err = winner.communicate(timeout=120)
+    finally:
+        if winner.poll() is None:
+            winner.kill()
+        for w in range(4):
+            in_worker(sim, pod4.node, w, f"touch /tmp/{marker}; rm -f "
+                      "~/proj/.git/hooks/post-checkout")
+    assert winner.returncode == 0, err
+    assert f"Deployed {winner_commit[:12]}" in out
+    assert heads(sim, pod4) == {winner_commit} != {loser_commit}
+
+
+@pytest.mark.sim
+def test_a_killed_deployer_leaves_no_lease_behind(sim, pod4):
+    repo, env = pod4.repo, pod4.env
+    assert tpufab("deploy", env=env, cwd=repo).returncode == 0
+    marker = unique_name("hook")
+    for w in range(4):
+        in_worker(sim, pod4.node, w, "printf '#!/bin/sh\\nwhile [ ! -e /tmp/%s ]; do sleep "
+                  "0.05; done\\n' " + marker + " > ~/proj/.git/hooks/post-checkout && chmod +x "
+                  "~/proj/.git/hooks/post-checkout")
+    commit(repo, unique_name("K"))
+    victim = start("deploy", env=env, cwd=repo)
+    try:
+        wait_for(lambda: "hooks/post-checkout" in in_worker(sim, pod4.node, 0, "ps -eo args="),
+                 60, what="the deploy to hang in its hook")
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(30)
+    finally:
+        for w in range(4):
+            in_worker(sim, pod4.node, w, f"touch /tmp/{marker}; rm -f "
+                      "~/proj/.git/hooks/post-checkout")
+    latest = commit(repo, unique_name("after"))
+    # the lease died with the killed process's connection: the next deploy goes through
+    again = wait_for(lambda: (lambda r: r if r.returncode == 0 else None)(
+        tpufab("deploy", env=env, cwd=repo)), 60, interval=0.5, what="the next deploy")
+    assert f"Deployed {latest[:12]}" in again.stdout
+    assert heads(sim, pod4) == {latest}
