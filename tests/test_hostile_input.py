@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import unique_name
+from helpers import TPUFAB, cli_env, in_worker, quiet_console, sim_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_status import TPUFAB, cli_env, in_worker, quiet_console, sim_settings
 
 from tpufab.errors import ConfigError, TpufabError
 
