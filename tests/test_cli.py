@@ -98,8 +98,9 @@ def test_invoke_list_imports_no_cloud_sdk_or_fabric():
     assert imported_heavy_modules(body, REPO) == []
 
 
-VERBS = ("create", "delete", "list", "describe", "types", "exec", "setup", "ssh", "deploy",
-         "mount", "umount", "run", "logs", "runs", "kill", "status", "babysit")
+VERBS = ("init", "use", "launch", "autostop", "gc", "create", "delete", "list", "describe",
+         "types", "topology", "exec", "setup", "ssh", "deploy", "mount", "umount", "run", "logs",
+         "runs", "kill", "status", "babysit", "check")
 SIM_VERBS = ("up", "down", "status", "preempt", "unreachable", "fail-create", "burst", "zombie",
              "bucket")
 
