@@ -9,7 +9,8 @@ must see in a cell when that differs from the fault's default. Every cell assert
 - the verb never waits past its timeout (elapsed < timeout + a generous margin: this is a
   bound, not a duration to meet on a busy machine);
 - nothing the verb started is left running, locally (any process carrying the cell's marker in
-  its environment) or on a worker (any process under sshd that was not there before);
+  its environment) or on a worker (any process but PID 1 and sshd's that was not there
+  before, detached ones included);
 - the next invocation, with the fault gone, works.
 
 Cells that fail today because the fix belongs to another open finding are strict xfails (see
@@ -89,7 +90,8 @@ class Pod:
 
 
 RECIPE_NAME = "fm-recipe.sh"
-SETUP = "#!/bin/sh\nset -e\necho stamp > ~/.fm-setup-stamp.$$\necho fm-setup-ok on $(hostname)\n"
+SETUP = ("#!/bin/sh\nset -e\n"            # a setup writes (1 MiB here): a full disk fails it
+         "head -c 1048576 /dev/zero > ~/.fm-setup-stamp\necho fm-setup-ok on $(hostname)\n")
 RECIPE = "#!/bin/sh\necho fm-run-ok w$TPUFAB_WORKER_ID\n"
 
 
