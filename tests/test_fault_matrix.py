@@ -91,7 +91,8 @@ class Pod:
 
 RECIPE_NAME = "fm-recipe.sh"
 SETUP = ("#!/bin/sh\nset -e\n"            # a setup writes (1 MiB here): a full disk fails it
-         "head -c 1048576 /dev/zero > ~/.fm-setup-stamp\necho fm-setup-ok on $(hostname)\n")
+         "head -c 1048576 /dev/zero > ~/.fm-setup.$$\nrm ~/.fm-setup.$$\n"
+         "echo fm-setup-ok on $(hostname)\n")
 RECIPE = "#!/bin/sh\necho fm-run-ok w$TPUFAB_WORKER_ID\n"
 
 
