@@ -484,6 +484,11 @@ XFAIL = {
     ("deploy", "twice-at-once"): "finding 4: a second deploy reports success while the first "
                                  "is still putting its own commit on the workers",
     ("run", "twice-at-once"): "finding 3: two runs at once on one pod start without a word",
+    # unowned (seen once the workers' login became a user with sudo): what runs as root
+    # cannot start on a full disk, so status shows w1 unreachable and kill cannot check it
+    **{(verb, "disk-full"): "no finding yet: the root-side agent (sudo) cannot start on a "
+                            "full disk ('could not start: ... No space left on device')"
+       for verb in ("kill", "status")},
 }
 
 
