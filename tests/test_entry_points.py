@@ -133,8 +133,6 @@ def test_sim_up_status_down_through_the_command_line(tmp_path):
         tpufab("sim", "down", "--state-dir", str(state), env=env)
 
 
-@pytest.mark.xfail(strict=True, reason="finding 10: sim up on the port sim down just freed "
-                                       "fails (Address already in use) after client traffic")
 def test_sim_up_again_on_the_same_port_at_once(tmp_path):
     state = tmp_path / "sim"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
