@@ -150,7 +150,7 @@ def new_commit(pod: Pod) -> None:
 
 T = f"{TIMEOUT:g}"
 VERBS = [
-    Verb("exec", lambda p: ["exec", "echo fm-exec-ok"], "fm-exec-ok"),
+    Verb("exec", lambda p: ["exec", "sleep 0.5; echo fm-exec-ok"], "fm-exec-ok"),  # freezable
     Verb("setup", lambda p: ["setup", "--script", "fm-setup.sh", "--force"], "fm-setup-ok"),
     Verb("deploy", lambda p: ["deploy", "--direct", "--dir", "~/fm-code"], "Deployed",
          prepare=new_commit),
