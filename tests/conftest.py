@@ -29,6 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
+
+# No per-example deadline (hypothesis's default is 200 ms): on a busy 2-core machine that only
+# measures the machine. Example counts stay bounded per test.
+settings.register_profile("tpufab", deadline=None)
+settings.load_profile("tpufab")
 
 NOT_ROOT = "the simulated pod needs root (sshd workers in namespaces on 127.x addresses)"
 NO_GCLOUD = "gcloud is not installed"

@@ -19,8 +19,9 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import unique_name, wait_for
+from helpers import TPUFAB, cli_env, in_worker, quiet_console, sim_settings
 from rich.console import Console
-from test_status import TPUFAB, cli_env, facts_of, in_worker, quiet_console, sim_settings
+from test_status import facts_of
 
 from tpufab import babysit as bs
 from tpufab.config import Settings

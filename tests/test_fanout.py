@@ -14,10 +14,10 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_for
 
 from tpufab.errors import TpufabError
 from tpufab.fanout import (
@@ -39,15 +39,6 @@ pytestmark = pytest.mark.skipif(
 WORKERS = 4
 USER = "tpu"
 
-
-def wait_for(condition, timeout=10.0, interval=0.02, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def listening(host, port=22):

@@ -13,9 +13,18 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import unique_name
-from hypothesis import HealthCheck, given, settings
+from helpers import (
+    TPUFAB,
+    cli_env,
+    in_worker,
+    no_traceback,
+    one_sentence,
+    quiet_console,
+    sim_settings,
+    tpufab,
+)
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from test_status import TPUFAB, cli_env, in_worker, quiet_console, sim_settings
 
 from tpufab.errors import ConfigError, TpufabError
 
@@ -155,21 +164,13 @@ def test_env_specs_with_bad_names_are_rejected(spec):
     assert name.isidentifier() and name.isascii()
 
 
-def test_env_value_with_a_nul_byte_is_refused_not_truncated(pod2):
-    try:
-        result = pod2.pod.fanout.run(["printenv", "HOSTILE"], env={"HOSTILE": "a\x00b"})
-    except TpufabError as err:
-        assert "NUL" in str(err)
-        return
-    try:
-        assert not result.ok and all(r.stdout == "" for r in result.values())
-    finally:
-        result.close()
-
-
 def test_env_value_with_a_nul_byte_is_one_clear_error(pod2):
+    """Refused once, before any worker runs anything (not truncated at the NUL)."""
+    probe = "/tmp/tpufab-nul-probe"
     with pytest.raises(TpufabError, match="NUL"):
-        pod2.pod.fanout.run(["printenv", "HOSTILE"], env={"HOSTILE": "a\x00b"})
+        pod2.pod.fanout.run(f"touch {probe}; printenv HOSTILE", env={"HOSTILE": "a\x00b"})
+    assert [in_worker(pod2.sim, pod2.node, w, f"test -e {probe} && echo ran || true").strip()
+            for w in (0, 1)] == ["", ""]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,16 +253,25 @@ def test_recipe_args_are_single_quoted_words_on_the_worker_command_line(args):
 
 @FEW
 @given(text=HOSTILE)
-def test_an_args_string_that_is_not_shell_words_is_one_sentence(text, tmp_path_factory):
+def test_an_args_string_is_split_as_shell_words_or_refused_in_one_sentence(text,
+                                                                           tmp_path_factory):
     from tpufab.verbs import status as statusverbs
 
+    recipe = str(tmp_path_factory.getbasetemp() / "none.sh")
     try:
         shlex.split(text)
+        valid = True
     except ValueError:
-        # babysit (like run) refuses before it looks for the node or the recipe
-        with pytest.raises(ConfigError, match="is not a valid argument list"):
-            statusverbs.babysit(str(tmp_path_factory.getbasetemp() / "none.sh"), name="x",
-                                args=text)
+        valid = False
+    # babysit (like run) checks the args first, then the recipe, before it looks for the node
+    with pytest.raises(ConfigError) as refused:
+        statusverbs.babysit(recipe, name="x", args=text)
+    sentence = str(refused.value)
+    if valid:
+        assert sentence.startswith(f"No recipe at {recipe}"), sentence
+    else:
+        assert "is not a valid argument list" in sentence, sentence
+    assert "\n" not in sentence.strip()
 
 
 @settings(max_examples=8, deadline=None, derandomize=True,
@@ -282,3 +292,144 @@ def test_recipe_args_reach_the_recipe_literally(pod2, args):
     for w in plan.workers:
         assert json.loads(logs[w].read().decode().strip().splitlines()[-1]) == args
     assert not canary_on_workers(pod2)
+
+
+# ---------------------------------------------------------------------------------------------
+# through the command line: every rejection is one sentence and a non-zero exit, never a
+# traceback; what is accepted arrives literally; nothing runs (the canary)
+
+CLI = settings(max_examples=8, deadline=None, derandomize=True,
+               suppress_health_check=[HealthCheck.too_slow,
+                                      HealthCheck.function_scoped_fixture])
+
+
+def refused_or(result, accepted: bool) -> None:
+    """`accepted`: what the library says about the input; the command must agree."""
+    no_canary_here()
+    no_traceback(result)
+    if accepted:
+        assert result.returncode == 0, result.stdout + result.stderr
+    else:
+        one_sentence(result)
+
+
+@CLI
+@given(name=HOSTILE)
+def test_node_names_on_the_command_line(pod2, name):
+    from tpufab import lifecycle
+
+    try:
+        lifecycle.validate_name(name)
+        valid = True
+    except ConfigError:
+        valid = False
+    result = tpufab("describe", f"--name={name}", env=pod2.env, timeout=120)
+    # a valid name that does not exist is refused too, in one sentence that names it
+    sentence = one_sentence(result)
+    assert ("No node named" in sentence) == valid, sentence
+    no_canary_here()
+
+
+@CLI
+@given(selection=HOSTILE)
+def test_worker_selections_on_the_command_line(pod2, selection):
+    from tpufab import nodeset
+
+    try:
+        workers = nodeset.parse_selection(selection, 2)
+    except ConfigError:
+        workers = None
+    result = tpufab("exec", f"--worker={selection}", "echo picked", env=pod2.env, timeout=120)
+    refused_or(result, workers is not None)
+    if workers is not None:
+        assert result.stdout.count("picked") == len(workers), result.stdout
+    assert not canary_on_workers(pod2)
+
+
+@CLI
+@given(name=st.one_of(st.sampled_from(["HOSTILE", "HF_TOKEN"]), HOSTILE), value=HOSTILE)
+def test_env_on_the_command_line(name, value, tmp_path_factory):
+    """`run --local -e NAME=VALUE`: a bad name is one sentence; a value arrives byte for byte."""
+    spec = f"{name}={value}"
+    name, _, value = spec.partition("=")          # what the command line will see
+    assume(name not in ("SHOW", "OUT", "PATH", "HOME"))
+    work = tmp_path_factory.mktemp("env")
+    recipe = work / "show.sh"
+    recipe.write_text('#!/bin/sh\nprintenv "$SHOW" > "$OUT"\n')
+    recipe.chmod(0o755)
+    out = work / "value.txt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
+    env.update(HOME=str(work), TPUFAB_USER_CONFIG=str(work / "none.yaml"))
+    valid = name.isidentifier() and name.isascii()
+    result = subprocess.run(
+        [TPUFAB, "run", "--local", "--workers=1", "--no-deploy", f"--env={spec}",
+         f"--env=SHOW={name if valid else 'x'}", f"--env=OUT={out}", "--", str(recipe)],
+        env=env, cwd=work, capture_output=True, text=True, timeout=120,
+        stdin=subprocess.DEVNULL)
+    refused_or(result, valid)
+    if valid:
+        assert out.read_text() == value + "\n"
+        if name == "HF_TOKEN" and len(value.strip()) > 3:
+            assert value not in result.stdout + result.stderr   # a secret is never shown
+
+
+@CLI
+@given(stem=HOSTILE)
+def test_recipe_paths_on_the_command_line(stem, tmp_path_factory):
+    """A recipe whose file name is hostile runs as that file, and only that file."""
+    work = tmp_path_factory.mktemp("recipe")
+    name = stem.replace("/", "_").lstrip("-")[:200] or "r"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
+    env.update(HOME=str(work), TPUFAB_USER_CONFIG=str(work / "none.yaml"))
+    recipe = work / name
+    try:
+        recipe.write_text(f"#!/bin/sh\necho ran > {shlex.quote(str(work / 'ran'))}\n")
+    except (OSError, ValueError):
+        return  # not a file name this filesystem takes
+    recipe.chmod(0o755)
+    result = subprocess.run([TPUFAB, "run", "--local", "--workers=1", "--no-deploy", "--",
+                             str(recipe)], env=env, cwd=work, capture_output=True, text=True,
+                            timeout=120, stdin=subprocess.DEVNULL)
+    refused_or(result, True)
+    assert (work / "ran").read_text() == "ran\n"
+    missing = subprocess.run([TPUFAB, "run", "--local", "--workers=1", "--no-deploy", "--",
+                              str(work / ("missing-" + name))], env=env, cwd=work,
+                             capture_output=True, text=True, timeout=120,
+                             stdin=subprocess.DEVNULL)
+    assert "No recipe at" in one_sentence(missing)
+    no_canary_here()
+
+
+CONFIG_KEYS = ["name", "zone", "project", "type", "concurrency", "connect_timeout",
+               "ssh_user", "remote_dir", "env", "nmae", "secrets"]
+CONFIG = st.one_of(
+    st.lists(st.tuples(st.sampled_from(CONFIG_KEYS), HOSTILE), max_size=4).map(
+        lambda pairs: "".join(f"{k}: {v}\n" for k, v in pairs)),
+    HOSTILE)
+
+
+@CLI
+@given(content=CONFIG)
+def test_tpufab_yaml_content(pod2, content, tmp_path_factory):
+    """Any tpufab.yaml: tpufab either reads it or says in one sentence what is wrong with it
+    (naming the file); never a traceback, never a command from it."""
+    from tpufab.config import load_settings
+
+    work = tmp_path_factory.mktemp("yaml")
+    (work / "tpufab.yaml").write_text(content)
+    env = {k: v for k, v in pod2.env.items() if k != "TPUFAB_NAME"}
+    try:
+        load_settings(env=env, cwd=work)
+        loads = True
+    except ConfigError:
+        loads = False
+    result = subprocess.run([TPUFAB, "describe", "--name=no-such-node",
+                             f"--project={pod2.sim.project}", f"--zone={pod2.sim.zone}"],
+                            env=env, cwd=work, capture_output=True, text=True, timeout=120,
+                            stdin=subprocess.DEVNULL)
+    sentence = one_sentence(result)
+    if loads:
+        assert "No node named 'no-such-node'" in sentence, sentence
+    else:
+        assert "tpufab.yaml" in sentence, sentence
+    no_canary_here()

@@ -8,26 +8,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "tpufab" / "remote" / "launch.py"
 WORKER_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
 SECRET = "hf_s3cr3t-value-that-must-not-leak"
 
-
-def wait_for(condition, timeout=15.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def alive(pid):

@@ -232,7 +232,9 @@ def test_create_describe_list_delete_single_host(settings_for, created, tpu_clie
 
     assert [n.name for n in lifecycle.list_nodes(settings) if n.name == name] == [name]
     described = lifecycle.describe(settings, name)
-    assert isinstance(described, Node) and described.workers[0].internal_ip
+    assert isinstance(described, Node)
+    assert [w.internal_ip for w in described.workers] == [
+        e.ip_address for e in proto.network_endpoints]
 
     console = recording_console()
     assert lifecycle.delete(settings, yes=True, console=console) is True
@@ -361,9 +363,11 @@ def test_a_503_burst_is_retried(settings_for, sim_admin, capsys):
 
 
 @pytest.mark.sim
-def test_a_429_burst_is_retried(settings_for, sim_admin):
+def test_a_429_burst_is_retried(settings_for, sim_admin, capsys):
     sim_admin.error_burst(2, code=429)
-    lifecycle.list_nodes(settings_for())
+    nodes = lifecycle.list_nodes(settings_for())                # succeeds after the burst
+    assert isinstance(nodes, list)
+    assert capsys.readouterr().err.count("TPU API busy (429 Too Many Requests)") == 2
 
 
 @pytest.mark.sim

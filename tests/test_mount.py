@@ -10,10 +10,10 @@ import os
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_for
 from test_deploy import SimPod
 
 from tpufab import mount as mount_mod
@@ -207,15 +207,6 @@ def test_worker_args_probe_the_bucket_for_rclone_only():
 AT = itertools.count()
 FAST = ["--dir-cache-time", "1s", "--vfs-write-back", "0s"]  # see each other's writes quickly
 
-
-def wait_for(condition, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")

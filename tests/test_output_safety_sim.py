@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import unique_name
-from test_status import LOGIN, TPUFAB, cli_env, in_worker, quiet_console, sim_settings
+from helpers import LOGIN, TPUFAB, cli_env, in_worker, quiet_console, sim_settings
 
 HOME = f"/home/{LOGIN}"  # the login user's home on the workers (not root: TPU VMs)
 

@@ -14,12 +14,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 from conftest import build_shared_site, unique_name, wait_for
+from helpers import TPUFAB
 
 from tpufab.jobs import (
     FoldingView,
@@ -37,11 +37,24 @@ from tpufab.runs import Forwarded
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "hf_Zq8-must-never-leak-7431"
-CALL = ("import json, sys\n"
-        "from tpufab.verbs import jobs, sim\n"
-        "from tpufab.console import run\n"
-        "verb = getattr(jobs, sys.argv[1], None) or getattr(sim, sys.argv[1])\n"
-        "sys.exit(run(verb, **json.loads(sys.argv[2])))\n")
+FLAGS = {"as_json": "--json"}        # keyword -> flag where the names differ
+
+
+def cli_argv(verb: str, **kwargs) -> list[str]:
+    """The `tpufab` command line for a verb function's keywords: ``call(env, "kill",
+    dry_run=True)`` runs ``tpufab kill --dry-run``; ``sim_zombie`` is ``tpufab sim zombie``."""
+    argv = [TPUFAB, *verb.split("_")]
+    recipe = kwargs.pop("recipe", None)
+    for key, value in kwargs.items():
+        flag = FLAGS.get(key, "--" + key.replace("_", "-"))
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            argv += [f"{flag}={item}" for item in value]
+        elif value is not None and value is not False:
+            argv.append(f"{flag}={value}")
+    return [*argv, "--", recipe] if recipe is not None else argv
+
 
 LONG = """#!/bin/sh
 # Waits (bounded) for a trigger file named by its first argument.
@@ -292,7 +305,8 @@ def _quiet():
 
 
 def call(environ, verb: str, *, cwd: Path, timeout: float = 120, extra_env=None, **kwargs):
-    return subprocess.run([sys.executable, "-c", CALL, verb, json.dumps(kwargs)],
+    """The verb through the installed `tpufab` command (see cli_argv)."""
+    return subprocess.run(cli_argv(verb, **kwargs),
                           env={**environ, **(extra_env or {})}, cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
@@ -301,7 +315,7 @@ class Follower:
     """`run` in the background, its output collected line by line as it arrives."""
 
     def __init__(self, env, cwd: Path, **kwargs):
-        self.proc = subprocess.Popen([sys.executable, "-c", CALL, "run", json.dumps(kwargs)],
+        self.proc = subprocess.Popen(cli_argv("run", **kwargs),
                                      env=env, cwd=cwd, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True,
                                      stdin=subprocess.DEVNULL)

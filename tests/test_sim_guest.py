@@ -249,9 +249,9 @@ while true; do sleep 0.1; done
 def test_a_running_job_gets_sigterm_and_the_reason_when_its_node_is_preempted(
         sim, sim_admin, tpu_client, tmp_path):
     """`tpufab run` as a user runs it; `sim preempt --notice` (the verb) gives the notice."""
+    from helpers import TPUFAB
     from rich.console import Console
     from test_run_sim import Follower
-    from test_status import TPUFAB
 
     from tpufab import lifecycle
     from tpufab.config import load_settings
@@ -297,7 +297,7 @@ def test_a_legacy_tpu_node_from_gcloud_is_listed_refused_and_deleted_by_tpufab(s
                                                                               tmp_path):
     """gcloud compute tpus create|describe|list (API v1); tpufab lists it, says it has no
     workers to SSH into, and deletes it (API v2 sees nodes the v1 API made: apiVersion V1)."""
-    from test_status import TPUFAB
+    from helpers import TPUFAB
 
     name = f"legacy-{int(time.time() * 1000) % 10**8}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import unique_name, wait_for
+from helpers import TPUFAB, cli_env, in_worker, quiet_console, sim_settings, use_env
 
 from tpufab import status as st
 from tpufab.remote import facts
@@ -20,76 +21,6 @@ from tpufab.remote import facts
 GiB = 1 << 30
 
 
-# ---------------------------------------------------------------------------------------------
-# helpers shared with the other scenario files (test_faults, test_babysit, test_hostile_input)
-
-
-def settings_env(sim, home: Path) -> dict[str, str]:
-    """TPUFAB_* variables pointing at the simulated pod, with a private key and known_hosts."""
-    return {**sim.env(), "TPUFAB_USER_CONFIG": str(home / "none.yaml"),
-            "TPUFAB_SSH_KEY": str(home / "tpufab_ed25519"),
-            "TPUFAB_KNOWN_HOSTS": str(home / "known_hosts"),
-            "TPUFAB_STATE_DIR": str(home / "state"), "TPUFAB_API_RETRIES": "4",
-            "TPUFAB_API_RETRY_SECONDS": "20", "TPUFAB_WAIT_TIMEOUT": "120",
-            "TPUFAB_CONNECT_TIMEOUT": "5"}
-
-
-def sim_settings(sim, home: Path, **overrides):
-    from tpufab.config import load_settings
-
-    return load_settings(overrides, env=settings_env(sim, home), cwd=home)
-
-
-def use_env(monkeypatch, sim, home: Path) -> None:
-    """Make verbs (which read the process environment) see the simulated pod."""
-    for key in [k for k in os.environ if k.startswith("TPUFAB_")]:
-        monkeypatch.delenv(key)
-    for key, value in settings_env(sim, home).items():
-        monkeypatch.setenv(key, value)
-
-
-def quiet_console():
-    from rich.console import Console
-
-    return Console(file=open(os.devnull, "w"), width=200)  # noqa: SIM115
-
-
-def sim_pool(sim):
-    from tpufab.sim.workers import WorkerPool
-
-    return WorkerPool(Path(sim.state_dir) / "workers")
-
-
-# The login on the workers where the local user is root (tpufab.config.DEFAULT_REMOTE_USER).
-LOGIN = "tpufab"
-
-
-def in_worker(sim, node, worker: int, script: str, check: bool = True,
-              user: str | None = None) -> str:
-    """Run a shell script inside a worker (no SSH involved): as root, or as ``user`` (with
-    that user's HOME, so ``~`` is theirs)."""
-    argv, kw = ["sh", "-c", script], {}
-    if user:
-        argv = ["runuser", "-u", user, "--", *argv]
-        kw["env"] = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": f"/home/{user}",
-                     "LANG": "C.UTF-8"}
-    proc = sim_pool(sim).exec_in(node.id, worker, argv, **kw)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"w{worker}: {script!r} failed: {proc.stderr}")
-    return proc.stdout
-
-
-def cli_env(sim, home: Path, name: str | None = None) -> dict[str, str]:
-    """The environment a user's shell would have for `tpufab` subprocesses (the same key and
-    known_hosts as ``sim_settings(sim, home)``)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
-    env.update(settings_env(sim, home), HOME=str(home), COLUMNS="200")
-    if name:
-        env["TPUFAB_NAME"] = name
-    return env
-
-
-TPUFAB = str(Path(sys.executable).parent / "tpufab")
 
 
 # ---------------------------------------------------------------------------------------------

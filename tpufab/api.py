@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpufab.config import Settings, load_settings
-from tpufab.errors import ConfigError, TpufabError
+from tpufab.errors import ConfigError, TpufabError, shown
 
 if TYPE_CHECKING:
     from tpufab.fanout import OutputSink, WorkerResult
@@ -287,7 +287,7 @@ class Pod:
 
         path = Path(recipe)
         if not path.is_file():
-            raise ConfigError(f"No recipe at {recipe}: pass an executable file such as "
+            raise ConfigError(f"No recipe at {shown(recipe)}: pass an executable file such as "
                               "recipes/hello.sh.")
         specs = [f"{k}={v}" for k, v in (env or {}).items()]
         forwarded = forwarded_for(self.settings, specs)

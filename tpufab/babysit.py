@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpufab import nodeset
-from tpufab.errors import ApiError, ConfigError, TpufabError
+from tpufab.errors import ApiError, ConfigError, TpufabError, shown
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -349,7 +349,7 @@ class Babysitter:
 
         self.recipe = Path(recipe)
         if not self.recipe.is_file():
-            raise ConfigError(f"No recipe at {recipe}: pass an executable file such as "
+            raise ConfigError(f"No recipe at {shown(recipe)}: pass an executable file such as "
                               "recipes/jax_hello.sh.")
         if max_restarts < 0:
             raise ConfigError(f"--max-restarts must be 0 or more, not {max_restarts}.")

@@ -36,3 +36,10 @@ class NotFound(ApiError):
 
 class SimError(TpufabError):
     """The simulated pod could not do what was asked."""
+
+
+def shown(value: object) -> str:
+    """User input for an error sentence: as is when printable, else quoted with escapes (a
+    newline or control character in it must not break the sentence or reach the terminal)."""
+    text = str(value)
+    return text if text.isprintable() else repr(text)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from tpufab.errors import ConfigError, TpufabError
+from tpufab.errors import ConfigError, TpufabError, shown
 from tpufab.runs import Forwarded, local_environments, new_run_id
 
 POLL = 0.05
@@ -120,7 +120,7 @@ def run_local(recipe: str | Path, workers: int = 1, args: Sequence[str] = (),
     """
     recipe = Path(recipe)
     if not recipe.is_file():
-        raise ConfigError(f"No recipe at {recipe}; pass a file such as recipes/jax_hello.sh.")
+        raise ConfigError(f"No recipe at {shown(recipe)}; pass a file such as recipes/jax_hello.sh.")
     if workers < 1:
         raise ConfigError(f"--workers must be at least 1, not {workers}.")
     run_id = run_id or new_run_id()

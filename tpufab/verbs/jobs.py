@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tpufab.errors import ConfigError, TpufabError
+from tpufab.errors import ConfigError, TpufabError, shown
 from tpufab.verbs.common import note, pod_for, say, settings_from_flags, split_args
 from tpufab.verbs.declare import Opt, verb
 
@@ -69,7 +69,7 @@ def run(recipe: str, extra: Sequence[str] = (), *, name: str | None = None, args
 
     path = Path(recipe)
     if not path.is_file():
-        raise ConfigError(f"No recipe at {recipe}: pass an executable file such as "
+        raise ConfigError(f"No recipe at {shown(recipe)}: pass an executable file such as "
                           "recipes/jax_hello.sh.")
     if on_interrupt is not None and on_interrupt not in INTERRUPT_CHOICES:
         raise ConfigError(f"--on-interrupt takes kill or detach, not {on_interrupt!r}.")

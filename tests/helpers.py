@@ -1,0 +1,121 @@
+"""Scaffolding shared by the scenario tests (fixtures live in conftest.py).
+
+- `TPUFAB`: the installed console script; `tpufab(*args, env=, cwd=)` runs it.
+- `settings_env`, `sim_settings`, `cli_env`, `use_env`: a user's settings and shell
+  environment pointing at the simulated pod (own key, known_hosts and state dir).
+- `in_worker(sim, node, w, script)`: a shell script as root inside a worker (no SSH).
+- `one_sentence(result, *fragments)`: the shape of every expected failure: non-zero exit, one
+  sentence on stderr holding each fragment, no traceback. `no_traceback(result)`.
+- `POD_USER`: the account tpufab logs in as on the simulated pod's workers.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TPUFAB = str(Path(sys.executable).parent / "tpufab")
+INVOKE = str(Path(sys.executable).parent / "invoke")
+REPO = Path(__file__).resolve().parents[1]
+
+# The login on the workers where the local user is root (tpufab.config.DEFAULT_REMOTE_USER):
+# an ordinary user with passwordless sudo, as on real TPU VMs.
+LOGIN = "tpufab"
+# Who the scenario tests log in as (one place to change it).
+POD_USER = os.environ.get("TPUFAB_TEST_SSH_USER", LOGIN)
+
+
+def settings_env(sim, home: Path) -> dict[str, str]:
+    """TPUFAB_* variables pointing at the simulated pod, with a private key and known_hosts."""
+    return {**sim.env(), "TPUFAB_USER_CONFIG": str(home / "none.yaml"),
+            "TPUFAB_SSH_KEY": str(home / "tpufab_ed25519"),
+            "TPUFAB_KNOWN_HOSTS": str(home / "known_hosts"),
+            "TPUFAB_STATE_DIR": str(home / "state"), "TPUFAB_API_RETRIES": "4",
+            "TPUFAB_API_RETRY_SECONDS": "20", "TPUFAB_WAIT_TIMEOUT": "120",
+            "TPUFAB_CONNECT_TIMEOUT": "5"}
+
+
+def sim_settings(sim, home: Path, **overrides):
+    from tpufab.config import load_settings
+
+    return load_settings(overrides, env=settings_env(sim, home), cwd=home)
+
+
+def use_env(monkeypatch, sim, home: Path) -> None:
+    """Make verbs (which read the process environment) see the simulated pod."""
+    for key in [k for k in os.environ if k.startswith("TPUFAB_")]:
+        monkeypatch.delenv(key)
+    for key, value in settings_env(sim, home).items():
+        monkeypatch.setenv(key, value)
+
+
+def cli_env(sim, home: Path, name: str | None = None) -> dict[str, str]:
+    """The environment a user's shell would have for `tpufab` subprocesses (the same key and
+    known_hosts as ``sim_settings(sim, home)``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
+    env.update(settings_env(sim, home), HOME=str(home), COLUMNS="200")
+    if name:
+        env["TPUFAB_NAME"] = name
+    return env
+
+
+def tpufab(*args: str, env: dict, cwd: Path | None = None, timeout: float = 180,
+           stdin=subprocess.DEVNULL) -> subprocess.CompletedProcess:
+    """The installed `tpufab` command, output captured as text."""
+    return subprocess.run([TPUFAB, *args], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, stdin=stdin)
+
+
+def invoke(*args: str, env: dict, cwd: Path | None = None, timeout: float = 180
+           ) -> subprocess.CompletedProcess:
+    """`invoke` in a project dir whose tasks.py is tpufab's (default: the checkout)."""
+    return subprocess.run([INVOKE, *args], env=env, cwd=cwd or REPO, capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def quiet_console():
+    from rich.console import Console
+
+    return Console(file=open(os.devnull, "w"), width=200)  # noqa: SIM115
+
+
+def sim_pool(sim):
+    from tpufab.sim.workers import WorkerPool
+
+    return WorkerPool(Path(sim.state_dir) / "workers")
+
+
+def in_worker(sim, node, worker: int, script: str, check: bool = True,
+              user: str | None = None) -> str:
+    """Run a shell script inside a worker (no SSH involved): as root, or as ``user`` (with
+    that user's HOME, so ``~`` is theirs)."""
+    argv, kw = ["sh", "-c", script], {}
+    if user:
+        argv = ["runuser", "-u", user, "--", *argv]
+        kw["env"] = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": f"/home/{user}",
+                     "LANG": "C.UTF-8"}
+    proc = sim_pool(sim).exec_in(node.id, worker, argv, **kw)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"w{worker}: {script!r} failed: {proc.stderr}")
+    return proc.stdout
+
+
+def no_traceback(result) -> None:
+    out = (result.stdout or "") + (result.stderr or "")
+    assert "Traceback" not in out and "a bug in tpufab" not in out, out
+
+
+def one_sentence(result, *fragments: str, ignore: tuple[str, ...] = ("TPU API busy",)) -> str:
+    """Non-zero exit, one line on stderr (notes such as API retries aside) holding every
+    fragment, ending with a full stop, no traceback anywhere. Returns the line."""
+    assert result.returncode != 0, (result.stdout or "") + (result.stderr or "")
+    no_traceback(result)
+    lines = [line for line in result.stderr.splitlines()
+             if line.strip() and not any(noise in line for noise in ignore)]
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert lines[0].rstrip().endswith("."), lines[0]
+    return lines[0]

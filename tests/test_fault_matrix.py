@@ -1,0 +1,634 @@
+"""The fault matrix: every verb that touches the pod under every fault the simulated pod can
+inject, each driven through the installed `tpufab` command, the way a user meets it.
+
+A verb joins with one line in VERBS, a fault with one line in FAULTS; EXPECT says what the user
+must see in a cell when that differs from the fault's default. Every cell asserts:
+
+- the outcome the user should see: a failure names the affected worker (w1) and exits non-zero,
+  a success exits 0 and shows the verb's work, nowhere a Python traceback;
+- the verb never waits past its timeout (elapsed < timeout + a generous margin: this is a
+  bound, not a duration to meet on a busy machine);
+- nothing the verb started is left running, locally (any process carrying the cell's marker in
+  its environment) or on a worker (any process but PID 1 and sshd's that was not there
+  before, detached ones included);
+- the next invocation, with the fault gone, works.
+
+Cells that fail today because the fix belongs to another open finding are strict xfails (see
+XFAIL), so they turn into failures the day the fix lands and the mark must go. The table in
+docs/reliability.md ("The fault matrix") shows the observed outcome of every cell.
+
+One v4-16 (2 workers: w0 healthy, w1 hit by the fault) is shared by every cell; each cell
+restores the pod before it ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import unique_name, wait_for
+from helpers import (
+    POD_USER,
+    TPUFAB,
+    cli_env,
+    in_worker,
+    no_traceback,
+    one_sentence,
+    quiet_console,
+    sim_pool,
+    sim_settings,
+)
+
+pytestmark = pytest.mark.sim
+
+CONNECT = 3.0          # TPUFAB_CONNECT_TIMEOUT in a cell with a worker fault
+TIMEOUT = 10.0         # --timeout (where the verb has it) and TPUFAB_COMMAND_TIMEOUT there
+LIMIT = TIMEOUT + 30   # "never waits past its timeout": a bound with room for a busy machine
+HIT = 1                # the worker every worker fault hits
+SECOND_WAITS = 25      # twice-at-once: the longest the first is held while the second runs
+LEAK_WAIT = 20         # how long what a verb started may take to go away once the fault is gone
+
+
+# ---------------------------------------------------------------------------------------------
+# the pod every cell shares
+
+
+@dataclass
+class Pod:
+    sim: object
+    name: str
+    env: dict[str, str]
+    repo: Path
+    settings: object
+    bucket: str
+    node_ids: dict = field(default_factory=dict)
+
+    @property
+    def node(self):
+        from tpufab.controlplane import ControlPlane
+
+        return ControlPlane(self.settings).get_node(self.name)
+
+    def sh(self, worker: int, script: str, check: bool = True) -> str:
+        return in_worker(self.sim, self.node, worker, script, check=check)
+
+    def tpufab(self, *args: str, timeout: float = 120, env: dict | None = None):
+        return subprocess.run([TPUFAB, *args], env={**self.env, **(env or {})}, cwd=self.repo,
+                              capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+
+
+RECIPE_NAME = "fm-recipe.sh"
+SETUP = ("#!/bin/sh\nset -e\n"            # a setup writes (1 MiB here): a full disk fails it
+         "head -c 1048576 /dev/zero > ~/.fm-setup.$$\nrm ~/.fm-setup.$$\n"
+         "echo fm-setup-ok on $(hostname)\n")
+RECIPE = "#!/bin/sh\necho fm-run-ok w$TPUFAB_WORKER_ID\n"
+
+
+@pytest.fixture(scope="module")
+def pod(sim, tmp_path_factory) -> Iterator[Pod]:
+    from tpufab import lifecycle
+    from tpufab import pod as pods
+    from tpufab.sim.admin import StorageClient
+
+    home = tmp_path_factory.mktemp("matrix-home")
+    name = unique_name("fm")
+    settings = sim_settings(sim, home, name=name, type="v4-16", ssh_user=POD_USER)
+    lifecycle.create(settings, console=quiet_console())
+    repo = home / "proj"
+    repo.mkdir()
+    for file, text in (("fm-setup.sh", SETUP), ("fm-recipe.sh", RECIPE)):
+        (repo / file).write_text(text)
+        (repo / file).chmod(0o755)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t.invalid"]
+    for argv in (["init", "-q", "-b", "main"], ["add", "."], ["commit", "-q", "-m", "one"]):
+        subprocess.run([*git, *argv], cwd=repo, check=True, capture_output=True)
+    bucket = unique_name("fm")
+    StorageClient(sim.storage_endpoint).create_bucket(bucket)
+    env = cli_env(sim, home, name)
+    env.update(TPUFAB_SSH_USER=POD_USER, TPUFAB_API_RETRIES="4", TPUFAB_API_RETRY_SECONDS="20")
+    the_pod = Pod(sim, name, env, repo, settings, bucket)
+    first = the_pod.tpufab("run", "fm-recipe.sh", "--no-deploy")   # `logs` needs a run
+    assert first.returncode == 0, first.stdout + first.stderr
+    yield the_pod
+    pods.forget(settings)
+    lifecycle.delete(settings, yes=True, console=quiet_console())
+
+
+# ---------------------------------------------------------------------------------------------
+# the verbs: one line each; argv after `tpufab`, run in the pod's checkout
+
+
+@dataclass(frozen=True)
+class Verb:
+    name: str
+    argv: Callable[[Pod], list[str]]       # a quick invocation that works on a healthy pod
+    ok: str = ""                           # text its success shows
+    timeout_flag: bool = True              # it takes --timeout (every verb that waits must)
+    teardown: tuple[str, ...] = ()         # undoes what its success leaves on purpose
+    api_only: bool = False                 # reaches no worker (create)
+    held: str = ""                         # what to hold on the workers mid-verb (any: "")
+    prepare: Callable[[Pod], None] | None = None   # before each invocation
+
+
+def new_commit(pod: Pod) -> None:
+    """Each deploy has work to do: a new commit to put on the workers."""
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t.invalid", "commit", "-q",
+                    "--allow-empty", "-m", unique_name("c")], cwd=pod.repo, check=True)
+
+
+T = f"{TIMEOUT:g}"
+VERBS = [
+    Verb("exec", lambda p: ["exec", "sleep 0.5; echo fm-exec-ok"], "fm-exec-ok"),  # freezable
+    Verb("setup", lambda p: ["setup", "--script", "fm-setup.sh", "--force"], "fm-setup-ok"),
+    Verb("deploy", lambda p: ["deploy", "--direct", "--dir", "~/fm-code"], "Deployed",
+         prepare=new_commit),
+    Verb("mount", lambda p: ["mount", p.bucket, "--driver", "rclone", "--at", "/mnt/fm"],
+         "is mounted at /mnt/fm", teardown=("umount", "--at", "/mnt/fm")),
+    Verb("run", lambda p: ["run", "fm-recipe.sh", "--no-deploy"], "fm-run-ok", held=RECIPE_NAME),
+    Verb("logs", lambda p: ["logs"], "fm-run-ok"),
+    Verb("kill", lambda p: ["kill", "--grace", "1"], "TPU free"),
+    Verb("status", lambda p: ["status"], "READY"),
+    Verb("babysit", lambda p: ["babysit", "fm-recipe.sh", "--no-deploy", "--max-restarts", "0"],
+         "fm-run-ok", held=RECIPE_NAME),
+    Verb("check", lambda p: ["check", "--quick"], "passed every check"),
+    Verb("create", lambda p: ["create", "--name", p.extra_node, "--type", "v4-8"], "READY",
+         timeout_flag=False, api_only=True),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# what a cell observed
+
+
+@dataclass
+class Outcome:
+    results: list[SimpleNamespace]        # returncode, stdout, stderr, elapsed, killed
+    marker: str
+    second_ended_first: bool = False      # twice-at-once: done while the first was held
+    expected: str = ""
+
+    @property
+    def result(self) -> SimpleNamespace:
+        return self.results[0]
+
+
+def start(pod: Pod, verb: Verb, argv: list[str], marker: str, env: dict | None = None
+          ) -> tuple[subprocess.Popen, float]:
+    if verb.prepare:
+        verb.prepare(pod)
+    env = {**pod.env, **(env or {}), "FM_CELL": marker}
+    proc = subprocess.Popen([TPUFAB, *argv], env=env, cwd=pod.repo, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    return proc, time.monotonic()
+
+
+def finish(proc: subprocess.Popen, began: float, limit: float = LIMIT) -> SimpleNamespace:
+    """Wait for the verb at most `limit` s from its start; past that it is killed and the
+    cell fails on `elapsed`."""
+    killed = False
+    try:
+        out, err = proc.communicate(timeout=max(0.1, began + limit - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate(timeout=30)
+        killed = True
+    return SimpleNamespace(returncode=proc.returncode, stdout=out, stderr=err, killed=killed,
+                           elapsed=time.monotonic() - began, limit=limit)
+
+
+_HELP: dict[str, str] = {}
+
+
+def has_timeout_flag(verb: Verb) -> bool:
+    if verb.name not in _HELP:
+        _HELP[verb.name] = subprocess.run([TPUFAB, verb.name, "--help"], capture_output=True,
+                                          text=True, timeout=60).stdout
+    return "--timeout" in _HELP[verb.name]
+
+
+def argv_of(verb: Verb, pod: Pod, *, timeout: bool) -> list[str]:
+    argv = verb.argv(pod)
+    return [*argv, "--timeout", T] if timeout and has_timeout_flag(verb) else argv
+
+
+def once(verb: Verb, pod: Pod, marker: str, *, timeout: bool = False) -> Outcome:
+    """The verb once; worker faults (timeout=True) get short timeouts: --timeout where the
+    verb has it, TPUFAB_CONNECT_TIMEOUT and TPUFAB_COMMAND_TIMEOUT always."""
+    env = {"TPUFAB_CONNECT_TIMEOUT": f"{CONNECT:g}", "TPUFAB_COMMAND_TIMEOUT": T} \
+        if timeout else {}
+    proc, began = start(pod, verb, argv_of(verb, pod, timeout=timeout), marker, env)
+    return Outcome([finish(proc, began)], marker)
+
+
+# ---------------------------------------------------------------------------------------------
+# freezing worker processes (a hung worker)
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _is_sshd(pid: int) -> bool:
+    try:
+        return "sshd" in os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return False
+
+
+def sshd_listener(pod: Pod, worker: int) -> int:
+    pids = sim_pool(pod.sim).pids(pod.node.id, worker)
+    return next(p for p in pids[1:] if _ppid(p) == pids[0] and _is_sshd(p))
+
+
+def worker_processes(pod: Pod, worker: int, node_id: str | None = None) -> dict[int, str]:
+    """Host pid -> command line of every process on `worker` but its PID 1 and sshd's own
+    (listener and per-connection processes): what a verb starts there shows up here, also
+    when it detached from its session."""
+    pids = sim_pool(pod.sim).pids(node_id or pod.node.id, worker)
+    found: dict[int, str] = {}
+    for pid in pids[1:]:
+        if _is_sshd(pid):
+            continue
+        try:
+            found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+                errors="replace").strip()
+        except OSError:
+            pass
+    return found
+
+
+class Freezer:
+    """SIGSTOP every new process on the given workers (whose command line holds `pattern`)
+    as soon as it appears, so the command hangs there, until exit (or `disarm`)."""
+
+    def __init__(self, pod: Pod, workers: tuple[int, ...], pattern: str = ""):
+        self.pod, self.workers, self.pattern = pod, workers, pattern
+        self.node_id = pod.node.id
+        self.before = {w: set(worker_processes(pod, w, self.node_id)) for w in workers}
+        self.frozen: set[int] = set()
+        self.armed = True
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> Freezer:
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            for worker in self.workers if self.armed else ():
+                for pid, args in worker_processes(self.pod, worker, self.node_id).items():
+                    if pid in self.frozen or pid in self.before[worker] \
+                            or self.pattern not in args:
+                        continue
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGSTOP)
+                        self.frozen.add(pid)
+            self._stop.wait(0.03)
+
+    def disarm(self) -> None:
+        """Freeze nothing new from now on (what is frozen stays so until exit)."""
+        self.armed = False
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        for pid in self.frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+# ---------------------------------------------------------------------------------------------
+# the faults: each drives the verb under the fault and restores the pod afterwards
+
+
+def unreachable(verb: Verb, pod: Pod, marker: str) -> Outcome:
+    from tpufab.sim.admin import SimAdmin
+
+    admin = SimAdmin.from_info(pod.sim)
+    admin.set_reachable(pod.name, HIT, False)
+    try:
+        return once(verb, pod, marker, timeout=verb.timeout_flag)
+    finally:
+        admin.set_reachable(pod.name, HIT, True)
+
+
+def hung_sshd(verb: Verb, pod: Pod, marker: str) -> Outcome:
+    listener = sshd_listener(pod, HIT)
+    os.kill(listener, signal.SIGSTOP)      # accepts TCP (the kernel's backlog), never answers
+    try:
+        return once(verb, pod, marker, timeout=verb.timeout_flag)
+    finally:
+        os.kill(listener, signal.SIGCONT)
+
+
+def hung_command(verb: Verb, pod: Pod, marker: str) -> Outcome:
+    with Freezer(pod, (HIT,)):
+        return once(verb, pod, marker, timeout=verb.timeout_flag)
+
+
+def burst(verb: Verb, pod: Pod, marker: str) -> Outcome:
+    """Two 503s: within the retry budget (TPUFAB_API_RETRIES=4)."""
+    from tpufab.sim.admin import SimAdmin
+
+    admin = SimAdmin.from_info(pod.sim)
+    admin.error_burst(2, code=503)
+    try:
+        return once(verb, pod, marker)
+    finally:
+        admin.clear_faults()
+
+
+def stockout(verb: Verb, pod: Pod, marker: str) -> Outcome:
+    from tpufab.sim.admin import SimAdmin
+
+    admin = SimAdmin.from_info(pod.sim)
+    admin.fail_next_create("stockout")
+    try:
+        return once(verb, pod, marker)
+    finally:
+        admin.clear_faults()
+
+
+FILL_DISK = """
+set -e
+home=$(getent passwd {user} | cut -d: -f6)
+for dir in "$home" /tmp; do
+    tar -C "$dir" -cf /run/fm-disk.tar .
+    mount -t tmpfs -o size=$(( $(du -sk "$dir" | cut -f1) + 256 ))k fm-full "$dir"
+    tar -C "$dir" -xpf /run/fm-disk.tar
+    rm -f /run/fm-disk.tar
+    dd if=/dev/zero of="$dir/.fm-fill" bs=16k 2>/dev/null || true
+done
+"""
+FREE_DISK = """
+home=$(getent passwd {user} | cut -d: -f6)
+for dir in "$home" /tmp; do
+    while grep -q "^fm-full $dir " /proc/mounts; do umount -l "$dir"; done
+done
+"""
+
+
+def disk_full(verb: Verb, pod: Pod, marker: str) -> Outcome:
+    """The user's home and /tmp on w1 have no space left (a small full tmpfs over each, with
+    what was there copied in)."""
+    pod.sh(HIT, FILL_DISK.format(user=POD_USER))
+    try:
+        return once(verb, pod, marker, timeout=verb.timeout_flag)
+    finally:
+        pod.sh(HIT, FREE_DISK.format(user=POD_USER), check=False)
+
+
+def killed_client(verb: Verb, pod: Pod, marker: str) -> Outcome:
+    """SIGKILL the local `tpufab` while its work on the workers is under way (held there by
+    freezing what it starts), then let the workers go on."""
+    with Freezer(pod, (0, 1), verb.held) as freezer:
+        proc, began = start(pod, verb, argv_of(verb, pod, timeout=False), marker)
+        if not verb.api_only:
+            wait_for(lambda: freezer.frozen or proc.poll() is not None, LIMIT,
+                     what=f"{verb.name} to start something on a worker")
+        else:
+            wait_for(lambda: _node_exists(pod, pod.extra_node) or proc.poll() is not None, LIMIT,
+                     what="the node to be asked for")
+        proc.kill()
+        result = finish(proc, began)
+    return Outcome([result], marker)
+
+
+def twice(verb: Verb, pod: Pod, marker: str) -> Outcome:
+    """The same verb twice at once on one pod: the first is held on the workers (what it
+    starts there is frozen) while the second runs; the first goes on once the second has
+    finished, or has waited SECOND_WAITS s (it may be waiting for the first)."""
+    with Freezer(pod, (0, 1), verb.held) as freezer:
+        first, began1 = start(pod, verb, argv_of(verb, pod, timeout=False), marker)
+        if not verb.api_only:
+            wait_for(lambda: freezer.frozen or first.poll() is not None, LIMIT,
+                     what=f"the first {verb.name} to reach a worker")
+            freezer.disarm()
+        second, began2 = start(pod, verb, argv_of(verb, pod, timeout=False), marker)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            second.wait(SECOND_WAITS)
+        second_ended_first = second.poll() is not None
+    results = [finish(first, began1, LIMIT + SECOND_WAITS), finish(second, began2)]
+    return Outcome(results, marker, second_ended_first)
+
+
+FAILS = "fails, names w1"
+WORKS = "works"
+WORKS_NAMING = "works, shows w1's problem"
+ONE_SENTENCE = "fails in one sentence"
+RERUN_WORKS = "killed; nothing left; rerun works"
+BOTH_WORK = "both work"
+SECOND_REFUSED = "second refused in one sentence"
+SECOND_WAITS_OR_REFUSED = "second waits for the first or is refused"
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    drive: Callable[[Verb, Pod, str], Outcome]
+    default: str                 # what the user must see: "fails" (naming w1) or "works"
+    workers: bool = True         # applies to verbs that reach workers
+    api: bool = False            # applies to verbs that only call the API
+
+
+FAULTS = [
+    Fault("unreachable", unreachable, FAILS),
+    Fault("hung-sshd", hung_sshd, FAILS),
+    Fault("hung-command", hung_command, FAILS),
+    Fault("api-503-burst", burst, WORKS, api=True),
+    Fault("stockout", stockout, ONE_SENTENCE, workers=False, api=True),
+    Fault("disk-full", disk_full, FAILS),
+    Fault("client-sigkilled", killed_client, RERUN_WORKS, api=True),
+    Fault("twice-at-once", twice, BOTH_WORK, api=True),
+]
+
+# Cells whose outcome differs from the fault's default, and why that is right for the user.
+EXPECT = {
+    # a command that writes nothing runs on a full disk; status shows the disk; kill and logs
+    # need no space
+    ("exec", "disk-full"): WORKS,
+    ("status", "disk-full"): WORKS_NAMING,
+    ("kill", "disk-full"): WORKS,
+    ("logs", "disk-full"): WORKS,
+    # one babysitter per node; one writer of a pod's code at a time; one run on a TPU at a time
+    ("babysit", "twice-at-once"): SECOND_REFUSED,
+    ("deploy", "twice-at-once"): SECOND_WAITS_OR_REFUSED,
+    ("run", "twice-at-once"): SECOND_WAITS_OR_REFUSED,
+}
+
+# Cells that fail today, with why. (The findings 3, 4, 8 and 12 cells were strict xfails until
+# their fixes landed; they pass now and the marks are gone.)
+XFAIL = {
+    # unowned (seen once the workers' login became a user with sudo): what runs as root
+    # cannot start on a full disk, so status shows w1 unreachable and kill cannot check it
+    **{(verb, "disk-full"): "no finding yet: the root-side agent (sudo) cannot start on a "
+                            "full disk ('could not start: ... No space left on device')"
+       for verb in ("kill", "status")},
+}
+
+# Every worker verb reaches workers through the same connect path, so a frozen sshd is tried on
+# a few representative verbs (one of each kind of work) rather than all of them: CI time.
+HUNG_SSHD_VERBS = ("exec", "deploy", "run", "status")
+
+
+def cells():
+    for verb in VERBS:
+        for fault in FAULTS:
+            if fault.name == "hung-sshd" and verb.name not in HUNG_SSHD_VERBS:
+                continue
+            if (fault.api if verb.api_only else fault.workers):
+                marks = [pytest.mark.xfail(strict=True, reason=XFAIL[(verb.name, fault.name)])] \
+                    if (verb.name, fault.name) in XFAIL else []
+                yield pytest.param(verb, fault, id=f"{verb.name}-{fault.name}", marks=marks)
+
+
+# ---------------------------------------------------------------------------------------------
+# the checks
+
+
+def _node_exists(pod: Pod, name: str) -> bool:
+    from tpufab.controlplane import ControlPlane
+    from tpufab.errors import TpufabError
+
+    try:
+        ControlPlane(pod.settings).get_node(name)
+        return True
+    except TpufabError:
+        return False
+
+
+def local_leftovers(marker: str) -> list[str]:
+    """Local processes that inherited the cell's marker (started by the verb) and still run."""
+    needle = f"FM_CELL={marker}".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if needle in Path(f"/proc/{name}/environ").read_bytes().split(b"\0"):
+                found.append(Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ")
+                             .decode(errors="replace"))
+        except OSError:
+            continue
+    return found
+
+
+def worker_leftovers(pod: Pod, before: dict[int, dict[int, str]]) -> dict[int, list[str]]:
+    return {w: sorted(set(now.values()) - set(before[w].values()))
+            for w in (0, 1) if (now := {p: a for p, a in worker_processes(pod, w).items()
+                                        if p not in before[w]})}
+
+
+def text(result) -> str:
+    return result.stdout + result.stderr
+
+
+def check_fails_naming_w1(result) -> None:
+    assert result.returncode != 0, text(result)
+    assert f"w{HIT}" in text(result), text(result)
+
+
+def check_works(verb: Verb, result) -> None:
+    assert result.returncode == 0, text(result)
+    assert verb.ok in text(result), text(result)
+
+
+def check_outcome(verb: Verb, fault: Fault, outcome: Outcome) -> str:
+    expected = EXPECT.get((verb.name, fault.name), fault.default)
+    results = outcome.results
+    for r in results:
+        assert not r.killed and r.elapsed < r.limit, (
+            f"still running after {r.elapsed:.0f} s (timeout {TIMEOUT:g} s): {text(r)}")
+        no_traceback(r)
+        assert "No such option" not in r.stderr, r.stderr
+    first = outcome.result
+    if expected == FAILS:
+        check_fails_naming_w1(first)
+    elif expected == WORKS:
+        check_works(verb, first)
+    elif expected == WORKS_NAMING:
+        check_works(verb, first)
+        assert f"w{HIT}" in first.stdout, first.stdout
+    elif expected == ONE_SENTENCE:
+        one_sentence(first)
+    elif expected == RERUN_WORKS:
+        assert first.returncode == -signal.SIGKILL, text(first)
+    elif expected == BOTH_WORK:
+        for r in results:
+            check_works(verb, r)
+    elif expected == SECOND_REFUSED:
+        check_works(verb, results[0])
+        one_sentence(results[1])
+    elif expected == SECOND_WAITS_OR_REFUSED:
+        check_works(verb, results[0])
+        if results[1].returncode == 0:
+            assert not outcome.second_ended_first, (
+                f"the second {verb.name} did its work while the first was under way: "
+                f"{text(results[1])}")
+        else:
+            one_sentence(results[1])
+    else:
+        raise AssertionError(f"unknown expectation {expected!r}")
+    return expected
+
+
+@pytest.mark.parametrize("verb", [pytest.param(v, id=v.name) for v in VERBS if not v.api_only])
+def test_every_verb_that_waits_has_a_timeout_flag(verb: Verb):
+    assert has_timeout_flag(verb), _HELP[verb.name]
+
+
+@pytest.mark.parametrize(("verb", "fault"), list(cells()))
+def test_cell(pod, verb: Verb, fault: Fault):
+    pod.extra_node = unique_name("fmc")
+    before = {w: worker_processes(pod, w) for w in (0, 1)}
+    marker = uuid.uuid4().hex
+    outcome = None
+    try:
+        outcome = fault.drive(verb, pod, marker)
+        outcome.expected = check_outcome(verb, fault, outcome)
+        wait_for(lambda: not local_leftovers(marker), LEAK_WAIT,
+                 what=f"no local process left by {verb.name}: {local_leftovers(marker)}")
+        if verb.teardown:
+            pod.tpufab(*verb.teardown)
+        wait_for(lambda: not worker_leftovers(pod, before), LEAK_WAIT,
+                 what=f"no worker process left by {verb.name}")
+        if not all(r.returncode == 0 for r in outcome.results):
+            # the next invocation, with the fault gone, works
+            again = once(verb, pod, uuid.uuid4().hex).result
+            check_works(verb, again)
+    finally:
+        report(verb, fault, outcome)
+        if verb.teardown:
+            pod.tpufab(*verb.teardown)
+        if verb.api_only:
+            pod.tpufab("delete", "--name", pod.extra_node, "--yes")
+
+
+def report(verb: Verb, fault: Fault, outcome: Outcome | None) -> None:
+    """With FM_REPORT=FILE, append what the cell observed (for docs/reliability.md)."""
+    if not os.environ.get("FM_REPORT") or outcome is None:
+        return
+    rows = [{"rc": r.returncode, "elapsed": round(r.elapsed, 1), "killed": r.killed,
+             "traceback": "Traceback" in text(r),
+             "last": [line for line in text(r).splitlines() if line.strip()][-3:]}
+            for r in outcome.results]
+    with open(os.environ["FM_REPORT"], "a") as out:
+        out.write(json.dumps({"verb": verb.name, "fault": fault.name, "runs": rows,
+                              "met": outcome.expected}) + "\n")
+
