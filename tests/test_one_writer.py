@@ -14,7 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import git_daemon, unique_name, wait_for
-from test_status import TPUFAB, cli_env, in_worker, quiet_console, sim_settings
+from helpers import LOGIN, TPUFAB, cli_env, quiet_console, sim_settings
+from helpers import in_worker as _in_worker
 
 from tpufab import gitops
 
@@ -31,6 +32,11 @@ while [ ! -e "/tmp/$1" ]; do
 done
 echo "end $(cat version.txt)"
 """
+
+
+def in_worker(sim, node, worker: int, script: str, **kw) -> str:
+    """A script inside a worker as the login user (its ~ is where tpufab deploys)."""
+    return _in_worker(sim, node, worker, script, user=kw.pop("user", LOGIN), **kw)
 
 
 def git(repo: Path, *args: str) -> str:

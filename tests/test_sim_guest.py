@@ -127,9 +127,9 @@ def test_jax_distributed_initialize_without_arguments_forms_one_job(make_node, s
     """A program written for a real pod, unchanged: jax.distributed.initialize() finds the pod
     through the metadata server (JAX_PLATFORMS=cpu because there is no TPU; JAX_FORCE_TPU_INIT
     because there is no libtpu)."""
-    from test_run_sim import build_shared_jax
+    from conftest import build_shared_site
 
-    build_shared_jax([Path(sim.state_dir) / "share"])
+    build_shared_site([Path(sim.state_dir) / "share"])
     node = make_node("v4-32", metadata={"ssh-keys": keys_for(ssh_key, "alice")})
     program = (
         "import json, jax, numpy as np\n"
