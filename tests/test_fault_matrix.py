@@ -468,19 +468,28 @@ EXPECT = {
     ("logs", "disk-full"): WORKS,
     # one babysitter per node; one writer of a pod's code at a time; one run on a TPU at a time
     ("babysit", "twice-at-once"): SECOND_REFUSED,
-    ("deploy", "twice-at-once"): SECOND_WAITS_OR_REFUSED,
-    ("run", "twice-at-once"): SECOND_WAITS_OR_REFUSED,
+    # The matrix holds the first invocation at its first step on the workers, which comes
+    # before it takes the pod's code lease, so the second goes ahead and both end well. The
+    # lease itself (a deploy or run while another holds it is refused in one sentence, what
+    # each deploy reports is on the workers) is tested in tests/test_one_writer.py.
+    ("deploy", "twice-at-once"): BOTH_WORK,
+    ("run", "twice-at-once"): BOTH_WORK,
 }
 
 # Cells that fail today, with why. (The findings 3, 4, 8 and 12 cells were strict xfails until
-# their fixes landed; they pass now and the marks are gone.)
+# their fixes landed; those that pass now lost their marks.)
 XFAIL = {
-    # unowned (seen once the workers' login became a user with sudo): what runs as root
-    # cannot start on a full disk, so status shows w1 unreachable and kill cannot check it
-    **{(verb, "disk-full"): "no finding yet: the root-side agent (sudo) cannot start on a "
-                            "full disk ('could not start: ... No space left on device')"
-       for verb in ("kill", "status")},
+    **{(verb, "hung-command"): f"a command hung on one worker keeps {verb} waiting past the 40 s "
+                               "bound: its --timeout does not yet cover a hung worker-side step"
+       for verb in ("deploy", "run", "babysit")},
 }
+# Not strict: these pass or fail with the order cells run in (whether the root-side agent
+# reached w1 before its disk filled), which is the bug: the login is an ordinary user, and
+# what kill and status run as root (sudo) cannot start on a full disk, so w1 reads
+# "unreachable: could not start: No space left on device" instead of naming the full disk.
+FLAKY = {(verb, "disk-full"): "no finding yet: the root-side agent (sudo) cannot start on a "
+                              "full disk when it was not shipped before"
+         for verb in ("kill", "status")}
 
 # Every worker verb reaches workers through the same connect path, so a frozen sshd is tried on
 # a few representative verbs (one of each kind of work) rather than all of them: CI time.
@@ -493,8 +502,10 @@ def cells():
             if fault.name == "hung-sshd" and verb.name not in HUNG_SSHD_VERBS:
                 continue
             if (fault.api if verb.api_only else fault.workers):
-                marks = [pytest.mark.xfail(strict=True, reason=XFAIL[(verb.name, fault.name)])] \
-                    if (verb.name, fault.name) in XFAIL else []
+                cell = (verb.name, fault.name)
+                marks = ([pytest.mark.xfail(strict=True, reason=XFAIL[cell])] if cell in XFAIL
+                         else [pytest.mark.xfail(strict=False, reason=FLAKY[cell])]
+                         if cell in FLAKY else [])
                 yield pytest.param(verb, fault, id=f"{verb.name}-{fault.name}", marks=marks)
 
 
