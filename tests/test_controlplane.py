@@ -228,8 +228,9 @@ def test_client_calls_go_through_one_retry_policy_with_client_retry_off():
     assert seen[0][0] == "projects/proj/locations/us-central2-b/nodes/demo"
 
 
-def test_no_project_is_a_config_sentence():
-    settings = load_settings({"api_endpoint": SIM}, env={})
+def test_no_project_is_a_config_sentence(tmp_path):
+    # in a folder of its own: a current pod where the tests run would name a project
+    settings = load_settings({"api_endpoint": SIM}, env={}, cwd=tmp_path)
     with pytest.raises(ConfigError, match="No project given: pass --project"):
         ControlPlane(settings)
 
