@@ -79,6 +79,8 @@ def _describe(err: BaseException) -> str:
 
     if isinstance(err, ConnectionRefusedError):
         return "connection refused"
+    if isinstance(err, ConnectionResetError | EOFError) or "reset by peer" in str(err):
+        return "the connection closed before an SSH server answered"
     if isinstance(err, socket.timeout | TimeoutError) or "timed out" in str(err).lower():
         return "no answer (timed out)"
     if isinstance(err, paramiko.AuthenticationException):

@@ -130,8 +130,8 @@ def check_reachable(nodes: list[Node], settings: Settings) -> None:
         raise ConfigError(
             f"TPU node {closed[0]} has no external IPs, so its workers can only be reached from "
             "inside its VPC: pass --jump USER@BASTION (or put `jump: USER@BASTION` in "
-            "tpufab.yaml), or run tpufab on a VM in that VPC with --internal-ip; tpufab does "
-            "not tunnel through IAP (--iap), see docs/access.md.")
+            "tpufab.yaml), or run tpufab on a VM in that VPC with `internal_ip: true`; tpufab "
+            "does not tunnel through IAP (no --iap yet: docs/access.md says why).")
 
 
 def open_jump(settings: Settings, known_hosts, console: Console, name: str, count: int):

@@ -30,6 +30,7 @@ import os
 import selectors
 import signal
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -151,7 +152,9 @@ class Relay:
         try:
             peer = connect_in(self.to, self.target)
         except OSError:
-            conn.close()  # the far side refuses: so does the relay (the client sees a reset)
+            # The far side refuses: the relay answers with a reset, as the VM's kernel would.
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
             return
         with self._lock:
             self._conns.update((conn, peer))
@@ -352,7 +355,6 @@ class NodeNetworks:
 
 def _loopback_up() -> None:
     import fcntl
-    import struct
 
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         request = struct.pack("16sH14x", b"lo", 0)
