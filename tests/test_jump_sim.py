@@ -9,13 +9,14 @@ and says so; without it, every verb stops with one sentence naming --jump.
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from conftest import unique_name
+from conftest import build_shared_site, unique_name
 from helpers import (
     POD_USER,
     TPUFAB,
@@ -28,6 +29,7 @@ from helpers import (
 )
 
 pytestmark = pytest.mark.sim
+REPO = Path(__file__).resolve().parents[1]
 
 RECIPE = """#!/bin/sh
 echo "worker $TPUFAB_WORKER_ID of $TPUFAB_NUM_WORKERS on $(hostname)"
@@ -46,6 +48,7 @@ def tpufab(*args: str, env: dict, cwd: Path, timeout: float = 180) -> subprocess
 def pod(sim, tmp_path_factory):
     """An internal-IP v4-32, its bastion, and a git project whose tpufab.yaml names the jump."""
     home = tmp_path_factory.mktemp("jump-home")
+    build_shared_site([Path(sim.state_dir) / "share"])  # JAX for the collective
     name = unique_name("jump")
     env = cli_env(sim, home, name)
     outside = home / "outside"  # not a project: flags only
@@ -61,6 +64,7 @@ def pod(sim, tmp_path_factory):
     (project / "recipes").mkdir()
     (project / "recipes" / "hello.sh").write_text(RECIPE)
     (project / "scripts" / "setup.sh").write_text(SETUP)
+    shutil.copy(REPO / "recipes" / "jax_hello.sh", project / "recipes" / "jax_hello.sh")
     jump = f"{POD_USER}@{node['bastion']}"
     (project / "tpufab.yaml").write_text(f"jump: {jump}\n")
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t.invalid"]
@@ -121,6 +125,15 @@ def test_deploy_run_and_kill_through_jump_in_tpufab_yaml(pod):
     assert ran.returncode == 0, ran.stderr + ran.stdout
     for w in range(4):
         assert f"worker {w} of 4" in ran.stdout, ran.stdout
+    # A JAX collective across the node's workers: they share its namespace, and its metadata
+    # servers and coordinator answer there.
+    setup = tpufab("setup", "--script", str(REPO / "scripts" / "setup-sim.sh"), env=env, cwd=cwd)
+    assert setup.returncode == 0, setup.stderr + setup.stdout
+    jax = tpufab("run", "--raw", "recipes/jax_hello.sh", env=env, cwd=cwd, timeout=300)
+    assert jax.returncode == 0, jax.stderr + jax.stdout
+    for w in range(4):
+        assert f"w{w} │ jax_hello: all-gather of process ids = [0, 1, 2, 3]" in jax.stdout
+        assert f"w{w} │ jax_hello: OK" in jax.stdout
     killed = tpufab("kill", env=env, cwd=cwd)
     assert killed.returncode == 0, killed.stderr + killed.stdout
     shell = tpufab("ssh", "-w", "3", "--", "hostname", env=env, cwd=cwd)  # the system ssh
