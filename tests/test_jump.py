@@ -77,3 +77,47 @@ def test_a_node_without_external_ips_needs_a_jump_or_internal_ip(tmp_path):
     assert "demo has no external IPs" in str(err.value) and "--jump" in str(err.value)
     check_reachable([_node(None)], load_settings({"jump": "a@b"}, env=env, cwd=tmp_path))
     check_reachable([_node(None)], load_settings({"internal_ip": True}, env=env, cwd=tmp_path))
+
+
+class _Transport:
+    """A bastion transport whose channel opens fail as paramiko's do."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+        self.opened: list[tuple] = []
+
+    def open_channel(self, kind, dest, src, timeout):
+        self.opened.append((kind, dest, timeout))
+        raise self.error
+
+    def is_active(self) -> bool:
+        return True
+
+
+class _Client:
+    def __init__(self, transport):
+        self.transport = transport
+
+    def get_transport(self):
+        return self.transport
+
+
+def test_channel_failures_read_like_direct_ones():
+    import paramiko
+
+    from tpufab import fanout, jump
+
+    bastion = Jump("alice", "bastion")
+    refused = _Transport(paramiko.ChannelException(2, "Connect failed"))
+    with pytest.raises(ConnectionRefusedError):  # retried by the fan-out, then "refused"
+        jump.open_channel(bastion, None, "10.0.0.3", 22, 5.0,
+                          connect=lambda *a: _Client(refused))
+    assert refused.opened == [("direct-tcpip", ("10.0.0.3", 22), 5.0)]
+    hung = _Transport(paramiko.SSHException("Timeout opening channel."))
+    with pytest.raises(fanout.ConnectError, match=r"^connection timed out: .*within 5 s .*"
+                                                  r"firewall rule"):
+        jump.open_channel(bastion, None, "10.0.0.3", 22, 5.0, connect=lambda *a: _Client(hung))
+    prohibited = _Transport(paramiko.ChannelException(1, "Administratively prohibited"))
+    with pytest.raises(jump.JumpError, match="AllowTcpForwarding"):
+        jump.open_channel(bastion, None, "10.0.0.3", 22, 5.0,
+                          connect=lambda *a: _Client(prohibited))

@@ -149,15 +149,22 @@ def client(jump: Jump, known_hosts, timeout: float):
         return fresh
 
 
-def open_channel(jump: Jump, known_hosts, host: str, port: int, timeout: float):
+def open_channel(jump: Jump, known_hosts, host: str, port: int, timeout: float, *,
+                 connect=None):
     """A ``direct-tcpip`` channel to ``host:port`` through the bastion: a socket for paramiko.
 
     A worker the bastion cannot reach is ConnectionRefusedError (a transient failure the
-    fan-out retries, then reports as "connection refused"), like a direct connection."""
+    fan-out retries, then reports as "connection refused"), like a direct connection; one the
+    bastion's connect hangs on (no firewall rule from the bastion, say) fails after
+    ``timeout``, once. ``connect(jump, known_hosts, timeout)`` gives the bastion's client
+    (default :func:`client`; a seam for tests)."""
     import paramiko
 
+    from tpufab.fanout import ConnectError
+
+    connect = connect or client
     for attempt in (1, 2):
-        transport = client(jump, known_hosts, timeout).get_transport()
+        transport = connect(jump, known_hosts, timeout).get_transport()
         try:
             return transport.open_channel("direct-tcpip", (host, port), ("127.0.0.1", 0),
                                           timeout=timeout)
@@ -168,7 +175,12 @@ def open_channel(jump: Jump, known_hosts, host: str, port: int, timeout: float):
             raise JumpError(f"The jump host {jump} will not forward to {host}:{port} "
                             f"({err.text or err.code}); its sshd needs AllowTcpForwarding "
                             "yes for your user.") from None
-        except (EOFError, paramiko.SSHException):
+        except (EOFError, paramiko.SSHException) as err:
+            if "Timeout opening channel" in str(err):
+                raise ConnectError(
+                    f"connection timed out: the jump host {jump} did not reach {host}:{port} "
+                    f"within {timeout:g} s (does a firewall rule let port 22 in from the "
+                    "bastion?)") from None
             if attempt == 2 or (transport is not None and transport.is_active()):
                 raise
             # the bastion connection died (a restart, a network blip): open it again once
