@@ -208,3 +208,30 @@ def test_a_worker_down_behind_the_bastion_and_the_bastion_down(pod, sim):
         pool.set_reachable(pod["id"] + "-bastion", 0, True)
     again = tpufab("exec", "--jump", pod["jump"], "true", env=env, cwd=cwd)
     assert again.returncode == 0, again.stderr
+
+
+def _holders_of(netns: str) -> list[int]:
+    """Processes on this machine in the network namespace ``netns`` (``net:[4026...]``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "ns" / "net").readlink().name == netns:
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_delete_takes_the_namespace_and_the_bastion_with_it(pod, sim):
+    """Last in this module: deletes the node."""
+    pool = sim_pool(sim)
+    netns = Path(f"/proc/{pool.pids(pod['id'], 0)[0]}/ns/net").readlink().name
+    assert netns != Path("/proc/self/ns/net").readlink().name
+    assert len(_holders_of(netns)) > 4  # workers, their sshd, the bastion, the holder
+    deleted = tpufab("delete", "--yes", env=pod["env"], cwd=pod["outside"])
+    assert deleted.returncode == 0, deleted.stderr
+    assert _holders_of(netns) == []  # nothing left in it: the kernel frees the namespace
+    with pytest.raises(ConnectionRefusedError), socket.create_connection((pod["bastion"], 22), 5):
+        pass
+    assert not (Path(sim.state_dir) / "workers" / "nodes" / (pod["id"] + "-bastion")).exists()
