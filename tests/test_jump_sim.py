@@ -127,9 +127,10 @@ def test_deploy_run_and_kill_through_jump_in_tpufab_yaml(pod):
         assert f"worker {w} of 4" in ran.stdout, ran.stdout
     # A JAX collective across the node's workers: they share its namespace, and its metadata
     # servers and coordinator answer there.
-    setup = tpufab("setup", "--script", str(REPO / "scripts" / "setup-sim.sh"), env=env, cwd=cwd)
+    setup = tpufab("setup", "--script", str(REPO / "scripts" / "setup-sim.sh"), env=env, cwd=cwd,
+                   timeout=600)  # a bound for a machine under heavy load, not a duration
     assert setup.returncode == 0, setup.stderr + setup.stdout
-    jax = tpufab("run", "--raw", "recipes/jax_hello.sh", env=env, cwd=cwd, timeout=300)
+    jax = tpufab("run", "--raw", "recipes/jax_hello.sh", env=env, cwd=cwd, timeout=600)
     assert jax.returncode == 0, jax.stderr + jax.stdout
     for w in range(4):
         assert f"w{w} │ jax_hello: all-gather of process ids = [0, 1, 2, 3]" in jax.stdout
