@@ -59,6 +59,7 @@ class Settings:
     ssh_user: str = field(default_factory=lambda: _local_user())
     ssh_key: str = "~/.ssh/tpufab_ed25519"
     internal_ip: bool = False
+    jump: str | None = None             # user@host[:port]: reach workers through this bastion
     known_hosts: str = "~/.tpufab/known_hosts"
     concurrency: int = 64
     connect_timeout: float = 20.0
@@ -353,6 +354,10 @@ def load_settings(overrides: Mapping[str, Any] | None = None, *, cwd: Path | Non
                                 source, f"{source} ({key})")
     settings.sources = sources
     check_limits(settings, origin)
+    if settings.jump:
+        from tpufab.jump import parse_jump
+
+        parse_jump(settings.jump, origin.get("jump", "jump"))
     if settings.type:
         from tpufab.topology import parse_accelerator_type
 

@@ -24,12 +24,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
-from typing import IO, Protocol
+from typing import IO, TYPE_CHECKING, Protocol
 
 from tpufab import nodeset, quoting
 from tpufab.errors import TpufabError
 from tpufab.quoting import Secret
 from tpufab.terminal import Lines, neutralise
+
+if TYPE_CHECKING:
+    from tpufab.jump import Jump
 
 HEADER = struct.Struct(">BII")
 DEFAULT_CONCURRENCY = 64
@@ -53,6 +56,7 @@ class Target:
     key_filename: str | None = None
     port: int = 22
     host_key_alias: str | None = None
+    jump: Jump | None = None  # reached through this bastion (tpufab.jump), else dialled directly
 
     @property
     def key_alias(self) -> str:
@@ -680,6 +684,16 @@ def _open_socket(host: str, port: int, timeout: float) -> socket.socket:
     raise last or OSError(errno.EHOSTUNREACH, f"no address for {host}")
 
 
+def open_socket(target: Target, timeout: float, known_hosts) -> socket.socket:
+    """The byte stream a worker's SSH connection runs over: a TCP connection, or a channel
+    through the target's jump host (its own bastion connection in each process)."""
+    if target.jump is not None:
+        from tpufab import jump
+
+        return jump.open_channel(target.jump, known_hosts, target.host, target.port, timeout)
+    return _open_socket(target.host, target.port, timeout)
+
+
 def _timed_out(err: BaseException) -> bool:
     """The worker accepted the connection (or not) but never answered within the timeout."""
     text = str(err)
@@ -889,7 +903,7 @@ class Fanout:
         )
         conn.client.set_missing_host_key_policy(self.known_hosts.policy(target.key_alias))
         if not conn.gateway:
-            conn.connect_kwargs["sock"] = _open_socket(target.host, target.port, self.connect_timeout)
+            conn.connect_kwargs["sock"] = open_socket(target, self.connect_timeout, self.known_hosts)
         started = time.monotonic()
         try:
             conn.open()

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tpufab.config import Settings
-from tpufab.errors import ApiError, TpufabError
+from tpufab.errors import ApiError, ConfigError, TpufabError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -50,8 +50,17 @@ class Pod:
 
         return DEVICE_GLOBS
 
+    @property
+    def jump(self):
+        """The bastion the workers are reached through (a tpufab.jump.Jump), or None."""
+        return next((t.jump for t in self.fanout.targets.values() if t.jump is not None), None)
+
     def close(self) -> None:
         self.fanout.close()
+        if self.jump is not None:
+            from tpufab import jump
+
+            jump.release(self.jump)
 
     def __enter__(self) -> Pod:
         return self
@@ -111,6 +120,35 @@ def pin_host_keys(control: ControlPlane, nodes: list[Node], known_hosts) -> None
             known_hosts.pin(node.id, keys)
 
 
+def check_reachable(nodes: list[Node], settings: Settings) -> None:
+    """Workers without external IPs need a way in: a jump host, or tpufab inside their VPC
+    (``internal_ip``). Said before anything tries to connect."""
+    if settings.jump or settings.internal_ip:
+        return
+    closed = [n.name for n in nodes if any(not w.external_ip for w in n.workers)]
+    if closed:
+        raise ConfigError(
+            f"TPU node {closed[0]} has no external IPs, so its workers can only be reached from "
+            "inside its VPC: pass --jump USER@BASTION (or put `jump: USER@BASTION` in "
+            "tpufab.yaml), or run tpufab on a VM in that VPC with `internal_ip: true`; tpufab "
+            "does not tunnel through IAP (no --iap yet: docs/access.md says why).")
+
+
+def open_jump(settings: Settings, known_hosts, console: Console, name: str, count: int):
+    """The bastion of ``--jump``, connected now so that a bastion that is down is one
+    sentence (naming it) rather than one failure per worker; None without --jump."""
+    if not settings.jump:
+        return None
+    from tpufab import jump
+
+    bastion = jump.parse_jump(settings.jump, key_filename=str(settings.ssh_key_path))
+    jump.client(bastion, known_hosts, settings.connect_timeout)
+    jump.hold(bastion)
+    console.print(f"[dim]Reaching {name}'s {count} worker{'s' if count != 1 else ''} at their "
+                  f"internal IPs via bastion {bastion}.[/dim]", highlight=False)
+    return bastion
+
+
 def connect(settings: Settings, *, control: ControlPlane | None = None,
             console: Console | None = None, nodes: list[Node] | None = None) -> Pod:
     """Open the pod named by ``settings.name``: checks, SSH key, pinned host keys, Fanout."""
@@ -124,6 +162,7 @@ def connect(settings: Settings, *, control: ControlPlane | None = None,
     control = lifecycle.control_plane(settings, control)
     nodes = nodes if nodes is not None else resolve_nodes(control, name)
     _check_ready(nodes)
+    check_reachable(nodes, settings)
     console = console or stderr()
     entry = sshkeys.metadata_entry(settings.ssh_user, sshkeys.ensure_key(settings.ssh_key_path))
     for node in nodes:
@@ -132,6 +171,7 @@ def connect(settings: Settings, *, control: ControlPlane | None = None,
                           f"{node.name}'s metadata.[/dim]")
     known_hosts = KnownHosts(settings.known_hosts_path)
     pin_host_keys(control, nodes, known_hosts)
+    bastion = open_jump(settings, known_hosts, console, name, sum(len(n.workers) for n in nodes))
 
     targets, slices = [], []
     for node in nodes:
@@ -139,9 +179,12 @@ def connect(settings: Settings, *, control: ControlPlane | None = None,
         for w in node.workers:
             worker = len(targets)
             ids.append(worker)
-            targets.append(Target(worker=worker, host=w.address(settings.internal_ip),
+            # Through a bastion in their VPC, workers are dialled at their internal IPs.
+            targets.append(Target(worker=worker,
+                                  host=w.address(settings.internal_ip or bastion is not None),
                                   user=settings.ssh_user, key_filename=str(settings.ssh_key_path),
-                                  port=SSH_PORT, host_key_alias=alias(node.id, w.index)))
+                                  port=SSH_PORT, host_key_alias=alias(node.id, w.index),
+                                  jump=bastion))
         slices.append(ids)
     if not targets:
         raise TpufabError(f"TPU node {name} reports no workers (networkEndpoints is empty).")
@@ -161,7 +204,7 @@ def shared(settings: Settings, **kwargs) -> Pod:
     import atexit
 
     key = (settings.project, settings.zone, settings.name, settings.ssh_user,
-           str(settings.ssh_key_path), settings.internal_ip)
+           str(settings.ssh_key_path), settings.internal_ip, settings.jump)
     pod = _OPEN.get(key)
     if pod is None:
         pod = _OPEN[key] = connect(settings, **kwargs)

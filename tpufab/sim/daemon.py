@@ -146,6 +146,11 @@ def serve(state_dir: Path | None = None, port: int | None = None, *, workers: bo
         raise SimError(_port_busy_sentence(port, exc)) from None
     storage = _start_storage(state_dir / STORAGE_DIR)
     actual_port = server.server_address[1]
+    if workers:  # internal-IP nodes: a namespace each, the API and storage relayed into it
+        from tpufab.sim.network import NodeNetworks
+
+        emulator.network = NodeNetworks(pool, host_ports=[actual_port] + (
+            [storage.port] if storage is not None else []))
     endpoint = f"http://127.0.0.1:{actual_port}"
     info_path = state_dir / INFO_FILE
     _write_json(info_path, {"pid": os.getpid(), "port": actual_port, "endpoint": endpoint,

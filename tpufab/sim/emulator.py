@@ -138,6 +138,7 @@ class Emulator:
         self.started = time.time()
         self.tokens = Tokens(self.state_dir / "tokens.json")
         self.metadata: Any = None  # a tpufab.sim.metadata.MetadataServer when workers are real
+        self.network: Any = None  # a tpufab.sim.network.NodeNetworks when workers are real
         self.guest = GuestEnvironment(self)  # metadata values, startup scripts, maintenance
         self.queued = QueuedResources(self)  # queued resources (and multislice)
         self.legacy = LegacyNodes(self)  # API v1 nodes: control plane only, no workers
@@ -498,6 +499,10 @@ class Emulator:
         node = {k: v for k, v in node_in.items() if k not in OUTPUT_ONLY_NODE_FIELDS}
         region = zone.rsplit("-", 1)[0]
         network = dict(node.get("networkConfig") or {})
+        # proto3 JSON leaves a false bool out: a networkConfig without enableExternalIps asks
+        # for none (the official client's --internal-ips); no networkConfig at all gets them.
+        network["enableExternalIps"] = bool(network.get("enableExternalIps",
+                                                        "networkConfig" not in node))
         network.setdefault("network", f"projects/{project}/global/networks/default")
         network.setdefault("subnetwork",
                            f"projects/{project}/regions/{region}/subnetworks/default")
@@ -516,7 +521,8 @@ class Emulator:
             "serviceAccount": account,
             "schedulingConfig": dict(node.get("schedulingConfig") or {}),
             "cidrBlock": node.get("cidrBlock") or "10.128.0.0/20",
-            "networkEndpoints": self._endpoints(slot, topo.hosts),
+            "networkEndpoints": self._endpoints(slot, topo.hosts,
+                                                external=network["enableExternalIps"]),
             "metadata": dict(node.get("metadata") or {}),
         })
         topology = topology_string(topo)
@@ -526,9 +532,9 @@ class Emulator:
         return topo, node
 
     @staticmethod
-    def _endpoints(slot: int, hosts: int) -> list[dict[str, Any]]:
+    def _endpoints(slot: int, hosts: int, external: bool = True) -> list[dict[str, Any]]:
         return [{"ipAddress": worker_address(slot, w), "port": 22,
-                 "accessConfig": {"externalIp": worker_address(slot, w)}}
+                 **({"accessConfig": {"externalIp": worker_address(slot, w)}} if external else {})}
                 for w in range(hosts)]
 
     def _forget_node(self, name: str) -> dict[str, Any] | None:
@@ -595,6 +601,7 @@ class Emulator:
                                         delay=self.settings.worker_start_delay)
                 self.guest.open_metadata(node_id, specs)
                 self.workers.wait_listening(node_id, timeout=self.settings.listen_timeout)
+                self._start_bastion(name, specs, keys)
                 host_keys = self.workers.host_keys(node_id)
                 for _ in range(5):  # metadata may have changed while the workers started
                     with self._lock:
@@ -643,11 +650,12 @@ class Emulator:
 
             factory = self._spec_factory = WorkerSpec
         topo = parse_accelerator_type(node["acceleratorType"])
-        return [factory(node_id=node["id"], index=w, ip=e["ipAddress"],
-                        hostname=worker_hostname(node["id"], w),
-                        device_files=tuple(topo.device_files),
-                        pci_device=TPU_PCI_DEVICE.get(topo.generation, ""))
-                for w, e in enumerate(node["networkEndpoints"])]
+        specs = [factory(node_id=node["id"], index=w, ip=e["ipAddress"],
+                         hostname=worker_hostname(node["id"], w),
+                         device_files=tuple(topo.device_files),
+                         pci_device=TPU_PCI_DEVICE.get(topo.generation, ""))
+                 for w, e in enumerate(node["networkEndpoints"])]
+        return specs if self.network is None else self.network.place(node, specs)
 
     def _stop_node(self, version: str, name: str) -> dict[str, Any]:
         with self._lock:
@@ -675,6 +683,7 @@ class Emulator:
         with self._node_lock(node_id):
             self.guest.close_metadata(node_id)
             self.workers.stop_node(node_id)
+            self.network_down(node_id)
         with self._lock:
             record = self._state["nodes"].get(name)
             if record is None or record["node"]["state"] != "STOPPING":
@@ -725,6 +734,7 @@ class Emulator:
         with self._node_lock(node_id):
             self.guest.close_metadata(node_id)
             self.workers.delete_node(node_id)
+            self.network_down(node_id, delete=True)
         with self._lock:
             record = self._forget_node(name)
             if record is None:
@@ -792,6 +802,8 @@ class Emulator:
         if keys_changed and ready:
             with self._node_lock(node_id):
                 self.workers.sync_keys(node_id, keys)
+                if self.network is not None:
+                    self.network.sync_keys(record["node"], keys)
         with self._lock:
             record = self._state["nodes"].get(name)
             self._finish_operation(op_name, response=record["node"] if record else {})
@@ -851,13 +863,41 @@ class Emulator:
         with self._lock:
             nodes = [{"name": n, "id": r["node"]["id"], "state": r["node"]["state"],
                       "acceleratorType": r["node"]["acceleratorType"],
-                      "workers": [e["ipAddress"] for e in r["node"]["networkEndpoints"]]}
+                      "workers": [e["ipAddress"] for e in r["node"]["networkEndpoints"]],
+                      **self._bastion_of(r["node"])}
                      for n, r in self._state["nodes"].items()]
             qrs = [{"name": n, "state": r["qr"]["state"]["state"],
                     "nodes": [p["name"] for p in r["sim"]["plan"]]}
                    for n, r in self._state["queuedResources"].items()]
             return {"nodes": nodes, "queuedResources": qrs,
                     "settings": self.settings.as_json()}
+
+    # ------------------------------------------------------------------ internal IPs
+
+    @staticmethod
+    def _bastion_of(node: dict[str, Any]) -> dict[str, Any]:
+        """``{"bastion": address}`` for a node without external IPs (its jump host)."""
+        from tpufab.sim.network import bastion_address, is_internal
+
+        endpoints = node.get("networkEndpoints") or []
+        if not is_internal(node) or not endpoints:
+            return {}
+        return {"bastion": bastion_address(endpoints[0]["ipAddress"])}
+
+    def _start_bastion(self, name: str, specs: list[Any], keys: str) -> None:
+        """An internal-IP node's jump host (sim/network.py), once its workers listen."""
+        if self.network is None:
+            return
+        with self._lock:
+            record = self._state["nodes"].get(name)
+            node = json.loads(json.dumps(record["node"])) if record else None
+        if node is not None:
+            self.network.start_bastion(node, specs, keys)
+
+    def network_down(self, node_id: str, *, delete: bool = False) -> None:
+        """After a node's workers stopped: its bastion and network namespace, if it has them."""
+        if self.network is not None:
+            self.network.stop(node_id, delete=delete)
 
     def _arm_create_failure(self, body: dict[str, Any]) -> dict[str, Any]:
         reason = body.get("reason", "stockout")
@@ -919,6 +959,7 @@ class Emulator:
         with self._node_lock(node_id):
             self.guest.close_metadata(node_id)
             self.workers.stop_node(node_id)
+            self.network_down(node_id)
         return self._node(name)["node"]
 
     def _preempt_after_notice(self, name: str, notice: float) -> None:
@@ -1017,7 +1058,8 @@ class Emulator:
                     record["sim"]["slot"], name, slot)
         record["sim"]["slot"] = slot
         record["node"]["networkEndpoints"] = self._endpoints(
-            slot, len(record["node"]["networkEndpoints"]))
+            slot, len(record["node"]["networkEndpoints"]),
+            external=(record["node"].get("networkConfig") or {}).get("enableExternalIps", True))
 
     def _restart_workers(self, name: str) -> None:
         try:
@@ -1032,6 +1074,7 @@ class Emulator:
                 self.workers.start_node(node_id, specs, keys, delay=0.0)
                 self.guest.open_metadata(node_id, specs)
                 self.workers.wait_listening(node_id, timeout=self.settings.listen_timeout)
+                self._start_bastion(name, specs, keys)
                 host_keys = self.workers.host_keys(node_id)
             with self._lock:
                 record = self._state["nodes"].get(name)
@@ -1055,6 +1098,8 @@ class Emulator:
             if self.metadata is not None:
                 self.metadata.shutdown()
             self.workers.stop_all()
+            if self.network is not None:
+                self.network.close()
         finally:
             with self._lock:
                 self._save()

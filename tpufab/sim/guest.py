@@ -165,8 +165,9 @@ def metadata_tree(record: dict[str, Any], worker: int, *, slice_info: dict[str, 
             "network-interfaces": [{
                 "ip": endpoints[worker]["ipAddress"] if worker < len(endpoints) else "",
                 "network": f"projects/{project_number(project)}/networks/default",
-                "access-configs": [{"external-ip": endpoints[worker]["ipAddress"]
-                                    if worker < len(endpoints) else "", "type": "ONE_TO_ONE_NAT"}],
+                "access-configs": [{"external-ip": (endpoints[worker].get("accessConfig") or {})
+                                    .get("externalIp", "") if worker < len(endpoints) else "",
+                                    "type": "ONE_TO_ONE_NAT"}],
             }],
             "preempted": "TRUE" if notices.get("preempted") else "FALSE",
             "scheduling": {
@@ -219,7 +220,8 @@ class GuestEnvironment:
 
     def open_metadata(self, node_id: str, specs: list[Any]) -> None:
         if self.emu.metadata is not None:
-            self.emu.metadata.open(node_id, [(s.index, s.ip) for s in specs])
+            self.emu.metadata.open(node_id, [(s.index, s.ip, getattr(s, "netns", ""))
+                                             for s in specs])
 
     def close_metadata(self, node_id: str) -> None:
         if self.emu.metadata is not None:

@@ -116,12 +116,16 @@ class MetadataServer:
                                         daemon=True)
         self._thread.start()
 
-    def open(self, node_id: str, workers: list[tuple[int, str]]) -> None:
-        """Serve ``(worker index, ip)`` of a node (idempotent: a node is opened once)."""
+    def open(self, node_id: str, workers: list[tuple[int, str]] | list[tuple[int, str, str]]
+             ) -> None:
+        """Serve ``(worker index, ip[, network namespace])`` of a node (idempotent: a node is
+        opened once). A worker in a namespace of its own (an internal-IP node) is served there."""
+        from tpufab.sim.network import socket_in
+
         self.close(node_id)
         sockets = []
-        for index, ip in workers:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        for index, ip, *netns in workers:
+            sock = socket_in(netns[0] if netns and netns[0] else None)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind((ip, self.port))

@@ -195,6 +195,7 @@ class QueuedResources:
             with self.emu._node_lock(node_id):
                 self.emu.guest.close_metadata(node_id)
                 self.emu.workers.delete_node(node_id)
+                self.emu.network_down(node_id, delete=True)
             with self.emu._lock:
                 self.emu._forget_node(node_name)
                 self.emu._save()

@@ -68,6 +68,7 @@ class WorkerSpec:
     hostname: str  # t1v-n-<8 hex>-w-<index>
     device_files: tuple[str, ...]  # ("/dev/accel0", ...) or ("/dev/vfio/0", ...)
     pci_device: str = ""  # PCI device id of its TPU chips ("0x005e" for v4); "" = no chips
+    netns: str = ""  # a network namespace to start in (sim/network.py); "" = the host's
 
 
 # --- host requirements -------------------------------------------------------------------
@@ -266,10 +267,21 @@ def _namespace_processes(init_pid: int) -> dict[int, tuple[int, int]]:
     return found
 
 
-def _listening_addresses(port: int = SSH_PORT) -> set[str]:
-    """IPv4 addresses with a socket in LISTEN on ``port`` (read from /proc, no connection made)."""
+def _tcp_table(spec: WorkerSpec) -> str:
+    """The /proc TCP table of the network namespace the worker listens in."""
+    if spec.netns:  # /proc/<pid>/ns/net -> /proc/<pid>/net/tcp
+        return spec.netns.rpartition("/ns/")[0] + "/net/tcp"
+    return "/proc/net/tcp"
+
+
+def _listening_addresses(port: int = SSH_PORT, *, table: str = "/proc/net/tcp",
+                         seen: set[str] | None = None) -> set[str]:
+    """IPv4 addresses with a socket in LISTEN on ``port`` (read from /proc, no connection made);
+    ``seen``: the host table's answer, already read."""
+    if seen is not None and table == "/proc/net/tcp":
+        return seen
     found = set()
-    with open("/proc/net/tcp") as f:
+    with open(table) as f:
         next(f)
         for line in f:
             fields = line.split()
@@ -422,11 +434,11 @@ class WorkerPool:
             _write_json(node_dir / "node.json", {"workers": [asdict(s) for s in specs]})
             to_start = [s for s in specs if self._init_pid(node_id, s.index) is None]
             busy = _listening_addresses()
-            if "0.0.0.0" in busy and to_start:
+            if "0.0.0.0" in busy and any(not s.netns for s in to_start):
                 raise SimError("Something listens on 0.0.0.0:22, so workers cannot listen on their "
                                "own addresses: make that sshd listen on a specific address.")
             for spec in to_start:
-                if spec.ip in busy:
+                if spec.ip in _listening_addresses(table=_tcp_table(spec), seen=busy):
                     raise SimError(f"Worker {spec.index} of node {node_id} cannot listen on "
                                    f"{spec.ip}:22 because something else already does; stop it "
                                    "or use another address.")
@@ -529,6 +541,8 @@ class WorkerPool:
             # The owner dies -> unshare gets SIGKILL -> (--kill-child) the worker's PID 1 gets
             # SIGKILL -> the kernel kills the whole PID namespace. Nothing lingers.
             tools.setpriv, "--pdeathsig", "KILL", "--",
+            # An internal-IP node's workers live in its own network namespace (sim/network.py).
+            *([tools.nsenter, f"--net={spec.netns}", "--"] if spec.netns else []),
             # A time namespace whose boot clock starts now: the worker reports its own uptime.
             tools.unshare, "--pid", "--mount", "--uts", "--time", "--boottime",
             str(-int(_host_uptime())), "--kill-child", "--",
@@ -576,8 +590,8 @@ class WorkerPool:
             if down:
                 raise SimError(f"Worker(s) {fold_workers(down)} of node {node_id} are not running, "
                                "so their sshd will never listen; start the node first.")
-            listening = _listening_addresses()
-            waiting = [s for s in specs if s.ip not in listening and not
+            tables = {t: _listening_addresses(table=t) for t in {_tcp_table(s) for s in specs}}
+            waiting = [s for s in specs if s.ip not in tables[_tcp_table(s)] and not
                        (self._worker_dir(node_id, s.index) / "unreachable").exists()]
             if not waiting:
                 return
@@ -721,7 +735,8 @@ class WorkerPool:
             record = _read_json(self._worker_dir(node_id, index) / "init.json", {})
             if reachable and time.monotonic() < record.get("sshd_at", 0):
                 return  # its start delay has not passed yet; wait_listening covers it
-            if not _wait_for(lambda: (spec.ip in _listening_addresses()) == reachable, 10.0):
+            if not _wait_for(lambda: (spec.ip in _listening_addresses(table=_tcp_table(spec)))
+                             == reachable, 10.0):
                 state = "listen" if reachable else "stop listening"
                 raise SimError(f"sshd on worker {index} of node {node_id} did not {state} within "
                                f"10 s; see {self.sshd_log(node_id, index)}.")
@@ -766,7 +781,7 @@ class WorkerPool:
         popen_kw.setdefault("text", True)
         nsenter = find_host_tools().nsenter
         return subprocess.run([nsenter, "--target", str(init), "--pid", "--mount", "--uts",
-                               "--", *argv], **popen_kw)
+                               "--net", "--", *argv], **popen_kw)
 
 
 # --- worker accounts (files on the worker's disk, changed in place) --------------------------

@@ -10,7 +10,8 @@ from tpufab.verbs.declare import Opt, verb
 @verb(options={"quick": "Only compare the workers; skip the collective across every host.",
                "timeout": Opt("Seconds the collective may take before it gives up.", min=1)})
 def check(*, name: str | None = None, quick: bool = False, as_json: bool = False,
-          timeout: float = 120.0, zone: str | None = None, project: str | None = None) -> int:
+          timeout: float = 120.0, zone: str | None = None, project: str | None = None,
+          jump: str | None = None) -> int:
     """Check every worker at once: TPU free, versions and commit agree, disk, memory, clock,
     mounts; then (unless --quick) a real collective across every host.
 
@@ -20,7 +21,7 @@ def check(*, name: str | None = None, quick: bool = False, as_json: bool = False
 
     if timeout <= 0:
         raise ConfigError(f"--timeout must be more than 0 seconds, not {timeout:g}.")
-    settings = settings_from_flags(name=name, zone=zone, project=project)
+    settings = settings_from_flags(name=name, zone=zone, project=project, jump=jump)
     pod = pod_for(settings).connected
     report = checking.run_check(settings, pod, quick=quick, timeout=timeout,
                                 progress=None if as_json else lambda m: note(m, "dim"))

@@ -27,7 +27,7 @@ MOUNT_TIMEOUT = 300.0    # seconds per step (installing gcsfuse included)
 def deploy(*, name: str | None = None, ref: str = "HEAD", remote: str = "origin",
            dir: str | None = None, direct: bool = False, wip: bool = False,
            timeout: float = DEPLOY_TIMEOUT, zone: str | None = None,
-           project: str | None = None) -> None:
+           project: str | None = None, jump: str | None = None) -> None:
     """Put exactly one commit of this repository on every worker, verified.
 
     ``timeout``: seconds each step on the workers may take (default 600). One writer at a
@@ -36,7 +36,8 @@ def deploy(*, name: str | None = None, ref: str = "HEAD", remote: str = "origin"
     from tpufab.console import stdout
     from tpufab.progress import WorkerProgress
 
-    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, timeout=timeout))
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
+                                      jump=jump, timeout=timeout))
     with WorkerProgress("deploy") as shown:  # the local checks come first, before any SSH
         report = pod.deploy(ref, remote=remote, dir=dir, direct=direct, wip=wip,
                             progress=progress, sink=shown)
@@ -79,7 +80,7 @@ def _driver_options(options: Iterable[str] | None) -> list[str]:
 def mount(*, bucket: str, name: str | None = None, at: str | None = None,
           driver: str | None = None, options: Iterable[str] | None = None,
           install: bool = False, timeout: float = MOUNT_TIMEOUT, zone: str | None = None,
-          project: str | None = None) -> None:
+          project: str | None = None, jump: str | None = None) -> None:
     """Mount a Cloud Storage bucket (or a prefix of it) on every worker, verified.
 
     ``timeout``: seconds each step on the workers may take (default 300)."""
@@ -87,7 +88,8 @@ def mount(*, bucket: str, name: str | None = None, at: str | None = None,
     from tpufab.console import stdout
     from tpufab.progress import WorkerProgress
 
-    settings = settings_from_flags(name=name, zone=zone, project=project, timeout=timeout)
+    settings = settings_from_flags(name=name, zone=zone, project=project,
+                                   jump=jump, timeout=timeout)
     spec = mounting.mount_spec(bucket, at=at, driver=driver or settings.mount_driver,
                                options=_driver_options(options),
                                endpoint=settings.storage_endpoint)
@@ -112,7 +114,7 @@ def mount(*, bucket: str, name: str | None = None, at: str | None = None,
                  "lazy": "Detach now even if files are open there."})
 def umount(*, name: str | None = None, at: str | None = None, lazy: bool = False,
            timeout: float = MOUNT_TIMEOUT, zone: str | None = None,
-           project: str | None = None) -> None:
+           project: str | None = None, jump: str | None = None) -> None:
     """Unmount --at (or every mount tpufab made) on every worker.
 
     ``timeout``: seconds each step on the workers may take (default 300)."""
@@ -120,7 +122,8 @@ def umount(*, name: str | None = None, at: str | None = None, lazy: bool = False
     from tpufab.console import stdout
 
     mounting.umount_args(at, lazy=lazy)  # a bad --at is refused before connecting
-    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, timeout=timeout))
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
+                                      jump=jump, timeout=timeout))
     report = mounting.umount(pod.fanout, at, lazy=lazy)
     if at is None:
         print_table(("WORKERS", "RESULT", "MOUNT POINTS"), (

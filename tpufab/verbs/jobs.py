@@ -47,7 +47,7 @@ def run(recipe: str, extra: Sequence[str] = (), *, name: str | None = None, args
         raw: bool = False, check: bool = False, wait_port: int | None = None,
         wait_timeout: float = 600.0, color: bool = False, timeout: float = RUN_TIMEOUT,
         zone: str | None = None,
-        project: str | None = None) -> int:
+        project: str | None = None, jump: str | None = None) -> int:
     """Run a recipe on every worker at once (deploying first) and follow its logs.
 
     A Python file runs with the workers' Python: `tpufab run train.py model=tiny
@@ -77,7 +77,8 @@ def run(recipe: str, extra: Sequence[str] = (), *, name: str | None = None, args
         raise ConfigError("--no-deploy skips deploy, while --direct and --wip say how to "
                           "deploy: give one or the other.")
     argv = [*split_args(args), *(str(item) for item in extra or ())]
-    settings = settings_from_flags(name=name, zone=zone, project=project, timeout=timeout)
+    settings = settings_from_flags(name=name, zone=zone, project=project,
+                                   jump=jump, timeout=timeout)
     forwarded = forwarded_for(settings, env)
     if local and check:
         raise ConfigError("--check checks a pod; drop it with --local.")
@@ -395,7 +396,8 @@ def _unreachable(statuses):
                  "raw": "Every line, prefixed by its worker."})
 def logs(*, run: str | None = None, follow: bool = False, worker: str = "all",
          raw: bool = False, color: bool = False, timeout: float | None = None,
-         name: str | None = None, zone: str | None = None, project: str | None = None) -> int:
+         name: str | None = None, zone: str | None = None, project: str | None = None,
+         jump: str | None = None) -> int:
     """A run's logs: worker 0's lines once, plus only the lines where others differ.
 
     ``timeout``: seconds to wait for the workers (default 300 for the logs so far; with
@@ -407,7 +409,8 @@ def logs(*, run: str | None = None, follow: bool = False, worker: str = "all",
     follow_for = float("inf") if timeout is None else timeout
     if timeout is None:
         timeout = LOGS_TIMEOUT
-    settings = settings_from_flags(name=name, zone=zone, project=project, timeout=timeout)
+    settings = settings_from_flags(name=name, zone=zone, project=project,
+                                   jump=jump, timeout=timeout)
     pod = pod_for(settings)
     chosen = pod.fanout.select(worker)
     run_id, statuses, have = _find_run(pod, chosen, run)
@@ -534,7 +537,7 @@ def _follow_logs(pod, run_id: str, workers, raw: bool, color: bool = False,
 @verb()
 def runs(*, name: str | None = None, worker: str = "all", as_json: bool = False,
          timeout: float = LIST_TIMEOUT, zone: str | None = None,
-         project: str | None = None) -> int:
+         project: str | None = None, jump: str | None = None) -> int:
     """The runs the workers know, with each worker's state.
 
     ``timeout``: seconds for every worker to answer (default 60)."""
@@ -542,7 +545,8 @@ def runs(*, name: str | None = None, worker: str = "all", as_json: bool = False,
 
     from tpufab import jobs, nodeset
 
-    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, timeout=timeout))
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
+                                      jump=jump, timeout=timeout))
     chosen = pod.fanout.select(worker)
     statuses = jobs.statuses(pod.fanout, chosen)
     rows = jobs.run_rows(statuses)
@@ -605,7 +609,7 @@ def _duration(seconds: float) -> str:
 def kill(*, name: str | None = None, run: str | None = None, grace: float = 5.0,
          dry_run: bool = False, force: bool = False, worker: str = "all",
          timeout: float | None = None, zone: str | None = None,
-         project: str | None = None) -> int:
+         project: str | None = None, jump: str | None = None) -> int:
     """Free the TPU everywhere: stop runs and stale holders, then remove the lockfile.
 
     ``timeout``: seconds the kill may take on each worker (default: the grace period plus
@@ -620,7 +624,8 @@ def kill(*, name: str | None = None, run: str | None = None, grace: float = 5.0,
     if run is not None and not is_run_id(run):
         raise ConfigError(f"{run!r} is not a run id (they look like 20261122-104455-ab12); "
                           "`tpufab runs` lists them.")
-    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, timeout=timeout))
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
+                                      jump=jump, timeout=timeout))
     chosen = pod.fanout.select(worker)
     result = killing.kill(pod.fanout, chosen, run=run, grace=grace, dry_run=dry_run,
                           force=force, device_globs=pod.device_globs(), timeout=timeout)

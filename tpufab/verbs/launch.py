@@ -162,7 +162,8 @@ def _down(plan, started: list) -> None:
     "ttl": Opt("Delete the pod this long from now, busy or not (8h).", metavar="DURATION"),
     "cancel": "Remove the watchdog."})
 def autostop(*, name: str | None = None, idle: str | None = None, ttl: str | None = None,
-             cancel: bool = False, zone: str | None = None, project: str | None = None) -> None:
+             cancel: bool = False, zone: str | None = None, project: str | None = None,
+             jump: str | None = None) -> None:
     """Delete the pod once idle (no run, no TPU holder on any worker) or at a TTL; --cancel."""
     from tpufab import autostop as stopping
     from tpufab import lifecycle
@@ -174,7 +175,7 @@ def autostop(*, name: str | None = None, idle: str | None = None, ttl: str | Non
     if not cancel and not idle_s and not ttl_s:
         raise ConfigError("Say when to stop: --idle 30m (after 30 idle minutes), --ttl 8h (8 "
                           "hours from now), both, or --cancel.")
-    settings = settings_from_flags(name=name, zone=zone, project=project)
+    settings = settings_from_flags(name=name, zone=zone, project=project, jump=jump)
     pod = pod_for(settings)
     if cancel:
         was = stopping.cancel(pod, settings)

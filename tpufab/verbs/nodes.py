@@ -22,14 +22,15 @@ from tpufab.verbs.declare import Opt, verb
                                   metavar="DURATION"),
                  "reservation": "Consume this reservation (a queued resource).",
                  "topology": Opt("Custom chip shape, e.g. 4x4x4 (v4, v5p, v5e, v6e).",
-                                 metavar="AxBxC")})
+                                 metavar="AxBxC"),
+                 "internal_ips": "No external IPs on the workers (reach them with --jump)."})
 def create(*, name: str | None = None, type: str | None = None, zone: str | None = None,
            project: str | None = None, version: str | None = None, spot: bool = False,
            preemptible: bool = False, reserved: bool = False, queued: bool = False,
            num_slices: int = 1, async_: bool = False,
            labels: Iterable[str] | None = None, zones: str | None = None,
            retry_for: str | None = None, reservation: str | None = None,
-           topology: str | None = None) -> None:
+           topology: str | None = None, internal_ips: bool = False) -> None:
     """Create a TPU VM node (or queued resource) and wait until it is READY.
 
     Without a name (no --name, TPUFAB_NAME or `name:`) it picks <user>-<type> and says so.
@@ -49,6 +50,8 @@ def create(*, name: str | None = None, type: str | None = None, zone: str | None
                                    zone=zone or (zone_list[0] if zone_list else None),
                                    project=project, version=version, spot=spot,
                                    preemptible=preemptible, reserved=reserved, labels=labels)
+    if internal_ips:  # the API's networkConfig.enableExternalIps=false
+        settings.internal_ip = True
     source = settings.source_of("name")
     if source == "default" or source.startswith("current pod"):
         settings.name = default_name(settings.ssh_user, settings.require("type", "--type"))
