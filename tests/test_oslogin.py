@@ -196,3 +196,28 @@ def test_the_account_comes_from_the_credentials():
 
     assert oslogin.account_from_credentials(user, get=tokeninfo) == "me@example.com"
     assert asked == [(oslogin.TOKENINFO, {"access_token": "ya29.x"})]
+
+
+def test_workers_learn_of_os_login_and_its_users(emulator, client):
+    """Paper workers record what the emulator tells them: OS Login on for a node of an
+    enabled project, with each POSIX account as it is created; off where the node says so."""
+    from google.cloud import tpu_v2
+
+    tpu = tpu_v2.TpuClient(transport="rest", credentials=AnonymousCredentials(),
+                           client_options=ClientOptions(api_endpoint=emulator.endpoint))
+    parent = f"projects/workers-{PROJECT}/locations/us-central2-b"
+    emulator.oslogin.admin("PATCH", {"project": f"workers-{PROJECT}", "enabled": True})
+    on = tpu.create_node(parent=parent, node_id="on", node=tpu_v2.Node(
+        accelerator_type="v4-8", runtime_version="tpu-ubuntu2204-base",
+        metadata={"ssh-keys": f"bob:{KEY}"})).result(timeout=60)
+    off = tpu.create_node(parent=parent, node_id="off", node=tpu_v2.Node(
+        accelerator_type="v4-8", runtime_version="tpu-ubuntu2204-base",
+        metadata={"ssh-keys": f"bob:{KEY}", "enable-oslogin": "FALSE"})).result(timeout=60)
+    workers, on_id, off_id = emulator.workers, str(on.id), str(off.id)
+    assert workers.os_login[on_id] == [] and workers.os_login[off_id] is None
+    assert workers.keys[on_id] == "" and workers.keys[off_id] == f"bob:{KEY}"
+    client.import_ssh_public_key(request={
+        "parent": "users/carol@example.com", "project_id": f"workers-{PROJECT}",
+        "ssh_public_key": common.SshPublicKey(key=KEY)})
+    [account] = workers.os_login[on_id]
+    assert account["username"] == "carol_example_com" and workers.os_login[off_id] is None

@@ -140,12 +140,9 @@ class OsLoginService:
     def apply(self, record: dict[str, Any]) -> None:
         """Tell the node's workers whether OS Login is on, and its users (caller holds no lock
         it needs: the pool takes its own)."""
-        setter = getattr(self.emu.workers, "set_os_login", None)
-        if setter is None:
-            return
         project = record["node"]["name"].split("/")[1]
         on = self.enabled_for(record)
-        setter(record["node"]["id"], self.accounts(project) if on else None)
+        self.emu.workers.set_os_login(record["node"]["id"], self.accounts(project) if on else None)
 
     def apply_all(self, project: str | None = None) -> None:
         """After a project-wide change: every running node of ``project`` (or of all)."""
