@@ -142,7 +142,8 @@ def test_logins_decide_per_node_and_say_so_once(emulator, tmp_path):
                             TPUFAB_SSH_KEY=str(tmp_path / "key"))
     users = oslogin.logins(settings, [node_on, node_off], console,
                            project_md=lambda s: {"enable-oslogin": "FALSE"})
-    assert users == {"on": "bob_example_com"}
+    assert {n: login.user for n, login in users.items()} == {"on": "bob_example_com"}
+    assert "bob@example.com hold roles/compute.osAdminLogin" in users["on"].hint
     assert ("OS Login is on for node on: logging in as bob_example_com with tpufab's key "
             "registered for 24 h.") in console.export_text()
     quiet = Console(record=True, width=300)
@@ -151,10 +152,12 @@ def test_logins_decide_per_node_and_say_so_once(emulator, tmp_path):
     # ssh_user set by hand wins over the profile's name; os_login false registers nothing
     mine = settings_for(emulator, tmp_path, TPUFAB_OS_LOGIN_ACCOUNT="bob@example.com",
                         TPUFAB_SSH_KEY=str(tmp_path / "key"), TPUFAB_SSH_USER="ops")
-    assert oslogin.logins(mine, [node_on], quiet, project_md=lambda s: None) == {"on": "ops"}
+    assert oslogin.logins(mine, [node_on], quiet, project_md=lambda s: None)["on"].user == "ops"
     off = settings_for(emulator, tmp_path, TPUFAB_OS_LOGIN="no")
     warned = Console(record=True, width=300)
-    assert oslogin.logins(off, [node_on, node_off], warned, project_md=lambda s: None) == {}
+    forced = oslogin.logins(off, [node_on, node_off], warned, project_md=lambda s: None)
+    assert list(forced) == ["on"] and forced["on"].user is None
+    assert "drop --no-os-login" in forced["on"].hint
     assert "OS Login is on for on (enable-oslogin=TRUE), but os_login is false" in \
         warned.export_text()
 

@@ -142,9 +142,14 @@ def test_roles_decide_login_and_sudo(env, admin, home, worker_ip):
         fresh = {**env, "TPUFAB_SSH_KEY": str(home / "other_ed25519")}
         refused = tpufab("exec", "true", env=fresh, cwd=home)
         one_sentence(refused, "roles/compute.osAdminLogin", ACCOUNT, PROJECT)
-        # and the key registered earlier no longer logs in either (authorize?policy=login)
+        # and the key registered earlier no longer logs in either (authorize?policy=login):
+        # the refusal names the roles too
         key_path = home / "tpufab_ed25519"
         assert ssh_run(worker_ip, SshKey(key_path, ""), USER, "true").returncode == 255
+        stale = tpufab("exec", "true", env=env, cwd=home)
+        assert stale.returncode != 0 and "Traceback" not in stale.stderr
+        assert (f"authentication failed (OS Login refused {USER}: does {ACCOUNT} hold "
+                "roles/compute.osAdminLogin") in stale.stderr, stale.stderr
     finally:
         admin.os_login(role="admin", account=ACCOUNT)
 
@@ -153,7 +158,7 @@ def test_no_os_login_is_refused_with_the_reason(env, home):
     result = tpufab("exec", "--no-os-login", "true", env=env, cwd=home)
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
     assert "OS Login is on for" in result.stderr and "--no-os-login" in result.stderr
-    assert "authentication failed" in result.stderr, result.stderr
+    assert "authentication failed (OS Login is on for" in result.stderr, result.stderr
 
 
 @pytest.mark.gcloud

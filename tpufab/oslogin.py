@@ -76,6 +76,15 @@ def ttl_text(seconds: float) -> str:
 
 
 @dataclass(frozen=True)
+class Login:
+    """How to log in to one node's workers where OS Login decides: as ``user`` (None: with
+    metadata keys all the same, --no-os-login), and what to say if the login is refused."""
+
+    user: str | None
+    hint: str
+
+
+@dataclass(frozen=True)
 class Registration:
     """tpufab's key in a login profile: the POSIX user to log in as, and until when."""
 
@@ -271,9 +280,11 @@ def project_metadata(settings: Settings) -> dict[str, str] | None:
 
 
 def logins(settings: Settings, nodes: list[Node], console: Console, *,
-           api: OsLoginApi | None = None, project_md: Any = project_metadata) -> dict[str, str]:
-    """{node name: login user} for the nodes where OS Login is on, with tpufab's key registered;
-    says once (when it registers the key) who tpufab logs in as."""
+           api: OsLoginApi | None = None, project_md: Any = project_metadata
+           ) -> dict[str, Login]:
+    """{node name: Login} for the nodes where OS Login is on (with tpufab's key registered),
+    or is on but turned off by os_login: false; says once (when it registers the key) who
+    tpufab logs in as."""
     cache: list[dict[str, str] | None] = []
 
     def project() -> dict[str, str] | None:
@@ -287,13 +298,16 @@ def logins(settings: Settings, nodes: list[Node], console: Console, *,
         return enabled(node.metadata, project())
 
     if settings.os_login == "false":
+        forced = {}
         for node in nodes:
             if on(node):
                 console.print(f"[yellow]OS Login is on for {node.name} ({ENABLE_KEY}=TRUE), but "
                               "os_login is false (--no-os-login): its workers will refuse the "
                               "key in ssh-keys metadata unless its image ignores OS Login."
                               "[/yellow]")
-        return {}
+                forced[node.name] = Login(None, f"OS Login is on for {node.name}: drop "
+                                                "--no-os-login (os_login: false)")
+        return forced
     chosen = [n for n in nodes if settings.os_login == "true" or on(n)]
     if not chosen:
         return {}
@@ -311,4 +325,6 @@ def logins(settings: Settings, nodes: list[Node], console: Console, *,
         what = f"node {chosen[0].name}" if len(chosen) == 1 else f"{len(chosen)} nodes"
         console.print(f"OS Login is on for {what}: logging in as {user} with tpufab's key "
                       f"registered for {ttl_text(settings.os_login_ttl)}.", markup=False)
-    return {n.name: user for n in chosen}
+    hint = (f"OS Login refused {user}: does {account} hold roles/compute.osAdminLogin or "
+            "roles/compute.osLogin in this project?")
+    return {n.name: Login(user, hint) for n in chosen}

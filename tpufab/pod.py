@@ -164,10 +164,10 @@ def connect(settings: Settings, *, control: ControlPlane | None = None,
     _check_ready(nodes)
     check_reachable(nodes, settings)
     console = console or stderr()
-    logins = oslogin.logins(settings, nodes, console)  # {node: user} where OS Login is on
+    logins = oslogin.logins(settings, nodes, console)  # {node: Login} where OS Login is on
     entry = sshkeys.metadata_entry(settings.ssh_user, sshkeys.ensure_key(settings.ssh_key_path))
     for node in nodes:
-        if node.name in logins:
+        if node.name in logins and logins[node.name].user:
             continue  # its workers ignore ssh-keys metadata
         if lifecycle.ensure_key(control, node, entry, settings, console):
             console.print(f"[dim]Added your SSH key ({settings.ssh_key_path}.pub) to "
@@ -179,16 +179,17 @@ def connect(settings: Settings, *, control: ControlPlane | None = None,
     targets, slices = [], []
     for node in nodes:
         ids = []
+        login = logins.get(node.name)
         for w in node.workers:
             worker = len(targets)
             ids.append(worker)
             # Through a bastion in their VPC, workers are dialled at their internal IPs.
             targets.append(Target(worker=worker,
                                   host=w.address(settings.internal_ip or bastion is not None),
-                                  user=logins.get(node.name, settings.ssh_user),
+                                  user=login.user if login and login.user else settings.ssh_user,
                                   key_filename=str(settings.ssh_key_path),
                                   port=SSH_PORT, host_key_alias=alias(node.id, w.index),
-                                  jump=bastion))
+                                  jump=bastion, auth_hint=login.hint if login else None))
         slices.append(ids)
     if not targets:
         raise TpufabError(f"TPU node {name} reports no workers (networkEndpoints is empty).")
