@@ -7,6 +7,7 @@ modules' pods), driven through the `tpufab` command and the system ssh; gcloud l
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -132,7 +133,9 @@ def test_metadata_keys_are_refused(env, home, node, worker_ip, tpu_client, ssh_k
 
 def test_roles_decide_login_and_sudo(env, admin, home, worker_ip):
     # roles/compute.osLogin only: logs in, no sudo (decided at each login, as on a real VM)
-    admin.os_login(role="login", account=ACCOUNT)
+    changed = tpufab("sim", "os-login", "--role", "login", env=env, cwd=home)
+    assert (f"OS Login in project {PROJECT}: enable-oslogin=TRUE; roles: {ACCOUNT}: login."
+            in ok(changed)), changed.stdout
     try:
         result = tpufab("exec", "sudo -n true 2>/dev/null && echo sudo-ok || echo no-sudo",
                         env=env, cwd=home)
@@ -175,3 +178,10 @@ def test_gcloud_tpu_vm_ssh_logs_in_through_os_login(gcloud_env, node, tpu_client
     assert os.path.exists(Path(env["HOME"], ".ssh", "google_compute_engine"))
     assert f"{USER}:ssh-rsa {gcloud_key}" in tpu_client.get_node(name=node.name).metadata[
         "ssh-keys"]
+    described = subprocess.run(["gcloud", "compute", "os-login", "describe-profile",
+                                "--format=json"], env=env, capture_output=True, text=True,
+                               timeout=120, stdin=subprocess.DEVNULL)
+    assert described.returncode == 0, described.stderr
+    profile = json.loads(described.stdout)
+    assert profile["name"] == ACCOUNT and profile["posixAccounts"][0]["username"] == USER
+    assert any(gcloud_key in k["key"] for k in profile["sshPublicKeys"].values())
