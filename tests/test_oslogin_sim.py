@@ -58,7 +58,8 @@ def home(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def env(sim, node, home) -> dict[str, str]:
     env = cli_env(sim, home, node.name.rsplit("/", 1)[1])
-    env.update(TPUFAB_PROJECT=PROJECT, **GIT_ENV)
+    # sshd runs a Python AuthorizedKeysCommand per login here: more than 5 s on a loaded machine
+    env.update(TPUFAB_PROJECT=PROJECT, TPUFAB_CONNECT_TIMEOUT="30", **GIT_ENV)
     assert env["TPUFAB_OS_LOGIN_ACCOUNT"] == ACCOUNT
     return env
 
@@ -85,6 +86,7 @@ def test_verbs_work_as_the_profile_user(env, home, node, worker_ip):
     # registered once: the next verb finds the key in the profile and says nothing about it
     again = tpufab("exec", "echo $HOME", env=env, cwd=project)
     assert f"/home/{USER}" in ok(again) and "OS Login is on" not in again.stderr
+    assert ok(tpufab("ssh", "--", "id", "-un", env=env, cwd=project)).strip() == USER
 
     ok(tpufab("setup", "--script", "setup.sh", env=env, cwd=project))
     assert USER in ok(tpufab("exec", "cat ~/setup-ran", env=env, cwd=project))
