@@ -621,7 +621,8 @@ class Emulator:
                                         delay=self.settings.worker_start_delay)
                 self.guest.open_metadata(node_id, specs)
                 self.workers.wait_listening(node_id, timeout=self.settings.listen_timeout)
-                self._start_bastion(name, specs, keys)
+                # the bastion is a VM of its own that the simulated OS Login leaves alone
+                self._start_bastion(name, specs, _metadata_keys(snapshot))
                 host_keys = self.workers.host_keys(node_id)
                 for _ in range(5):  # metadata may have changed while the workers started
                     with self._lock:
@@ -825,7 +826,7 @@ class Emulator:
                 self.oslogin.apply(snapshot)  # enable-oslogin may have changed
                 self.workers.sync_keys(node_id, keys)
                 if self.network is not None:
-                    self.network.sync_keys(record["node"], keys)
+                    self.network.sync_keys(snapshot["node"], _metadata_keys(snapshot))
         with self._lock:
             record = self._state["nodes"].get(name)
             self._finish_operation(op_name, response=record["node"] if record else {})
@@ -1100,7 +1101,7 @@ class Emulator:
                 self.workers.start_node(node_id, specs, keys, delay=0.0)
                 self.guest.open_metadata(node_id, specs)
                 self.workers.wait_listening(node_id, timeout=self.settings.listen_timeout)
-                self._start_bastion(name, specs, keys)
+                self._start_bastion(name, specs, _metadata_keys(snapshot))
                 host_keys = self.workers.host_keys(node_id)
             with self._lock:
                 record = self._state["nodes"].get(name)
@@ -1146,6 +1147,11 @@ class Emulator:
     def _node_lock(self, node_id: str) -> threading.Lock:
         with self._lock:
             return self._node_locks.setdefault(node_id, threading.Lock())
+
+
+def _metadata_keys(record: dict[str, Any]) -> str:
+    """A node's metadata ``ssh-keys`` as they are (its workers' view is oslogin.login_keys)."""
+    return (record["node"].get("metadata") or {}).get("ssh-keys", "")
 
 
 # ---------------------------------------------------------------------- HTTP
