@@ -102,7 +102,7 @@ VERBS = ("init", "use", "launch", "autostop", "gc", "create", "delete", "list", 
          "types", "topology", "exec", "setup", "ssh", "deploy", "mount", "umount", "run", "logs",
          "runs", "kill", "status", "babysit", "check")
 SIM_VERBS = ("up", "down", "status", "preempt", "unreachable", "fail-create", "burst", "zombie",
-             "bucket")
+             "bucket", "os-login")
 
 
 def listed_commands(text: str, section: str = "Commands:") -> list[str]:

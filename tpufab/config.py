@@ -64,6 +64,12 @@ class Settings:
     concurrency: int = 64
     connect_timeout: float = 20.0
     command_timeout: float | None = None
+    # OS Login (tpufab.oslogin): auto = as the node's (else the project's) enable-oslogin says
+    os_login: str = "auto"               # or true / false (--no-os-login)
+    os_login_account: str | None = None  # your Google account's email; default: from credentials
+    os_login_ttl: float = 86400.0        # seconds tpufab's key stays registered (renewed early)
+    os_login_endpoint: str | None = None  # default: beside api_endpoint when set, else Google's
+    compute_endpoint: str | None = None   # project metadata; the same default rule
     # jobs
     env: list[str] = field(default_factory=list)
     secrets: list[str] = field(default_factory=lambda: list(DEFAULT_SECRETS))
@@ -304,11 +310,16 @@ LIMITS = {
     "api_retries": (1, False, "attempts per TPU API call"),
     "api_retry_seconds": (0, False, "seconds of TPU API retries"),
     "wait_timeout": (0, True, "seconds to wait for a node"),
+    "os_login_ttl": (0, True, "seconds tpufab's key stays registered with OS Login"),
 }
+# Settings that take one of a few words; booleans are accepted for the true/false ones.
+CHOICES = {"os_login": ("auto", "true", "false")}
 URL_SETTINGS = {"api_endpoint": "http://127.0.0.1:8475 (the simulated pod) or "
                                 "https://tpu.googleapis.com",
                 "storage_endpoint": "http://127.0.0.1:PORT (the simulated pod's) or "
-                                    "https://storage.googleapis.com"}
+                                    "https://storage.googleapis.com",
+                "os_login_endpoint": "https://oslogin.googleapis.com",
+                "compute_endpoint": "https://compute.googleapis.com/compute/v1"}
 
 
 def check_limits(settings: Settings, origin: Mapping[str, str]) -> None:
@@ -316,6 +327,14 @@ def check_limits(settings: Settings, origin: Mapping[str, str]) -> None:
     came from (``origin``: setting -> TPUFAB_X, a file, or --flag)."""
     from urllib.parse import urlsplit
 
+    for name, words in CHOICES.items():
+        value = str(getattr(settings, name)).strip().lower()
+        value = {"1": "true", "yes": "true", "on": "true", "0": "false", "no": "false",
+                 "off": "false"}.get(value, value)
+        if value not in words:
+            raise ConfigError(f"{origin.get(name, name)}: {name} must be one of "
+                              f"{', '.join(words)}, not {getattr(settings, name)!r}.")
+        setattr(settings, name, value)
     for name, (low, exclusive, what) in LIMITS.items():
         value = getattr(settings, name)
         if value is None or (value > low if exclusive else value >= low):

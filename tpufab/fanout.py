@@ -57,6 +57,7 @@ class Target:
     port: int = 22
     host_key_alias: str | None = None
     jump: Jump | None = None  # reached through this bastion (tpufab.jump), else dialled directly
+    auth_hint: str | None = None  # what a refused login means here (e.g. OS Login's roles)
 
     @property
     def key_alias(self) -> str:
@@ -725,7 +726,7 @@ def quiet_paramiko() -> None:
         logger.addHandler(logging.NullHandler())
 
 
-def _describe(err: BaseException) -> str:
+def _describe(err: BaseException, target: Target | None = None) -> str:
     import paramiko
 
     if isinstance(err, ConnectionRefusedError):
@@ -735,7 +736,8 @@ def _describe(err: BaseException) -> str:
     if _timed_out(err):
         return "connection timed out"
     if isinstance(err, paramiko.AuthenticationException):
-        return "authentication failed (is the tpufab key in the worker's authorized_keys?)"
+        hint = (target and target.auth_hint) or "is the tpufab key in the worker's authorized_keys?"
+        return f"authentication failed ({hint})"
     if isinstance(err, TpufabError):
         return str(err)
     text = str(err) or type(err).__name__
@@ -1034,7 +1036,7 @@ class Fanout:
                 link.agent.submit(task, request, stdin_bytes, _put[1] if _put else None)
             except BaseException as err:  # noqa: BLE001 - becomes this worker's result
                 link.close()
-                task.finish(None, _describe(err))
+                task.finish(None, _describe(err, link.target))
 
         try:
             for worker in chosen:

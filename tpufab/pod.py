@@ -152,7 +152,7 @@ def open_jump(settings: Settings, known_hosts, console: Console, name: str, coun
 def connect(settings: Settings, *, control: ControlPlane | None = None,
             console: Console | None = None, nodes: list[Node] | None = None) -> Pod:
     """Open the pod named by ``settings.name``: checks, SSH key, pinned host keys, Fanout."""
-    from tpufab import lifecycle, sshkeys
+    from tpufab import lifecycle, oslogin, sshkeys
     from tpufab.console import stderr
     from tpufab.fanout import Fanout, Target
     from tpufab.hostkeys import KnownHosts, alias
@@ -164,8 +164,11 @@ def connect(settings: Settings, *, control: ControlPlane | None = None,
     _check_ready(nodes)
     check_reachable(nodes, settings)
     console = console or stderr()
+    logins = oslogin.logins(settings, nodes, console)  # {node: Login} where OS Login is on
     entry = sshkeys.metadata_entry(settings.ssh_user, sshkeys.ensure_key(settings.ssh_key_path))
     for node in nodes:
+        if node.name in logins and logins[node.name].user:
+            continue  # its workers ignore ssh-keys metadata
         if lifecycle.ensure_key(control, node, entry, settings, console):
             console.print(f"[dim]Added your SSH key ({settings.ssh_key_path}.pub) to "
                           f"{node.name}'s metadata.[/dim]")
@@ -176,15 +179,17 @@ def connect(settings: Settings, *, control: ControlPlane | None = None,
     targets, slices = [], []
     for node in nodes:
         ids = []
+        login = logins.get(node.name)
         for w in node.workers:
             worker = len(targets)
             ids.append(worker)
             # Through a bastion in their VPC, workers are dialled at their internal IPs.
             targets.append(Target(worker=worker,
                                   host=w.address(settings.internal_ip or bastion is not None),
-                                  user=settings.ssh_user, key_filename=str(settings.ssh_key_path),
+                                  user=login.user if login and login.user else settings.ssh_user,
+                                  key_filename=str(settings.ssh_key_path),
                                   port=SSH_PORT, host_key_alias=alias(node.id, w.index),
-                                  jump=bastion))
+                                  jump=bastion, auth_hint=login.hint if login else None))
         slices.append(ids)
     if not targets:
         raise TpufabError(f"TPU node {name} reports no workers (networkEndpoints is empty).")
@@ -204,7 +209,7 @@ def shared(settings: Settings, **kwargs) -> Pod:
     import atexit
 
     key = (settings.project, settings.zone, settings.name, settings.ssh_user,
-           str(settings.ssh_key_path), settings.internal_ip, settings.jump)
+           str(settings.ssh_key_path), settings.internal_ip, settings.jump, settings.os_login)
     pod = _OPEN.get(key)
     if pod is None:
         pod = _OPEN[key] = connect(settings, **kwargs)

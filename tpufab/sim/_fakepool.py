@@ -33,6 +33,7 @@ class PaperWorkers:
         self.nodes: dict[str, dict[int, PaperSpec]] = {}
         self.up: dict[str, bool] = {}
         self.keys: dict[str, str] = {}
+        self.os_login: dict[str, list[dict] | None] = {}  # node -> POSIX accounts, None = off
         self.reachable: dict[tuple[str, int], bool] = {}
         self.calls: list[tuple[str, str]] = []
 
@@ -65,6 +66,11 @@ class PaperWorkers:
         self._record("sync_keys", node_id)
         with self._lock:
             self.keys[node_id] = ssh_keys
+
+    def set_os_login(self, node_id, accounts: list[dict] | None) -> None:
+        self._record("set_os_login", node_id)
+        with self._lock:
+            self.os_login[node_id] = accounts
 
     def host_keys(self, node_id) -> dict[int, str]:
         with self._lock:

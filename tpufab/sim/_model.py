@@ -55,6 +55,7 @@ CONFIG_TYPE_OF_GENERATION = {v: k for k, v in GENERATION_OF_CONFIG_TYPE.items()}
 STATUS_CODES: dict[str, tuple[int, int]] = {
     "INVALID_ARGUMENT": (400, 3),
     "UNAUTHENTICATED": (401, 16),
+    "PERMISSION_DENIED": (403, 7),
     "FAILED_PRECONDITION": (400, 9),
     "NOT_FOUND": (404, 5),
     "ALREADY_EXISTS": (409, 6),

@@ -7,6 +7,8 @@
     admin.fail_next_create("stockout")          # or "quota"; immediate=True -> HTTP 429
     admin.error_burst(3, code=503)              # the next 3 API requests fail
     admin.settings(create_delay=2.0)            # timing knobs; quota_chips=N
+    admin.os_login(enabled=True)                # project metadata enable-oslogin=TRUE
+    admin.os_login(role="none")                 # your account loses its OS Login roles
 
     gcs = StorageClient(info.storage_endpoint)  # the pod's Cloud Storage (JSON API)
     gcs.create_bucket("data")                   # idempotent: False if it existed
@@ -108,6 +110,24 @@ class SimAdmin:
 
     def clear_faults(self) -> None:
         self._call("DELETE", "faults")
+
+    # OS Login (tpufab.sim.oslogin)
+
+    _UNCHANGED: Any = object()
+
+    def os_login(self, *, enabled: Any = _UNCHANGED, role: str | None = None,
+                 account: str | None = None, project: str | None = None) -> dict[str, Any]:
+        """The project's OS Login settings; ``enabled`` sets project metadata enable-oslogin
+        (True, False, or None to remove it), ``role`` gives ``account`` (default: the
+        simulated pod's) admin, login or none (importSshPublicKey then answers 403)."""
+        body: dict[str, Any] = {"project": project or self.project}
+        if enabled is not self._UNCHANGED:
+            body["enabled"] = enabled
+        if role is not None:
+            body.update(role=role, account=account)
+        if len(body) == 1:
+            return self._call("GET", f"osLogin?project={body['project']}")
+        return self._call("PATCH", "osLogin", body)
 
     # transport
 

@@ -53,8 +53,10 @@ class SimInfo:
 
     def env(self) -> dict[str, str]:
         """Environment that points tpufab at this pod (and at its Cloud Storage)."""
+        from tpufab.sim.oslogin import DEFAULT_ACCOUNT
+
         env = {"TPUFAB_API_ENDPOINT": self.endpoint, "TPUFAB_PROJECT": self.project,
-               "TPUFAB_ZONE": self.zone}
+               "TPUFAB_ZONE": self.zone, "TPUFAB_OS_LOGIN_ACCOUNT": DEFAULT_ACCOUNT}
         if self.storage_endpoint:
             env["TPUFAB_STORAGE_ENDPOINT"] = self.storage_endpoint
         return env
@@ -75,6 +77,7 @@ class SimInfo:
             "CLOUDSDK_CORE_CHECK_GCE_METADATA": "false",
             "CLOUDSDK_API_ENDPOINT_OVERRIDES_TPU": f"{self.endpoint}/",
             "CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE": f"{self.endpoint}/compute/v1/",
+            "CLOUDSDK_API_ENDPOINT_OVERRIDES_OSLOGIN": f"{self.endpoint}/",
         }
 
 

@@ -45,6 +45,7 @@ from tpufab.sim._model import (
 from tpufab.sim._slots import SlotRegistry
 from tpufab.sim.guest import GuestEnvironment, Tokens
 from tpufab.sim.legacy import LegacyNodes
+from tpufab.sim.oslogin import OsLoginService
 from tpufab.sim.queued import QueuedResources
 from tpufab.topology import Topology, parse_accelerator_type
 
@@ -67,6 +68,7 @@ class Workers(Protocol):
     def stop_node(self, node_id: str) -> None: ...
     def delete_node(self, node_id: str) -> None: ...
     def sync_keys(self, node_id: str, ssh_keys: str) -> None: ...
+    def set_os_login(self, node_id: str, accounts: list[dict] | None) -> None: ...
     def host_keys(self, node_id: str) -> dict[int, str]: ...
     def set_reachable(self, node_id: str, index: int, reachable: bool) -> None: ...
     def kill_sshd(self, node_id: str, index: int) -> None: ...
@@ -142,6 +144,7 @@ class Emulator:
         self.guest = GuestEnvironment(self)  # metadata values, startup scripts, maintenance
         self.queued = QueuedResources(self)  # queued resources (and multislice)
         self.legacy = LegacyNodes(self)  # API v1 nodes: control plane only, no workers
+        self.oslogin = OsLoginService(self)  # OS Login API, project metadata, roles
 
     # ------------------------------------------------------------------ persistence
 
@@ -190,7 +193,13 @@ class Emulator:
             if path.startswith(("/v2/", "/v2alpha1/", "/v1/", "/compute/v1/")):
                 self._maybe_inject_error(path)
             if path.startswith("/compute/v1/"):
-                return 200, catalog.compute(method, path[len("/compute/v1/"):])
+                return 200, self._compute(method, path[len("/compute/v1/"):])
+            if path.startswith("/v1/users/"):  # Cloud OS Login (oslogin.googleapis.com)
+                if body is not None and not isinstance(body, dict):
+                    raise ApiFailure("INVALID_ARGUMENT", "The request body must be a JSON "
+                                     "object.")
+                return 200, self.oslogin.handle(method, path[len("/v1/users/"):], query,
+                                                body or {})
             if path.startswith("/v1/") and path.count("/") > 5:  # legacy TPU Nodes
                 if body is not None and not isinstance(body, dict):
                     raise ApiFailure("INVALID_ARGUMENT", "The request body must be a JSON "
@@ -211,6 +220,15 @@ class Emulator:
             log.exception("internal error on %s %s", method, path)
             failure = ApiFailure("INTERNAL", f"Internal error in the TPU emulator: {exc!r}")
             return failure.http_code, failure.body()
+
+    def _compute(self, method: str, rest: str) -> dict[str, Any]:
+        """The Compute API's project (gcloud reads commonInstanceMetadata: enable-oslogin)."""
+        answer = catalog.compute(method, rest)
+        if answer.get("kind") == "compute#project":
+            items = self.oslogin.project_metadata(answer["name"])
+            answer["commonInstanceMetadata"]["items"] = [{"key": k, "value": v}
+                                                         for k, v in sorted(items.items())]
+        return answer
 
     def _check_credentials(self, authorization: str | None) -> None:
         if not authorization:
@@ -589,7 +607,8 @@ class Emulator:
                 return
             node_id = record["node"]["id"]
             specs = self._specs(record["node"])
-            keys = record["node"].get("metadata", {}).get("ssh-keys", "")
+            keys = self.oslogin.login_keys(record)
+            snapshot = json.loads(json.dumps(record))
         try:
             with self._node_lock(node_id):
                 with self._lock:  # a delete or preempt may have come first
@@ -597,16 +616,18 @@ class Emulator:
                     if current is None or current["node"]["id"] != node_id or \
                             current["node"]["state"] not in BRING_UP_STATES:
                         return
+                self.oslogin.apply(snapshot)  # before sshd starts: its config depends on it
                 self.workers.start_node(node_id, specs, keys,
                                         delay=self.settings.worker_start_delay)
                 self.guest.open_metadata(node_id, specs)
                 self.workers.wait_listening(node_id, timeout=self.settings.listen_timeout)
-                self._start_bastion(name, specs, keys)
+                # the bastion is a VM of its own that the simulated OS Login leaves alone
+                self._start_bastion(name, specs, _metadata_keys(snapshot))
                 host_keys = self.workers.host_keys(node_id)
                 for _ in range(5):  # metadata may have changed while the workers started
                     with self._lock:
-                        current = self._state["nodes"].get(name, record)["node"].get(
-                            "metadata", {}).get("ssh-keys", "")
+                        current = self.oslogin.login_keys(self._state["nodes"].get(name,
+                                                                                   record))
                     if current == keys:
                         break
                     self.workers.sync_keys(node_id, current)
@@ -798,12 +819,14 @@ class Emulator:
                 return
             node_id = record["node"]["id"]
             ready = record["node"]["state"] == "READY"
-            keys = record["node"].get("metadata", {}).get("ssh-keys", "")
+            keys = self.oslogin.login_keys(record)
+            snapshot = json.loads(json.dumps(record))
         if keys_changed and ready:
             with self._node_lock(node_id):
+                self.oslogin.apply(snapshot)  # enable-oslogin may have changed
                 self.workers.sync_keys(node_id, keys)
                 if self.network is not None:
-                    self.network.sync_keys(record["node"], keys)
+                    self.network.sync_keys(snapshot["node"], _metadata_keys(snapshot))
         with self._lock:
             record = self._state["nodes"].get(name)
             self._finish_operation(op_name, response=record["node"] if record else {})
@@ -841,6 +864,8 @@ class Emulator:
             return self._arm_create_failure(body)
         if rest == "faults:errorBurst" and method == "POST":
             return self._arm_error_burst(body)
+        if rest == "osLogin":
+            return self.oslogin.admin(method, {**query, **body})
         if rest.startswith("projects/") and ":" in rest and method == "POST":
             name, verb = rest.rsplit(":", 1)
             action = {"preempt": lambda: self.preempt(name, float(body.get("noticeSeconds")
@@ -1069,12 +1094,14 @@ class Emulator:
                     return
                 node_id = record["node"]["id"]
                 specs = self._specs(record["node"])
-                keys = record["node"].get("metadata", {}).get("ssh-keys", "")
+                keys = self.oslogin.login_keys(record)
+                snapshot = json.loads(json.dumps(record))
             with self._node_lock(node_id):
+                self.oslogin.apply(snapshot)
                 self.workers.start_node(node_id, specs, keys, delay=0.0)
                 self.guest.open_metadata(node_id, specs)
                 self.workers.wait_listening(node_id, timeout=self.settings.listen_timeout)
-                self._start_bastion(name, specs, keys)
+                self._start_bastion(name, specs, _metadata_keys(snapshot))
                 host_keys = self.workers.host_keys(node_id)
             with self._lock:
                 record = self._state["nodes"].get(name)
@@ -1120,6 +1147,11 @@ class Emulator:
     def _node_lock(self, node_id: str) -> threading.Lock:
         with self._lock:
             return self._node_locks.setdefault(node_id, threading.Lock())
+
+
+def _metadata_keys(record: dict[str, Any]) -> str:
+    """A node's metadata ``ssh-keys`` as they are (its workers' view is oslogin.login_keys)."""
+    return (record["node"].get("metadata") or {}).get("ssh-keys", "")
 
 
 # ---------------------------------------------------------------------- HTTP

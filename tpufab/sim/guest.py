@@ -204,7 +204,19 @@ class GuestEnvironment:
             name, record = found[0]
             record = json.loads(json.dumps(record))
             slice_info = self._slice_info(name, record)
-        return metadata_tree(record, worker, slice_info=slice_info, tokens=self.emu.tokens)
+        tree = metadata_tree(record, worker, slice_info=slice_info, tokens=self.emu.tokens)
+        tree["project"]["attributes"] = self.emu.oslogin.project_metadata(name.split("/")[1])
+        return tree
+
+    def oslogin(self, node_id: str, worker: int, parts: list[str],
+                query: dict[str, str]) -> tuple[int, Any]:
+        """A worker's ``computeMetadata/v1/oslogin/...`` answer (tpufab.sim.oslogin)."""
+        with self.emu._lock:
+            found = [r for r in self.emu._state["nodes"].values() if r["node"]["id"] == node_id]
+            record = json.loads(json.dumps(found[0])) if found else None
+        if record is None:
+            return 503, "The worker is not running.\n"
+        return self.emu.oslogin.metadata_answer(record, parts, query)
 
     def _slice_info(self, name: str, record: dict[str, Any]) -> dict[str, Any] | None:
         """Multislice facts for tpu-env (caller holds the lock), None for a single slice."""

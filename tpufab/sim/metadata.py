@@ -257,6 +257,8 @@ class _Handler(BaseHTTPRequestHandler):
         rest = path[len(ROOT):]
         directory = rest == "" or rest.endswith("/")
         parts = [p for p in rest.split("/") if p]
+        if parts[:1] == ["oslogin"] and hasattr(self.server.server.source, "oslogin"):
+            return self._oslogin(parts[1:], query)
         recursive = query.get("recursive", "").lower() == "true"
         alt = query.get("alt", "text")
         ctx = self.server
@@ -291,6 +293,15 @@ class _Handler(BaseHTTPRequestHandler):
             if etag != last_etag or time.monotonic() >= deadline or ctx.server.closed:
                 return self._send(200, body, content_type, etag)
             ctx.server.wait_changed(generation, deadline)
+
+    def _oslogin(self, parts: list[str], query: dict[str, str]) -> None:
+        """``oslogin/users?username=`` and ``oslogin/authorize?email=&policy=``: what the
+        guest's OS Login tools ask (answered by the source, not from the tree)."""
+        ctx = self.server
+        code, body = ctx.server.source.oslogin(ctx.node_id, ctx.worker, parts, query)
+        if isinstance(body, str):
+            return self._send(code, body, "text/html")
+        return self._send(code, json.dumps(body), "application/json")
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         log.debug(format, *args)

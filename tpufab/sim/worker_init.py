@@ -7,7 +7,9 @@ into WORKER_DIR, writes one JSON line to READY_FD (``{"pid": <host pid>}`` or
 in the namespace. 64 of these run at once for a v4-512, so imports are few and light.
 
 Host protocol: the file ``WORKER_DIR/unreachable`` means "no sshd listener" (a fault);
-SIGUSR1 tells this process to look at it again.
+SIGUSR1 tells this process to look at it again, and at ``WORKER_DIR/sshd_config``: a changed
+config is put in place and sshd reloads it (SIGHUP), as the guest agent does when OS Login
+is turned on or off.
 """
 
 import ctypes
@@ -19,6 +21,7 @@ import sys
 import time
 
 RUN_DIR = "/run/tpufab-worker"  # sshd config and host key, readable by sshd's re-exec
+KEYS_COMMAND = "authorized_keys_command.py"  # sshd's AuthorizedKeysCommand (OS Login)
 STD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 HOST_DEVICES = ("null", "zero", "full", "random", "urandom", "tty", "fuse")
 OPEN_TO_ALL = ("fuse",)
@@ -110,6 +113,10 @@ def setup(worker_dir):
             log(f"/dev/{name} is missing on the host; the worker will not have it")
     sshd_config = read_at(dir_fd, "sshd_config")
     host_key = read_at(dir_fd, "ssh_host_ed25519_key")
+    try:
+        keys_command = read_at(dir_fd, KEYS_COMMAND)
+    except FileNotFoundError:
+        keys_command = None
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
     sshd_log = os.open("sshd.log", flags, 0o644, dir_fd=dir_fd)
 
@@ -118,6 +125,8 @@ def setup(worker_dir):
     os.mkdir(RUN_DIR, 0o700)
     write_file(f"{RUN_DIR}/sshd_config", sshd_config, 0o600)
     write_file(f"{RUN_DIR}/ssh_host_ed25519_key", host_key, 0o600)
+    if keys_command is not None:
+        write_file(f"{RUN_DIR}/{KEYS_COMMAND}", keys_command, 0o600)
     for path, mode in (("/run/sshd", 0o755), ("/run/lock", 0o1777)):
         os.mkdir(path)
         os.chmod(path, mode)
@@ -197,6 +206,20 @@ class Sshd:
         self.started_at = 0.0
         self.not_before = config["sshd_at"]  # time.monotonic(); CLOCK_MONOTONIC is system-wide
         self.backoff = 0.2
+
+    def refresh_config(self):
+        """Put a changed WORKER_DIR/sshd_config in place; a running sshd reloads it."""
+        try:
+            config = read_at(self.dir_fd, "sshd_config")
+        except OSError as err:
+            log(f"cannot read sshd_config: {err}")
+            return
+        with open(f"{RUN_DIR}/sshd_config", "rb") as f:
+            if f.read() == config:
+                return
+        write_file(f"{RUN_DIR}/sshd_config", config, 0o600)
+        if self.pid is not None and not self.stopping:
+            os.kill(self.pid, signal.SIGHUP)  # sshd re-executes itself with the new config
 
     def wanted(self):
         try:
@@ -306,6 +329,8 @@ def main(argv):
         sshd.reconcile()
         info = signal.sigtimedwait(HANDLED, sshd.wait_time())
         reap(sshd)
+        if info is not None and info.si_signo == signal.SIGUSR1:
+            sshd.refresh_config()
         if info is not None and info.si_signo in (signal.SIGTERM, signal.SIGINT):
             shutdown(config.get("stop_grace", 2.0))
 

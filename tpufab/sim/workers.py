@@ -43,6 +43,8 @@ from pathlib import Path
 from tpufab.errors import SimError
 
 INIT_SCRIPT = Path(__file__).with_name("worker_init.py")
+# sshd's AuthorizedKeysCommand where OS Login is on (the guest's google_authorized_keys)
+KEYS_COMMAND = Path(__file__).with_name("authorized_keys_command.py")
 SYSTEM_PYTHON = "/usr/bin/python3"
 STD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 FIRST_UID = 2000
@@ -156,8 +158,13 @@ def _expired(key: str, now: datetime) -> bool:
         return False
 
 
-def sshd_config_text(spec: WorkerSpec) -> str:
-    """The worker's sshd_config; HostKey points into the worker's private /run."""
+def sshd_config_text(spec: WorkerSpec, *, os_login: bool = False) -> str:
+    """The worker's sshd_config; HostKey points into the worker's private /run. With OS Login
+    on, keys also come from the OS Login profile (as the guest environment configures it)."""
+    keys_command = [
+        f"AuthorizedKeysCommand {SYSTEM_PYTHON} -I -S /run/tpufab-worker/{KEYS_COMMAND.name} %u",
+        "AuthorizedKeysCommandUser root",
+    ] if os_login else []
     return "\n".join([
         f"# tpufab simulated worker {spec.hostname}",
         f"ListenAddress {spec.ip}:{SSH_PORT}",
@@ -169,6 +176,7 @@ def sshd_config_text(spec: WorkerSpec) -> str:
         "PasswordAuthentication no",
         "KbdInteractiveAuthentication no",
         "AuthorizedKeysFile .ssh/authorized_keys",
+        *keys_command,
         "StrictModes yes",
         "UseDNS no",
         "MaxStartups 200",
@@ -479,7 +487,11 @@ class WorkerPool:
         (wdir / "etc" / "hosts").write_text(hosts_text(spec, node_specs))
         if not (wdir / "ssh_host_ed25519_key").exists():
             _make_host_key(wdir / "ssh_host_ed25519_key", f"root@{spec.hostname}")
-        (wdir / "sshd_config").write_text(sshd_config_text(spec))
+        os_login = self._os_login(node_id)
+        if os_login["enabled"]:
+            _ensure_os_login_users(wdir, os_login["accounts"])
+        shutil.copyfile(KEYS_COMMAND, wdir / KEYS_COMMAND.name)
+        (wdir / "sshd_config").write_text(sshd_config_text(spec, os_login=os_login["enabled"]))
         _write_json(wdir / "config.json", {
             "hostname": spec.hostname,
             "devices": list(spec.device_files),
@@ -714,6 +726,37 @@ class WorkerPool:
             _write_json(self.state_dir / "uids.json", table)
         return table
 
+    # OS Login (what the guest environment does when enable-oslogin is on)
+
+    def _os_login(self, node_id: str) -> dict:
+        return _read_json(self._node_dir(node_id) / "oslogin.json",
+                          {"enabled": False, "accounts": []})
+
+    def set_os_login(self, node_id: str, accounts: list[dict] | None) -> None:
+        """OS Login on (``accounts``: the project's POSIX accounts, from its profiles) or off
+        (None) for a node's workers: sshd asks the metadata server for an OS Login user's keys
+        (AuthorizedKeysCommand), and the accounts exist (the guest's NSS module lists them).
+        Running workers reload sshd when this changes; it persists across restarts."""
+        node_dir = self._node_dir(node_id)
+        wanted = {"enabled": accounts is not None, "accounts": accounts or []}
+        with self._node_lock(node_id):
+            node_dir.mkdir(parents=True, exist_ok=True)
+            _write_json(node_dir / "oslogin.json", wanted)
+            for spec in self._specs(node_id):
+                wdir = self._worker_dir(node_id, spec.index)
+                if not (wdir / "etc" / "passwd").exists():
+                    continue
+                if accounts:
+                    _ensure_os_login_users(wdir, accounts)
+                text = sshd_config_text(spec, os_login=accounts is not None)
+                config = wdir / "sshd_config"
+                if config.exists() and config.read_text() == text:
+                    continue
+                config.write_text(text)
+                pid = self._init_pid(node_id, spec.index)
+                if pid is not None:
+                    _signal(pid, signal.SIGUSR1)  # its PID 1 reloads sshd with the new config
+
     # faults and access
 
     def set_reachable(self, node_id: str, index: int, reachable: bool) -> None:
@@ -834,6 +877,29 @@ def _ensure_users(etc: Path, users: list[str], uids: dict[str, int]) -> dict[str
     return accounts
 
 
+def _ensure_os_login_users(wdir: Path, accounts: list[dict]) -> None:
+    """The POSIX accounts of OS Login profiles, with their uid and a home (pam_mkhomedir's
+    job on a real VM); sudo is decided at each login (authorized_keys_command.py)."""
+    etc = wdir / "etc"
+    existing = _read_passwd(etc / "passwd")
+    for account in accounts:
+        name = str(account.get("username", ""))
+        if not USER_NAME.fullmatch(name) or not str(account.get("uid", "")).isdigit():
+            continue
+        if name not in existing:
+            existing.update(_ensure_users(etc, [name], {name: int(account["uid"])}))
+        home = _host_home(wdir, existing[name].home)
+        if home is not None and not home.exists():
+            _make_home(home, existing[name])
+
+
+def _make_home(home: Path, account: _Account) -> None:
+    shutil.copytree("/etc/skel", home, symlinks=True)
+    for path in (home, *home.rglob("*")):
+        os.lchown(path, account.uid, account.gid)
+    os.chmod(home, 0o750)
+
+
 def _ensure_sudoers(etc: Path, users: list[str], gid: int) -> None:
     """Every metadata user is in google-sudoers (passwordless sudo), as on a real TPU VM."""
     path = etc / "group"
@@ -872,10 +938,7 @@ def _sync_authorized_keys(wdir: Path, account: _Account, keys: list[str]) -> Non
     if not home.exists():
         if not keys:
             return
-        shutil.copytree("/etc/skel", home, symlinks=True)
-        for path in (home, *home.rglob("*")):
-            os.lchown(path, account.uid, account.gid)
-        os.chmod(home, 0o750)
+        _make_home(home, account)
     ssh_dir = home / ".ssh"
     if home.is_symlink() or ssh_dir.is_symlink():
         return

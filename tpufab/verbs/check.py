@@ -11,6 +11,7 @@ from tpufab.verbs.declare import Opt, verb
                "timeout": Opt("Seconds the collective may take before it gives up.", min=1)})
 def check(*, name: str | None = None, quick: bool = False, as_json: bool = False,
           timeout: float = 120.0, zone: str | None = None, project: str | None = None,
+        no_os_login: bool = False,
           jump: str | None = None) -> int:
     """Check every worker at once: TPU free, versions and commit agree, disk, memory, clock,
     mounts; then (unless --quick) a real collective across every host.
@@ -21,7 +22,8 @@ def check(*, name: str | None = None, quick: bool = False, as_json: bool = False
 
     if timeout <= 0:
         raise ConfigError(f"--timeout must be more than 0 seconds, not {timeout:g}.")
-    settings = settings_from_flags(name=name, zone=zone, project=project, jump=jump)
+    settings = settings_from_flags(name=name, zone=zone, project=project,
+                                   no_os_login=no_os_login, jump=jump)
     pod = pod_for(settings).connected
     report = checking.run_check(settings, pod, quick=quick, timeout=timeout,
                                 progress=None if as_json else lambda m: note(m, "dim"))

@@ -49,6 +49,8 @@ def settings_from_flags(*, type: str | None = None, accelerator_type: str | None
     if type and accelerator_type and type != accelerator_type:
         raise ConfigError(f"--type {type} and --accelerator-type {accelerator_type} disagree; "
                           "give one of them.")
+    if flags.pop("no_os_login", False):
+        flags["os_login"] = "false"
     overrides = {k: v for k, v in flags.items() if v is not None and v is not False}
     overrides["type"] = type or accelerator_type
     overrides["runtime_version"] = version

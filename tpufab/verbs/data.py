@@ -27,7 +27,8 @@ MOUNT_TIMEOUT = 300.0    # seconds per step (installing gcsfuse included)
 def deploy(*, name: str | None = None, ref: str = "HEAD", remote: str = "origin",
            dir: str | None = None, direct: bool = False, wip: bool = False,
            timeout: float = DEPLOY_TIMEOUT, zone: str | None = None,
-           project: str | None = None, jump: str | None = None) -> None:
+           project: str | None = None,
+        no_os_login: bool = False, jump: str | None = None) -> None:
     """Put exactly one commit of this repository on every worker, verified.
 
     ``timeout``: seconds each step on the workers may take (default 600). One writer at a
@@ -37,6 +38,7 @@ def deploy(*, name: str | None = None, ref: str = "HEAD", remote: str = "origin"
     from tpufab.progress import WorkerProgress
 
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
+                                   no_os_login=no_os_login,
                                       jump=jump, timeout=timeout))
     with WorkerProgress("deploy") as shown:  # the local checks come first, before any SSH
         report = pod.deploy(ref, remote=remote, dir=dir, direct=direct, wip=wip,
@@ -80,7 +82,8 @@ def _driver_options(options: Iterable[str] | None) -> list[str]:
 def mount(*, bucket: str, name: str | None = None, at: str | None = None,
           driver: str | None = None, options: Iterable[str] | None = None,
           install: bool = False, timeout: float = MOUNT_TIMEOUT, zone: str | None = None,
-          project: str | None = None, jump: str | None = None) -> None:
+          project: str | None = None,
+        no_os_login: bool = False, jump: str | None = None) -> None:
     """Mount a Cloud Storage bucket (or a prefix of it) on every worker, verified.
 
     ``timeout``: seconds each step on the workers may take (default 300)."""
@@ -89,6 +92,7 @@ def mount(*, bucket: str, name: str | None = None, at: str | None = None,
     from tpufab.progress import WorkerProgress
 
     settings = settings_from_flags(name=name, zone=zone, project=project,
+                                   no_os_login=no_os_login,
                                    jump=jump, timeout=timeout)
     spec = mounting.mount_spec(bucket, at=at, driver=driver or settings.mount_driver,
                                options=_driver_options(options),
@@ -114,7 +118,8 @@ def mount(*, bucket: str, name: str | None = None, at: str | None = None,
                  "lazy": "Detach now even if files are open there."})
 def umount(*, name: str | None = None, at: str | None = None, lazy: bool = False,
            timeout: float = MOUNT_TIMEOUT, zone: str | None = None,
-           project: str | None = None, jump: str | None = None) -> None:
+           project: str | None = None,
+        no_os_login: bool = False, jump: str | None = None) -> None:
     """Unmount --at (or every mount tpufab made) on every worker.
 
     ``timeout``: seconds each step on the workers may take (default 300)."""
@@ -123,6 +128,7 @@ def umount(*, name: str | None = None, at: str | None = None, lazy: bool = False
 
     mounting.umount_args(at, lazy=lazy)  # a bad --at is refused before connecting
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
+                                   no_os_login=no_os_login,
                                       jump=jump, timeout=timeout))
     report = mounting.umount(pod.fanout, at, lazy=lazy)
     if at is None:

@@ -56,6 +56,8 @@ COMMON: dict[str, Opt] = {
     "state_dir": Opt("Where the simulated pod keeps its state (TPUFAB_SIM_DIR)."),
     "color": Opt("Let the workers' own colours through (other control sequences always show "
                  "escaped)."),
+    "no_os_login": Opt("Log in with the key in node metadata even where OS Login is on "
+                       "(the os_login setting: false)."),
 }
 
 

@@ -22,7 +22,8 @@ def _report(report, verb: str) -> None:
                              "that a worker relays to the others."})
 def put(local: str, remote: str | None = None, *, name: str | None = None,
         worker: str = "all", no_relay: bool = False, zone: str | None = None,
-        project: str | None = None, jump: str | None = None) -> None:
+        project: str | None = None,
+        no_os_login: bool = False, jump: str | None = None) -> None:
     """Copy a local file or directory to every (selected) worker; identical files are skipped.
 
     Verified (sha256) and atomic (a temporary name, then a rename); to many workers the
@@ -37,7 +38,8 @@ def put(local: str, remote: str | None = None, *, name: str | None = None,
     if not Path(local).expanduser().exists():
         raise ConfigError(f"{local} does not exist here; check the local path (put copies a "
                           "file or directory from this machine).")
-    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, jump=jump))
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
+                                   no_os_login=no_os_login, jump=jump))
     try:
         report = pod.put(local, remote, workers=worker, relay=not no_relay,
                          progress=BytesProgress(f"put {Path(local).name}"))
@@ -50,14 +52,16 @@ def put(local: str, remote: str | None = None, *, name: str | None = None,
 @verb(options={"remote": "File or directory on the workers.",
                  "local": "Where here: LOCAL/w0/..., LOCAL/w1/... (one worker: LOCAL)."})
 def get(remote: str, local: str, *, name: str | None = None, worker: str = "all",
-        zone: str | None = None, project: str | None = None, jump: str | None = None) -> None:
+        zone: str | None = None, project: str | None = None,
+        no_os_login: bool = False, jump: str | None = None) -> None:
     """Copy a file or directory from every (selected) worker: LOCAL/w0/..., LOCAL/w1/..."""
     from tpufab import transfer
     from tpufab.progress import BytesProgress
 
     if not remote or not remote.strip():
         raise ConfigError("No remote path given: tpufab get REMOTE LOCAL.")
-    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, jump=jump))
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
+                                   no_os_login=no_os_login, jump=jump))
     try:
         report = pod.get(remote, local, workers=worker, progress=BytesProgress(f"get {remote}"))
     except transfer.TransferError as err:
@@ -70,13 +74,15 @@ def get(remote: str, local: str, *, name: str | None = None, worker: str = "all"
                              rest=True),
                  "worker": Opt("Worker index.", short="-w")})
 def forward(ports: list[str], *, name: str | None = None, worker: int = 0,
-            zone: str | None = None, project: str | None = None, jump: str | None = None) -> int:
+            zone: str | None = None, project: str | None = None,
+        no_os_login: bool = False, jump: str | None = None) -> int:
     """Forward local ports to a worker (default 0) over SSH until Ctrl-C: PORT[:REMOTE_PORT]."""
     from tpufab import forward as forwarding
     from tpufab import nodeset
 
     forwards = forwarding.parse_forwards(ports)
-    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, jump=jump))
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
+                                   no_os_login=no_os_login, jump=jump))
     forwarder = forwarding.forward(pod.fanout, forwards, worker=int(worker),
                                    on_event=lambda text: note(text, "yellow"))
     label = nodeset.label(int(worker))
@@ -101,12 +107,14 @@ def forward(ports: list[str], *, name: str | None = None, worker: int = 0,
                  "port": "Profiler port (default: the job's TPUFAB_PROFILER_PORT)."})
 def profile(*, name: str | None = None, worker: str = "0", duration: str = "5s",
             run: str | None = None, port: int | None = None, zone: str | None = None,
-            project: str | None = None, jump: str | None = None) -> None:
+            project: str | None = None,
+        no_os_login: bool = False, jump: str | None = None) -> None:
     """Capture a profiler trace from a running JAX job and bring it back under its local logs."""
     from tpufab import profiling
 
     seconds = profiling.parse_duration(duration)
-    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, jump=jump))
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
+                                   no_os_login=no_os_login, jump=jump))
     began = time.monotonic()
     note(f"Capturing {seconds:g} s of trace...", "dim")
     captured = pod.profile(workers=worker, seconds=seconds, run=run, port=port)

@@ -47,7 +47,8 @@ def run(recipe: str, extra: Sequence[str] = (), *, name: str | None = None, args
         raw: bool = False, check: bool = False, wait_port: int | None = None,
         wait_timeout: float = 600.0, color: bool = False, timeout: float = RUN_TIMEOUT,
         zone: str | None = None,
-        project: str | None = None, jump: str | None = None) -> int:
+        project: str | None = None,
+        no_os_login: bool = False, jump: str | None = None) -> int:
     """Run a recipe on every worker at once (deploying first) and follow its logs.
 
     A Python file runs with the workers' Python: `tpufab run train.py model=tiny
@@ -78,6 +79,7 @@ def run(recipe: str, extra: Sequence[str] = (), *, name: str | None = None, args
                           "deploy: give one or the other.")
     argv = [*split_args(args), *(str(item) for item in extra or ())]
     settings = settings_from_flags(name=name, zone=zone, project=project,
+                                   no_os_login=no_os_login,
                                    jump=jump, timeout=timeout)
     forwarded = forwarded_for(settings, env)
     if local and check:
@@ -397,6 +399,7 @@ def _unreachable(statuses):
 def logs(*, run: str | None = None, follow: bool = False, worker: str = "all",
          raw: bool = False, color: bool = False, timeout: float | None = None,
          name: str | None = None, zone: str | None = None, project: str | None = None,
+        no_os_login: bool = False,
          jump: str | None = None) -> int:
     """A run's logs: worker 0's lines once, plus only the lines where others differ.
 
@@ -410,6 +413,7 @@ def logs(*, run: str | None = None, follow: bool = False, worker: str = "all",
     if timeout is None:
         timeout = LOGS_TIMEOUT
     settings = settings_from_flags(name=name, zone=zone, project=project,
+                                   no_os_login=no_os_login,
                                    jump=jump, timeout=timeout)
     pod = pod_for(settings)
     chosen = pod.fanout.select(worker)
@@ -537,7 +541,8 @@ def _follow_logs(pod, run_id: str, workers, raw: bool, color: bool = False,
 @verb()
 def runs(*, name: str | None = None, worker: str = "all", as_json: bool = False,
          timeout: float = LIST_TIMEOUT, zone: str | None = None,
-         project: str | None = None, jump: str | None = None) -> int:
+         project: str | None = None,
+        no_os_login: bool = False, jump: str | None = None) -> int:
     """The runs the workers know, with each worker's state.
 
     ``timeout``: seconds for every worker to answer (default 60)."""
@@ -546,6 +551,7 @@ def runs(*, name: str | None = None, worker: str = "all", as_json: bool = False,
     from tpufab import jobs, nodeset
 
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
+                                   no_os_login=no_os_login,
                                       jump=jump, timeout=timeout))
     chosen = pod.fanout.select(worker)
     statuses = jobs.statuses(pod.fanout, chosen)
@@ -609,7 +615,8 @@ def _duration(seconds: float) -> str:
 def kill(*, name: str | None = None, run: str | None = None, grace: float = 5.0,
          dry_run: bool = False, force: bool = False, worker: str = "all",
          timeout: float | None = None, zone: str | None = None,
-         project: str | None = None, jump: str | None = None) -> int:
+         project: str | None = None,
+        no_os_login: bool = False, jump: str | None = None) -> int:
     """Free the TPU everywhere: stop runs and stale holders, then remove the lockfile.
 
     ``timeout``: seconds the kill may take on each worker (default: the grace period plus
@@ -625,6 +632,7 @@ def kill(*, name: str | None = None, run: str | None = None, grace: float = 5.0,
         raise ConfigError(f"{run!r} is not a run id (they look like 20261122-104455-ab12); "
                           "`tpufab runs` lists them.")
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
+                                   no_os_login=no_os_login,
                                       jump=jump, timeout=timeout))
     chosen = pod.fanout.select(worker)
     result = killing.kill(pod.fanout, chosen, run=run, grace=grace, dry_run=dry_run,

@@ -253,3 +253,34 @@ def sim_bucket(*, name: str) -> None:
     tail = "" if created else " already exists"
     stdout().print(f"{state} gs://{bucket}{tail} in the Cloud Storage at {endpoint}.",
                    markup=False)
+
+
+@verb(name="os-login", group="sim",
+      options={"enable": "Turn OS Login on for the project (metadata enable-oslogin=TRUE).",
+               "disable": "Turn it off for the project (enable-oslogin=FALSE).",
+               "unset": "Remove the project's enable-oslogin (nodes decide alone).",
+               "role": "Give --account this OS Login role: admin (roles/compute."
+                       "osAdminLogin), login (roles/compute.osLogin) or none (the API then "
+                       "refuses its keys).",
+               "account": "The account --role is for (default: TPUFAB_OS_LOGIN_ACCOUNT, the "
+                          "simulated pod's own)."})
+def sim_os_login(*, enable: bool = False, disable: bool = False, unset: bool = False,
+                 role: str | None = None, account: str | None = None) -> None:
+    """Show or change OS Login in the simulated pod's project (its metadata and roles)."""
+    from tpufab.console import stdout
+
+    if enable + disable + unset > 1:
+        raise ConfigError("Give one of --enable, --disable and --unset.")
+    if role is not None and role not in ("admin", "login", "none"):
+        raise ConfigError(f"--role takes admin, login or none, not {role!r}.")
+    admin = sim_admin()
+    changes: dict[str, Any] = {}
+    if enable or disable or unset:
+        changes["enabled"] = True if enable else False if disable else None
+    if role is not None:
+        changes.update(role=role, account=account or load_settings().os_login_account)
+    state = admin.os_login(**changes)
+    flag = state["metadata"].get("enable-oslogin", "not set")
+    roles = ", ".join(f"{who}: {what}" for who, what in sorted(state["roles"].items()))
+    stdout().print(f"OS Login in project {state['project']}: enable-oslogin={flag}; roles: "
+                   f"{roles or 'every account is admin (the default)'}.", markup=False)

@@ -15,7 +15,8 @@ BABYSIT_TIMEOUT = 600.0   # seconds per step (setup, deploy, start, a check); ne
 
 @verb()
 def status(*, name: str | None = None, as_json: bool = False, timeout: float = STATUS_TIMEOUT,
-           zone: str | None = None, project: str | None = None, jump: str | None = None) -> int:
+           zone: str | None = None, project: str | None = None,
+        no_os_login: bool = False, jump: str | None = None) -> int:
     """The node and every worker: reachable, TPU free or busy, runs, commit, mounts, disk.
 
     Exit code 0 when the node is READY and every worker answered, 1 otherwise. ``timeout``:
@@ -25,6 +26,7 @@ def status(*, name: str | None = None, as_json: bool = False, timeout: float = S
     from tpufab.console import stdout
 
     settings = settings_from_flags(name=name, zone=zone, project=project,
+                                   no_os_login=no_os_login,
                                    jump=jump, timeout=timeout)
     if not as_json and settings.name:
         note(f"Pod {chosen_name_note(settings)}", "dim")
@@ -69,7 +71,8 @@ def babysit(recipe: str, *, name: str | None = None, max_restarts: int = 3, args
             restart_on_failure: bool = False, env: Sequence[str] | None = None,
             setup_script: str | None = None, no_deploy: bool = False, direct: bool = False,
             poll: float | None = None, timeout: float = BABYSIT_TIMEOUT,
-            zone: str | None = None, project: str | None = None, jump: str | None = None) -> int:
+            zone: str | None = None, project: str | None = None,
+        no_os_login: bool = False, jump: str | None = None) -> int:
     """Run a recipe and keep it running through preemptions (recreate, set up, restart).
 
     ``args``: the recipe's arguments as one string, split like a shell would (as `run`).
@@ -84,6 +87,7 @@ def babysit(recipe: str, *, name: str | None = None, max_restarts: int = 3, args
 
     argv = split_args(args)
     settings = settings_from_flags(name=name, zone=zone, project=project,
+                                   no_os_login=no_os_login,
                                    jump=jump, timeout=timeout)
     options = {} if poll is None else {"poll": poll}
     result = babysitting.babysit(settings, recipe, args=argv, max_restarts=max_restarts,

@@ -16,7 +16,8 @@ from tpufab.verbs.declare import Opt, verb
                  "gather": Opt("Print each distinct output once under its workers.", short="-b")})
 def exec_(*, command: str, name: str | None = None, worker: str = "all", gather: bool = False,
           timeout: float | None = None, env: Sequence[str] | None = None, color: bool = False,
-          zone: str | None = None, project: str | None = None, jump: str | None = None) -> None:
+          zone: str | None = None, project: str | None = None,
+        no_os_login: bool = False, jump: str | None = None) -> None:
     """Run a shell command on every (or the selected) worker.
 
     ``timeout``: seconds the command may run on each worker (then it is stopped there and
@@ -29,6 +30,7 @@ def exec_(*, command: str, name: str | None = None, worker: str = "all", gather:
     if not command or not command.strip():
         raise ConfigError("No command given: tpufab exec 'CMD' (quote it as one argument).")
     settings = settings_from_flags(name=name, zone=zone, project=project,
+                                   no_os_login=no_os_login,
                                    jump=jump, timeout=timeout)
     # --env as for run: secrets travel in the request (never argv) and are masked in output.
     forwarded = forwarded_for(settings, env) if env else None
@@ -51,7 +53,8 @@ def exec_(*, command: str, name: str | None = None, worker: str = "all", gather:
                "raw": "Every worker's lines, prefixed (default: folded, each line once)."})
 def setup(*, name: str | None = None, script: str = "scripts/setup.sh", force: bool = False,
           worker: str = "all", timeout: float | None = None, raw: bool = False,
-          zone: str | None = None, project: str | None = None, jump: str | None = None) -> None:
+          zone: str | None = None, project: str | None = None,
+        no_os_login: bool = False, jump: str | None = None) -> None:
     """Ship a setup script and run it on every worker (once per script content).
 
     The workers' output is folded live (each identical line once; lines where workers differ
@@ -70,6 +73,7 @@ def setup(*, name: str | None = None, script: str = "scripts/setup.sh", force: b
         raise ConfigError(f"Setup script {script} does not exist; pass --script PATH "
                           "(default scripts/setup.sh).")
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
+                                   no_os_login=no_os_login,
                                       jump=jump, timeout=timeout))
     chosen = pod.select(worker)
     folding = None if raw else FoldingView(chosen).start()
@@ -96,7 +100,8 @@ def setup(*, name: str | None = None, script: str = "scripts/setup.sh", force: b
                                 "(repeatable).", short="-L")})
 def ssh(*, name: str | None = None, worker: int = 0, command: list[str] | None = None,
         forward: list[str] | None = None, zone: str | None = None,
-        project: str | None = None, jump: str | None = None) -> None:
+        project: str | None = None,
+        no_os_login: bool = False, jump: str | None = None) -> None:
     """An interactive shell (or one command) on one worker, with the right key and host key.
 
     ``--forward`` adds ``-L``-style port forwards (PORT, LOCAL:REMOTE or LOCAL:HOST:REMOTE),
@@ -109,7 +114,8 @@ def ssh(*, name: str | None = None, worker: int = 0, command: list[str] | None =
     from tpufab.hostkeys import KnownHosts
 
     forwards = [parse_forward(spec) for spec in forward or ()]
-    settings = settings_from_flags(name=name, zone=zone, project=project, jump=jump)
+    settings = settings_from_flags(name=name, zone=zone, project=project,
+                                   no_os_login=no_os_login, jump=jump)
     pod = pods.connect(settings)
     try:
         if worker not in pod.fanout.targets:
