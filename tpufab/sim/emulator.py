@@ -42,7 +42,7 @@ from tpufab.sim._model import (
     worker_address,
     worker_hostname,
 )
-from tpufab.sim._slots import SlotRegistry
+from tpufab.sim._slots import SlotRegistry, node_slots, slots_for
 from tpufab.sim.guest import GuestEnvironment, Tokens
 from tpufab.sim.legacy import LegacyNodes
 from tpufab.sim.oslogin import OsLoginService
@@ -512,7 +512,7 @@ class Emulator:
         project, zone, _, _ = split_name(name)
         topo = self._validate_node(name, node_in)
         runtime = node_in["runtimeVersion"]
-        slot = self._slots.claim({r["sim"]["slot"] for r in self._state["nodes"].values()})
+        slot = self._slots.claim(self._used_slots(), slots_for(topo.hosts))
         node_id = new_node_id()
         node = {k: v for k, v in node_in.items() if k not in OUTPUT_ONLY_NODE_FIELDS}
         region = zone.rsplit("-", 1)[0]
@@ -555,11 +555,16 @@ class Emulator:
                  **({"accessConfig": {"externalIp": worker_address(slot, w)}} if external else {})}
                 for w in range(hosts)]
 
+    def _used_slots(self) -> set[int]:
+        """Every slot this pod's nodes cover (caller holds the lock)."""
+        return {s for r in self._state["nodes"].values() for s in node_slots(r)}
+
     def _forget_node(self, name: str) -> dict[str, Any] | None:
-        """Drop a node's record and free its slot (caller holds the lock)."""
+        """Drop a node's record and free its slots (caller holds the lock)."""
         record = self._state["nodes"].pop(name, None)
         if record is not None:
-            self._slots.release(record["sim"]["slot"])
+            span = node_slots(record)
+            self._slots.release(span.start, len(span))
         return record
 
     def _take_create_failure(self, name: str, topo: Topology) -> str | None:
@@ -1075,10 +1080,12 @@ class Emulator:
 
     def _reclaim_slot(self, name: str, record: dict[str, Any]) -> None:
         """Keep a node's addresses across restarts unless another pod took them meanwhile."""
-        if self._slots.reclaim(record["sim"]["slot"]):
+        span = node_slots(record)
+        if self._slots.reclaim(span.start, len(span)):
             return
-        used = {r["sim"]["slot"] for r in self._state["nodes"].values()}
-        slot = self._slots.claim(used)
+        used = {s for r in self._state["nodes"].values() if r is not record
+                for s in node_slots(r)}
+        slot = self._slots.claim(used, len(span))
         log.warning("slot %d of %s is used by another simulated pod; moved it to slot %d",
                     record["sim"]["slot"], name, slot)
         record["sim"]["slot"] = slot
