@@ -75,6 +75,7 @@ class Workers(Protocol):
     def running(self, node_id: str) -> dict[int, bool]: ...
     def stop_all(self) -> None: ...
     def exec_in(self, node_id: str, index: int, argv: list[str], **popen_kw: Any) -> Any: ...
+    def capacity_problem(self, what: str, workers: int) -> str | None: ...
 
 
 @dataclass
@@ -471,6 +472,7 @@ class Emulator:
         with self._lock:
             if name in self._state["nodes"]:
                 raise ApiFailure("ALREADY_EXISTS", f"Resource '{name}' already exists")
+            self._check_capacity([self._validate_node(name, node_in)])
             topo, node = self._new_node(name, node_in, version)
             failure = self._take_create_failure(name, topo)
             op = self._new_operation(version, name, "create")
@@ -554,6 +556,16 @@ class Emulator:
         return [{"ipAddress": worker_address(slot, w), "port": 22,
                  **({"accessConfig": {"externalIp": worker_address(slot, w)}} if external else {})}
                 for w in range(hosts)]
+
+    def _check_capacity(self, topos: list[Topology]) -> None:
+        """Refuse, before anything starts, workers this machine cannot hold."""
+        hosts = sum(t.hosts for t in topos)
+        names = sorted({t.name for t in topos})
+        what = names[0] if len(topos) == 1 else \
+            f"{len(topos)} slices of {' and '.join(names)}"
+        problem = self.workers.capacity_problem(what, hosts)
+        if problem:
+            raise ApiFailure("FAILED_PRECONDITION", problem)
 
     def _used_slots(self) -> set[int]:
         """Every slot this pod's nodes cover (caller holds the lock)."""
