@@ -68,7 +68,16 @@ def project(base: Path) -> Path:
     return repo
 
 
-def one_size(size: int, verbs: list[str], show: bool) -> list[dict[str, object]]:
+def command(verb_argv: list[str], profile: Path | None, name: str) -> list[str]:
+    """`tpufab ARGS`, or the same under cProfile (its .prof file named after the verb)."""
+    if profile is None:
+        return [str(BIN / "tpufab"), *verb_argv]
+    out = profile / (name.split()[0] + ".prof")
+    return [sys.executable, "-m", "cProfile", "-o", str(out), "-m", "tpufab.cli", *verb_argv]
+
+
+def one_size(size: int, verbs: list[str], show: bool, profile: Path | None = None
+             ) -> list[dict[str, object]]:
     from tpufab.sim.daemon import down, up
 
     base = Path(tempfile.mkdtemp(prefix=f"bench-scale-{size}-"))
@@ -92,7 +101,8 @@ def one_size(size: int, verbs: list[str], show: bool) -> list[dict[str, object]]
             return rows
         for verb in verbs:
             load = os.getloadavg()[0]
-            wall, cpu, code, tail = timed([tpufab, *VERBS[verb]], env, repo, 1800)
+            wall, cpu, code, tail = timed(command(VERBS[verb], profile, f"{size}-{verb}"),
+                                          env, repo, 1800)
             rows.append({"size": size, "verb": verb, "wall": wall, "cpu": cpu, "code": code,
                          "load": load})
             print(f"{size} {verb}: {wall:.2f} s wall, {cpu:.2f} s CPU, exit {code}", flush=True)
@@ -111,6 +121,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, action="append", choices=sorted(TYPES))
     parser.add_argument("--verbs", default=",".join(VERBS))
     parser.add_argument("--show", action="store_true", help="print each verb's last lines")
+    parser.add_argument("--profile", type=Path, help="write a cProfile file per verb here")
     args = parser.parse_args()
     verbs = [v.strip() for v in args.verbs.split(",")]
     unknown = [v for v in verbs if v not in VERBS]
@@ -118,7 +129,7 @@ def main() -> None:
         parser.error(f"unknown verb(s) {unknown}; known: {', '.join(VERBS)}")
     rows = []
     for size in args.size or [64, 256, 1024]:
-        rows += one_size(size, verbs, args.show)
+        rows += one_size(size, verbs, args.show, args.profile)
     print(f"\nmachine: {os.cpu_count()} cores; load average at the end "
           f"{os.getloadavg()[0]:.1f}")
     print("| verb | workers | wall s | client CPU s | CPU ms per worker | exit |")
