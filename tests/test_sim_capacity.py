@@ -91,3 +91,32 @@ def test_multislice_counts_every_slice(small):
     assert code == 400
     assert body["error"]["message"].startswith(
         "2 slices of v4-512 needs 128 simulated workers x 9.6 MiB = 1.2 GiB")
+
+
+def test_tpufab_create_says_it_in_one_sentence(small, tmp_path):
+    """Through the real command, as a user sees it (an emulator whose machine has 1 GiB)."""
+    import threading
+
+    from helpers import one_sentence, tpufab
+
+    from tpufab.sim.emulator import make_server
+
+    server = make_server(small, 0)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                              daemon=True)
+    thread.start()
+    try:
+        env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("TPUFAB_")}
+        env.update(HOME=str(tmp_path), TPUFAB_USER_CONFIG=str(tmp_path / "none.yaml"),
+                   TPUFAB_API_ENDPOINT=f"http://127.0.0.1:{server.server_address[1]}",
+                   TPUFAB_PROJECT="p", TPUFAB_ZONE="us-central2-b",
+                   TPUFAB_SSH_KEY=str(tmp_path / "key"), TPUFAB_API_RETRIES="1")
+        result = tpufab("create", "--name", "big", "--type", "v5p-12288", env=env,
+                        cwd=tmp_path, timeout=120)
+        line = one_sentence(result, "v5p-12288 needs 1,536 simulated workers x 9.6 MiB = "
+                            "14.4 GiB", "this machine has 1.0 GiB available: use a smaller "
+                            "type or free memory")
+        assert "big" in line
+    finally:
+        server.shutdown()
+        server.server_close()
