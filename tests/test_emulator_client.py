@@ -139,7 +139,7 @@ def test_delete_removes_node_and_workers(tpu_client, sim_parent, sim_admin):
 def test_accelerator_types_and_runtime_versions(tpu_client, sim_parent):
     types = {t.type_ for t in tpu_client.list_accelerator_types(parent=sim_parent)}
     assert {"v2-8", "v3-32", "v4-8", "v4-32", "v5litepod-16", "v5p-8", "v6e-256"} <= types
-    assert "v4-4096" not in types  # more hosts than the simulated pod can address
+    assert {"v4-4096", "v5p-12288"} <= types  # nodes of more than 254 hosts are addressable
     v6e = tpu_client.get_accelerator_type(name=f"{sim_parent}/acceleratorTypes/v6e-8")
     assert (v6e.accelerator_configs[0].type_, v6e.accelerator_configs[0].topology) == \
         (tpu_v2.AcceleratorConfig.Type.V6E, "2x4")
@@ -234,7 +234,6 @@ def test_queued_resource_single_node_reset(tpu_client, sim_parent):
     ("x" * 64, {"accelerator_type": "v4-8", "runtime_version": "r"}, "1-63 characters"),
     ("ok", {"accelerator_type": "v4-31", "runtime_version": "r"}, "is not available in zone"),
     ("ok", {"accelerator_type": "tpu-v6e-8", "runtime_version": "r"}, 'spells it "v6e-8"'),
-    ("ok", {"accelerator_type": "v4-4096", "runtime_version": "r"}, "at most 254 hosts"),
     ("ok", {"accelerator_type": "v4-8"}, "runtimeVersion is required"),
     ("ok", {"runtime_version": "r"}, "acceleratorType or acceleratorConfig"),
 ])

@@ -49,19 +49,40 @@ class KnownHosts:
         self.path = Path(os.path.expanduser(str(path or DEFAULT_PATH)))
         self.forget_hint = forget_hint or "tpufab known-hosts forget {node}"
         self._lock = threading.Lock()
+        # The file parsed once per version of it (inode, size, mtime): every worker's
+        # connection looks its key up, so reading the whole file each time would make a
+        # connect to N workers cost N x (every worker of every node pinned here).
+        self._cache_guard = threading.Lock()
+        self._cached: tuple[tuple[int, int, int], list, dict] | None = None
 
     # -- storage -------------------------------------------------------------------------
-    def _read(self) -> list[tuple[str, str, str]]:
+    def _parsed(self) -> tuple[list[tuple[str, str, str]], dict[str, list[tuple[str, str]]]]:
+        """(entries in file order, alias -> [(keytype, base64)]) of the file as it is now."""
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return [], {}
+        version = (st.st_ino, st.st_size, st.st_mtime_ns)
+        with self._cache_guard:
+            if self._cached is not None and self._cached[0] == version:
+                return self._cached[1], self._cached[2]
         try:
             text = self.path.read_text()
         except FileNotFoundError:
-            return []
-        entries = []
+            return [], {}
+        entries: list[tuple[str, str, str]] = []
+        index: dict[str, list[tuple[str, str]]] = {}
         for line in text.splitlines():
             parts = line.split()
             if len(parts) >= 3 and not line.startswith("#"):
                 entries.append((parts[0], parts[1], parts[2]))
-        return entries
+                index.setdefault(parts[0], []).append((parts[1], parts[2]))
+        with self._cache_guard:  # stat before read: a change meanwhile shows as a new version
+            self._cached = (version, entries, index)
+        return entries, index
+
+    def _read(self) -> list[tuple[str, str, str]]:
+        return list(self._parsed()[0])
 
     def _update(self, change) -> None:
         """Apply ``change(entries) -> entries`` under a thread lock and an flock."""
@@ -79,7 +100,7 @@ class KnownHosts:
 
     def lookup(self, host_alias: str) -> list[tuple[str, str]]:
         """``[(keytype, base64)]`` pinned for ``host_alias``."""
-        return [(t, k) for a, t, k in self._read() if a == host_alias]
+        return list(self._parsed()[1].get(host_alias, ()))
 
     # -- operations ----------------------------------------------------------------------
     def pin(self, node_id: str, keys: Mapping[int, str]) -> None:

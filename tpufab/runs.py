@@ -14,6 +14,7 @@ import secrets as _random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import cached_property
 
 from tpufab.errors import ConfigError
 from tpufab.nodeset import fold
@@ -85,9 +86,15 @@ class JobLayout:
         if not self.slices or not all(self.slices):
             raise ConfigError("A job needs at least one worker in every slice.")
 
-    @property
+    @cached_property
     def ips(self) -> tuple[str, ...]:
         return tuple(ip for ips in self.slices for ip in ips)
+
+    @cached_property
+    def ips_text(self) -> str:
+        """Every IP in rank order, comma-separated: built once, not once per worker (1,024
+        workers x 1,024 addresses)."""
+        return ",".join(self.ips)
 
     @property
     def num_workers(self) -> int:
@@ -199,7 +206,7 @@ def job_environment(run_id: str, layout: JobLayout, rank: int, *, platform: str 
         TPUFAB_WORKER_ID=str(rank),
         TPU_WORKER_ID=str(worker_id),
         TPUFAB_NUM_WORKERS=str(layout.num_workers),
-        TPUFAB_WORKER_IPS=",".join(ips),
+        TPUFAB_WORKER_IPS=layout.ips_text,
         TPUFAB_COORDINATOR=f"{ips[0]}:{coordinator_port}",
         TPUFAB_SLICE_ID=str(slice_id),
         TPUFAB_NUM_SLICES=str(len(layout.slices)),

@@ -37,6 +37,9 @@ class PaperWorkers:
         self.reachable: dict[tuple[str, int], bool] = {}
         self.calls: list[tuple[str, str]] = []
 
+    def capacity_problem(self, what: str, workers: int) -> str | None:
+        return None  # paper costs nothing
+
     def _record(self, what: str, node_id: str) -> None:
         with self._lock:
             self.calls.append((what, node_id))

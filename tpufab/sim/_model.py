@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from tpufab.errors import ConfigError
+from tpufab.sim._slots import WORKERS_PER_SLOT
 from tpufab.topology import (
     Topology,
     all_accelerator_types,
@@ -18,7 +19,6 @@ from tpufab.topology import (
     parse_accelerator_type,
 )
 
-MAX_WORKERS_PER_NODE = 254  # worker w answers on 127.x.y.(w + 1); .255 stays unused
 DEFAULT_PROJECT = "sim-project"
 DEFAULT_ZONE = "us-central2-b"
 LOCATIONS = (
@@ -216,12 +216,6 @@ def accelerator_type_of(node: dict[str, Any], zone: str) -> Topology:
     if topo.name != given:
         raise ApiFailure("INVALID_ARGUMENT",
                          f'Invalid accelerator type "{given}"; the API spells it "{topo.name}".')
-    if topo.hosts > MAX_WORKERS_PER_NODE:
-        raise ApiFailure(
-            "INVALID_ARGUMENT",
-            f"The simulated pod supports at most {MAX_WORKERS_PER_NODE} hosts per node, and "
-            f"{topo.name} has {topo.hosts}; choose a smaller accelerator type.",
-        )
     return topo
 
 
@@ -256,12 +250,14 @@ def accelerator_type_resource(parent: str, name: str) -> dict[str, Any]:
 
 
 def accelerator_types() -> list[str]:
-    return [t for t in all_accelerator_types()
-            if parse_accelerator_type(t).hosts <= MAX_WORKERS_PER_NODE]
+    return all_accelerator_types()
 
 
 def worker_address(slot: int, worker: int) -> str:
-    return f"127.{16 + slot // 256}.{slot % 256}.{worker + 1}"
+    """Worker ``worker`` of the node whose first slot is ``slot``: 254 workers per slot, then
+    the next slot (a node of more than 254 hosts holds consecutive slots, see _slots)."""
+    slot += worker // WORKERS_PER_SLOT
+    return f"127.{16 + slot // 256}.{slot % 256}.{worker % WORKERS_PER_SLOT + 1}"
 
 
 def worker_hostname(node_id: str, worker: int) -> str:

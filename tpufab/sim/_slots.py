@@ -1,8 +1,10 @@
-"""Node slots (-> worker addresses 127.{16 + s // 256}.{s % 256}.{w + 1}) unique per machine.
+"""Node slots (-> worker addresses, see ``_model.worker_address``) unique per machine.
 
-Several simulated pods may run at once (a user's, a test session's), each with its own state
-dir. A small registry file, under a file lock, says which state dir holds which slot; a claim
-whose state dir no longer lists a node on that slot (deleted, or the dir is gone) is free.
+A slot is 254 loopback addresses (``127.{16 + s // 256}.{s % 256}.1-254``); a node with more
+hosts holds a run of consecutive slots (v5p-12288's 1,536 workers: 7). Several simulated pods
+may run at once (a user's, a test session's), each with its own state dir. A small registry
+file, under a file lock, says which state dir holds which slot; a claim whose state dir no
+longer lists a node covering that slot (deleted, or the dir is gone) is free.
 """
 
 from __future__ import annotations
@@ -17,6 +19,18 @@ from contextlib import contextmanager
 from pathlib import Path
 
 MAX_SLOT = 239 * 256 + 255  # keeps the second octet <= 255
+WORKERS_PER_SLOT = 254  # last octets .1-.254; .0 and .255 stay unused
+
+
+def slots_for(hosts: int) -> int:
+    """How many consecutive slots a node of ``hosts`` workers holds (at least one)."""
+    return max(1, -(-hosts // WORKERS_PER_SLOT))
+
+
+def node_slots(record: dict) -> range:
+    """The slots a node's emulator record covers: its first slot and as many as it needs."""
+    first = int(record["sim"]["slot"])
+    return range(first, first + slots_for(len(record["node"].get("networkEndpoints") or [])))
 FRESH = 120.0  # seconds a claim holds before its node must show up in the holder's state
 
 
@@ -31,12 +45,18 @@ def registry_path() -> Path:
 
 
 def _holds(state_dir: str, slot: int) -> bool:
-    """Whether another pod's state dir still has a node on this slot."""
+    """Whether another pod's state dir still has a node covering this slot."""
     try:
         state = json.loads((Path(state_dir) / "api-state.json").read_text())
     except (OSError, ValueError):
         return False
-    return any(r.get("sim", {}).get("slot") == slot for r in state.get("nodes", {}).values())
+    for record in state.get("nodes", {}).values():
+        try:
+            if slot in node_slots(record):
+                return True
+        except (KeyError, TypeError, ValueError):
+            continue
+    return False
 
 
 class SlotRegistry:
@@ -68,25 +88,36 @@ class SlotRegistry:
     def _mark(self, table: dict[str, dict], slot: int) -> None:
         table[str(slot)] = {"owner": self.owner, "at": time.time()}
 
-    def claim(self, own: set[int]) -> int:
-        """The lowest slot used neither by this pod (`own`) nor by another live pod."""
+    def claim(self, own: set[int], count: int = 1) -> int:
+        """The first of the lowest ``count`` consecutive slots used neither by this pod
+        (`own`) nor by another live pod; all of them are marked as this pod's."""
         with self._locked() as table:
+            run = 0
             for slot in range(1, MAX_SLOT + 1):
-                if slot not in own and not self._taken(table, slot):
-                    self._mark(table, slot)
-                    return slot
-        raise RuntimeError("every simulated node slot on this machine is taken")
+                free = slot not in own and not self._taken(table, slot)
+                run = run + 1 if free else 0
+                if run == count:
+                    first = slot - count + 1
+                    for taken in range(first, slot + 1):
+                        self._mark(table, taken)
+                    return first
+        raise RuntimeError(f"no {count} consecutive simulated node slots are free on this "
+                           "machine")
 
-    def reclaim(self, slot: int) -> bool:
-        """Take `slot` back after a restart; False if another live pod holds it now."""
+    def reclaim(self, slot: int, count: int = 1) -> bool:
+        """Take slots ``slot..slot+count-1`` back after a restart; False if another live pod
+        holds any of them now."""
         with self._locked() as table:
-            if self._taken(table, slot):
+            span = range(slot, slot + count)
+            if any(self._taken(table, s) for s in span):
                 return False
-            self._mark(table, slot)
+            for s in span:
+                self._mark(table, s)
             return True
 
-    def release(self, slot: int) -> None:
+    def release(self, slot: int, count: int = 1) -> None:
         with self._locked() as table:
-            claim = table.get(str(slot))
-            if isinstance(claim, dict) and claim.get("owner") == self.owner:
-                del table[str(slot)]
+            for s in range(slot, slot + count):
+                claim = table.get(str(s))
+                if isinstance(claim, dict) and claim.get("owner") == self.owner:
+                    del table[str(s)]

@@ -127,7 +127,10 @@ def serve(state_dir: Path | None = None, port: int | None = None, *, workers: bo
         require_root()
     state_dir.mkdir(parents=True, exist_ok=True)
     if workers:
+        from tpufab.sim.capacity import raise_fd_limit
         from tpufab.sim.workers import WorkerPool
+
+        raise_fd_limit()  # a metadata listener per worker: 1,536 of them for a v5p-12288
 
         # <state>/share is what scripts/sim-wheels.sh fills ($TPUFAB_SIM_DIR/share/site)
         pool: Any = WorkerPool(state_dir / WORKERS_DIR, share_dir=state_dir / "share")

@@ -42,7 +42,7 @@ from tpufab.sim._model import (
     worker_address,
     worker_hostname,
 )
-from tpufab.sim._slots import SlotRegistry
+from tpufab.sim._slots import SlotRegistry, node_slots, slots_for
 from tpufab.sim.guest import GuestEnvironment, Tokens
 from tpufab.sim.legacy import LegacyNodes
 from tpufab.sim.oslogin import OsLoginService
@@ -75,6 +75,7 @@ class Workers(Protocol):
     def running(self, node_id: str) -> dict[int, bool]: ...
     def stop_all(self) -> None: ...
     def exec_in(self, node_id: str, index: int, argv: list[str], **popen_kw: Any) -> Any: ...
+    def capacity_problem(self, what: str, workers: int) -> str | None: ...
 
 
 @dataclass
@@ -471,6 +472,7 @@ class Emulator:
         with self._lock:
             if name in self._state["nodes"]:
                 raise ApiFailure("ALREADY_EXISTS", f"Resource '{name}' already exists")
+            self._check_capacity([self._validate_node(name, node_in)])
             topo, node = self._new_node(name, node_in, version)
             failure = self._take_create_failure(name, topo)
             op = self._new_operation(version, name, "create")
@@ -512,7 +514,7 @@ class Emulator:
         project, zone, _, _ = split_name(name)
         topo = self._validate_node(name, node_in)
         runtime = node_in["runtimeVersion"]
-        slot = self._slots.claim({r["sim"]["slot"] for r in self._state["nodes"].values()})
+        slot = self._slots.claim(self._used_slots(), slots_for(topo.hosts))
         node_id = new_node_id()
         node = {k: v for k, v in node_in.items() if k not in OUTPUT_ONLY_NODE_FIELDS}
         region = zone.rsplit("-", 1)[0]
@@ -555,11 +557,26 @@ class Emulator:
                  **({"accessConfig": {"externalIp": worker_address(slot, w)}} if external else {})}
                 for w in range(hosts)]
 
+    def _check_capacity(self, topos: list[Topology]) -> None:
+        """Refuse, before anything starts, workers this machine cannot hold."""
+        hosts = sum(t.hosts for t in topos)
+        names = sorted({t.name for t in topos})
+        what = names[0] if len(topos) == 1 else \
+            f"{len(topos)} slices of {' and '.join(names)}"
+        problem = self.workers.capacity_problem(what, hosts)
+        if problem:
+            raise ApiFailure("FAILED_PRECONDITION", problem)
+
+    def _used_slots(self) -> set[int]:
+        """Every slot this pod's nodes cover (caller holds the lock)."""
+        return {s for r in self._state["nodes"].values() for s in node_slots(r)}
+
     def _forget_node(self, name: str) -> dict[str, Any] | None:
-        """Drop a node's record and free its slot (caller holds the lock)."""
+        """Drop a node's record and free its slots (caller holds the lock)."""
         record = self._state["nodes"].pop(name, None)
         if record is not None:
-            self._slots.release(record["sim"]["slot"])
+            span = node_slots(record)
+            self._slots.release(span.start, len(span))
         return record
 
     def _take_create_failure(self, name: str, topo: Topology) -> str | None:
@@ -1075,10 +1092,12 @@ class Emulator:
 
     def _reclaim_slot(self, name: str, record: dict[str, Any]) -> None:
         """Keep a node's addresses across restarts unless another pod took them meanwhile."""
-        if self._slots.reclaim(record["sim"]["slot"]):
+        span = node_slots(record)
+        if self._slots.reclaim(span.start, len(span)):
             return
-        used = {r["sim"]["slot"] for r in self._state["nodes"].values()}
-        slot = self._slots.claim(used)
+        used = {s for r in self._state["nodes"].values() if r is not record
+                for s in node_slots(r)}
+        slot = self._slots.claim(used, len(span))
         log.warning("slot %d of %s is used by another simulated pod; moved it to slot %d",
                     record["sim"]["slot"], name, slot)
         record["sim"]["slot"] = slot

@@ -84,8 +84,9 @@ class QueuedResources:
                 if node_name in self.emu._state["nodes"] or names.count(node_name) > 1:
                     raise ApiFailure("ALREADY_EXISTS", f"Resource '{node_name}' already exists")
             failure = None
-            for item in plan:  # validate every node now; the first failure wins
-                topo = self.emu._validate_node(item["name"], item["node"])
+            topos = [self.emu._validate_node(item["name"], item["node"]) for item in plan]
+            self.emu._check_capacity(topos)
+            for item, topo in zip(plan, topos, strict=True):  # the first failure wins
                 failure = failure or self.emu._take_create_failure(item["name"], topo)
             qr = {k: v for k, v in body.items() if k not in ("name", "state", "createTime")}
             qr.update({"name": name, "createTime": rfc3339(),

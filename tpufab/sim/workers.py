@@ -1,8 +1,9 @@
 """Simulated TPU pod workers: a real sshd per worker, each in its own PID/mount/UTS namespace.
 
-A worker is ``setpriv --pdeathsig KILL -- unshare --pid --mount --uts --kill-child --
-/usr/bin/python3 -I -S worker_init.py WORKER_DIR`` (see worker_init.py, its PID 1). The network
-namespace is shared: each worker's sshd listens on its own loopback address.
+A worker is a PID 1 forked by one spawner per process (``setpriv --pdeathsig KILL --
+/usr/bin/python3 -I -S worker_init.py --spawner``) into new PID, mount, UTS and time
+namespaces, with its sshd under it (see worker_init.py). The network namespace is shared: each
+worker's sshd listens on its own loopback address.
 
 State under ``state_dir``::
 
@@ -334,6 +335,37 @@ def _read_json(path: Path, default: object) -> object:
         return default
 
 
+TRASH = "trash"  # under state_dir: deleted nodes' files, being removed in the background
+_emptying: set[str] = set()
+_emptying_guard = threading.Lock()
+
+
+def _empty_in_background(trash: Path) -> None:
+    """Remove everything in ``trash`` on a daemon thread (one per folder at a time)."""
+    key = str(trash)
+    with _emptying_guard:
+        if key in _emptying:
+            return
+        _emptying.add(key)
+
+    def empty() -> None:
+        tried: list[Path] = []
+        while True:
+            with _emptying_guard:  # a folder moved in after this look starts a new thread
+                try:
+                    left = sorted(trash.iterdir())
+                except OSError:
+                    left = []
+                if not left or left == tried:  # done, or what is left cannot be removed
+                    _emptying.discard(key)
+                    return
+            tried = left
+            for path in left:
+                shutil.rmtree(path, ignore_errors=True)
+
+    threading.Thread(target=empty, name="tpufab-sim-trash", daemon=True).start()
+
+
 class _Launcher:
     """Forks worker processes from one thread that lives as long as the process.
 
@@ -347,6 +379,7 @@ class _Launcher:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.spawner: _Spawner | None = None  # used on the launcher thread only
         threading.Thread(target=self._run, name="tpufab-worker-launcher", daemon=True).start()
 
     @classmethod
@@ -359,6 +392,16 @@ class _Launcher:
         launcher.jobs.put((fn, args, future))
         return future.result()
 
+    @classmethod
+    def current_spawner(cls, tools: HostTools) -> _Spawner:
+        """The process's spawner (started when first needed); on the launcher thread only."""
+        launcher = cls._instance
+        assert launcher is not None and threading.current_thread().name == \
+            "tpufab-worker-launcher"
+        if launcher.spawner is None or not launcher.spawner.alive():
+            launcher.spawner = _Spawner(tools)
+        return launcher.spawner
+
     def _run(self) -> None:
         while True:
             fn, args, future = self.jobs.get()
@@ -366,6 +409,52 @@ class _Launcher:
                 future.set_result(fn(*args))
             except BaseException as err:  # noqa: BLE001 - handed to the caller
                 future.set_exception(err)
+
+
+class _Spawner:
+    """worker_init.py --spawner: forks each worker's PID 1 from one warm interpreter.
+
+    Requests go to its stdin as JSON lines; answers come back on its stdout (see
+    worker_init.py). It dies with this process (pdeathsig), and every worker with it.
+    """
+
+    def __init__(self, tools: HostTools):
+        self.proc = subprocess.Popen(
+            [tools.setpriv, "--pdeathsig", "KILL", "--",
+             tools.python, "-I", "-S", str(INIT_SCRIPT), "--spawner"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
+            env={"PATH": STD_PATH, "LANG": "C.UTF-8"})
+        self.buffer = b""
+        self.next_id = 0
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def request(self, worker_dir: Path, netns: str = "") -> int:
+        """Fork a worker from ``worker_dir`` (in the network namespace at ``netns``, if any)."""
+        self.next_id += 1
+        line = json.dumps({"id": self.next_id, "dir": str(worker_dir), "netns": netns}) + "\n"
+        self.proc.stdin.write(line.encode())  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        return self.next_id
+
+    def answers(self, timeout: float) -> list[dict] | None:
+        """Answers that arrived within ``timeout`` s ([] if none); None once it has exited."""
+        fd = self.proc.stdout.fileno()  # type: ignore[union-attr]
+        with selectors.DefaultSelector() as selector:
+            selector.register(fd, selectors.EVENT_READ)
+            if not selector.select(timeout):
+                return []
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return None
+        self.buffer += chunk
+        *lines, self.buffer = self.buffer.split(b"\n")
+        out = []
+        for line in lines:
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+        return out
 
 
 # --- the pool ------------------------------------------------------------------------------
@@ -382,15 +471,22 @@ class WorkerPool:
         # Read-only on every worker at /opt/tpufab-sim/share (scripts/sim-wheels.sh fills it).
         self.share_dir = Path(share_dir) if share_dir is not None else self.state_dir / "share"
         self.share_dir.mkdir(parents=True, exist_ok=True)
-        self._guard = threading.Lock()  # the two dicts below
+        self._guard = threading.Lock()  # the dict below
         self._node_locks: dict[str, threading.RLock] = {}
-        self._procs: dict[tuple[str, int], subprocess.Popen] = {}  # unshare, started by us
         self._uid_lock = threading.Lock()
+        if (self.state_dir / TRASH).is_dir():  # left by a daemon that stopped mid-removal
+            _empty_in_background(self.state_dir / TRASH)
 
     def _node_lock(self, node_id: str) -> threading.RLock:
         """Serializes changes to one node; other nodes (and read-only calls) go on meanwhile."""
         with self._guard:
             return self._node_locks.setdefault(node_id, threading.RLock())
+
+    def capacity_problem(self, what: str, workers: int) -> str | None:
+        """Why ``workers`` more workers would not fit on this machine (None: they would)."""
+        from tpufab.sim import capacity
+
+        return capacity.check(what, workers)
 
     # paths and records
 
@@ -415,10 +511,6 @@ class WorkerPool:
 
     def _init_pid(self, node_id: str, index: int) -> int | None:
         """Host pid of the worker's PID 1 if it is running (also after a daemon restart)."""
-        with self._guard:
-            proc = self._procs.get((node_id, index))
-            if proc is not None and proc.poll() is not None:  # reap a worker that ended
-                del self._procs[(node_id, index)]
         record = _read_json(self._worker_dir(node_id, index) / "init.json", None)
         if record and _alive(record["pid"], record["start_time"]):
             return record["pid"]
@@ -507,104 +599,79 @@ class WorkerPool:
 
     def _boot_all(self, node_id: str, specs: list[WorkerSpec], tools: HostTools,
                   sshd_at: float) -> dict[int, str]:
-        """Runs on the launcher thread: spawn workers, at most boot_window setting up at once."""
+        """Runs on the launcher thread: have the spawner fork the workers, at most boot_window
+        setting up at once; returns {worker: why} for those that failed."""
+        spawner = _Launcher.current_spawner(tools)
         pending = list(specs)
-        booting: dict[int, tuple[WorkerSpec, subprocess.Popen, bytearray, float]] = {}
+        booting: dict[int, tuple[WorkerSpec, float]] = {}  # request id -> (spec, deadline)
+        forked: dict[int, int] = {}  # request id -> its PID 1's host pid, once forked
         failures: dict[int, str] = {}
-        with selectors.DefaultSelector() as selector:
-            while pending or booting:
-                while pending and len(booting) < self.boot_window:
-                    spec = pending.pop(0)
-                    try:
-                        proc, ready = self._spawn(node_id, spec, tools)
-                    except OSError as err:
-                        failures[spec.index] = f"cannot start: {err}"
-                        continue
-                    booting[ready] = (spec, proc, bytearray(), time.monotonic() + BOOT_TIMEOUT)
-                    selector.register(ready, selectors.EVENT_READ)
-                for key, _ in selector.select(timeout=0.5):
-                    spec, proc, buf, _deadline = booting[key.fd]
-                    chunk = os.read(key.fd, 4096)
-                    buf += chunk
-                    if chunk and b"\n" not in buf:
-                        continue
-                    selector.unregister(key.fd)
-                    os.close(key.fd)
-                    del booting[key.fd]
-                    error = self._booted(node_id, spec, proc, bytes(buf), sshd_at)
-                    if error:
-                        failures[spec.index] = error
-                now = time.monotonic()
-                for fd, (spec, proc, _buf, deadline) in list(booting.items()):
-                    if now > deadline:
-                        selector.unregister(fd)
-                        os.close(fd)
-                        del booting[fd]
-                        proc.kill()
-                        proc.wait()
-                        failures[spec.index] = f"no ready report within {BOOT_TIMEOUT:g} s"
+        while pending or booting:
+            while pending and len(booting) < self.boot_window:
+                spec = pending.pop(0)
+                try:
+                    request = spawner.request(self._worker_dir(node_id, spec.index), spec.netns)
+                except OSError as err:  # the spawner is gone (it died, or so did we)
+                    failures[spec.index] = f"cannot start: {err}"
+                    continue
+                booting[request] = (spec, time.monotonic() + BOOT_TIMEOUT)
+            answers = spawner.answers(0.5)
+            if answers is None:
+                for spec, _ in booting.values():
+                    failures[spec.index] = "the worker spawner exited; see the daemon's log"
+                booting.clear()
+                for spec in pending:
+                    failures[spec.index] = "the worker spawner exited; see the daemon's log"
+                pending.clear()
+                break
+            for answer in answers:
+                request = answer.get("id")
+                if request not in booting:
+                    continue  # a late answer to a request given up on before
+                if "forked" in answer:
+                    forked[request] = answer["forked"]
+                if "pid" not in answer and "error" not in answer:
+                    continue
+                spec, _ = booting.pop(request)
+                error = self._booted(node_id, spec, answer, sshd_at)
+                if error:
+                    failures[spec.index] = error
+            now = time.monotonic()
+            for request, (spec, deadline) in list(booting.items()):
+                if now > deadline:
+                    del booting[request]
+                    if request in forked:  # its namespace goes with it
+                        _signal(forked[request], signal.SIGKILL)
+                    failures[spec.index] = f"no ready report within {BOOT_TIMEOUT:g} s"
         return failures
 
-    def _spawn(self, node_id: str, spec: WorkerSpec, tools: HostTools
-               ) -> tuple[subprocess.Popen, int]:
+    def _booted(self, node_id: str, spec: WorkerSpec, answer: dict, sshd_at: float
+                ) -> str | None:
         wdir = self._worker_dir(node_id, spec.index)
-        ready_read, ready_write = os.pipe()
-        argv = [
-            # The owner dies -> unshare gets SIGKILL -> (--kill-child) the worker's PID 1 gets
-            # SIGKILL -> the kernel kills the whole PID namespace. Nothing lingers.
-            tools.setpriv, "--pdeathsig", "KILL", "--",
-            # An internal-IP node's workers live in its own network namespace (sim/network.py).
-            *([tools.nsenter, f"--net={spec.netns}", "--"] if spec.netns else []),
-            # A time namespace whose boot clock starts now: the worker reports its own uptime.
-            tools.unshare, "--pid", "--mount", "--uts", "--time", "--boottime",
-            str(-int(_host_uptime())), "--kill-child", "--",
-            tools.python, "-I", "-S", str(INIT_SCRIPT), str(wdir), str(ready_write),
-        ]
-        try:
-            with open(wdir / "init.log", "ab") as log:
-                proc = subprocess.Popen(
-                    argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                    pass_fds=(ready_write,), start_new_session=True,  # no terminal signals
-                    env={"PATH": STD_PATH, "LANG": "C.UTF-8"})
-        except BaseException:
-            os.close(ready_read)
-            raise
-        finally:
-            os.close(ready_write)
-        return proc, ready_read
-
-    def _booted(self, node_id: str, spec: WorkerSpec, proc: subprocess.Popen, report: bytes,
-                sshd_at: float) -> str | None:
-        wdir = self._worker_dir(node_id, spec.index)
-        try:
-            message = json.loads(report.split(b"\n")[0])
-        except ValueError:
-            message = {"error": f"exited during setup: {_tail(wdir / 'init.log')}"}
-        stat = _proc_stat(message["pid"]) if "pid" in message else None
+        stat = _proc_stat(answer["pid"]) if "pid" in answer else None
         if stat is None:
-            with contextlib.suppress(OSError):
-                proc.kill()
-            proc.wait()
-            return message.get("error", "PID 1 vanished right after setup")
-        with self._guard:
-            self._procs[(node_id, spec.index)] = proc
-        _write_json(wdir / "init.json", {"pid": message["pid"], "start_time": stat[2],
-                                         "unshare_pid": proc.pid, "owner_pid": os.getpid(),
-                                         "sshd_at": sshd_at})
+            if "forked" in answer:
+                _signal(answer["forked"], signal.SIGKILL)
+            error = answer.get("error", "PID 1 vanished right after setup")
+            tail = _tail(wdir / "init.log")
+            return f"{error} ({tail})" if tail and tail not in error else error
+        _write_json(wdir / "init.json", {"pid": answer["pid"], "start_time": stat[2],
+                                         "owner_pid": os.getpid(), "sshd_at": sshd_at})
         return None
 
     def wait_listening(self, node_id: str, timeout: float = 30.0) -> None:
         """Wait (bounded) until every reachable worker's sshd listens on ip:22."""
         deadline = time.monotonic() + timeout
-        specs = self._specs(node_id)
+        waiting = self._specs(node_id)
         while True:
-            down = [s.index for s in specs if self._init_pid(node_id, s.index) is None]
+            # Only the workers still waiting are looked at again: a round costs what is left.
+            tables = {t: _listening_addresses(table=t) for t in {_tcp_table(s) for s in waiting}}
+            waiting = [s for s in waiting if s.ip not in tables[_tcp_table(s)] and not
+                       (self._worker_dir(node_id, s.index) / "unreachable").exists()]
+            down = [s.index for s in waiting if self._init_pid(node_id, s.index) is None]
             if down:
                 raise SimError(f"Worker(s) {fold_workers(down)} of node {node_id} are not running, "
                                "so their sshd will never listen; start the node first.")
-            tables = {t: _listening_addresses(table=t) for t in {_tcp_table(s) for s in specs}}
-            waiting = [s for s in specs if s.ip not in tables[_tcp_table(s)] and not
-                       (self._worker_dir(node_id, s.index) / "unreachable").exists()]
             if not waiting:
                 return
             if time.monotonic() >= deadline:
@@ -636,17 +703,25 @@ class WorkerPool:
                 if not _wait_for(all_gone, 10.0):
                     raise SimError(f"Workers of node {node_id} did not stop even after SIGKILL.")
             for index in records:
-                with self._guard:
-                    proc = self._procs.pop((node_id, index), None)
-                if proc is not None:
-                    proc.wait(timeout=10)
                 (node_dir / f"w{index}" / "init.json").unlink(missing_ok=True)
 
     def delete_node(self, node_id: str) -> None:
-        """Stop the node's workers, then remove all their files."""
+        """Stop the node's workers, then remove all their files: moved aside at once, removed
+        in the background (a used 1,024-worker node holds ~10^5 files: minutes on a busy
+        disk, which a delete need not wait for)."""
         with self._node_lock(node_id):
             self.stop_node(node_id)
-            shutil.rmtree(self._node_dir(node_id), ignore_errors=True)
+            node_dir = self._node_dir(node_id)
+            trash = self.state_dir / TRASH / f"{node_id}-{time.time_ns()}"
+            try:
+                trash.parent.mkdir(parents=True, exist_ok=True)
+                os.rename(node_dir, trash)
+            except FileNotFoundError:
+                return
+            except OSError:  # e.g. another filesystem: remove it where it is
+                shutil.rmtree(node_dir, ignore_errors=True)
+                return
+            _empty_in_background(trash.parent)
 
     def stop_all(self) -> None:
         """Stop every node under state_dir, including workers left by an earlier owner."""
@@ -696,6 +771,7 @@ class WorkerPool:
             managed = set(_read_json(node_dir / "keys.json", {"users": []})["users"])
             users = sorted(set(keys) | managed)
             uids = self._allocate_uids([*sorted(keys), SUDOERS_GROUP])
+
             for spec in specs:
                 wdir = self._worker_dir(node_id, spec.index)
                 if not (wdir / "etc" / "passwd").exists():

@@ -1,0 +1,44 @@
+"""KnownHosts: pinned keys, looked up once per worker, from a file parsed once per version."""
+
+import base64
+import os
+
+from tpufab.hostkeys import KnownHosts, alias
+
+
+def key(n: int) -> str:
+    return "ssh-ed25519 " + base64.b64encode(n.to_bytes(4, "big") * 8).decode()
+
+
+def test_lookups_see_pins_forgets_and_changes_made_by_another_process(tmp_path):
+    path = tmp_path / "known_hosts"
+    hosts = KnownHosts(path)
+    hosts.pin("7", {w: key(w) for w in range(1024)})
+    assert [hosts.lookup(alias("7", w)) for w in (0, 1023)] == \
+        [[tuple(key(0).split())], [tuple(key(1023).split())]]
+    assert hosts.lookup(alias("7", 1024)) == []
+    # another process (another KnownHosts) changes the file: this one sees it at once
+    other = KnownHosts(path)
+    assert other.forget("7") == 1024
+    assert hosts.lookup(alias("7", 0)) == []
+    with open(path, "a") as f:  # by hand, in place
+        f.write(f"{alias('8', 0)} {key(5)}\n")
+    os.utime(path, ns=(1, 1))  # even with an old time, the size differs
+    assert hosts.lookup(alias("8", 0)) == [tuple(key(5).split())]
+
+
+def test_a_thousand_workers_are_checked_against_one_read_of_the_file(tmp_path, monkeypatch):
+    path = tmp_path / "known_hosts"
+    hosts = KnownHosts(path)
+    hosts.pin("9", {w: key(w) for w in range(1024)})
+    reads = []
+    real = type(path).read_text
+
+    def counting(self, *args, **kwargs):
+        reads.append(self)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(path), "read_text", counting)
+    for w in range(1024):
+        assert hosts.lookup(alias("9", w)) == [tuple(key(w).split())]
+    assert len(reads) <= 1
