@@ -336,6 +336,11 @@ class NodeNetworks:
                                     f"bastion-{node_id}")
         return ip
 
+    def set_os_login(self, node: dict[str, Any], accounts: list[dict] | None) -> None:
+        """OS Login on (the project's POSIX accounts) or off (None) for the node's bastion."""
+        if is_internal(node) and self.netns_of(node["id"]) is not None:
+            self.pool.set_os_login(node["id"] + BASTION_SUFFIX, accounts)
+
     def sync_keys(self, node: dict[str, Any], ssh_keys: str) -> None:
         if is_internal(node) and self.netns_of(node["id"]) is not None:
             self.pool.sync_keys(node["id"] + BASTION_SUFFIX, ssh_keys)
