@@ -33,9 +33,10 @@ from tpufab.nodes import Node, QueuedResourceInfo
 
 
 def node(name="pod", state="READY", *, spot=False, qr=None, runtime="tpu-ubuntu2204-base",
-         labels=None) -> Node:
+         labels=None, **fields) -> Node:
     return Node(name=name, project="p", zone="z", accelerator_type="v4-32", state=state,
-                runtime_version=runtime, spot=spot, queued_resource=qr, labels=labels or {})
+                runtime_version=runtime, spot=spot, queued_resource=qr, labels=labels or {},
+                **fields)
 
 
 def queued(name="pod", state="ACTIVE", *, tier="spot", count=1, failure="") -> QueuedResourceInfo:
@@ -47,7 +48,7 @@ def queued(name="pod", state="ACTIVE", *, tier="spot", count=1, failure="") -> Q
 def test_node_spec_keeps_type_runtime_tier_and_queuing():
     plain = bs.NodeSpec.from_api("pod", [node(labels={"team": "ml"})], None)
     assert plain == bs.NodeSpec("pod", "v4-32", "tpu-ubuntu2204-base", "on-demand", False, 1,
-                                {"team": "ml"})
+                                {"team": "ml"}, external_ips=True, metadata={})
     spot = bs.NodeSpec.from_api("pod", [node(spot=True, qr="pod")], queued())
     assert (spot.tier, spot.queued, spot.num_slices) == ("spot", True, 1)
     multi = bs.NodeSpec.from_api("ms", [node("ms-0", qr="ms"), node("ms-1", qr="ms")],
@@ -67,6 +68,37 @@ def test_node_spec_settings_are_a_copy_with_the_spec():
     assert (wanted.spot, wanted.preemptible, wanted.reserved) == (True, False, False)
     assert wanted.labels == {"team": "ml", "extra": "1"}
     assert base.preemptible and base.type is None   # untouched
+
+
+def test_node_spec_keeps_no_external_ips_metadata_and_network():
+    """A node made with --internal-ips (the flag, not a setting) comes back without external
+    IPs; an OS Login node keeps enable-oslogin (and its other metadata, not autostop's)."""
+    from tpufab.controlplane import node_body
+
+    made = node(external_ips=False, network="projects/p/global/networks/vpc",
+                subnetwork="projects/p/regions/r/subnetworks/s",
+                metadata={"enable-oslogin": "TRUE", "startup-script": "echo hi",
+                          "tpufab-autostop": '{"idle": 60}', "ssh-keys": "bob:ssh-ed25519 AAAA"})
+    spec = bs.NodeSpec.from_api("pod", [made], None)
+    assert spec.external_ips is False
+    assert "no external IPs" in spec.describe()
+    base = Settings(name="pod", project="p", metadata={"startup-script": "echo mine"})
+    wanted = spec.settings(base)
+    body = node_body(wanted, ssh_entry="tpufab:ssh-ed25519 BBBB tpufab")
+    assert body["network_config"] == {"enable_external_ips": False,
+                                      "network": "projects/p/global/networks/vpc",
+                                      "subnetwork": "projects/p/regions/r/subnetworks/s"}
+    assert body["metadata"]["enable-oslogin"] == "TRUE"
+    assert body["metadata"]["startup-script"] == "echo mine"     # the settings' own wins
+    assert "tpufab-autostop" not in body["metadata"]              # no watchdog on the new node
+    assert body["metadata"]["ssh-keys"].splitlines() == ["bob:ssh-ed25519 AAAA",
+                                                         "tpufab:ssh-ed25519 BBBB tpufab"]
+    assert not base.internal_ip and base.network is None          # untouched
+    # and the other way round: internal_ip (tpufab runs in the VPC) does not strip a node's
+    # external IPs when it is recreated
+    inside = Settings(name="pod", project="p", internal_ip=True)
+    external = bs.NodeSpec.from_api("pod", [node(external_ips=True)], None).settings(inside)
+    assert node_body(external)["network_config"]["enable_external_ips"] is True
 
 
 def test_restore_reads_setup_commit_and_mounts_from_the_first_worker_that_answered():

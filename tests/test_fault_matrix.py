@@ -613,6 +613,10 @@ def test_every_verb_that_waits_has_a_timeout_flag(verb: Verb):
 
 @pytest.mark.parametrize(("verb", "fault"), list(cells()))
 def test_cell(pod, verb: Verb, fault: Fault):
+    run_cell(pod, verb, fault)
+
+
+def run_cell(pod: Pod, verb: Verb, fault: Fault) -> None:
     pod.extra_node = unique_name("fmc")
     before = {w: worker_processes(pod, w) for w in (0, 1)}
     marker = uuid.uuid4().hex
@@ -649,4 +653,50 @@ def report(verb: Verb, fault: Fault, outcome: Outcome | None) -> None:
     with open(os.environ["FM_REPORT"], "a") as out:
         out.write(json.dumps({"verb": verb.name, "fault": fault.name, "runs": rows,
                               "met": outcome.expected}) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# --jump: one row, exec through the bastion of an internal-IP v4-16 (every worker verb reaches
+# workers through the same connect path, so one verb shows the jump's part)
+
+
+@pytest.fixture(scope="module")
+def jump_pod(sim, tmp_path_factory) -> Iterator[Pod]:
+    from tpufab import lifecycle
+    from tpufab import pod as pods
+    from tpufab.sim.network import bastion_address
+
+    home = tmp_path_factory.mktemp("matrix-jump-home")
+    name = unique_name("fmj")
+    settings = sim_settings(sim, home, name=name, type="v4-16", ssh_user=POD_USER,
+                            internal_ip=True)   # the created node has no external IPs
+    [node] = lifecycle.create(settings, console=quiet_console())
+    bastion = bastion_address(node.workers[0].internal_ip)
+    settings = sim_settings(sim, home, name=name, ssh_user=POD_USER, jump=bastion)
+    env = cli_env(sim, home, name)
+    env.update(TPUFAB_SSH_USER=POD_USER, TPUFAB_JUMP=bastion)   # no user: ssh_user's login
+    yield Pod(sim, name, env, home, settings, bucket="")
+    pods.forget(settings)
+    lifecycle.delete(settings, yes=True, console=quiet_console())
+
+
+def bastion_down(verb: Verb, pod: Pod, marker: str) -> Outcome:
+    """Nothing listens on the bastion's port 22 (the relay resets what it cannot connect)."""
+    pool = sim_pool(pod.sim)
+    pool.set_reachable(pod.node.id + "-bastion", 0, False)
+    try:
+        return once(verb, pod, marker, timeout=verb.timeout_flag)
+    finally:
+        pool.set_reachable(pod.node.id + "-bastion", 0, True)
+
+
+JUMP_EXEC = VERBS[0]   # exec
+JUMP_FAULTS = [Fault("unreachable", unreachable, FAILS),
+               Fault("bastion-down", bastion_down, ONE_SENTENCE)]
+
+
+@pytest.mark.parametrize("fault", [pytest.param(f, id=f"exec-jump-{f.name}")
+                                   for f in JUMP_FAULTS])
+def test_jump_cell(jump_pod, fault: Fault):
+    run_cell(jump_pod, JUMP_EXEC, fault)
 

@@ -21,22 +21,32 @@ from tpufab.pod import check_reachable
     ("alice@10.0.0.5:2222", "alice", "10.0.0.5", 2222, "[10.0.0.5]:2222"),
     (" tpufab@127.16.3.255 ", "tpufab", "127.16.3.255", 22, "127.16.3.255"),
     ("bob@[::1]:22", "bob", "::1", 22, "::1"),
+    ("bastion.example.com", "", "bastion.example.com", 22, "bastion.example.com"),
+    ("10.0.0.5:2222", "", "10.0.0.5", 2222, "[10.0.0.5]:2222"),
 ])
 def test_parse_jump(text, user, host, port, alias):
     jump = parse_jump(text)
     assert (jump.user, jump.host, jump.port, jump.key_alias) == (user, host, port, alias)
-    assert str(jump) == f"{user}@{host}" + ("" if port == 22 else f":{port}")
+    assert str(jump) == (f"{user}@" if user else "") + host + ("" if port == 22 else f":{port}")
 
 
-@pytest.mark.parametrize("text", ["bastion", "alice@", "@host", "alice@host:0",
-                                  "alice@host:99999", "a b@host", "alice@host;rm -rf /"])
+def test_a_jump_without_a_user_logs_in_as_the_login_user():
+    # the login user tpufab uses on the workers: the OS Login POSIX name where OS Login is on
+    assert str(parse_jump("bastion:2222").for_user("alice_example_com")) == \
+        "alice_example_com@bastion:2222"
+    assert parse_jump("bob@bastion").for_user("alice_example_com").user == "bob"  # named: kept
+
+
+@pytest.mark.parametrize("text", ["alice@", "@host", "alice@host:0", "host:0",
+                                  "alice@host:99999", "a b@host", "alice@host;rm -rf /",
+                                  "-oProxyCommand=x", "alice@-oProxyCommand=x", ""])
 def test_a_bad_jump_is_one_sentence_with_the_form(text):
-    with pytest.raises(ConfigError, match=r"user@host or user@host:port"):
+    with pytest.raises(ConfigError, match=r"host, user@host or user@host:port"):
         parse_jump(text, "--jump")
 
 
 def test_the_jump_setting_is_checked_where_it_comes_from(tmp_path):
-    env = {"TPUFAB_USER_CONFIG": str(tmp_path / "none.yaml"), "TPUFAB_JUMP": "bastion"}
+    env = {"TPUFAB_USER_CONFIG": str(tmp_path / "none.yaml"), "TPUFAB_JUMP": "bastion;x"}
     with pytest.raises(ConfigError, match=r"^TPUFAB_JUMP: jump must be"):
         load_settings(env=env, cwd=tmp_path)
     (tmp_path / "tpufab.yaml").write_text("jump: alice@bastion:2200\n")

@@ -72,6 +72,12 @@ class NodeSpec:
     queued: bool = False
     num_slices: int = 1
     labels: Mapping[str, str] = field(default_factory=dict)
+    # read from the node (None: not known, the settings decide): a node created with
+    # --internal-ips comes back without external IPs, an OS Login node with enable-oslogin
+    external_ips: bool | None = None
+    metadata: Mapping[str, str] | None = None
+    network: str = ""
+    subnetwork: str = ""
 
     @classmethod
     def from_api(cls, name: str, nodes: Sequence[Node], qr: QueuedResourceInfo | None
@@ -84,24 +90,37 @@ class NodeSpec:
                                                      else "on-demand")
             return cls(name, qr.accelerator_type, qr.runtime_version, tier, True,
                        qr.node_count or 1)
+        from tpufab.autostop import METADATA_KEY
+
         node = nodes[0]
         queued = qr is not None or node.queued_resource is not None
         slices = (qr.node_count if qr is not None else len(nodes)) or 1
+        # autostop's marker goes: the recreated node has no watchdog until armed again
+        metadata = {k: v for k, v in node.metadata.items() if k != METADATA_KEY}
         return cls(name, node.accelerator_type, node.runtime_version, node.tier, queued, slices,
-                   dict(node.labels))
+                   dict(node.labels), external_ips=node.external_ips, metadata=metadata,
+                   network=node.network, subnetwork=node.subnetwork)
 
     def settings(self, base: Settings) -> Settings:
-        """``base`` with this spec's type, runtime, tier and labels (a copy)."""
+        """``base`` with this spec's type, runtime, tier, labels, metadata and network (a
+        copy; what ``base`` sets itself wins for labels, metadata and network)."""
         return replace(base, name=self.name, type=self.accelerator_type,
                        runtime_version=self.runtime_version or None,
                        spot=self.tier == "spot", preemptible=self.tier == "preemptible",
                        reserved=self.tier == "reserved",
-                       labels={**self.labels, **base.labels})
+                       labels={**self.labels, **base.labels},
+                       metadata={**(self.metadata or {}), **base.metadata},
+                       internal_ip=base.internal_ip if self.external_ips is None
+                       else not self.external_ips,
+                       network=base.network or self.network or None,
+                       subnetwork=base.subnetwork or self.subnetwork or None)
 
     def describe(self) -> str:
         slices = f" x {self.num_slices} slices" if self.num_slices > 1 else ""
         queued = ", queued" if self.queued else ""
-        return f"{self.accelerator_type}{slices} ({self.tier}{queued}, {self.runtime_version})"
+        internal = ", no external IPs" if self.external_ips is False else ""
+        return (f"{self.accelerator_type}{slices} ({self.tier}{queued}{internal}, "
+                f"{self.runtime_version})")
 
 
 @dataclass(frozen=True)
@@ -546,6 +565,11 @@ class Babysitter:
 
     # -- recovery -----------------------------------------------------------------------------
     def _recover(self, reason: str) -> None:
+        self._recreate(reason)
+        self._restore()
+
+    def _recreate(self, reason: str) -> None:
+        """Delete the node and create it again in the shape it had (``self.spec``)."""
         from tpufab import lifecycle
 
         assert self.spec is not None
@@ -571,7 +595,6 @@ class Babysitter:
                     lifecycle.delete(self.settings, yes=True, console=self.console,
                                      control=self.control)
                 self.sleep(delay)
-        self._restore()
 
     def _restore(self) -> None:
         from tpufab import nodeset

@@ -19,13 +19,13 @@ import errno
 import os
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tpufab.errors import ConfigError, TpufabError
 
-_JUMP_RE = re.compile(r"^(?P<user>[A-Za-z0-9_][A-Za-z0-9_.-]{0,63})@(?P<host>[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\])"
-                      r"(?::(?P<port>\d{1,5}))?$")
+_JUMP_RE = re.compile(r"^(?:(?P<user>[A-Za-z0-9_][A-Za-z0-9_.-]{0,63})@)?"
+                      r"(?P<host>[A-Za-z0-9_.][A-Za-z0-9_.-]*|\[[0-9A-Fa-f:.]+\])(?::(?P<port>\d{1,5}))?$")
 KEEPALIVE = 30  # seconds: keeps NAT and firewall state of an idle bastion connection
 
 
@@ -35,12 +35,18 @@ class JumpError(TpufabError):
 
 @dataclass(frozen=True)
 class Jump:
-    """Where the bastion is and how to log in (no live objects: picklable)."""
+    """Where the bastion is and how to log in (no live objects: picklable). ``user`` is ""
+    until :meth:`for_user` fills it in: ``--jump HOST`` logs in as the user tpufab logs into
+    the workers as."""
 
     user: str
     host: str
     port: int = 22
     key_filename: str | None = None
+
+    def for_user(self, login_user: str) -> Jump:
+        """This jump with ``login_user`` where it names no user of its own."""
+        return self if self.user else replace(self, user=login_user)
 
     @property
     def key_alias(self) -> str:
@@ -48,17 +54,20 @@ class Jump:
         return self.host if self.port == 22 else f"[{self.host}]:{self.port}"
 
     def __str__(self) -> str:
-        return f"{self.user}@{self.host}" + ("" if self.port == 22 else f":{self.port}")
+        return (f"{self.user}@" if self.user else "") + self.host + (
+            "" if self.port == 22 else f":{self.port}")
 
 
 def parse_jump(text: str, source: str = "jump", *, key_filename: str | None = None) -> Jump:
-    """``user@host[:port]`` -> Jump, or a ConfigError naming ``source`` and the fix."""
+    """``[user@]host[:port]`` -> Jump (user "" when not given), or a ConfigError naming
+    ``source`` and the fix."""
     m = _JUMP_RE.match(str(text).strip())
     port = int(m.group("port")) if m and m.group("port") else 22
     if not m or not 0 < port < 65536:
-        raise ConfigError(f"{source}: jump must be the bastion as user@host or "
-                          f"user@host:port (for example tpufab@bastion.example.com), not {text!r}.")
-    return Jump(user=m.group("user"), host=m.group("host").strip("[]"), port=port,
+        raise ConfigError(f"{source}: jump must be the bastion as host, user@host or "
+                          "user@host:port (for example bastion.example.com, or "
+                          f"alice@bastion.example.com:2222), not {text!r}.")
+    return Jump(user=m.group("user") or "", host=m.group("host").strip("[]"), port=port,
                 key_filename=key_filename)
 
 
@@ -88,7 +97,7 @@ def _describe(err: BaseException) -> str:
     return str(err) or type(err).__name__
 
 
-def _connect(jump: Jump, known_hosts, timeout: float):
+def _connect(jump: Jump, known_hosts, timeout: float, refused: str | None = None):
     import paramiko
 
     from tpufab.fanout import quiet_paramiko
@@ -118,9 +127,10 @@ def _connect(jump: Jump, known_hosts, timeout: float):
             f"-R '{jump.key_alias}'`.") from None
     except paramiko.AuthenticationException:
         client.close()
-        raise JumpError(f"The jump host {jump} refused the login (authentication failed); "
-                        f"put your public key ({jump.key_filename or 'your SSH key'}.pub) in "
-                        f"{jump.user}'s authorized_keys there, or name another user in --jump.") from None
+        raise JumpError(f"The jump host {jump} refused the login (authentication failed); " + (
+            refused or f"put your public key ({jump.key_filename or 'your SSH key'}.pub) in "
+                       f"{jump.user}'s authorized_keys there, or name another user in --jump.")
+        ) from None
     except (OSError, EOFError, paramiko.SSHException) as err:
         client.close()
         raise JumpError(f"Cannot reach the jump host {jump} ({_describe(err)}); check that it is "
@@ -131,8 +141,9 @@ def _connect(jump: Jump, known_hosts, timeout: float):
     return client
 
 
-def client(jump: Jump, known_hosts, timeout: float):
-    """The process's connection to ``jump`` (opened now if there is none, or it died)."""
+def client(jump: Jump, known_hosts, timeout: float, *, refused: str | None = None):
+    """The process's connection to ``jump`` (opened now if there is none, or it died);
+    ``refused`` is what to advise if the bastion refuses the login (OS Login's own advice)."""
     key = (os.getpid(), jump)
     with _lock:
         lock = _connecting.setdefault(jump, threading.Lock())
@@ -141,7 +152,7 @@ def client(jump: Jump, known_hosts, timeout: float):
         if existing is not None and existing.get_transport() is not None and \
                 existing.get_transport().is_active():
             return existing
-        fresh = _connect(jump, known_hosts, timeout)
+        fresh = _connect(jump, known_hosts, timeout, refused)
         with _lock:
             _clients[key] = fresh
         if existing is not None:

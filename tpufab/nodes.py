@@ -93,6 +93,9 @@ class Node:
     multislice: bool = False
     slice_index: int | None = None       # for multislice nodes named PREFIX-<i>
     api_version: str = ""                # "V1" for a legacy TPU Node (no workers to SSH into)
+    external_ips: bool = True            # networkConfig.enableExternalIps (else: any worker's)
+    network: str = ""                    # networkConfig.network / .subnetwork, as the API says
+    subnetwork: str = ""
 
     def __post_init__(self) -> None:
         if self.topology is None and self.accelerator_type:
@@ -118,11 +121,19 @@ class Node:
         if multislice:
             m = re.search(r"-(\d+)$", short)
             slice_index = int(m.group(1)) if m else None
+        # A worker with an external IP settles it; else networkConfig (proto3 leaves a false
+        # enableExternalIps out of the JSON, so a networkConfig without it asks for none).
+        network = proto.network_config if "network_config" in proto else None
+        external = any(w.external_ip for w in workers) or (
+            bool(network.enable_external_ips) if network is not None else not workers)
         return cls(
             name=short,
             project=project,
             zone=zone,
             id=str(proto.id or ""),
+            external_ips=external,
+            network=network.network if network is not None else "",
+            subnetwork=network.subnetwork if network is not None else "",
             accelerator_type=proto.accelerator_type,
             chip_topology=proto.accelerator_config.topology if proto.accelerator_config else "",
             runtime_version=proto.runtime_version,

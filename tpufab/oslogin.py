@@ -82,6 +82,7 @@ class Login:
 
     user: str | None
     hint: str
+    account: str = ""  # whose OS Login profile (where tpufab registered its key)
 
 
 @dataclass(frozen=True)
@@ -327,4 +328,4 @@ def logins(settings: Settings, nodes: list[Node], console: Console, *,
                       f"registered for {ttl_text(settings.os_login_ttl)}.", markup=False)
     hint = (f"OS Login refused {user}: does {account} hold roles/compute.osAdminLogin or "
             "roles/compute.osLogin in this project?")
-    return {n.name: Login(user, hint) for n in chosen}
+    return {n.name: Login(user, hint, account) for n in chosen}

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from tpufab.controlplane import ControlPlane
     from tpufab.fanout import Fanout
     from tpufab.nodes import Node
+    from tpufab.oslogin import Login
 
 SSH_PORT = 22  # networkEndpoints[].port is the TPU runtime's port (8470), never SSH's
 
@@ -129,20 +130,42 @@ def check_reachable(nodes: list[Node], settings: Settings) -> None:
     if closed:
         raise ConfigError(
             f"TPU node {closed[0]} has no external IPs, so its workers can only be reached from "
-            "inside its VPC: pass --jump USER@BASTION (or put `jump: USER@BASTION` in "
+            "inside its VPC: pass --jump BASTION (or put `jump: BASTION` in "
             "tpufab.yaml), or run tpufab on a VM in that VPC with `internal_ip: true`; tpufab "
             "does not tunnel through IAP (no --iap yet: docs/access.md says why).")
 
 
-def open_jump(settings: Settings, known_hosts, console: Console, name: str, count: int):
+def open_jump(settings: Settings, known_hosts, console: Console, name: str, count: int, *,
+              login_user: str | None = None, os_login: Login | None = None):
     """The bastion of ``--jump``, connected now so that a bastion that is down is one
-    sentence (naming it) rather than one failure per worker; None without --jump."""
+    sentence (naming it) rather than one failure per worker; None without --jump.
+
+    A jump that names no user logs in as ``login_user`` (the user tpufab logs into the workers
+    as: the OS Login POSIX user where OS Login is on, else ssh_user). With OS Login on
+    (``os_login``), a refused login says what OS Login needs rather than authorized_keys."""
     if not settings.jump:
         return None
     from tpufab import jump
 
     bastion = jump.parse_jump(settings.jump, key_filename=str(settings.ssh_key_path))
-    jump.client(bastion, known_hosts, settings.connect_timeout)
+    bastion = bastion.for_user(login_user or settings.ssh_user)
+    refused = None
+    if os_login is not None and os_login.user:
+        if bastion.user != os_login.user:
+            refused = (f"OS Login is on, so a bastion in the project takes only the keys "
+                       f"registered for {os_login.account or 'your account'}, as its POSIX "
+                       f"user {os_login.user}: name no user in --jump (or "
+                       f"{os_login.user}@{bastion.host}), or put your public key "
+                       f"({bastion.key_filename}.pub) in {bastion.user}'s authorized_keys if "
+                       "the bastion does not use OS Login.")
+        else:
+            refused = (f"OS Login is on and tpufab's key is registered for "
+                       f"{os_login.account or 'your account'} as {os_login.user}: check that "
+                       "the account holds roles/compute.osLogin or roles/compute.osAdminLogin "
+                       "in the bastion's project, or, if the bastion does not use OS Login "
+                       "(its own metadata says enable-oslogin=FALSE), name its user in --jump "
+                       "and put your public key in that user's authorized_keys there.")
+    jump.client(bastion, known_hosts, settings.connect_timeout, refused=refused)
     jump.hold(bastion)
     console.print(f"[dim]Reaching {name}'s {count} worker{'s' if count != 1 else ''} at their "
                   f"internal IPs via bastion {bastion}.[/dim]", highlight=False)
@@ -174,7 +197,9 @@ def connect(settings: Settings, *, control: ControlPlane | None = None,
                           f"{node.name}'s metadata.[/dim]")
     known_hosts = KnownHosts(settings.known_hosts_path)
     pin_host_keys(control, nodes, known_hosts)
-    bastion = open_jump(settings, known_hosts, console, name, sum(len(n.workers) for n in nodes))
+    os_login = next((login for login in logins.values() if login.user), None)
+    bastion = open_jump(settings, known_hosts, console, name, sum(len(n.workers) for n in nodes),
+                        login_user=os_login.user if os_login else None, os_login=os_login)
 
     targets, slices = [], []
     for node in nodes:

@@ -638,8 +638,7 @@ class Emulator:
                                         delay=self.settings.worker_start_delay)
                 self.guest.open_metadata(node_id, specs)
                 self.workers.wait_listening(node_id, timeout=self.settings.listen_timeout)
-                # the bastion is a VM of its own that the simulated OS Login leaves alone
-                self._start_bastion(name, specs, _metadata_keys(snapshot))
+                self._start_bastion(name, specs, snapshot)
                 host_keys = self.workers.host_keys(node_id)
                 for _ in range(5):  # metadata may have changed while the workers started
                     with self._lock:
@@ -843,7 +842,7 @@ class Emulator:
                 self.oslogin.apply(snapshot)  # enable-oslogin may have changed
                 self.workers.sync_keys(node_id, keys)
                 if self.network is not None:
-                    self.network.sync_keys(snapshot["node"], _metadata_keys(snapshot))
+                    self.network.sync_keys(snapshot["node"], self.oslogin.bastion_keys(snapshot))
         with self._lock:
             record = self._state["nodes"].get(name)
             self._finish_operation(op_name, response=record["node"] if record else {})
@@ -926,19 +925,33 @@ class Emulator:
             return {}
         return {"bastion": bastion_address(endpoints[0]["ipAddress"])}
 
-    def _start_bastion(self, name: str, specs: list[Any], keys: str) -> None:
-        """An internal-IP node's jump host (sim/network.py), once its workers listen."""
+    def _start_bastion(self, name: str, specs: list[Any], snapshot: dict[str, Any]) -> None:
+        """An internal-IP node's jump host (sim/network.py), once its workers listen: a VM of
+        the node's project, so the project's OS Login decides which keys it takes, asked
+        through its own metadata server as on the workers."""
         if self.network is None:
             return
+        from tpufab.sim.network import BASTION_SUFFIX
+
         with self._lock:
             record = self._state["nodes"].get(name)
             node = json.loads(json.dumps(record["node"])) if record else None
-        if node is not None:
-            self.network.start_bastion(node, specs, keys)
+        spec = self.network.bastion_spec(node, specs) if node is not None else None
+        if spec is None:
+            return
+        bastion = self.oslogin.bastion_record(snapshot)
+        accounts = (self.oslogin.accounts(node["name"].split("/")[1])
+                    if self.oslogin.enabled_for(bastion) else None)
+        self.guest.open_metadata(node["id"] + BASTION_SUFFIX, [spec])
+        self.network.start_bastion(node, specs, self.oslogin.bastion_keys(snapshot),
+                                   os_login=accounts)
 
     def network_down(self, node_id: str, *, delete: bool = False) -> None:
         """After a node's workers stopped: its bastion and network namespace, if it has them."""
         if self.network is not None:
+            from tpufab.sim.network import BASTION_SUFFIX
+
+            self.guest.close_metadata(node_id + BASTION_SUFFIX)
             self.network.stop(node_id, delete=delete)
 
     def _arm_create_failure(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -1120,7 +1133,7 @@ class Emulator:
                 self.workers.start_node(node_id, specs, keys, delay=0.0)
                 self.guest.open_metadata(node_id, specs)
                 self.workers.wait_listening(node_id, timeout=self.settings.listen_timeout)
-                self._start_bastion(name, specs, _metadata_keys(snapshot))
+                self._start_bastion(name, specs, snapshot)
                 host_keys = self.workers.host_keys(node_id)
             with self._lock:
                 record = self._state["nodes"].get(name)
@@ -1166,11 +1179,6 @@ class Emulator:
     def _node_lock(self, node_id: str) -> threading.Lock:
         with self._lock:
             return self._node_locks.setdefault(node_id, threading.Lock())
-
-
-def _metadata_keys(record: dict[str, Any]) -> str:
-    """A node's metadata ``ssh-keys`` as they are (its workers' view is oslogin.login_keys)."""
-    return (record["node"].get("metadata") or {}).get("ssh-keys", "")
 
 
 # ---------------------------------------------------------------------- HTTP

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from tpufab.sim._model import ApiFailure, rfc3339, topology_string, worker_hostname
 from tpufab.sim.catalog import project_number
 from tpufab.sim.metadata import JsonLeaf
+from tpufab.sim.network import BASTION_SUFFIX
 from tpufab.topology import parse_accelerator_type
 
 if TYPE_CHECKING:
@@ -197,6 +198,8 @@ class GuestEnvironment:
 
     def metadata_tree(self, node_id: str, worker: int) -> dict[str, Any] | None:
         """A worker's computeMetadata/v1 tree (tpufab.sim.metadata asks for it per request)."""
+        if node_id.endswith(BASTION_SUFFIX):
+            return self._bastion_tree(node_id)
         with self.emu._lock:
             found = [(n, r) for n, r in self.emu._state["nodes"].items() if r["node"]["id"] == node_id]
             if not found:
@@ -210,13 +213,37 @@ class GuestEnvironment:
 
     def oslogin(self, node_id: str, worker: int, parts: list[str],
                 query: dict[str, str]) -> tuple[int, Any]:
-        """A worker's ``computeMetadata/v1/oslogin/...`` answer (tpufab.sim.oslogin)."""
-        with self.emu._lock:
-            found = [r for r in self.emu._state["nodes"].values() if r["node"]["id"] == node_id]
-            record = json.loads(json.dumps(found[0])) if found else None
+        """A worker's (or a bastion's) ``computeMetadata/v1/oslogin/...`` answer
+        (tpufab.sim.oslogin)."""
+        bastion = node_id.endswith(BASTION_SUFFIX)
+        record = self._record(node_id.removesuffix(BASTION_SUFFIX))
         if record is None:
             return 503, "The worker is not running.\n"
+        if bastion:
+            record = self.emu.oslogin.bastion_record(record)
         return self.emu.oslogin.metadata_answer(record, parts, query)
+
+    def _record(self, node_id: str) -> dict[str, Any] | None:
+        with self.emu._lock:
+            found = [r for r in self.emu._state["nodes"].values() if r["node"]["id"] == node_id]
+            return json.loads(json.dumps(found[0])) if found else None
+
+    def _bastion_tree(self, bastion_id: str) -> dict[str, Any] | None:
+        """An internal-IP node's bastion: a plain VM of the node's project (none of the
+        node's TPU attributes), with the project's metadata."""
+        record = self._record(bastion_id.removesuffix(BASTION_SUFFIX))
+        if record is None:
+            return None
+        name = record["node"]["name"]
+        project, zone = name.split("/")[1], name.split("/")[3]
+        hostname = worker_hostname(record["node"]["id"], 0)[:14] + "-bastion"
+        return {
+            "instance": {"attributes": {}, "hostname": f"{hostname}.{zone}.c.{project}.internal",
+                         "name": hostname, "zone": f"projects/{project_number(project)}/zones/{zone}"},
+            "project": {"attributes": self.emu.oslogin.project_metadata(project),
+                        "numeric-project-id": int(project_number(project)),
+                        "project-id": project},
+        }
 
     def _slice_info(self, name: str, record: dict[str, Any]) -> dict[str, Any] | None:
         """Multislice facts for tpu-env (caller holds the lock), None for a single slice."""

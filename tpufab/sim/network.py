@@ -199,6 +199,10 @@ class Relay:
 
     def close(self) -> None:
         self._closed.set()
+        # shutdown first: a listener closed while the accept thread polls it keeps listening
+        # until the poll returns, and what connects meanwhile is reset rather than refused
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
         with self._lock:
             conns = list(self._conns)
@@ -303,18 +307,26 @@ class NodeNetworks:
             net = self._nets.get(node_id)
             return net.path if net is not None and net.holder.poll() is None else None
 
-    def start_bastion(self, node: dict[str, Any], specs: list[Any], ssh_keys: str) -> str | None:
-        """Start the node's bastion (idempotent); returns its address, or None for a node
-        with external IPs."""
+    def bastion_spec(self, node: dict[str, Any], specs: list[Any]) -> Any:
+        """The bastion VM of an internal-IP node (a WorkerSpec in its namespace), or None."""
         if not is_internal(node) or not specs:
             return None
         from tpufab.sim.workers import WorkerSpec
 
-        node_id = node["id"]
-        path = self.path(node_id)
-        ip = bastion_address(specs[0].ip)
-        spec = WorkerSpec(node_id=node_id, index=0, ip=ip, hostname=f"{specs[0].hostname[:14]}"
-                          "-bastion", device_files=(), netns=path)
+        return WorkerSpec(node_id=node["id"], index=0, ip=bastion_address(specs[0].ip),
+                          hostname=f"{specs[0].hostname[:14]}-bastion", device_files=(),
+                          netns=self.path(node["id"]))
+
+    def start_bastion(self, node: dict[str, Any], specs: list[Any], ssh_keys: str, *,
+                      os_login: list[dict] | None = None) -> str | None:
+        """Start the node's bastion (idempotent); returns its address, or None for a node
+        with external IPs. ``os_login``: the project's POSIX accounts when the project's OS
+        Login is on (the bastion then takes keys from OS Login only, like the workers)."""
+        spec = self.bastion_spec(node, specs)
+        if spec is None:
+            return None
+        node_id, path, ip = node["id"], spec.netns, spec.ip
+        self.pool.set_os_login(node_id + BASTION_SUFFIX, os_login)
         self.pool.start_node(node_id + BASTION_SUFFIX, [spec], ssh_keys)
         self.pool.wait_listening(node_id + BASTION_SUFFIX, timeout=30.0)
         with self._lock:
@@ -323,6 +335,11 @@ class NodeNetworks:
                 net.bastion = Relay(listener(None, (ip, SSH_PORT)), path, (ip, SSH_PORT),
                                     f"bastion-{node_id}")
         return ip
+
+    def set_os_login(self, node: dict[str, Any], accounts: list[dict] | None) -> None:
+        """OS Login on (the project's POSIX accounts) or off (None) for the node's bastion."""
+        if is_internal(node) and self.netns_of(node["id"]) is not None:
+            self.pool.set_os_login(node["id"] + BASTION_SUFFIX, accounts)
 
     def sync_keys(self, node: dict[str, Any], ssh_keys: str) -> None:
         if is_internal(node) and self.netns_of(node["id"]) is not None:

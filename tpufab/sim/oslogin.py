@@ -131,6 +131,22 @@ class OsLoginService:
             return ""
         return (record["node"].get("metadata") or {}).get("ssh-keys", "")
 
+    # An internal-IP node's bastion is a VM of its own in the node's project: the TPU node's
+    # metadata is not its metadata, so the project's enable-oslogin alone decides for it.
+
+    @staticmethod
+    def bastion_record(record: dict[str, Any]) -> dict[str, Any]:
+        """What OS Login sees of a node's bastion: the project's VM with no metadata of its
+        own (so the project's enable-oslogin decides)."""
+        return {"node": {"name": record["node"]["name"], "metadata": {}}}
+
+    def bastion_keys(self, record: dict[str, Any]) -> str:
+        """The `ssh-keys` the bastion honours: none with the project's OS Login on; else the
+        node's metadata keys (the sim's stand-in for your key on the bastion)."""
+        if self.enabled_for(self.bastion_record(record)):
+            return ""
+        return (record["node"].get("metadata") or {}).get("ssh-keys", "")
+
     def accounts(self, project: str) -> list[dict[str, Any]]:
         """Every POSIX account of the project (what the guest's NSS module lists)."""
         with self.emu._lock:
@@ -143,6 +159,9 @@ class OsLoginService:
         project = record["node"]["name"].split("/")[1]
         on = self.enabled_for(record)
         self.emu.workers.set_os_login(record["node"]["id"], self.accounts(project) if on else None)
+        if self.emu.network is not None:
+            on = self.enabled_for(self.bastion_record(record))
+            self.emu.network.set_os_login(record["node"], self.accounts(project) if on else None)
 
     def apply_all(self, project: str | None = None) -> None:
         """After a project-wide change: every running node of ``project`` (or of all)."""
@@ -155,6 +174,8 @@ class OsLoginService:
             with self.emu._node_lock(node_id):
                 self.apply(record)
                 self.emu.workers.sync_keys(node_id, self.login_keys(record))
+                if self.emu.network is not None:
+                    self.emu.network.sync_keys(record["node"], self.bastion_keys(record))
 
     def metadata_answer(self, record: dict[str, Any], parts: list[str],
                         query: dict[str, str]) -> tuple[int, Any]:

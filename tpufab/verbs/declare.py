@@ -52,7 +52,9 @@ COMMON: dict[str, Opt] = {
     "timeout": Opt("Seconds before giving up on a worker's command."),
     "env": Opt("Set K=V, or forward the local K (repeatable).", short="-e", metavar="K=V|K"),
     "jump": Opt("Reach the workers through this SSH jump host (a bastion in their VPC), at "
-                "their internal IPs (default: the jump setting).", metavar="USER@HOST[:PORT]"),
+                "their internal IPs; no USER: log in as on the workers (the OS Login user "
+                "where OS Login is on) (default: the jump setting).",
+                metavar="[USER@]HOST[:PORT]"),
     "state_dir": Opt("Where the simulated pod keeps its state (TPUFAB_SIM_DIR)."),
     "color": Opt("Let the workers' own colours through (other control sequences always show "
                  "escaped)."),

@@ -65,8 +65,8 @@ def sim_status(*, state_dir: str | None = None, as_json: bool = False) -> int:
                       "start it with `tpufab sim up`.", markup=False)
     for node in status.nodes:
         workers = len(node.get("workers", [])) or "?"
-        bastion = (f"; no external IPs, jump host {node['bastion']}: --jump "
-                   f"{default_login()}@{node['bastion']}" if node.get("bastion") else "")
+        bastion = (f"; no external IPs, jump host {node['bastion']}: --jump {node['bastion']}"
+                   if node.get("bastion") else "")
         console.print(f"  node {node['name'].rsplit('/', 1)[-1]}: {node.get('acceleratorType')} "
                       f"{node.get('state')} ({workers} workers{bastion})", markup=False)
     for qr in status.queued_resources:
@@ -75,16 +75,6 @@ def sim_status(*, state_dir: str | None = None, as_json: bool = False) -> int:
     if status.running and status.info:
         _print_exports(status.info)
     return 0 if status.running else 3
-
-
-def default_login() -> str:
-    """Who tpufab logs in as by default (the user the bastion also knows from ssh-keys)."""
-    from tpufab.config import load_settings
-
-    try:
-        return load_settings().ssh_user
-    except Exception:  # noqa: BLE001 - a broken settings file must not break `sim status`
-        return "USER"
 
 
 def sim_admin() -> Any:
