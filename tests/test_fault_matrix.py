@@ -480,11 +480,7 @@ EXPECT = {
 
 # Cells that fail today, with why. (The findings 3, 4, 8 and 12 cells were strict xfails until
 # their fixes landed; those that pass now lost their marks.)
-XFAIL = {
-    **{(verb, "hung-command"): f"a command hung on one worker keeps {verb} waiting past the 40 s "
-                               "bound: its --timeout does not yet cover a hung worker-side step"
-       for verb in ("deploy", "run", "babysit")},
-}
+XFAIL: dict[tuple[str, str], str] = {}
 # Not strict: these pass or fail with the order cells run in (whether the root-side agent
 # reached w1 before its disk filled), which is the bug: the login is an ordinary user, and
 # what kill and status run as root (sudo) cannot start on a full disk, so w1 reads
