@@ -373,6 +373,7 @@ for dir in "$home" /tmp; do
     mount -t tmpfs -o size=$(( $(du -sk "$dir" | cut -f1) + 256 ))k fm-full "$dir"
     tar -C "$dir" -xpf /run/fm-disk.tar
     rm -f /run/fm-disk.tar
+    {forget}
     dd if=/dev/zero of="$dir/.fm-fill" bs=16k 2>/dev/null || true
 done
 """
@@ -387,11 +388,29 @@ done
 def disk_full(verb: Verb, pod: Pod, marker: str) -> Outcome:
     """The user's home and /tmp on w1 have no space left (a small full tmpfs over each, with
     what was there copied in)."""
-    pod.sh(HIT, FILL_DISK.format(user=POD_USER))
+    pod.sh(HIT, FILL_DISK.format(user=POD_USER, forget=""))
     try:
         return once(verb, pod, marker, timeout=verb.timeout_flag)
     finally:
         pod.sh(HIT, FREE_DISK.format(user=POD_USER), check=False)
+
+
+def test_kill_and_status_need_no_free_disk(pod):
+    """The tool that frees a wedged TPU must not need free disk: w1's disk filled before
+    tpukill.py or facts.py were ever shipped there (so the disk-full cells, which may run after
+    other cells shipped them, do not depend on order). Both run from memory; status names the
+    full disk."""
+    pod.sh(HIT, FILL_DISK.format(user=POD_USER, forget='rm -rf "$dir/.cache/tpufab"'))
+    try:
+        pod.sh(HIT, f'test ! -e "$(getent passwd {POD_USER} | cut -d: -f6)/.cache/tpufab"')
+        killed = pod.tpufab("kill", "--grace", "1")
+        status = pod.tpufab("status")
+    finally:
+        pod.sh(HIT, FREE_DISK.format(user=POD_USER), check=False)
+    assert killed.returncode == 0, text(killed)
+    assert "TPU free on w[0-1]: yes." in killed.stdout, killed.stdout
+    assert status.returncode == 0, text(status)
+    assert "Disk full on w1 (" in " ".join(status.stdout.split()), status.stdout
 
 
 def killed_client(verb: Verb, pod: Pod, marker: str) -> Outcome:
@@ -481,13 +500,7 @@ EXPECT = {
 # Cells that fail today, with why. (The findings 3, 4, 8 and 12 cells were strict xfails until
 # their fixes landed; those that pass now lost their marks.)
 XFAIL: dict[tuple[str, str], str] = {}
-# Not strict: these pass or fail with the order cells run in (whether the root-side agent
-# reached w1 before its disk filled), which is the bug: the login is an ordinary user, and
-# what kill and status run as root (sudo) cannot start on a full disk, so w1 reads
-# "unreachable: could not start: No space left on device" instead of naming the full disk.
-FLAKY = {(verb, "disk-full"): "no finding yet: the root-side agent (sudo) cannot start on a "
-                              "full disk when it was not shipped before"
-         for verb in ("kill", "status")}
+FLAKY: dict[tuple[str, str], str] = {}
 
 # Every worker verb reaches workers through the same connect path, so a frozen sshd is tried on
 # a few representative verbs (one of each kind of work) rather than all of them: CI time.
