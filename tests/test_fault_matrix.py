@@ -140,12 +140,27 @@ class Verb:
     api_only: bool = False                 # reaches no worker (create)
     held: str = ""                         # what to hold on the workers mid-verb (any: "")
     prepare: Callable[[Pod], None] | None = None   # before each invocation
+    faults: tuple[str, ...] | None = None  # the faults it meets (None: every one that applies)
 
 
 def new_commit(pod: Pod) -> None:
     """Each deploy has work to do: a new commit to put on the workers."""
     subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t.invalid", "commit", "-q",
                     "--allow-empty", "-m", unique_name("c")], cwd=pod.repo, check=True)
+
+
+def new_file(pod: Pod) -> None:
+    """Each put has bytes to send (an identical file is skipped, and needs no disk): a new
+    file in the folder put copies, the others left as they are (a put under way reads them)."""
+    folder = pod.repo.parent / "fm-put"
+    folder.mkdir(exist_ok=True)
+    (folder / unique_name("f")).write_bytes(os.urandom(1 << 14))
+
+
+# The verbs added after the matrix was written meet the faults that reach code of their own
+# (the SFTP copy, its space check and temporary files, the watchdog's arm), not the connect and
+# API retry paths every other verb has been through already: CI time (docs/reliability.md).
+OWN_PATHS = ("hung-command", "disk-full", "client-sigkilled", "twice-at-once")
 
 
 T = f"{TIMEOUT:g}"
@@ -163,6 +178,12 @@ VERBS = [
     Verb("babysit", lambda p: ["babysit", "fm-recipe.sh", "--no-deploy", "--max-restarts", "0"],
          "fm-run-ok", held=RECIPE_NAME),
     Verb("check", lambda p: ["check", "--quick"], "passed every check"),
+    Verb("put", lambda p: ["put", str(p.repo.parent / "fm-put")], "put: w",
+         prepare=new_file, faults=OWN_PATHS),
+    Verb("get", lambda p: ["get", "/etc/hostname", str(p.repo.parent / "fm-got")], "get: w",
+         faults=("hung-command", "client-sigkilled")),   # it writes nothing on the workers
+    Verb("autostop", lambda p: ["autostop", "--idle", "1h"], "Autostop of",
+         teardown=("autostop", "--cancel"), faults=OWN_PATHS),
     Verb("create", lambda p: ["create", "--name", p.extra_node, "--type", "v4-8"], "READY",
          timeout_flag=False, api_only=True),
 ]
@@ -511,6 +532,8 @@ def cells():
     for verb in VERBS:
         for fault in FAULTS:
             if fault.name == "hung-sshd" and verb.name not in HUNG_SSHD_VERBS:
+                continue
+            if verb.faults is not None and fault.name not in verb.faults:
                 continue
             if (fault.api if verb.api_only else fault.workers):
                 cell = (verb.name, fault.name)

@@ -136,10 +136,11 @@ def test_the_verb_refuses_a_timeout_that_is_not_positive_in_one_sentence():
 
 
 def test_every_verb_that_waits_has_a_timeout_with_a_default():
-    from tpufab.verbs import data, jobs, status, workers
+    from tpufab.verbs import data, files, jobs, launch, status, workers
 
     for fn in (workers.exec_, workers.setup, data.deploy, data.mount, data.umount, jobs.run,
-               jobs.logs, jobs.runs, jobs.kill, status.status, status.babysit):
+               jobs.logs, jobs.runs, jobs.kill, status.status, status.babysit, files.put,
+               files.get, launch.autostop):
         parameter = inspect.signature(fn).parameters.get("timeout")
         assert parameter is not None, fn.__name__
         assert parameter.kind is inspect.Parameter.KEYWORD_ONLY

@@ -395,7 +395,11 @@ def _sftp(fanout, worker: int):
     import paramiko
 
     fanout.open([worker]).check()
-    return paramiko.SFTPClient.from_transport(fanout.links[worker].conn.transport)
+    sftp = paramiko.SFTPClient.from_transport(fanout.links[worker].conn.transport)
+    # a worker whose sftp-server stops answering is given up on after the command timeout
+    # (no progress for that long), as every other step is
+    sftp.get_channel().settimeout(fanout.command_timeout)
+    return sftp
 
 
 def _upload(fanout, plan: _PutPlan, token: str, row: WorkerTransfer, progress: Progress,
