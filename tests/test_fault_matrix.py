@@ -41,13 +41,11 @@ from conftest import unique_name, wait_for
 from helpers import (
     POD_USER,
     TPUFAB,
-    cli_env,
     in_worker,
     no_traceback,
     one_sentence,
-    quiet_console,
+    sim_node,
     sim_pool,
-    sim_settings,
 )
 
 pytestmark = pytest.mark.sim
@@ -98,15 +96,14 @@ RECIPE = "#!/bin/sh\necho fm-run-ok w$TPUFAB_WORKER_ID\n"
 
 @pytest.fixture(scope="module")
 def pod(sim, tmp_path_factory) -> Iterator[Pod]:
-    from tpufab import lifecycle
-    from tpufab import pod as pods
+    with sim_node(sim, tmp_path_factory, "fm", "v4-16", ssh_user=POD_USER) as node:
+        yield from _matrix_pod(sim, node)
+
+
+def _matrix_pod(sim, node) -> Iterator[Pod]:
     from tpufab.sim.admin import StorageClient
 
-    home = tmp_path_factory.mktemp("matrix-home")
-    name = unique_name("fm")
-    settings = sim_settings(sim, home, name=name, type="v4-16", ssh_user=POD_USER)
-    lifecycle.create(settings, console=quiet_console())
-    repo = home / "proj"
+    repo = node.home / "proj"
     repo.mkdir()
     for file, text in (("fm-setup.sh", SETUP), ("fm-recipe.sh", RECIPE)):
         (repo / file).write_text(text)
@@ -116,14 +113,11 @@ def pod(sim, tmp_path_factory) -> Iterator[Pod]:
         subprocess.run([*git, *argv], cwd=repo, check=True, capture_output=True)
     bucket = unique_name("fm")
     StorageClient(sim.storage_endpoint).create_bucket(bucket)
-    env = cli_env(sim, home, name)
-    env.update(TPUFAB_SSH_USER=POD_USER, TPUFAB_API_RETRIES="4", TPUFAB_API_RETRY_SECONDS="20")
-    the_pod = Pod(sim, name, env, repo, settings, bucket)
+    env = {**node.env, "TPUFAB_API_RETRIES": "4", "TPUFAB_API_RETRY_SECONDS": "20"}
+    the_pod = Pod(sim, node.name, env, repo, node.settings, bucket)
     first = the_pod.tpufab("run", "fm-recipe.sh", "--no-deploy")   # `logs` needs a run
     assert first.returncode == 0, first.stdout + first.stderr
     yield the_pod
-    pods.forget(settings)
-    lifecycle.delete(settings, yes=True, console=quiet_console())
 
 
 # ---------------------------------------------------------------------------------------------
