@@ -100,7 +100,7 @@ def test_google_s_python_version_warning_does_not_precede_every_answer():
         warnings.warn_explicit("You are using a non-supported Python version (3.10.13).",
                                FutureWarning, "_python_version_support.py", 212,
                                module="google.api_core._python_version_support")
-        warnings.warn("a warning of tpufab's own", UserWarning)
+        warnings.warn("a warning of tpufab's own", UserWarning, stacklevel=1)
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
