@@ -41,11 +41,14 @@ from conftest import unique_name, wait_for
 from helpers import (
     POD_USER,
     TPUFAB,
+    cli_env,
     in_worker,
     no_traceback,
     one_sentence,
+    quiet_console,
     sim_node,
     sim_pool,
+    sim_settings,
 )
 
 pytestmark = pytest.mark.sim
