@@ -7,14 +7,19 @@
 - `one_sentence(result, *fragments)`: the shape of every expected failure: non-zero exit, one
   sentence on stderr holding each fragment, no traceback. `no_traceback(result)`.
 - `POD_USER`: the account tpufab logs in as on the simulated pod's workers.
+- `sim_node(sim, tmp_path_factory, prefix, type)`: a READY node for a module's fixture
+  (settings, node, home, name, env), deleted afterwards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 TPUFAB = str(Path(sys.executable).parent / "tpufab")
 INVOKE = str(Path(sys.executable).parent / "invoke")
@@ -73,6 +78,31 @@ def invoke(*args: str, env: dict, cwd: Path | None = None, timeout: float = 180
     """`invoke` in a project dir whose tasks.py is tpufab's (default: the checkout)."""
     return subprocess.run([INVOKE, *args], env=env, cwd=cwd or REPO, capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+@contextlib.contextmanager
+def sim_node(sim, tmp_path_factory, prefix: str, type: str = "v4-16",
+             **overrides) -> Iterator[SimpleNamespace]:
+    """A READY node on the simulated pod for one module: ``settings``, ``node``, ``home``
+    (the user's), ``name``, ``env`` (a user's shell pointing at it); deleted afterwards."""
+    from conftest import unique_name
+
+    from tpufab import lifecycle
+    from tpufab import pod as pods
+
+    home = tmp_path_factory.mktemp(f"{prefix}-home")
+    name = unique_name(prefix)
+    settings = sim_settings(sim, home, name=name, type=type, **overrides)
+    [node] = lifecycle.create(settings, console=quiet_console())
+    env = cli_env(sim, home, name)
+    if "ssh_user" in overrides:
+        env["TPUFAB_SSH_USER"] = overrides["ssh_user"]
+    try:
+        yield SimpleNamespace(sim=sim, settings=settings, node=node, home=home, name=name,
+                              env=env)
+    finally:
+        pods.forget(settings)
+        lifecycle.delete(settings, yes=True, console=quiet_console())
 
 
 def quiet_console():

@@ -10,11 +10,9 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-from conftest import unique_name
-from test_status import TPUFAB, cli_env, quiet_console, sim_settings
+from helpers import TPUFAB, sim_node
 
 
 def tpufab(*args: str, env: dict, cwd: Path | None = None, timeout: float = 120):
@@ -116,17 +114,8 @@ def test_job_variables_and_unrelated_names_are_not_settings_but_pass(bare_env, t
 
 @pytest.fixture(scope="module")
 def pod2(sim, tmp_path_factory):
-    from tpufab import lifecycle
-    from tpufab import pod as pods
-
-    home = tmp_path_factory.mktemp("errors-home")
-    name = unique_name("err")
-    settings = sim_settings(sim, home, name=name, type="v4-16")
-    [node] = lifecycle.create(settings, console=quiet_console())
-    yield SimpleNamespace(settings=settings, node=node, home=home, name=name,
-                          env=cli_env(sim, home, name))
-    pods.forget(settings)
-    lifecycle.delete(settings, yes=True, console=quiet_console())
+    with sim_node(sim, tmp_path_factory, "err", "v4-16") as pod:
+        yield pod
 
 
 @pytest.mark.sim

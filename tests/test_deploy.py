@@ -411,6 +411,18 @@ def test_worker_command_is_data():
     assert "'~/p q'" in command and command.startswith("test -f .cache/tpufab/remote/")
 
 
+def test_a_script_from_stdin_needs_nothing_on_disk():
+    """What runs where the disk is too full to ship a script (kill, status): no guard, no
+    path, `python3 -` reads the source from stdin, as root through sudo where asked."""
+    from tpufab.killing import kill_command
+
+    shipped = RemoteFile.bundled("tpukill.py")
+    command = kill_command(grace=1, from_stdin=True)
+    assert "exit 97" not in command and shipped.path not in command
+    assert "then exec sudo -n python3 -I -S - --grace 1 " in command
+    assert python_command(shipped, ["a b"], from_stdin=True) == "exec python3 -I -S - 'a b'"
+
+
 def test_private_remote_with_a_token(repo: Path, pod: SimPod, private_remote):
     url, token = private_remote
     http_url = f"{url}/{repo.name}.git"

@@ -10,7 +10,6 @@ import re
 import shutil
 import subprocess
 import threading
-from types import SimpleNamespace
 
 import pytest
 from conftest import free_port, unique_name, wait_for
@@ -19,10 +18,8 @@ from helpers import (
     POD_USER,
     REPO,
     TPUFAB,
-    cli_env,
     one_sentence,
-    quiet_console,
-    sim_settings,
+    sim_node,
     tpufab,
 )
 
@@ -41,23 +38,13 @@ echo "recipe done"
 @pytest.fixture(scope="module")
 def pod1(sim, tmp_path_factory):
     """A READY v4-8 (one worker) and a project dir whose tasks.py is tpufab's."""
-    from tpufab import lifecycle
-    from tpufab import pod as pods
-
-    home = tmp_path_factory.mktemp("entry-home")
-    name = unique_name("ep")
-    settings = sim_settings(sim, home, name=name, type="v4-8", ssh_user=POD_USER)
-    lifecycle.create(settings, console=quiet_console())
-    project = home / "project"
-    project.mkdir()
-    shutil.copy(REPO / "tasks.py", project / "tasks.py")
-    (project / "recipe.sh").write_text(RECIPE)
-    (project / "recipe.sh").chmod(0o755)
-    env = cli_env(sim, home, name)
-    env["TPUFAB_SSH_USER"] = POD_USER
-    yield SimpleNamespace(sim=sim, name=name, env=env, project=project, settings=settings)
-    pods.forget(settings)
-    lifecycle.delete(settings, yes=True, console=quiet_console())
+    with sim_node(sim, tmp_path_factory, "ep", "v4-8", ssh_user=POD_USER) as pod:
+        pod.project = pod.home / "project"
+        pod.project.mkdir()
+        shutil.copy(REPO / "tasks.py", pod.project / "tasks.py")
+        (pod.project / "recipe.sh").write_text(RECIPE)
+        (pod.project / "recipe.sh").chmod(0o755)
+        yield pod
 
 
 def inv(pod1, *args: str, timeout: float = 180, input: str | None = None
@@ -187,3 +174,38 @@ def test_babysit_recovers_from_a_preemption_as_its_own_process(pod1, tmp_path):
 def test_a_bad_flag_value_is_one_sentence_through_invoke(pod1):
     one_sentence(inv(pod1, "exec", "--worker", "7", "true"), "Worker 7", "does not exist")
 
+
+
+def test_deploy_ref_and_wip_through_the_command_line(pod1):
+    """`tpufab deploy --direct --ref OLD` puts that commit on the workers, and `--wip` the
+    working tree as it is (uncommitted change included), both as the worker then shows it."""
+    repo = pod1.home / "ep-repo"
+    repo.mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t.invalid"]
+
+    def sh(*argv: str) -> str:
+        return subprocess.run([*git, *argv], cwd=repo, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    sh("init", "-q", "-b", "main")
+    for text in ("one", "two"):
+        (repo / "data.txt").write_text(f"{text}\n")
+        sh("add", "data.txt")
+        sh("commit", "-q", "-m", text)
+    old = sh("rev-parse", "HEAD~1")
+
+    def on_worker(command: str) -> str:
+        return ok(tpufab("exec", command, env=pod1.env, cwd=repo))
+
+    deployed = ok(tpufab("deploy", "--direct", "--ref", "HEAD~1", "--dir", "~/ep-code",
+                         env=pod1.env, cwd=repo))
+    assert f"Deployed {old[:12]}" in deployed, deployed
+    assert old in on_worker("git -C ~/ep-code rev-parse HEAD")
+    assert "one" in on_worker("cat ~/ep-code/data.txt")
+
+    (repo / "data.txt").write_text("not committed\n")
+    refused = tpufab("deploy", "--direct", "--dir", "~/ep-code", env=pod1.env, cwd=repo)
+    one_sentence(refused, "uncommitted changes", "--wip")
+    ok(tpufab("deploy", "--direct", "--wip", "--dir", "~/ep-code", env=pod1.env, cwd=repo))
+    assert "not committed" in on_worker("cat ~/ep-code/data.txt")
+    assert sh("status", "--porcelain") == "M data.txt"       # the local tree is left as it was

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import unique_name, wait_for
-from helpers import LOGIN, TPUFAB, cli_env, in_worker, quiet_console, sim_settings
+from helpers import LOGIN, TPUFAB, in_worker, quiet_console, sim_node, sim_settings
 
 pytestmark = pytest.mark.sim
 
@@ -106,17 +106,8 @@ def no_orphans(sim, node, pattern: str, workers=range(4)) -> None:
 @pytest.fixture(scope="module")
 def pod4(sim, tmp_path_factory):
     """A READY v4-32 (4 workers), its Settings, and the environment of a user's shell."""
-    from tpufab import lifecycle
-    from tpufab import pod as pods
-
-    home = tmp_path_factory.mktemp("faults-home")
-    name = unique_name("flt")
-    settings = sim_settings(sim, home, name=name, type="v4-32")
-    [node] = lifecycle.create(settings, console=quiet_console())
-    yield SimpleNamespace(settings=settings, node=node, home=home, name=name,
-                          env=cli_env(sim, home, name))
-    pods.forget(settings)
-    lifecycle.delete(settings, yes=True, console=quiet_console())
+    with sim_node(sim, tmp_path_factory, "flt", "v4-32") as pod:
+        yield pod
 
 
 def release(sim, pod4, marker: str, workers=range(4)) -> None:

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import unique_name, wait_for
 
+pytestmark = pytest.mark.sim   # every test here drives the simulated pod
+
 SECRET = "hf_launch-secret-9931"
 TPUFAB = str(Path(sys.executable).parent / "tpufab")
 

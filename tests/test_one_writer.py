@@ -10,11 +10,10 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from conftest import git_daemon, unique_name, wait_for
-from helpers import LOGIN, TPUFAB, cli_env, quiet_console, sim_settings
+from helpers import LOGIN, TPUFAB, sim_node
 from helpers import in_worker as _in_worker
 
 from tpufab import gitops
@@ -99,13 +98,12 @@ def test_a_push_race_gets_its_reason(tmp_path):
 
 @pytest.fixture(scope="module")
 def pod4(sim, tmp_path_factory):
-    from tpufab import lifecycle
-    from tpufab import pod as pods
+    with sim_node(sim, tmp_path_factory, "one", "v4-32") as pod:
+        yield from _with_a_remote(pod)
 
-    home = tmp_path_factory.mktemp("writer-home")
-    name = unique_name("one")
-    settings = sim_settings(sim, home, name=name, type="v4-32")
-    [node] = lifecycle.create(settings, console=quiet_console())
+
+def _with_a_remote(pod):
+    home = pod.home
     srv = home / "srv"
     srv.mkdir()
     subprocess.run(["git", "init", "-q", "--bare", "-b", "main", str(srv / "proj.git")],
@@ -118,11 +116,9 @@ def pod4(sim, tmp_path_factory):
         (repo / "reader.sh").write_text(READER)
         (repo / "reader.sh").chmod(0o755)
         commit(repo, "A")
-        env = {**cli_env(sim, home, name), **{k: v for k, v in GIT_ENV.items() if k != "PATH"}}
-        yield SimpleNamespace(settings=settings, node=node, home=home, name=name, env=env,
-                              repo=repo)
-    pods.forget(settings)
-    lifecycle.delete(settings, yes=True, console=quiet_console())
+        pod.env.update({k: v for k, v in GIT_ENV.items() if k != "PATH"})
+        pod.repo = repo
+        yield pod
 
 
 @pytest.mark.sim

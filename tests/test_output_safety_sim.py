@@ -12,11 +12,9 @@ import re
 import select
 import subprocess
 import time
-from types import SimpleNamespace
 
 import pytest
-from conftest import unique_name
-from helpers import LOGIN, TPUFAB, cli_env, in_worker, quiet_console, sim_settings
+from helpers import LOGIN, TPUFAB, in_worker, quiet_console, sim_node
 
 HOME = f"/home/{LOGIN}"  # the login user's home on the workers (not root: TPU VMs)
 
@@ -50,22 +48,15 @@ VIEWS = [(), ("--raw",), ("--follow",), ("--follow", "--raw")]     # every view 
 @pytest.fixture(scope="module")
 def pod(sim, tmp_path_factory):
     """A READY v4-16, its user's environment (with HF_TOKEN and WANDB_API_KEY) and home."""
-    from tpufab import lifecycle
     from tpufab import pod as pods
 
-    home = tmp_path_factory.mktemp("safety-home")
-    name = unique_name("safe")
-    settings = sim_settings(sim, home, name=name, type="v4-16")
-    [node] = lifecycle.create(settings, console=quiet_console())
-    connected = pods.connect(settings, console=quiet_console())
-    connected.close()
-    env = cli_env(sim, home, name)
-    for script, body in (("setx.sh", SET_X), ("hostile.sh", HOSTILE)):
-        (home / script).write_text(body)
-        (home / script).chmod(0o755)
-    yield SimpleNamespace(sim=sim, node=node, home=home, env=env,
-                          secret_env={**env, "HF_TOKEN": HF, "WANDB_API_KEY": WANDB})
-    lifecycle.delete(settings, yes=True, console=quiet_console())
+    with sim_node(sim, tmp_path_factory, "safe", "v4-16") as node:
+        pods.connect(node.settings, console=quiet_console()).close()  # as an earlier command
+        for script, body in (("setx.sh", SET_X), ("hostile.sh", HOSTILE)):
+            (node.home / script).write_text(body)
+            (node.home / script).chmod(0o755)
+        node.secret_env = {**node.env, "HF_TOKEN": HF, "WANDB_API_KEY": WANDB}
+        yield node
 
 
 def tpufab(pod, *argv: str, environ=None, timeout: float = 180):

@@ -87,3 +87,26 @@ def test_no_code_needs_more_than_the_oldest_supported_python():
                              f"--target=3.{low}-", "tpufab", "tests", "tasks.py", "bench"],
                             cwd=REPO, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_google_s_python_version_warning_does_not_precede_every_answer():
+    """On 3.10, google-api-core warns (FutureWarning, on stderr) at every import: every verb's
+    output started with two lines of it (seen running the suite under 3.10). `--debug` keeps it."""
+    import warnings
+
+    from tpufab import console
+
+    def verb():
+        warnings.warn_explicit("You are using a non-supported Python version (3.10.13).",
+                               FutureWarning, "_python_version_support.py", 212,
+                               module="google.api_core._python_version_support")
+        warnings.warn("a warning of tpufab's own", UserWarning, stacklevel=1)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert console.run(verb) == 0
+    assert [str(w.message) for w in seen] == ["a warning of tpufab's own"]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert console.run(verb, debug=True) == 0
+    assert len(seen) == 2

@@ -48,8 +48,8 @@ def test_sim_down_then_up_on_the_same_port_after_traffic(tmp_path):
 def test_ctrl_c_during_create_says_how_to_delete_and_delete_of_a_creating_node_works(
         sim, sim_admin, tmp_path):
     from conftest import unique_name
+    from helpers import cli_env
     from test_faults import interrupted_when
-    from test_status import cli_env
 
     name = unique_name("cc")
     env = cli_env(sim, tmp_path, name)

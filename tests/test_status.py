@@ -143,6 +143,18 @@ def test_a_rebooted_worker_and_low_disk_get_their_own_rows():
     assert rows[0].memory == "390G of 400G"
 
 
+def test_a_full_disk_is_named_in_one_sentence():
+    full = [{"path": "/home/u", "free_bytes": 0, "total_bytes": GiB},
+            {"path": "/tmp", "free_bytes": 10 << 20, "total_bytes": GiB}]
+    workers = {w: facts_of(w) for w in range(4)}
+    assert st.full_disk_line(workers) is None
+    workers[1] = facts_of(1, disk=full)
+    workers[3] = facts_of(3, disk=full[:1])
+    assert st.full_disk_line(workers) == (
+        "Disk full on w[1,3] (/home/u, /tmp): setup, deploy and run fail there until you "
+        "free space (kill and status still work).")
+
+
 def test_holder_lines_fold_by_command():
     workers = {w: facts_of(w, devices=[{"path": "/dev/accel0", "holders": [
         {"pid": 100 + w, "command": "python3 train.py"}]}]) for w in range(3)}

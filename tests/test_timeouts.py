@@ -9,11 +9,9 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import pytest
-from conftest import unique_name
-from test_status import TPUFAB, cli_env, in_worker, quiet_console, sim_settings
+from helpers import TPUFAB, in_worker, sim_node
 
 # A verb as the CLI calls it (for flags the front doors do not declare yet).
 CALL = ("import json, sys\n"
@@ -41,18 +39,10 @@ def tpufab(*args: str, env: dict, timeout: float = 120):
 
 @pytest.fixture(scope="module")
 def pod4(sim, tmp_path_factory):
-    from tpufab import lifecycle
-    from tpufab import pod as pods
-
-    home = tmp_path_factory.mktemp("timeouts-home")
-    name = unique_name("frz")
-    settings = sim_settings(sim, home, name=name, type="v4-32")
-    [node] = lifecycle.create(settings, console=quiet_console())
-    # the default connect timeout, as a user has it (the suite's 5 s would hide the retries)
-    env = {**cli_env(sim, home, name), "TPUFAB_CONNECT_TIMEOUT": "20"}
-    yield SimpleNamespace(settings=settings, node=node, home=home, name=name, env=env)
-    pods.forget(settings)
-    lifecycle.delete(settings, yes=True, console=quiet_console())
+    with sim_node(sim, tmp_path_factory, "frz", "v4-32") as pod:
+        # the default connect timeout, as a user has it (the suite's 5 s would hide retries)
+        pod.env["TPUFAB_CONNECT_TIMEOUT"] = "20"
+        yield pod
 
 
 @contextmanager
@@ -136,10 +126,11 @@ def test_the_verb_refuses_a_timeout_that_is_not_positive_in_one_sentence():
 
 
 def test_every_verb_that_waits_has_a_timeout_with_a_default():
-    from tpufab.verbs import data, jobs, status, workers
+    from tpufab.verbs import data, files, jobs, launch, status, workers
 
     for fn in (workers.exec_, workers.setup, data.deploy, data.mount, data.umount, jobs.run,
-               jobs.logs, jobs.runs, jobs.kill, status.status, status.babysit):
+               jobs.logs, jobs.runs, jobs.kill, status.status, status.babysit, files.put,
+               files.get, launch.autostop):
         parameter = inspect.signature(fn).parameters.get("timeout")
         assert parameter is not None, fn.__name__
         assert parameter.kind is inspect.Parameter.KEYWORD_ONLY

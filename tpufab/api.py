@@ -295,8 +295,8 @@ class Pod:
 
         fanout = self.connected.fanout
         # as `tpufab run`: one writer for the code and one job at a time (docs/reliability.md)
-        with codelock.hold(fanout, fanout.workers, purpose=f"run {path.name}"):
-            codelock.refuse_a_second_run(fanout, fanout.workers)
+        with codelock.hold(fanout, fanout.workers, purpose=f"run {path.name}") as lease:
+            codelock.refuse_a_second_run(fanout, fanout.workers, lease)
             commit = None
             cwd = jobs.default_cwd(self.settings.remote_dir)
             if deploy:

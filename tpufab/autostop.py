@@ -12,6 +12,7 @@ it did. ``cancel`` stops every watchdog and clears the metadata.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -29,7 +30,7 @@ from tpufab.remote_files import (
 METADATA_KEY = "tpufab-autostop"
 SCRIPT = "autostop.py"
 FACTS = "facts.py"
-CONFIG_FILE = "~/.tpufab/autostop-arm.json"
+CONFIG_FILE = "~/.tpufab/autostop-arm-{token}.json"   # one per arm: two at once never share it
 
 
 class AutostopError(TpufabError):
@@ -172,9 +173,10 @@ def arm(pod, settings, *, idle: float | None = None, ttl: float | None = None,
     from tpufab.jobs import open_workers
 
     open_workers(pod.fanout, workers, "arm autostop")
-    puts = put_each(pod.fanout, contents, CONFIG_FILE, mode=0o600)
+    config_file = CONFIG_FILE.format(token=secrets.token_hex(6))
+    puts = put_each(pod.fanout, contents, config_file, mode=0o600)
     _check(puts, "write the autostop config")
-    line = python_command(script(), ["arm", "--config", CONFIG_FILE, "--facts",
+    line = python_command(script(), ["arm", "--config", config_file, "--facts",
                                      facts_file().path], needs=[facts_file()])
     _check(run_with_files(pod.fanout, [script(), facts_file()], line, workers),
            "start the autostop watchdog")

@@ -520,6 +520,11 @@ class Babysitter:
         pod = self._pod()
         facts = status.gather_facts(pod.fanout, deploy_dirs=status.default_deploy_dirs(
             self.settings))
+        silent = {w: f.error or "no answer" for w, f in facts.items() if not f.reachable}
+        if silent:  # as `run`: a recipe needs every worker (asking again would wait again)
+            from tpufab.jobs import unreachable_error
+
+            raise unreachable_error(silent, f"babysit {self.recipe.name}")
         found = Restore.from_facts(facts)
         if self.restore.setup_script is None and found.setup_hash:
             first = min(w for w, f in facts.items() if f.reachable)

@@ -31,6 +31,15 @@ class CodeBusy(TpufabError):
 class Lease:
     token: str
     homes: dict[int, str] = field(default_factory=dict)  # each worker's home directory
+    # Workers that could not be asked (unreachable, or no answer within the timeout): their
+    # transport results. They hold no lease, and the steps under it leave them out, so a
+    # worker that hangs costs one timeout, not one per step.
+    lost: dict[int, object] = field(default_factory=dict)
+    purpose: str = ""                                    # "run train.sh", "deploy <commit>"
+
+    def reached(self, workers: Sequence[int]) -> list[int]:
+        """``workers`` without the lost ones."""
+        return [w for w in workers if w not in self.lost]
 
     def expand(self, worker: int, path: str) -> str:
         """``path`` as the deploy step sees it on ``worker`` (``~`` and relative: its home)."""
@@ -61,7 +70,7 @@ def hold(group, workers: Sequence[int], *, purpose: str) -> Iterator[Lease]:
     workers = sorted(workers)
     token = secrets.token_hex(8)
     args = ["lease", "--token", token, "--owner", _owner(), "--purpose", purpose]
-    rows, homes = {}, {}
+    rows, homes, lost = {}, {}, {}
     for batch in (workers[:1], workers[1:]):
         if not batch:
             continue
@@ -69,6 +78,8 @@ def hold(group, workers: Sequence[int], *, purpose: str) -> Iterator[Lease]:
         for w in batch:
             rows[w] = parse_outcome(w, outcomes[w])
             homes[w] = (last_json(outcomes[w].stdout or "") or {}).get("home") or "~"
+            if getattr(outcomes[w], "error", None) is not None:
+                lost[w] = outcomes[w]
         if any(r.error == "busy" for r in rows.values()):
             break
     held = [w for w, r in rows.items() if r.ok]
@@ -79,9 +90,9 @@ def hold(group, workers: Sequence[int], *, purpose: str) -> Iterator[Lease]:
             raise CodeBusy(f"Another tpufab is changing the code on "
                            f"{nodeset.fold(r.worker for r in busy)} ({'; '.join(holders)}); "
                            f"wait for it to finish, then {purpose.split()[0]} again.")
-        # A worker that could not be asked (unreachable) holds no lease and is reported by
-        # the step that needs it, as before; the others go on.
-        yield Lease(token, homes)
+        # A worker that could not be asked (unreachable, hung) holds no lease; the caller
+        # reports it (Lease.lost) and leaves it out of the later steps; the others go on.
+        yield Lease(token, homes, lost, purpose)
     finally:
         if held:
             try:
@@ -115,8 +126,16 @@ def live_runs(group, workers: Sequence[int]) -> list[LiveRun]:
                     tuple(sorted(info["cwds"]))) for run, info in sorted(found.items())]
 
 
-def refuse_a_second_run(group, workers: Sequence[int]) -> None:
-    """A pod runs one job at a time: on a TPU the second would fail with "TPU in use"."""
+def refuse_a_second_run(group, workers: Sequence[int], lease: Lease | None = None) -> None:
+    """A pod runs one job at a time: on a TPU the second would fail with "TPU in use".
+
+    A run needs every worker: one the lease could not reach stops it here, before anything
+    starts (and before another step waits on that worker again)."""
+    from tpufab import jobs
+
+    if lease is not None and lease.lost:
+        raise jobs.unreachable_error({w: r.outcome for w, r in lease.lost.items()},
+                                    f"start {lease.purpose or 'the run'}")
     running = live_runs(group, workers)
     if running:
         r = running[0]

@@ -69,9 +69,19 @@ def report_error(exc: BaseException, *, debug: bool = False, console: Console | 
     return 1
 
 
+# google-api-core warns on every import under a Python it no longer updates (3.10): advice
+# for tpufab's maintainers, not for someone running a verb; it would precede every answer.
+QUIET_WARNINGS = (r"google\.api_core\._python_version_support",)
+
+
 def run(fn: Callable[..., Any], /, *args: Any, debug: bool = False, **kwargs: Any) -> int:
     """Call a verb; returns its exit code (0, or the error's) after printing any failure."""
+    import warnings
+
     debug = debug_enabled(debug)
+    if not debug:
+        for module in QUIET_WARNINGS:
+            warnings.filterwarnings("ignore", category=FutureWarning, module=module)
     try:
         result = fn(*args, **kwargs)
     except (Exception, KeyboardInterrupt) as exc:

@@ -230,9 +230,14 @@ def deploy(group: Workers, *, ref: str = "HEAD", remote: str = "origin", dir: st
         from tpufab import codelock
 
         with codelock.hold(group, workers, purpose=f"deploy {resolved.commit[:12]}") as held:
-            codelock.refuse_deploy_under_a_run(group, workers, held, target_dir)
-            _apply(group, root, resolved, report, workers, remote=remote, direct=direct,
-                   worker_url=worker_url, token=token, say=say, start=start, sink=sink)
+            # a worker the lease could not reach is reported as failed and left out of the
+            # later steps (each would wait on it again); the others deploy
+            reached = held.reached(workers)
+            lost = {w: parse_outcome(w, r) for w, r in held.lost.items()}
+            codelock.refuse_deploy_under_a_run(group, reached, held, target_dir)
+            _apply(group, root, resolved, report, reached, remote=remote, direct=direct,
+                   worker_url=worker_url, token=token, say=say, start=start, sink=sink,
+                   lost=lost)
     else:
         _apply(group, root, resolved, report, workers, remote=remote, direct=direct,
                worker_url=worker_url, token=token, say=say, start=start, sink=sink)
@@ -242,10 +247,16 @@ def deploy(group: Workers, *, ref: str = "HEAD", remote: str = "origin", dir: st
 def _apply(group: Workers, root: Path, resolved: gitops.Resolved, report: DeployReport,
            workers: list[int], *, remote: str, direct: bool, worker_url: str | None,
            token: str | Secret | None, say: Callable[[str], None], start: float,
-           sink=None) -> None:
-    """Push (or bundle), check out on every worker, verify: the part the lease covers."""
+           sink=None, lost: Mapping[int, WorkerDeploy] | None = None) -> None:
+    """Push (or bundle), check out on every worker, verify: the part the lease covers.
+
+    ``lost``: rows of workers an earlier step could not reach (not in ``workers``)."""
     target_dir = report.dir
-    if direct:
+    if not workers:
+        source = "your machine (direct)" if direct else worker_url or \
+            gitops.remote_url(root, remote)
+        report.rows = []
+    elif direct:
         source = "your machine (direct)"
         _deploy_direct(group, root, resolved, target_dir, workers, report, say, sink)
     else:
@@ -262,6 +273,7 @@ def _apply(group: Workers, root: Path, resolved: gitops.Resolved, report: Deploy
             secrets = {TOKEN_ENV: token if isinstance(token, Secret) else Secret(token)}
         outcomes = run_script(group, SCRIPT, args, workers, secrets=secrets, sink=sink)
         report.rows = [parse_outcome(w, outcomes[w]) for w in workers]
+    report.rows = sorted([*report.rows, *(lost or {}).values()], key=lambda r: r.worker)
     report.seconds = round(time.monotonic() - start, 3)
     if any(not r.ok for r in report.rows):
         raise DeployError(failure_sentence(report.rows, source=source, dir=target_dir,

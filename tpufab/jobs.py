@@ -328,10 +328,20 @@ def open_workers(group, workers: Sequence[int], what: str) -> None:
     opened = group.open(workers)
     failed = [r for r in opened.values() if not r.ok]
     if failed:
-        detail = "; ".join(f"{nodeset.label(r.worker)} {r.outcome}" for r in failed)
-        raise RunError(f"Cannot {what}: {nodeset.fold(r.worker for r in failed)} "
-                       f"{'is' if len(failed) == 1 else 'are'} unreachable ({detail}); check "
-                       "`tpufab describe` and try again.")
+        raise unreachable_error({r.worker: r.outcome for r in failed}, what)
+
+
+def unreachable_error(reasons: Mapping[int, str], what: str) -> RunError:
+    """One sentence naming the workers that stop ``what`` ({worker: why}), before anything
+    starts."""
+    reasons = dict(sorted(reasons.items()))
+    detail = "; ".join(f"{nodeset.label(w)} {why}" for w, why in reasons.items())
+    verb = "is" if len(reasons) == 1 else "are"
+    if all("No space left" in why for why in reasons.values()):
+        return RunError(f"Cannot {what}: {nodeset.fold(reasons)} {verb} out of disk space "
+                        f"({detail}); free space there and try again.")
+    return RunError(f"Cannot {what}: {nodeset.fold(reasons)} {verb} unreachable ({detail}); "
+                    "check `tpufab describe` and try again.")
 
 
 def start(group, plan: RunPlan) -> dict[int, dict]:
@@ -362,7 +372,9 @@ def start(group, plan: RunPlan) -> dict[int, dict]:
     if failed:
         if started:
             group.run(stop_command(plan.run_id, 2.0), workers=sorted(started))
-        leftover = [w for w in workers if w not in started]
+        # where the env file was written and the start failed (a worker whose put failed
+        # has none, and may not answer: asking it again would cost its timeout again)
+        leftover = [w for w in workers if w not in started and puts[w].ok]
         group.run(["rm", "-f", plan.env_file()], workers=leftover)
         reasons = {}
         for w, why in failed.items():

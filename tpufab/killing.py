@@ -34,7 +34,8 @@ class KillError(TpufabError):
 
 def kill_command(*, run: str | None = None, grace: float = 5.0, settle: float = SETTLE,
                  dry_run: bool = False, force: bool = False,
-                 device_globs: Sequence[str] = DEVICE_GLOBS) -> Command:
+                 device_globs: Sequence[str] = DEVICE_GLOBS, from_stdin: bool = False
+                 ) -> Command:
     # The login user's runs, also when sudo makes the script root (whose ~ differs).
     args: list = ["--grace", f"{grace:g}", "--settle", f"{settle:g}",
                   Raw('--run-dir="$HOME/.tpufab/runs"')]
@@ -46,7 +47,8 @@ def kill_command(*, run: str | None = None, grace: float = 5.0, settle: float = 
         args.append("--dry-run")
     if force:
         args.append("--force")
-    return python_command(RemoteFile.bundled(TPUKILL), args, as_root=True)
+    return python_command(RemoteFile.bundled(TPUKILL), args, as_root=True,
+                          from_stdin=from_stdin)
 
 
 def zombie_command(*, holders: int = 2, ignore_term: int = 1, lock_holder: bool = False,
@@ -146,12 +148,15 @@ def kill(group, workers: Sequence[int], *, run: str | None = None, grace: float 
          dry_run: bool = False, force: bool = False,
          device_globs: Sequence[str] = DEVICE_GLOBS, timeout: float | None = None) -> KillResult:
     """Run tpukill on every worker at once (one shared grace period per worker)."""
-    line = kill_command(run=run, grace=grace, dry_run=dry_run, force=force,
-                        device_globs=device_globs)
+    options = {"run": run, "grace": grace, "dry_run": dry_run, "force": force,
+               "device_globs": device_globs}
     files = [RemoteFile.bundled(TPUKILL)]
     if timeout is None:
         timeout = grace + 2 * SETTLE + 30
-    results = run_with_files(group, files, line, workers, timeout=timeout)
+    # the tool that frees a wedged TPU must not need free disk: where tpukill.py cannot be
+    # shipped for lack of space, it runs from memory
+    results = run_with_files(group, files, kill_command(**options), workers, timeout=timeout,
+                             from_memory=kill_command(**options, from_stdin=True))
     return KillResult({w: parse_report(r) for w, r in sorted(results.items())}, dry_run, grace)
 
 

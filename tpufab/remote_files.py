@@ -86,15 +86,17 @@ def guard(files: Sequence[RemoteFile]) -> list[Piece]:
 
 
 def python_command(script: RemoteFile, args: Sequence[Piece], *,
-                   needs: Sequence[RemoteFile] = (), as_root: bool = False) -> Command:
+                   needs: Sequence[RemoteFile] = (), as_root: bool = False,
+                   from_stdin: bool = False) -> Command:
     """Run a shipped stdlib-only Python script (``python3 -I -S``) once every file is there.
 
     ``as_root``: through ``sudo -n`` when the login user is not root and may use sudo
     without a password (as on TPU VMs); otherwise as the user, and the script says what it
-    could not see.
+    could not see. ``from_stdin``: the script's source comes on stdin instead (``python3
+    -``), so nothing is needed on the worker's disk (see ``run_with_files``' ``from_memory``).
     """
-    files = [script, *[f for f in needs if f != script]]
-    run = ["python3", "-I", "-S", script.path, *args]
+    files = [] if from_stdin else [script, *[f for f in needs if f != script]]
+    run = ["python3", "-I", "-S", "-" if from_stdin else script.path, *args]
     if not as_root:
         return command(*guard(files), "exec", *run)
     return command(*guard(files), Raw('if [ "$(id -u)" != 0 ] && sudo -n true 2>/dev/null;'),
@@ -148,9 +150,13 @@ def ship(group, files: Sequence[RemoteFile], workers: Sequence[int]) -> dict[int
 def run_with_files(group, files: Sequence[RemoteFile], line: str, workers: Sequence[int], *,
                    env: Mapping[str, str] | None = None,
                    secrets: Mapping[str, Secret] | None = None, stdin: bytes | None = None,
-                   sink=None, timeout: float | None = None) -> dict[int, object]:
+                   sink=None, timeout: float | None = None,
+                   from_memory: str | None = None) -> dict[int, object]:
     """Run a guarded command (see ``guard``); ship what is missing where it is, run again there.
 
+    ``from_memory``: the same command with its one file (a Python script) read from stdin
+    (``python_command(..., from_stdin=True)``), run where shipping failed because the disk
+    is full: what must work on a full disk (kill, status) needs no space there.
     Returns ``{worker: WorkerResult}``; a failed put stands in for a worker it failed on.
     """
     kwargs = {"env": env, "secrets": secrets, "stdin": stdin, "sink": sink, "timeout": timeout}
@@ -158,27 +164,35 @@ def run_with_files(group, files: Sequence[RemoteFile], line: str, workers: Seque
     missing = [w for w, r in results.items() if missing_files(r)]
     if missing:
         failed = ship(group, files, missing)
-        results.update(failed)
+        full = [w for w, r in failed.items() if from_memory is not None and stdin is None
+                and len(files) == 1 and "No space left" in (r.error or "")]
+        results.update({w: r for w, r in failed.items() if w not in full})
         again = [w for w in missing if w not in failed]
         if again:
             results.update(group.run(line, workers=again, **kwargs))
+        if full:
+            results.update(group.run(from_memory, workers=full,
+                                     **{**kwargs, "stdin": files[0].data}))
     return results
 
 
 def run_script(group, script: RemoteFile | str, args: Sequence[Piece], workers: Sequence[int], *,
                as_root: bool = False, env: Mapping[str, str] | None = None,
                secrets: Mapping[str, Secret] | None = None, sink=None,
-               timeout: float | None = None) -> dict[int, object]:
+               timeout: float | None = None, from_memory: bool = False) -> dict[int, object]:
     """Run a stdlib-only worker script (bundled with tpufab when given by name) on
-    ``workers`` in one round trip each, shipping it first where it is missing.
+    ``workers`` in one round trip each, shipping it first where it is missing
+    (``from_memory``: or sending it on stdin where the disk is too full to ship it).
 
     Returns ``{worker: WorkerResult}``; read the answer with ``last_json(result.stdout)``.
     """
     if isinstance(script, str):
         script = RemoteFile.bundled(script)
     line = python_command(script, args, as_root=as_root)
+    memory = python_command(script, args, as_root=as_root, from_stdin=True) if from_memory \
+        else None
     return run_with_files(group, [script], line, workers, env=env, secrets=secrets, sink=sink,
-                          timeout=timeout)
+                          timeout=timeout, from_memory=memory)
 
 
 def put_each(group, contents: Mapping[int, bytes], path: str, *, mode: int = 0o600,

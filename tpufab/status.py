@@ -28,6 +28,7 @@ GiB = 1 << 30
 LOW_DISK_FRACTION = 0.05       # less free than this (or LOW_DISK_BYTES) is flagged
 LOW_DISK_BYTES = 2 * GiB
 LOW_MEMORY_FRACTION = 0.05
+FULL_DISK_BYTES = 64 << 20      # less free than this: full (a deploy or a setup fails there)
 # Workers whose uptimes differ by more than this (seconds, or fraction) did not boot together.
 REBOOT_GAP_SECONDS = 600.0
 REBOOT_GAP_FRACTION = 0.25
@@ -533,7 +534,7 @@ def gather_facts(group: Any, *, workers: Iterable[int] | None = None,
     chosen = list(workers if workers is not None else group.workers)
     args = facts_args(deploy_dirs=deploy_dirs, max_runs=max_runs, pythons=pythons,
                       probe_mounts=probe_mounts, device_globs=device_globs)
-    outcomes = run_script(group, SCRIPT, args, chosen)
+    outcomes = run_script(group, SCRIPT, args, chosen, from_memory=True)  # a full disk too
     return {w: parse_facts(w, outcomes[w]) for w in chosen}
 
 
@@ -640,6 +641,20 @@ def holder_lines(facts: Mapping[int, WorkerFacts], shown: int = 8) -> list[str]:
     return lines
 
 
+def full_disk_line(facts: Mapping[int, WorkerFacts]) -> str | None:
+    """One sentence naming the workers whose disk is full (home or /tmp), or None (pure)."""
+    full: dict[int, list[str]] = {}
+    for w, f in sorted(facts.items()):
+        paths = [d.path for d in f.disk if d.total_bytes and d.free_bytes < FULL_DISK_BYTES]
+        if paths:
+            full[w] = paths
+    if not full:
+        return None
+    where = ", ".join(dict.fromkeys(p for ps in full.values() for p in ps))
+    return (f"Disk full on {nodeset.fold(full)} ({where}): setup, deploy and run fail there "
+            "until you free space (kill and status still work).")
+
+
 # Said by `status` under a protected holder and by `kill` about it: the same words.
 PROTECTED_ADVICE = (" - protected ({name}): `tpufab kill` leaves it running; if it should not "
                     "hold the TPU, stop it with `tpufab kill --force` (or its service)")
@@ -665,6 +680,9 @@ def render(status: PodStatus, console: Any) -> None:
                       "[bold]TPU holders[/bold] (free them with `tpufab kill`):")
         for line in holders:
             console.print(f"  {_escape(line)}")
+    full = full_disk_line(status.workers)
+    if full:
+        console.print(f"[bold red]{_escape(full)}[/bold red]")
     unreachable = status.unreachable
     if unreachable and not status.note:
         console.print(f"[bold red]{len(unreachable)} of {len(status.workers)} workers "

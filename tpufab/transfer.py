@@ -241,8 +241,8 @@ def _call(fanout, op: str, requests: Mapping[int, dict], *, on_line=None,
 
 def _answer(r) -> dict:
     """A worker's JSON answer, or ``{"error": ..., "_failed": True}`` saying why there is none."""
-    if getattr(r, "error", None):
-        return {"error": r.error, "_failed": True}
+    if getattr(r, "error", None):  # the transport's: the worker did not answer (or not at all)
+        return {"error": r.error, "_failed": True, "_silent": True}
     answer = last_json(r.stdout)
     if r.exit_code != 0 or answer is None:
         why = last_line(r.stderr)
@@ -395,7 +395,11 @@ def _sftp(fanout, worker: int):
     import paramiko
 
     fanout.open([worker]).check()
-    return paramiko.SFTPClient.from_transport(fanout.links[worker].conn.transport)
+    sftp = paramiko.SFTPClient.from_transport(fanout.links[worker].conn.transport)
+    # a worker whose sftp-server stops answering is given up on after the command timeout
+    # (no progress for that long), as every other step is
+    sftp.get_channel().settimeout(fanout.command_timeout)
+    return sftp
 
 
 def _upload(fanout, plan: _PutPlan, token: str, row: WorkerTransfer, progress: Progress,
@@ -495,6 +499,11 @@ def _relay(fanout, seed_plan: _PutPlan, files: Sequence[LocalFile],
         plan = relayed[w]
         progress.advance(sum(f.size for f in plan.needed) - moved.get(w, 0))
         row.seconds = time.perf_counter() - began + rows[seed_plan.worker].seconds
+        if answer.get("_silent"):
+            # the worker itself did not answer: a direct copy (and a cleanup) would only wait
+            # on it again
+            row.error = answer["error"]
+            continue
         if answer.get("unreachable") or (answer.get("_failed") and not answer.get("no_space")):
             fallback[w] = plan
             continue

@@ -120,6 +120,17 @@ def stop_daemon(timeout=5.0):
     return True
 
 
+def one_at_a_time(step, args):
+    """Two tpufabs arming (or cancelling) at once take turns: each stop-then-start of the
+    watchdog is whole, so one watchdog runs and the last arm is what it enforces."""
+    import fcntl
+
+    os.makedirs(os.path.expanduser(BASE), mode=0o700, exist_ok=True)
+    with open(path("arm.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return step(args)
+
+
 def arm(args):
     with open(os.path.expanduser(args.config)) as fh:
         config = json.load(fh)
@@ -342,7 +353,10 @@ def main(argv=None):
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     verbs = {"arm": arm, "cancel": cancel, "state": state, "daemon": daemon}
     try:
-        out = verbs[args.verb](args)
+        if args.verb in ("arm", "cancel"):
+            out = one_at_a_time(verbs[args.verb], args)
+        else:
+            out = verbs[args.verb](args)
     except (OSError, ValueError, KeyError) as err:
         out = {"error": f"{type(err).__name__}: {err}"}
     sys.stdout.write(json.dumps(out, sort_keys=True) + "\n")

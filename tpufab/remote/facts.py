@@ -553,6 +553,8 @@ def probe_mounts(found, timeout):
 
 def holders_as_root(globs):
     """The holder scan as root through ``sudo -n`` (never a password prompt), or None."""
+    if not os.path.isfile(__file__):  # run from stdin (a full disk): no file to hand sudo
+        return None
     argv = ["sudo", "-n", sys.executable, "-I", "-S", os.path.abspath(__file__),
             "--holders-only"]
     for pattern in globs:

@@ -8,6 +8,8 @@ from tpufab.errors import ConfigError
 from tpufab.verbs.common import note, pod_for, say, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
 
+FILES_TIMEOUT = 300.0   # put/get: seconds a worker may go without answering (no progress)
+
 
 def _report(report, verb: str) -> None:
     """The folded summary on stdout (failures included: the error sentence follows)."""
@@ -21,14 +23,15 @@ def _report(report, verb: str) -> None:
                  "no_relay": "Send each worker its own copy over SSH instead of one upload "
                              "that a worker relays to the others."})
 def put(local: str, remote: str | None = None, *, name: str | None = None,
-        worker: str = "all", no_relay: bool = False, zone: str | None = None,
-        project: str | None = None,
+        worker: str = "all", no_relay: bool = False, timeout: float = FILES_TIMEOUT,
+        zone: str | None = None, project: str | None = None,
         no_os_login: bool = False, jump: str | None = None) -> None:
     """Copy a local file or directory to every (selected) worker; identical files are skipped.
 
     Verified (sha256) and atomic (a temporary name, then a rename); to many workers the
     file is uploaded once and relayed by one worker over the pod's network (--no-relay to
-    send each its own copy over SSH).
+    send each its own copy over SSH). ``timeout``: seconds a worker may go without
+    answering, during a step or the copy (default 300); then it is named and given up on.
     """
     from pathlib import Path
 
@@ -38,8 +41,8 @@ def put(local: str, remote: str | None = None, *, name: str | None = None,
     if not Path(local).expanduser().exists():
         raise ConfigError(f"{local} does not exist here; check the local path (put copies a "
                           "file or directory from this machine).")
-    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
-                                   no_os_login=no_os_login, jump=jump))
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, timeout=timeout,
+                                      no_os_login=no_os_login, jump=jump))
     try:
         report = pod.put(local, remote, workers=worker, relay=not no_relay,
                          progress=BytesProgress(f"put {Path(local).name}"))
@@ -52,16 +55,18 @@ def put(local: str, remote: str | None = None, *, name: str | None = None,
 @verb(options={"remote": "File or directory on the workers.",
                  "local": "Where here: LOCAL/w0/..., LOCAL/w1/... (one worker: LOCAL)."})
 def get(remote: str, local: str, *, name: str | None = None, worker: str = "all",
-        zone: str | None = None, project: str | None = None,
+        timeout: float = FILES_TIMEOUT, zone: str | None = None, project: str | None = None,
         no_os_login: bool = False, jump: str | None = None) -> None:
-    """Copy a file or directory from every (selected) worker: LOCAL/w0/..., LOCAL/w1/..."""
+    """Copy a file or directory from every (selected) worker: LOCAL/w0/..., LOCAL/w1/...
+
+    ``timeout``: seconds a worker may go without answering (default 300)."""
     from tpufab import transfer
     from tpufab.progress import BytesProgress
 
     if not remote or not remote.strip():
         raise ConfigError("No remote path given: tpufab get REMOTE LOCAL.")
-    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
-                                   no_os_login=no_os_login, jump=jump))
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, timeout=timeout,
+                                      no_os_login=no_os_login, jump=jump))
     try:
         report = pod.get(remote, local, workers=worker, progress=BytesProgress(f"get {remote}"))
     except transfer.TransferError as err:

@@ -115,8 +115,8 @@ def run(recipe: str, extra: Sequence[str] = (), *, name: str | None = None, args
         _preflight(pod, settings, compare_commits=no_deploy)
     # One writer for the code and one job at a time: from the check for a live run until
     # the recipe has started, no other tpufab deploys or starts a run on this pod.
-    with codelock.hold(pod.fanout, pod.workers, purpose=f"run {path.name}"):
-        codelock.refuse_a_second_run(pod.fanout, pod.workers)
+    with codelock.hold(pod.fanout, pod.workers, purpose=f"run {path.name}") as lease:
+        codelock.refuse_a_second_run(pod.fanout, pod.workers, lease)
         plan = _plan(pod, settings, path, argv, forwarded, spmd, root=root, direct=direct,
                      wip=wip)
         started = _start(pod, plan)

@@ -8,6 +8,8 @@ from tpufab.errors import ConfigError, TpufabError
 from tpufab.verbs.common import note, pod_for, say, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
 
+AUTOSTOP_TIMEOUT = 60.0   # seconds for every worker to answer arming or cancelling
+
 
 @verb(options={
     "task": Opt("Task file: tpufab's schema or a SkyPilot task YAML.", metavar="TASK.yaml"),
@@ -162,9 +164,11 @@ def _down(plan, started: list) -> None:
     "ttl": Opt("Delete the pod this long from now, busy or not (8h).", metavar="DURATION"),
     "cancel": "Remove the watchdog."})
 def autostop(*, name: str | None = None, idle: str | None = None, ttl: str | None = None,
-             cancel: bool = False, zone: str | None = None, project: str | None = None,
-             jump: str | None = None) -> None:
-    """Delete the pod once idle (no run, no TPU holder on any worker) or at a TTL; --cancel."""
+             cancel: bool = False, timeout: float = AUTOSTOP_TIMEOUT, zone: str | None = None,
+             project: str | None = None, jump: str | None = None) -> None:
+    """Delete the pod once idle (no run, no TPU holder on any worker) or at a TTL; --cancel.
+
+    ``timeout``: seconds every worker has to answer (default 60)."""
     from tpufab import autostop as stopping
     from tpufab import lifecycle
 
@@ -175,7 +179,8 @@ def autostop(*, name: str | None = None, idle: str | None = None, ttl: str | Non
     if not cancel and not idle_s and not ttl_s:
         raise ConfigError("Say when to stop: --idle 30m (after 30 idle minutes), --ttl 8h (8 "
                           "hours from now), both, or --cancel.")
-    settings = settings_from_flags(name=name, zone=zone, project=project, jump=jump)
+    settings = settings_from_flags(name=name, zone=zone, project=project, timeout=timeout,
+                                   jump=jump)
     pod = pod_for(settings)
     if cancel:
         was = stopping.cancel(pod, settings)
