@@ -394,8 +394,7 @@ def _wait_all(futures) -> None:
 def _sftp(fanout, worker: int):
     import paramiko
 
-    fanout.open([worker]).check()
-    return paramiko.SFTPClient.from_transport(fanout.links[worker].conn.transport)
+    return paramiko.SFTPClient.from_transport(fanout.transport(worker))
 
 
 def _upload(fanout, plan: _PutPlan, token: str, row: WorkerTransfer, progress: Progress,
