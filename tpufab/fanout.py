@@ -15,6 +15,7 @@ import hashlib
 import io
 import os
 import socket
+import statistics
 import struct
 import sys
 import tempfile
@@ -38,6 +39,7 @@ DEFAULT_CONCURRENCY = 64
 SPOOL_BYTES = 256 * 1024  # per worker and stream, then spill to a temp file
 KILL_GRACE = 2.0
 LINE_LIMIT = 1 << 20  # a partial line longer than this is passed on without waiting for "\n"
+DETAIL_ROWS = 16  # per-worker rows in a failure's details; above, folded by outcome
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,13 +211,26 @@ class GroupResult(Mapping[int, WorkerResult]):
                          sorted(groups.items(), key=lambda kv: kv[1][0]))
 
     def details(self) -> str:
-        lines = []
+        """One row per worker; past ``DETAIL_ROWS`` workers, one row per distinct outcome and
+        last stderr line, under the folded set of its workers (median duration)."""
+        rows = []
         for r in self._results.values():
             tail = ""
             if not r.ok and r.error is None:
                 err = r.stderr.strip().splitlines()
                 tail = f"  {err[-1][:200]}" if err else ""
-            lines.append(f"  {nodeset.label(r.worker):>4}  {r.outcome:<28} {r.duration * 1e3:8.1f} ms{tail}")
+            rows.append((r.worker, r.outcome, r.duration, tail))
+        if len(rows) <= DETAIL_ROWS:
+            return "\n".join(f"  {nodeset.label(w):>4}  {outcome:<28} {d * 1e3:8.1f} ms{tail}"
+                             for w, outcome, d, tail in rows)
+        groups: dict[tuple[str, str], list[tuple[int, float]]] = {}
+        for w, outcome, d, tail in rows:
+            groups.setdefault((outcome, tail), []).append((w, d))
+        lines = []
+        for (outcome, tail), members in sorted(groups.items(), key=lambda kv: kv[1][0][0]):
+            took = statistics.median(d for _w, d in members)
+            lines.append(f"  {nodeset.fold(w for w, _d in members)}  {outcome:<28} "
+                         f"{took * 1e3:8.1f} ms{' median' if len(members) > 1 else ''}{tail}")
         return "\n".join(lines)
 
     def check(self) -> GroupResult:
