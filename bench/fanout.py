@@ -9,7 +9,9 @@ real sshd per worker in its own PID/mount/UTS namespace, own home and host key; 
 true`` (a fresh client process each time, so new connections) by tpufab (its default
 client processes, and forced to one), clush and pssh (``KexAlgorithms curve25519-sha256``,
 the exchange tpufab negotiates, for all), optionally parallel-ssh's native libssh2 client
-and asyncssh (``--candidates``: a Python that has them, e.g. a throwaway venv) and an older
+and asyncssh (``--candidates``: a Python that has them, e.g. a throwaway venv), ClusterShell's tree
+mode (a few workers as gateways, authenticated through an ssh-agent forwarded from the
+client; they reach N minus the gateways) and an older
 tpufab (``--baseline``: a directory holding its ``tpufab`` package); then a warm ``true``
 (connections open). Client CPU is user+system of the client process and every child it
 waited for (shard processes, ssh processes), i.e. what stays on the laptop when the workers
@@ -87,8 +89,29 @@ class SimPod:
             f"Host *\n  User {self.user}\n  IdentityFile {root}/client\n  IdentitiesOnly yes\n"
             "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  BatchMode yes\n"
             "  LogLevel ERROR\n  KexAlgorithms curve25519-sha256\n")
+        self.agent_env = self._agent()
+
+    def _agent(self) -> dict | None:
+        """An ssh-agent holding the client key, for clush's gateways (None: no ssh-agent)."""
+        if not shutil.which("ssh-agent"):
+            return None
+        sock = self.root / "agent.sock"
+        self.agent = subprocess.Popen(["ssh-agent", "-D", "-a", str(sock)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env = {**os.environ, "SSH_AUTH_SOCK": str(sock)}
+        deadline = time.monotonic() + 10
+        while subprocess.run(["ssh-add", "-q", str(self.root / "client")], env=env,
+                             capture_output=True).returncode:
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+        return env
 
     def stop(self) -> None:
+        agent = getattr(self, "agent", None)
+        if agent is not None:
+            agent.terminate()
+            agent.wait(10)
         self.pool.delete_node(self.node_id)
 
 
@@ -265,6 +288,23 @@ def bench_size(pod: SimPod, count: int, reps: int, args) -> dict:
                      f"-F {pod.ssh_config}", "-b", "true"], reps, row)
     repeat("pssh", ["parallel-ssh", "-h", str(hosts_file), "-p", str(WINDOW), "-x",
                     f"-F {pod.ssh_config}", "true"], reps, row)
+    if pod.agent_env is not None:
+        # ClusterShell's tree mode: the client reaches a few gateway workers, each of them runs
+        # `python3 -m ClusterShell.Gateway` and ssh to its share, authenticating through the
+        # client's forwarded ssh-agent (the key itself never leaves the client).
+        gateways = max(2, count // 128)
+        leaves = hosts[gateways:]
+        topology = root / f"topology{count}.conf"
+        topology.write_text("[routes]\n" + f"{socket.gethostname()}: {','.join(hosts[:gateways])}\n"
+                            + "".join(f"{gw}: {','.join(leaves[i::gateways])}\n"
+                                      for i, gw in enumerate(hosts[:gateways])))
+        options = (f"-o User={pod.user} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null"
+                   " -o BatchMode=yes -o LogLevel=ERROR -o KexAlgorithms=curve25519-sha256"
+                   " -o ForwardAgent=yes")
+        repeat("clush_tree", ["clush", "--topology", str(topology), "-f", str(WINDOW), "-w",
+                              ",".join(leaves), "-o", options, "-b", "true"], reps, row,
+               {**pod.agent_env, "CLUSTERSHELL_GW_PYTHON_EXECUTABLE": "/usr/bin/python3"})
+        row["clush_tree_gateways"] = gateways
     if args.candidates:
         repeat("pssh2", [args.candidates, *me[1:], "_pssh2", root, count], reps, row)
         repeat("asyncssh", [args.candidates, *me[1:], "_asyncssh", root, count], reps, row)
@@ -310,6 +350,9 @@ ROWS = [
     ("clush_cpu_ms", "clush, client CPU", "{:.0f}"),
     ("pssh_ms", "pssh, wall", "{:.0f}"),
     ("pssh_cpu_ms", "pssh, client CPU", "{:.0f}"),
+    ("clush_tree_ms", "clush tree mode (gateway workers), wall", "{:.0f}"),
+    ("clush_tree_cpu_ms", "clush tree mode, client CPU", "{:.0f}"),
+    ("clush_tree_gateways", "clush tree mode, gateways", "{:d}"),
     ("pssh2_ms", "parallel-ssh native (libssh2), wall", "{:.0f}"),
     ("pssh2_cpu_ms", "parallel-ssh native, client CPU", "{:.0f}"),
     ("asyncssh_ms", "asyncssh, wall", "{:.0f}"),

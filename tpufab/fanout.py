@@ -39,7 +39,8 @@ DEFAULT_CONCURRENCY = 64
 SPOOL_BYTES = 256 * 1024  # per worker and stream, then spill to a temp file
 KILL_GRACE = 2.0
 LINE_LIMIT = 1 << 20  # a partial line longer than this is passed on without waiting for "\n"
-DETAIL_ROWS = 16  # per-worker rows in a failure's details; above, folded by outcome
+DETAIL_ROWS = 16
+IDLE_TICK = 2.0  # s: how often an idle connection's paramiko thread wakes up  # per-worker rows in a failure's details; above, folded by outcome
 
 
 # ---------------------------------------------------------------------------------------------
@@ -876,6 +877,10 @@ class _Conn:
         self.transport = transport
 
     def close(self) -> None:
+        try:
+            self.transport.sock.shutdown(socket.SHUT_RDWR)  # wakes its thread's read now
+        except OSError:
+            pass
         self.transport.close()
 
 
@@ -1090,6 +1095,10 @@ class Fanout:
                 except paramiko.AuthenticationException:
                     if i == len(keys) - 1:
                         raise
+            # paramiko's thread wakes every 0.1 s to look for a close: 10 wake-ups a second
+            # per idle connection (a quarter of a core for 1,024 warm connections). Closing
+            # shuts the socket down instead (_Conn.close), which wakes it at once.
+            transport.sock.settimeout(IDLE_TICK)
             return transport
         except BaseException:
             transport.close()
