@@ -8,7 +8,8 @@ real sshd per worker in its own PID/mount/UTS namespace, own home and host key; 
 127.X.Y.Z beyond 254 per /24), then for each size, on the first N of them: a cold ``exec
 true`` (a fresh client process each time, so new connections) by tpufab (its default
 client processes, and forced to one), clush and pssh (``KexAlgorithms curve25519-sha256``,
-the exchange tpufab negotiates, for all), optionally parallel-ssh's native libssh2 client
+the exchange tpufab negotiates, for all; connect timeouts of 60 s, so a busy machine
+slows a run rather than failing it), optionally parallel-ssh's native libssh2 client
 and asyncssh (``--candidates``: a Python that has them, e.g. a throwaway venv), ClusterShell's tree
 mode (a few workers as gateways, authenticated through an ssh-agent forwarded from the
 client; they reach N minus the gateways) and an older
@@ -143,10 +144,10 @@ def _fanout(root: Path, count: int, **kwargs):
     targets = [Target(i, h, pod["user"], str(root / "client"), 22, alias(pod["node_id"], i))
                for i, h in enumerate(pod["hosts"])]
     try:
-        return Fanout(targets, known_hosts=known, concurrency=WINDOW, **kwargs)
+        return Fanout(targets, known_hosts=known, concurrency=WINDOW, connect_timeout=60, **kwargs)
     except TypeError:  # an older tpufab (--baseline): no client processes
         kwargs.pop("processes", None)
-        return Fanout(targets, known_hosts=known, concurrency=WINDOW, **kwargs)
+        return Fanout(targets, known_hosts=known, concurrency=WINDOW, connect_timeout=60, **kwargs)
 
 
 def driver_cold(root: Path, count: int, processes: str) -> None:
@@ -284,9 +285,9 @@ def bench_size(pod: SimPod, count: int, reps: int, args) -> dict:
     if args.baseline:
         repeat("baseline", [*me, "_cold", root, count, 1], reps, row,
                {**os.environ, "PYTHONPATH": args.baseline})
-    repeat("clush", ["clush", "-f", str(WINDOW), "-w", ",".join(hosts), "-o",
+    repeat("clush", ["clush", "-t", "60", "-f", str(WINDOW), "-w", ",".join(hosts), "-o",
                      f"-F {pod.ssh_config}", "-b", "true"], reps, row)
-    repeat("pssh", ["parallel-ssh", "-h", str(hosts_file), "-p", str(WINDOW), "-x",
+    repeat("pssh", ["parallel-ssh", "-t", "0", "-h", str(hosts_file), "-p", str(WINDOW), "-x",
                     f"-F {pod.ssh_config}", "true"], reps, row)
     if pod.agent_env is not None:
         # ClusterShell's tree mode: the client reaches a few gateway workers, each of them runs
@@ -301,7 +302,7 @@ def bench_size(pod: SimPod, count: int, reps: int, args) -> dict:
         options = (f"-o User={pod.user} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null"
                    " -o BatchMode=yes -o LogLevel=ERROR -o KexAlgorithms=curve25519-sha256"
                    " -o ForwardAgent=yes")
-        repeat("clush_tree", ["clush", "--topology", str(topology), "-f", str(WINDOW), "-w",
+        repeat("clush_tree", ["clush", "--topology", str(topology), "-t", "60", "-f", str(WINDOW), "-w",
                               ",".join(leaves), "-o", options, "-b", "true"], reps, row,
                {**pod.agent_env, "CLUSTERSHELL_GW_PYTHON_EXECUTABLE": "/usr/bin/python3"})
         row["clush_tree_gateways"] = gateways

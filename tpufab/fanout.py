@@ -1309,8 +1309,13 @@ class Fanout:
                     threading.Thread(target=cold, args=(task,), daemon=True,
                                      name=f"tpufab-w{worker}").start()
             for owner, owned in remote.items():
-                self._shard(owner).run(owned, command, request, stdin_bytes, masked, timeout,
-                                       one_shot, _put)
+                try:
+                    shard = self._shard(owner)
+                except OSError as err:  # no process to run them in: their result says so
+                    for task in owned:
+                        task.finish(None, f"could not start fan-out process {owner} ({err})")
+                    continue
+                shard.run(owned, command, request, stdin_bytes, masked, timeout, one_shot, _put)
             self._wait(tasks, timeout, wake, _cancel)
         except KeyboardInterrupt:
             self._interrupt(tasks, remote)
@@ -1345,7 +1350,9 @@ class Fanout:
         self._cancelled.set()
         running = [t for t in tasks.values() if not t.done.is_set()]
         for owner in remote:
-            self._shard(owner).interrupt(remote[owner])
+            shard = self._shards.get(owner)
+            if shard is not None:
+                shard.interrupt(remote[owner])
         for task in running:
             if task.agent is not None and not self.owner.get(task.worker, 0):
                 task.agent.kill(task, "SIGTERM")
@@ -1358,7 +1365,9 @@ class Fanout:
                 if (task.agent is None and not owner) or not task.done.wait(wait):
                     # Unconfirmed: closing the channel makes the worker kill everything it runs.
                     if owner:
-                        self._shard(owner).close_worker(task.worker)
+                        shard = self._shards.get(owner)
+                        if shard is not None:
+                            shard.close_worker(task.worker)
                     else:
                         self.links[task.worker].close()
                     task.finish(None, "interrupted")
