@@ -33,7 +33,7 @@ def test_each_worker_belongs_to_one_process_in_contiguous_blocks():
 
 
 @pytest.mark.parametrize(("workers", "cpus", "expected"), [
-    (4, 8, 1), (127, 8, 1), (256, 8, 2), (1024, 8, 8), (1536, 8, 8), (1024, 2, 2), (64, 1, 1),
+    (4, 8, 1), (255, 8, 1), (512, 8, 2), (1024, 8, 4), (4096, 8, 8), (1024, 2, 2), (64, 1, 1),
 ])
 def test_automatic_processes_follow_size_and_cores(workers, cpus, expected):
     assert auto_processes(workers, cpus) == expected
