@@ -96,3 +96,28 @@ def test_the_live_fold_shows_many_workers_errors_as_one_line():
         view.done(WorkerResult(w, exit_code=0))
     view.close()
     assert out.getvalue().splitlines() == ["same", "w[1000-1023]: connection refused"]
+
+
+def test_a_fanout_too_big_for_the_fd_limit_says_so_before_connecting(tmp_path):
+    import subprocess
+    import sys
+
+    script = (
+        "import resource\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 1024))\n"
+        "from tpufab.fanout import Fanout, Target\n"
+        "from tpufab.hostkeys import KnownHosts\n"
+        "targets = [Target(i, '192.0.2.1', 'u') for i in range(2000)]\n"
+        f"Fanout(targets, known_hosts=KnownHosts({str(tmp_path / 'kh')!r}), processes=1)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("tpufab.errors.ConfigError: Fanning out needs about")
+    assert "hard limit is 1024" in last and "fanout_processes" in last
+    small = script.replace("range(2000)", "range(100)")
+    raised = subprocess.run([sys.executable, "-c", small + "print(resource.getrlimit("
+                             "resource.RLIMIT_NOFILE)[0])"], capture_output=True, text=True,
+                            timeout=60)
+    assert raised.stdout.strip() == str(100 * 3 + 64)  # soft limit raised up front
