@@ -1303,7 +1303,7 @@ class Fanout:
                 link = self.links[worker]
                 if owner:
                     remote.setdefault(owner, []).append(task)
-                elif link.ready:
+                elif link.ready and not (plain and not link.used):
                     try:
                         submit(task, link)  # warm: a frame on an open channel, no thread hop
                     except BaseException as err:  # noqa: BLE001 - this worker's result
