@@ -22,6 +22,7 @@ import struct
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from typing import Any
 
 LENGTH = struct.Struct(">I")
@@ -60,13 +61,18 @@ class Shard:
         self.tasks: dict[tuple[int, int], Any] = {}
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()
+        # cwd "/": `-m` puts the working directory on sys.path, where a user's project may
+        # hold modules of any name; so paths cross as absolute ones.
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tpufab.fanshard"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
-            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+            cwd="/", env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        targets = [replace(t, key_filename=os.path.abspath(os.path.expanduser(t.key_filename)))
+                   if t.key_filename else t for t in targets]
         known = fanout.known_hosts
         self._send(("init", {
-            "targets": targets, "known_hosts": str(known.path), "forget_hint": known.forget_hint,
+            "targets": targets, "known_hosts": str(known.path.absolute()),
+            "forget_hint": known.forget_hint,
             "concurrency": fanout.concurrency, "connect_attempts": fanout.connect_attempts,
             "retry_wait": fanout.retry_wait, "python": fanout.python,
             "kill_grace": fanout.kill_grace,
