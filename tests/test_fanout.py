@@ -393,3 +393,91 @@ def test_system_ssh_shares_the_pins(pod, tmp_path):
     known.pin("node-s", {1: real[0]})  # a wrong key for worker 1
     refused = ssh(1)
     assert refused.returncode != 0 and "hi" not in refused.stdout
+
+
+# --- the engine at scale, small: 16 workers over 2 client processes ------------------------
+
+SPREAD = 16
+
+
+@pytest.fixture(scope="module")
+def spread_pod(tmp_path_factory):
+    pod = Pod(tmp_path_factory.mktemp("spread"), "7700000000000000016", SPREAD)
+    try:
+        yield pod
+    finally:
+        pod.stop()
+
+
+@pytest.fixture
+def spread(spread_pod, tmp_path):
+    with Fanout(spread_pod.targets(), known_hosts=KnownHosts(tmp_path / "kh"),
+                processes=2) as fan:
+        assert set(fan.owner.values()) == {0, 1}
+        yield fan
+
+
+def test_two_processes_give_every_worker_its_result_and_order(spread):
+    out = io.BytesIO()
+    result = spread.run("seq 1 2000; echo done >&2", one_shot=True,
+                        sink=LiveView(out, io.BytesIO(), color=False, workers=spread.workers))
+    assert sorted(result) == list(range(SPREAD)) and result.ok
+    assert {r.stdout for r in result.values()} == {"".join(f"{i}\n" for i in range(1, 2001))}
+    assert {r.stderr for r in result.values()} == {"done\n"}
+    per_worker: dict[int, list[int]] = {}
+    for line in out.getvalue().decode().splitlines():
+        match = re.fullmatch(r"w(\d+) +│ (\d+)", line)
+        assert match, line
+        per_worker.setdefault(int(match.group(1)), []).append(int(match.group(2)))
+    assert per_worker == {w: list(range(1, 2001)) for w in range(SPREAD)}
+    # warm now: the agent path, through the child process too
+    again = spread.run(["printf", "%s", "$x"], workers="0,15")
+    assert {w: r.stdout for w, r in again.items()} == {0: "$x", 15: "$x"}
+
+
+def test_two_processes_mask_secrets_and_keep_them_off_argv(spread_pod, spread):
+    value = "s3cr3t-spread-1a2b"
+    seen: dict[str, object] = {}
+    gate = "/tmp/tpufab-spread-go"
+
+    def run():
+        seen["result"] = spread.run(
+            f'echo "token=$TOKEN"; while [ ! -e {gate} ]; do sleep 0.02; done',
+            secrets={"TOKEN": Secret(value)}, workers="7-8")
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    wait_for(lambda: all(spread_pod.running(gate)[w] for w in (7, 8)), what="both commands")
+    assert not any(value in line for w in (7, 8) for line in spread_pod.ps(w))
+    for w in (7, 8):
+        spread_pod.pool.exec_in(spread_pod.node_id, w, ["touch", gate])
+    runner.join(10)
+    result = seen["result"]
+    assert {w: r.stdout for w, r in result.items()} == {7: "token=***\n", 8: "token=***\n"}
+
+
+def test_two_processes_ctrl_c_leaves_nothing(spread_pod, spread, sigint_raises):
+    token = "4321.25"
+
+    def interrupt_when_running():
+        wait_for(lambda: all(n >= 2 for n in spread_pod.running(f"sleep {token}").values()),
+                 what="two sleeps on every worker")
+        os.kill(os.getpid(), signal.SIGINT)
+
+    interrupter = threading.Thread(target=interrupt_when_running, daemon=True)
+    interrupter.start()
+    with pytest.raises(FanoutInterrupted) as err:   # cold: the one-shot path everywhere
+        spread.run(f"setsid sleep {token} & sleep {token}; echo never", one_shot=True)
+    interrupter.join()
+    assert err.value.exit_code == 130
+    assert {r.error for r in err.value.result.values()} == {"interrupted"}
+    assert spread_pod.running(f"sleep {token}") == {w: 0 for w in range(SPREAD)}
+    assert spread.run("echo still here").ok
+
+
+def test_two_processes_enforce_timeouts_on_both_paths(spread_pod, spread):
+    cold = spread.run("sleep 4321.5", timeout=0.5, one_shot=True, workers="0,15")
+    warm = spread.run("sleep 4321.5", timeout=0.5, workers="0,15")
+    for result in (cold, warm):
+        assert [r.error for r in result.values()] == ["timed out after 0.5 s"] * 2
+    assert not any(spread_pod.running("sleep 4321.5").values())

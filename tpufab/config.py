@@ -62,6 +62,7 @@ class Settings:
     jump: str | None = None             # user@host[:port]: reach workers through this bastion
     known_hosts: str = "~/.tpufab/known_hosts"
     concurrency: int = 64
+    fanout_processes: int = 0            # client processes sharing the connections; 0: automatic
     connect_timeout: float = 20.0
     command_timeout: float | None = None
     # OS Login (tpufab.oslogin): auto = as the node's (else the project's) enable-oslogin says
@@ -304,6 +305,7 @@ def _unknown_env(key: str) -> None:
 # Bounds of numeric settings: (smallest allowed, whether the smallest is excluded, what it is).
 LIMITS = {
     "concurrency": (1, False, "SSH connections at once"),
+    "fanout_processes": (0, False, "client processes for the SSH connections, 0 for automatic"),
     "connect_timeout": (0, True, "seconds to wait for a worker to answer"),
     "command_timeout": (0, True, "seconds a command may run"),
     "api_timeout": (0, True, "seconds per TPU API call"),

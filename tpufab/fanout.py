@@ -1,11 +1,15 @@
-"""Run commands on many workers at once over Fabric/paramiko, with one result per worker.
+"""Run commands on many workers at once over paramiko, with one result per worker.
 
-Fabric ``Connection`` objects are the SSH layer (config, auth, host keys through our pinned
-policy); Fabric's own runner is not used for commands because it polls with sleeps. Instead
-each connection starts one small agent (``tpufab/remote/agent.py``) on one channel, and
-every command is a frame on that channel: no new sshd session per command, stdout/stderr
+One paramiko Transport per worker, on a socket we open ourselves (:func:`open_socket`, the
+seam a jump host would replace), cheapest key exchange first. Each connection starts one
+small agent (``tpufab/remote/agent.py``) on one channel the first time a command needs it,
+and every command is a frame on that channel: no new sshd session per command, stdout/stderr
 read as they arrive (no polling), secrets sent on stdin, and every remote process killed
-when a command is cancelled or the channel closes. See docs/fanout.md.
+when a command is cancelled or the channel closes. A one-shot command on a fresh connection
+(``run(one_shot=True)``, what ``exec`` does) runs on a plain exec channel instead, through
+``remote/oneshot.sh``, which still stops everything on Ctrl-C, timeout or disconnect. Large
+pods spread their connections over client processes (:mod:`tpufab.fanshard`). See
+docs/fanout.md.
 """
 
 from __future__ import annotations
@@ -15,13 +19,13 @@ import hashlib
 import io
 import os
 import socket
+import statistics
 import struct
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
 from typing import IO, TYPE_CHECKING, Protocol
@@ -39,6 +43,8 @@ DEFAULT_CONCURRENCY = 64
 SPOOL_BYTES = 256 * 1024  # per worker and stream, then spill to a temp file
 KILL_GRACE = 2.0
 LINE_LIMIT = 1 << 20  # a partial line longer than this is passed on without waiting for "\n"
+DETAIL_ROWS = 16
+IDLE_TICK = 2.0  # s: how often an idle connection's paramiko thread wakes up  # per-worker rows in a failure's details; above, folded by outcome
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,13 +216,26 @@ class GroupResult(Mapping[int, WorkerResult]):
                          sorted(groups.items(), key=lambda kv: kv[1][0]))
 
     def details(self) -> str:
-        lines = []
+        """One row per worker; past ``DETAIL_ROWS`` workers, one row per distinct outcome and
+        last stderr line, under the folded set of its workers (median duration)."""
+        rows = []
         for r in self._results.values():
             tail = ""
             if not r.ok and r.error is None:
                 err = r.stderr.strip().splitlines()
                 tail = f"  {err[-1][:200]}" if err else ""
-            lines.append(f"  {nodeset.label(r.worker):>4}  {r.outcome:<28} {r.duration * 1e3:8.1f} ms{tail}")
+            rows.append((r.worker, r.outcome, r.duration, tail))
+        if len(rows) <= DETAIL_ROWS:
+            return "\n".join(f"  {nodeset.label(w):>4}  {outcome:<28} {d * 1e3:8.1f} ms{tail}"
+                             for w, outcome, d, tail in rows)
+        groups: dict[tuple[str, str], list[tuple[int, float]]] = {}
+        for w, outcome, d, tail in rows:
+            groups.setdefault((outcome, tail), []).append((w, d))
+        lines = []
+        for (outcome, tail), members in sorted(groups.items(), key=lambda kv: kv[1][0][0]):
+            took = statistics.median(d for _w, d in members)
+            lines.append(f"  {nodeset.fold(w for w, _d in members)}  {outcome:<28} "
+                         f"{took * 1e3:8.1f} ms{' median' if len(members) > 1 else ''}{tail}")
         return "\n".join(lines)
 
     def check(self) -> GroupResult:
@@ -445,6 +464,7 @@ class _Task:
         self.id = task_id
         self.worker = worker
         self.sink = sink
+        self.exact = getattr(sink, "exact", False)  # takes a last line without its newline as is
         self.secrets = secrets
         self.capture = capture
         self.result = WorkerResult(worker)
@@ -481,7 +501,8 @@ class _Task:
             (self.result.stdout_output if stream == "stdout" else self.result.stderr_output).write(data)
         if self.sink is not None:
             try:
-                self.sink.lines(self.worker, stream, data if data.endswith(b"\n") else data + b"\n")
+                self.sink.lines(self.worker, stream,
+                                data if self.exact or data.endswith(b"\n") else data + b"\n")
             except Exception as err:  # noqa: BLE001 - e.g. `tpufab exec ... | head` closed stdout
                 self._sink_failed(err)
 
@@ -649,6 +670,100 @@ class _Agent:
 
 
 # ---------------------------------------------------------------------------------------------
+# The one-shot path: one command on a plain exec channel, no agent started
+# ---------------------------------------------------------------------------------------------
+
+
+class _Wake:
+    """One event for both of a channel's buffers. paramiko clears a buffer's event when that
+    buffer runs empty, which would lose a wake-up of the other stream; clearing is ours."""
+
+    def __init__(self):
+        self.event = threading.Event()
+
+    def set(self) -> None:
+        self.event.set()
+
+    def clear(self) -> None:
+        pass
+
+
+class _Plain:
+    """One command line on its own exec channel (``remote/oneshot.sh``), read by the thread that
+    connected. Ctrl-C, a timeout or a failed sink send EOF, and the wrapper on the worker then
+    stops the command's process group and every process carrying its marker (TERM, then KILL)."""
+
+    def __init__(self, transport, task: _Task, command: str, open_timeout: float):
+        self.task = task
+        self.stopped = False
+        self.chan = transport.open_session(timeout=open_timeout)
+        self.wake = _Wake()
+        self.chan.in_buffer.set_event(self.wake)
+        self.chan.in_stderr_buffer.set_event(self.wake)
+        self.chan.exec_command(quoting.command(quoting.Raw("exec"), "sh", "-c",
+                                               _remote_file("oneshot.sh").decode(),
+                                               "tpufab-oneshot"))
+        # The command line on stdin (not on the wrapper's argv, which lives longer than it).
+        lines = command.split("\n")
+        self.chan.sendall(f"{len(lines)}\n{command}\n".encode("utf-8", "surrogateescape"))
+        task.agent = self
+
+    def kill(self, task: _Task, signal_name: str = "SIGTERM") -> None:
+        self.stopped = True
+        try:
+            self.chan.shutdown_write()  # EOF: the wrapper's watcher stops the command
+        except Exception:  # noqa: BLE001 - the channel is gone: so is the wrapper's stdin
+            pass
+
+    def serve(self, timeout: float | None) -> None:
+        chan, task, event = self.chan, self.task, self.wake.event
+        deadline = None if timeout is None else time.monotonic() + timeout
+        timed_out = False
+        try:
+            while True:
+                wait = None
+                if deadline is not None and not timed_out:
+                    wait = deadline - time.monotonic()
+                    if wait <= 0:
+                        timed_out = True
+                        self.kill(task)
+                        wait = None
+                event.wait(wait)
+                event.clear()
+                while chan.recv_ready():
+                    task.feed("stdout", chan.recv(1 << 18))
+                while chan.recv_stderr_ready():
+                    task.feed("stderr", chan.recv_stderr(1 << 18))
+                if (chan.eof_received or chan.closed) and not chan.recv_ready() \
+                        and not chan.recv_stderr_ready():
+                    break
+            while not chan.status_event.wait(None if deadline is None or timed_out
+                                             else max(0.0, deadline - time.monotonic())):
+                timed_out = True
+                self.kill(task)
+            code = chan.exit_status
+        except Exception as err:  # noqa: BLE001 - becomes this worker's result
+            task.finish(None, f"connection lost ({type(err).__name__}: {err})")
+            return
+        finally:
+            try:
+                chan.close()
+            except Exception:  # noqa: BLE001
+                pass
+        if code < 0:
+            task.finish(None, "connection lost (the worker's sshd or session ended)")
+            return
+        signal = code - 128 if self.stopped and 128 < code < 192 else None
+        task.finish(code, f"timed out after {timeout:g} s" if timed_out else None, signal)
+
+    def close(self) -> None:
+        try:
+            self.chan.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+# ---------------------------------------------------------------------------------------------
 # Connections
 # ---------------------------------------------------------------------------------------------
 
@@ -672,7 +787,8 @@ class _QuickAckSocket(socket.socket):
 
 def _open_socket(host: str, port: int, timeout: float) -> socket.socket:
     last: Exception | None = None
-    for family, kind, proto, _name, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+    for family, kind, proto, _name, address in socket.getaddrinfo(host, port,
+                                                                   type=socket.SOCK_STREAM):
         sock = _QuickAckSocket(family, kind, proto)
         try:
             sock.settimeout(timeout)
@@ -683,6 +799,18 @@ def _open_socket(host: str, port: int, timeout: float) -> socket.socket:
             sock.close()
             last = err
     raise last or OSError(errno.EHOSTUNREACH, f"no address for {host}")
+
+
+# Cheapest first: paramiko 5 puts the post-quantum mlkem768x25519 hybrid first, several times
+# dearer in client CPU than curve25519; we take it only from a server that offers nothing else
+# on this list.
+KEX_ORDER = ("curve25519-sha256@libssh.org", "ecdh-sha2-nistp256")
+
+
+def kex_preference(offered: Sequence[str]) -> tuple[str, ...]:
+    """paramiko's kex list reordered cheapest first (pure)."""
+    first = [k for k in KEX_ORDER if k in offered]
+    return tuple(first + [k for k in offered if k not in first])
 
 
 def open_socket(target: Target, timeout: float, known_hosts) -> socket.socket:
@@ -744,18 +872,37 @@ def _describe(err: BaseException, target: Target | None = None) -> str:
     return f"connection failed: {text}"
 
 
+class _Conn:
+    """An authenticated SSH connection (a paramiko Transport) to one worker."""
+
+    __slots__ = ("transport",)
+
+    def __init__(self, transport):
+        self.transport = transport
+
+    def close(self) -> None:
+        try:
+            self.transport.sock.shutdown(socket.SHUT_RDWR)  # wakes its thread's read now
+        except OSError:
+            pass
+        self.transport.close()
+
+
 class _Link:
-    """The Fabric connection and agent of one worker."""
+    """The connection of one worker, and its agent once a command needed one."""
 
     def __init__(self, target: Target):
         self.target = target
-        self.conn = None
+        self.conn: _Conn | None = None
         self.agent: _Agent | None = None
+        self.used = False  # a command ran on this connection (the one-shot path is spent)
         self.lock = threading.Lock()
 
     @property
     def ready(self) -> bool:
-        return self.agent is not None and self.agent.alive
+        """Connected (the agent starts with the first command that needs it)."""
+        return self.conn is not None and self.conn.transport.is_active() and \
+            (self.agent is None or self.agent.alive)
 
     def close(self) -> None:
         if self.agent is not None:
@@ -767,6 +914,60 @@ class _Link:
             except Exception:  # noqa: BLE001
                 pass
             self.conn = None
+        self.used = False
+
+
+# ---------------------------------------------------------------------------------------------
+# Limits: file descriptors and client processes
+# ---------------------------------------------------------------------------------------------
+
+
+FDS_PER_WORKER = 3    # its socket, and the two output spools once they spill to a file
+FDS_SPARE = 64        # the interpreter, logs, terminals, the shard processes' pipes
+
+
+def fd_budget(connections: int, workers: int) -> int:
+    """File descriptors a fan-out needs: ``connections`` here, spools for ``workers`` (pure)."""
+    return connections + (FDS_PER_WORKER - 1) * workers + FDS_SPARE
+
+
+def ensure_fds(needed: int, *, limits: tuple[int, int] | None = None, setter=None) -> int:
+    """Raise the soft RLIMIT_NOFILE to ``needed`` (up to the hard limit); a ConfigError saying
+    what to do when the hard limit is lower. Returns the soft limit now in force."""
+    import resource
+
+    soft, hard = limits or resource.getrlimit(resource.RLIMIT_NOFILE)
+    if needed <= soft:
+        return soft
+    if hard != resource.RLIM_INFINITY and needed > hard:
+        from tpufab.errors import ConfigError
+
+        raise ConfigError(
+            f"Fanning out needs about {needed} open files in this process but its hard limit is "
+            f"{hard}: raise it (`ulimit -Hn {needed}` as root, or nofile in "
+            "/etc/security/limits.conf), or spread the connections over more client processes "
+            "(fanout_processes, TPUFAB_FANOUT_PROCESSES).")
+    (setter or resource.setrlimit)(resource.RLIMIT_NOFILE, (needed, hard))
+    return needed
+
+
+WORKERS_PER_PROCESS = 256   # measured: at 256 workers a 2nd process cost 0.3 s more CPU, no faster
+
+
+def auto_processes(workers: int, cpus: int | None = None) -> int:
+    """Client processes for ``workers`` connections when not set (pure): one per core at most,
+    and one per WORKERS_PER_PROCESS workers."""
+    cpus = cpus or os.cpu_count() or 1
+    return max(1, min(cpus, workers // WORKERS_PER_PROCESS))
+
+
+def shard_of(workers: Sequence[int], processes: int) -> dict[int, int]:
+    """Worker -> client process (0 is this one): contiguous blocks of the sorted workers, so
+    each process owns a fixed share and keeps its connections warm (pure)."""
+    ordered = sorted(workers)
+    count = len(ordered)
+    processes = max(1, min(processes, count or 1))
+    return {w: i * processes // count for i, w in enumerate(ordered)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -777,8 +978,9 @@ class _Link:
 class Fanout:
     """Holds one connection per worker and runs commands on any selection of them.
 
-    ``known_hosts`` (a :class:`tpufab.hostkeys.KnownHosts`) checks every worker's host key;
-    ``connection_class`` is the Fabric Connection class (an injected seam for tests).
+    ``known_hosts`` (a :class:`tpufab.hostkeys.KnownHosts`) checks every worker's host key.
+    ``processes``: client processes sharing the connections (None: :func:`auto_processes`);
+    each owns a fixed block of workers and streams their frames back (tpufab.fanshard).
     """
 
     def __init__(
@@ -793,9 +995,8 @@ class Fanout:
         retry_wait: tuple[float, float] = (0.25, 4.0),
         on_retry: Callable[[Target, int, BaseException], None] | None = None,
         python: str = "python3",
-        config=None,
-        connection_class=None,
         kill_grace: float = KILL_GRACE,
+        processes: int | None = None,
     ):
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -815,12 +1016,14 @@ class Fanout:
         self.on_retry = on_retry
         self.python = python
         self.kill_grace = kill_grace
-        self._config = config
-        self._connection_class = connection_class
+        self.processes = processes or auto_processes(len(self.targets))
+        self.owner = shard_of(self.targets, self.processes)
+        self._shards: dict[int, object] = {}
+        self._shards_lock = threading.Lock()
+        own = sum(1 for p in self.owner.values() if p == 0)
+        ensure_fds(fd_budget(own, len(self.targets)))
         self._keys: dict[str, object] = {}
         self._keys_lock = threading.Lock()
-        self._fabric_lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
         self._ids = iter(range(1, 1 << 31))
         self._ids_lock = threading.Lock()
         self._cancelled = threading.Event()
@@ -833,11 +1036,12 @@ class Fanout:
         self.close()
 
     def close(self) -> None:
+        with self._shards_lock:
+            shards, self._shards = list(self._shards.values()), {}
+        for shard in shards:
+            shard.close()
         for link in self.links.values():
             link.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
 
     @property
     def workers(self) -> list[int]:
@@ -853,22 +1057,6 @@ class Fanout:
         return chosen
 
     # -- connecting -------------------------------------------------------------------------
-    def _new_connection(self, target: Target, **kwargs):
-        """A Fabric Connection with its own Config: invoke's Config is not thread-safe."""
-        with self._fabric_lock:
-            if self._connection_class is None:
-                from fabric import Connection
-
-                self._connection_class = Connection
-            if self._config is None:
-                from fabric import Config
-
-                config = Config(lazy=True)
-            else:
-                config = self._config.clone()
-            return self._connection_class(target.host, user=target.user, port=target.port,
-                                          config=config, **kwargs)
-
     def _pkey(self, path: str | None):
         if path is None:
             return None
@@ -887,43 +1075,54 @@ class Fanout:
                 self._keys[path] = key
             return key
 
-    def _connect_once(self, link: _Link) -> None:
-        target = link.target
+    def _handshake(self, target: Target):
+        """Socket, key exchange (cheapest first), pinned host key, public-key auth."""
+        import paramiko
+
+        timeout = self.connect_timeout
         pkey = self._pkey(target.key_filename)
-        connect_kwargs = {
-            "look_for_keys": pkey is None,
-            "allow_agent": pkey is None,
-            "banner_timeout": self.connect_timeout,
-            "auth_timeout": self.connect_timeout,
-            "channel_timeout": self.connect_timeout,
-        }
-        if pkey is not None:
-            connect_kwargs["pkey"] = pkey
-        conn = self._new_connection(
-            target, connect_timeout=max(1, int(round(self.connect_timeout))),
-            connect_kwargs=connect_kwargs,
-        )
-        conn.client.set_missing_host_key_policy(self.known_hosts.policy(target.key_alias))
-        if not conn.gateway:
-            conn.connect_kwargs["sock"] = open_socket(target, self.connect_timeout, self.known_hosts)
+        transport = paramiko.Transport(open_socket(target, timeout, self.known_hosts))
+        try:
+            transport.banner_timeout = transport.handshake_timeout = timeout
+            transport.auth_timeout = timeout
+            options = transport.get_security_options()
+            options.kex = kex_preference(options.kex)
+            transport.start_client(timeout=timeout)
+            self.known_hosts.verify(target.key_alias, transport.get_remote_server_key())
+            keys = [pkey] if pkey is not None else list(paramiko.Agent().get_keys())
+            if not keys:
+                raise ConnectError("no SSH key to log in with (set ssh_key, TPUFAB_SSH_KEY)")
+            for i, key in enumerate(keys):
+                try:
+                    transport.auth_publickey(target.user, key)
+                    break
+                except paramiko.AuthenticationException:
+                    if i == len(keys) - 1:
+                        raise
+            # paramiko's thread wakes every 0.1 s to look for a close: 10 wake-ups a second
+            # per idle connection (a quarter of a core for 1,024 warm connections). Closing
+            # shuts the socket down instead (_Conn.close), which wakes it at once.
+            transport.sock.settimeout(IDLE_TICK)
+            return transport
+        except BaseException:
+            transport.close()
+            raise
+
+    def _connect_once(self, link: _Link) -> None:
         started = time.monotonic()
         try:
-            conn.open()
-            agent = _Agent(conn.transport, target.worker, self.python, self.connect_timeout)
+            transport = self._handshake(link.target)
         except BaseException as err:
-            conn.close()
             # paramiko says "No existing session" or "Error reading SSH protocol banner" when
             # the worker took the TCP connection and never spoke: a frozen sshd. Another
             # attempt would only wait as long again.
-            if not isinstance(err, OSError | EOFError | KeyboardInterrupt) and \
+            if not isinstance(err, OSError | EOFError | KeyboardInterrupt | TpufabError) and \
                     time.monotonic() - started >= 0.9 * self.connect_timeout:
                 raise WorkerSilent(
                     f"no answer within {self.connect_timeout:g} s (the worker accepts "
                     "connections but its sshd does not respond: frozen or overloaded)") from err
             raise
-        finally:
-            conn.connect_kwargs.pop("sock", None)
-        link.conn, link.agent = conn, agent
+        link.conn = _Conn(transport)
 
     def _connect(self, link: _Link) -> None:
         """Connect with retries on connection-level failures (tenacity, exponential backoff)."""
@@ -948,14 +1147,41 @@ class Fanout:
             )
             retrying(self._connect_once, link)
 
-    def _executor(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="tpufab-connect")
-        return self._pool
+    def _agent(self, link: _Link) -> _Agent:
+        """The worker's agent, started on its open connection by the first command needing it."""
+        with link.lock:
+            if link.agent is None or not link.agent.alive:
+                link.agent = _Agent(link.conn.transport, link.target.worker, self.python,
+                                    self.connect_timeout)
+            return link.agent
+
+    def transport(self, worker: int):
+        """An open paramiko Transport to ``worker`` in this process (SFTP, port forwards);
+        connects if needed, raising :class:`ConnectError` with the reason."""
+        link = self.links[worker]
+        if not link.ready:
+            try:
+                self._connect(link)
+            except TpufabError:
+                raise
+            except Exception as err:  # noqa: BLE001 - one sentence for the caller
+                link.close()
+                raise ConnectError(f"{nodeset.label(worker)}: {_describe(err, link.target)}") from err
+        return link.conn.transport
 
     def open(self, workers=None) -> GroupResult:
         """Connect to the selected workers now (else the first run connects lazily)."""
         return self.run(None, workers=workers)
+
+    def _shard(self, index: int):
+        with self._shards_lock:
+            shard = self._shards.get(index)
+            if shard is None or not shard.alive:
+                from tpufab.fanshard import Shard
+
+                mine = [self.targets[w] for w, p in self.owner.items() if p == index]
+                shard = self._shards[index] = Shard(index, mine, self)
+            return shard
 
     # -- running ----------------------------------------------------------------------------
     def run(
@@ -972,7 +1198,10 @@ class Fanout:
         capture: bool = True,
         cwd: str | None = None,
         check: bool = False,
+        one_shot: bool = False,
         _put: tuple[dict, bytes] | None = None,
+        _cancel: threading.Event | None = None,
+        _tasks: dict | None = None,
     ) -> GroupResult:
         """Run ``command`` on the selected workers; one :class:`WorkerResult` each.
 
@@ -983,6 +1212,11 @@ class Fanout:
         output and results, and never appears in argv on the worker. ``timeout`` is per
         command: the worker kills it (TERM, then KILL) and the result says "timed out".
         Ctrl-C stops the command on every worker, then raises :class:`FanoutInterrupted`.
+
+        ``one_shot``: the caller runs this one command and is done (``tpufab exec``). On a
+        connection that ran nothing yet, a shell command line without stdin, environment or
+        cwd then runs on a plain exec channel (``remote/oneshot.sh``) instead of starting the
+        agent; Ctrl-C, timeouts and a dropped connection still stop it (docs/fanout.md).
         """
         chosen = self.select(workers)
         if timeout is None:
@@ -1011,49 +1245,84 @@ class Fanout:
             _encode_request(request)  # bad input (a NUL) fails once here, not per worker
         elif _put is not None:
             request = _put[0]
+        plain = one_shot and set(request) <= {"command", "timeout"} and "command" in request
         stdin_bytes = stdin.encode() if isinstance(stdin, str) else stdin
         sinks = [s for s in (sink, LineCallback(on_line) if on_line else None) if s is not None]
         view = sinks[0] if len(sinks) == 1 else (Tee(sinks) if sinks else None)
         label = command if isinstance(command, str) else " ".join(command or [])
 
-        tasks: dict[int, _Task] = {}
+        tasks: dict[int, _Task] = {} if _tasks is None else _tasks
         slots = threading.BoundedSemaphore(self.concurrency)
+        remaining = [len(chosen)]
+        counter = threading.Lock()
+        wake = threading.Event()
         self._cancelled.clear()
 
-        def release(_task: _Task) -> None:
-            slots.release()
+        def finished(_task: _Task) -> None:
+            with counter:
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    wake.set()
 
-        def start(task: _Task) -> None:
+        def submit(task: _Task, link: _Link) -> None:
+            if command is None and _put is None:
+                task.finish(0)
+                return
+            if plain and not link.used:
+                link.used = True
+                _Plain(link.conn.transport, task, request["command"], self.connect_timeout
+                       ).serve(timeout)
+                return
+            link.used = True
+            self._agent(link).submit(task, request, stdin_bytes, _put[1] if _put else None)
+
+        def cold(task: _Task) -> None:
             link = self.links[task.worker]
             try:
-                if not link.ready:
+                with slots:  # at most `concurrency` handshakes in flight
+                    if task.done.is_set() or self._cancelled.is_set():
+                        return  # interrupted while this worker waited for its turn
                     self._connect(link)
-                if command is None and _put is None:
-                    task.finish(0)
-                    return
                 if task.done.is_set() or self._cancelled.is_set():
-                    return  # interrupted while this worker was still connecting
-                link.agent.submit(task, request, stdin_bytes, _put[1] if _put else None)
+                    return
+                submit(task, link)
             except BaseException as err:  # noqa: BLE001 - becomes this worker's result
                 link.close()
                 task.finish(None, _describe(err, link.target))
 
+        remote: dict[int, list[_Task]] = {}
         try:
             for worker in chosen:
                 with self._ids_lock:
                     task_id = next(self._ids)
                 task = _Task(task_id, worker, view, masked, capture)
                 task.timeout = timeout
-                task.on_done = release
+                task.on_done = finished
                 tasks[worker] = task
-                slots.acquire()
-                if self.links[worker].ready:
-                    start(task)  # warm: a frame on an open channel, no thread hop
+                owner = self.owner.get(worker, 0)
+                link = self.links[worker]
+                if owner:
+                    remote.setdefault(owner, []).append(task)
+                elif link.ready and not (plain and not link.used):
+                    try:
+                        submit(task, link)  # warm: a frame on an open channel, no thread hop
+                    except BaseException as err:  # noqa: BLE001 - this worker's result
+                        link.close()
+                        task.finish(None, _describe(err, link.target))
                 else:
-                    self._executor().submit(start, task)
-            self._wait(tasks, timeout)
+                    threading.Thread(target=cold, args=(task,), daemon=True,
+                                     name=f"tpufab-w{worker}").start()
+            for owner, owned in remote.items():
+                try:
+                    shard = self._shard(owner)
+                except OSError as err:  # no process to run them in: their result says so
+                    for task in owned:
+                        task.finish(None, f"could not start fan-out process {owner} ({err})")
+                    continue
+                shard.run(owned, command, request, stdin_bytes, masked, timeout, one_shot, _put)
+            self._wait(tasks, timeout, wake, _cancel)
         except KeyboardInterrupt:
-            self._interrupt(tasks)
+            self._interrupt(tasks, remote)
             group = GroupResult({w: t.result for w, t in tasks.items()}, label)
             raise FanoutInterrupted(
                 f"Interrupted: stopped {label or 'the command'!r} on "
@@ -1062,29 +1331,49 @@ class Fanout:
         group = GroupResult({w: t.result for w, t in tasks.items()}, label)
         return group.check() if check else group
 
-    def _wait(self, tasks: Mapping[int, _Task], timeout: float | None) -> None:
-        # The agent enforces ``timeout``; this guard only covers a worker that stops answering.
+    def _wait(self, tasks: Mapping[int, _Task], timeout: float | None, wake: threading.Event,
+              cancel: threading.Event | None) -> None:
+        # The worker enforces ``timeout``; this guard only covers a worker that stops answering.
         guard = None if timeout is None else timeout + self.kill_grace + self.connect_timeout + 5
-        for task in tasks.values():
-            while not task.done.wait(1.0 if guard is None else min(1.0, guard)):
-                if guard is not None and time.perf_counter() - task.started > guard:
+        while True:
+            if cancel is not None and cancel.is_set():
+                raise KeyboardInterrupt  # a shard told to stop by its parent
+            if wake.wait(1.0 if guard is None else min(1.0, guard)):
+                return
+            if guard is None:
+                continue
+            now = time.perf_counter()
+            for task in tasks.values():
+                if not task.done.is_set() and now - task.started > guard:
                     if task.agent is not None:
                         task.agent.kill(task, "SIGKILL")
                     task.finish(None, f"no answer from the worker {guard:.0f} s after the command timeout")
 
-    def _interrupt(self, tasks: Mapping[int, _Task]) -> None:
+    def _interrupt(self, tasks: Mapping[int, _Task], remote: Mapping[int, list[_Task]]) -> None:
         """Stop every running command and wait (bounded) until the workers confirm."""
         self._cancelled.set()
         running = [t for t in tasks.values() if not t.done.is_set()]
+        for owner in remote:
+            shard = self._shards.get(owner)
+            if shard is not None:
+                shard.interrupt(remote[owner])
         for task in running:
-            if task.agent is not None:
+            if task.agent is not None and not self.owner.get(task.worker, 0):
                 task.agent.kill(task, "SIGTERM")
         deadline = time.perf_counter() + self.kill_grace + 3
         for task in running:
             try:
-                if task.agent is None or not task.done.wait(max(0.0, deadline - time.perf_counter())):
-                    # Unconfirmed: closing the channel makes the agent kill everything it runs.
-                    self.links[task.worker].close()
+                owner = self.owner.get(task.worker, 0)
+                # A shard process runs its own interrupt first: give it its grace too.
+                wait = max(0.0, deadline + (2 if owner else 0) - time.perf_counter())
+                if (task.agent is None and not owner) or not task.done.wait(wait):
+                    # Unconfirmed: closing the channel makes the worker kill everything it runs.
+                    if owner:
+                        shard = self._shards.get(owner)
+                        if shard is not None:
+                            shard.close_worker(task.worker)
+                    else:
+                        self.links[task.worker].close()
                     task.finish(None, "interrupted")
             except KeyboardInterrupt:
                 self.close()

@@ -243,10 +243,7 @@ def forward(fanout, specs: Iterable[str | PortForward], *, worker: int = 0,
                           f"{nodeset.fold(fanout.workers)}.")
 
     def transport():
-        link = fanout.links[worker]
-        if not link.ready or link.conn is None or not link.conn.transport.is_active():
-            fanout.open([worker]).check()
-        return fanout.links[worker].conn.transport
+        return fanout.transport(worker)
 
     transport()
     return Forwarder(transport, forwards, worker_label=nodeset.label(worker),

@@ -649,6 +649,8 @@ class FoldingView:
         self.pending: dict[int, list[str]] = {}      # a worker's extra lines at its cursor
         self.finished: set[int] = set()
         self.partial: dict[int, bytes] = {}
+        self.errors: dict[str, set[int]] = {}        # outcome -> workers, until shown
+        self._errors_due = 0.0
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
@@ -669,7 +671,10 @@ class FoldingView:
         with self._lock:
             self.finished.add(result.worker)
             if result.error:
-                self._write(f"{nodeset.label(result.worker)}: {result.error}")
+                # Folded: a thousand refused connections are one line (shown at the next tick).
+                if not self.errors:
+                    self._errors_due = self.clock() + (self.delay / 4 if self._ticker else 0)
+                self.errors.setdefault(result.error, set()).add(result.worker)
             self._emit()
 
     # -- lifecycle
@@ -743,6 +748,10 @@ class FoldingView:
 
     def _emit(self, final: bool = False) -> None:
         now = self.clock()
+        if self.errors and (final or now >= self._errors_due):
+            for error, who in sorted(self.errors.items(), key=lambda kv: min(kv[1])):
+                self._write(f"{nodeset.fold(who)}: {error}")
+            self.errors.clear()
         end = self.base + len(self.canon)
         while self.emitted < end:
             k = self.emitted

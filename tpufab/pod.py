@@ -219,6 +219,7 @@ def connect(settings: Settings, *, control: ControlPlane | None = None,
     if not targets:
         raise TpufabError(f"TPU node {name} reports no workers (networkEndpoints is empty).")
     fanout = Fanout(targets, known_hosts=known_hosts, concurrency=settings.concurrency,
+                    processes=settings.fanout_processes or None,
                     connect_timeout=settings.connect_timeout,
                     command_timeout=settings.command_timeout)
     return Pod(settings=settings, nodes=nodes, fanout=fanout, slices=slices)

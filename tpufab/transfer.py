@@ -394,8 +394,7 @@ def _wait_all(futures) -> None:
 def _sftp(fanout, worker: int):
     import paramiko
 
-    fanout.open([worker]).check()
-    sftp = paramiko.SFTPClient.from_transport(fanout.links[worker].conn.transport)
+    sftp = paramiko.SFTPClient.from_transport(fanout.transport(worker))
     # a worker whose sftp-server stops answering is given up on after the command timeout
     # (no progress for that long), as every other step is
     sftp.get_channel().settimeout(fanout.command_timeout)

@@ -11,19 +11,25 @@ from tpufab.errors import ConfigError
 from tpufab.verbs.common import pod_for, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
 
+# Above this many workers exec's live view folds (each identical line once) unless --raw.
+FOLD_ABOVE = 32
+
 
 @verb(options={"command": "Shell command, quoted as one argument.",
-                 "gather": Opt("Print each distinct output once under its workers.", short="-b")})
+                 "gather": Opt("Print each distinct output once under its workers.", short="-b"),
+                 "raw": f"Every worker's lines, prefixed (the default up to {FOLD_ABOVE} "
+                        "workers; above, lines are folded live)."})
 def exec_(*, command: str, name: str | None = None, worker: str = "all", gather: bool = False,
-          timeout: float | None = None, env: Sequence[str] | None = None, color: bool = False,
-          zone: str | None = None, project: str | None = None,
-        no_os_login: bool = False, jump: str | None = None) -> None:
+          raw: bool = False, timeout: float | None = None, env: Sequence[str] | None = None,
+          color: bool = False, zone: str | None = None, project: str | None = None,
+          no_os_login: bool = False, jump: str | None = None) -> None:
     """Run a shell command on every (or the selected) worker.
 
     ``timeout``: seconds the command may run on each worker (then it is stopped there and
     that worker fails); connecting waits at most connect_timeout (20 s) or this, if
     shorter. Default: the command_timeout setting (none)."""
     from tpufab.fanout import LiveView, print_gathered
+    from tpufab.jobs import FoldingView
     from tpufab.quoting import Secret
     from tpufab.runs import forwarded_for
 
@@ -36,11 +42,22 @@ def exec_(*, command: str, name: str | None = None, worker: str = "all", gather:
     forwarded = forwarded_for(settings, env) if env else None
     pod = pod_for(settings)
     chosen = pod.fanout.select(worker)
-    sink = None if gather else LiveView(workers=chosen, worker_colors=color)
-    result = pod.fanout.run(command, workers=chosen, timeout=timeout, sink=sink,
-                            env=dict(forwarded.public) if forwarded else None,
-                            secrets={k: Secret(v) for k, v in forwarded.secrets.items()}
-                            if forwarded else None)
+    folding = None
+    if gather:
+        sink = None
+    elif raw or len(chosen) <= FOLD_ABOVE:
+        sink = LiveView(workers=chosen, worker_colors=color)
+    else:
+        sink = folding = FoldingView(chosen, color=color).start()
+    try:
+        # one_shot: on fresh connections a plain exec channel, no agent (docs/fanout.md)
+        result = pod.fanout.run(command, workers=chosen, timeout=timeout, sink=sink,
+                                env=dict(forwarded.public) if forwarded else None,
+                                secrets={k: Secret(v) for k, v in forwarded.secrets.items()}
+                                if forwarded else None, one_shot=True)
+    finally:
+        if folding is not None:
+            folding.close()
     try:
         if gather:
             print_gathered(result, worker_colors=color)
