@@ -28,7 +28,7 @@ COMMANDS = {
     "tpufab --help": [str(BIN / "tpufab"), "--help"],
     "invoke --list": [str(BIN / "invoke"), "--list"],
     "invoke --list (a `tpufab init` project)": [str(BIN / "invoke"), "--list"],
-    "python -c 'import fabric'": [sys.executable, "-c", "import fabric"],
+    "python -c 'import paramiko'": [sys.executable, "-c", "import paramiko"],
     "python -c 'import google.cloud.tpu_v2'": [sys.executable, "-c", "import google.cloud.tpu_v2"],
 }
 
