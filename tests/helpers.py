@@ -137,6 +137,13 @@ def no_traceback(result) -> None:
     assert "Traceback" not in out and "a bug in tpufab" not in out, out
 
 
+def ok(result) -> str:
+    """A command that worked: exit 0, no traceback; its stdout."""
+    assert result.returncode == 0, (result.stdout or "") + (result.stderr or "")
+    no_traceback(result)
+    return result.stdout
+
+
 def one_sentence(result, *fragments: str, ignore: tuple[str, ...] = ("TPU API busy",)) -> str:
     """Non-zero exit, one line on stderr (notes such as API retries aside) holding every
     fragment, ending with a full stop, no traceback anywhere. Returns the line."""

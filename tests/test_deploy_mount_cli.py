@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import create_node, git_daemon, unique_name, wait_for
+from helpers import ok
 from test_deploy import GIT_ENV, sh
 
 pytestmark = pytest.mark.sim
@@ -33,12 +34,6 @@ def tpufab(*args: str, env, cwd) -> subprocess.CompletedProcess:
 def invoke(*args: str, env, cwd) -> subprocess.CompletedProcess:
     # -r: tpufab's tasks.py, while the working directory stays the user's checkout
     return run([str(BIN / "invoke"), "-r", str(REPO), *args], env, cwd)
-
-
-def ok(result: subprocess.CompletedProcess) -> str:
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "Traceback" not in result.stderr
-    return result.stdout
 
 
 def one_sentence_failure(result: subprocess.CompletedProcess, *fragments: str) -> str:

@@ -10,12 +10,11 @@ it as the profile's POSIX user, as on the workers.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 from conftest import SshKey, ssh_run, unique_name, wait_for
-from helpers import POD_USER, cli_env, no_traceback, one_sentence, sim_pool, tpufab
+from helpers import POD_USER, cli_env, ok, one_sentence, sim_pool, tpufab
 from test_deploy import GIT_ENV, sh
 
 pytestmark = pytest.mark.sim
@@ -23,12 +22,6 @@ pytestmark = pytest.mark.sim
 PROJECT = "oslogin-jump-project"
 ACCOUNT = "alice@example.com"  # tpufab.sim.oslogin.DEFAULT_ACCOUNT, exported by sim.env()
 USER = "alice_example_com"     # the POSIX name Google derives from it
-
-
-def ok(result: subprocess.CompletedProcess) -> str:
-    assert result.returncode == 0, result.stdout + result.stderr
-    no_traceback(result)
-    return result.stdout
 
 
 @pytest.fixture(scope="module")

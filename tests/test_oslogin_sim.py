@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SshKey, create_node, ssh_run, unique_name, wait_for
-from helpers import cli_env, one_sentence, tpufab
+from helpers import cli_env, ok, one_sentence, tpufab
 from test_deploy import GIT_ENV, sh
 
 pytestmark = pytest.mark.sim
@@ -23,12 +23,6 @@ pytestmark = pytest.mark.sim
 PROJECT = "oslogin-project"
 ACCOUNT = "alice@example.com"  # tpufab.sim.oslogin.DEFAULT_ACCOUNT, exported by sim.env()
 USER = "alice_example_com"     # the POSIX name Google derives from it
-
-
-def ok(result: subprocess.CompletedProcess) -> str:
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "Traceback" not in result.stderr, result.stderr
-    return result.stdout
 
 
 @pytest.fixture(scope="module")
