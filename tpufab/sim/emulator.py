@@ -760,6 +760,13 @@ class Emulator:
         self._spawn(self._finish_delete, name)
         return op
 
+    def tear_down(self, node_id: str) -> None:
+        """What a deleted node leaves on this machine: its metadata servers, workers, network."""
+        with self._node_lock(node_id):
+            self.guest.close_metadata(node_id)
+            self.workers.delete_node(node_id)
+            self.network_down(node_id, delete=True)
+
     def _finish_delete(self, name: str) -> None:
         if self._stopping.wait(self.settings.operation_delay):
             return
@@ -768,10 +775,7 @@ class Emulator:
             if record is None or record["node"]["state"] != "DELETING":
                 return
             node_id = record["node"]["id"]
-        with self._node_lock(node_id):
-            self.guest.close_metadata(node_id)
-            self.workers.delete_node(node_id)
-            self.network_down(node_id, delete=True)
+        self.tear_down(node_id)
         with self._lock:
             record = self._forget_node(name)
             if record is None:

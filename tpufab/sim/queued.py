@@ -193,10 +193,7 @@ class QueuedResources:
             for node_name, _ in nodes:
                 self.emu._state["nodes"][node_name]["node"]["state"] = "DELETING"
         for node_name, node_id in nodes:
-            with self.emu._node_lock(node_id):
-                self.emu.guest.close_metadata(node_id)
-                self.emu.workers.delete_node(node_id)
-                self.emu.network_down(node_id, delete=True)
+            self.emu.tear_down(node_id)
             with self.emu._lock:
                 self.emu._forget_node(node_name)
                 self.emu._save()
