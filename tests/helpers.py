@@ -132,6 +132,23 @@ def in_worker(sim, node, worker: int, script: str, check: bool = True,
     return proc.stdout
 
 
+OS_LOGIN_ACCOUNT = "alice@example.com"  # tpufab.sim.oslogin.DEFAULT_ACCOUNT, exported by sim.env()
+OS_LOGIN_USER = "alice_example_com"     # the POSIX name Google derives from it
+
+
+@contextlib.contextmanager
+def os_login_on(sim, project: str) -> Iterator:
+    """The simulated project with OS Login on (its SimAdmin); back to unset, role admin, after."""
+    from tpufab.sim.admin import SimAdmin
+
+    admin = SimAdmin.from_info(sim, project=project)
+    admin.os_login(enabled=True)
+    try:
+        yield admin
+    finally:
+        admin.os_login(enabled=None, role="admin", account=OS_LOGIN_ACCOUNT)
+
+
 def no_traceback(result) -> None:
     out = (result.stdout or "") + (result.stderr or "")
     assert "Traceback" not in out and "a bug in tpufab" not in out, out

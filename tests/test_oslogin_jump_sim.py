@@ -14,24 +14,20 @@ from pathlib import Path
 
 import pytest
 from conftest import SshKey, ssh_run, unique_name, wait_for
-from helpers import POD_USER, cli_env, ok, one_sentence, sim_pool, tpufab
+from helpers import OS_LOGIN_ACCOUNT as ACCOUNT
+from helpers import OS_LOGIN_USER as USER
+from helpers import POD_USER, cli_env, ok, one_sentence, os_login_on, sim_pool, tpufab
 from test_deploy import GIT_ENV, sh
 
 pytestmark = pytest.mark.sim
 
 PROJECT = "oslogin-jump-project"
-ACCOUNT = "alice@example.com"  # tpufab.sim.oslogin.DEFAULT_ACCOUNT, exported by sim.env()
-USER = "alice_example_com"     # the POSIX name Google derives from it
 
 
 @pytest.fixture(scope="module")
 def admin(sim):
-    from tpufab.sim.admin import SimAdmin
-
-    admin = SimAdmin.from_info(sim, project=PROJECT)
-    admin.os_login(enabled=True)
-    yield admin
-    admin.os_login(enabled=None)
+    with os_login_on(sim, PROJECT) as admin:
+        yield admin
 
 
 @pytest.fixture(scope="module")

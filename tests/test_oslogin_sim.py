@@ -15,24 +15,20 @@ from pathlib import Path
 
 import pytest
 from conftest import SshKey, create_node, ssh_run, unique_name, wait_for
-from helpers import cli_env, ok, one_sentence, tpufab
+from helpers import OS_LOGIN_ACCOUNT as ACCOUNT
+from helpers import OS_LOGIN_USER as USER
+from helpers import cli_env, ok, one_sentence, os_login_on, tpufab
 from test_deploy import GIT_ENV, sh
 
 pytestmark = pytest.mark.sim
 
 PROJECT = "oslogin-project"
-ACCOUNT = "alice@example.com"  # tpufab.sim.oslogin.DEFAULT_ACCOUNT, exported by sim.env()
-USER = "alice_example_com"     # the POSIX name Google derives from it
 
 
 @pytest.fixture(scope="module")
 def admin(sim):
-    from tpufab.sim.admin import SimAdmin
-
-    admin = SimAdmin.from_info(sim, project=PROJECT)
-    admin.os_login(enabled=True)
-    yield admin
-    admin.os_login(enabled=None, role="admin", account=ACCOUNT)
+    with os_login_on(sim, PROJECT) as admin:
+        yield admin
 
 
 @pytest.fixture(scope="module")
