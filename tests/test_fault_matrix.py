@@ -261,6 +261,13 @@ def _ppid(pid: int) -> int | None:
         return None
 
 
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "Tt"
+    except (OSError, IndexError):
+        return False
+
+
 def _is_sshd(pid: int) -> bool:
     try:
         return "sshd" in os.readlink(f"/proc/{pid}/exe")
@@ -326,9 +333,21 @@ class Freezer:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(10)
-        for pid in self.frozen:
+        clean = []        # two looks in a row with nothing stopped
+        wait_for(lambda: clean.append(self._thaw()) or clean[-2:] == [True, True], 10,
+                 what="every process the freezer stopped to run again")
+
+    def _thaw(self) -> bool:
+        """SIGCONT what is still stopped among the new processes on the workers; true when
+        none was. Not only what we froze: sudo stops itself when the command it watches is
+        stopped, possibly after our SIGCONT reached it, and would then hang the verb."""
+        stopped = [pid for worker in self.workers
+                   for pid in worker_processes(self.pod, worker, self.node_id)
+                   if pid not in self.before[worker] and _stopped(pid)]
+        for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+        return not stopped
 
 
 # ---------------------------------------------------------------------------------------------
