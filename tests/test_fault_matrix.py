@@ -56,6 +56,8 @@ pytestmark = pytest.mark.sim
 CONNECT = 3.0          # TPUFAB_CONNECT_TIMEOUT in a cell with a worker fault
 TIMEOUT = 10.0         # --timeout (where the verb has it) and TPUFAB_COMMAND_TIMEOUT there
 LIMIT = TIMEOUT + 30   # "never waits past its timeout": a bound with room for a busy machine
+HUNG_TIMEOUT = 6.0     # the timeouts in a hung-command cell, whose verb waits them out on w1
+                       # (the healthy w0's part takes ~1 s): 13 cells, a minute of CI
 HIT = 1                # the worker every worker fault hits
 SECOND_WAITS = 25      # twice-at-once: the longest the first is held while the second runs
 LEAK_WAIT = 20         # how long what a verb started may take to go away once the fault is gone
@@ -236,17 +238,19 @@ def has_timeout_flag(verb: Verb) -> bool:
     return "--timeout" in _HELP[verb.name]
 
 
-def argv_of(verb: Verb, pod: Pod, *, timeout: bool) -> list[str]:
+def argv_of(verb: Verb, pod: Pod, *, timeout: bool, seconds: str = T) -> list[str]:
     argv = verb.argv(pod)
-    return [*argv, "--timeout", T] if timeout and has_timeout_flag(verb) else argv
+    return [*argv, "--timeout", seconds] if timeout and has_timeout_flag(verb) else argv
 
 
-def once(verb: Verb, pod: Pod, marker: str, *, timeout: bool = False) -> Outcome:
+def once(verb: Verb, pod: Pod, marker: str, *, timeout: bool = False,
+         seconds: float = TIMEOUT) -> Outcome:
     """The verb once; worker faults (timeout=True) get short timeouts: --timeout where the
-    verb has it, TPUFAB_CONNECT_TIMEOUT and TPUFAB_COMMAND_TIMEOUT always."""
-    env = {"TPUFAB_CONNECT_TIMEOUT": f"{CONNECT:g}", "TPUFAB_COMMAND_TIMEOUT": T} \
+    verb has it, TPUFAB_CONNECT_TIMEOUT and TPUFAB_COMMAND_TIMEOUT always (`seconds`)."""
+    env = {"TPUFAB_CONNECT_TIMEOUT": f"{CONNECT:g}", "TPUFAB_COMMAND_TIMEOUT": f"{seconds:g}"} \
         if timeout else {}
-    proc, began = start(pod, verb, argv_of(verb, pod, timeout=timeout), marker, env)
+    argv = argv_of(verb, pod, timeout=timeout, seconds=f"{seconds:g}")
+    proc, began = start(pod, verb, argv, marker, env)
     return Outcome([finish(proc, began)], marker)
 
 
@@ -376,7 +380,7 @@ def hung_sshd(verb: Verb, pod: Pod, marker: str) -> Outcome:
 
 def hung_command(verb: Verb, pod: Pod, marker: str) -> Outcome:
     with Freezer(pod, (HIT,)):
-        return once(verb, pod, marker, timeout=verb.timeout_flag)
+        return once(verb, pod, marker, timeout=verb.timeout_flag, seconds=HUNG_TIMEOUT)
 
 
 def burst(verb: Verb, pod: Pod, marker: str) -> Outcome:

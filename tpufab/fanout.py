@@ -1347,7 +1347,8 @@ class Fanout:
                 if not task.done.is_set() and now - task.started > guard:
                     if task.agent is not None:
                         task.agent.kill(task, "SIGKILL")
-                    task.finish(None, f"no answer from the worker {guard:.0f} s after the command timeout")
+                    task.finish(None, f"no answer from the worker {guard:.0f} s after the "
+                                      f"command started (its timeout: {timeout:g} s)")
 
     def _interrupt(self, tasks: Mapping[int, _Task], remote: Mapping[int, list[_Task]]) -> None:
         """Stop every running command and wait (bounded) until the workers confirm."""
