@@ -9,14 +9,21 @@
 - `POD_USER`: the account tpufab logs in as on the simulated pod's workers.
 - `sim_node(sim, tmp_path_factory, prefix, type)`: a READY node for a module's fixture
   (settings, node, home, name, env), deleted afterwards.
+- `shipped(name)`, `shipped_bytes(name)`: worker-side script ``tpufab/remote/NAME`` exactly
+  as tpufab ships it (the worker-side library inlined), as a file or as bytes;
+  `WORKER_PYTHON` runs it as a worker would.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,6 +37,32 @@ REPO = Path(__file__).resolve().parents[1]
 LOGIN = "tpufab"
 # Who the scenario tests log in as (one place to change it).
 POD_USER = os.environ.get("TPUFAB_TEST_SSH_USER", LOGIN)
+# The interpreter worker-side scripts run under in tests, as on a worker: the system's.
+WORKER_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+
+
+@functools.cache
+def _shipped_dir() -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="tpufab-shipped-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+def shipped_bytes(name: str) -> bytes:
+    """``tpufab/remote/NAME`` as it is shipped (``RemoteFile.bundled``: the worker-side
+    library inlined)."""
+    from tpufab.remote_files import RemoteFile
+
+    return RemoteFile.bundled(name).data
+
+
+@functools.cache
+def shipped(name: str) -> Path:
+    """``shipped_bytes(name)`` as a file in a folder of its own (nothing beside it to import):
+    what tests run by path is what workers run."""
+    path = _shipped_dir() / name
+    path.write_bytes(shipped_bytes(name))
+    return path
 
 
 def settings_env(sim, home: Path) -> dict[str, str]:

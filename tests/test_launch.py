@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 from conftest import wait_for
+from helpers import WORKER_PYTHON, shipped
 
-REPO = Path(__file__).resolve().parents[1]
-LAUNCH = REPO / "tpufab" / "remote" / "launch.py"
-WORKER_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+LAUNCH = shipped("launch.py")
 SECRET = "hf_s3cr3t-value-that-must-not-leak"
 
 

@@ -3,7 +3,7 @@
 Every scenario runs this file as PID 1 of a fresh `unshare --pid --mount` namespace with a
 tmpfs on /tmp (fake device files, lockfiles, run records live there), so no host process is
 ever in reach of the kill, and everything the scenario started dies with its PID 1. The
-worker-side scripts run under /usr/bin/python3, as on a worker.
+worker-side scripts run as they are shipped, under /usr/bin/python3, as on a worker.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import WORKER_PYTHON, shipped_bytes
 
 REPO = Path(__file__).resolve().parents[1]
-REMOTE = REPO / "tpufab" / "remote"
-WORKER_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+SCRIPTS = ("launch.py", "tpukill.py", "zombie.py")
+REMOTE = Path("/tmp/tpufab-remote")   # inside a scenario's own /tmp
 DEV = "/tmp/dev"
 LOCK = "/tmp/libtpu_lockfile"
 SO_LOCK = "/tmp/libtpu.so_lockfile"
@@ -84,12 +85,10 @@ def _facts(zombies, kill, **extra):
 
 
 def scenario(name):
-    global REMOTE
-    # The checkout may itself live under /tmp, which the tmpfs below covers: keep the
-    # worker-side scripts by copying them into the new /tmp.
-    scripts = {p.name: p.read_bytes() for p in REMOTE.glob("*.py")}
+    # The shipped scripts (and the checkout) may live under /tmp, which the tmpfs below
+    # covers: keep them by copying them into the new /tmp.
+    scripts = {script: shipped_bytes(script) for script in SCRIPTS}
     subprocess.run(["mount", "-t", "tmpfs", "tpufab-test", "/tmp"], check=True)
-    REMOTE = Path("/tmp/tpufab-remote")
     REMOTE.mkdir()
     for script, data in scripts.items():
         (REMOTE / script).write_bytes(data)
@@ -294,16 +293,14 @@ def test_nothing_to_kill_is_a_clean_noop():
 
 
 def test_protection_rules():
-    sys.path.insert(0, str(REMOTE))
-    try:
-        import tpukill
-    finally:
-        sys.path.pop(0)
-    assert tpukill.DEFAULT_DEVICE_GLOBS == ("/dev/accel*", "/dev/vfio/[0-9]*")
+    from tpufab.remote import tpukill
+    from tpufab.topology import DEVICE_GLOBS
+
+    assert tpukill.DEVICE_GLOBS == DEVICE_GLOBS == ("/dev/accel*", "/dev/vfio/[0-9]*")
     assert set(tpukill.DEFAULT_LOCKFILES) == {LOCK, SO_LOCK}
-    init = tpukill.Proc.read(1)
+    init = tpukill.proc_stat(1)
     assert tpukill.protection(init, set(), tpukill.PROTECTED_NAMES) == "pid 1"
-    me = tpukill.Proc.read(os.getpid())
+    me = tpukill.proc_stat(os.getpid())
     assert tpukill.protection(me, {os.getpid()}, ()) == "ancestor of this kill"
     assert tpukill.protection(me, set(), ()) == ""
     # the first pattern that matches comm (python, python3.11 or pytest, however pytest runs)
