@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import WORKER_PYTHON, shipped_bytes
+from helpers import WORKER_PYTHON, process_alive, process_start_time, shipped_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = ("launch.py", "tpukill.py", "zombie.py")
@@ -53,21 +53,6 @@ def _tpukill(*flags):
     return {"rc": proc.returncode, "report": json.loads(proc.stdout), "stderr": proc.stderr}
 
 
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            data = fh.read()
-    except OSError:
-        return False
-    return data[data.rindex(b")") + 2:].split()[0] not in (b"Z", b"X")
-
-
-def _start_time(pid):
-    with open(f"/proc/{pid}/stat", "rb") as fh:
-        data = fh.read()
-    return int(data[data.rindex(b")") + 2:].split()[19])
-
-
 def _wait_for(condition, what: str, timeout=10.0):
     """conftest's wait_for for the scenario side, which runs without pytest."""
     deadline = time.monotonic() + timeout
@@ -80,7 +65,7 @@ def _wait_for(condition, what: str, timeout=10.0):
 
 def _facts(zombies, kill, **extra):
     return {"zombies": zombies, "kill": kill,
-            "alive": {str(z["pid"]): _alive(z["pid"]) for z in zombies},
+            "alive": {str(z["pid"]): process_alive(z["pid"]) for z in zombies},
             "lockfile_exists": os.path.exists(LOCK), **extra}
 
 
@@ -123,7 +108,7 @@ def scenario(name):
                                      start_new_session=True)
         zombies = _zombies("--devices-glob", f"{DEV}/accel*", "--lockfile", LOCK,
                            "--holders", "1", "--ignore-term", "0", "--no-protected")
-        return _facts(zombies, _tpukill("--grace", "2"), bystander_alive=_alive(bystander.pid))
+        return _facts(zombies, _tpukill("--grace", "2"), bystander_alive=process_alive(bystander.pid))
     if name == "runs":
         _make_devices()
         recipe = Path("/tmp/recipe.sh")
@@ -144,21 +129,21 @@ def scenario(name):
                        capture_output=True, text=True, timeout=30, check=True)
         _wait_for(lambda: Path("/tmp/runs/leaky/exit_code").exists(), "the leaky run to end")
         leaked = int(Path("/tmp/runs/leaky/log").read_text().split()[1])
-        assert _alive(leaked)
+        assert process_alive(leaked)
         # A recorded run whose pid now belongs to another process (pid reuse).
         bystander = subprocess.Popen(["sleep", "300"], start_new_session=True)
         fake = Path("/tmp/runs/reused")
         fake.mkdir(parents=True)
         (fake / "pid").write_text(f"{bystander.pid}\n")
         (fake / "pgid").write_text(f"{bystander.pid}\n")
-        (fake / "start_time").write_text(f"{_start_time(bystander.pid) - 1}\n")
+        (fake / "start_time").write_text(f"{process_start_time(bystander.pid) - 1}\n")
         kill = _tpukill("--grace", "2")
         recorded = _wait_for(lambda: Path("/tmp/runs/real/killed").exists(),
                              "the kill recorded in the run")
         return {"kill": kill, "recipe_pid": started["pid"], "child_pid": child,
-                "recipe_alive": _alive(started["pid"]), "child_alive": _alive(child),
-                "bystander_pid": bystander.pid, "bystander_alive": _alive(bystander.pid),
-                "leaked_pid": leaked, "leaked_alive": _alive(leaked),
+                "recipe_alive": process_alive(started["pid"]), "child_alive": process_alive(child),
+                "bystander_pid": bystander.pid, "bystander_alive": process_alive(bystander.pid),
+                "leaked_pid": leaked, "leaked_alive": process_alive(leaked),
                 "killed_recorded": recorded and Path("/tmp/runs/real/killed").read_text()}
     raise SystemExit(f"unknown scenario {name}")
 

@@ -10,7 +10,7 @@ import subprocess
 from importlib import resources
 
 import pytest
-from helpers import WORKER_PYTHON, shipped
+from helpers import WORKER_PYTHON, process_start_time, shipped
 
 from tpufab.remote_files import LIBRARY, BundleError, RemoteFile, bundle
 
@@ -92,8 +92,7 @@ def test_the_import_is_replaced_by_what_it_needs_and_no_more(tmp_path):
     # it runs alone, and says what the library says: this process, by its start time
     script = tmp_path / "probe.py"
     script.write_bytes(data)
-    with open(f"/proc/{os.getpid()}/stat", "rb") as fh:
-        start = int(fh.read().rsplit(b")", 1)[1].split()[19])
+    start = process_start_time(os.getpid())
     for recorded, answer in ((start, "True"), (start + 1, "False")):
         (tmp_path / "start").write_text(f"{recorded}\n")
         done = subprocess.run([WORKER_PYTHON, "-I", "-S", str(script), str(os.getpid()),
