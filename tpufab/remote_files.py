@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -86,6 +87,12 @@ LIBRARY = "workerlib.py"
 LIBRARY_MODULE = "tpufab.remote.workerlib"
 
 
+# A line that may import from tpufab (or relatively): only a script with one is parsed, so
+# the scripts that import nothing (the fan-out agent, read by every process) cost no parse.
+_MAY_IMPORT_TPUFAB = re.compile(
+    rb"^[^#\n]*\b(?:from[ \t]+(?:tpufab\b|\.)|import\b[^#\n]*\btpufab\b)", re.M)
+
+
 class BundleError(ValueError):
     """A worker script that cannot stand alone once bundled (a bug in tpufab, not in its use)."""
 
@@ -100,6 +107,8 @@ def bundle(name: str, source: bytes, library: bytes) -> bytes:
     import of tpufab, the statement aliased, repeated or sharing a line, a name the library
     lacks, or a top-level name both define (the library's code would see the script's).
     """
+    if not _MAY_IMPORT_TPUFAB.search(source):
+        return source
     import ast
 
     tree = ast.parse(source, filename=name)

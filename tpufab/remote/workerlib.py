@@ -34,17 +34,14 @@ def read_text(path):
 
 
 def read_int(path):
-    text = read_text(path)
-    try:
-        return int(text) if text else None
-    except ValueError:
-        return None
+    return read_number(path, int)
 
 
-def read_float(path):
+def read_number(path, kind):
+    """The number (``kind``: int or float) a small file holds, or None."""
     text = read_text(path)
     try:
-        return float(text) if text else None
+        return kind(text) if text else None
     except ValueError:
         return None
 
@@ -313,7 +310,7 @@ def read_end(rundir):
     killed = read_text(os.path.join(rundir, "killed"))
     if exit_code is None and not killed:
         return None
-    found = {"ended_at": read_float(os.path.join(rundir, "ended_at"))}
+    found = {"ended_at": read_number(os.path.join(rundir, "ended_at"), float)}
     if exit_code is not None:
         found["exit_code"] = exit_code
     else:
