@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import random
 import subprocess
 import sys
@@ -144,10 +145,11 @@ def nobody_alive(monkeypatch, gone=lambda *args: False):
                         lambda runs: gone() or {name: [] for name in runs})
 
 
-def fake_rundir(tmp_path: Path) -> Path:
-    rundir = tmp_path / "runs" / "race"
+def fake_rundir(tmp_path: Path, name: str = "race") -> Path:
+    """A run whose recipe (pid 4242) and supervisor are gone, with no end recorded."""
+    rundir = tmp_path / "runs" / name
     rundir.mkdir(parents=True)
-    (rundir / "meta.json").write_text(json.dumps({"run": "race", "recipe": "r.sh"}))
+    (rundir / "meta.json").write_text(json.dumps({"run": name, "recipe": "r.sh"}))
     for name, value in (("pid", 4242), ("start_time", 1), ("supervisor", 4243),
                         ("supervisor_start_time", 1)):
         (rundir / name).write_text(f"{value}\n")
@@ -171,6 +173,24 @@ def test_a_run_whose_supervisor_vanished_without_a_record_is_still_lost(tmp_path
     rundir = fake_rundir(tmp_path)
     nobody_alive(monkeypatch)
     assert read(str(rundir))["state"] == "lost"
+
+
+def test_a_run_that_left_a_process_behind_is_running_until_that_ends(tmp_path):
+    """Recipe and supervisor gone, no end recorded, but a process of the run lives on (it
+    carries the run's TPUFAB_RUN_ID): launch.py (shipped) and facts.py both say running; once
+    it is gone, lost."""
+    name = f"stray-{os.getpid()}-{random.randrange(1 << 30):x}"
+    rundir = fake_rundir(tmp_path, name)
+    stray = subprocess.Popen(["sleep", "300"], env={**os.environ, "TPUFAB_RUN_ID": name},
+                             start_new_session=True)
+    try:
+        assert status_of(rundir.parent, name)["state"] == "running"
+        assert [r["state"] for r in facts.runs(str(rundir.parent), 5)[0]] == ["running"]
+    finally:
+        stray.kill()
+        stray.wait(10)
+    assert status_of(rundir.parent, name)["state"] == "lost"
+    assert [r["state"] for r in facts.runs(str(rundir.parent), 5)[0]] == ["lost"]
 
 
 # -- a full disk during a run -------------------------------------------------------------------

@@ -43,6 +43,7 @@ import time
 
 from tpufab.remote.workerlib import (
     DEVICE_GLOBS,
+    CarriedRunIds,
     Watched,
     argv_of,
     command_of,
@@ -143,7 +144,7 @@ def device_holders(paths):
 # -- tpufab runs (records written by launch.py) ------------------------------------------
 
 
-def run_state(rundir):
+def run_state(rundir, carried=None):
     """A run's state (workerlib's ``state_of_run``) with its recipe and start time."""
     info = {}
     meta = read_text(os.path.join(rundir, "meta.json"))
@@ -154,7 +155,7 @@ def run_state(rundir):
             info = {}
     state = {"run": os.path.basename(rundir), "recipe": info.get("recipe"),
              "started_at": info.get("started_at")}
-    state.update(state_of_run(rundir))
+    state.update(state_of_run(rundir, carried))
     return state
 
 
@@ -165,7 +166,8 @@ def runs(run_dir, limit):
         names = sorted(n for n in os.listdir(base) if os.path.isdir(os.path.join(base, n)))
     except OSError:
         return [], 0
-    states = [run_state(os.path.join(base, name)) for name in names]
+    carried = CarriedRunIds()   # one /proc scan at most, for every run that needs it
+    states = [run_state(os.path.join(base, name), carried) for name in names]
     live = [s for s in states if s["state"] in ("running", "starting")]
     ended = [s for s in states if s["state"] not in ("running", "starting")]
     kept = live + ended[-limit:] if limit else live

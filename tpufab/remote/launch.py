@@ -54,6 +54,7 @@ import urllib.request
 
 from tpufab.remote.workerlib import (
     SUPERVISOR_NAME,
+    CarriedRunIds,
     EndRecord,
     alive,
     mount_records,
@@ -490,7 +491,7 @@ def relay_notices(rundir, child, env):
 # -- status --------------------------------------------------------------------------------
 
 
-def run_status(rundir):
+def run_status(rundir, carried=None):
     """One run's state (workerlib's ``state_of_run``: running, starting, exited with
     exit_code, killed by signal, or lost) with what launch.py recorded about it."""
     status = {"run": os.path.basename(rundir)}
@@ -500,7 +501,7 @@ def run_status(rundir):
         for key in ("commit", "recipe", "recipe_sha256", "started_at", "args", "cwd"):
             status[key] = info.get(key)
     status["pid"] = read_int(os.path.join(rundir, "pid"))
-    status.update(state_of_run(rundir))
+    status.update(state_of_run(rundir, carried))
     if os.path.exists(os.path.join(rundir, "stop_requested")):
         status["stop_requested"] = True
     notice = read_text(os.path.join(rundir, "notice"))
@@ -525,8 +526,9 @@ def status(args):
             names = sorted(n for n in os.listdir(base) if os.path.isdir(os.path.join(base, n)))
         except OSError:
             names = []
+    carried = CarriedRunIds()   # one /proc scan at most, for every run that needs it
     return {"host": socket.gethostname(),
-            "runs": [run_status(run_path(args.run_dir, name)) for name in names]}
+            "runs": [run_status(run_path(args.run_dir, name), carried) for name in names]}
 
 
 def exit_status(state):

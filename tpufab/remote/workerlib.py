@@ -354,6 +354,20 @@ def run_processes(runs):
     return found
 
 
+class CarriedRunIds:
+    """The TPUFAB_RUN_IDs live processes carry, read on first use: one scan of /proc answers
+    for every run whose state is read (``state_of_run(..., carried=)``)."""
+
+    def __init__(self):
+        self.ids = None
+
+    def __contains__(self, run_id):
+        if self.ids is None:
+            procs = (proc_stat(pid) for pid in all_pids() if pid != os.getpid())
+            self.ids = {run_id_of(proc.pid) for proc in procs if proc and not proc.exited}
+        return run_id in self.ids
+
+
 def supervisor_alive(rundir):
     """The run's supervisor still lives: verified by the start time launch.py records, or by
     its name for runs recorded before it did."""
@@ -367,9 +381,10 @@ def supervisor_alive(rundir):
     return proc is not None and not proc.exited and proc.comm == SUPERVISOR_NAME
 
 
-def state_of_run(rundir):
+def state_of_run(rundir, carried=None):
     """How a run stands: {"state", "exit_code" or "signal", "disk_full"?, "ended_at"}, state
-    one of running, starting, exited, killed, lost.
+    one of running, starting, exited, killed, lost. ``carried``: a CarriedRunIds shared by
+    the runs read together (else this run's processes are looked for on their own).
 
     Running while its recipe lives (verified by start time), its supervisor lives (the recipe
     just ended; the supervisor is recording that) or a process of it lives on (the recipe
@@ -385,7 +400,7 @@ def state_of_run(rundir):
     if end is None:
         name = os.path.basename(rundir)
         if (recorded and alive(pid, start_time)) or supervisor_alive(rundir) or \
-                (recorded and run_processes({name: None})[name]):
+                (recorded and _left_behind(name, carried)):
             state["state"] = "running"
         else:
             end = read_end(rundir)
@@ -400,6 +415,12 @@ def state_of_run(rundir):
             state["disk_full"] = end["disk_full"]
     state["ended_at"] = end.get("ended_at") if end else None
     return state
+
+
+def _left_behind(name, carried):
+    if carried is not None:
+        return name in carried
+    return bool(run_processes({name: None})[name])
 
 
 def _young(rundir):
