@@ -140,6 +140,12 @@ def test_a_script_that_cannot_stand_alone_is_refused_when_bundled(source, says):
     assert says in str(err.value)
 
 
+def test_a_library_statement_bundle_could_not_keep_by_name_is_refused():
+    library = LIB + b"\ntry:\n    import fcntl\nexcept ImportError:\n    fcntl = None\n"
+    with pytest.raises(BundleError, match=r"workerlib.py line \d+: only imports, assignments"):
+        bundle("tpukill.py", REMOTE.joinpath("tpukill.py").read_bytes(), library)
+
+
 def test_the_same_import_in_a_script_and_the_library_is_no_clash():
     source = b"import os\nimport json as json\nfrom tpufab.remote.workerlib import read_json\n"
     assert b"def read_json(" in bundle("ok.py", source, LIB)

@@ -157,6 +157,11 @@ def _needed(lib, library: bytes, names: list[str]) -> list[bytes]:
 
     binders: dict[str, int] = {}
     for index, node in enumerate(lib.body):
+        if not isinstance(node, (ast.Import, ast.ImportFrom, ast.Assign, ast.AnnAssign,
+                                 ast.FunctionDef, ast.ClassDef)) and \
+                not (index == 0 and isinstance(node, ast.Expr)):     # the docstring
+            raise BundleError(f"{LIBRARY} line {node.lineno}: only imports, assignments, "
+                              f"functions and classes at top level (bundle keeps by name)")
         for name in _top_level_names(ast.Module(body=[node], type_ignores=[])):
             binders[name] = index
     keep: set[int] = set()
@@ -169,12 +174,16 @@ def _needed(lib, library: bytes, names: list[str]) -> list[bytes]:
         todo += [n.id for n in ast.walk(lib.body[index]) if isinstance(n, ast.Name)]
     source = library.splitlines(keepends=True)
     out: list[bytes] = []
+    previous = None
     for index in sorted(keep):
         node = lib.body[index]
         first = min([node.lineno, *[d.lineno for d in getattr(node, "decorator_list", ())]])
-        if out and not isinstance(node, (ast.Import, ast.ImportFrom, ast.Assign)):
-            out.append(b"\n\n")
+        if previous is not None:      # PEP 8's blank lines, as in the library itself
+            blank = isinstance(node, (ast.FunctionDef, ast.ClassDef)) * 2 or \
+                int(type(node) is not type(previous))
+            out.append(b"\n" * blank)
         out += source[first - 1:node.end_lineno]
+        previous = node
     return out
 
 
