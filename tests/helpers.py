@@ -9,14 +9,23 @@
 - `POD_USER`: the account tpufab logs in as on the simulated pod's workers.
 - `sim_node(sim, tmp_path_factory, prefix, type)`: a READY node for a module's fixture
   (settings, node, home, name, env), deleted afterwards.
+- `process_alive(pid)`, `process_start_time(pid)`: /proc read by the tests themselves (an
+  oracle independent of the worker-side library they check).
+- `shipped(name)`, `shipped_bytes(name)`: worker-side script ``tpufab/remote/NAME`` exactly
+  as tpufab ships it (the worker-side library inlined), as a file or as bytes;
+  `WORKER_PYTHON` runs it as a worker would.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,6 +39,53 @@ REPO = Path(__file__).resolve().parents[1]
 LOGIN = "tpufab"
 # Who the scenario tests log in as (one place to change it).
 POD_USER = os.environ.get("TPUFAB_TEST_SSH_USER", LOGIN)
+# The interpreter worker-side scripts run under in tests, as on a worker: the system's.
+WORKER_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+
+
+def _stat_fields(pid: int) -> list[bytes] | None:
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    return data[data.rindex(b")") + 2:].split()
+
+
+def process_alive(pid: int) -> bool:
+    """``pid`` exists and has not exited (a zombie is not alive)."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] not in (b"Z", b"X")
+
+
+def process_start_time(pid: int) -> int:
+    """Field 22 of /proc/<pid>/stat: when ``pid`` started, in clock ticks since boot."""
+    fields = _stat_fields(pid)
+    assert fields is not None, f"no process {pid}"
+    return int(fields[19])
+
+
+@functools.cache
+def _shipped_dir() -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="tpufab-shipped-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+def shipped_bytes(name: str) -> bytes:
+    """``tpufab/remote/NAME`` as it is shipped (``RemoteFile.bundled``: the worker-side
+    library inlined)."""
+    from tpufab.remote_files import RemoteFile
+
+    return RemoteFile.bundled(name).data
+
+
+@functools.cache
+def shipped(name: str) -> Path:
+    """``shipped_bytes(name)`` as a file in a folder of its own (nothing beside it to import):
+    what tests run by path is what workers run."""
+    path = _shipped_dir() / name
+    path.write_bytes(shipped_bytes(name))
+    return path
 
 
 def settings_env(sim, home: Path) -> dict[str, str]:

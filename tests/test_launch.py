@@ -12,21 +12,10 @@ from pathlib import Path
 
 import pytest
 from conftest import wait_for
+from helpers import WORKER_PYTHON, process_alive, shipped
 
-REPO = Path(__file__).resolve().parents[1]
-LAUNCH = REPO / "tpufab" / "remote" / "launch.py"
-WORKER_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+LAUNCH = shipped("launch.py")
 SECRET = "hf_s3cr3t-value-that-must-not-leak"
-
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            data = fh.read()
-    except OSError:
-        return False
-    return data[data.rindex(b")") + 2:].split()[0] not in (b"Z", b"X")
 
 
 class Runs:
@@ -100,7 +89,7 @@ def test_run_outlives_its_caller_and_records_the_exit_code(runs):
     state = runs.status("r1")
     runs.pgids.append(state["pid"])
     assert state["state"] == "running"
-    assert alive(state["pid"])
+    assert process_alive(state["pid"])
     runs.go("r1")
     final = wait_for(lambda: (s := runs.status("r1"))["state"] != "running" and s,
                      what="the run to end")
@@ -139,12 +128,12 @@ def test_stop_kills_the_whole_process_group(runs):
     log = runs.dir / "grp" / "log"
     wait_for(lambda: log.exists() and log.read_text().count("\n") == 3, what="children")
     children = [int(line.split()[1]) for line in log.read_text().splitlines()]
-    assert all(alive(pid) for pid in [started["pid"], *children])
+    assert all(process_alive(pid) for pid in [started["pid"], *children])
     result = json.loads(runs.launch("stop", "--run", "grp", "--grace", "0.5").stdout)
     assert result["before"] == "running"
     assert result["signal"] == "KILL"          # the recipe ignores TERM
     assert result["state"] == "killed" and result["ended_by"] == "SIGKILL"
-    assert not any(alive(pid) for pid in [started["pid"], *children])
+    assert not any(process_alive(pid) for pid in [started["pid"], *children])
     # Stopping again is a no-op that says so.
     again = json.loads(runs.launch("stop", "--run", "grp").stdout)
     assert again["before"] == "killed" and again["signal"] is None

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import process_alive
 
 from tpufab.errors import ConfigError, TpufabError
 from tpufab.localrun import run_local
@@ -25,14 +26,6 @@ def recipe(tmp_path, body, name="r.sh"):
     path.write_text("#!/bin/bash\nset -eu\n" + body)
     path.chmod(0o755)
     return path
-
-
-def alive(pid):
-    try:
-        data = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return False
-    return data[data.rindex(b")") + 2:].split()[0] not in (b"Z", b"X")
 
 
 def fail_after_peers_start(worker, peers):
@@ -108,7 +101,7 @@ def test_peers_of_a_failed_worker_are_stopped(tmp_path):
     assert result.exit_codes[0] < 0 and result.exit_codes[2] < 0
     assert result.summary() == "Worker 1 failed (exit code 1); stopped after it: workers 0,2."
     children = [int(result.output[w][0].split()[1]) for w in (0, 2)]
-    assert not any(alive(pid) for pid in children)
+    assert not any(process_alive(pid) for pid in children)
 
 
 def test_a_child_that_ignores_term_is_killed_too(tmp_path):
@@ -120,7 +113,7 @@ def test_a_child_that_ignores_term_is_killed_too(tmp_path):
     result = run_local(path, workers=2, echo=False, failure_grace=0.1, cwd=tmp_path)
     assert result.summary() == "Worker 1 failed (exit code 1); stopped after it: workers 0."
     child = int(result.output[0][0].split()[1])
-    assert not alive(child)
+    assert not process_alive(child)
 
 
 def test_timeout_stops_everything(tmp_path):

@@ -7,7 +7,6 @@ The same promises on the simulated pod, through the verbs, are in tests/test_out
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import os
@@ -18,31 +17,18 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import WORKER_PYTHON, shipped
 
 from tpufab import quoting
 from tpufab.fanout import LiveView, WorkerResult, print_gathered
 from tpufab.jobs import FoldingView, WorkerState, fold_states, prune_local_runs
+from tpufab.remote import facts, launch, workerlib
 from tpufab.runs import fold_logs, fold_stream
 from tpufab.terminal import Lines, lines_of, neutralise, neutralise_text
 
-REPO = Path(__file__).resolve().parents[1]
-LAUNCH = REPO / "tpufab" / "remote" / "launch.py"
-WORKER_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+LAUNCH = shipped("launch.py")
 HF = "hf_Vq3/x+y=z&w-must-not-leak"
 WANDB = "wandb-6f1e9a-must-not-leak"
-
-
-def remote_module(name: str):
-    """A worker-side file imported as a module (it is stdlib-only and standalone)."""
-    spec = importlib.util.spec_from_file_location(f"remote_{name}", REPO / "tpufab" / "remote"
-                                                  / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-launch = remote_module("launch")
-facts = remote_module("facts")
 
 
 def wait_for(condition, timeout=20.0, what="condition"):
@@ -139,7 +125,7 @@ def test_the_log_on_the_worker_never_holds_a_secret(tmp_path):
 # -- run state: a finished run is never lost ---------------------------------------------------
 
 
-def ended_during_the_liveness_check(module, monkeypatch, rundir: Path, *names: str):
+def ended_during_the_liveness_check(monkeypatch, rundir: Path):
     """The race, forced: the recipe and its supervisor are gone by the time their liveness is
     checked, and the supervisor recorded the exit just before it went."""
     def gone(*args, **kwargs):
@@ -148,14 +134,22 @@ def ended_during_the_liveness_check(module, monkeypatch, rundir: Path, *names: s
             (rundir / "exit_code").write_text("0\n")
         return False
 
-    for name in names:
-        monkeypatch.setattr(module, name, gone)
+    nobody_alive(monkeypatch, gone)
 
 
-def fake_rundir(tmp_path: Path) -> Path:
-    rundir = tmp_path / "runs" / "race"
+def nobody_alive(monkeypatch, gone=lambda *args: False):
+    """Every liveness check of a run says no (after ``gone``)."""
+    monkeypatch.setattr(workerlib, "alive", gone)
+    monkeypatch.setattr(workerlib, "supervisor_alive", gone)
+    monkeypatch.setattr(workerlib, "run_processes",
+                        lambda runs: gone() or {name: [] for name in runs})
+
+
+def fake_rundir(tmp_path: Path, name: str = "race") -> Path:
+    """A run whose recipe (pid 4242) and supervisor are gone, with no end recorded."""
+    rundir = tmp_path / "runs" / name
     rundir.mkdir(parents=True)
-    (rundir / "meta.json").write_text(json.dumps({"run": "race", "recipe": "r.sh"}))
+    (rundir / "meta.json").write_text(json.dumps({"run": name, "recipe": "r.sh"}))
     for name, value in (("pid", 4242), ("start_time", 1), ("supervisor", 4243),
                         ("supervisor_start_time", 1)):
         (rundir / name).write_text(f"{value}\n")
@@ -163,26 +157,40 @@ def fake_rundir(tmp_path: Path) -> Path:
     return rundir
 
 
-def test_launch_status_of_a_run_that_ends_while_it_is_read_is_exited(tmp_path, monkeypatch):
+@pytest.mark.parametrize("read", [launch.run_status, facts.run_state],
+                         ids=["launch-status", "facts"])
+def test_a_run_that_ends_while_it_is_read_is_exited(tmp_path, monkeypatch, read):
     rundir = fake_rundir(tmp_path)
-    ended_during_the_liveness_check(launch, monkeypatch, rundir, "same_process",
-                                    "supervisor_alive", "run_processes")
-    state = launch.run_status(str(rundir))
+    ended_during_the_liveness_check(monkeypatch, rundir)
+    state = read(str(rundir))
     assert (state["state"], state["exit_code"]) == ("exited", 0)
 
 
-def test_facts_of_a_run_that_ends_while_it_is_read_is_exited(tmp_path, monkeypatch):
+@pytest.mark.parametrize("read", [launch.run_status, facts.run_state],
+                         ids=["launch-status", "facts"])
+def test_a_run_whose_supervisor_vanished_without_a_record_is_still_lost(tmp_path, monkeypatch,
+                                                                         read):
     rundir = fake_rundir(tmp_path)
-    ended_during_the_liveness_check(facts, monkeypatch, rundir, "alive", "supervising")
-    state = facts.run_state(str(rundir))
-    assert (state["state"], state["exit_code"]) == ("exited", 0)
+    nobody_alive(monkeypatch)
+    assert read(str(rundir))["state"] == "lost"
 
 
-def test_a_run_whose_supervisor_vanished_without_a_record_is_still_lost(tmp_path, monkeypatch):
-    rundir = fake_rundir(tmp_path)
-    for name in ("same_process", "supervisor_alive", "run_processes"):
-        monkeypatch.setattr(launch, name, lambda *a, **k: False)
-    assert launch.run_status(str(rundir))["state"] == "lost"
+def test_a_run_that_left_a_process_behind_is_running_until_that_ends(tmp_path):
+    """Recipe and supervisor gone, no end recorded, but a process of the run lives on (it
+    carries the run's TPUFAB_RUN_ID): launch.py (shipped) and facts.py both say running; once
+    it is gone, lost."""
+    name = f"stray-{os.getpid()}-{random.randrange(1 << 30):x}"
+    rundir = fake_rundir(tmp_path, name)
+    stray = subprocess.Popen(["sleep", "300"], env={**os.environ, "TPUFAB_RUN_ID": name},
+                             start_new_session=True)
+    try:
+        assert status_of(rundir.parent, name)["state"] == "running"
+        assert [r["state"] for r in facts.runs(str(rundir.parent), 5)[0]] == ["running"]
+    finally:
+        stray.kill()
+        stray.wait(10)
+    assert status_of(rundir.parent, name)["state"] == "lost"
+    assert [r["state"] for r in facts.runs(str(rundir.parent), 5)[0]] == ["lost"]
 
 
 # -- a full disk during a run -------------------------------------------------------------------

@@ -13,7 +13,16 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import unique_name, wait_for
-from helpers import TPUFAB, cli_env, in_worker, quiet_console, sim_settings, use_env
+from helpers import (
+    TPUFAB,
+    WORKER_PYTHON,
+    cli_env,
+    in_worker,
+    quiet_console,
+    shipped,
+    sim_settings,
+    use_env,
+)
 
 from tpufab import status as st
 from tpufab.remote import facts
@@ -225,12 +234,12 @@ def test_run_states_from_launch_records(tmp_path):
             (d / key).write_text(f"{value}\n")
         return d
 
-    me = facts.proc_stat(os.getpid())
+    me = facts.proc_stat(os.getpid()).start_time
     states = {
         "a-exited": run("a-exited", pid=1, start_time=1, exit_code=3, ended_at=9.5),
         "b-killed": run("b-killed", pid=1, start_time=1, killed="SIGTERM"),
-        "c-running": run("c-running", pid=os.getpid(), start_time=me[2]),
-        "d-lost": run("d-lost", pid=os.getpid(), start_time=me[2] + 1, supervisor=1),
+        "c-running": run("c-running", pid=os.getpid(), start_time=me),
+        "d-lost": run("d-lost", pid=os.getpid(), start_time=me + 1, supervisor=1),
     }
     got = {name: facts.run_state(str(path)) for name, path in states.items()}
     assert got["a-exited"] == {"run": "a-exited", "recipe": "r.sh", "started_at": 1.5,
@@ -262,7 +271,7 @@ def test_device_holders_scan_proc_fd(tmp_path):
 
 
 def test_facts_script_prints_one_json_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-I", "-S", facts.__file__, "--run-dir",
+    proc = subprocess.run([WORKER_PYTHON, "-I", "-S", str(shipped("facts.py")), "--run-dir",
                            str(tmp_path / "runs"), "--deploy-dir", str(tmp_path)],
                           capture_output=True, text=True, check=True)
     lines = proc.stdout.splitlines()
@@ -440,7 +449,7 @@ def ending_run(tmp_path: Path, *, start_time: bool = True):
     for key, value in (("pid", gone.pid), ("start_time", 1), ("supervisor", supervisor.pid)):
         (rundir / key).write_text(f"{value}\n")
     if start_time:
-        (rundir / "supervisor_start_time").write_text(f"{facts.proc_stat(supervisor.pid)[2]}\n")
+        (rundir / "supervisor_start_time").write_text(f"{facts.proc_stat(supervisor.pid).start_time}\n")
     return rundir, supervisor
 
 

@@ -3,7 +3,7 @@
 Every scenario runs this file as PID 1 of a fresh `unshare --pid --mount` namespace with a
 tmpfs on /tmp (fake device files, lockfiles, run records live there), so no host process is
 ever in reach of the kill, and everything the scenario started dies with its PID 1. The
-worker-side scripts run under /usr/bin/python3, as on a worker.
+worker-side scripts run as they are shipped, under /usr/bin/python3, as on a worker.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import WORKER_PYTHON, process_alive, process_start_time, shipped_bytes
 
 REPO = Path(__file__).resolve().parents[1]
-REMOTE = REPO / "tpufab" / "remote"
-WORKER_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+SCRIPTS = ("launch.py", "tpukill.py", "zombie.py")
+REMOTE = Path("/tmp/tpufab-remote")   # inside a scenario's own /tmp
 DEV = "/tmp/dev"
 LOCK = "/tmp/libtpu_lockfile"
 SO_LOCK = "/tmp/libtpu.so_lockfile"
@@ -52,21 +53,6 @@ def _tpukill(*flags):
     return {"rc": proc.returncode, "report": json.loads(proc.stdout), "stderr": proc.stderr}
 
 
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            data = fh.read()
-    except OSError:
-        return False
-    return data[data.rindex(b")") + 2:].split()[0] not in (b"Z", b"X")
-
-
-def _start_time(pid):
-    with open(f"/proc/{pid}/stat", "rb") as fh:
-        data = fh.read()
-    return int(data[data.rindex(b")") + 2:].split()[19])
-
-
 def _wait_for(condition, what: str, timeout=10.0):
     """conftest's wait_for for the scenario side, which runs without pytest."""
     deadline = time.monotonic() + timeout
@@ -79,17 +65,15 @@ def _wait_for(condition, what: str, timeout=10.0):
 
 def _facts(zombies, kill, **extra):
     return {"zombies": zombies, "kill": kill,
-            "alive": {str(z["pid"]): _alive(z["pid"]) for z in zombies},
+            "alive": {str(z["pid"]): process_alive(z["pid"]) for z in zombies},
             "lockfile_exists": os.path.exists(LOCK), **extra}
 
 
 def scenario(name):
-    global REMOTE
-    # The checkout may itself live under /tmp, which the tmpfs below covers: keep the
-    # worker-side scripts by copying them into the new /tmp.
-    scripts = {p.name: p.read_bytes() for p in REMOTE.glob("*.py")}
+    # The shipped scripts (and the checkout) may live under /tmp, which the tmpfs below
+    # covers: keep them by copying them into the new /tmp.
+    scripts = {script: shipped_bytes(script) for script in SCRIPTS}
     subprocess.run(["mount", "-t", "tmpfs", "tpufab-test", "/tmp"], check=True)
-    REMOTE = Path("/tmp/tpufab-remote")
     REMOTE.mkdir()
     for script, data in scripts.items():
         (REMOTE / script).write_bytes(data)
@@ -124,7 +108,7 @@ def scenario(name):
                                      start_new_session=True)
         zombies = _zombies("--devices-glob", f"{DEV}/accel*", "--lockfile", LOCK,
                            "--holders", "1", "--ignore-term", "0", "--no-protected")
-        return _facts(zombies, _tpukill("--grace", "2"), bystander_alive=_alive(bystander.pid))
+        return _facts(zombies, _tpukill("--grace", "2"), bystander_alive=process_alive(bystander.pid))
     if name == "runs":
         _make_devices()
         recipe = Path("/tmp/recipe.sh")
@@ -145,21 +129,21 @@ def scenario(name):
                        capture_output=True, text=True, timeout=30, check=True)
         _wait_for(lambda: Path("/tmp/runs/leaky/exit_code").exists(), "the leaky run to end")
         leaked = int(Path("/tmp/runs/leaky/log").read_text().split()[1])
-        assert _alive(leaked)
+        assert process_alive(leaked)
         # A recorded run whose pid now belongs to another process (pid reuse).
         bystander = subprocess.Popen(["sleep", "300"], start_new_session=True)
         fake = Path("/tmp/runs/reused")
         fake.mkdir(parents=True)
         (fake / "pid").write_text(f"{bystander.pid}\n")
         (fake / "pgid").write_text(f"{bystander.pid}\n")
-        (fake / "start_time").write_text(f"{_start_time(bystander.pid) - 1}\n")
+        (fake / "start_time").write_text(f"{process_start_time(bystander.pid) - 1}\n")
         kill = _tpukill("--grace", "2")
         recorded = _wait_for(lambda: Path("/tmp/runs/real/killed").exists(),
                              "the kill recorded in the run")
         return {"kill": kill, "recipe_pid": started["pid"], "child_pid": child,
-                "recipe_alive": _alive(started["pid"]), "child_alive": _alive(child),
-                "bystander_pid": bystander.pid, "bystander_alive": _alive(bystander.pid),
-                "leaked_pid": leaked, "leaked_alive": _alive(leaked),
+                "recipe_alive": process_alive(started["pid"]), "child_alive": process_alive(child),
+                "bystander_pid": bystander.pid, "bystander_alive": process_alive(bystander.pid),
+                "leaked_pid": leaked, "leaked_alive": process_alive(leaked),
                 "killed_recorded": recorded and Path("/tmp/runs/real/killed").read_text()}
     raise SystemExit(f"unknown scenario {name}")
 
@@ -294,16 +278,14 @@ def test_nothing_to_kill_is_a_clean_noop():
 
 
 def test_protection_rules():
-    sys.path.insert(0, str(REMOTE))
-    try:
-        import tpukill
-    finally:
-        sys.path.pop(0)
-    assert tpukill.DEFAULT_DEVICE_GLOBS == ("/dev/accel*", "/dev/vfio/[0-9]*")
+    from tpufab.remote import tpukill
+    from tpufab.topology import DEVICE_GLOBS
+
+    assert tpukill.DEVICE_GLOBS == DEVICE_GLOBS == ("/dev/accel*", "/dev/vfio/[0-9]*")
     assert set(tpukill.DEFAULT_LOCKFILES) == {LOCK, SO_LOCK}
-    init = tpukill.Proc.read(1)
+    init = tpukill.proc_stat(1)
     assert tpukill.protection(init, set(), tpukill.PROTECTED_NAMES) == "pid 1"
-    me = tpukill.Proc.read(os.getpid())
+    me = tpukill.proc_stat(os.getpid())
     assert tpukill.protection(me, {os.getpid()}, ()) == "ancestor of this kill"
     assert tpukill.protection(me, set(), ()) == ""
     # the first pattern that matches comm (python, python3.11 or pytest, however pytest runs)

@@ -27,7 +27,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from typing import IO, TYPE_CHECKING, Protocol
 
 from tpufab import nodeset, quoting
@@ -416,15 +415,12 @@ def print_gathered(result: GroupResult, out: IO | None = None, err: IO | None = 
 # ---------------------------------------------------------------------------------------------
 
 
-_SOURCES: dict[str, bytes] = {}
-
-
 def _remote_file(name: str) -> bytes:
-    """A worker-side file shipped with tpufab (``tpufab/remote/NAME``), read once."""
-    data = _SOURCES.get(name)
-    if data is None:
-        data = _SOURCES[name] = resources.files("tpufab.remote").joinpath(name).read_bytes()
-    return data
+    """A worker-side file shipped with tpufab (``tpufab/remote/NAME``) as the one seam ships
+    it (``RemoteFile.bundled``: read once, a script standing alone)."""
+    from tpufab.remote_files import RemoteFile
+
+    return RemoteFile.bundled(name).data
 
 
 _LOADER = "import sys;exec(compile(sys.stdin.buffer.read({size}),'tpufab-agent','exec'))"

@@ -14,12 +14,17 @@ the usual case, everything already there, costs one round trip.
 
 Commands are built from quoted pieces (``tpufab.quoting``); the worker user's login shell
 runs them, as ``ssh host CMD`` would, from the home directory (relative paths below).
+
+A bundled Python script that imports the worker-side library (``from tpufab.remote.workerlib
+import ...``, one line) is shipped with the library's body in place of that line (``bundle``),
+so it still runs alone (``python3 -I -S FILE``, or from stdin) and its hash covers both.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -43,7 +48,8 @@ class RemoteFile:
 
     @classmethod
     def bundled(cls, name: str) -> RemoteFile:
-        """A worker-side file shipped with tpufab (``tpufab/remote/NAME``)."""
+        """A worker-side file shipped with tpufab (``tpufab/remote/NAME``), as it is shipped:
+        a Python script with the worker-side library inlined (``bundle``)."""
         return _bundled(name)
 
     @classmethod
@@ -67,8 +73,150 @@ _BUNDLED: dict[str, RemoteFile] = {}
 def _bundled(name: str) -> RemoteFile:
     found = _BUNDLED.get(name)
     if found is None:
-        data = resources.files("tpufab.remote").joinpath(name).read_bytes()
+        folder = resources.files("tpufab.remote")
+        data = folder.joinpath(name).read_bytes()
+        if name.endswith(".py"):
+            data = bundle(name, data, folder.joinpath(LIBRARY).read_bytes())
         found = _BUNDLED[name] = RemoteFile(name, data, 0o644)
+    return found
+
+
+# -- the worker-side library, inlined (pure) ----------------------------------------------------
+
+LIBRARY = "workerlib.py"
+LIBRARY_MODULE = "tpufab.remote.workerlib"
+
+
+# A line that may import from tpufab (or relatively): only a script with one is parsed, so
+# the scripts that import nothing (the fan-out agent, read by every process) cost no parse.
+_MAY_IMPORT_TPUFAB = re.compile(
+    rb"^[^#\n]*\b(?:from[ \t]+(?:tpufab\b|\.)|import\b[^#\n]*\btpufab\b)", re.M)
+
+
+class BundleError(ValueError):
+    """A worker script that cannot stand alone once bundled (a bug in tpufab, not in its use)."""
+
+
+def bundle(name: str, source: bytes, library: bytes) -> bytes:
+    """``source`` (worker script ``name``) made to stand alone: its one top-level statement
+    ``from tpufab.remote.workerlib import a, b`` (on one line, or wrapped in parentheses)
+    replaced by the parts of ``library`` that define those names and what they use. A
+    script without that statement is returned as it is.
+
+    Raises BundleError where the result would not run as the script does locally: any other
+    import of tpufab, the statement aliased, repeated or sharing a line, a name the library
+    lacks, or a top-level name both define (the library's code would see the script's).
+    """
+    if not _MAY_IMPORT_TPUFAB.search(source):
+        return source
+    import ast
+
+    tree = ast.parse(source, filename=name)
+    marker = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            modules = ["." * node.level + (node.module or "")]
+        else:
+            continue
+        if not any(m == "tpufab" or m.startswith(("tpufab.", ".")) for m in modules):
+            continue
+        if modules != [LIBRARY_MODULE] or node not in tree.body or marker is not None or \
+                any(alias.asname for alias in node.names) or _shares_a_line(tree, node):
+            raise BundleError(
+                f"{name} line {node.lineno}: a worker script imports from tpufab only in one "
+                f"top-level statement of its own, `from {LIBRARY_MODULE} import a, b` (no "
+                f"alias); it cannot stand alone on a worker otherwise")
+        marker = node
+    if marker is None:
+        return source
+    lib = ast.parse(library, filename=LIBRARY)
+    provided = _top_level_names(lib)
+    missing = sorted(alias.name for alias in marker.names if alias.name not in provided)
+    if missing:
+        raise BundleError(f"{name} imports {', '.join(missing)} from {LIBRARY_MODULE}, "
+                          f"which does not define them")
+    clash = sorted(n for n, bound in _top_level_names(tree, skip=marker).items()
+                   if n in provided and not (bound == provided[n] and bound.startswith("import")))
+    if clash:
+        raise BundleError(f"{name} defines {', '.join(clash)} at top level, as {LIBRARY} does: "
+                          f"rename one (inlined, the library would use the script's)")
+    lines = source.splitlines(keepends=True)
+    return b"".join([*lines[:marker.lineno - 1],
+                     f"# -- from {LIBRARY} (tpufab/remote), inlined by tpufab.remote_files.bundle\n"
+                     .encode(), *_needed(lib, library, [a.name for a in marker.names]),
+                     f"\n# -- end of {LIBRARY}\n".encode(), *lines[marker.end_lineno:]])
+
+
+def _needed(lib, library: bytes, names: list[str]) -> list[bytes]:
+    """The lines of the library's top-level statements that bind ``names`` and, in turn,
+    every library name those use, in the library's order (so a script carries only what
+    it uses, and its hash changes only when that does)."""
+    import ast
+
+    binders: dict[str, int] = {}
+    for index, node in enumerate(lib.body):
+        if not isinstance(node, (ast.Import, ast.ImportFrom, ast.Assign, ast.AnnAssign,
+                                 ast.FunctionDef, ast.ClassDef)) and \
+                not (index == 0 and isinstance(node, ast.Expr)):     # the docstring
+            raise BundleError(f"{LIBRARY} line {node.lineno}: only imports, assignments, "
+                              f"functions and classes at top level (bundle keeps by name)")
+        for name in _top_level_names(ast.Module(body=[node], type_ignores=[])):
+            binders[name] = index
+    keep: set[int] = set()
+    todo = list(names)
+    while todo:
+        index = binders.get(todo.pop())
+        if index is None or index in keep:
+            continue
+        keep.add(index)
+        todo += [n.id for n in ast.walk(lib.body[index]) if isinstance(n, ast.Name)]
+    source = library.splitlines(keepends=True)
+    out: list[bytes] = []
+    previous = None
+    for index in sorted(keep):
+        node = lib.body[index]
+        first = min([node.lineno, *[d.lineno for d in getattr(node, "decorator_list", ())]])
+        if previous is not None:      # PEP 8's blank lines, as in the library itself
+            blank = isinstance(node, (ast.FunctionDef, ast.ClassDef)) * 2 or \
+                int(type(node) is not type(previous))
+            out.append(b"\n" * blank)
+        out += source[first - 1:node.end_lineno]
+        previous = node
+    return out
+
+
+def _shares_a_line(tree, node) -> bool:
+    """Another top-level statement starts or ends on one of ``node``'s lines (``a; b``)."""
+    return any(other is not node and other.lineno <= node.end_lineno
+               and other.end_lineno >= node.lineno for other in tree.body)
+
+
+def _top_level_names(tree, skip=None) -> dict[str, str]:
+    """{name: what binds it} for the names a module binds at top level (but in ``skip``):
+    ``import M`` binds M to module M, the same in a script and the library (no clash)."""
+    import ast
+
+    found: dict[str, str] = {}
+    for node in tree.body:
+        if node is skip:
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found[alias.asname or alias.name.split(".")[0]] = \
+                    "import " + (alias.name if alias.asname else alias.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                found[alias.asname or alias.name] = f"from {node.module} import {alias.name}"
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found[node.name] = f"def {node.name}"
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for leaf in ast.walk(target):
+                    if isinstance(leaf, ast.Name):
+                        found[leaf.id] = f"{leaf.id} ="
     return found
 
 

@@ -32,6 +32,15 @@ import time
 import urllib.error
 import urllib.request
 
+from tpufab.remote.workerlib import (
+    DEVICE_GLOBS,
+    alive,
+    expand_globs,
+    proc_stat,
+    read_json,
+    write_atomic,
+)
+
 BASE = "~/.tpufab/autostop"
 DROPPED_ENV = ("TPUFAB_TASK",)   # the fan-out agent's marker: the watchdog outlives the command
 METADATA_HOST = "metadata.google.internal"
@@ -40,22 +49,6 @@ TOKEN_PATH = "/computeMetadata/v1/instance/service-accounts/default/token"
 
 def path(name):
     return os.path.join(os.path.expanduser(BASE), name)
-
-
-def write_atomic(target, text, mode=0o600):
-    tmp = target + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, target)
-
-
-def read_json(target):
-    try:
-        with open(target) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return None
 
 
 def log_event(event, **fields):
@@ -83,23 +76,16 @@ def recent_events(limit=10):
 # -- the watchdog's process ------------------------------------------------------------------
 
 
-def proc_start_time(pid):
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            data = fh.read()
-    except OSError:
-        return None
-    fields = data[data.rindex(b")") + 2:].split()
-    if fields[0] in (b"Z", b"X", b"x"):
-        return None
-    return int(fields[19])
+def recorded_daemon():
+    """(pid, start time) of the watchdog pid.json names, or (None, None)."""
+    info = read_json(path("pid.json")) or {}
+    return info.get("pid"), info.get("start_time")
 
 
 def running_daemon():
     """(pid) of this worker's live watchdog, verified by its start time; else None."""
-    info = read_json(path("pid.json")) or {}
-    pid, start = info.get("pid"), info.get("start_time")
-    if isinstance(pid, int) and start is not None and proc_start_time(pid) == start:
+    pid, start = recorded_daemon()
+    if isinstance(pid, int) and start is not None and alive(pid, start):
         return pid
     return None
 
@@ -113,9 +99,10 @@ def stop_daemon(timeout=5.0):
     except ProcessLookupError:
         return True
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc_start_time(pid) is not None:
+    start = recorded_daemon()[1]
+    while time.monotonic() < deadline and alive(pid, start):
         time.sleep(0.05)
-    if proc_start_time(pid) is not None:
+    if alive(pid, start):
         os.kill(pid, signal.SIGKILL)
     return True
 
@@ -137,7 +124,7 @@ def arm(args):
     config["facts"] = os.path.expanduser(args.facts)
     os.makedirs(os.path.expanduser(BASE), mode=0o700, exist_ok=True)
     replaced = stop_daemon()
-    write_atomic(path("config.json"), json.dumps(config, sort_keys=True))
+    write_atomic(path("config.json"), json.dumps(config, sort_keys=True), mode=0o600)
     try:
         os.remove(path("state.json"))
     except OSError:
@@ -198,7 +185,7 @@ def local_activity(facts):
     live, _ = facts.runs("~/.tpufab/runs", 0)
     for run in live:
         reasons.append("run {} {}".format(run["run"], run["state"]))
-    holders, _ = facts.device_holders(facts.device_paths(facts.DEVICE_GLOBS))
+    holders, _ = facts.device_holders(expand_globs(DEVICE_GLOBS))
     pids = sorted({h["pid"] for found in holders.values() for h in found})
     if pids:
         reasons.append("TPU held by pid {}".format(",".join(str(p) for p in pids[:5])))
@@ -280,7 +267,8 @@ def daemon(_args):
     if config is None:
         return {"error": "no config"}
     write_atomic(path("pid.json"), json.dumps({"pid": os.getpid(),
-                                               "start_time": proc_start_time(os.getpid())}))
+                                               "start_time": proc_stat(os.getpid()).start_time}),
+                 mode=0o600)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     facts = load_facts(config["facts"])
@@ -329,7 +317,7 @@ def daemon(_args):
         why, fires_at = decide(config, now, idle_since)
         write_atomic(path("state.json"), json.dumps({
             "checked_at": now, "busy": busy[:10], "idle_since": idle_since,
-            "fires_at": fires_at, "fired_at": fired_at}))
+            "fires_at": fires_at, "fired_at": fired_at}), mode=0o600)
         if why is None or (fired_at is not None and now - fired_at < 60):
             continue
         fired_at = now

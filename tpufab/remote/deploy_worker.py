@@ -36,6 +36,8 @@ import subprocess
 import sys
 import time
 
+from tpufab.remote.workerlib import alive, proc_stat, read_json, write_atomic
+
 UNREACHABLE = ("could not read from remote", "unable to connect", "connection refused",
                "could not resolve host", "connection timed out", "failed to connect",
                "does not appear to be a git repository", "repository not found",
@@ -190,15 +192,6 @@ def checkout(args: argparse.Namespace) -> dict:
 LOCK_DIR = "~/.tpufab/locks"
 
 
-def _start_time(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            data = fh.read()
-    except OSError:
-        return None
-    return int(data[data.rindex(b")") + 2:].split()[19])
-
-
 def _holder_pid() -> int:
     """The fan-out agent this script runs under (it lives as long as the SSH connection)."""
     head = os.environ.get("TPUFAB_TASK", "").split(".", 1)[0]
@@ -215,13 +208,11 @@ def _locked(fn):
 
 
 def _read_lease(path: str) -> dict | None:
-    try:
-        with open(path) as fh:
-            lease = json.load(fh)
-    except (OSError, ValueError):
+    lease = read_json(path)
+    if not isinstance(lease, dict):
         return None
     pid, started = lease.get("pid"), lease.get("start_time")
-    if not isinstance(pid, int) or _start_time(pid) != started:
+    if not isinstance(pid, int) or not alive(pid, started):
         return None  # its holder is gone (a finished or killed tpufab): the lease is stale
     return lease
 
@@ -234,12 +225,11 @@ def lease(args: argparse.Namespace) -> dict:
             raise Failure("busy", f"{current.get('purpose')} by {current.get('owner')}, "
                                   f"under way for {age:.0f} s")
         pid = _holder_pid()
+        holder = proc_stat(pid)
         record = {"token": args.token, "owner": args.owner, "purpose": args.purpose,
-                  "pid": pid, "start_time": _start_time(pid), "since": time.time()}
-        tmp = f"{path}.{os.getpid()}"
-        with open(tmp, "w") as fh:
-            json.dump(record, fh)
-        os.replace(tmp, path)
+                  "pid": pid, "start_time": holder.start_time if holder else None,
+                  "since": time.time()}
+        write_atomic(path, json.dumps(record))
         return {"ok": True, "action": "leased", "home": os.path.expanduser("~")}
 
     return _locked(take)

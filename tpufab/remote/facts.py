@@ -36,14 +36,27 @@ import glob
 import json
 import os
 import socket
-import stat
 import subprocess
 import sys
 import threading
 import time
 
-DEVICE_GLOBS = ("/dev/accel*", "/dev/vfio/[0-9]*")
-COMMAND_CHARS = 200
+from tpufab.remote.workerlib import (
+    DEVICE_GLOBS,
+    CarriedRunIds,
+    Watched,
+    argv_of,
+    command_of,
+    expand_globs,
+    mount_records,
+    proc_stat,
+    program_names,
+    read_text,
+    scan_holders,
+    state_of_run,
+    unescape,
+)
+
 PACKAGES = ("jax", "jaxlib", "libtpu", "libtpu-nightly", "torch", "torch_xla")
 VERSIONS = r"""
 import json, sys
@@ -59,94 +72,6 @@ for name in sys.argv[1:]:
         found[name] = None
 print(json.dumps(found))
 """
-
-
-# -- small readers -----------------------------------------------------------------------
-
-
-def read_text(path):
-    try:
-        with open(path, errors="replace") as fh:
-            return fh.read().strip()
-    except OSError:
-        return None
-
-
-def read_int(path):
-    text = read_text(path)
-    try:
-        return int(text) if text else None
-    except ValueError:
-        return None
-
-
-def read_float(path):
-    text = read_text(path)
-    try:
-        return float(text) if text else None
-    except ValueError:
-        return None
-
-
-def proc_stat(pid):
-    """(state, pgid, start_time) of ``pid``, or None when it does not exist."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            data = fh.read()
-    except OSError:
-        return None
-    fields = data[data.rindex(b")") + 2:].split()
-    return fields[0].decode(), int(fields[2]), int(fields[19])
-
-
-def alive(pid, start_time):
-    found = proc_stat(pid)
-    return found is not None and found[2] == start_time and found[0] not in ("Z", "X", "x")
-
-
-def supervising(rundir):
-    """The run's supervisor is still there (verified by the start time launch.py records;
-    by its name, ``tpufab-run``, for runs recorded before it did)."""
-    pid = read_int(os.path.join(rundir, "supervisor"))
-    if pid is None:
-        return False
-    start_time = read_int(os.path.join(rundir, "supervisor_start_time"))
-    if start_time is not None:
-        return alive(pid, start_time)
-    found = proc_stat(pid)
-    return found is not None and found[0] not in ("Z", "X", "x") and \
-        read_text(f"/proc/{pid}/comm") == "tpufab-run"
-
-
-def program_names(pid):
-    """Its comm and its program's base name (tpukill's protected names match either)."""
-    names = [read_text(f"/proc/{pid}/comm") or ""]
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            first = fh.read().split(b"\0", 1)[0].decode("utf-8", "replace")
-    except OSError:
-        first = ""
-    words = first.split(":")[0].split()
-    if words:
-        names.append(os.path.basename(words[0]))
-    return names
-
-
-def command_of(pid):
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            argv = [a.decode("utf-8", "replace") for a in fh.read().split(b"\0") if a]
-    except OSError:
-        argv = []
-    comm = read_text(f"/proc/{pid}/comm") or "?"
-    text = " ".join(argv) or f"[{comm}]"
-    if argv and os.path.basename(argv[0])[:15] != comm:  # renamed itself (prctl): say both
-        text = f"{comm}: {text}"
-    return text if len(text) <= COMMAND_CHARS else text[:COMMAND_CHARS - 3] + "..."
-
-
-def all_pids():
-    return sorted(int(n) for n in os.listdir("/proc") if n.isdigit())
 
 
 # -- uptime, memory, disk ----------------------------------------------------------------
@@ -198,144 +123,39 @@ def disk(paths):
 # -- TPU device files --------------------------------------------------------------------
 
 
-def _common_rdevs():
-    """/dev/null and friends: a placeholder device made as a copy of one of them must not
-    make every process holding /dev/null look like a TPU holder."""
-    found = set()
-    for name in ("null", "zero", "full", "random", "urandom", "tty", "console", "ptmx"):
-        try:
-            found.add(os.stat("/dev/" + name).st_rdev)
-        except OSError:
-            pass
-    return found
-
-
-def device_paths(globs):
-    paths = []
-    for pattern in globs:
-        for path in sorted(glob.glob(pattern)):
-            if path not in paths:
-                paths.append(path)
-    return paths
-
-
 def device_holders(paths):
-    """{path: [{"pid", "command"}]} and how many processes could not be read."""
-    by_path, by_rdev = {}, {}
-    common = _common_rdevs()
-    for path in paths:
-        by_path[path] = path
-        by_path[os.path.realpath(path)] = path
-        try:
-            st = os.stat(path)
-        except OSError:
-            continue
-        if stat.S_ISCHR(st.st_mode) and st.st_rdev not in common:
-            by_rdev[st.st_rdev] = path
+    """{path: [{"pid", "command", "names"}]} and how many processes could not be read."""
     holders = {path: [] for path in paths}
-    unreadable = 0
-    me = os.getpid()
     if not paths:
-        return holders, unreadable
-    for pid in all_pids():
-        if pid == me:
+        return holders, 0
+    held, unreadable = scan_holders(Watched(paths))
+    for pid, found in sorted(held.items()):
+        proc = proc_stat(pid)
+        if proc is None or proc.exited:
             continue
-        fd_dir = f"/proc/{pid}/fd"
-        try:
-            fds = os.listdir(fd_dir)
-        except PermissionError:
-            unreadable += 1
-            continue
-        except OSError:
-            continue
-        held = set()
-        for fd in fds:
-            fd_path = fd_dir + "/" + fd
-            try:
-                link = os.readlink(fd_path)
-            except OSError:
-                continue
-            path = by_path.get(link)
-            if path is None and by_rdev and link.startswith("/dev/"):
-                try:
-                    path = by_rdev.get(os.stat(fd_path).st_rdev)
-                except OSError:
-                    path = None
-            if path is not None:
-                held.add(path)
-        if held:
-            command = command_of(pid)
-            names = program_names(pid)
-            for path in held:
-                holders[path].append({"pid": pid, "command": command, "names": names})
+        argv = argv_of(pid)
+        entry = {"pid": pid, "command": command_of(proc, argv, say_renamed=True),
+                 "names": program_names(proc.comm, argv)}
+        for path in found:
+            holders[path].append(entry)
     return holders, unreadable
 
 
 # -- tpufab runs (records written by launch.py) ------------------------------------------
 
 
-def read_end(rundir):
-    """How a run ended (launch.py's ``end.json``, else its one-value files), or None."""
-    try:
-        with open(os.path.join(rundir, "end.json"), "rb") as fh:
-            text = fh.read(4096).strip()
-        record = json.loads(text.decode()) if text else None
-    except (OSError, ValueError):
-        record = None
-    if isinstance(record, dict):
-        return record
-    exit_code = read_int(os.path.join(rundir, "exit_code"))
-    killed = read_text(os.path.join(rundir, "killed"))
-    if exit_code is None and not killed:
-        return None
-    found = {"ended_at": read_float(os.path.join(rundir, "ended_at"))}
-    if exit_code is not None:
-        found["exit_code"] = exit_code
-    else:
-        found["killed"] = killed
-    return found
-
-
-def run_state(rundir):
-    """A run's state. The end record is read again after the liveness checks (the
-    supervisor writes it, then exits), so a run that ends in between is never "lost"."""
-    state = {"run": os.path.basename(rundir)}
-    meta = read_text(os.path.join(rundir, "meta.json"))
+def run_state(rundir, carried=None):
+    """A run's state (workerlib's ``state_of_run``) with its recipe and start time."""
     info = {}
+    meta = read_text(os.path.join(rundir, "meta.json"))
     if meta:
         try:
             info = json.loads(meta)
         except ValueError:
             info = {}
-    state["recipe"] = info.get("recipe")
-    state["started_at"] = info.get("started_at")
-    pid = read_int(os.path.join(rundir, "pid"))
-    start_time = read_int(os.path.join(rundir, "start_time"))
-    end = read_end(rundir)
-    if end is None:
-        if pid is not None and start_time is not None and alive(pid, start_time):
-            state["state"] = "running"
-        elif supervising(rundir):
-            state["state"] = "running"   # the recipe just ended; its supervisor is writing that
-        else:
-            end = read_end(rundir)
-            if end is None and pid is None and \
-                    read_int(os.path.join(rundir, "supervisor")) is None:
-                try:
-                    young = time.time() - os.path.getmtime(rundir) < 30
-                except OSError:
-                    young = False
-                state["state"] = "starting" if young else "lost"
-            elif end is None:
-                state["state"] = "lost"
-    if end is not None:
-        if end.get("killed"):
-            state.update(state="killed", signal=end["killed"])
-        else:
-            state.update(state="exited", exit_code=end.get("exit_code"))
-        if end.get("disk_full"):
-            state["disk_full"] = end["disk_full"]
-    state["ended_at"] = end.get("ended_at") if end else None
+    state = {"run": os.path.basename(rundir), "recipe": info.get("recipe"),
+             "started_at": info.get("started_at")}
+    state.update(state_of_run(rundir, carried))
     return state
 
 
@@ -346,7 +166,8 @@ def runs(run_dir, limit):
         names = sorted(n for n in os.listdir(base) if os.path.isdir(os.path.join(base, n)))
     except OSError:
         return [], 0
-    states = [run_state(os.path.join(base, name)) for name in names]
+    carried = CarriedRunIds()   # one /proc scan at most, for every run that needs it
+    states = [run_state(os.path.join(base, name), carried) for name in names]
     live = [s for s in states if s["state"] in ("running", "starting")]
     ended = [s for s in states if s["state"] not in ("running", "starting")]
     kept = live + ended[-limit:] if limit else live
@@ -403,31 +224,9 @@ def deployed(path):
 # -- mounts ------------------------------------------------------------------------------
 
 
-def unescape(field):
-    """/proc/mounts escapes space, tab, newline and backslash as \\ooo."""
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and len(field[i + 1:i + 4]) == 3 and field[i + 1:i + 4].isdigit():
-            out.append(chr(int(field[i + 1:i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
-
-
 def mounts(state_dir, proc_mounts="/proc/mounts"):
     """FUSE mounts (gcsfuse, rclone...), with the gs:// URL tpufab recorded for each."""
-    recorded = {}
-    base = os.path.expanduser(state_dir)
-    for path in sorted(glob.glob(os.path.join(base, "*.json"))):
-        try:
-            with open(path) as fh:
-                data = json.load(fh)
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict) and data.get("at"):
-            recorded[data["at"]] = data
+    recorded = {record["at"]: record for _, record in mount_records(state_dir)}
     found = []
     try:
         with open(proc_mounts) as fh:
@@ -573,7 +372,7 @@ def holders_as_root(globs):
 def gather(args):
     reading = start_packages(args.python) if args.python else None
     globs = args.devices_glob or DEVICE_GLOBS
-    paths = device_paths(globs)
+    paths = expand_globs(globs)
     holders, unreadable = device_holders(paths)
     if unreadable and paths and os.geteuid() != 0:
         as_root = holders_as_root(globs)

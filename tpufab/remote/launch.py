@@ -52,6 +52,20 @@ import threading
 import time
 import urllib.request
 
+from tpufab.remote.workerlib import (
+    SUPERVISOR_NAME,
+    CarriedRunIds,
+    EndRecord,
+    alive,
+    mount_records,
+    proc_stat,
+    read_int,
+    read_text,
+    run_processes,
+    state_of_run,
+    write_atomic,
+)
+
 DEFAULT_RUN_DIR = "~/.tpufab/runs"
 METADATA = "http://metadata.google.internal/computeMetadata/v1/instance/"
 NOTICE_MARK = "tpufab: notice:"  # the log line babysit looks for
@@ -65,7 +79,6 @@ EXIT_LOST = 255
 MASK = b"***"
 CHUNK = 1 << 16
 LINE_LIMIT = 1 << 20     # tail --follow holds back a partial line up to this size
-END_RESERVED = 4096      # bytes of end.json written at start, overwritten in place at the end
 DISK_FULL = (28, 122)    # ENOSPC, EDQUOT
 
 
@@ -74,30 +87,6 @@ class UsageError(Exception):
 
 
 # -- small file helpers ------------------------------------------------------------------
-
-
-def write_atomic(path, text, mode=0o644):
-    tmp = f"{path}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
-
-
-def read_text(path):
-    try:
-        with open(path) as fh:
-            return fh.read().strip()
-    except OSError:
-        return None
-
-
-def read_int(path):
-    text = read_text(path)
-    try:
-        return int(text) if text is not None else None
-    except ValueError:
-        return None
 
 
 def secret_forms(values):
@@ -150,46 +139,6 @@ class Masker:
                     best = k
                     break
         return best
-
-
-def proc_stat(pid):
-    """(state, pgid, start_time) of `pid`, or None when it does not exist."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            data = fh.read()
-    except OSError:
-        return None
-    fields = data[data.rindex(b")") + 2:].split()
-    return fields[0].decode(), int(fields[2]), int(fields[19])
-
-
-def same_process(pid, start_time):
-    stat = proc_stat(pid)
-    return stat is not None and stat[2] == start_time and stat[0] not in ("Z", "X", "x")
-
-
-def run_processes(run_id, pgid=None):
-    """Live processes of a run: those carrying its TPUFAB_RUN_ID (wherever they went:
-    setsid, nohup), plus members of process group `pgid` when the caller verified it."""
-    needle = f"\0TPUFAB_RUN_ID={run_id}\0".encode()
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        stat = proc_stat(int(name))
-        if stat is None or stat[0] in ("Z", "X", "x"):
-            continue
-        if pgid is not None and stat[1] == pgid:
-            found.append(int(name))
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as fh:
-                env = b"\0" + fh.read() + b"\0"
-        except OSError:
-            continue
-        if needle in env:
-            found.append(int(name))
-    return found
 
 
 def run_path(run_dir, run_id):
@@ -265,19 +214,9 @@ def output_dirs(run_id, rundir, mounts_dir):
     """TPUFAB_OUTPUT_DIR and TPUFAB_PROFILE_DIR: on the first bucket tpufab mounted here
     (``<mount>/tpufab/runs/<run-id>/{output,profile}``, shared by every worker), else in the
     run's own directory. Made here, so a recipe can write at once."""
-    bases = []
-    if mounts_dir:
-        folder = os.path.expanduser(mounts_dir)
-        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
-            if not name.endswith(".json"):
-                continue
-            try:
-                with open(os.path.join(folder, name)) as fh:
-                    at = json.load(fh).get("at")
-            except (OSError, ValueError, AttributeError):
-                continue
-            if at and os.path.ismount(at):
-                bases.append(os.path.join(at, "tpufab", "runs", run_id))
+    bases = [os.path.join(record["at"], "tpufab", "runs", run_id)
+             for _, record in (mount_records(mounts_dir) if mounts_dir else ())
+             if os.path.ismount(record["at"])]
     for base in (*bases, rundir):
         dirs = {"TPUFAB_OUTPUT_DIR": os.path.join(base, "output"),
                 "TPUFAB_PROFILE_DIR": os.path.join(base, "profile")}
@@ -378,7 +317,7 @@ def supervise(rundir, argv, cwd, env, ready_w, forms=()):
     os.dup2(diag, 2)
     try:
         with open("/proc/self/comm", "w") as fh:
-            fh.write("tpufab-run")
+            fh.write(SUPERVISOR_NAME)
     except OSError:
         pass
     end = EndRecord(rundir)
@@ -396,13 +335,13 @@ def supervise(rundir, argv, cwd, env, ready_w, forms=()):
     copier = LogCopier(out_r, log, Masker(forms), rundir)
     thread = threading.Thread(target=copier.run, name="tpufab-log", daemon=True)
     thread.start()
-    stat = proc_stat(child.pid)
-    start_time = stat[2] if stat else 0
+    recipe = proc_stat(child.pid)
+    start_time = recipe.start_time if recipe else 0
     write_atomic(os.path.join(rundir, "pid"), f"{child.pid}\n")
     write_atomic(os.path.join(rundir, "pgid"), f"{child.pid}\n")
     write_atomic(os.path.join(rundir, "start_time"), f"{start_time}\n")
     own = proc_stat(os.getpid())
-    write_atomic(os.path.join(rundir, "supervisor_start_time"), f"{own[2] if own else 0}\n")
+    write_atomic(os.path.join(rundir, "supervisor_start_time"), f"{own.start_time if own else 0}\n")
     write_atomic(os.path.join(rundir, "supervisor"), f"{os.getpid()}\n")
     os.write(ready_w, json.dumps({"pid": child.pid, "pgid": child.pid,
                                   "start_time": start_time}).encode())
@@ -416,62 +355,6 @@ def supervise(rundir, argv, cwd, env, ready_w, forms=()):
               killed=signal.Signals(-code).name if code < 0 else None,
               disk_full=copier.disk_full())
     thread.join()
-
-
-class EndRecord:
-    """How a run ended, in `end.json`: its space is taken when the run starts and overwritten
-    in place at the end, so a disk that fills up meanwhile cannot lose the record. The
-    one-value files (`exit_code`, `killed`, `ended_at`) follow when there is room."""
-
-    def __init__(self, rundir):
-        self.rundir = rundir
-        self.fd = os.open(os.path.join(rundir, "end.json"), os.O_RDWR | os.O_CREAT, 0o644)
-        os.write(self.fd, b" " * END_RESERVED)
-
-    def write(self, exit_code=None, killed=None, disk_full=None):
-        record = {"ended_at": time.time()}
-        if killed:
-            record["killed"] = killed
-        else:
-            record["exit_code"] = exit_code
-        if disk_full:
-            record["disk_full"] = disk_full
-        data = json.dumps(record, sort_keys=True).encode()[:END_RESERVED - 1] + b"\n"
-        os.pwrite(self.fd, data.ljust(END_RESERVED), 0)
-        os.close(self.fd)
-        try:
-            if killed:
-                write_atomic(os.path.join(self.rundir, "killed"), killed + "\n")
-            else:
-                write_atomic(os.path.join(self.rundir, "exit_code"), f"{exit_code}\n")
-            write_atomic(os.path.join(self.rundir, "ended_at"), f"{record['ended_at']}\n")
-        except OSError:
-            pass    # end.json has it
-
-
-def read_end(rundir):
-    """The end record of a run ({"exit_code"|"killed", "ended_at", "disk_full"?}), or None
-    while it runs. Runs recorded before end.json existed have only the one-value files."""
-    try:
-        with open(os.path.join(rundir, "end.json"), "rb") as fh:
-            text = fh.read(END_RESERVED).strip()
-        record = json.loads(text.decode()) if text else None
-    except (OSError, ValueError):
-        record = None
-    if isinstance(record, dict):
-        return record
-    exit_code = read_int(os.path.join(rundir, "exit_code"))
-    killed = read_text(os.path.join(rundir, "killed"))
-    if exit_code is None and not killed:
-        return None
-    ended = read_text(os.path.join(rundir, "ended_at"))
-    try:
-        ended_at = float(ended) if ended else None
-    except ValueError:
-        ended_at = None
-    if exit_code is not None:
-        return {"exit_code": exit_code, "ended_at": ended_at}
-    return {"killed": killed, "ended_at": ended_at}
 
 
 class LogCopier:
@@ -608,44 +491,17 @@ def relay_notices(rundir, child, env):
 # -- status --------------------------------------------------------------------------------
 
 
-def run_status(rundir):
-    """One run's state: running, exited (exit_code), killed (signal) or lost.
-
-    The end record is read again after the liveness checks: the supervisor writes it before
-    it exits, so a run found without a live process or supervisor but with a record by then
-    ended normally in between; only a run without either is lost.
-    """
+def run_status(rundir, carried=None):
+    """One run's state (workerlib's ``state_of_run``: running, starting, exited with
+    exit_code, killed by signal, or lost) with what launch.py recorded about it."""
     status = {"run": os.path.basename(rundir)}
     meta = read_text(os.path.join(rundir, "meta.json"))
     if meta:
         info = json.loads(meta)
         for key in ("commit", "recipe", "recipe_sha256", "started_at", "args", "cwd"):
             status[key] = info.get(key)
-    pid = read_int(os.path.join(rundir, "pid"))
-    start_time = read_int(os.path.join(rundir, "start_time"))
-    status["pid"] = pid
-    end = read_end(rundir)
-    if end is None:
-        if pid is not None and start_time is not None and same_process(pid, start_time):
-            status["state"] = "running"
-        elif pid is not None and start_time is not None and run_processes(status["run"]):
-            status["state"] = "running"   # the leader is gone, some of its processes live on
-        elif supervisor_alive(rundir):
-            status["state"] = "running"   # the recipe just ended; its supervisor records it
-        else:
-            end = read_end(rundir)
-            if end is None:
-                # No supervisor left to say how it ended (reboot, supervisor killed): lost.
-                status["state"] = "lost" if pid is not None or not _starting(rundir) \
-                    else "starting"
-    if end is not None:
-        if end.get("killed"):
-            status.update(state="killed", signal=end["killed"])
-        else:
-            status.update(state="exited", exit_code=end.get("exit_code"))
-        if end.get("disk_full"):
-            status["disk_full"] = end["disk_full"]
-    status["ended_at"] = end.get("ended_at") if end else None
+    status["pid"] = read_int(os.path.join(rundir, "pid"))
+    status.update(state_of_run(rundir, carried))
     if os.path.exists(os.path.join(rundir, "stop_requested")):
         status["stop_requested"] = True
     notice = read_text(os.path.join(rundir, "notice"))
@@ -656,18 +512,6 @@ def run_status(rundir):
     except OSError:
         status["log_size"] = 0
     return status
-
-
-def supervisor_alive(rundir):
-    """The run's supervisor still lives (verified by its start time)."""
-    pid = read_int(os.path.join(rundir, "supervisor"))
-    start_time = read_int(os.path.join(rundir, "supervisor_start_time"))
-    return pid is not None and start_time is not None and same_process(pid, start_time)
-
-
-def _starting(rundir):
-    supervisor = read_int(os.path.join(rundir, "supervisor"))
-    return supervisor is None and time.time() - os.path.getmtime(rundir) < 30
 
 
 def status(args):
@@ -682,8 +526,9 @@ def status(args):
             names = sorted(n for n in os.listdir(base) if os.path.isdir(os.path.join(base, n)))
         except OSError:
             names = []
+    carried = CarriedRunIds()   # one /proc scan at most, for every run that needs it
     return {"host": socket.gethostname(),
-            "runs": [run_status(run_path(args.run_dir, name)) for name in names]}
+            "runs": [run_status(run_path(args.run_dir, name), carried) for name in names]}
 
 
 def exit_status(state):
@@ -747,11 +592,11 @@ def stop(args):
     result = {"run": args.run, "before": before["state"], "signal": None}
     pid = read_int(os.path.join(rundir, "pid"))
     start_time = read_int(os.path.join(rundir, "start_time"))
-    group = pid if pid is not None and same_process(pid, start_time) else None
+    group = pid if pid is not None and alive(pid, start_time) else None
     if before["state"] in ("running", "starting"):
         write_atomic(os.path.join(rundir, "stop_requested"), f"{time.time()}\n")
     for signum, timeout in ((signal.SIGTERM, args.grace), (signal.SIGKILL, 5.0)):
-        procs = run_processes(args.run, group)
+        procs = run_processes({args.run: group})[args.run]
         if not procs:
             break
         if group is not None:
@@ -760,15 +605,14 @@ def stop(args):
             except ProcessLookupError:
                 pass
         for other in procs:
-            stat = proc_stat(other)
-            if stat is not None and (group is None or stat[1] != group):
+            if group is None or other.pgid != group:
                 try:
-                    os.kill(other, signum)
+                    os.kill(other.pid, signum)
                 except ProcessLookupError:
                     pass
         result["signal"] = signal.Signals(signum).name[3:]
         deadline = time.monotonic() + timeout
-        while run_processes(args.run, group) and time.monotonic() < deadline:
+        while run_processes({args.run: group})[args.run] and time.monotonic() < deadline:
             time.sleep(POLL)
     # The supervisor records the end right after the recipe is gone.
     deadline = time.monotonic() + 5.0
@@ -781,9 +625,9 @@ def stop(args):
         result["exit_code"] = after["exit_code"]
     if "signal" in after:
         result["ended_by"] = after["signal"]
-    left = run_processes(args.run, group)
+    left = run_processes({args.run: group})[args.run]
     if left:
-        result["still_running"] = left
+        result["still_running"] = [proc.pid for proc in left]
     return result
 
 

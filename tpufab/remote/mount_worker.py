@@ -37,6 +37,8 @@ import sys
 import tempfile
 import time
 
+from tpufab.remote.workerlib import mount_records, read_json, unescape, write_atomic
+
 MOUNT_WAIT = 30.0
 POLL = 0.05
 
@@ -53,19 +55,6 @@ class Failure(Exception):
         super().__init__(message)
         self.kind = kind
         self.message = message
-
-
-def unescape(field: str) -> str:
-    """mountinfo escapes space, tab, newline and backslash as \\ooo."""
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and len(field[i + 1:i + 4]) == 3 and field[i + 1:i + 4].isdigit():
-            out.append(chr(int(field[i + 1:i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
 
 
 def plain_source(seen: str) -> str:
@@ -221,13 +210,8 @@ def log_tail(path: str | None) -> str:
 def read_state(path: str | None) -> dict:
     """What tpufab mounted here last (gcsfuse shows only the bucket in mountinfo, not the
     --only-dir prefix, so the full gs:// URL is kept beside the log)."""
-    if not path:
-        return {}
-    try:
-        with open(os.path.expanduser(path)) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return {}
+    found = read_json(os.path.expanduser(path)) if path else None
+    return found if isinstance(found, dict) else {}
 
 
 def write_state(path: str | None, state: dict | None) -> None:
@@ -239,9 +223,7 @@ def write_state(path: str | None, state: dict | None) -> None:
             os.unlink(path)
         return
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as fh:
-        json.dump(state, fh)
-    os.replace(path + ".tmp", path)
+    write_atomic(path, json.dumps(state))
 
 
 def mount(args: argparse.Namespace) -> dict:
@@ -328,14 +310,7 @@ def unmount(at: str, lazy: bool, state_file: str | None) -> dict:
 
 def recorded(state_dir: str) -> dict[str, str]:
     """{mount point: its state file} for every mount tpufab recorded in ``state_dir``."""
-    folder = os.path.expanduser(state_dir)
-    found = {}
-    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
-        if name.endswith(".json"):
-            at = read_state(os.path.join(folder, name)).get("at")
-            if at:
-                found[at] = os.path.join(folder, name)
-    return found
+    return {record["at"]: state_file for state_file, record in mount_records(state_dir)}
 
 
 def umount(args: argparse.Namespace) -> dict:

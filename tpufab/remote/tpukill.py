@@ -21,16 +21,29 @@ Exit status: 0 when the devices are free (or --dry-run), 1 otherwise.
 from __future__ import annotations
 
 import fnmatch
-import glob
 import json
 import os
 import select
 import signal
-import stat
 import sys
 import time
 
-DEFAULT_DEVICE_GLOBS = ("/dev/accel*", "/dev/vfio/[0-9]*")
+from tpufab.remote.workerlib import (
+    DEVICE_GLOBS,
+    Watched,
+    alive,
+    argv_of,
+    command_of,
+    expand_globs,
+    is_live,
+    proc_stat,
+    program_names,
+    read_end,
+    read_int,
+    run_processes,
+    scan_holders,
+)
+
 DEFAULT_LOCKFILES = ("/tmp/libtpu_lockfile", "/tmp/libtpu.so_lockfile")
 DEFAULT_RUN_DIR = "~/.tpufab/runs"
 
@@ -48,69 +61,6 @@ PROTECTED_NAMES = (
 )
 POLL = 0.02
 CONFIRM = 0.2    # after the holders are gone, how long to watch for one coming back
-COMMAND_MAX = 200
-
-
-class Proc:
-    """One process as read from /proc/<pid>/stat (None-safe constructor: `read`)."""
-
-    __slots__ = ("pid", "comm", "state", "ppid", "pgid", "sid", "start_time")
-
-    def __init__(self, pid, comm, state, ppid, pgid, sid, start_time):
-        self.pid = pid
-        self.comm = comm
-        self.state = state
-        self.ppid = ppid
-        self.pgid = pgid
-        self.sid = sid
-        self.start_time = start_time
-
-    @classmethod
-    def read(cls, pid):
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                data = fh.read()
-        except OSError:
-            return None
-        # comm may contain spaces and parentheses: it ends at the last ')'.
-        left, right = data.index(b"("), data.rindex(b")")
-        fields = data[right + 2:].split()
-        return cls(pid, data[left + 1:right].decode("utf-8", "replace"), fields[0].decode(),
-                   int(fields[1]), int(fields[2]), int(fields[3]), int(fields[19]))
-
-    @property
-    def exited(self):
-        return self.state in ("Z", "X", "x")
-
-
-def all_pids():
-    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
-
-
-def alive(pid, start_time):
-    """True while `pid` is the very process that started at `start_time` and has not exited."""
-    proc = Proc.read(pid)
-    return proc is not None and proc.start_time == start_time and not proc.exited
-
-
-def is_live(pid):
-    proc = Proc.read(pid)
-    return proc is not None and not proc.exited
-
-
-def argv_of(pid):
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            raw = fh.read()
-    except OSError:
-        return []
-    return [part.decode("utf-8", "replace") for part in raw.split(b"\0") if part]
-
-
-def command_of(proc):
-    argv = argv_of(proc.pid)
-    text = " ".join(argv) if argv else f"[{proc.comm}]"
-    return text if len(text) <= COMMAND_MAX else text[:COMMAND_MAX - 3] + "..."
 
 
 def ancestry(pid):
@@ -118,21 +68,11 @@ def ancestry(pid):
     chain = []
     while pid > 0 and pid not in chain:
         chain.append(pid)
-        proc = Proc.read(pid)
+        proc = proc_stat(pid)
         if proc is None:
             break
         pid = proc.ppid
     return chain
-
-
-def program_names(comm, argv):
-    """The names a process goes by: its comm and its program's (argv[0]'s) base name."""
-    names = [comm]
-    # "sshd: user@notty" style titles: the program name is the first word.
-    words = argv[0].split(":")[0].split() if argv else []
-    if words:
-        names.append(os.path.basename(words[0]))
-    return names
 
 
 def protected_name(names, patterns=PROTECTED_NAMES):
@@ -159,115 +99,7 @@ def unforceable(reason):
     return reason in ("pid 1", "ancestor of this kill")
 
 
-# -- finding holders -------------------------------------------------------------------
-
-
-def expand(globs):
-    paths = []
-    for pattern in globs:
-        for path in sorted(glob.glob(os.path.expanduser(pattern))):
-            if path not in paths:
-                paths.append(path)
-    return paths
-
-
-def _common_rdevs():
-    """Device numbers of /dev/null and friends: a placeholder device made as a copy of one
-    of them must never make every process holding /dev/null look like a TPU holder."""
-    found = set()
-    for name in ("null", "zero", "full", "random", "urandom", "tty", "console", "ptmx"):
-        try:
-            found.add(os.stat("/dev/" + name).st_rdev)
-        except OSError:
-            pass
-    return found
-
-
-COMMON_RDEVS = _common_rdevs()
-
-
-class Watched:
-    """Files whose open descriptors mean "holds the TPU": matched by path, or for character
-    devices by device number (the same chip seen through another path or namespace)."""
-
-    def __init__(self, paths):
-        self.by_path = {}
-        self.by_rdev = {}
-        for path in paths:
-            self.by_path[path] = path
-            self.by_path[os.path.realpath(path)] = path
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue
-            if stat.S_ISCHR(st.st_mode) and st.st_rdev not in COMMON_RDEVS:
-                self.by_rdev[st.st_rdev] = path
-
-    def match(self, fd_path, link):
-        if link in self.by_path:
-            return self.by_path[link]
-        if self.by_rdev and link.startswith("/dev/"):
-            try:
-                return self.by_rdev.get(os.stat(fd_path).st_rdev)
-            except OSError:
-                return None
-        return None
-
-
-def scan_holders(watched):
-    """{pid: set of watched paths it holds open}, and how many processes were unreadable."""
-    holders = {}
-    unreadable = 0
-    me = os.getpid()
-    for pid in all_pids():
-        if pid == me:
-            continue
-        fd_dir = f"/proc/{pid}/fd"
-        try:
-            fds = os.listdir(fd_dir)
-        except PermissionError:
-            unreadable += 1
-            continue
-        except OSError:
-            continue
-        for fd in fds:
-            fd_path = fd_dir + "/" + fd
-            try:
-                link = os.readlink(fd_path)
-            except OSError:
-                continue
-            path = watched.match(fd_path, link)
-            if path is not None:
-                holders.setdefault(pid, set()).add(path)
-    return holders, unreadable
-
-
 # -- tpufab runs -------------------------------------------------------------------------
-
-
-def read_text(path):
-    try:
-        with open(path) as fh:
-            return fh.read().strip()
-    except OSError:
-        return None
-
-
-def read_int(path):
-    text = read_text(path)
-    try:
-        return int(text) if text is not None else None
-    except ValueError:
-        return None
-
-
-def _end_recorded(rundir):
-    """launch.py's end.json holds a record (it is all spaces while the run lives)."""
-    try:
-        with open(os.path.join(rundir, "end.json"), "rb") as fh:
-            return bool(fh.read(4096).strip())
-    except OSError:
-        return False
 
 
 def list_runs(run_dir, only):
@@ -280,41 +112,6 @@ def list_runs(run_dir, only):
         names = [name for name in names if name == only]
     return [(name, os.path.join(run_dir, name)) for name in names
             if os.path.isdir(os.path.join(run_dir, name))]
-
-
-def run_ids_in_environ(pid):
-    """The TPUFAB_RUN_ID a process carries (launch.py sets it for every run), or None."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            env = fh.read()
-    except OSError:
-        return None
-    for entry in env.split(b"\0"):
-        if entry.startswith(b"TPUFAB_RUN_ID="):
-            return entry[len(b"TPUFAB_RUN_ID="):].decode("utf-8", "replace")
-    return None
-
-
-def run_processes(runs):
-    """Live processes of the given runs: {run id: [Proc]}.
-
-    `runs` maps run id -> (pgid, leader verified). A process belongs to a run when it
-    carries the run's TPUFAB_RUN_ID (even if it left the group: setsid, nohup), or when it
-    is in the run's process group while the group's leader is verified by start time.
-    """
-    found = {name: [] for name in runs}
-    verified = {pgid: name for name, (pgid, ok) in runs.items() if ok}
-    for pid in all_pids():
-        proc = Proc.read(pid)
-        if proc is None or proc.exited:
-            continue
-        name = verified.get(proc.pgid)
-        if name is None:
-            marker = run_ids_in_environ(pid)
-            name = marker if marker in found else None
-        if name is not None:
-            found[name].append(proc)
-    return found
 
 
 # -- stopping ------------------------------------------------------------------------------
@@ -369,12 +166,12 @@ class Target:
 
 
 class Group:
-    """A run's process group, signalled with killpg while its leader is verified."""
+    """A run's process group, signalled with killpg while its leader is verified (``pgid``
+    is None otherwise)."""
 
-    def __init__(self, run_id, pgid, leader_ok):
+    def __init__(self, run_id, pgid):
         self.run_id = run_id
         self.pgid = pgid
-        self.leader_ok = leader_ok
 
 
 def wait_until(condition, timeout):
@@ -430,7 +227,7 @@ def wait_gone(targets, timeout):
 
 def stop_all(targets, groups, grace, kill_timeout, own):
     """SIGTERM everything, SIGKILL what is left after `grace`; returns the survivors."""
-    runs = {g.run_id: (g.pgid, g.leader_ok) for g in groups}
+    runs = {g.run_id: g.pgid for g in groups}
 
     def collect():
         # Late forks of a run join the targets between the phases.
@@ -446,7 +243,7 @@ def stop_all(targets, groups, grace, kill_timeout, own):
             break
         reached = set()
         for group in groups:
-            if group.leader_ok:
+            if group.pgid is not None:
                 try:
                     os.killpg(group.pgid, signum)
                     reached.add(group.pgid)
@@ -469,7 +266,7 @@ def kill(devices_globs, lockfiles, run_dir, run_id, grace, settle, dry_run, forc
          protected_names=PROTECTED_NAMES):
     started = time.monotonic()
     own = set(ancestry(os.getpid()))
-    devices = expand(devices_globs)
+    devices = expand_globs(devices_globs)
     locks = [os.path.expanduser(path) for path in lockfiles]
     watched = Watched(devices + locks)
     report = {
@@ -489,21 +286,20 @@ def kill(devices_globs, lockfiles, run_dir, run_id, grace, settle, dry_run, forc
     groups = []
 
     # 1. tpufab runs, verified by pid and start time.
-    own_pgids = {proc.pgid for proc in map(Proc.read, own) if proc is not None}
+    own_pgids = {proc.pgid for proc in map(proc_stat, own) if proc is not None}
     runs = {}
     for name, path in list_runs(run_dir, run_id):
         entry = {"run": name}
         report["runs"].append(entry)
         pid, pgid = read_int(os.path.join(path, "pid")), read_int(os.path.join(path, "pgid"))
         start_time = read_int(os.path.join(path, "start_time"))
-        ended = os.path.exists(os.path.join(path, "exit_code")) or os.path.exists(
-            os.path.join(path, "killed")) or _end_recorded(path)
+        ended = read_end(path) is not None
         if pid is None or pgid is None or start_time is None:
             entry["state"] = "ended" if ended else "no record"
-            runs[name] = (None, False)      # stragglers still carry its TPUFAB_RUN_ID
+            runs[name] = None               # stragglers still carry its TPUFAB_RUN_ID
             continue
         entry.update(pid=pid, pgid=pgid)
-        leader = Proc.read(pid)
+        leader = proc_stat(pid)
         leader_ok = not ended and leader is not None and leader.start_time == start_time \
             and not leader.exited and leader.pgid == pgid
         if ended:
@@ -512,7 +308,7 @@ def kill(devices_globs, lockfiles, run_dir, run_id, grace, settle, dry_run, forc
             entry["state"] = "pid reused (not signalled)"
         if leader_ok and pgid in own_pgids:
             leader_ok = False   # never killpg our own group; signal the others one by one
-        runs[name] = (pgid, leader_ok)
+        runs[name] = pgid if leader_ok else None
     members = run_processes(runs)
     for entry in report["runs"]:
         name = entry["run"]
@@ -523,7 +319,7 @@ def kill(devices_globs, lockfiles, run_dir, run_id, grace, settle, dry_run, forc
         if entry.get("state") == "ended":
             entry["stragglers"] = [proc.pid for proc in procs]
         entry["state"] = "would stop" if dry_run else "stopping"
-        groups.append(Group(name, *runs[name]))
+        groups.append(Group(name, runs[name]))
         for proc in procs:
             targets[proc.pid] = Target(proc, f"run {name}")
 
@@ -531,7 +327,7 @@ def kill(devices_globs, lockfiles, run_dir, run_id, grace, settle, dry_run, forc
     holders, unreadable = scan_holders(watched)
     protected = {}
     for pid, paths in sorted(holders.items()):
-        proc = Proc.read(pid)
+        proc = proc_stat(pid)
         if proc is None or proc.exited:
             continue
         if pid in targets:
@@ -579,7 +375,7 @@ def kill(devices_globs, lockfiles, run_dir, run_id, grace, settle, dry_run, forc
         # longer, so such a newcomer is reported instead of a free TPU.
         wait_until(lambda: not quiet(), CONFIRM)
     for pid, paths in sorted(final.items()):
-        proc = Proc.read(pid)
+        proc = proc_stat(pid)
         if proc is None or proc.exited:
             continue
         if pid in protected:
@@ -587,7 +383,7 @@ def kill(devices_globs, lockfiles, run_dir, run_id, grace, settle, dry_run, forc
             continue
         entry = {"pid": pid, "name": proc.comm, "command": command_of(proc),
                  "holds": sorted(paths)}
-        parent = Proc.read(proc.ppid)
+        parent = proc_stat(proc.ppid)
         if parent is not None and proc.ppid > 1:
             entry.update(ppid=proc.ppid, parent=parent.comm)
         report["holders_left"].append(entry)
@@ -720,7 +516,7 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    report = kill(args.devices_globs or DEFAULT_DEVICE_GLOBS,
+    report = kill(args.devices_globs or DEVICE_GLOBS,
                   args.lockfiles or DEFAULT_LOCKFILES, args.run_dir, args.run_id,
                   args.grace, args.settle, args.dry_run, args.force)
     json.dump(report, sys.stdout, sort_keys=True)

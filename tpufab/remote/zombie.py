@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import glob
 import json
 import os
 import select
@@ -29,7 +28,8 @@ import signal
 import sys
 import time
 
-DEFAULT_DEVICE_GLOBS = ("/dev/accel*", "/dev/vfio/[0-9]*")
+from tpufab.remote.workerlib import DEVICE_GLOBS, expand_globs
+
 DEFAULT_LOCKFILES = ("/tmp/libtpu_lockfile",)
 READY_TIMEOUT = 10.0
 
@@ -117,13 +117,11 @@ def main(argv=None):
     parser.add_argument("--no-protected", action="store_true")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
-    devices = []
-    for pattern in args.devices_globs or DEFAULT_DEVICE_GLOBS:
-        devices.extend(p for p in sorted(glob.glob(pattern)) if p not in devices)
+    devices = expand_globs(args.devices_globs or DEVICE_GLOBS)
     lockfiles = args.lockfiles or list(DEFAULT_LOCKFILES)
     if not devices:
         json.dump({"error": "no TPU device files match "
-                   + " ".join(args.devices_globs or DEFAULT_DEVICE_GLOBS)}, sys.stdout)
+                   + " ".join(args.devices_globs or DEVICE_GLOBS)}, sys.stdout)
         sys.stdout.write("\n")
         return 2
 

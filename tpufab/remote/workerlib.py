@@ -1,0 +1,433 @@
+"""The worker-side library: what several worker scripts need, once (stdlib only, Python 3.8+).
+
+A worker script runs alone (``python3 -I -S FILE``, or from stdin on a full disk), so it
+cannot import a sibling. It imports from here on one top-level line, ``from
+tpufab.remote.workerlib import a, b``: locally (tests, tpufab.status) that is a plain import;
+``RemoteFile.bundled`` puts this file's body in place of that line when it builds the bytes
+it ships, so the shipped script stands alone and its content hash covers this file too. A
+script may not define a top-level name this file defines (checked when it is bundled).
+"""
+
+import glob
+import json
+import os
+import stat
+import time
+
+DEVICE_GLOBS = ("/dev/accel*", "/dev/vfio/[0-9]*")   # both TPU device families
+COMMAND_CHARS = 200
+EXITED = ("Z", "X", "x")                             # /proc/<pid>/stat states of the dead
+SUPERVISOR_NAME = "tpufab-run"                       # the comm launch.py's supervisor takes
+END_RESERVED = 4096                                  # the bytes of a run's end.json
+
+
+# -- files ---------------------------------------------------------------------------------------
+
+
+def read_text(path):
+    """The stripped text of a small file (undecodable bytes replaced), or None."""
+    try:
+        with open(path, errors="replace") as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def read_int(path):
+    return read_number(path, int)
+
+
+def read_number(path, kind):
+    """The number (``kind``: int or float) a small file holds, or None."""
+    text = read_text(path)
+    try:
+        return kind(text) if text else None
+    except ValueError:
+        return None
+
+
+def read_json(path):
+    """The JSON value in ``path``, or None when it is missing or not JSON."""
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def write_atomic(path, text, mode=0o644):
+    """Replace ``path`` with ``text`` in one step: a reader sees the old or the new, never
+    half (the temporary name is per process, so two writers never share one)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def unescape(field):
+    """/proc/mounts and mountinfo escape space, tab, newline and backslash as \\ooo."""
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and len(field[i + 1:i + 4]) == 3 and field[i + 1:i + 4].isdigit():
+            out.append(chr(int(field[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def mount_records(state_dir):
+    """[(state file, record)] of each mount mount_worker.py recorded in ``state_dir`` (a JSON
+    object with its mount point, "at"), in file name order."""
+    folder = os.path.expanduser(state_dir)
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if name.endswith(".json"):
+            record = read_json(os.path.join(folder, name))
+            if isinstance(record, dict) and record.get("at"):
+                found.append((os.path.join(folder, name), record))
+    return found
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+
+class Proc:
+    """One process as /proc/<pid>/stat shows it (``proc_stat``)."""
+
+    __slots__ = ("pid", "comm", "state", "ppid", "pgid", "sid", "start_time")
+
+    def __init__(self, pid, comm, state, ppid, pgid, sid, start_time):
+        self.pid = pid
+        self.comm = comm
+        self.state = state
+        self.ppid = ppid
+        self.pgid = pgid
+        self.sid = sid
+        self.start_time = start_time
+
+    @property
+    def exited(self):
+        return self.state in EXITED
+
+
+def proc_stat(pid):
+    """``pid`` as a Proc, or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    # comm may hold spaces and parentheses: it ends at the last ')'.
+    left, right = data.index(b"("), data.rindex(b")")
+    fields = data[right + 2:].split()
+    return Proc(pid, data[left + 1:right].decode("utf-8", "replace"), fields[0].decode(),
+                int(fields[1]), int(fields[2]), int(fields[3]), int(fields[19]))
+
+
+def alive(pid, start_time):
+    """``pid`` is still the very process that started at ``start_time`` (field 22 of its
+    stat), and it has not exited: a reused pid is never taken for it."""
+    proc = proc_stat(pid)
+    return proc is not None and proc.start_time == start_time and not proc.exited
+
+
+def is_live(pid):
+    proc = proc_stat(pid)
+    return proc is not None and not proc.exited
+
+
+def all_pids():
+    return sorted(int(name) for name in os.listdir("/proc") if name.isdigit())
+
+
+def argv_of(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return []
+    return [part.decode("utf-8", "replace") for part in raw.split(b"\0") if part]
+
+
+def program_names(comm, argv):
+    """The names a process goes by: its comm and its program's (argv[0]'s) base name."""
+    names = [comm]
+    # "sshd: user@notty" style titles: the program name is the first word.
+    words = argv[0].split(":")[0].split() if argv else []
+    if words:
+        names.append(os.path.basename(words[0]))
+    return names
+
+
+def command_of(proc, argv=None, say_renamed=False):
+    """Its command line, cut to COMMAND_CHARS (``[comm]`` without one). ``say_renamed``: a
+    process that renamed itself (prctl) shows as ``comm: argv``, for a report that gives no
+    name beside the command."""
+    argv = argv_of(proc.pid) if argv is None else argv
+    text = " ".join(argv) or f"[{proc.comm}]"
+    if say_renamed and argv and os.path.basename(argv[0])[:15] != proc.comm:
+        text = f"{proc.comm}: {text}"
+    return text if len(text) <= COMMAND_CHARS else text[:COMMAND_CHARS - 3] + "..."
+
+
+# -- who holds the TPU ---------------------------------------------------------------------------
+
+
+def expand_globs(globs):
+    """The paths ``globs`` match, in order, each once."""
+    paths = []
+    for pattern in globs:
+        for path in sorted(glob.glob(os.path.expanduser(pattern))):
+            if path not in paths:
+                paths.append(path)
+    return paths
+
+
+def common_rdevs():
+    """Device numbers of /dev/null and friends: a placeholder device made as a copy of one
+    of them must never make every process holding /dev/null look like a TPU holder."""
+    found = set()
+    for name in ("null", "zero", "full", "random", "urandom", "tty", "console", "ptmx"):
+        try:
+            found.add(os.stat("/dev/" + name).st_rdev)
+        except OSError:
+            pass
+    return found
+
+
+class Watched:
+    """Files whose open descriptors mean "holds the TPU": matched by path, or for character
+    devices by device number (the same chip seen through another path or namespace)."""
+
+    def __init__(self, paths):
+        self.by_path = {}
+        self.by_rdev = {}
+        common = common_rdevs()
+        for path in paths:
+            self.by_path[path] = path
+            self.by_path[os.path.realpath(path)] = path
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if stat.S_ISCHR(st.st_mode) and st.st_rdev not in common:
+                self.by_rdev[st.st_rdev] = path
+
+    def match(self, fd_path, link):
+        if link in self.by_path:
+            return self.by_path[link]
+        if self.by_rdev and link.startswith("/dev/"):
+            try:
+                return self.by_rdev.get(os.stat(fd_path).st_rdev)
+            except OSError:
+                return None
+        return None
+
+
+def scan_holders(watched):
+    """{pid: set of watched paths it holds open} (from /proc/*/fd, this process left out),
+    and how many processes could not be read (other users' ones, unless root)."""
+    holders = {}
+    unreadable = 0
+    me = os.getpid()
+    for pid in all_pids():
+        if pid == me:
+            continue
+        fd_dir = f"/proc/{pid}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except PermissionError:
+            unreadable += 1
+            continue
+        except OSError:
+            continue
+        for fd in fds:
+            fd_path = fd_dir + "/" + fd
+            try:
+                link = os.readlink(fd_path)
+            except OSError:
+                continue
+            path = watched.match(fd_path, link)
+            if path is not None:
+                holders.setdefault(pid, set()).add(path)
+    return holders, unreadable
+
+
+# -- tpufab runs (launch.py writes them; launch.py, facts.py and tpukill.py read them) -----------
+
+
+class EndRecord:
+    """How a run ended, in ``end.json``: its space is taken when the run starts and overwritten
+    in place at the end, so a disk that fills up meanwhile cannot lose the record. The
+    one-value files (``exit_code``, ``killed``, ``ended_at``) follow when there is room."""
+
+    def __init__(self, rundir):
+        self.rundir = rundir
+        self.fd = os.open(os.path.join(rundir, "end.json"), os.O_RDWR | os.O_CREAT, 0o644)
+        os.write(self.fd, b" " * END_RESERVED)
+
+    def write(self, exit_code=None, killed=None, disk_full=None):
+        record = {"ended_at": time.time()}
+        if killed:
+            record["killed"] = killed
+        else:
+            record["exit_code"] = exit_code
+        if disk_full:
+            record["disk_full"] = disk_full
+        data = json.dumps(record, sort_keys=True).encode()[:END_RESERVED - 1] + b"\n"
+        os.pwrite(self.fd, data.ljust(END_RESERVED), 0)
+        os.close(self.fd)
+        try:
+            if killed:
+                write_atomic(os.path.join(self.rundir, "killed"), killed + "\n")
+            else:
+                write_atomic(os.path.join(self.rundir, "exit_code"), f"{exit_code}\n")
+            write_atomic(os.path.join(self.rundir, "ended_at"), "{}\n".format(record["ended_at"]))
+        except OSError:
+            pass    # end.json has it
+
+
+def read_end(rundir):
+    """How a run ended ({"exit_code"|"killed", "ended_at", "disk_full"?}), or None while it
+    runs (end.json is all spaces then). Runs recorded before end.json existed have only the
+    one-value files."""
+    try:
+        with open(os.path.join(rundir, "end.json"), "rb") as fh:
+            text = fh.read(END_RESERVED).strip()
+        record = json.loads(text.decode()) if text else None
+    except (OSError, ValueError):
+        record = None
+    if isinstance(record, dict):
+        return record
+    exit_code = read_int(os.path.join(rundir, "exit_code"))
+    killed = read_text(os.path.join(rundir, "killed"))
+    if exit_code is None and not killed:
+        return None
+    found = {"ended_at": read_number(os.path.join(rundir, "ended_at"), float)}
+    if exit_code is not None:
+        found["exit_code"] = exit_code
+    else:
+        found["killed"] = killed
+    return found
+
+
+def run_id_of(pid):
+    """The TPUFAB_RUN_ID a process carries (launch.py sets it for every run), or None."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            env = fh.read()
+    except OSError:
+        return None
+    for entry in env.split(b"\0"):
+        if entry.startswith(b"TPUFAB_RUN_ID="):
+            return entry[len(b"TPUFAB_RUN_ID="):].decode("utf-8", "replace")
+    return None
+
+
+def run_processes(runs):
+    """Live processes of runs, {run id: [Proc]}, for ``runs`` {run id: its process group if
+    the caller verified the group's leader by start time, else None}. A process belongs to a
+    run when it carries the run's TPUFAB_RUN_ID (wherever it went: setsid, nohup), or is in
+    its verified group. This process is never one of them."""
+    found = {name: [] for name in runs}
+    groups = {pgid: name for name, pgid in runs.items() if pgid is not None}
+    me = os.getpid()
+    for pid in all_pids():
+        if pid == me:
+            continue
+        proc = proc_stat(pid)
+        if proc is None or proc.exited:
+            continue
+        name = groups.get(proc.pgid)
+        if name is None:
+            marker = run_id_of(pid)
+            name = marker if marker in found else None
+        if name is not None:
+            found[name].append(proc)
+    return found
+
+
+class CarriedRunIds:
+    """The TPUFAB_RUN_IDs live processes carry, read on first use: one scan of /proc answers
+    for every run whose state is read (``state_of_run(..., carried=)``)."""
+
+    def __init__(self):
+        self.ids = None
+
+    def __contains__(self, run_id):
+        if self.ids is None:
+            procs = (proc_stat(pid) for pid in all_pids() if pid != os.getpid())
+            self.ids = {run_id_of(proc.pid) for proc in procs if proc and not proc.exited}
+        return run_id in self.ids
+
+
+def supervisor_alive(rundir):
+    """The run's supervisor still lives: verified by the start time launch.py records, or by
+    its name for runs recorded before it did."""
+    pid = read_int(os.path.join(rundir, "supervisor"))
+    if pid is None:
+        return False
+    start_time = read_int(os.path.join(rundir, "supervisor_start_time"))
+    if start_time is not None:
+        return alive(pid, start_time)
+    proc = proc_stat(pid)
+    return proc is not None and not proc.exited and proc.comm == SUPERVISOR_NAME
+
+
+def state_of_run(rundir, carried=None):
+    """How a run stands: {"state", "exit_code" or "signal", "disk_full"?, "ended_at"}, state
+    one of running, starting, exited, killed, lost. ``carried``: a CarriedRunIds shared by
+    the runs read together (else this run's processes are looked for on their own).
+
+    Running while its recipe lives (verified by start time), its supervisor lives (the recipe
+    just ended; the supervisor is recording that) or a process of it lives on (the recipe
+    left it behind). The end record is read again after those checks: the supervisor writes
+    it, then exits, so a run that ends in between is never "lost"; only a run with neither a
+    live process nor a record is (a reboot, a killed supervisor).
+    """
+    pid = read_int(os.path.join(rundir, "pid"))
+    start_time = read_int(os.path.join(rundir, "start_time"))
+    recorded = pid is not None and start_time is not None
+    state = {}
+    end = read_end(rundir)
+    if end is None:
+        name = os.path.basename(rundir)
+        if (recorded and alive(pid, start_time)) or supervisor_alive(rundir) or \
+                (recorded and _left_behind(name, carried)):
+            state["state"] = "running"
+        else:
+            end = read_end(rundir)
+            if end is None:
+                state["state"] = "starting" if pid is None and _young(rundir) else "lost"
+    if end is not None:
+        if end.get("killed"):
+            state.update(state="killed", signal=end["killed"])
+        else:
+            state.update(state="exited", exit_code=end.get("exit_code"))
+        if end.get("disk_full"):
+            state["disk_full"] = end["disk_full"]
+    state["ended_at"] = end.get("ended_at") if end else None
+    return state
+
+
+def _left_behind(name, carried):
+    if carried is not None:
+        return name in carried
+    return bool(run_processes({name: None})[name])
+
+
+def _young(rundir):
+    """Made under 30 s ago and no supervisor recorded yet: launch.py is still starting it."""
+    if read_int(os.path.join(rundir, "supervisor")) is not None:
+        return False
+    try:
+        return time.time() - os.path.getmtime(rundir) < 30
+    except OSError:
+        return False
