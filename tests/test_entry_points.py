@@ -120,10 +120,9 @@ def test_sim_up_status_down_through_the_command_line(tmp_path):
         tpufab("sim", "down", "--state-dir", str(state), env=env)
 
 
-@pytest.mark.xfail(strict=False, reason="finding 10: sim up on the port sim down just freed "
-                   "fails (Address already in use) after client traffic; not strict: it "
-                   "depends on whether the closed connections are still in TIME_WAIT")
 def test_sim_up_again_on_the_same_port_at_once(tmp_path):
+    """Finding 10: `sim up` on the port `sim down` just freed, after client traffic (closed
+    connections in TIME_WAIT), works at once."""
     state = tmp_path / "sim"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
     env.update(HOME=str(tmp_path), TPUFAB_USER_CONFIG=str(tmp_path / "none.yaml"))
