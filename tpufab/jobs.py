@@ -731,11 +731,20 @@ class FoldingView:
     def _add(self, worker: int, line: str, now: float) -> None:
         cursor = self.cursor.setdefault(worker, self.base)
         queued = self.queue.get(worker)
+        at, known = cursor - self.base, len(self.canon)
+        if at >= known:                             # past the last common line
+            if not queued and worker == self.reference:
+                self._append(worker, line, now)
+            else:
+                self._enqueue(worker, line, now)
+            return
+        if not queued and at >= 0 and self.canon[at] == line:
+            self.holders[at].add(worker)             # the common case: the next common line
+            self.cursor[worker] = cursor + 1
+            return
         j = self._match(cursor, line)
         if j is not None:
-            self._settle(worker, self._dequeue(worker, len(queued or ())), j, now)
-        elif not queued and cursor >= self._end and worker == self.reference:
-            self._append(worker, line, now)
+            self._settle(worker, self._dequeue(worker, len(queued)) if queued else [], j, now)
         else:
             # It may match a common line still on its way: it waits (see _ripen).
             self._enqueue(worker, line, now)
@@ -767,23 +776,31 @@ class FoldingView:
         self.cursor[worker] = e + 1
         for other in list(self.waiting.get(line, ())):
             cursor = self.cursor[other]
-            if other == worker or other not in self.waiting.get(line, ()) or \
-                    not cursor <= e < cursor + self.lookahead:
+            if other == worker or not cursor <= e < cursor + self.lookahead:
                 continue
             queued = self.queue[other]
-            i = next(n for n, (text, _) in enumerate(queued) if text == line)
-            own = self._dequeue(other, i)
-            _, at = self._dequeue(other, 1)[0]
-            self._settle(other, own, e, at)
-            if other in self.queue:
-                self._due = min(self._due, self.queue[other][0][1] + self.delay)
+            if queued[0][0] == line:                 # the common case: the next one waiting
+                _, at = self._pop(other)
+                self.holders[-1].add(other)
+                if at < self.arrived[-1]:
+                    self.arrived[-1] = at
+                self.cursor[other] = e + 1
+            else:
+                i = next(n for n, (text, _) in enumerate(queued) if text == line)
+                own = self._dequeue(other, i)
+                _, at = self._pop(other)
+                self._settle(other, own, e, at)
+            if queued:
+                due = queued[0][1] + self.delay
+                if due < self._due:
+                    self._due = due
         if self.reference is not None and self.reference != worker:
             self._extend(self.reference)
 
     def _extend(self, worker: int) -> None:
         """``worker``'s waiting lines become common lines while it is at the end of them."""
         while self.queue.get(worker) and self.cursor[worker] >= self._end:
-            line, at = self._dequeue(worker, 1)[0]
+            line, at = self._pop(worker)
             self._append(worker, line, at)
 
     def _ripen(self, now: float, force: bool) -> None:
@@ -799,7 +816,7 @@ class FoldingView:
                 break
             worker = min(ripe)
             cursor = self.cursor[worker]
-            line, at = self._dequeue(worker, 1)[0]
+            line, at = self._pop(worker)
             if cursor >= self._end or worker in self.finished:
                 self._append(worker, line, at)      # a finished worker's last word: at the end
                 continue
@@ -826,31 +843,52 @@ class FoldingView:
                 first.setdefault(text, n)
             i, j = min((first[self.canon[j - self.base]], j) for j in hits)
             own = self._dequeue(worker, i)
-            _, at = self._dequeue(worker, 1)[0]
+            _, at = self._pop(worker)
             self._settle(worker, own, j, at)
             start = cursor + self.lookahead
 
     def _enqueue(self, worker: int, line: str, now: float) -> None:
-        queued = self.queue.setdefault(worker, deque())
-        if not queued:
-            self._due = min(self._due, now + self.delay)
+        queued = self.queue.get(worker)
+        if queued is None:
+            queued = self.queue[worker] = deque()
+            if now + self.delay < self._due:
+                self._due = now + self.delay
         queued.append((line, now))
-        copies = self.waiting.setdefault(line, {})
-        copies[worker] = copies.get(worker, 0) + 1
+        copies = self.waiting.get(line)
+        if copies is None:
+            self.waiting[line] = {worker: 1}
+        else:
+            copies[worker] = copies.get(worker, 0) + 1
+
+    def _pop(self, worker: int) -> tuple[str, float]:
+        queued = self.queue[worker]
+        line, at = queued.popleft()
+        copies = self.waiting[line]
+        left = copies[worker] - 1
+        if left:
+            copies[worker] = left
+        else:
+            del copies[worker]
+            if not copies:
+                del self.waiting[line]
+        if not queued:
+            del self.queue[worker]
+        return line, at
 
     def _dequeue(self, worker: int, count: int) -> list[tuple[str, float]]:
-        queued = self.queue.get(worker)
-        taken = []
-        while queued and len(taken) < count:
-            line, at = queued.popleft()
-            taken.append((line, at))
-            copies = self.waiting[line]
-            copies[worker] -= 1
-            if not copies[worker]:
+        queued = self.queue[worker]
+        taken = [queued.popleft() for _ in range(min(count, len(queued)))]
+        waiting = self.waiting
+        for line, _ in taken:
+            copies = waiting[line]
+            left = copies[worker] - 1
+            if left:
+                copies[worker] = left
+            else:
                 del copies[worker]
                 if not copies:
-                    del self.waiting[line]
-        if queued is not None and not queued:
+                    del waiting[line]
+        if not queued:
             del self.queue[worker]
         return taken
 
