@@ -774,7 +774,8 @@ class FoldingView:
         self.holders.append({worker})
         self.arrived.append(when)
         self.cursor[worker] = e + 1
-        for other in list(self.waiting.get(line, ())):
+        waiting = self.waiting.get(line)
+        for other in list(waiting) if waiting else ():
             cursor = self.cursor[other]
             if other == worker or not cursor <= e < cursor + self.lookahead:
                 continue
@@ -794,7 +795,7 @@ class FoldingView:
                 due = queued[0][1] + self.delay
                 if due < self._due:
                     self._due = due
-        if self.reference is not None and self.reference != worker:
+        if self.reference != worker and self.reference in self.queue:
             self._extend(self.reference)
 
     def _extend(self, worker: int) -> None:
@@ -906,7 +907,8 @@ class FoldingView:
                 all(self.cursor.get(w, 0) > k for w in live)
             if not ready:
                 break
-            self._show(self.extras.pop(k, {}))
+            if k in self.extras:
+                self._show(self.extras.pop(k))
             who = self.holders[k - self.base]
             text = self.canon[k - self.base]
             self._write(text if who == self.workers else f"{nodeset.fold(who)}: {text}")
