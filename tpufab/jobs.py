@@ -663,6 +663,7 @@ class FoldingView:
         self.queue: dict[int, deque[tuple[str, float]]] = {}  # lines that match nothing yet
         self.waiting: dict[str, dict[int, int]] = {}    # text -> {worker: copies queued}
         self.finished: set[int] = set()
+        self.live = set(self.workers)                   # the workers whose follower runs
         self.reference = min(self.workers, default=None)
         self._due = float("inf")                        # when a queued line may be ripe
         self.errors: dict[str, set[int]] = {}        # outcome -> workers, until shown
@@ -687,13 +688,14 @@ class FoldingView:
     def done(self, result) -> None:
         with self._lock:
             self.finished.add(result.worker)
+            self.live.discard(result.worker)
             if result.error:
                 # Folded: a thousand refused connections are one line (shown at the next tick).
                 if not self.errors:
                     self._errors_due = self.clock() + (self.delay / 4 if self._ticker else 0)
                 self.errors.setdefault(result.error, set()).add(result.worker)
             if result.worker == self.reference:
-                self.reference = min(self.workers - self.finished, default=None)
+                self.reference = min(self.live, default=None)
                 if self.reference is not None:
                     self._extend(self.reference)
             self._emit()
@@ -899,7 +901,7 @@ class FoldingView:
             for error, who in sorted(self.errors.items(), key=lambda kv: min(kv[1])):
                 self._write(f"{nodeset.fold(who)}: {error}")
             self.errors.clear()
-        live = self.workers - self.finished
+        live = self.live
         self._ripen(now, force=final or not live)
         while self.emitted < self._end:
             k = self.emitted
@@ -928,7 +930,7 @@ class FoldingView:
         # already shown: it does not hold them in memory (its lines show as its own).
         if self.emitted - self.base <= 256:
             return          # nothing worth dropping: no look at every worker's cursor
-        live = self.workers - self.finished
+        live = self.live
         floor = self.emitted - self.lookahead
         keep_from = min([self.emitted, *(c for c in (self.cursor.get(w, 0) for w in live)
                                          if c >= floor)])
