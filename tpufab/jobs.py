@@ -20,6 +20,7 @@ import os
 import signal as signals
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -618,16 +619,29 @@ def _status_line(line: bytes) -> bool:
 
 
 class FoldingView:
-    """The folded log view, live: each line once, with the workers that printed it when
-    they are not all of them, and the lines where workers differ as they come.
+    """The folded log view, live: what ``logs`` shows (``runs.fold_logs``), as lines come.
 
-    Lines are aligned by position: each worker has a cursor into the common stream, and a
-    line that matches one of the next few common lines moves the cursor there; a line at the
-    end of the common stream extends it; anything else is a line only some workers printed,
-    shown (``w[1-3]: text``) where it stands: before the next common line the worker also
-    printed, or after the common lines it replaced. A common line
-    is shown once every live worker got past it, or after ``delay`` seconds, so a lagging
-    worker delays the view by at most that much.
+    The lowest worker still running is the reference: its lines make the common stream, each
+    shown once, with the workers that printed it when they are not all of them. Every other
+    worker has a cursor into that stream: a line of its that matches one of the next
+    ``lookahead`` common lines moves its cursor there, and the lines it printed before it
+    (which replaced the common lines it skipped) are shown under their workers
+    (``w[1-3]: text``) just before that line, in the order ``logs`` gives them. A line that
+    matches nothing yet waits: the common line it will match may still be on its way, since
+    each worker's lines reach the view through its own follower, and a worker's common lines
+    often arrive before the reference's own copy of them.
+
+    The bound (``delay``, 3 s): a common line is shown once every live worker got past it, or
+    ``delay`` seconds after its first copy arrived; a line that waited ``delay`` seconds
+    without matching is placed where its worker stands: at the end of the common lines it
+    becomes one (the reference is silent or dead: the lowest waiting worker stands in for it),
+    elsewhere it is the worker's own line, in place of the common line at its cursor. So a
+    dead or lagging worker, the reference included, delays the view by at most ``delay``, and
+    what a worker says later than that is shown on its own (a late copy of a line already
+    shown is not shown again).
+
+    Cost per line: O(1) to place a line (waiting lines are indexed by text), O(workers) at
+    most to decide whether a common line can be shown.
     """
 
     def __init__(self, workers: Iterable[int], out: IO[str] | None = None, *,
@@ -642,13 +656,16 @@ class FoldingView:
         self.base = 0                                   # index of canon[0] in the stream
         self.canon: list[str] = []
         self.holders: list[set[int]] = []
-        self.arrived: list[float] = []
-        self.extras: dict[int, list[tuple[str, set[int]]]] = {}
+        self.arrived: list[float] = []                  # when a copy of it first arrived
+        self.extras: dict[int, dict[str, list[_Own]]] = {}   # anchor -> text -> lines there
         self.emitted = 0
         self.cursor = {w: 0 for w in self.workers}
-        self.pending: dict[int, list[str]] = {}      # a worker's extra lines at its cursor
+        self.queue: dict[int, deque[tuple[str, float]]] = {}  # lines that match nothing yet
+        self.waiting: dict[str, dict[int, int]] = {}    # text -> {worker: copies queued}
         self.finished: set[int] = set()
-        self.partial: dict[int, bytes] = {}
+        self.live = set(self.workers)                   # the workers whose follower runs
+        self.reference = min(self.workers, default=None)
+        self._due = float("inf")                        # when a queued line may be ripe
         self.errors: dict[str, set[int]] = {}        # outcome -> workers, until shown
         self._errors_due = 0.0
         self._lock = threading.RLock()
@@ -663,18 +680,24 @@ class FoldingView:
                 for line in text.split("\n")[:-1]:
                     self._write(f"{nodeset.label(worker)}: {line}")
                 return
+            now = self.clock()
             for line in text.split("\n")[:-1]:
-                self._add(worker, line)
+                self._add(worker, line, now)
             self._emit()
 
     def done(self, result) -> None:
         with self._lock:
             self.finished.add(result.worker)
+            self.live.discard(result.worker)
             if result.error:
                 # Folded: a thousand refused connections are one line (shown at the next tick).
                 if not self.errors:
                     self._errors_due = self.clock() + (self.delay / 4 if self._ticker else 0)
                 self.errors.setdefault(result.error, set()).add(result.worker)
+            if result.worker == self.reference:
+                self.reference = min(self.live, default=None)
+                if self.reference is not None:
+                    self._extend(self.reference)
             self._emit()
 
     # -- lifecycle
@@ -697,54 +720,180 @@ class FoldingView:
             self._emit(final=True)
 
     # -- alignment
-    def _add(self, worker: int, line: str) -> None:
-        cursor = self.cursor.setdefault(worker, self.base)
-        end = self.base + len(self.canon)
-        for j in range(max(cursor, self.base), min(cursor + self.lookahead, end)):
+    @property
+    def _end(self) -> int:
+        return self.base + len(self.canon)
+
+    def _match(self, cursor: int, line: str) -> int | None:
+        for j in range(max(cursor, self.base), min(cursor + self.lookahead, self._end)):
             if self.canon[j - self.base] == line:
-                self.holders[j - self.base].add(worker)
-                if j > cursor:
-                    # The worker's own lines since its cursor replaced canon[cursor:j]: show
-                    # them after those lines (as the batch fold does), not before.
-                    self._move_pending(worker, cursor, j)
-                self.pending.pop(worker, None)
-                self.cursor[worker] = j + 1
-                return
-        if cursor >= end:
-            self.canon.append(line)
-            self.holders.append({worker})
-            self.arrived.append(self.clock())
-            self.cursor[worker] = end + 1
-            return
-        if cursor < self.emitted:
-            self._write(f"{nodeset.label(worker)}: {line}")      # too late to place
-            return
-        self._place(cursor, line, worker)
-        self.pending.setdefault(worker, []).append(line)
+                return j
+        return None
 
-    def _place(self, anchor: int, line: str, worker: int) -> None:
-        entries = self.extras.setdefault(anchor, [])
-        for text, who in entries:
-            if text == line and worker not in who:
-                who.add(worker)
-                return
-        entries.append((line, {worker}))
-
-    def _move_pending(self, worker: int, old: int, new: int) -> None:
-        lines = self.pending.get(worker)
-        if not lines or old < self.emitted:
+    def _add(self, worker: int, line: str, now: float) -> None:
+        cursor = self.cursor.setdefault(worker, self.base)
+        queued = self.queue.get(worker)
+        at, known = cursor - self.base, len(self.canon)
+        if at >= known:                             # past the last common line
+            if not queued and worker == self.reference:
+                self._append(worker, line, now)
+            else:
+                self._enqueue(worker, line, now)
             return
-        entries = self.extras.get(old, [])
-        for line in lines:
-            for n, (text, who) in enumerate(entries):
-                if text == line and worker in who:
-                    who.discard(worker)
-                    if not who:
-                        del entries[n]
-                    break
-            self._place(new, line, worker)
-        if not entries:
-            self.extras.pop(old, None)
+        if not queued and at >= 0 and self.canon[at] == line:
+            self.holders[at].add(worker)             # the common case: the next common line
+            self.cursor[worker] = cursor + 1
+            return
+        j = self._match(cursor, line)
+        if j is not None:
+            self._settle(worker, self._dequeue(worker, len(queued)) if queued else [], j, now)
+        else:
+            # It may match a common line still on its way: it waits (see _ripen).
+            self._enqueue(worker, line, now)
+
+    def _settle(self, worker: int, own: list[tuple[str, float]], j: int, when: float, *,
+                shown: bool = True) -> None:
+        """``worker`` printed common line ``j`` (a copy arrived at ``when``) after its lines
+        ``own``; with ``shown=False`` it did not print line ``j``: ``own`` replaced it."""
+        anchor = j if shown else j + 1
+        if own:
+            if anchor < self.emitted:
+                for text, _ in own:
+                    self._write(f"{nodeset.label(worker)}: {text}")
+            else:
+                entries = self.extras.setdefault(anchor, {})
+                for offset, (text, _) in enumerate(own):
+                    _place(entries, text, worker, offset)
+        if shown and j >= self.base:
+            self.holders[j - self.base].add(worker)
+            self.arrived[j - self.base] = min(self.arrived[j - self.base], when)
+        self.cursor[worker] = j + 1
+
+    def _append(self, worker: int, line: str, when: float) -> None:
+        """A new common line; the workers whose lines waited for it move on."""
+        e = self._end
+        self.canon.append(line)
+        self.holders.append({worker})
+        self.arrived.append(when)
+        self.cursor[worker] = e + 1
+        waiting = self.waiting.get(line)
+        for other in list(waiting) if waiting else ():
+            cursor = self.cursor[other]
+            if other == worker or not cursor <= e < cursor + self.lookahead:
+                continue
+            queued = self.queue[other]
+            if queued[0][0] == line:                 # the common case: the next one waiting
+                _, at = self._pop(other)
+                self.holders[-1].add(other)
+                if at < self.arrived[-1]:
+                    self.arrived[-1] = at
+                self.cursor[other] = e + 1
+            else:
+                i = next(n for n, (text, _) in enumerate(queued) if text == line)
+                own = self._dequeue(other, i)
+                _, at = self._pop(other)
+                self._settle(other, own, e, at)
+            if queued:
+                due = queued[0][1] + self.delay
+                if due < self._due:
+                    self._due = due
+        if self.reference != worker and self.reference in self.queue:
+            self._extend(self.reference)
+
+    def _extend(self, worker: int) -> None:
+        """``worker``'s waiting lines become common lines while it is at the end of them."""
+        while self.queue.get(worker) and self.cursor[worker] >= self._end:
+            line, at = self._pop(worker)
+            self._append(worker, line, at)
+
+    def _ripen(self, now: float, force: bool) -> None:
+        """Lines that waited ``delay`` (or every line, at the end) are placed as they stand,
+        the lowest worker's first: at the end of the common lines they become common lines
+        (the reference said nothing in time); elsewhere they are the worker's own, in place
+        of the common line at its cursor."""
+        if not force and now < self._due:
+            return
+        while True:
+            ripe = [w for w, q in self.queue.items() if force or q[0][1] + self.delay <= now]
+            if not ripe:
+                break
+            worker = min(ripe)
+            cursor = self.cursor[worker]
+            line, at = self._pop(worker)
+            if cursor >= self._end or worker in self.finished:
+                self._append(worker, line, at)      # a finished worker's last word: at the end
+                continue
+            self._settle(worker, [(line, at)], cursor, at, shown=False)
+            self._rematch(worker, cursor + self.lookahead)
+            if worker == self.reference:
+                self._extend(worker)
+        self._due = min((q[0][1] + self.delay for q in self.queue.values()),
+                        default=float("inf"))
+
+    def _rematch(self, worker: int, start: int) -> None:
+        """``worker``'s window gained the common lines from ``start`` on: the first of its
+        waiting lines that matches one of them settles there."""
+        while self.queue.get(worker):
+            cursor = self.cursor[worker]
+            hits = [j for j in range(max(start, cursor, self.base),
+                                     min(cursor + self.lookahead, self._end))
+                    if worker in self.waiting.get(self.canon[j - self.base], ())]
+            if not hits:
+                return
+            queued = self.queue[worker]
+            first = {}
+            for n, (text, _) in enumerate(queued):
+                first.setdefault(text, n)
+            i, j = min((first[self.canon[j - self.base]], j) for j in hits)
+            own = self._dequeue(worker, i)
+            _, at = self._pop(worker)
+            self._settle(worker, own, j, at)
+            start = cursor + self.lookahead
+
+    def _enqueue(self, worker: int, line: str, now: float) -> None:
+        queued = self.queue.get(worker)
+        if queued is None:
+            queued = self.queue[worker] = deque()
+            if now + self.delay < self._due:
+                self._due = now + self.delay
+        queued.append((line, now))
+        copies = self.waiting.get(line)
+        if copies is None:
+            self.waiting[line] = {worker: 1}
+        else:
+            copies[worker] = copies.get(worker, 0) + 1
+
+    def _pop(self, worker: int) -> tuple[str, float]:
+        queued = self.queue[worker]
+        line, at = queued.popleft()
+        copies = self.waiting[line]
+        left = copies[worker] - 1
+        if left:
+            copies[worker] = left
+        else:
+            del copies[worker]
+            if not copies:
+                del self.waiting[line]
+        if not queued:
+            del self.queue[worker]
+        return line, at
+
+    def _dequeue(self, worker: int, count: int) -> list[tuple[str, float]]:
+        queued = self.queue[worker]
+        taken = [queued.popleft() for _ in range(min(count, len(queued)))]
+        waiting = self.waiting
+        for line, _ in taken:
+            copies = waiting[line]
+            left = copies[worker] - 1
+            if left:
+                copies[worker] = left
+            else:
+                del copies[worker]
+                if not copies:
+                    del waiting[line]
+        if not queued:
+            del self.queue[worker]
+        return taken
 
     def _emit(self, final: bool = False) -> None:
         now = self.clock()
@@ -752,26 +901,36 @@ class FoldingView:
             for error, who in sorted(self.errors.items(), key=lambda kv: min(kv[1])):
                 self._write(f"{nodeset.fold(who)}: {error}")
             self.errors.clear()
-        end = self.base + len(self.canon)
-        while self.emitted < end:
+        live = self.live
+        self._ripen(now, force=final or not live)
+        while self.emitted < self._end:
             k = self.emitted
-            live = self.workers - self.finished
-            ready = final or all(self.cursor.get(w, 0) > k for w in live) or \
-                now - self.arrived[k - self.base] >= self.delay
+            ready = final or now - self.arrived[k - self.base] >= self.delay or \
+                all(self.cursor.get(w, 0) > k for w in live)
             if not ready:
                 break
-            for text, who in self.extras.pop(k, ()):
-                self._write(f"{nodeset.fold(who)}: {text}")
+            if k in self.extras:
+                self._show(self.extras.pop(k))
             who = self.holders[k - self.base]
             text = self.canon[k - self.base]
             self._write(text if who == self.workers else f"{nodeset.fold(who)}: {text}")
             self.emitted += 1
+        if self.emitted == self._end and self.emitted in self.extras:
+            # a worker's own lines after the last common line (they waited ``delay``)
+            self._show(self.extras.pop(self.emitted))
         self._trim()
+
+    def _show(self, anchor: Mapping[str, list[_Own]]) -> None:
+        for own in sorted((o for entries in anchor.values() for o in entries),
+                          key=lambda o: o.order):
+            self._write(f"{nodeset.fold(own.who)}: {own.text}")
 
     def _trim(self) -> None:
         # A worker more than ``lookahead`` lines behind what was shown can only match lines
         # already shown: it does not hold them in memory (its lines show as its own).
-        live = self.workers - self.finished
+        if self.emitted - self.base <= 256:
+            return          # nothing worth dropping: no look at every worker's cursor
+        live = self.live
         floor = self.emitted - self.lookahead
         keep_from = min([self.emitted, *(c for c in (self.cursor.get(w, 0) for w in live)
                                          if c >= floor)])
@@ -786,6 +945,27 @@ class FoldingView:
         out = self.out if self.out is not None else sys.stdout
         out.write(neutralise_text(text, color=self.color) + "\n")
         out.flush()
+
+
+@dataclass
+class _Own:
+    """Lines only some workers printed at one place in the folded view."""
+
+    text: str
+    who: set[int]
+    order: tuple[int, int]          # (offset in its lowest worker's run of them, that worker)
+
+
+def _place(anchor: dict[str, list[_Own]], text: str, worker: int, offset: int) -> None:
+    """Add ``worker``'s line at ``anchor``, merged with the same line of other workers."""
+    entries = anchor.setdefault(text, [])
+    for own in entries:
+        if worker not in own.who:
+            own.who.add(worker)
+            if worker < own.order[1]:
+                own.order = (offset, worker)     # as logs orders them: by its lowest worker
+            return
+    entries.append(_Own(text, {worker}, (offset, worker)))
 
 
 def environment_summary(plan: RunPlan) -> str:

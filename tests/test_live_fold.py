@@ -1,0 +1,204 @@
+"""The live folded view (`jobs.FoldingView`) against what `tpufab logs` shows (`runs.fold_logs`).
+
+Pure: lines are fed with the view's injectable clock, in the orders they were measured to reach
+the client in `scripts/demo.sh` (each worker's log comes through its own follower, so a
+worker's copy of a common line often arrives before the reference worker's own copy).
+"""
+
+from __future__ import annotations
+
+import io
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tpufab.fanout import WorkerResult
+from tpufab.jobs import FoldingView
+from tpufab.runs import fold_logs, render_folded
+
+HELLO = "jax_hello: jax 0.10.2 backend=cpu processes=4 devices=4 local_devices=1"
+GATHER = "jax_hello: all-gather of process ids = [0, 1, 2, 3]"
+SUM = "jax_hello: sum of (process index + 1) over all devices = 10 (expected 10)"
+OK = "jax_hello: OK"
+
+
+def gloo(rank: int) -> str:
+    return (f"[Gloo] Rank {rank} is connected to 3 peer ranks. Expected number of connected "
+            "peer ranks is : 3")
+
+
+DEMO_LOGS = {w: [HELLO, gloo(w), GATHER, SUM, OK] for w in range(4)}
+
+# What `tpufab logs` printed after the demo's run, and what the live view must print too.
+DEMO_FOLDED = [HELLO, f"w0: {gloo(0)}", f"w1: {gloo(1)}", f"w2: {gloo(2)}", f"w3: {gloo(3)}",
+               GATHER, SUM, OK]
+
+# (seconds since the run started, worker, lines in that chunk) as they reached the view in two
+# runs of the demo's `run recipes/hello.sh` on a simulated v4-32 (all within 0.16 s: no worker
+# lagged; the view before this fix still showed w1's common lines on their own, and w0's).
+MEASURED = {
+    "w2-first": [(2.172, 2, [HELLO]), (2.176, 3, [HELLO]), (2.196, 0, [HELLO]), (2.197, 1, [HELLO]),
+                 (2.247, 0, [gloo(0)]), (2.248, 1, [gloo(1)]), (2.272, 2, [gloo(2), GATHER]),
+                 (2.275, 3, [gloo(3), GATHER]), (2.302, 1, [GATHER, SUM, OK]),
+                 (2.304, 0, [GATHER, SUM, OK]), (2.325, 2, [SUM, OK]), (2.327, 3, [SUM, OK])],
+    "w0-first": [(6.365, 0, [HELLO]), (6.376, 2, [HELLO]), (6.400, 1, [HELLO]),
+                 (6.403, 3, [HELLO]), (6.426, 2, [gloo(2)]), (6.450, 1, [gloo(1), GATHER]),
+                 (6.454, 3, [gloo(3), GATHER]), (6.466, 0, [gloo(0), GATHER]),
+                 (6.476, 2, [GATHER, SUM, OK]), (6.503, 1, [SUM, OK]), (6.504, 3, [SUM, OK]),
+                 (6.520, 0, [SUM, OK])],
+}
+
+
+class Clock:
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def feed(view: FoldingView, clock: Clock, arrivals, out: io.StringIO | None = None) -> None:
+    for at, worker, lines in arrivals:
+        clock.now = at
+        view.lines(worker, "stdout", "".join(line + "\n" for line in lines).encode())
+
+
+def finish(view: FoldingView, clock: Clock, workers, at: float) -> None:
+    clock.now = at
+    for w in workers:
+        view.done(WorkerResult(w, exit_code=0))
+    view.close()
+
+
+def test_the_demo_logs_fold_as_logs_shows_them():
+    assert render_folded(fold_logs(DEMO_LOGS), range(4)) == DEMO_FOLDED
+
+
+def test_the_demo_run_folds_live_as_logs_does_in_the_orders_measured():
+    for name, arrivals in MEASURED.items():
+        out, clock = io.StringIO(), Clock()
+        view = FoldingView(range(4), out, clock=clock)
+        feed(view, clock, arrivals)
+        finish(view, clock, [2, 0, 3, 1], at=arrivals[-1][0] + 0.5)
+        assert out.getvalue().splitlines() == DEMO_FOLDED, name
+
+
+def test_each_line_is_shown_as_soon_as_every_worker_got_past_it():
+    out, clock = io.StringIO(), Clock()
+    view = FoldingView(range(4), out, clock=clock)
+    arrivals = MEASURED["w2-first"]
+    feed(view, clock, arrivals[:4])
+    assert out.getvalue().splitlines() == [HELLO]
+    feed(view, clock, arrivals[4:9])
+    # w0 has not sent the all-gather yet: the others' own lines go after its own, and their
+    # all-gather will be its all-gather; nothing is shown before it is known where.
+    assert out.getvalue().splitlines() == [HELLO]
+    feed(view, clock, arrivals[9:10])
+    assert out.getvalue().splitlines() == DEMO_FOLDED[:-2]
+    feed(view, clock, arrivals[10:])
+    assert out.getvalue().splitlines() == DEMO_FOLDED  # before any follower ended
+
+
+def test_a_reference_heard_from_late_within_the_delay_is_folded_in():
+    # w0's follower delivers everything 2.5 s after the others (delay: 3 s).
+    out, clock = io.StringIO(), Clock()
+    view = FoldingView(range(4), out, clock=clock, delay=3.0)
+    feed(view, clock, [(0.1 * w, w, DEMO_LOGS[w]) for w in (1, 2, 3)])
+    clock.now = 2.4
+    view._emit()
+    assert out.getvalue() == ""                    # waiting for w0, not yet for too long
+    feed(view, clock, [(2.5, 0, DEMO_LOGS[0])])
+    assert out.getvalue().splitlines() == DEMO_FOLDED
+
+
+def test_a_silent_reference_holds_the_view_at_most_the_delay():
+    out, clock = io.StringIO(), Clock()
+    view = FoldingView(range(4), out, clock=clock, delay=3.0)
+    feed(view, clock, [(0.0, w, DEMO_LOGS[w]) for w in (1, 2, 3)])
+    clock.now = 2.9
+    view._emit()
+    assert out.getvalue() == ""
+    clock.now = 3.0
+    view._emit()                                   # what the ticker does
+    assert out.getvalue().splitlines() == [
+        f"w[1-3]: {HELLO}", f"w1: {gloo(1)}", f"w2: {gloo(2)}", f"w3: {gloo(3)}",
+        f"w[1-3]: {GATHER}", f"w[1-3]: {SUM}", f"w[1-3]: {OK}"]
+    # w0 speaks at last: its copies of lines already shown are not shown again, its own line is,
+    # within the delay again, and nothing is lost or left held when the followers end.
+    feed(view, clock, [(4.0, 0, DEMO_LOGS[0])])
+    clock.now = 7.0
+    view._emit()
+    assert out.getvalue().splitlines()[7:] == [f"w0: {gloo(0)}"]
+    finish(view, clock, range(4), at=7.5)
+    assert len(out.getvalue().splitlines()) == 8
+
+
+def test_a_worker_that_lags_past_the_delay_is_shown_on_its_own_then():
+    out, clock = io.StringIO(), Clock()
+    view = FoldingView(range(4), out, clock=clock, delay=3.0)
+    feed(view, clock, [(0.0, w, DEMO_LOGS[w]) for w in (0, 1, 2)])
+    clock.now = 3.0
+    view._emit()
+    assert out.getvalue().splitlines() == [
+        f"w[0-2]: {HELLO}", f"w0: {gloo(0)}", f"w1: {gloo(1)}", f"w2: {gloo(2)}",
+        f"w[0-2]: {GATHER}", f"w[0-2]: {SUM}", f"w[0-2]: {OK}"]
+    feed(view, clock, [(5.0, 3, DEMO_LOGS[3][:2])])
+    clock.now = 7.9
+    view._emit()
+    assert len(out.getvalue().splitlines()) == 7     # its line may still find its place
+    clock.now = 8.0
+    view._emit()
+    assert out.getvalue().splitlines()[7:] == [f"w3: {gloo(3)}"]
+    feed(view, clock, [(8.2, 3, DEMO_LOGS[3][2:])])  # copies of lines shown: not again
+    finish(view, clock, range(4), at=8.5)
+    assert len(out.getvalue().splitlines()) == 8
+
+
+def test_lines_after_the_reference_ended_are_folded_too():
+    logs = {0: ["a", "b"], 1: ["a", "b", "c", "d"], 2: ["a", "b", "c", "d"]}
+    out, clock = io.StringIO(), Clock()
+    view = FoldingView(range(3), out, clock=clock)
+    feed(view, clock, [(0.0, 1, logs[1]), (0.1, 2, logs[2]), (0.2, 0, logs[0])])
+    view.done(WorkerResult(0, exit_code=0))
+    assert out.getvalue().splitlines() == ["a", "b", "w[1-2]: c", "w[1-2]: d"]
+    finish(view, clock, [1, 2], at=0.3)
+    assert out.getvalue().splitlines() == render_folded(fold_logs(logs), range(3))
+
+
+# Logs shaped like a job's: common lines, a rank's own line where each rank prints one, a
+# warning only some workers print, a common last line (what comes after the last common line
+# is placed by difflib in `logs`, by arrival here); any interleaving of their chunks within
+# the delay.
+@st.composite
+def jobs_and_arrivals(draw):
+    workers = draw(st.integers(min_value=2, max_value=6))
+    steps = draw(st.integers(min_value=1, max_value=8))
+    ranked = draw(st.sets(st.integers(min_value=0, max_value=steps - 1), max_size=2))
+    logs = {}
+    for w in range(workers):
+        lines = []
+        for i in range(steps):
+            lines.append(f"rank {w} at {i}" if i in ranked else f"step {i}")
+            if draw(st.integers(min_value=0, max_value=9)) == 0:
+                lines.append(f"warning at {i}")
+        logs[w] = [*lines, "done"]
+    left = {w: list(lines) for w, lines in logs.items()}
+    arrivals, now = [], 0.0
+    while any(left.values()):
+        w = draw(st.sampled_from(sorted(w for w in left if left[w])))
+        n = draw(st.integers(min_value=1, max_value=3))
+        now += draw(st.floats(min_value=0.0, max_value=0.05))
+        arrivals.append((now, w, left[w][:n]))
+        del left[w][:n]
+    ends = draw(st.permutations(range(workers)))
+    return logs, arrivals, ends
+
+
+@given(jobs_and_arrivals())
+def test_any_order_within_the_delay_folds_as_logs_does(case):
+    logs, arrivals, ends = case
+    out, clock = io.StringIO(), Clock()
+    view = FoldingView(logs, out, clock=clock, delay=3.0)
+    feed(view, clock, arrivals)
+    finish(view, clock, ends, at=arrivals[-1][0] + 0.1)
+    assert out.getvalue().splitlines() == render_folded(fold_logs(logs), logs)
