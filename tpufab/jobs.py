@@ -866,6 +866,22 @@ class FoldingView:
     def _pop(self, worker: int) -> tuple[str, float]:
         queued = self.queue[worker]
         line, at = queued.popleft()
+        self._unwait(worker, line)
+        if not queued:
+            del self.queue[worker]
+        return line, at
+
+    def _dequeue(self, worker: int, count: int) -> list[tuple[str, float]]:
+        queued = self.queue[worker]
+        taken = [queued.popleft() for _ in range(min(count, len(queued)))]
+        for line, _ in taken:
+            self._unwait(worker, line)
+        if not queued:
+            del self.queue[worker]
+        return taken
+
+    def _unwait(self, worker: int, line: str) -> None:
+        """One copy of ``line`` fewer waiting from ``worker`` (the text index of _enqueue)."""
         copies = self.waiting[line]
         left = copies[worker] - 1
         if left:
@@ -874,26 +890,6 @@ class FoldingView:
             del copies[worker]
             if not copies:
                 del self.waiting[line]
-        if not queued:
-            del self.queue[worker]
-        return line, at
-
-    def _dequeue(self, worker: int, count: int) -> list[tuple[str, float]]:
-        queued = self.queue[worker]
-        taken = [queued.popleft() for _ in range(min(count, len(queued)))]
-        waiting = self.waiting
-        for line, _ in taken:
-            copies = waiting[line]
-            left = copies[worker] - 1
-            if left:
-                copies[worker] = left
-            else:
-                del copies[worker]
-                if not copies:
-                    del waiting[line]
-        if not queued:
-            del self.queue[worker]
-        return taken
 
     def _emit(self, final: bool = False) -> None:
         now = self.clock()
