@@ -152,3 +152,7 @@ def test_babysit_recreates_the_node_without_external_ips_and_with_its_metadata(p
     assert after.external_ips is False and [w.external_ip for w in after.workers] == [None]
     assert after.metadata["enable-oslogin"] == "TRUE"
     assert after.metadata["startup-script"] == metadata["startup-script"]
+    # the same bastion (a project's bastion outlives a TPU preemption): its pinned host key
+    # still holds, so the verbs go on working through it on the recreated node
+    out = ok(tpufab("exec", "id -un; hostname", env=pod["env"], cwd=pod["project"]))
+    assert f"w0 │ {USER}" in out and "-w-0" in out, out

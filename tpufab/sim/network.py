@@ -326,6 +326,11 @@ class NodeNetworks:
         if spec is None:
             return None
         node_id, path, ip = node["id"], spec.netns, spec.ip
+        # Its host key is kept per node name: recreated after a preemption (babysit), the node
+        # finds the same bastion, whose key tpufab pinned, as on a real project.
+        self.pool.keep_host_key(node_id + BASTION_SUFFIX, 0,
+                                self.pool.state_dir / "bastions" / node["name"],
+                                f"root@{spec.hostname}")
         self.pool.set_os_login(node_id + BASTION_SUFFIX, os_login)
         self.pool.start_node(node_id + BASTION_SUFFIX, [spec], ssh_keys)
         self.pool.wait_listening(node_id + BASTION_SUFFIX, timeout=30.0)

@@ -498,6 +498,21 @@ class WorkerPool:
     def _worker_dir(self, node_id: str, index: int) -> Path:
         return self._node_dir(node_id) / f"w{index}"
 
+    def keep_host_key(self, node_id: str, index: int, store: Path, comment: str) -> None:
+        """Worker ``index`` of ``node_id`` (before it starts) gets the host key kept in
+        ``store``, made there first if missing: a VM whose identity outlives the node records
+        it is started for (an internal node's bastion, which a real project keeps while its
+        TPU nodes are preempted and recreated)."""
+        key = store / "ssh_host_ed25519_key"
+        if not key.exists():
+            store.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _make_host_key(key, comment)
+        wdir = self._worker_dir(node_id, index)
+        wdir.mkdir(parents=True, exist_ok=True)
+        for name in (key.name, key.name + ".pub"):
+            if not (wdir / name).exists():
+                shutil.copy2(store / name, wdir / name)
+
     def _specs(self, node_id: str) -> list[WorkerSpec]:
         data = _read_json(self._node_dir(node_id) / "node.json", {"workers": []})
         return [WorkerSpec(**{**w, "device_files": tuple(w["device_files"])})
