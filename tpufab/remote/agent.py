@@ -3,8 +3,9 @@
 Started once per connection on one SSH channel (``python3 -I -S -c <loader>``; the source
 arrives on stdin). Each command then costs a spawn of the user's shell instead of a new sshd
 session, its environment (secrets included) arrives on stdin instead of argv, and when the
-channel closes for any reason every command still running is killed, with its process group
-and every process that carries its TPUFAB_TASK marker (setsid/nohup descendants too).
+channel closes for any reason every command still running is killed, with its process group,
+every process that carries its TPUFAB_TASK marker (setsid/nohup descendants too) and, at the
+SIGKILL, whatever is left in its session (what it ran under sudo too: ``kill_session``).
 
 One thread, one poll loop, and only built-in modules: this file is started on every worker
 of a cold fan-out, so its start-up CPU is multiplied by the number of workers.
@@ -27,6 +28,8 @@ import signal
 import struct
 import sys
 import time
+
+from tpufab.remote.workerlib import all_pids, proc_stat
 
 HEADER = struct.Struct(">BII")
 MARKER = "TPUFAB_TASK"
@@ -67,6 +70,35 @@ def marked_pids(marker):
         if needle in b"\0" + env:
             found.append(int(name))
     return found
+
+
+def kill_session(sid):
+    """SIGKILL what is left of the session ``sid`` (a task's: it was spawned with setsid).
+
+    What the task started under sudo runs as root, where this user's signals do not reach:
+    sudo relays a SIGTERM but never a SIGKILL, and drops a SIGTERM that arrives while it is
+    still starting its command, so a root process can outlive its sudo. Those are killed by
+    ``sudo -n pkill -s`` (matched by session where they run, never by a pid read here).
+    Returns the pid of that pkill, or None."""
+    denied = False
+    for pid in all_pids():
+        proc = proc_stat(pid)
+        if proc is None or proc.sid != sid or proc.exited:
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except PermissionError:
+            denied = True
+        except OSError:
+            pass
+    if not denied or os.geteuid() == 0:
+        return None
+    try:
+        with open(os.devnull, "r+b") as null:
+            return spawn(["sudo", "-n", "pkill", "-KILL", "-s", str(sid)], dict(os.environ),
+                         null.fileno(), null.fileno(), null.fileno())
+    except OSError:
+        return None
 
 
 def parse_fields(payload):
@@ -198,6 +230,10 @@ class Task:
                 os.kill(pid, signum)
             except OSError:
                 pass
+        if signum == signal.SIGKILL:
+            helper = kill_session(self.pid)
+            if helper is not None:
+                self.agent.helpers.append(helper)
 
     @property
     def finished(self):
@@ -221,6 +257,7 @@ class Agent:
         self.poller = select.poll()
         self.inbox = bytearray()
         self.stdin_open = True
+        self.helpers = []  # pids of the sudo pkills kill_session started, reaped here
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)
         os.set_blocking(wake_r, False)
@@ -333,6 +370,13 @@ class Agent:
                 if pid:
                     task.status = status
                     self.maybe_done(task)
+        for pid in list(self.helpers):
+            try:
+                done = os.waitpid(pid, os.WNOHANG)[0]
+            except ChildProcessError:
+                done = pid
+            if done:
+                self.helpers.remove(pid)
 
     def maybe_done(self, task):
         if task.finished and self.tasks.pop(task.id, None) is not None:
