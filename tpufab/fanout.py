@@ -41,6 +41,9 @@ HEADER = struct.Struct(">BII")
 DEFAULT_CONCURRENCY = 64
 SPOOL_BYTES = 256 * 1024  # per worker and stream, then spill to a temp file
 KILL_GRACE = 2.0
+# How long past a command's timeout, the kill grace and a connect the worker's answer may take
+# before the worker counts as not answering (the agent's SIGKILL is answered within ms).
+ANSWER_MARGIN = 2.0
 LINE_LIMIT = 1 << 20  # a partial line longer than this is passed on without waiting for "\n"
 DETAIL_ROWS = 16
 IDLE_TICK = 2.0  # s: how often an idle connection's paramiko thread wakes up  # per-worker rows in a failure's details; above, folded by outcome
@@ -1330,7 +1333,8 @@ class Fanout:
     def _wait(self, tasks: Mapping[int, _Task], timeout: float | None, wake: threading.Event,
               cancel: threading.Event | None) -> None:
         # The worker enforces ``timeout``; this guard only covers a worker that stops answering.
-        guard = None if timeout is None else timeout + self.kill_grace + self.connect_timeout + 5
+        guard = None if timeout is None else \
+            timeout + self.kill_grace + self.connect_timeout + ANSWER_MARGIN
         while True:
             if cancel is not None and cancel.is_set():
                 raise KeyboardInterrupt  # a shard told to stop by its parent
