@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import threading
@@ -301,42 +302,87 @@ def worker_processes(pod: Pod, worker: int, node_id: str | None = None) -> dict[
     return found
 
 
+STOPPING_SHELL = "/tmp/tpufab-stopping-shell"
+# Sets the login user's shell in /etc/passwd in place (it is a bind mount): {user} {shell}.
+SET_LOGIN_SHELL = ("awk -F: -v OFS=: -v u={user} -v s={shell} '$1 == u {{ $7 = s }} 1' "
+                   "/etc/passwd > /etc/passwd.fm && cat /etc/passwd.fm > /etc/passwd && "
+                   "rm /etc/passwd.fm")
+
+
 class Freezer:
     """SIGSTOP every new process on the given workers (whose command line holds `pattern`)
-    as soon as it appears, so the command hangs there, until exit (or `disarm`)."""
+    as soon as it appears, so the command hangs there, until exit (or `disarm`).
+
+    Without a pattern, every command on those workers also stops itself from its first
+    instant: the login user's shell there becomes one that sends itself SIGSTOP before it
+    runs anything, as sshd and the agent start every command through it. Polling alone can
+    lose the race against a command that ends within one poll (`get`'s `cat` did, once)."""
 
     def __init__(self, pod: Pod, workers: tuple[int, ...], pattern: str = ""):
         self.pod, self.workers, self.pattern = pod, workers, pattern
-        self.node_id = pod.node.id
-        self.before = {w: set(worker_processes(pod, w, self.node_id)) for w in workers}
+        self.node = pod.node            # the node of the moment (a cell may replace pod.node)
+        self.node_id = self.node.id
         self.frozen: set[int] = set()
         self.armed = True
+        self._sweep = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._shells: dict[int, str] = {}
+        if not pattern:
+            for worker in workers:
+                self._stopping_shell(worker)
+        self.before = {w: set(worker_processes(pod, w, self.node_id)) for w in workers}
 
     def __enter__(self) -> Freezer:
         self._thread.start()
         return self
 
+    def _stopping_shell(self, worker: int) -> None:
+        entry = in_worker(self.pod.sim, self.node, worker,
+                          f"getent passwd {POD_USER} || true").strip()
+        if not entry:
+            return                      # not in /etc/passwd (OS Login): polling alone
+        shell = entry.split(":")[6]
+        # It stops only while armed: a session opened meanwhile keeps it as $SHELL, and the
+        # agent there starts every later command through it.
+        wrapper = (f'#!/bin/sh\n[ -e {STOPPING_SHELL}.on ] && kill -STOP $$\n'
+                   f'exec {shlex.quote(shell)} "$@"\n')
+        in_worker(self.pod.sim, self.node, worker,
+                  f"printf %b {shlex.quote(wrapper)} > {STOPPING_SHELL} && "
+                  f"chmod 755 {STOPPING_SHELL} && touch {STOPPING_SHELL}.on && "
+                  + SET_LOGIN_SHELL.format(user=POD_USER, shell=STOPPING_SHELL))
+        self._shells[worker] = shell
+
+    def _restore_shells(self) -> None:
+        for worker, shell in list(self._shells.items()):
+            in_worker(self.pod.sim, self.node, worker,
+                      f"rm -f {STOPPING_SHELL}.on && "
+                      + SET_LOGIN_SHELL.format(user=POD_USER, shell=shlex.quote(shell)))
+            del self._shells[worker]
+
     def _loop(self) -> None:
         while not self._stop.is_set():
-            for worker in self.workers if self.armed else ():
-                for pid, args in worker_processes(self.pod, worker, self.node_id).items():
-                    if pid in self.frozen or pid in self.before[worker] \
-                            or self.pattern not in args:
-                        continue
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGSTOP)
-                        self.frozen.add(pid)
+            with self._sweep:
+                for worker in self.workers if self.armed else ():
+                    for pid, args in worker_processes(self.pod, worker, self.node_id).items():
+                        if pid in self.frozen or pid in self.before[worker] \
+                                or self.pattern not in args:
+                            continue
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGSTOP)
+                            self.frozen.add(pid)
             self._stop.wait(0.03)
 
     def disarm(self) -> None:
         """Freeze nothing new from now on (what is frozen stays so until exit)."""
         self.armed = False
+        with self._sweep:      # a sweep under way would stop what restores the shells
+            self._restore_shells()
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(10)
+        self._restore_shells()
         clean = []        # two looks in a row with nothing stopped
         wait_for(lambda: clean.append(self._thaw()) or clean[-2:] == [True, True], 10,
                  what="every process the freezer stopped to run again")
