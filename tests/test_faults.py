@@ -68,13 +68,14 @@ class Running:
             self.proc.wait(10)
 
 
-def interrupted_when(argv: list[str], env: dict, ready, what: str, timeout: float = 30):
+def interrupted_when(argv: list[str], env: dict, ready, what: str, timeout: float = 30,
+                     cwd: Path | None = None):
     """Run a `tpufab` command, press Ctrl-C once `ready(running)` holds, return its result."""
-    running = Running(argv, env)
+    running = Running(argv, env, cwd=cwd)
     try:
         wait_for(lambda: ready(running), timeout, what=what)
         running.interrupt()
-        return running.wait(30)
+        return running.wait(60)
     finally:
         running.kill()
 
@@ -555,15 +556,11 @@ def test_fault_1_sshd_dies_mid_run(sim, sim_admin, pod4, tmp_path, waiting_recip
 def test_fault_6_ctrl_c_during_run(sim, pod4, tmp_path, waiting_recipe, choice):
     go = unique_name("go")
     env = {**pod4.env, "GO": go}
-    running = Running([TPUFAB, "run", str(waiting_recipe), "--raw", "--no-deploy", "--env", "GO",
-                       "--on-interrupt", choice], env, cwd=tmp_path)
-    try:
-        wait_for(lambda: sum(running.saw(f"w{w} │ started w{w}") for w in range(4)) == 4, 60,
-                 what="the run to start on every worker")
-        running.interrupt()
-        result = running.wait(60)
-    finally:
-        running.kill()
+    result = interrupted_when(
+        [TPUFAB, "run", str(waiting_recipe), "--raw", "--no-deploy", "--env", "GO",
+         "--on-interrupt", choice], env,
+        lambda r: sum(r.saw(f"w{w} │ started w{w}") for w in range(4)) == 4,
+        "the run to start on every worker", timeout=60, cwd=tmp_path)
     interrupted(result)
     [copy] = list((tmp_path / ".tpufab" / "runs").iterdir())
     run_id = copy.name
@@ -602,14 +599,10 @@ def test_fault_6_ctrl_c_during_kill(sim, pod4, tmp_path):
                              for w in range(4)), 30, what="the stubborn run on every worker")
         # kill waits out a long grace for processes that ignore SIGTERM: interrupt it then
         # (as soon as its command line shows, so at times while sudo is still starting it)
-        killing = Running([TPUFAB, "kill", "--grace", "30"], pod4.env, cwd=tmp_path)
-        try:
-            wait_for(lambda: all(processes(sim, pod4.node, w, "tpukill") for w in range(4)), 30,
-                     what="kill to be waiting on every worker")
-            killing.interrupt()
-            result = killing.wait(60)
-        finally:
-            killing.kill()
+        result = interrupted_when(
+            [TPUFAB, "kill", "--grace", "30"], pod4.env,
+            lambda _: all(processes(sim, pod4.node, w, "tpukill") for w in range(4)),
+            "kill to be waiting on every worker", cwd=tmp_path)
         interrupted(result)
         no_orphans(sim, pod4.node, "tpukill")           # the kill itself left nothing behind
         again = tpufab("kill", "--grace", "1", env=pod4.env, cwd=tmp_path)
