@@ -145,8 +145,15 @@ def test_serve_wait_port_forward_benchmark_and_profile(serve_env):
             health = wait_for(lambda: _health(plain), 60, 0.2, what="ssh -L to forward")
             assert health["status"] == "ok" and health["served"] >= 24
         finally:
+            # The system ssh's own exit: it once missed the SIGTERM that came while it was
+            # busy closing the forwarded request (1 of 3 runs alone, not seen in 17 more) and
+            # waited for its next event, the end of `sleep 60`. Not what this step checks.
             tunnel.proc.terminate()
-            tunnel.proc.wait(30)
+            try:
+                tunnel.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                tunnel.proc.kill()
+                tunnel.proc.wait(10)
 
         profiled = call(env, "profile", "--worker", "0", "--duration", "2s", cwd=project)
         assert profiled.returncode == 0, profiled.stdout + profiled.stderr
