@@ -111,18 +111,26 @@ def test_a_reference_heard_from_late_within_the_delay_is_folded_in():
     assert out.getvalue().splitlines() == DEMO_FOLDED
 
 
-def test_a_silent_reference_holds_the_view_at_most_the_delay():
+def three_of_four_at_the_delay(speakers: tuple[int, int, int]):
+    """The demo's logs from three workers at once, the fourth silent; the view at its 3 s
+    delay (nothing shown a moment before), and what it then shows: those three folded."""
     out, clock = io.StringIO(), Clock()
     view = FoldingView(range(4), out, clock=clock, delay=3.0)
-    feed(view, clock, [(0.0, w, DEMO_LOGS[w]) for w in (1, 2, 3)])
+    feed(view, clock, [(0.0, w, DEMO_LOGS[w]) for w in speakers])
     clock.now = 2.9
     view._emit()
     assert out.getvalue() == ""
     clock.now = 3.0
     view._emit()                                   # what the ticker does
+    group = f"w[{speakers[0]}-{speakers[-1]}]"
     assert out.getvalue().splitlines() == [
-        f"w[1-3]: {HELLO}", f"w1: {gloo(1)}", f"w2: {gloo(2)}", f"w3: {gloo(3)}",
-        f"w[1-3]: {GATHER}", f"w[1-3]: {SUM}", f"w[1-3]: {OK}"]
+        f"{group}: {HELLO}", *(f"w{w}: {gloo(w)}" for w in speakers),
+        f"{group}: {GATHER}", f"{group}: {SUM}", f"{group}: {OK}"]
+    return view, out, clock
+
+
+def test_a_silent_reference_holds_the_view_at_most_the_delay():
+    view, out, clock = three_of_four_at_the_delay((1, 2, 3))
     # w0 speaks at last: its copies of lines already shown are not shown again, its own line is,
     # within the delay again, and nothing is lost or left held when the followers end.
     feed(view, clock, [(4.0, 0, DEMO_LOGS[0])])
@@ -134,14 +142,7 @@ def test_a_silent_reference_holds_the_view_at_most_the_delay():
 
 
 def test_a_worker_that_lags_past_the_delay_is_shown_on_its_own_then():
-    out, clock = io.StringIO(), Clock()
-    view = FoldingView(range(4), out, clock=clock, delay=3.0)
-    feed(view, clock, [(0.0, w, DEMO_LOGS[w]) for w in (0, 1, 2)])
-    clock.now = 3.0
-    view._emit()
-    assert out.getvalue().splitlines() == [
-        f"w[0-2]: {HELLO}", f"w0: {gloo(0)}", f"w1: {gloo(1)}", f"w2: {gloo(2)}",
-        f"w[0-2]: {GATHER}", f"w[0-2]: {SUM}", f"w[0-2]: {OK}"]
+    view, out, clock = three_of_four_at_the_delay((0, 1, 2))
     feed(view, clock, [(5.0, 3, DEMO_LOGS[3][:2])])
     clock.now = 7.9
     view._emit()
