@@ -7,11 +7,12 @@ its parameters. Keep it free of heavy imports: `tpufab --help` must start instan
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from typing import Any
 
 import typer
 
-from tpufab.console import run as run_verb
+from tpufab.display.console import run as run_verb
 from tpufab.verbs import GROUP_HELP, all_verbs
 from tpufab.verbs.declare import Param, Verb, call_values
 
@@ -23,17 +24,100 @@ def _annotation(p: Param) -> Any:
     return kind | None if p.optional and p.kind is not bool else kind
 
 
+# -- shell completion of the values that are cheap to know here (no SSH, no API call): pod
+# names this project remembers, run ids whose logs it keeps, recipe and task files.
+
+def _root() -> Path:
+    from tpufab import current
+
+    return current.project_root()
+
+
+def _pods(incomplete: str) -> list[str]:
+    """The project's current pod and the name tpufab.yaml gives."""
+    from tpufab import current
+
+    names = []
+    found = current.read()
+    if found is not None:
+        names.append(found.name)
+    for file in ("tpufab.yaml", "tpufab.yml"):
+        path = _root() / file
+        if path.is_file():
+            for line in path.read_text(errors="replace").splitlines():
+                key, sep, value = line.partition(":")
+                if sep and key.strip() == "name" and value.strip():
+                    names.append(value.strip().strip("'\""))
+    return sorted({n for n in names if n.startswith(incomplete)})
+
+
+def _runs(incomplete: str) -> list[str]:
+    """Run ids whose logs this project keeps (``.tpufab/runs/<id>``), newest first."""
+    folder = _root() / ".tpufab" / "runs"
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith(incomplete)]
+    return [p.name for p in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)]
+
+
+def _files(incomplete: str, suffixes: tuple[str, ...]) -> list[str]:
+    if "/" not in incomplete:
+        base = Path(".")
+    else:
+        base = Path(incomplete) if incomplete.endswith("/") else Path(incomplete).parent
+    if not base.is_dir():
+        return []
+    out = []
+    for p in sorted(base.iterdir()):
+        text = str(p) if "/" in incomplete else p.name
+        if not text.startswith(incomplete) or p.name.startswith("."):
+            continue
+        if p.is_dir():
+            out.append(text + "/")
+        elif p.suffix in suffixes:
+            out.append(text)
+    return out
+
+
+def _recipes(incomplete: str) -> list[str]:
+    return _files(incomplete, (".sh", ".py", ""))
+
+
+def _tasks(incomplete: str) -> list[str]:
+    return _files(incomplete, (".yaml", ".yml"))
+
+
+COMPLETERS = {"name": _pods, "pod": _pods, "run": _runs, "recipe": _recipes, "task": _tasks,
+              "script": _recipes}
+
+
+def _completer(name: str):
+    """Shell completion for a parameter, where its values are cheap to know."""
+    if name not in COMPLETERS:
+        return None
+
+    def complete(incomplete: str) -> list[str]:
+        try:
+            return COMPLETERS[name](incomplete)
+        except OSError:
+            return []
+
+    return complete
+
+
 def _typer_param(p: Param) -> inspect.Parameter:
     if p.positional:
         default = typer.Argument(... if p.required else p.default,
-                                 help=p.help, metavar=p.metavar, show_default=False)
+                                 help=p.help, metavar=p.metavar, show_default=False,
+                                 autocompletion=_completer(p.name))
     else:
         flags = p.flags
         if p.kind is bool and p.default is True:
             flags = (f"{p.flag}/--no-{p.flag[2:]}",)
         default = typer.Option(... if p.required else p.default, *flags, help=p.help,
                                metavar=p.metavar, min=p.min,
-                               show_default=p.default not in (None, False, [], ()))
+                               show_default=p.default not in (None, False, [], ()),
+                               autocompletion=_completer(p.name))
     return inspect.Parameter(p.name, inspect.Parameter.KEYWORD_ONLY, default=default,
                              annotation=_annotation(p))
 
@@ -56,12 +140,40 @@ def build_app() -> typer.Typer:
     settings = {"no_args_is_help": True, "rich_markup_mode": None,
                 "context_settings": {"help_option_names": ["-h", "--help"]}}
     app = typer.Typer(name="tpufab", help="Make a Cloud TPU pod feel like one machine.",
-                      add_completion=False, pretty_exceptions_enable=False, **settings)
+                      add_completion=True, pretty_exceptions_enable=False, **settings)
+
+    def _version(value: bool) -> None:
+        if value:
+            from tpufab import __version__
+
+            typer.echo(f"tpufab {__version__}")
+            raise typer.Exit()
 
     @app.callback()
-    def _main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks.")) -> None:
+    def _main(debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+              version: bool = typer.Option(False, "--version", callback=_version,
+                                           is_eager=True,
+                                           help="Print tpufab's version and exit "
+                                                "(`tpufab version`: with its libraries')."),
+              keep_alive: str | None = typer.Option(
+                  None, "--keep-alive", metavar="DURATION",
+                  help="How long the pod's connections stay open after this command for the "
+                       "next one (e.g. 5m; 0: not kept; setting keep_alive).")) -> None:
         """Make a Cloud TPU pod feel like one machine."""
         _state["debug"] = debug
+        if keep_alive is not None:
+            import os
+
+            from tpufab.config import keep_alive_seconds
+            from tpufab.errors import ConfigError
+
+            try:
+                keep_alive_seconds(keep_alive, "--keep-alive")
+            except ConfigError as err:
+                from tpufab.display.console import report_error
+
+                raise typer.Exit(report_error(err, debug=debug)) from None
+            os.environ["TPUFAB_KEEP_ALIVE"] = keep_alive  # the layer every verb reads
 
     groups: dict[str, typer.Typer] = {}
     for v in all_verbs():

@@ -51,6 +51,12 @@ class Settings:
     labels: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     api_endpoint: str | None = None
+    control_plane: str | None = None    # "tpu" or "compute" (Compute Engine); default: by type
+    flex_start: bool = False            # Compute Engine FLEX_START (with max_run_duration)
+    max_run_duration: str | None = None  # e.g. "8h": how long a flex-start slice may run
+    flex_start_renew: bool = False      # babysit: a new flex-start request when one ends
+    mig_short_wait: float = 300.0       # create: how long a MIG may stay short of VMs that
+                                        # Compute Engine reports it could not create
     api_timeout: float = 60.0           # seconds per API call
     api_retries: int = 8                # attempts for transient API failures (429/503/...)
     api_retry_seconds: float = 120.0    # give up retrying after this long
@@ -65,7 +71,8 @@ class Settings:
     fanout_processes: int = 0            # client processes sharing the connections; 0: automatic
     connect_timeout: float = 20.0
     command_timeout: float | None = None
-    # OS Login (tpufab.oslogin): auto = as the node's (else the project's) enable-oslogin says
+    keep_alive: str = "0"                # how long a pod's connections stay open after a command; 0 (default for now): not kept
+    # OS Login (tpufab.cloud.oslogin): auto = as the node's (else the project's) enable-oslogin says
     os_login: str = "auto"               # or true / false (--no-os-login)
     os_login_account: str | None = None  # your Google account's email; default: from credentials
     os_login_ttl: float = 86400.0        # seconds tpufab's key stays registered (renewed early)
@@ -98,6 +105,11 @@ class Settings:
         return Path(self.known_hosts).expanduser()
 
     @property
+    def keep_alive_seconds(self) -> float:
+        """``keep_alive`` in seconds; 0 when connections are not kept (tpufab.ssh.keeper)."""
+        return keep_alive_seconds(self.keep_alive, "keep_alive")
+
+    @property
     def state_path(self) -> Path:
         return Path(self.state_dir).expanduser()
 
@@ -113,6 +125,16 @@ class Settings:
 
 
 DEFAULT_REMOTE_USER = "tpufab"
+KEEP_ALIVE_OFF = ("0", "0s", "off", "no", "false", "")
+
+
+def keep_alive_seconds(value: object, source: str) -> float:
+    """A keep_alive value (``5m``, ``90s``, ``0``) in seconds; a ConfigError naming ``source``."""
+    from tpufab.durations import parse_duration
+
+    if str(value).strip().lower() in KEEP_ALIVE_OFF:
+        return 0.0
+    return parse_duration(str(value), source) or 0.0
 
 
 def _local_user() -> str:
@@ -283,7 +305,7 @@ def layers(overrides: Mapping[str, Any] | None = None, *, cwd: Path | None = Non
 def _unknown_env(key: str) -> None:
     """A TPUFAB_* variable that is no setting: refused when it looks like a misspelt one (a
     zone silently left at its default creates a pod in the wrong place), else warned once."""
-    from tpufab.runs import RESERVED
+    from tpufab.jobs.runs import RESERVED
 
     short = key[len(ENV_PREFIX):]
     if short in OTHER_ENV or short.startswith(OTHER_ENV_PREFIXES) or key in RESERVED:
@@ -312,6 +334,7 @@ LIMITS = {
     "api_retries": (1, False, "attempts per TPU API call"),
     "api_retry_seconds": (0, False, "seconds of TPU API retries"),
     "wait_timeout": (0, True, "seconds to wait for a node"),
+    "mig_short_wait": (0, False, "seconds to wait for the VMs a MIG could not create"),
     "os_login_ttl": (0, True, "seconds tpufab's key stays registered with OS Login"),
 }
 # Settings that take one of a few words; booleans are accepted for the true/false ones.
@@ -344,6 +367,7 @@ def check_limits(settings: Settings, origin: Mapping[str, str]) -> None:
         bound = f"more than {low:g}" if exclusive else f"at least {low:g}"
         raise ConfigError(f"{origin.get(name, name)}: {name} ({what}) must be {bound}, "
                           f"not {value:g}.")
+    keep_alive_seconds(settings.keep_alive, origin.get("keep_alive", "keep_alive"))
     for name, example in URL_SETTINGS.items():
         value = getattr(settings, name)
         if value is None:
@@ -376,7 +400,7 @@ def load_settings(overrides: Mapping[str, Any] | None = None, *, cwd: Path | Non
     settings.sources = sources
     check_limits(settings, origin)
     if settings.jump:
-        from tpufab.jump import parse_jump
+        from tpufab.ssh.jump import parse_jump
 
         parse_jump(settings.jump, origin.get("jump", "jump"))
     if settings.type:

@@ -78,3 +78,10 @@ def forget(name: str, cwd: Path | None = None) -> bool:
         return False
     current.path.unlink(missing_ok=True)
     return True
+
+
+def became(name: str, before: CurrentPod | None, path: Path) -> str:
+    """What to say once ``name`` is remembered: a move away from another pod is said."""
+    if before is not None and before.name != name:
+        return f"The current pod is now {name} (was {before.name}; {path})."
+    return f"{name} is this project's current pod ({path})."

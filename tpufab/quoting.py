@@ -9,13 +9,13 @@ from :func:`export_lines`.
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from tpufab.errors import ConfigError
+from tpufab.remote.workerlib import MIN_SECRET_LENGTH, secret_forms  # noqa: F401 - one rule
 
 MASK = "***"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -140,27 +140,50 @@ def reveal_env(env: Mapping[str, str | Secret] | None) -> dict[str, str]:
     }
 
 
-def secret_forms(values: Iterable[str]) -> list[str]:
-    """Each value in every form worth masking, longest first: as is, URL-encoded (``quote``,
-    ``quote`` keeping ``/``, ``quote_plus``; upper- and lower-case hex) and JSON-escaped.
-    The worker-side supervisor (remote/launch.py ``secret_forms``) masks the same forms."""
-    from urllib.parse import quote as url_quote
-    from urllib.parse import quote_plus
+# -- which variables are secrets, and which values are masked ---------------------------------
 
-    forms: set[str] = set()
-    for value in values:
-        if not value:
-            continue
-        for form in (value, url_quote(value, safe=""), url_quote(value), quote_plus(value),
-                     json.dumps(value)[1:-1]):
-            forms.add(form)
-            forms.add(re.sub("%[0-9A-F]{2}", lambda m: m.group(0).lower(), form))
-    return sorted((f for f in forms if f), key=lambda f: (-len(f.encode()), f.encode()))
+# The last word of a variable's name (split on "_") that makes it a secret: HF_TOKEN, DB_PASS,
+# OPENAI_KEY, WANDB_API_KEY, MY_SECRET, AWS_SECRET_ACCESS_KEY. A word inside the name or a
+# longer word does not (MAX_NEW_TOKENS, tokenizer_path, TOKENIZERS_PARALLELISM, KEY_PATH).
+SECRET_WORDS = ("TOKEN", "KEY", "PASS", "PASSWORD", "PASSWD", "PASSPHRASE", "SECRET")
+# A first word that makes the name a setting about a secret rather than one: a switch or a
+# count (USE_AUTH_TOKEN=1, ENABLE_API_KEY, MAX_TOKEN, NUM_KEY). An explicit name still counts.
+NOT_SECRET_FIRST_WORDS = ("USE", "ENABLE", "DISABLE", "NO", "WITH", "MAX", "MIN", "NUM")
+
+
+def is_secret_name(name: str, explicit: Iterable[str] = ()) -> bool:
+    """THE rule of which variables are secrets, for every door (``exec``/``run``/``launch``
+    ``-e`` and ``--secret``, ``Pod.run``/``Pod.start`` ``env``, task ``envs``/``secrets:``):
+    a name listed in ``explicit`` (the ``secrets`` setting, ``--secret NAME``, a task's
+    ``secrets:``; fnmatch patterns allowed), or a name whose last word (split on ``_``, any
+    case) is one of :data:`SECRET_WORDS` and whose first word is not one of
+    :data:`NOT_SECRET_FIRST_WORDS`. A secret travels on stdin only and shows as ``***``
+    wherever tpufab shows the environment; its value is masked inside output only when it has
+    at least ``MIN_SECRET_LENGTH`` (8) characters (:func:`secret_forms`)."""
+    import fnmatch
+
+    upper = name.upper()
+    if any(fnmatch.fnmatchcase(upper, pattern.upper()) for pattern in explicit):
+        return True
+    words = [w for w in upper.split("_") if w]
+    return bool(words) and words[-1] in SECRET_WORDS and \
+        (len(words) == 1 or words[0] not in NOT_SECRET_FIRST_WORDS)
+
+
+def split_secrets(env: Mapping[str, str], explicit: Iterable[str] = ()
+                  ) -> tuple[dict[str, str], dict[str, str]]:
+    """``env`` as (public, secret) by :func:`is_secret_name`."""
+    explicit = tuple(explicit)
+    public: dict[str, str] = {}
+    hidden: dict[str, str] = {}
+    for name, value in env.items():
+        (hidden if is_secret_name(name, explicit) else public)[name] = value
+    return public, hidden
 
 
 def secret_values(values: Iterable[str | Secret] | Mapping[str, str | Secret] | None) -> list[str]:
-    """The strings to mask (every form of every value, see :func:`secret_forms`), longest
-    first (so a secret containing another masks whole)."""
+    """The strings to mask (every form of every value long enough to be masked, see
+    :func:`secret_forms`), longest first (so a secret containing another masks whole)."""
     if values is None:
         return []
     if isinstance(values, Mapping):
@@ -174,7 +197,8 @@ def secret_bytes(values: Iterable[str | Secret] | Mapping[str, str | Secret] | N
 
 
 def mask(text: str, secrets: Iterable[str | Secret] | Mapping[str, str | Secret] | None) -> str:
-    """Replace every occurrence of every secret value in ``text`` with ``***``."""
+    """Replace every occurrence of every secret value (of at least ``MIN_SECRET_LENGTH``
+    characters) in ``text`` with ``***``."""
     for value in secret_values(secrets):
         text = text.replace(value, MASK)
     return text

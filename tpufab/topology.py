@@ -1,7 +1,11 @@
 """Accelerator types -> pod shape (pure; no I/O).
 
-`TYPE-N` counts TensorCores for v2, v3, v4 and v5p (two cores per chip) and chips for
-v5litepod (v5e) and v6e (one core per chip). See ../shared/REFERENCE.md.
+`TYPE-N` counts TensorCores for v2, v3, v4, v5p and TPU7x (two cores per chip) and chips for
+v5litepod (v5e) and v6e (one core per chip). See ../shared/REFERENCE.md and docs/topology.md.
+
+Which control plane offers a type: the Cloud TPU API ("tpu": v2 to v6e) and Compute Engine
+("compute": v5p, v6e and TPU7x, as VM instances of a TPU machine type; TPU7x and later only
+there). ``Topology.machine_type`` is the Compute Engine machine type of one host.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ class Generation:
     device_family: str              # "accel" (/dev/accel*) or "vfio" (/dev/vfio/*)
     single_host_max_chips: int      # up to this many chips fit on one host
     aliases: tuple[str, ...] = ()
+    planes: tuple[str, ...] = ("tpu",)          # control planes that offer it
+    machine_types: tuple[tuple[int, str], ...] = ()  # (chips per host, Compute Engine type)
 
 
 GENERATIONS: dict[str, Generation] = {
@@ -35,15 +41,28 @@ GENERATIONS: dict[str, Generation] = {
         Generation("v5litepod", (1, 4, 8, 16, 32, 64, 128, 256), 1, "v2-alpha-tpuv5-lite",
                    "vfio", 8, aliases=("v5e",)),
         Generation("v5p", (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 6144, 8192, 12288),
-                   2, "v2-alpha-tpuv5", "vfio", 4),
-        Generation("v6e", (1, 4, 8, 16, 32, 64, 128, 256), 1, "v2-alpha-tpuv6e", "vfio", 8),
+                   2, "v2-alpha-tpuv5", "vfio", 4, planes=("tpu", "compute"),
+                   machine_types=((4, "ct5p-hightpu-4t"),)),
+        Generation("v6e", (1, 4, 8, 16, 32, 64, 128, 256), 1, "v2-alpha-tpuv6e", "vfio", 8,
+                   planes=("tpu", "compute"),
+                   machine_types=((1, "ct6e-standard-1t"), (4, "ct6e-standard-4t"),
+                                  (8, "ct6e-standard-8t"))),
+        # TPU7x (Ironwood): Compute Engine only. N counts TensorCores (2 per chip), as xpk and
+        # GKE write it: tpu7x-8 is one 4-chip VM, tpu7x-128 one 4x4x4 cube of 16 VMs, up to
+        # 144 cubes (tpu7x-18432: 9,216 chips, 2,304 VMs). The boot image is the VM's, so there
+        # is no runtime version.
+        Generation("tpu7x", (2, 8, 16, 32, 64, *(128 * k for k in range(1, 145))), 2, "",
+                   "vfio", 4, planes=("compute",),
+                   machine_types=((1, "tpu7x-standard-1t"), (4, "tpu7x-standard-4t"))),
     )
 }
+CONTROL_PLANES = {"tpu": "the Cloud TPU API", "compute": "Compute Engine"}
+MAX_TPU7X_CUBES = 144
 
 # Every device-file family, whatever the generation: a kill must look at both.
 DEVICE_GLOBS = ("/dev/accel*", "/dev/vfio/[0-9]*")
 
-_TYPE_RE = re.compile(r"^(?:tpu-)?(v[0-9a-z]+)-([0-9]+)$")
+_TYPE_RE = re.compile(r"^(?:tpu-)?(v[0-9a-z]+|tpu7x?)-([0-9]+)$")
 
 
 @dataclass(frozen=True)
@@ -56,6 +75,8 @@ class Topology:
     chips_per_host: int
     default_runtime: str
     device_family: str        # "accel" or "vfio"
+    planes: tuple[str, ...] = ("tpu",)   # control planes that offer it ("tpu", "compute")
+    machine_type: str | None = None      # Compute Engine machine type of one host
 
     @property
     def device_files(self) -> tuple[str, ...]:
@@ -77,18 +98,23 @@ def _shape(gen: Generation, size: int) -> Topology:
         chips_per_host=chips // hosts,
         default_runtime=gen.default_runtime,
         device_family=gen.device_family,
+        planes=gen.planes,
+        machine_type=dict(gen.machine_types).get(chips // hosts),
     )
 
 
-def all_accelerator_types() -> list[str]:
-    """Every accelerator type tpufab knows, in the API's spelling."""
-    return [f"{g.name}-{n}" for g in GENERATIONS.values() for n in g.sizes]
+def all_accelerator_types(plane: str | None = None) -> list[str]:
+    """Every accelerator type tpufab knows (that ``plane`` offers), in the API's spelling."""
+    return [f"{g.name}-{n}" for g in GENERATIONS.values() for n in g.sizes
+            if plane is None or plane in g.planes]
 
 
 def _generation(name: str) -> Generation | None:
     for gen in GENERATIONS.values():
         if name == gen.name or name in gen.aliases:
             return gen
+    if name in ("tpu7", "v7x", "v7"):   # how people write Ironwood; the API says tpu7x
+        return GENERATIONS["tpu7x"]
     return None
 
 
@@ -103,7 +129,7 @@ def _suggestions(text: str) -> list[str]:
     """The valid types nearest to an invalid one."""
     lowered = text.strip().lower()
     lowered = lowered.removeprefix("tpu-")
-    m = re.match(r"^(v[0-9]+[a-z]*)-?([0-9]+)", lowered)
+    m = re.match(r"^(v[0-9]+[a-z]*|tpu7x?)-?([0-9]+)", lowered)
     if m:
         gen = _generation(m.group(1))
         size = int(m.group(2))
@@ -137,8 +163,11 @@ def parse_accelerator_type(text: str) -> Topology:
 # The physical shape of a slice, custom topologies, model-parallel submeshes (pure).
 # Rules and sources: docs/topology.md.
 
-THREE_D = ("v4", "v5p")                 # 3D chip meshes (tori once made of whole 4x4x4 cubes)
-CUSTOM_TOPOLOGY = ("v4", "v5p", "v5litepod", "v6e")   # generations the API takes a shape for
+THREE_D = ("v4", "v5p", "tpu7x")  # 3D chip meshes (tori once made of whole 4x4x4 cubes)
+# generations that take a shape (TPU API acceleratorConfig; TPU7x: the workload policy's
+# accelerator topology on Compute Engine)
+CUSTOM_TOPOLOGY = ("v4", "v5p", "v5litepod", "v6e", "tpu7x")
+TPU7X_SMALL = ((1, 1, 1), (2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 4, 4))
 AXES = "xyz"
 # 2D generations whose full pod is a 2D torus: (pod shape).
 FULL_POD_2D = {"v2": (16, 16), "v3": (32, 32), "v5litepod": (16, 16), "v6e": (16, 16)}
@@ -167,9 +196,14 @@ def parse_topology_text(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
-def _three_d_ok(dims: tuple[int, ...]) -> bool:
+def _three_d_ok(dims: tuple[int, ...], generation: str = "v4") -> bool:
     """v4/v5p shapes the API takes: 2x2x1 (one host), else A<=B<=C, all <= 4 or all multiples
-    of 4 (docs/topology.md)."""
+    of 4; TPU7x: 1x1x1, 2x2x1, 2x2x2, 2x2x4, 2x4x4, else whole 4x4x4 cubes, A<=B<=C, at most
+    144 of them (docs/topology.md)."""
+    if generation == "tpu7x":
+        return dims in TPU7X_SMALL or (
+            len(dims) == 3 and list(dims) == sorted(dims) and all(d % 4 == 0 for d in dims)
+            and _prod(dims) // 64 <= MAX_TPU7X_CUBES)
     if dims == (2, 2, 1):
         return True
     if len(dims) != 3 or list(dims) != sorted(dims) or dims[0] < 2:
@@ -190,8 +224,8 @@ def valid_topologies(topo: Topology) -> list[tuple[int, ...]]:
     if topo.generation not in THREE_D:
         dims = _doubling_dims(topo.chips, 2)
         return [dims] if dims else []
-    if topo.chips == 4:
-        return [(2, 2, 1)]
+    if topo.chips in (1, 4):
+        return [(2, 2, 1)] if topo.chips == 4 else [(1, 1, 1)]
     found = []
     n = topo.chips
     for a in range(1, n + 1):
@@ -201,7 +235,7 @@ def valid_topologies(topo: Topology) -> list[tuple[int, ...]]:
             if (n // a) % b:
                 continue
             c = n // a // b
-            if c >= b and _three_d_ok((a, b, c)):
+            if c >= b and _three_d_ok((a, b, c), topo.generation):
                 found.append((a, b, c))
     return sorted(found, key=lambda d: (d[-1] / d[0], sum(d), d))
 
@@ -224,7 +258,7 @@ def check_topology(topo: Topology, dims: tuple[int, ...]) -> tuple[int, ...]:
     """``dims`` if the API takes it for ``topo``; else one sentence naming the valid shapes."""
     valid = valid_topologies(topo)
     if topo.generation not in CUSTOM_TOPOLOGY:
-        raise ConfigError(f"--topology is for v4, v5p, v5e (v5litepod) and v6e; a {topo.name} "
+        raise ConfigError(f"--topology is for v4, v5p, v5e (v5litepod), v6e and TPU7x; a {topo.name} "
                           f"always has its fixed shape {format_dims(default_dims(topo))}, so "
                           "drop --topology.")
     rank = 3 if topo.generation in THREE_D else 2
@@ -243,6 +277,8 @@ def check_topology(topo: Topology, dims: tuple[int, ...]) -> tuple[int, ...]:
         raise ConfigError(f"--topology {given}: the API wants the dimensions in ascending "
                           f"order; write --topology {format_dims(tuple(sorted(dims)))}.")
     why = ("v5e and v6e have no custom shapes" if rank == 2 else
+           "TPU7x slices beyond 2x4x4 are whole 4x4x4 cubes, each dimension a multiple of 4"
+           if topo.generation == "tpu7x" else
            "v4 and v5p dimensions must all be at most 4 or all be multiples of 4")
     raise ConfigError(f"--topology {given} is not a shape {topo.name} comes in ({why}); valid "
                       f"shapes for {topo.name}: {_shape_list(valid)}.")
@@ -299,7 +335,13 @@ class SliceShape:
                 "tensorcores": t.cores, "hosts": t.hosts, "chips_per_host": t.chips_per_host,
                 "host_block": list(self.host_block), "host_grid": list(self.host_grid),
                 "jax_device_count": self.jax_device_count, "wraparound_axes": self.wrap_axes,
-                "twisted_torus_available": self.twisted}
+                "twisted_torus_available": self.twisted, "cubes": self.cubes,
+                "control_planes": list(t.planes), "machine_type": t.machine_type}
+
+    @property
+    def cubes(self) -> int:
+        """Whole 4x4x4 cubes (64 chips) the slice is made of (0 if it is smaller or 2D)."""
+        return self.topology.chips // 64 if self.wraps and len(self.dims) == 3 else 0
 
 
 def _wraps(generation: str, dims: tuple[int, ...]) -> tuple[bool, ...]:

@@ -2,6 +2,7 @@
 """tpufab autostop, worker side (stdlib only, Python 3.6+): delete the pod when it idles.
 
     autostop.py arm --config FILE --facts PATH   start (or replace) this worker's watchdog
+                 [--check-only]                  only check the config and the port
     autostop.py cancel                           stop it and forget the config
     autostop.py state                            the config, the leader's view, recent events
     autostop.py daemon                           the watchdog itself (started by arm)
@@ -35,9 +36,11 @@ import urllib.request
 from tpufab.remote.workerlib import (
     DEVICE_GLOBS,
     alive,
+    answer,
     expand_globs,
     proc_stat,
     read_json,
+    tpufab_sessions,
     write_atomic,
 )
 
@@ -118,37 +121,107 @@ def one_at_a_time(step, args):
         return step(args)
 
 
+def config_problem(config):
+    """Why this config cannot run a watchdog (one sentence), or None: checked before the
+    running watchdog is touched."""
+    try:
+        port = int(config.get("port"))
+    except (TypeError, ValueError):
+        return "the autostop port {!r} is not a number".format(config.get("port"))
+    if not 1 <= port <= 65535:
+        return f"the autostop port must be between 1 and 65535, not {port}"
+    for key in ("check_every", "idle", "ttl"):
+        value = config.get(key)
+        if value is None and key != "check_every":
+            continue
+        try:
+            ok = float(value) > 0
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            return f"autostop's {key} must be a number of seconds above 0, not {value!r}"
+    if not config.get("idle") and not config.get("ttl"):
+        return "autostop needs an idle period or a TTL"
+    return None
+
+
+def port_problem(config, old):
+    """Why the watchdog could not listen on the config's address and port (a test bind),
+    unless the running watchdog ``old`` holds that very address already."""
+    address = (config.get("listen") or "0.0.0.0", int(config["port"]))
+    if old and (old.get("listen") or "0.0.0.0", int(old.get("port") or 0)) == address:
+        return None
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(address)
+        probe.listen(1)
+    except OSError as err:
+        return f"the watchdog cannot listen on {address[0]}:{address[1]} ({err.strerror or err})"
+    finally:
+        probe.close()
+    return None
+
+
+def start_daemon():
+    """Start the watchdog on config.json; (pid, None) once it runs, or (None, why)."""
+    env = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV}
+    with open(os.devnull, "rb") as devnull, open(path("daemon.log"), "ab") as log:
+        # as checked as this run was (the verifying loader's argv), else this file
+        again = globals().get("__tpufab_rerun__") or [sys.executable, "-I", "-S",
+                                                      os.path.abspath(__file__)]
+        child = subprocess.Popen([*again, "daemon"], stdin=devnull, stdout=log, stderr=log, env=env,
+                                 cwd=os.path.expanduser("~"), start_new_session=True,
+                                 close_fds=True)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if running_daemon() == child.pid:
+            return child.pid, None
+        if child.poll() is not None:
+            return None, "the watchdog exited at once (see {})".format(path("daemon.log"))
+        time.sleep(0.02)
+    child.kill()
+    return None, "the watchdog did not start within 10 s"
+
+
 def arm(args):
     with open(os.path.expanduser(args.config)) as fh:
         config = json.load(fh)
+    if not args.check_only:
+        os.remove(os.path.expanduser(args.config))
     config["facts"] = os.path.expanduser(args.facts)
     os.makedirs(os.path.expanduser(BASE), mode=0o700, exist_ok=True)
+    old = read_json(path("config.json")) if running_daemon() is not None else None
+    problem = config_problem(config) or port_problem(config, old)
+    if problem:   # the running watchdog, if any, is left as it was
+        kept = "; the watchdog already running is kept" if old else ""
+        return {"error": problem + kept}
+    if args.check_only:   # the first of two rounds: every worker says yes before any changes
+        return {"ok": True}
+    # Deadlines on this worker's clock: the client sends durations, never its own time.
+    now = time.time()
+    config["armed_at"] = round(now, 3)
+    if config.get("ttl"):
+        config["ttl_at"] = round(now + float(config["ttl"]), 3)
     replaced = stop_daemon()
     write_atomic(path("config.json"), json.dumps(config, sort_keys=True), mode=0o600)
     try:
         os.remove(path("state.json"))
     except OSError:
         pass
-    os.remove(os.path.expanduser(args.config))
-    env = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV}
-    with open(os.devnull, "rb") as devnull, open(path("daemon.log"), "ab") as log:
-        child = subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__),
-                                  "daemon"], stdin=devnull, stdout=log, stderr=log, env=env,
-                                 cwd=os.path.expanduser("~"), start_new_session=True,
-                                 close_fds=True)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if running_daemon() == child.pid:
-            break
-        if child.poll() is not None:
-            return {"error": "the watchdog exited at once (see {})".format(path("daemon.log"))}
-        time.sleep(0.02)
-    else:
-        return {"error": "the watchdog did not start within 10 s"}
+    pid, why = start_daemon()
+    if pid is None:
+        if old is not None:   # put the one that ran back
+            write_atomic(path("config.json"), json.dumps(old, sort_keys=True), mode=0o600)
+            back, _ = start_daemon()
+            why += "; the previous watchdog runs again" if back else \
+                "; the previous watchdog could not be started again either"
+        return {"error": why}
     if config.get("worker") == 0:
         log_event("armed", idle=config.get("idle"), ttl_at=config.get("ttl_at"),
                   replaced=replaced)
-    return {"armed": True, "pid": child.pid, "replaced": replaced}
+    return {"armed": True, "pid": pid, "replaced": replaced, "armed_at": config["armed_at"],
+            "ttl_at": config.get("ttl_at"), "now": time.time()}
 
 
 def cancel(_args):
@@ -189,6 +262,11 @@ def local_activity(facts):
     pids = sorted({h["pid"] for found in holders.values() for h in found})
     if pids:
         reasons.append("TPU held by pid {}".format(",".join(str(p) for p in pids[:5])))
+    sessions = {}
+    for pid, what in tpufab_sessions():
+        sessions.setdefault(what, []).append(pid)
+    for what, found in sorted(sessions.items()):
+        reasons.append("{} (pid {})".format(what, ",".join(str(p) for p in found[:5])))
     return reasons
 
 
@@ -216,30 +294,132 @@ def token(config):
         return json.loads(response.read().decode())["access_token"]
 
 
+FIRED_LABEL = "tpufab-autostop-fired"   # <unix time>-<idle|ttl> (tpufab.workflows.autostop reads it)
+DELETABLE = ("READY", "STOPPED", "PREEMPTED", "TERMINATED", "REPAIRING", "RESTARTING")
+
+
+def api_parent(config):
+    return "{}/v2/projects/{}/locations/{}".format(config["endpoint"].rstrip("/"),
+                                                   config["project"], config["zone"])
+
+
 def delete_request(config):
     """(method, url) that deletes the pod: its queued resource if it has one."""
-    parent = "{}/v2/projects/{}/locations/{}".format(config["endpoint"].rstrip("/"),
-                                                 config["project"], config["zone"])
+    parent = api_parent(config)
     if config.get("queued_resource"):
         return "DELETE", "{}/queuedResources/{}?force=true".format(parent, config["queued_resource"])
     return "DELETE", "{}/nodes/{}".format(parent, config["node"])
 
 
-def delete_pod(config):
-    method, url = delete_request(config)
+def api_call(config, method, url, body=None):
+    """One TPU API request: (HTTP status, JSON body); HTTP errors are answers, not raised."""
     headers = {"Content-Type": "application/json"}
     if config.get("auth") == "metadata":
         headers["Authorization"] = "Bearer " + token(config)
-    request = urllib.request.Request(url, method=method, headers=headers)
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
     handlers = [urllib.request.ProxyHandler({})] if url.startswith("http://") else []
     opener = urllib.request.build_opener(*handlers)
     try:
         with opener.open(request, timeout=30) as response:
-            body = json.loads(response.read().decode() or "{}")
-            return {"ok": True, "operation": body.get("name")}
+            return response.status, json.loads(response.read().decode() or "{}")
     except urllib.error.HTTPError as err:
         detail = err.read().decode(errors="replace")[:300]
-        return {"ok": False, "error": f"HTTP {err.code}: {detail}"}
+        try:
+            return err.code, json.loads(detail)
+        except ValueError:
+            return err.code, {"error": {"message": detail}}
+
+
+def recheck(config):
+    """Re-read the node just before deleting it: (node, None) when it is still the one this
+    watchdog guards in a deletable state, else (None, why it is left alone)."""
+    status, node = api_call(config, "GET", "{}/nodes/{}".format(api_parent(config),
+                                                                   config["node"]))
+    if status == 404:
+        return None, "node {} is already gone".format(config["node"])
+    if status != 200:
+        raise OSError("could not read node {} (HTTP {})".format(config["node"], status))
+    if config.get("node_id") and str(node.get("id")) != str(config["node_id"]):
+        return None, "node {} is now id {}, not the one this watchdog guards (id {})".format(
+            config["node"], node.get("id"), config["node_id"])
+    if node.get("state") not in DELETABLE:
+        return None, "node {} is {}".format(config["node"], node.get("state"))
+    return node, None
+
+
+def mark_fired(config, node, now, why):
+    """Label the node with this decision just before deleting it (``FIRED_LABEL``): the update
+    operation the API keeps holds the node with that label, which is how a client later tells
+    that autostop deleted it, and when. Best effort: the delete goes ahead without it."""
+    labels = dict(node.get("labels") or {})
+    labels[FIRED_LABEL] = f"{int(now)}-{why}"
+    url = "{}/nodes/{}?updateMask=labels".format(api_parent(config), config["node"])
+    status, answer = api_call(config, "PATCH", url, {"labels": labels})
+    return status == 200, answer.get("name") if isinstance(answer, dict) else None
+
+
+# -- Compute Engine (config "plane": "compute"): the slice is a MIG ("group"), or one VM ----------
+
+def compute_base(config):
+    return "{}/compute/v1/projects/{}".format(config["compute_endpoint"].rstrip("/"),
+                                              config["project"])
+
+
+def compute_target(config):
+    """The URL of what deletes the pod: its MIG, else its VM instance."""
+    kind, name = ("instanceGroupManagers", config["group"]) if config.get("group") \
+        else ("instances", config["node"])
+    return "{}/zones/{}/{}/{}".format(compute_base(config), config["zone"], kind, name)
+
+
+def compute_recheck(config):
+    status, found = api_call(config, "GET", compute_target(config))
+    if status == 404:
+        return None, "{} is already gone".format(config["node"])
+    if status != 200:
+        raise OSError("could not read {} (HTTP {})".format(config["node"], status))
+    if config.get("node_id") and str(found.get("id")) != str(config["node_id"]):
+        return None, "{} is now id {}, not the one this watchdog guards (id {})".format(
+            config["node"], found.get("id"), config["node_id"])
+    if found.get("status") in ("PROVISIONING", "STAGING"):
+        return None, "{} is {}".format(config["node"], found.get("status"))
+    return found, None
+
+
+def compute_delete(config, now, why):
+    found, skipped = compute_recheck(config)
+    if found is None:
+        return {"ok": False, "skipped": skipped}
+    status, op = api_call(config, "DELETE", compute_target(config))
+    if status != 200:
+        message = (op.get("error") or {}).get("message") if isinstance(op, dict) else ""
+        return {"ok": False, "error": f"HTTP {status}: {message}"}
+    # the template and workload policy tpufab made stay (in use until the MIG is gone, and
+    # this VM goes with it): `tpufab gc` and the next create of the name remove them
+    return {"ok": True, "operation": op.get("name"), "node_id": found.get("id"),
+            "state": found.get("status") or "RUNNING", "labelled": False}
+
+
+def delete_pod(config, now=None, why="idle"):
+    now = time.time() if now is None else now
+    if config.get("plane") == "compute":
+        try:
+            return compute_delete(config, now, why)
+        except (OSError, ValueError, KeyError) as err:
+            return {"ok": False, "error": f"{type(err).__name__}: {err}"}
+    try:
+        node, skipped = recheck(config)
+        if node is None:
+            return {"ok": False, "skipped": skipped}
+        labelled, _ = mark_fired(config, node, now, why)
+        method, url = delete_request(config)
+        status, body = api_call(config, method, url)
+        if status != 200:
+            message = (body.get("error") or {}).get("message") if isinstance(body, dict) else ""
+            return {"ok": False, "error": f"HTTP {status}: {message}"}
+        return {"ok": True, "operation": body.get("name"), "node_id": node.get("id"),
+                "state": node.get("state"), "labelled": labelled}
     except (OSError, ValueError, KeyError) as err:
         return {"ok": False, "error": f"{type(err).__name__}: {err}"}
 
@@ -322,7 +502,10 @@ def daemon(_args):
             continue
         fired_at = now
         log_event("firing", reason=why, idle_since=idle_since, ttl_at=config.get("ttl_at"))
-        result = delete_pod(config)
+        result = delete_pod(config, now, why)
+        if result.get("skipped"):   # a node recreated under the name is not ours to delete
+            log_event("not deleted", **result)
+            break
         log_event("deleted" if result["ok"] else "delete failed", **result)
     listener.close()
     return {"stopped": True}
@@ -335,6 +518,7 @@ def main(argv=None):
     p = sub.add_parser("arm")
     p.add_argument("--config", required=True)
     p.add_argument("--facts", required=True)
+    p.add_argument("--check-only", action="store_true")
     sub.add_parser("cancel")
     sub.add_parser("state")
     sub.add_parser("daemon")
@@ -347,7 +531,7 @@ def main(argv=None):
             out = verbs[args.verb](args)
     except (OSError, ValueError, KeyError) as err:
         out = {"error": f"{type(err).__name__}: {err}"}
-    sys.stdout.write(json.dumps(out, sort_keys=True) + "\n")
+    answer("answer", out)
     return 1 if "error" in out else 0
 
 

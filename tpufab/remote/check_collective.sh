@@ -8,7 +8,7 @@
 # gets the job environment: TPUFAB_COORDINATOR, TPUFAB_NUM_WORKERS, TPUFAB_WORKER_ID). It
 # joins one JAX runtime (jax.distributed.initialize), compares jax.process_count() and
 # jax.device_count() with what the accelerator type promises, checks and times an all-reduce
-# over every device, and prints one line `TPUFAB_CHECK {json}` (also on failure, with
+# over every device, and answers in one line `@tpufab-answer answer {json}` (also on failure, with
 # "error" and the stage it failed in). On a TPU VM the devices are the chips (v4 and later)
 # or TensorCores (v2/v3); elsewhere (the simulated pod) JAX runs on CPU with L devices per
 # process and gloo collectives between processes.
@@ -18,7 +18,9 @@ set -euo pipefail
 # python3).
 PY=${TPUFAB_PYTHON:-python3}
 if ! command -v "$PY" >/dev/null 2>&1; then
-    echo "TPUFAB_CHECK {\"stage\": \"python\", \"error\": \"no python at $PY\"}"
+    # the answer codec (tpufab/remote/workerlib.py answer()), written out: a shell script
+    # cannot import it; tests/test_spine.py holds this tag to ANSWER_TAG
+    echo "@tpufab-answer answer {\"stage\": \"python\", \"error\": \"no python at $PY\"}"
     exit 2
 fi
 
@@ -46,7 +48,7 @@ stage = ["import"]
 def emit(**fields):
     fields.setdefault("stage", stage[0])
     fields["worker"] = os.environ.get("TPUFAB_WORKER_ID")
-    sys.stdout.write("TPUFAB_CHECK " + json.dumps(fields, sort_keys=True) + "\n")
+    sys.stdout.write("@tpufab-answer answer " + json.dumps(fields, sort_keys=True) + "\n")
     sys.stdout.flush()
 
 

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 
-from tpufab.remote.workerlib import alive, proc_stat, read_json, write_atomic
+from tpufab.remote.workerlib import alive, answer, proc_stat, read_json, write_atomic
 
 UNREACHABLE = ("could not read from remote", "unable to connect", "connection refused",
                "could not resolve host", "connection timed out", "failed to connect",
@@ -52,9 +52,32 @@ TRANSIENT = ("connection reset", "early eof", "the remote end hung up unexpected
 FETCH_ATTEMPTS = 5
 LOCAL_CHANGES = ("would be overwritten", "please commit your changes or stash them")
 # The helper text is argv, but the secret is only in the environment of git's own processes.
-CREDENTIAL_HELPER = ('!f() { test "$1" = get || exit 0; '
+# It answers only a request for origin's host (TPUFAB_GIT_HOST, host[:port] as git sends it)
+# over https, and prints nothing for any other (a submodule's host, http): git then asks no
+# one else (GIT_ASKPASS=true) and that fetch fails without the token. Git itself calls it
+# only for that URL (the helper is configured as credential.https://HOST.helper).
+CREDENTIAL_HELPER = ('!f() { test "$1" = get || exit 0; p=; h=; '
+                     'while IFS== read -r k v; do case "$k" in protocol) p=$v;; '
+                     'host) h=$v;; esac; done; '
+                     'test "$p" = https && test -n "$h" && test "$h" = "$TPUFAB_GIT_HOST" '
+                     '|| exit 0; '
                      'echo "username=${TPUFAB_GIT_USERNAME:-x-access-token}"; '
                      'echo "password=$TPUFAB_GIT_TOKEN"; }; f')
+
+
+def credential_host(url):
+    """The host[:port] git names in a credential request for ``url`` when it is https (the
+    only scheme a token is ever offered on), else None."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url or "")
+    except ValueError:
+        return None
+    if parts.scheme.lower() != "https":
+        return None
+    host = parts.netloc.rpartition("@")[2]
+    return host or None
 
 
 class Failure(Exception):
@@ -65,15 +88,18 @@ class Failure(Exception):
 
 
 class Git:
-    def __init__(self, token: str | None = None):
+    def __init__(self, token: str | None = None, url: str | None = None):
+        """``token``: offered only to ``url``'s host, and only when ``url`` is https."""
         self.env = dict(os.environ, GIT_TERMINAL_PROMPT="0", LC_ALL="C",
                         GIT_ASKPASS="true", SSH_ASKPASS="true")
+        self.env.pop("TPUFAB_GIT_TOKEN", None)
         # no background gc/maintenance after each fetch on a worker
         self.config: list[str] = ["-c", "gc.auto=0", "-c", "maintenance.auto=false"]
-        if token is not None:
-            self.env["TPUFAB_GIT_TOKEN"] = token
-            self.config += ["-c", "credential.helper=", "-c", "credential.helper=" +
-                            CREDENTIAL_HELPER]
+        host = credential_host(url)
+        if token is not None and host is not None:
+            self.env.update(TPUFAB_GIT_TOKEN=token, TPUFAB_GIT_HOST=host)
+            self.config += ["-c", "credential.helper=",
+                            "-c", f"credential.https://{host}.helper=" + CREDENTIAL_HELPER]
 
     def __call__(self, *args: str, cwd: str | None = None, check: bool = True,
                  what: str = "git") -> str:
@@ -141,9 +167,9 @@ def has_commit(git: Git, path: str, sha: str) -> bool:
 
 def checkout(args: argparse.Namespace) -> dict:
     start = time.monotonic()
-    git = Git(os.environ.get("TPUFAB_GIT_TOKEN") or None)
     if os.path.isfile(args.source):  # a shipped bundle, relative to the login directory
         args.source = os.path.abspath(args.source)
+    git = Git(os.environ.get("TPUFAB_GIT_TOKEN") or None, args.source)
     path = os.path.expanduser(args.dir)
     sha = args.commit
     before = head_of(git, path)
@@ -288,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     result["host"] = os.uname().nodename
     usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     result["cpu_seconds"] = round(sum(u.ru_utime + u.ru_stime for u in usage), 3)
-    print(json.dumps(result))
+    answer("answer", result)
     return code
 
 

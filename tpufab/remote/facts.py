@@ -17,7 +17,9 @@ missing, never as a failure):
      "disk": [{"path", "free_bytes", "total_bytes"}],
      "memory": {"total_bytes", "available_bytes"}, "python", "time",
      "packages": {"python", "executable", "jax", "jaxlib", "libtpu", ...}   (with --python)
-     "mount_probes": [{"at", "ok", "error", "seconds"}]}                   (with --probe-mounts)
+     "mount_probes": [{"at", "ok", "error", "seconds"}],                   (with --probe-mounts)
+     "notices": ["preempted ...", "maintenance: ..."]}  (where a metadata server answers)
+     "ray": {"raylet", "head", "gcs_address", "node_ip"}  (where a raylet or Ray's GCS runs)
 
 ``--python``: the interpreters a job would use, first that exists wins (`~/.venv/bin/python`
 as the recipes pick it); its package versions are read from their installed metadata, in a
@@ -45,12 +47,15 @@ from tpufab.remote.workerlib import (
     DEVICE_GLOBS,
     CarriedRunIds,
     Watched,
+    answer,
     argv_of,
     command_of,
     expand_globs,
     mount_records,
     proc_stat,
     program_names,
+    ray_daemons,
+    read_answer,
     read_text,
     scan_holders,
     state_of_run,
@@ -354,23 +359,72 @@ def holders_as_root(globs):
     """The holder scan as root through ``sudo -n`` (never a password prompt), or None."""
     if not os.path.isfile(__file__):  # run from stdin (a full disk): no file to hand sudo
         return None
-    argv = ["sudo", "-n", sys.executable, "-I", "-S", os.path.abspath(__file__),
-            "--holders-only"]
+    # run again as checked as this run was (the verifying loader's argv), else as this file
+    again = globals().get("__tpufab_rerun__") or [sys.executable, "-I", "-S",
+                                                  os.path.abspath(__file__)]
+    argv = ["sudo", "-n", *again, "--holders-only"]
     for pattern in globs:
         argv += ["--devices-glob", pattern]
     try:
         done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, timeout=30)
-        answer = json.loads(done.stdout.decode().strip().splitlines()[-1])
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        found = read_answer(done.stdout)  # its own answer, as root
+    except (OSError, subprocess.TimeoutExpired):
         return None
-    if done.returncode != 0:
+    if done.returncode != 0 or found is None:
         return None
-    return {d["path"]: d["holders"] for d in answer["devices"]}, answer["unreadable_processes"]
+    return {d["path"]: d["holders"] for d in found["devices"]}, found["unreadable_processes"]
+
+
+METADATA = "http://metadata.google.internal/computeMetadata/v1/instance/"
+NOTICE_KEYS = ("preempted", "maintenance-event")
+
+
+def start_notices():
+    """Read the metadata server's preemption and maintenance notices in the background (a
+    thread per key, each at most NOTICE_SECONDS): {key: value} when finish_notices joins."""
+    import urllib.request
+
+    found = {}
+
+    def read(key):
+        request = urllib.request.Request(METADATA + key, headers={"Metadata-Flavor": "Google"})
+        try:
+            with urllib.request.urlopen(request, timeout=NOTICE_SECONDS) as answer:
+                found[key] = answer.read().decode(errors="replace").strip()
+        except (OSError, ValueError):  # no metadata server here: nothing to say
+            pass
+
+    threads = [threading.Thread(target=read, args=(k,), daemon=True) for k in NOTICE_KEYS]
+    for t in threads:
+        t.start()
+    return threads, found
+
+
+NOTICE_SECONDS = 1.0
+
+
+def finish_notices(started):
+    """The notices in force: ["preempted", "maintenance: TERMINATE_ON_HOST_MAINTENANCE"];
+    None when the metadata server did not answer (not a cloud VM)."""
+    threads, found = started
+    deadline = time.monotonic() + NOTICE_SECONDS + 0.5
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if not found:
+        return None
+    notices = []
+    if found.get("preempted") == "TRUE":
+        notices.append("preempted (instance/preempted=TRUE)")
+    event = found.get("maintenance-event")
+    if event and event != "NONE":
+        notices.append(f"maintenance: {event} (instance/maintenance-event)")
+    return notices
 
 
 def gather(args):
     reading = start_packages(args.python) if args.python else None
+    notices = None if args.holders_only else start_notices()
     globs = args.devices_glob or DEVICE_GLOBS
     paths = expand_globs(globs)
     holders, unreadable = device_holders(paths)
@@ -388,6 +442,12 @@ def gather(args):
         extra["packages"] = finish_packages(reading)
     if args.probe_mounts:
         extra["mount_probes"] = probe_mounts(found_mounts, args.probe_mounts)
+    said = finish_notices(notices)
+    if said is not None:
+        extra["notices"] = said
+    ray = ray_daemons()
+    if ray is not None:
+        extra["ray"] = ray
     return {**extra,
         "host": socket.gethostname(),
         "uptime_s": uptime(),
@@ -428,8 +488,7 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    json.dump(gather(args), sys.stdout, sort_keys=True, separators=(",", ":"))
-    sys.stdout.write("\n")
+    answer("answer", gather(args))
     return 0
 
 

@@ -17,7 +17,10 @@ import stat
 import sys
 import time
 
+from tpufab.remote.workerlib import CarriedRunIds, answer, read_json, state_of_run
+
 CHUNK = 1 << 20
+RUN_DIR = "~/.tpufab/runs"   # launch.py's
 
 
 def sha256_of(path):
@@ -55,9 +58,55 @@ def resolve_root(dest, name, is_dir):
     return os.path.abspath(root)
 
 
+def inside(path, folder):
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def live_runs_over(root):
+    """Runs still running (or starting) whose working directory (the deployed checkout) holds
+    ``root`` or lies under it: a put there would change their code under them."""
+    base = os.path.expanduser(RUN_DIR)
+    home = os.path.realpath(os.path.expanduser("~"))
+    root = os.path.realpath(root)
+    try:
+        names = sorted(os.listdir(base))
+    except OSError:
+        return []
+    found, carried = [], CarriedRunIds()
+    for name in names:
+        rundir = os.path.join(base, name)
+        meta = read_json(os.path.join(rundir, "meta.json"))
+        if not isinstance(meta, dict) or not isinstance(meta.get("cwd"), str):
+            continue
+        cwd = os.path.realpath(meta["cwd"])
+        # a run started in the home directory reads no checkout there
+        if not (inside(cwd, root) or (cwd != home and inside(root, cwd))):
+            continue
+        if state_of_run(rundir, carried).get("state") in ("running", "starting"):
+            found.append({"run": name, "recipe": meta.get("recipe"), "cwd": cwd})
+    return found
+
+
+def not_this_home(dest, home_here):
+    """``dest`` is the client's home directory (a shell expanded ``~`` there) and no such
+    directory exists on this worker: the sentence that says so, else None."""
+    if not home_here or not dest.startswith("/") or \
+            not inside(dest, home_here) or os.path.isdir(home_here):
+        return None
+    return (f"no such directory: {home_here} (the home directory on your machine: quote "
+            f"'~/' so that ~ means this worker's home, {os.path.expanduser('~')})")
+
+
 def plan(request):
     root = resolve_root(request.get("dest"), request["name"], request["is_dir"])
     out = {"root": root, "files": {}, "error": None}
+    elsewhere = not_this_home(request.get("dest") or "", request.get("home_here"))
+    if elsewhere:
+        out["error"] = elsewhere
+        return out
+    out["live_runs"] = live_runs_over(root)
+    if out["live_runs"]:
+        return out
     if request["is_dir"]:
         if os.path.exists(root) and not os.path.isdir(root):
             out["error"] = f"not a directory: {root} exists and is a file"
@@ -145,6 +194,14 @@ def cleanup(request):
     return {"left": left, "free": free_bytes(near), "inodes": free_inodes(near)}
 
 
+def special_kind(mode):
+    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "a special file"
+
+
 def listing(request):
     root = os.path.abspath(os.path.expanduser(request["path"]))
     try:
@@ -156,6 +213,10 @@ def listing(request):
     if not is_dir:
         if request.get("want") == "dir":
             return {"root": root, "error": f"not a directory: {root}"}
+        if not stat.S_ISREG(st.st_mode):
+            # Refused before a byte is read: a FIFO or /dev/zero would never end.
+            return {"root": root, "error": f"not a regular file or directory: {root} is "
+                                           f"{special_kind(st.st_mode)}"}
         paths = [("", root)]
     else:
         paths = []
@@ -179,11 +240,6 @@ def listing(request):
     return {"root": root, "is_dir": is_dir, "files": files, "dirs": dirs, "error": None}
 
 
-def say(obj):
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
 def serve(request):
     """Serve files to the other workers (the relay): ``TOKEN INDEX\n`` -> 8-byte size + bytes.
 
@@ -201,7 +257,7 @@ def serve(request):
     listener.listen(128)
     idle = float(request.get("idle", 60))
     listener.settimeout(0.2)
-    say({"port": listener.getsockname()[1]})
+    answer("port", {"port": listener.getsockname()[1]})
     left = [int(request["clients"])]
     lock = threading.Lock()
     last = [time.time()]
@@ -279,7 +335,7 @@ def pull(request):
                     moved += len(block)
                     if moved - last >= 8 * CHUNK:
                         last = moved
-                        say({"progress": moved})
+                        answer("progress", {"progress": moved})
             if digest.hexdigest() != entry["sha256"]:
                 remove(written)
                 return {"committed": [], "mismatch": [final], "error": None, "bytes": moved}
@@ -309,7 +365,7 @@ def main():
         sys.stderr.write(f"files_worker: unknown operation {op!r}\n")
         return 2
     request = json.loads(sys.stdin.read() or "{}")
-    say(OPS[op](request))
+    answer("answer", OPS[op](request))
     return 0
 
 

@@ -2,14 +2,16 @@
 """tpufab runs, worker side (stdlib only): start a recipe detached, report, follow, stop.
 
     launch.py start  --run ID --recipe PATH [--recipe-sha256 HEX] [--cwd DIR] [--commit SHA]
-                     [--env-file PATH] [--env-stdin] [--keep-env-file] [--mounts-dir DIR]
+                     [--in-checkout PATH] [--env-file PATH] [--env-stdin] [--keep-env-file] [--mounts-dir DIR]
                      [--run-dir DIR] [-- ARGS]
     launch.py status [--run ID ...] [--run-dir DIR]
     launch.py tail   --run ID [--offset N] [--follow] [--run-dir DIR]
     launch.py stop   --run ID [--grace S] [--run-dir DIR]
 
-A run lives in <run-dir>/<run-id>/ (default ~/.tpufab/runs): `recipe/<name>` (the exact file
-that runs), `pid`, `pgid`, `start_time` (field 22 of /proc/<pid>/stat), `commit`,
+A run lives in <run-dir>/<run-id>/ (default ~/.tpufab/runs): `recipe/<name>` (the exact bytes
+given; what runs is the recipe's own file in the deployed checkout, `--in-checkout`, when it
+holds those bytes, so `$0` and `$(dirname "$0")` mean what they do at home, else this copy;
+`meta.json` says which, as `recipe_path`), `pid`, `pgid`, `start_time` (field 22 of /proc/<pid>/stat), `commit`,
 `recipe_sha256`, `env_keys` (names only, never values), `meta.json`, `log` (stdout and stderr),
 `end.json` (4 KiB reserved when the run starts, so how it ended can be recorded on a full
 disk) and, once the recipe ends, `exit_code` or `killed` (signal name) plus `ended_at`.
@@ -43,7 +45,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -56,12 +57,15 @@ from tpufab.remote.workerlib import (
     SUPERVISOR_NAME,
     CarriedRunIds,
     EndRecord,
+    Masker,
     alive,
+    answer,
     mount_records,
     proc_stat,
     read_int,
     read_text,
     run_processes,
+    secret_forms,
     state_of_run,
     write_atomic,
 )
@@ -76,7 +80,6 @@ ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 DROPPED_ENV = ("TPUFAB_TASK",)
 POLL = 0.05
 EXIT_LOST = 255
-MASK = b"***"
 CHUNK = 1 << 16
 LINE_LIMIT = 1 << 20     # tail --follow holds back a partial line up to this size
 DISK_FULL = (28, 122)    # ENOSPC, EDQUOT
@@ -87,58 +90,6 @@ class UsageError(Exception):
 
 
 # -- small file helpers ------------------------------------------------------------------
-
-
-def secret_forms(values):
-    """Each secret value in every form worth masking, encoded, longest first: as is,
-    URL-encoded (quote, quote with "/" kept, quote_plus; upper- and lower-case hex) and
-    JSON-escaped. Keep in step with tpufab.quoting.secret_forms (a test checks)."""
-    from urllib.parse import quote, quote_plus
-
-    forms = set()
-    for value in values:
-        if not value:
-            continue
-        for form in (value, quote(value, safe=""), quote(value), quote_plus(value),
-                     json.dumps(value)[1:-1]):
-            forms.add(form)
-            forms.add(re.sub("%[0-9A-F]{2}", lambda m: m.group(0).lower(), form))
-    return sorted({f.encode() for f in forms if f}, key=lambda f: (-len(f), f))
-
-
-class Masker:
-    """Masks secret forms in a byte stream fed in arbitrary pieces: only the end of what was
-    fed that could still grow into a secret (a prefix of one) is held back for the next piece.
-    """
-
-    def __init__(self, forms):
-        self.forms = list(forms)
-        self.held = b""
-
-    def feed(self, data):
-        if not self.forms:
-            return data
-        data = self.held + data
-        for form in self.forms:
-            if form in data:
-                data = data.replace(form, MASK)
-        keep = self._partial(data)
-        self.held = data[len(data) - keep:] if keep else b""
-        return data[:len(data) - keep]
-
-    def flush(self):
-        out, self.held = self.held, b""
-        return out
-
-    def _partial(self, data):
-        best = 0
-        last = data[-1:]
-        for form in self.forms:
-            for k in range(min(len(form) - 1, len(data)), best, -1):
-                if form[k - 1:k] == last and data.endswith(form[:k]):
-                    best = k
-                    break
-        return best
 
 
 def run_path(run_dir, run_id):
@@ -200,14 +151,32 @@ def job_python(env):
 
 def recipe_argv(path, args, env=None):
     """A .py file runs with the job's Python (like `python train.py`, whatever its shebang);
-    anything else by its shebang, else sh."""
+    anything else by its shebang (read here when the file is not executable, as a checkout's
+    file may be), else sh."""
     if path.endswith(".py"):
         return [job_python(os.environ if env is None else env), path, *args]
     with open(path, "rb") as fh:
-        head = fh.read(2)
-    if head == b"#!":
-        return [path, *args]
+        head = fh.readline(4096)
+    if head.startswith(b"#!"):
+        if os.access(path, os.X_OK):
+            return [path, *args]
+        words = head[2:].decode("utf-8", "replace").split(None, 1)
+        if words:
+            return [words[0], *words[1:2], path, *args]
     return ["/bin/sh", path, *args]
+
+
+def checkout_recipe(path, digest):
+    """The recipe's own file in the deployed checkout when it holds the bytes tpufab shipped
+    (sha256 ``digest``): (path, None); else (None, why not)."""
+    try:
+        with open(path, "rb") as fh:
+            there = hashlib.sha256(fh.read()).hexdigest()
+    except OSError as err:
+        return None, f"{path}: {err.strerror}"
+    if there != digest:
+        return None, f"{path} differs from the recipe given"
+    return path, None
 
 
 def output_dirs(run_id, rundir, mounts_dir):
@@ -251,7 +220,10 @@ def start(args):
         raise UsageError(f"run {args.run} already exists in {os.path.dirname(rundir)}") from None
     os.mkdir(os.path.join(rundir, "recipe"))
     copy = os.path.join(rundir, "recipe", os.path.basename(recipe) or "recipe")
-    shutil.copyfile(recipe, copy)
+    # the bytes that were hashed, not the file again (it may have changed since)
+    fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o755)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(content)
     os.chmod(copy, 0o755)
 
     job_env = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV}
@@ -264,7 +236,12 @@ def start(args):
     for key, value in output_dirs(args.run, rundir, args.mounts_dir).items():
         if key not in env:                        # `--env TPUFAB_OUTPUT_DIR=...` wins
             job_env[key] = value
-    argv = recipe_argv(copy, args.args, job_env)
+    run_path_ = copy
+    checkout_note = None
+    if args.in_checkout:
+        found, checkout_note = checkout_recipe(os.path.expanduser(args.in_checkout), digest)
+        run_path_ = found or copy
+    argv = recipe_argv(run_path_, args.args, job_env)
 
     write_atomic(os.path.join(rundir, "commit"), (args.commit or "") + "\n")
     write_atomic(os.path.join(rundir, "recipe_sha256"), digest + "\n")
@@ -273,6 +250,10 @@ def start(args):
             "commit": args.commit, "recipe_sha256": digest, "host": socket.gethostname(),
             "started_at": time.time(), "output_dir": job_env.get("TPUFAB_OUTPUT_DIR"),
             "profile_dir": job_env.get("TPUFAB_PROFILE_DIR")}
+    meta["recipe_path"] = run_path_
+    meta["recipe_shipped"] = run_path_ == copy
+    if checkout_note:
+        meta["in_checkout_missing"] = checkout_note
     if cwd_note:
         meta["cwd_missing"] = cwd_note
     write_atomic(os.path.join(rundir, "meta.json"), json.dumps(meta, sort_keys=True) + "\n")
@@ -284,7 +265,8 @@ def start(args):
         os.close(ready_r)
         code = 1
         try:
-            supervise(rundir, argv, cwd, job_env, ready_w, secret_forms(secrets))
+            supervise(rundir, argv, cwd, job_env, ready_w,
+                      [f.encode() for f in secret_forms(secrets)])
             code = 0
         finally:
             os._exit(code)
@@ -575,7 +557,7 @@ def tail(args):
                 break
             time.sleep(POLL)
     state["offset"] = offset
-    sys.stderr.write(json.dumps(state, sort_keys=True) + "\n")
+    answer("state", state, sys.stderr)
     return exit_status(state) if state["state"] not in ("running", "starting") else 0
 
 
@@ -643,6 +625,8 @@ def parse_args(argv):
     p.add_argument("--recipe-sha256", help="refuse to start if the recipe's hash differs")
     p.add_argument("--cwd", help="working directory (home when absent or missing)")
     p.add_argument("--commit", help="the deployed commit, recorded with the run")
+    p.add_argument("--in-checkout", help="the recipe's path in the deployed checkout: run "
+                   "it there (so $0 is that path) when it holds the same bytes")
     p.add_argument("--env-file", help="JSON object of the job environment (0600; "
                    "removed after reading unless --keep-env-file)")
     p.add_argument("--env-stdin", action="store_true",
@@ -675,11 +659,9 @@ def main(argv=None):
                 return 0
         result = {"start": start, "status": status, "stop": stop}[args.command](args)
     except (UsageError, OSError, ValueError) as err:
-        json.dump({"error": str(err)}, sys.stdout)
-        sys.stdout.write("\n")
+        answer("answer", {"error": str(err)})
         return 2
-    json.dump(result, sys.stdout, sort_keys=True)
-    sys.stdout.write("\n")
+    answer("answer", result)
     return 0
 
 

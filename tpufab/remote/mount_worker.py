@@ -37,7 +37,13 @@ import sys
 import tempfile
 import time
 
-from tpufab.remote.workerlib import mount_records, read_json, unescape, write_atomic
+from tpufab.remote.workerlib import (
+    answer,
+    mount_records,
+    read_json,
+    unescape,
+    write_atomic,
+)
 
 MOUNT_WAIT = 30.0
 POLL = 0.05
@@ -374,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     except subprocess.TimeoutExpired as err:
         result, code = {"ok": False, "error": "timeout", "message": str(err)}, 3
     result["host"] = os.uname().nodename
-    print(json.dumps(result))
+    answer("answer", result)
     return code
 
 

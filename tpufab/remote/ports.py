@@ -2,15 +2,16 @@
 
     python3 -I -S ports.py wait PORT SECONDS [HOST]
 
-Tries to connect every 0.1 s for up to SECONDS; prints one JSON line, ``{"open": true,
+Tries to connect every 0.1 s for up to SECONDS; answers (workerlib.answer) ``{"open": true,
 "after": 1.23}`` or ``{"open": false, "error": "connection refused"}``, and exits 0 either way.
 """
 
-import json
 import os
 import socket
 import sys
 import time
+
+from tpufab.remote.workerlib import answer
 
 
 def wait(port, seconds, host="127.0.0.1"):
@@ -32,7 +33,7 @@ def main():
         sys.stderr.write("usage: ports.py wait PORT SECONDS [HOST]\n")
         return 2
     host = sys.argv[4] if len(sys.argv) > 4 else "127.0.0.1"
-    print(json.dumps(wait(int(sys.argv[2]), float(sys.argv[3]), host)))
+    answer("answer", wait(int(sys.argv[2]), float(sys.argv[3]), host))
     return 0
 
 

@@ -4,14 +4,15 @@
 
 Runs with the job's Python (the one with JAX), since the trace client comes from xprof
 (``xprof.convert._pywrap_profiler_plugin.trace``, what ``python -m jax.collect_profile``
-calls). Writes ``DIR/plugins/profile/<stamp>/<host>.xplane.pb`` and prints one JSON line:
+calls). Writes ``DIR/plugins/profile/<stamp>/<host>.xplane.pb`` and answers (workerlib.answer)
 ``{"logdir": ..., "files": [[path, size], ...]}`` or ``{"error": ...}``.
 """
 
 import argparse
-import json
 import os
 import sys
+
+from tpufab.remote.workerlib import answer
 
 
 def main():
@@ -25,9 +26,9 @@ def main():
     try:
         from xprof.convert import _pywrap_profiler_plugin as plugin
     except ImportError as err:
-        print(json.dumps({"error": f"xprof is not installed for {sys.executable} ({err}): `pip install xprof` "
+        answer("answer", {"error": f"xprof is not installed for {sys.executable} ({err}): `pip install xprof` "
                           "in the job's environment (tpufab setup --script scripts/setup.sh "
-                          "does)"}))
+                          "does)"})
         return 0
     os.makedirs(logdir, exist_ok=True)
     options = {"host_tracer_level": 2, "device_tracer_level": 1, "python_tracer_level": 1}
@@ -36,15 +37,15 @@ def main():
                      3, options)
     except Exception as err:  # the plugin raises plain exceptions with the gRPC status
         text = str(err).strip().splitlines()
-        print(json.dumps({"error": f"no trace from the profiler server on port {args.port}: {text[0] if text else type(err).__name__} (is a "
-                          "JAX program running jax.profiler.start_server there?)"}))
+        answer("answer", {"error": f"no trace from the profiler server on port {args.port}: {text[0] if text else type(err).__name__} (is a "
+                          "JAX program running jax.profiler.start_server there?)"})
         return 0
     files = []
     for folder, _dirs, names in os.walk(logdir):
         for name in sorted(names):
             path = os.path.join(folder, name)
             files.append([os.path.relpath(path, logdir), os.path.getsize(path)])
-    print(json.dumps({"logdir": logdir, "files": files}))
+    answer("answer", {"logdir": logdir, "files": files})
     return 0
 
 

@@ -21,7 +21,6 @@ Exit status: 0 when the devices are free (or --dry-run), 1 otherwise.
 from __future__ import annotations
 
 import fnmatch
-import json
 import os
 import select
 import signal
@@ -32,6 +31,7 @@ from tpufab.remote.workerlib import (
     DEVICE_GLOBS,
     Watched,
     alive,
+    answer,
     argv_of,
     command_of,
     expand_globs,
@@ -259,6 +259,54 @@ def stop_all(targets, groups, grace, kill_timeout, own):
     return [t for t in targets.values() if t.alive()]
 
 
+# -- Ray (tpufab ray): its processes are stopped by `ray stop` first -----------------------
+
+RAY_MAIN = "import sys; from ray.scripts.scripts import main; sys.argv[0] = 'ray'; sys.exit(main())"
+
+
+def ray_role(proc):
+    """'Ray raylet', 'Ray worker', ... for a process of a Ray cluster, else None."""
+    argv = argv_of(proc.pid)
+    names = program_names(proc.comm, argv)
+    if "raylet" in names or "gcs_server" in names:
+        return "Ray " + ("raylet" if "raylet" in names else "GCS")
+    if any(n.startswith("ray::") for n in names + argv[:1]):
+        return "Ray worker"
+    if any("/ray/" in a for a in argv[:3]):
+        return "Ray daemon"
+    return None
+
+
+def ray_stop(targets, grace):
+    """`ray stop` (Ray's own SIGTERM of its raylets and workers) with the Python a Ray process
+    runs, when a target is part of a Ray cluster; then the bounded wait. Returns the targets
+    it stopped."""
+    ray = [t for t in targets.values() if ray_role(t.proc)]
+    if not ray:
+        return []
+    python = None     # the Python a Ray daemon runs (its argv[0]: a venv's, not /proc/exe's)
+    for name in os.listdir("/proc"):
+        argv = argv_of(int(name)) if name.isdigit() else []
+        if any("/ray/" in a for a in argv[1:3]) and os.path.isabs(argv[0]) \
+                and os.access(argv[0], os.X_OK):
+            python = argv[0]
+            break
+    if python:
+        import subprocess
+
+        try:
+            subprocess.run([python, "-c", RAY_MAIN, "stop", f"--grace-period={int(grace)}"],
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=grace + 30)
+        except (OSError, subprocess.SubprocessError):
+            pass
+    wait_gone(ray, grace)
+    stopped = [t for t in ray if not t.alive()]
+    for t in stopped:
+        t.signal = "ray stop"
+    return stopped
+
+
 # -- the report ----------------------------------------------------------------------------
 
 
@@ -339,6 +387,10 @@ def kill(devices_globs, lockfiles, run_dir, run_id, grace, settle, dry_run, forc
                               "holds": sorted(paths), "why": why}
             continue
         targets[pid] = Target(proc, "holds " + ", ".join(sorted(paths)))
+    for target in targets.values():
+        role = ray_role(target.proc)
+        if role:
+            target.reasons.append(role)
 
     if dry_run:
         report["would_kill"] = [t.describe() for t in targets.values()]
@@ -348,7 +400,8 @@ def kill(devices_globs, lockfiles, run_dir, run_id, grace, settle, dry_run, forc
             set(paths) & set(devices) for pid, paths in holders.items() if pid not in protected)
         return finish(report, unreadable, started)
 
-    # Stop everything at once: one grace period for the whole host.
+    # Ray's processes first through `ray stop`, then everything at once: one grace period.
+    ray_stop(targets, grace)
     survivors = stop_all(targets, groups, grace, max(1.0, settle), own)
     for target in targets.values():
         if target in survivors:
@@ -519,8 +572,7 @@ def main(argv=None):
     report = kill(args.devices_globs or DEVICE_GLOBS,
                   args.lockfiles or DEFAULT_LOCKFILES, args.run_dir, args.run_id,
                   args.grace, args.settle, args.dry_run, args.force)
-    json.dump(report, sys.stdout, sort_keys=True)
-    sys.stdout.write("\n")
+    answer("answer", report)
     ok = args.dry_run or (report["device_free"] and not report["failed"])
     return 0 if ok else 1
 

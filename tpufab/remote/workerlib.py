@@ -2,7 +2,7 @@
 
 A worker script runs alone (``python3 -I -S FILE``, or from stdin on a full disk), so it
 cannot import a sibling. It imports from here on one top-level line, ``from
-tpufab.remote.workerlib import a, b``: locally (tests, tpufab.status) that is a plain import;
+tpufab.remote.workerlib import a, b``: locally (tests, tpufab.workflows.status) that is a plain import;
 ``RemoteFile.bundled`` puts this file's body in place of that line when it builds the bytes
 it ships, so the shipped script stands alone and its content hash covers this file too. A
 script may not define a top-level name this file defines (checked when it is bundled).
@@ -11,7 +11,9 @@ script may not define a top-level name this file defines (checked when it is bun
 import glob
 import json
 import os
+import re
 import stat
+import sys
 import time
 
 DEVICE_GLOBS = ("/dev/accel*", "/dev/vfio/[0-9]*")   # both TPU device families
@@ -19,6 +21,115 @@ COMMAND_CHARS = 200
 EXITED = ("Z", "X", "x")                             # /proc/<pid>/stat states of the dead
 SUPERVISOR_NAME = "tpufab-run"                       # the comm launch.py's supervisor takes
 END_RESERVED = 4096                                  # the bytes of a run's end.json
+# A secret's value is masked inside output only from this many characters on: a shorter one
+# ("1", "128", "abc") is a word that output holds anyway, and masking it garbles every line
+# ("step *** loss 2.***"). tpufab.quoting uses this too (one rule, docs/reliability.md).
+MIN_SECRET_LENGTH = 8
+
+
+# -- answers: the one codec of what a worker script tells the host --------------------------------
+
+# A worker script's answer is one line, ``ANSWER_TAG KIND {json object}``: ``answer`` writes it,
+# ``read_answer``/``read_answers``/``parse_answer`` (the host's readers, tpufab.ssh.remote_files)
+# read it, wherever else the output holds (a recipe's prints, a tool's warnings, a line cut
+# short): the tag may follow other text on its line, the last complete answer of a kind wins.
+ANSWER_TAG = "@tpufab-answer"
+ANSWER = "answer"   # the kind of a script's final answer; streamed ones name their own
+
+
+def answer(kind, payload, stream=None):
+    """Write one typed answer (``payload``: a JSON object) on ``stream`` (default stdout) as
+    one flushed line; streamed answers (progress, a port) are several calls."""
+    out = sys.stdout if stream is None else stream
+    out.write(f"{ANSWER_TAG} {kind} {json.dumps(payload, sort_keys=True)}\n")
+    out.flush()
+
+
+def parse_answer(line):
+    """(kind, payload) of one line holding an answer, else None (a torn or foreign line)."""
+    if isinstance(line, bytes):
+        line = line.decode("utf-8", "replace")
+    at = line.rfind(ANSWER_TAG + " ")
+    if at < 0:
+        return None
+    kind, _, text = line[at + len(ANSWER_TAG) + 1:].strip().partition(" ")
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        return None
+    return (kind, payload) if kind and isinstance(payload, dict) else None
+
+
+def read_answers(text, kind=None):
+    """Every answer in ``text`` (of ``kind``, if given), in order, as (kind, payload)."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    found = (parse_answer(line) for line in (text or "").splitlines())
+    return [a for a in found if a is not None and (kind is None or a[0] == kind)]
+
+
+def read_answer(text, kind=ANSWER):
+    """The payload of the last answer of ``kind`` in ``text``, else None."""
+    found = read_answers(text, kind)
+    return found[-1][1] if found else None
+
+
+# -- secrets -------------------------------------------------------------------------------------
+
+
+def secret_forms(values):
+    """Each secret value of at least MIN_SECRET_LENGTH characters in every form worth masking,
+    longest first: as is, URL-encoded (quote, quote keeping "/", quote_plus; upper- and
+    lower-case hex) and JSON-escaped. The one definition: tpufab.quoting imports it, worker
+    scripts get it inlined (encode the forms for Masker)."""
+    from urllib.parse import quote, quote_plus
+
+    forms = set()
+    for value in values:
+        if not value or len(value) < MIN_SECRET_LENGTH:
+            continue
+        for form in (value, quote(value, safe=""), quote(value), quote_plus(value),
+                     json.dumps(value)[1:-1]):
+            forms.add(form)
+            forms.add(re.sub("%[0-9A-F]{2}", lambda m: m.group(0).lower(), form))
+    return sorted((f for f in forms if f), key=lambda f: (-len(f.encode()), f.encode()))
+
+
+class Masker:
+    """Masks secret forms (bytes) in a byte stream fed in arbitrary pieces: only the end of
+    what was fed that could still grow into a secret (a prefix of one) is held back for the
+    next piece."""
+
+    MASKED = b"***"
+
+    def __init__(self, forms):
+        self.forms = list(forms)
+        self.held = b""
+
+    def feed(self, data):
+        if not self.forms:
+            return data
+        data = self.held + data
+        for form in self.forms:
+            if form in data:
+                data = data.replace(form, self.MASKED)
+        keep = self._partial(data)
+        self.held = data[len(data) - keep:] if keep else b""
+        return data[:len(data) - keep]
+
+    def flush(self):
+        out, self.held = self.held, b""
+        return out
+
+    def _partial(self, data):
+        best = 0
+        last = data[-1:]
+        for form in self.forms:
+            for k in range(min(len(form) - 1, len(data)), best, -1):
+                if form[k - 1:k] == last and data.endswith(form[:k]):
+                    best = k
+                    break
+        return best
 
 
 # -- files ---------------------------------------------------------------------------------------
@@ -156,6 +267,54 @@ def argv_of(pid):
     return [part.decode("utf-8", "replace") for part in raw.split(b"\0") if part]
 
 
+RAY_DAEMONS = ("raylet", "gcs_server")
+
+
+def _option(argv, name):
+    """The value of ``--name=value`` or ``--name value`` in ``argv``, else None."""
+    for i, word in enumerate(argv):
+        if word.startswith(name + "="):
+            return word.split("=", 1)[1]
+        if word == name and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def ray_daemons():
+    """Ray's daemons on this host, from /proc alone (no `ray status`): None when neither a
+    raylet nor a GCS runs here; else {"raylet": pid or None, "head": a GCS runs here,
+    "gcs_address": the GCS the raylet (else the GCS) names, "node_ip": the raylet's}."""
+    me = os.getpid()
+    raylet, gcs = None, None
+    for pid in all_pids():
+        if pid == me:
+            continue
+        comm = read_text(f"/proc/{pid}/comm")
+        if comm not in RAY_DAEMONS:
+            continue
+        proc = proc_stat(pid)
+        if proc is None or proc.exited:
+            continue
+        if comm == "raylet" and raylet is None:
+            raylet = (pid, argv_of(pid))
+        elif comm == "gcs_server" and gcs is None:
+            gcs = (pid, argv_of(pid))
+    if raylet is None and gcs is None:
+        return None
+    address = None
+    node_ip = None
+    if raylet is not None:
+        address = _option(raylet[1], "--gcs-address")
+        node_ip = _option(raylet[1], "--node_ip_address") or _option(raylet[1],
+                                                                      "--node-ip-address")
+    if address is None and gcs is not None:
+        ip = _option(gcs[1], "--node-ip-address") or _option(gcs[1], "--node_ip_address")
+        port = _option(gcs[1], "--gcs_server_port")
+        address = f"{ip}:{port}" if ip and port else None
+    return {"raylet": raylet[0] if raylet else None, "head": gcs is not None,
+            "gcs_address": address, "node_ip": node_ip}
+
+
 def program_names(comm, argv):
     """The names a process goes by: its comm and its program's (argv[0]'s) base name."""
     names = [comm]
@@ -175,6 +334,49 @@ def command_of(proc, argv=None, say_renamed=False):
     if say_renamed and argv and os.path.basename(argv[0])[:15] != proc.comm:
         text = f"{proc.comm}: {text}"
     return text if len(text) <= COMMAND_CHARS else text[:COMMAND_CHARS - 3] + "..."
+
+
+# -- tpufab sessions on this worker ---------------------------------------------------------------
+
+TASK_MARKER = b"TPUFAB_TASK="
+
+
+def tpufab_sessions(ignore=("autostop.py",)):
+    """What tpufab (or a person over ssh) is doing on this worker now: [(pid, what)].
+
+    A live fan-out agent (a kept connection: its loader is named ``tpufab-agent``), a one-shot
+    wrapper (``tpufab-oneshot``), any process carrying the ``TPUFAB_TASK`` marker (a command
+    either runs: exec, setup, deploy, get's reads, launch's steps, and what they start), and an
+    interactive ssh session (sshd's ``USER@pts/N``: `tpufab ssh`, plain ssh). Processes whose
+    command line names one of ``ignore`` (the autostop watchdog and its own queries) do not
+    count; the caller itself never does."""
+    found = []
+    me = os.getpid()
+    for pid in all_pids():
+        if pid == me:
+            continue
+        argv = argv_of(pid)
+        text = " ".join(argv)
+        if not text or any(word in text for word in ignore):
+            continue
+        what = None
+        if "tpufab-agent" in text and "python" in os.path.basename(argv[0]):
+            what = "tpufab connection"
+        elif "tpufab-oneshot" in argv:
+            what = "tpufab command"
+        elif text.startswith(("sshd: ", "sshd-session: ")) and "@pts/" in text:
+            what = "ssh session"
+        else:
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as fh:
+                    env = fh.read()
+            except OSError:
+                env = b""
+            if env.startswith(TASK_MARKER) or b"\0" + TASK_MARKER in env:
+                what = "tpufab command"
+        if what is not None and is_live(pid):
+            found.append((pid, what))
+    return found
 
 
 # -- who holds the TPU ---------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import signal
 import sys
 import time
 
-from tpufab.remote.workerlib import DEVICE_GLOBS, expand_globs
+from tpufab.remote.workerlib import DEVICE_GLOBS, answer, expand_globs
 
 DEFAULT_LOCKFILES = ("/tmp/libtpu_lockfile",)
 READY_TIMEOUT = 10.0
@@ -120,9 +120,8 @@ def main(argv=None):
     devices = expand_globs(args.devices_globs or DEVICE_GLOBS)
     lockfiles = args.lockfiles or list(DEFAULT_LOCKFILES)
     if not devices:
-        json.dump({"error": "no TPU device files match "
-                   + " ".join(args.devices_globs or DEVICE_GLOBS)}, sys.stdout)
-        sys.stdout.write("\n")
+        answer("answer", {"error": "no TPU device files match "
+                          + " ".join(args.devices_globs or DEVICE_GLOBS)})
         return 2
 
     # One process takes the flock, as one libtpu process does: holder-0, or the
@@ -140,9 +139,7 @@ def main(argv=None):
     reports = wait_ready(pipes, READY_TIMEOUT)
     zombies = [reports[fd] or {"role": role, "error": "did not get ready"}
                for fd, (role, *_rest) in zip(pipes, plan, strict=True)]
-    json.dump({"zombies": zombies, "devices": devices, "lockfiles": lockfiles}, sys.stdout,
-              sort_keys=True)
-    sys.stdout.write("\n")
+    answer("answer", {"zombies": zombies, "devices": devices, "lockfiles": lockfiles})
     return 0 if all("error" not in z for z in zombies) else 1
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import re
 import secrets
 import time
@@ -216,6 +217,10 @@ def accelerator_type_of(node: dict[str, Any], zone: str) -> Topology:
     if topo.name != given:
         raise ApiFailure("INVALID_ARGUMENT",
                          f'Invalid accelerator type "{given}"; the API spells it "{topo.name}".')
+    if "tpu" not in topo.planes:  # TPU7x and later: Compute Engine only
+        raise ApiFailure("INVALID_ARGUMENT",
+                         f'Accelerator type "{given}" is not available in zone {zone}; '
+                         "list the valid types with acceleratorTypes.list.")
     return topo
 
 
@@ -250,7 +255,7 @@ def accelerator_type_resource(parent: str, name: str) -> dict[str, Any]:
 
 
 def accelerator_types() -> list[str]:
-    return all_accelerator_types()
+    return all_accelerator_types("tpu")
 
 
 def worker_address(slot: int, worker: int) -> str:
@@ -335,3 +340,48 @@ def page(items: list[Any], query: dict[str, str]) -> tuple[list[Any], str]:
         size = 1000
     chunk = items[start:start + size]
     return chunk, str(start + size) if start + size < len(items) else ""
+
+
+# What API v2 knows of a node and a queued resource (google-cloud-tpu's tpu_v2 messages):
+# through /v2/ the emulator shows only these, as the real API does, so a resource a v2alpha1
+# client (gcloud alpha) made, with fields of its own, still parses in a v2 client.
+V2_FIELDS = {
+    "Node": frozenset({
+        "acceleratorConfig", "acceleratorType", "apiVersion", "cidrBlock", "createTime",
+        "dataDisks", "description", "health", "healthDescription", "id", "labels", "metadata",
+        "multisliceNode", "name", "networkConfig", "networkConfigs", "networkEndpoints",
+        "queuedResource", "runtimeVersion", "schedulingConfig", "serviceAccount",
+        "shieldedInstanceConfig", "state", "symptoms", "tags"}),
+    "QueuedResource": frozenset({"createTime", "guaranteed", "name", "queueingPolicy",
+                                 "reservationName", "spot", "state", "tpu"}),
+}
+V2_SCHEDULING = frozenset({"preemptible", "reserved", "spot"})
+
+
+def version_view(resource: dict[str, Any], kind: str, version: str) -> dict[str, Any]:
+    """``resource`` (a Node or QueuedResource record) as API ``version`` shows it."""
+    if version != "v2" or kind not in V2_FIELDS:
+        return resource
+    view = {k: v for k, v in resource.items() if k in V2_FIELDS[kind]}
+    if isinstance(view.get("schedulingConfig"), dict):
+        view["schedulingConfig"] = {k: v for k, v in view["schedulingConfig"].items()
+                                    if k in V2_SCHEDULING}
+    return view
+
+
+def operation_view(op: dict[str, Any], version: str) -> dict[str, Any]:
+    """An operation as API ``version`` shows it: its types in that version, its response
+    resource as that version knows it."""
+    if version != "v2":
+        return op
+    op = json.loads(json.dumps(op))
+    for part in ("metadata", "response"):
+        value = op.get(part)
+        if isinstance(value, dict) and isinstance(value.get("@type"), str):
+            type_url = value["@type"].replace(".tpu.v2alpha1.", ".tpu.v2.")
+            kind = type_url.rsplit(".", 1)[-1]
+            rest = {k: v for k, v in value.items() if k != "@type"}
+            if part == "response":
+                rest = version_view(rest, kind, version)
+            op[part] = {"@type": type_url, **rest}
+    return op

@@ -88,10 +88,18 @@ class SlotRegistry:
     def _mark(self, table: dict[str, dict], slot: int) -> None:
         table[str(slot)] = {"owner": self.owner, "at": time.time()}
 
-    def claim(self, own: set[int], count: int = 1) -> int:
+    def claim(self, own: set[int], count: int = 1, prefer: int | None = None) -> int:
         """The first of the lowest ``count`` consecutive slots used neither by this pod
-        (`own`) nor by another live pod; all of them are marked as this pod's."""
+        (`own`) nor by another live pod; all of them are marked as this pod's. ``prefer``:
+        that run of slots when it is free (a node made again under its old name keeps its
+        addresses, and an internal-IP node its bastion's, as a VPC's bastion outlives it)."""
         with self._locked() as table:
+            if prefer is not None and 1 <= prefer <= MAX_SLOT - count + 1:
+                span = range(prefer, prefer + count)
+                if all(s not in own and not self._taken(table, s) for s in span):
+                    for s in span:
+                        self._mark(table, s)
+                    return prefer
             run = 0
             for slot in range(1, MAX_SLOT + 1):
                 free = slot not in own and not self._taken(table, slot)
@@ -116,8 +124,11 @@ class SlotRegistry:
             return True
 
     def release(self, slot: int, count: int = 1) -> None:
+        """Free slots this pod no longer uses: for this pod at once; for other pods once the
+        claim is no longer fresh (FRESH seconds from now), so a node this pod makes again
+        under the same name finds its slots still there (``claim(prefer=...)``)."""
         with self._locked() as table:
             for s in range(slot, slot + count):
                 claim = table.get(str(s))
                 if isinstance(claim, dict) and claim.get("owner") == self.owner:
-                    del table[str(s)]
+                    self._mark(table, s)

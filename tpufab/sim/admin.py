@@ -52,6 +52,18 @@ class SimAdmin:
             return node
         return f"projects/{self.project}/locations/{self.zone}/nodes/{node}"
 
+    def resolve(self, node: str) -> str:
+        """A bare name -> the full name of the record behind it: a TPU API node, else a
+        Compute Engine slice (a MIG: ``ceGroups/N``) or VM (``ceInstances/N``)."""
+        if node.startswith("projects/"):
+            return node
+        names = {n["name"] for n in self.state().get("nodes") or []}
+        for kind in ("nodes", "ceGroups", "ceInstances"):
+            full = f"projects/{self.project}/locations/{self.zone}/{kind}/{node}"
+            if full in names:
+                return full
+        return self.node_name(node)
+
     # reads
 
     def health(self) -> dict[str, Any]:
@@ -85,6 +97,18 @@ class SimAdmin:
         body = {"noticeSeconds": notice} if notice > 0 else None
         return self._call("POST", f"{self.node_name(node)}:preempt", body)
 
+    def end_run(self, node: str) -> dict[str, Any]:
+        """End a Compute Engine slice's or VM's run now, as its maxRunDuration would
+        (``instanceTerminationAction``: DELETE deletes the VMs, STOP stops them)."""
+        return self._call("POST", f"{self.resolve(node)}:endRun")
+
+    def schedule_maintenance(self, node: str, in_seconds: float, *, window: float = 3600.0,
+                             clear: bool = False) -> dict[str, Any]:
+        """Announce a maintenance window in the node's ``upcomingMaintenance`` (API v2alpha1):
+        starting ``in_seconds`` from now, ``window`` seconds long; ``clear`` takes it back."""
+        body = {"clear": True} if clear else {"inSeconds": in_seconds, "windowSeconds": window}
+        return self._call("POST", f"{self.node_name(node)}:scheduleMaintenance", body)
+
     def set_reachable(self, node: str, worker: int, reachable: bool) -> dict[str, Any]:
         """Make a worker refuse connections (False) or listen again (True)."""
         return self._call("POST", f"{self.node_name(node)}:setReachable",
@@ -95,13 +119,15 @@ class SimAdmin:
         return self._call("POST", f"{self.node_name(node)}:killSshd", {"worker": worker})
 
     def fail_next_create(self, reason: str = "stockout", *, count: int = 1,
-                         immediate: bool = False, zone: str | None = None) -> dict[str, Any]:
+                         immediate: bool = False, zone: str | None = None,
+                         vms: int = 0) -> dict[str, Any]:
         """The next `count` creates (in ``zone``, or anywhere) fail with RESOURCE_EXHAUSTED: a
         stockout or a quota message; as a failed operation (code 8), or with immediate=True
-        as HTTP 429."""
+        as HTTP 429. ``vms`` > 0 (Compute Engine): the next ``count`` multi-host MIGs each
+        get all but ``vms`` VMs; those stay missing with a stockout, as the MIG retries."""
         return self._call("POST", "faults:failNextCreate",
                           {"reason": reason, "count": count, "immediate": immediate,
-                           "zone": zone})
+                           "zone": zone, "vms": vms})
 
     def error_burst(self, count: int, *, code: int = 503, match: str = "") -> dict[str, Any]:
         """The next `count` API requests (whose path contains `match`) fail with 503 or 429."""

@@ -33,16 +33,19 @@ from tpufab.sim._model import (
     new_operation_id,
     normalize_node_input,
     not_found,
+    operation_view,
     page,
     quota_message,
     rfc3339,
     split_name,
     stockout_message,
     topology_string,
+    version_view,
     worker_address,
     worker_hostname,
 )
 from tpufab.sim._slots import SlotRegistry, node_slots, slots_for
+from tpufab.sim.compute_api import ComputeEngine
 from tpufab.sim.guest import GuestEnvironment, Tokens
 from tpufab.sim.legacy import LegacyNodes
 from tpufab.sim.oslogin import OsLoginService
@@ -58,6 +61,13 @@ OUTPUT_ONLY_NODE_FIELDS = ("name", "id", "state", "health", "healthDescription",
                            "multisliceNode")
 TYPE_PREFIX = "type.googleapis.com/"
 
+
+def behind_compute_engine(name: str) -> bool:
+    """Whether ``name`` is the record behind Compute Engine VMs (``.../ceInstances/N``,
+    ``.../ceGroups/N``): not a node of the Cloud TPU API, whose lists never show it (nor the
+    operations on it: a TPU7x record's acceleratorConfig is no enum the TPU API has)."""
+    parts = name.split("/")
+    return len(parts) > 4 and parts[4] in ("ceInstances", "ceGroups")
 
 class Workers(Protocol):
     """What the emulator needs from a worker pool (tpufab.sim.workers.WorkerPool)."""
@@ -137,6 +147,7 @@ class Emulator:
         self._resuming = 0
         self._path = self.state_dir / STATE_FILE
         self._slots = SlotRegistry(self.state_dir)
+        self._last_slot: dict[str, int] = {}   # a deleted node's first slot, by its name
         self._state = self._load()
         self.started = time.time()
         self.tokens = Tokens(self.state_dir / "tokens.json")
@@ -146,6 +157,8 @@ class Emulator:
         self.queued = QueuedResources(self)  # queued resources (and multislice)
         self.legacy = LegacyNodes(self)  # API v1 nodes: control plane only, no workers
         self.oslogin = OsLoginService(self)  # OS Login API, project metadata, roles
+        self.compute = ComputeEngine(self)  # Compute Engine v1: TPU VM instances, MIGs
+        self.base_url = ""  # http://127.0.0.1:PORT once served (Compute Engine selfLinks)
 
     # ------------------------------------------------------------------ persistence
 
@@ -194,7 +207,14 @@ class Emulator:
             if path.startswith(("/v2/", "/v2alpha1/", "/v1/", "/compute/v1/")):
                 self._maybe_inject_error(path)
             if path.startswith("/compute/v1/"):
-                return 200, self._compute(method, path[len("/compute/v1/"):])
+                if body is not None and not isinstance(body, dict):
+                    raise ApiFailure("INVALID_ARGUMENT", "The request body must be a JSON "
+                                     "object.")
+                try:
+                    return 200, self.compute.handle(method, path[len("/compute/v1/"):], query,
+                                                    body or {})
+                except LookupError:  # the project itself
+                    return 200, self._compute(method, path[len("/compute/v1/"):])
             if path.startswith("/v1/users/"):  # Cloud OS Login (oslogin.googleapis.com)
                 if body is not None and not isinstance(body, dict):
                     raise ApiFailure("INVALID_ARGUMENT", "The request body must be a JSON "
@@ -282,15 +302,15 @@ class Emulator:
         elif len(parts) == 5:
             collection = parts[4]
             handler = {
-                ("GET", "nodes"): lambda: self._list_nodes(parent, query),
+                ("GET", "nodes"): lambda: self._list_nodes(parent, query, version),
                 ("POST", "nodes"): lambda: self._create_node(version, parent, query, body),
                 ("GET", "acceleratorTypes"): lambda: catalog.list_accelerator_types(parent,
                                                                                   query),
                 ("GET", "runtimeVersions"): lambda: catalog.list_runtime_versions(parent, query),
-                ("GET", "queuedResources"): lambda: self.queued.list(parent, query),
+                ("GET", "queuedResources"): lambda: self.queued.list(parent, query, version),
                 ("POST", "queuedResources"): lambda: self.queued.create(version, parent, query,
                                                                      body),
-                ("GET", "operations"): lambda: self._list_operations(parent, query),
+                ("GET", "operations"): lambda: self._list_operations(parent, query, version),
             }.get((method, collection))
             if handler and verb is None:
                 return handler()
@@ -299,7 +319,7 @@ class Emulator:
             name = f"{parent}/{collection}/{parts[5]}"
             handler = {
                 ("GET", "nodes", None): lambda: self.legacy.v2_view(name) or
-                    self._node(name)["node"],
+                    version_view(self._node(name)["node"], "Node", version),
                 ("DELETE", "nodes", None): lambda: self.legacy.delete(name, version)
                     if self.legacy.v2_view(name) else self._delete_node(version, name),
                 ("PATCH", "nodes", None): lambda: self._update_node(version, name, query, body),
@@ -309,18 +329,30 @@ class Emulator:
                                                                                          body),
                 ("POST", "nodes", "simulateMaintenanceEvent"):
                     lambda: self.guest.simulate_maintenance(version, name, body),
+                ("POST", "nodes", "performMaintenance"):  # v2alpha1 only, as the API
+                    lambda: self.guest.perform_maintenance(version, name)
+                    if version == "v2alpha1" else self._not_in(version, method, rest),
                 ("GET", "acceleratorTypes", None): lambda: catalog.accelerator_type(name),
                 ("GET", "runtimeVersions", None): lambda: catalog.runtime_version(name),
-                ("GET", "queuedResources", None): lambda: self.queued.get(name)["qr"],
+                ("GET", "queuedResources", None): lambda: version_view(
+                    self.queued.get(name)["qr"], "QueuedResource", version),
                 ("DELETE", "queuedResources", None): lambda: self.queued.delete(version, name,
                                                                              query),
                 ("POST", "queuedResources", "reset"): lambda: self.queued.reset(version, name),
-                ("GET", "operations", None): lambda: self._operation(name),
+                ("POST", "queuedResources", "performMaintenanceQueuedResource"):  # v2alpha1
+                    lambda: self.guest.perform_maintenance_queued(version, name, body)
+                    if version == "v2alpha1" else self._not_in(version, method, rest),
+                ("GET", "operations", None): lambda: operation_view(self._operation(name),
+                                                                    version),
                 ("DELETE", "operations", None): lambda: self._delete_operation(name),
                 ("POST", "operations", "cancel"): lambda: self._cancel_operation(name),
             }.get((method, collection, verb))
             if handler:
                 return handler()
+        self._not_in(version, method, rest)
+
+    @staticmethod
+    def _not_in(version: str, method: str, rest: str) -> dict[str, Any]:
         raise ApiFailure("NOT_FOUND", f"Method {method} /{version}/{rest} is not part of the "
                          "Cloud TPU API (or not emulated).")
 
@@ -369,10 +401,12 @@ class Emulator:
                 raise not_found(name)
             return json.loads(json.dumps(op))
 
-    def _list_operations(self, parent: str, query: dict[str, str]) -> dict[str, Any]:
+    def _list_operations(self, parent: str, query: dict[str, str],
+                         version: str = "v2") -> dict[str, Any]:
         with self._lock:
-            ops = [op for n, op in self._state["operations"].items()
-                   if n.startswith(parent + "/")]
+            ops = [operation_view(op, version) for n, op in self._state["operations"].items()
+                   if n.startswith(parent + "/")
+                   and not behind_compute_engine(op["metadata"].get("target", ""))]
             items, token = page(json.loads(json.dumps(ops)), query)
         out: dict[str, Any] = {"operations": items}
         if token:
@@ -404,13 +438,15 @@ class Emulator:
                 raise not_found(name)
             return json.loads(json.dumps(record))
 
-    def _list_nodes(self, parent: str, query: dict[str, str]) -> dict[str, Any]:
+    def _list_nodes(self, parent: str, query: dict[str, str],
+                    version: str = "v2") -> dict[str, Any]:
         prefix = parent + "/nodes/"
         if parent.endswith("/locations/-"):  # every zone of the project
             prefix = parent[:-1]
         with self._lock:
-            nodes = [json.loads(json.dumps(r["node"])) for n, r in self._state["nodes"].items()
-                     if n.startswith(prefix)]
+            nodes = [version_view(json.loads(json.dumps(r["node"])), "Node", version)
+                     for n, r in self._state["nodes"].items() if n.startswith(prefix)
+                     and n.split("/")[4] == "nodes"]  # not Compute Engine VMs' records
         nodes += self.legacy.v2_list(prefix)  # nodes the v1 API made (apiVersion V1)
         items, token = page(nodes, query)
         out: dict[str, Any] = {"nodes": items}
@@ -508,13 +544,15 @@ class Emulator:
                 raise ApiFailure("INVALID_ARGUMENT", f"Node {key} must map strings to strings.")
         return topo
 
-    def _new_node(self, name: str, node_in: dict[str, Any],
-                  version: str) -> tuple[Topology, dict[str, Any]]:
-        """Validate a requested node and build its API record (caller holds the lock)."""
+    def _new_node(self, name: str, node_in: dict[str, Any], version: str,
+                  topo: Topology | None = None) -> tuple[Topology, dict[str, Any]]:
+        """Validate a requested node and build its API record (caller holds the lock);
+        ``topo`` given: a Compute Engine VM's backing record, already validated."""
         project, zone, _, _ = split_name(name)
-        topo = self._validate_node(name, node_in)
+        topo = topo or self._validate_node(name, node_in)
         runtime = node_in["runtimeVersion"]
-        slot = self._slots.claim(self._used_slots(), slots_for(topo.hosts))
+        slot = self._slots.claim(self._used_slots(), slots_for(topo.hosts),
+                                 prefer=self._last_slot.get(name))
         node_id = new_node_id()
         node = {k: v for k, v in node_in.items() if k not in OUTPUT_ONLY_NODE_FIELDS}
         region = zone.rsplit("-", 1)[0]
@@ -545,7 +583,8 @@ class Emulator:
                                                 external=network["enableExternalIps"]),
             "metadata": dict(node.get("metadata") or {}),
         })
-        topology = topology_string(topo)
+        topology = topology_string(topo) if topo.generation in CONFIG_TYPE_OF_GENERATION \
+            else None
         if topology and "acceleratorConfig" not in node_in:
             node["acceleratorConfig"] = {"type": CONFIG_TYPE_OF_GENERATION[topo.generation],
                                          "topology": topology}
@@ -577,13 +616,15 @@ class Emulator:
         if record is not None:
             span = node_slots(record)
             self._slots.release(span.start, len(span))
+            self._last_slot[name] = span.start
         return record
 
     def _take_create_failure(self, name: str, topo: Topology) -> str | None:
         """The error a create will end with, if a fault is armed or quota is exceeded."""
         project, zone, _, _ = split_name(name)
         failure = None
-        fault = next((f for f in self._create_failures if f.get("zone") in (None, zone)), None)
+        fault = next((f for f in self._create_failures if f.get("zone") in (None, zone)
+                      and not f.get("vms")), None)
         if fault is not None:  # the first armed fault for this zone (or for every zone)
             fault["count"] -= 1
             if fault["count"] <= 0:
@@ -687,8 +728,10 @@ class Emulator:
 
             factory = self._spec_factory = WorkerSpec
         topo = parse_accelerator_type(node["acceleratorType"])
+        names = node.get("instanceNames") or []  # a Compute Engine VM: its instance name
         specs = [factory(node_id=node["id"], index=w, ip=e["ipAddress"],
-                         hostname=worker_hostname(node["id"], w),
+                         hostname=names[w] if w < len(names) else
+                         worker_hostname(node["id"], w),
                          device_files=tuple(topo.device_files),
                          pci_device=TPU_PCI_DEVICE.get(topo.generation, ""))
                  for w, e in enumerate(node["networkEndpoints"])]
@@ -858,6 +901,77 @@ class Emulator:
             raise not_found(name)
         return record
 
+    # ------------------------------------------------------------------ Compute Engine VMs
+
+    def create_backing_node(self, name: str, topo: Topology, *, metadata: dict[str, str],
+                            labels: dict[str, str], scheduling: dict[str, Any],
+                            external: bool, names: list[str],
+                            accelerator_topology: str | None = None) -> str | None:
+        """The node record behind Compute Engine VMs (sim/compute_api.py; caller holds the
+        lock): workers brought up as for a TPU API node. Returns the error the create will
+        end with (an injected stockout or quota), else None."""
+        model = scheduling.get("provisioningModel")
+        node_in = {"acceleratorType": topo.name, "runtimeVersion": "compute-engine-vm",
+                   "metadata": dict(metadata), "labels": dict(labels),
+                   "networkConfig": {"enableExternalIps": external},
+                   "schedulingConfig": {"spot": True} if model == "SPOT" else {},
+                   "instanceNames": list(names)}
+        if not accelerator_topology and topo.generation not in CONFIG_TYPE_OF_GENERATION:
+            from tpufab.topology import default_dims, format_dims
+
+            accelerator_topology = format_dims(default_dims(topo))  # TPU7x: 2x2x1 ...
+        if accelerator_topology:  # what the VMs' tpu-env says (TOPOLOGY, HOST_BOUNDS)
+            node_in["acceleratorConfig"] = {"type": topo.generation.upper(),
+                                            "topology": accelerator_topology}
+        self._check_capacity([topo])
+        _, node = self._new_node(name, node_in, "v2", topo=topo)
+        failure = self._take_create_failure(name, topo)
+        self._state["nodes"][name] = {"node": node, "sim": self._sim_fields(node, None,
+                                                                             failure)}
+        self._save()
+        self._spawn(self._bring_up, name, self.settings.create_delay)
+        return failure
+
+    def delete_backing_node(self, name: str) -> None:
+        """Delete a VM's backing node (caller holds the lock); gone once torn down."""
+        record = self._state["nodes"].get(name)
+        if record is None or record["node"]["state"] == "DELETING":
+            return
+        record["node"]["state"] = "DELETING"
+        self._save()
+        self._spawn(self._finish_delete, name)
+
+    def stop_backing_node(self, name: str) -> None:
+        record = self._require_node(name)
+        if record["node"]["state"] != "READY":
+            raise ApiFailure("FAILED_PRECONDITION", f"The instance is "
+                             f"{record['node']['state']}; only a running one can be stopped.")
+        record["node"]["state"] = "STOPPING"
+        self._save()
+        self._spawn(self._finish_stop, name)
+
+    def start_backing_node(self, name: str) -> None:
+        record = self._require_node(name)
+        if record["node"]["state"] not in ("STOPPED", "PREEMPTED"):
+            raise ApiFailure("FAILED_PRECONDITION", f"The instance is "
+                             f"{record['node']['state']}; only a stopped one can be started.")
+        record["node"]["state"] = "STARTING"
+        self._save()
+        self._spawn(self._bring_up, name, self.settings.operation_delay)
+
+    def set_backing_metadata(self, name: str, items: dict[str, str],
+                             done: Callable[[], None]) -> None:
+        """Replace a VM's metadata (caller holds the lock); ``done()`` once keys synced."""
+        record = self._require_node(name)
+        record["node"]["metadata"] = dict(items)
+        self._save()
+
+        def sync() -> None:
+            self._finish_update(name, "", True)
+            done()
+
+        self._spawn(sync)
+
     # ------------------------------------------------------------------ admin (/sim/v1/)
 
     def _admin(self, method: str, rest: str, query: dict[str, str],
@@ -888,15 +1002,32 @@ class Emulator:
             return self.oslogin.admin(method, {**query, **body})
         if rest.startswith("projects/") and ":" in rest and method == "POST":
             name, verb = rest.rsplit(":", 1)
+            name = self._backing_name(name)
             action = {"preempt": lambda: self.preempt(name, float(body.get("noticeSeconds")
                                                                     or 0)),
                       "setReachable": lambda: self._set_reachable(name, body),
-                      "killSshd": lambda: self._kill_sshd(name, body)}.get(verb)
+                      "killSshd": lambda: self._kill_sshd(name, body),
+                      "scheduleMaintenance": lambda: self.guest.schedule_maintenance(
+                          name, body),
+                      "endRun": lambda: self.compute.end_run(name)}.get(verb)
             if action:
                 return action()
         if rest.startswith("projects/") and method == "GET":
-            return self._admin_node(rest)
+            return self._admin_node(self._backing_name(rest))
         raise ApiFailure("NOT_FOUND", f"No admin endpoint {method} /sim/v1/{rest}.")
+
+    def _backing_name(self, name: str) -> str:
+        """``.../nodes/N`` of no TPU API node: the Compute Engine instance or MIG called N
+        (its backing node), so `tpufab sim preempt N` and the other faults reach a TPU VM
+        on either plane."""
+        with self._lock:
+            if name in self._state["nodes"] or "/nodes/" not in name:
+                return name
+            for kind in ("ceInstances", "ceGroups"):
+                other = name.replace("/nodes/", f"/{kind}/", 1)
+                if other in self._state["nodes"]:
+                    return other
+            return name
 
     def health(self) -> dict[str, Any]:
         with self._lock:
@@ -966,9 +1097,12 @@ class Emulator:
         if count < 1:
             raise ApiFailure("INVALID_ARGUMENT", "count must be at least 1.")
         zone = body.get("zone") or None
+        fault = {"reason": reason, "count": count, "zone": zone,
+                 "immediate": bool(body.get("immediate", False))}
+        if body.get("vms"):   # Compute Engine: that many VMs of the next MIG stay missing
+            fault["vms"] = int(body["vms"])
         with self._lock:
-            self._create_failures.append({"reason": reason, "count": count, "zone": zone,
-                                          "immediate": bool(body.get("immediate", False))})
+            self._create_failures.append(fault)
             return {"createFailures": list(self._create_failures)}
 
     def _arm_error_burst(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -1258,4 +1392,6 @@ class _Server(ThreadingHTTPServer):
 
 def make_server(emulator: Emulator, port: int = 0, host: str = "127.0.0.1") -> _Server:
     """An HTTP server for the emulator on host:port (port 0 = any free port)."""
-    return _Server((host, port), emulator)
+    server = _Server((host, port), emulator)
+    emulator.base_url = f"http://{host}:{server.server_address[1]}"
+    return server

@@ -128,7 +128,8 @@ def metadata_tree(record: dict[str, Any], worker: int, *, slice_info: dict[str, 
     name = node["name"]
     project, zone = name.split("/")[1], name.split("/")[3]
     endpoints = node.get("networkEndpoints") or []
-    hostname = worker_hostname(node["id"], worker)
+    names = node.get("instanceNames") or []  # a Compute Engine VM: its instance name
+    hostname = names[worker] if worker < len(names) else worker_hostname(node["id"], worker)
     notices = sim.get("notices") or {}
     account = node.get("serviceAccount") or {}
     email = account.get("email") or "default"
@@ -142,7 +143,8 @@ def metadata_tree(record: dict[str, Any], worker: int, *, slice_info: dict[str, 
         "tpu-env": tpu_env(node, worker, slice_info),
         # name:id:ip triples (the older of the two formats JAX accepts)
         "worker-network-endpoints": ",".join(
-            f"{worker_hostname(node['id'], w)}:{w}:{e['ipAddress']}"
+            f"{names[w] if w < len(names) else worker_hostname(node['id'], w)}:{w}:"
+            f"{e['ipAddress']}"
             for w, e in enumerate(endpoints)),
         "instance-id": node["id"],
         "zone": zone,
@@ -301,7 +303,90 @@ class GuestEnvironment:
                               body: dict[str, Any]) -> dict[str, Any]:
         """nodes:simulateMaintenanceEvent: the workers' metadata announces host maintenance
         (``instance/maintenance-event: TERMINATE_ON_HOST_MAINTENANCE``) for
-        ``maintenance_notice`` seconds, then the event is over and it says NONE again."""
+        ``maintenance_notice`` seconds, then the event is over and it says NONE again. As the
+        API says: without ``workerIds``, worker 0."""
+        return self._maintenance(version, name, body, "simulateMaintenanceEvent")
+
+    def perform_maintenance(self, version: str, name: str) -> dict[str, Any]:
+        """nodes:performMaintenance (v2alpha1): the node's pending maintenance now, on every
+        worker (announced as a simulated event is), and no longer upcoming."""
+        with self.emu._lock:
+            hosts = len(self.emu._require_node(name)["node"]["networkEndpoints"])
+        op = self._maintenance(version, name, {"workerIds": list(range(hosts))},
+                               "performMaintenance")
+        with self.emu._lock:
+            record = self.emu._state["nodes"].get(name)
+            if record is not None and record["node"].pop("upcomingMaintenance", None):
+                self.emu._save()
+        return op
+
+    def perform_maintenance_queued(self, version: str, name: str,
+                                   body: dict[str, Any]) -> dict[str, Any]:
+        """queuedResources:performMaintenanceQueuedResource (v2alpha1): performMaintenance on
+        the queued resource's nodes (``nodeNames``, short or full names; none: every node);
+        the operation's response is the QueuedResource, as the API's."""
+        with self.emu._lock:
+            record = self.emu._state["queuedResources"].get(name)
+            if record is None:
+                raise ApiFailure("NOT_FOUND", f"Resource '{name}' was not found")
+            state = record["qr"]["state"]["state"]
+            if state != "ACTIVE":
+                raise ApiFailure("FAILED_PRECONDITION", f"Queued resource {name} is {state}; "
+                                 "maintenance is performed on an ACTIVE one's nodes.")
+            nodes = self.emu.queued.node_names(record)
+        wanted = body.get("nodeNames") or body.get("node_names") or []
+        if wanted:
+            short = {n.rsplit("/", 1)[-1]: n for n in nodes}
+            unknown = [w for w in wanted if w not in nodes and w not in short]
+            if unknown:
+                raise ApiFailure("INVALID_ARGUMENT", f"Nodes {unknown} are not part of queued "
+                                 f"resource {name}.")
+            nodes = [short.get(w, w) for w in wanted]
+        for node in nodes:
+            self.perform_maintenance(version, node)
+        with self.emu._lock:
+            record = self.emu._state["queuedResources"][name]
+            op = self.emu._new_operation(version, name, "performMaintenanceQueuedResource")
+            self.emu._finish_operation(op["name"], response=record["qr"],
+                                       response_type="QueuedResource")
+            self.emu._save()
+            return json.loads(json.dumps(self.emu._state["operations"][op["name"]]))
+
+    def schedule_maintenance(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Admin: announce a maintenance window on the node as the API does, in its
+        ``upcomingMaintenance`` (v2alpha1 only; /v2/ leaves it out, as Google's): it starts
+        ``inSeconds`` from now and lasts ``windowSeconds`` (default 1 h), SCHEDULED, PENDING,
+        reschedulable up to a week later. ``clear``: take it back. Nothing happens by itself
+        at the window: `performMaintenance` (or a simulated event) is the maintenance."""
+        with self.emu._lock:
+            record = self.emu._require_node(name)
+            if body.get("clear"):
+                record["node"].pop("upcomingMaintenance", None)
+                self.emu._save()
+                return record["node"]
+            if record["node"]["state"] != "READY":
+                raise ApiFailure("FAILED_PRECONDITION", f"Node {name} is "
+                                 f"{record['node']['state']}; only a READY node can have "
+                                 "maintenance scheduled.")
+            try:
+                start = time.time() + float(body.get("inSeconds", 0))
+                length = float(body.get("windowSeconds") or 3600)
+            except (TypeError, ValueError):
+                raise ApiFailure("INVALID_ARGUMENT", "inSeconds and windowSeconds are "
+                                 "numbers of seconds.") from None
+            record["node"]["upcomingMaintenance"] = {
+                "type": str(body.get("type") or "SCHEDULED"),
+                "canReschedule": bool(body.get("canReschedule", True)),
+                "windowStartTime": rfc3339(start),
+                "windowEndTime": rfc3339(start + length),
+                "latestWindowStartTime": rfc3339(start + 7 * 86400),
+                "maintenanceStatus": "PENDING",
+            }
+            self.emu._save()
+            return record["node"]
+
+    def _maintenance(self, version: str, name: str, body: dict[str, Any],
+                     verb: str) -> dict[str, Any]:
         with self.emu._lock:
             record = self.emu._require_node(name)
             if record["node"]["state"] != "READY":
@@ -312,7 +397,7 @@ class GuestEnvironment:
             wanted = [w for w in (body.get("workerIds") or body.get("worker_ids") or [])
                       if str(w) != ""]
             try:
-                workers = sorted({int(w) for w in wanted}) if wanted else list(range(hosts))
+                workers = sorted({int(w) for w in wanted}) if wanted else [0]
             except ValueError:
                 raise ApiFailure("INVALID_ARGUMENT", f"Invalid worker ids {wanted}.") from None
             if any(not 0 <= w < hosts for w in workers):
@@ -323,7 +408,7 @@ class GuestEnvironment:
             for w in workers:
                 events[str(w)] = TERMINATE
             record["node"]["health"] = "UNHEALTHY_MAINTENANCE"
-            op = self.emu._new_operation(version, name, "simulateMaintenanceEvent")
+            op = self.emu._new_operation(version, name, verb)
             self.emu._finish_operation(op["name"], response=record["node"])
             self.emu._save()
             op = json.loads(json.dumps(self.emu._state["operations"][op["name"]]))

@@ -27,7 +27,7 @@ import zlib
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
-from tpufab.oslogin import ENABLE_KEY, metadata_flag
+from tpufab.cloud.oslogin import ENABLE_KEY, metadata_flag
 from tpufab.sim._model import ApiFailure
 
 if TYPE_CHECKING:

@@ -16,6 +16,7 @@ from tpufab.sim._model import (
     not_found,
     page,
     rfc3339,
+    version_view,
 )
 
 if TYPE_CHECKING:
@@ -33,9 +34,9 @@ class QueuedResources:
                 raise not_found(name)
             return json.loads(json.dumps(record))
 
-    def list(self, parent: str, query: dict[str, str]) -> dict[str, Any]:
+    def list(self, parent: str, query: dict[str, str], version: str = "v2") -> dict[str, Any]:
         with self.emu._lock:
-            qrs = [json.loads(json.dumps(r["qr"]))
+            qrs = [version_view(json.loads(json.dumps(r["qr"])), "QueuedResource", version)
                    for n, r in self.emu._state["queuedResources"].items()
                    if n.startswith(parent + "/queuedResources/")]
         items, token = page(qrs, query)

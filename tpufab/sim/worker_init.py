@@ -54,6 +54,13 @@ BINDS = (
 )
 # Bound only where the host has them (sudo installed): the worker's sudo rules.
 OPTIONAL_BINDS = (("/etc/sudoers.d", "etc/sudoers.d"),)
+# The worker's own root filesystem where installs write: each of these is an overlay whose
+# lower layer is the host's and whose upper layer lives in WORKER_DIR/rootfs/<name>, so `sudo
+# apt-get install`, `sudo pip install` and dpkg change this worker only, never the host.
+OVERLAID = ("/usr", "/etc", "/var", "/opt")
+# Debian marks its Python externally managed (PEP 668: pip refuses to install); Ubuntu 22.04,
+# the TPU VM image, does not. Inside a worker the marker is removed (in its upper layer only).
+PEP668_MARKERS = "/usr/lib/python3{}/EXTERNALLY-MANAGED"
 PCI_DEVICES = "/sys/bus/pci/devices"
 HANDLED = (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # Python starts with these ignored; sshd and user shells must get the defaults back.
@@ -139,6 +146,7 @@ def setup(worker_dir):
     sshd_log = os.open("sshd.log", flags, 0o644, dir_fd=dir_fd)
 
     mount(None, "/", None, MS_REC | MS_PRIVATE)
+    overlay_root(worker_dir, dir_fd)
     mount("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
     os.mkdir(RUN_DIR, 0o700)
     write_file(f"{RUN_DIR}/sshd_config", sshd_config, 0o600)
@@ -165,6 +173,34 @@ def setup(worker_dir):
         os.close(fd)
     os.chdir("/")
     return host_pid, dir_fd, config, sshd_log
+
+
+def overlay_root(worker_dir, dir_fd):
+    """/usr, /etc, /var and /opt as overlays: the host's below, this worker's changes above
+    (WORKER_DIR/rootfs/<name>/upper). The layer paths go through /proc/self/fd, so a state dir
+    under a path mounted over later is still reached. A target that holds WORKER_DIR itself
+    (a state dir under /var or /opt) is left as the host's, with a log line."""
+    real = os.path.realpath(worker_dir)
+    os.makedirs(os.path.join(real, "rootfs"), exist_ok=True)
+    overlaid = set()
+    for target in OVERLAID:
+        if real == target or real.startswith(target + "/"):
+            log(f"{target} holds the worker's state dir; it stays the host's (not overlaid)")
+            continue
+        layer = os.path.join(real, "rootfs", target.strip("/"))
+        for part in ("upper", "work"):
+            os.makedirs(os.path.join(layer, part), mode=0o755, exist_ok=True)
+        via = f"/proc/self/fd/{dir_fd}/rootfs/{target.strip('/')}"
+        mount("overlay", target, "overlay", 0,
+              f"lowerdir={target},upperdir={via}/upper,workdir={via}/work")
+        overlaid.add(target)
+    if "/usr" not in overlaid:
+        return  # the marker is the host's then: leave it
+    for minor in range(6, 20):
+        try:
+            os.unlink(PEP668_MARKERS.format(f".{minor}"))
+        except FileNotFoundError:
+            pass
 
 
 def build_dev(host_devices, placeholders, tty_gid):

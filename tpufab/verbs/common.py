@@ -63,17 +63,6 @@ def settings_from_flags(*, type: str | None = None, accelerator_type: str | None
     return settings
 
 
-def split_args(args: str | None) -> list[str]:
-    """A recipe's `--args '...'` string split as a shell would, or one sentence saying why not."""
-    import shlex
-
-    try:
-        return shlex.split(args or "")
-    except ValueError as err:
-        raise ConfigError(f"--args {args!r} is not a valid argument list ({err}); quote it "
-                          "as you would in a shell.") from None
-
-
 def print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, sort_keys=False))
 
@@ -97,19 +86,19 @@ def seconds_range(rows: Sequence[Any]) -> str:
     return f"{times[0]:.2f}-{times[-1]:.2f}s"
 
 
+WIDE_HELP = "Every value in full (long cells are shortened to fit the terminal)."
+
+
 def print_table(columns: Sequence[str], lines: Iterable[Sequence[str]]) -> None:
-    from rich.table import Table
+    """A table on stdout, fitted to the terminal (tpufab.display.tables); cells may quote
+    workers (a process's command line): shown as text, never markup."""
+    from tpufab.display.console import stdout
+    from tpufab.display.tables import fitted
+    from tpufab.display.terminal import neutralise_text
 
-    from tpufab.console import stdout
-    from tpufab.terminal import neutralise_text
-
-    table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in columns:
-        table.add_column(column)
-    for line in lines:   # cells may quote workers (a process's command line): shown as text
-        table.add_row(*(neutralise_text(cell) if isinstance(cell, str) else cell
-                        for cell in line))
-    stdout().print(table)
+    console = stdout()
+    console.print(fitted(columns, [[neutralise_text(c) if isinstance(c, str) else c for c in line]
+                                   for line in lines], console, markup=False))
 
 
 def count(n: int, noun: str) -> str:
@@ -119,23 +108,23 @@ def count(n: int, noun: str) -> str:
 def pod_for(settings: Settings) -> Any:
     """The pod named by ``settings`` (a tpufab.Pod: the API the verbs are built on); its
     connections open once per process and later verbs reuse them."""
-    from tpufab.api import Pod
+    from tpufab.pod.api import Pod
 
     return Pod.from_settings(settings)
 
 
 def note(text: str, style: str | None = None) -> None:
     """tpufab's own words, on stderr (stdout stays the workers' output)."""
-    from tpufab.console import stderr
-    from tpufab.terminal import neutralise_text
+    from tpufab.display.console import stderr
+    from tpufab.display.terminal import neutralise_text
 
     stderr().print(neutralise_text(text), markup=False, style=style)
 
 
 def say(text: str) -> None:
     """A result line on stdout, printed as it is."""
-    from tpufab.console import stdout
-    from tpufab.terminal import neutralise_text
+    from tpufab.display.console import stdout
+    from tpufab.display.terminal import neutralise_text
 
     stdout().print(neutralise_text(text), markup=False)
 

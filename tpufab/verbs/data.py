@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tpufab.errors import ConfigError
 from tpufab.verbs.common import (
     count,
     folded,
@@ -23,7 +22,8 @@ MOUNT_TIMEOUT = 300.0    # seconds per step (installing gcsfuse included)
 @verb(options={"ref": "Commit, branch or tag to deploy.", "remote": "Git remote the workers fetch from.",
                  "dir": "Checkout on the workers (default: remote_dir, else ~/<repo name>).",
                  "direct": "Send the commit over SSH; no remote, no credentials on workers.",
-                 "wip": "Deploy the working tree as it is (a snapshot commit on a side ref)."})
+                 "wip": "Deploy the working tree as it is (a snapshot commit on a side ref)."},
+      pod_method="deploy")
 def deploy(*, name: str | None = None, ref: str = "HEAD", remote: str = "origin",
            dir: str | None = None, direct: bool = False, wip: bool = False,
            timeout: float = DEPLOY_TIMEOUT, zone: str | None = None,
@@ -34,15 +34,15 @@ def deploy(*, name: str | None = None, ref: str = "HEAD", remote: str = "origin"
     ``timeout``: seconds each step on the workers may take (default 600). One writer at a
     time: a deploy while a run reads the checkout, or while another deploy is under way, is
     refused with one sentence (docs/reliability.md)."""
-    from tpufab.console import stdout
-    from tpufab.progress import WorkerProgress
+    from tpufab.display.console import stdout
+    from tpufab.display.progress import WorkerProgress
 
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
                                    no_os_login=no_os_login,
                                       jump=jump, timeout=timeout))
     with WorkerProgress("deploy") as shown:  # the local checks come first, before any SSH
         report = pod.deploy(ref, remote=remote, dir=dir, direct=direct, wip=wip,
-                            progress=progress, sink=shown)
+                            timeout=timeout, progress=progress, sink=shown)
     print_table(("WORKERS", "COMMIT", "RESULT", "TIME"), (
         (workers, (group[0].commit or "-")[:12], group[0].action or "-", seconds_range(group))
         for workers, group in folded(report.rows, lambda r: (r.commit, r.action))))
@@ -59,26 +59,12 @@ def deploy(*, name: str | None = None, ref: str = "HEAD", remote: str = "origin"
                    f"{how}: {outcome} ({report.seconds:.1f}s).", markup=False)
 
 
-def _driver_options(options: Iterable[str] | None) -> list[str]:
-    """``--options '--dir-cache-time 10s' --options --read-only`` -> the driver's argv."""
-    import shlex
-
-    out: list[str] = []
-    for item in options or ():
-        try:
-            out += shlex.split(item)
-        except ValueError as err:
-            raise ConfigError(f"Cannot read --options {item!r} ({err}); quote each driver "
-                              "option string once, e.g. --options '--dir-cache-time 10s'.") \
-                from None
-    return out
-
-
 @verb(options={"bucket": "gs://BUCKET[/PREFIX] or BUCKET[/PREFIX].",
                  "at": "Mount point on the workers (default /mnt/gcs/BUCKET).",
                  "driver": "gcsfuse (default: mount_driver) or rclone.",
                  "options": Opt("Extra driver flags, quoted (repeatable).", metavar="'FLAGS'"),
-                 "install": "Install a missing driver on the workers."})
+                 "install": "Install a missing driver on the workers."},
+      pod_method="mount")
 def mount(*, bucket: str, name: str | None = None, at: str | None = None,
           driver: str | None = None, options: Iterable[str] | None = None,
           install: bool = False, timeout: float = MOUNT_TIMEOUT, zone: str | None = None,
@@ -87,19 +73,15 @@ def mount(*, bucket: str, name: str | None = None, at: str | None = None,
     """Mount a Cloud Storage bucket (or a prefix of it) on every worker, verified.
 
     ``timeout``: seconds each step on the workers may take (default 300)."""
-    from tpufab import mount as mounting
-    from tpufab.console import stdout
-    from tpufab.progress import WorkerProgress
+    from tpufab.display.console import stdout
+    from tpufab.display.progress import WorkerProgress
 
-    settings = settings_from_flags(name=name, zone=zone, project=project,
-                                   no_os_login=no_os_login,
-                                   jump=jump, timeout=timeout)
-    spec = mounting.mount_spec(bucket, at=at, driver=driver or settings.mount_driver,
-                               options=_driver_options(options),
-                               endpoint=settings.storage_endpoint)
-    pod = pod_for(settings)
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
+                                      no_os_login=no_os_login, jump=jump, timeout=timeout))
+    spec = pod.mount_spec(bucket, at=at, driver=driver, options=options)  # before connecting
     with WorkerProgress(f"mount {spec.url}", len(pod.workers)) as shown:
-        report = mounting.apply_mount(pod.fanout, spec, install=install, sink=shown)
+        report = pod.mount(bucket, at=at, driver=driver, options=options, install=install,
+                           timeout=timeout, sink=shown)
     print_table(("WORKERS", "RESULT", "ENTRIES", "TIME"), (
         (workers, group[0].action or "-", "-" if group[0].entries is None
          else str(group[0].entries), seconds_range(group))
@@ -115,7 +97,8 @@ def mount(*, bucket: str, name: str | None = None, at: str | None = None,
 
 
 @verb(options={"at": "Mount point (default: every mount tpufab made).",
-                 "lazy": "Detach now even if files are open there."})
+                 "lazy": "Detach now even if files are open there."},
+      pod_method="umount")
 def umount(*, name: str | None = None, at: str | None = None, lazy: bool = False,
            timeout: float = MOUNT_TIMEOUT, zone: str | None = None,
            project: str | None = None,
@@ -123,14 +106,12 @@ def umount(*, name: str | None = None, at: str | None = None, lazy: bool = False
     """Unmount --at (or every mount tpufab made) on every worker.
 
     ``timeout``: seconds each step on the workers may take (default 300)."""
-    from tpufab import mount as mounting
-    from tpufab.console import stdout
+    from tpufab.display.console import stdout
 
-    mounting.umount_args(at, lazy=lazy)  # a bad --at is refused before connecting
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
                                    no_os_login=no_os_login,
                                       jump=jump, timeout=timeout))
-    report = mounting.umount(pod.fanout, at, lazy=lazy)
+    report = pod.umount(at, lazy=lazy, timeout=timeout)  # a bad --at: refused before connecting
     if at is None:
         print_table(("WORKERS", "RESULT", "MOUNT POINTS"), (
             (workers, group[0].action or "-", ", ".join(group[0].unmounted) or "-")

@@ -51,6 +51,8 @@ COMMON: dict[str, Opt] = {
     "worker": Opt("Workers: all, 0, 0,3-5 or w[0-3,7].", short="-w"),
     "timeout": Opt("Seconds before giving up on a worker's command."),
     "env": Opt("Set K=V, or forward the local K (repeatable).", short="-e", metavar="K=V|K"),
+    "secret": Opt("As --env, and K is a secret whatever its name (on stdin only, shown as "
+                  "***; repeatable).", metavar="K=V|K"),
     "jump": Opt("Reach the workers through this SSH jump host (a bastion in their VPC), at "
                 "their internal IPs; no USER: log in as on the workers (the OS Login user "
                 "where OS Login is on) (default: the jump setting).",
@@ -93,6 +95,11 @@ class Verb:
     group: str | None
     help: str
     options: dict[str, Opt] = field(default_factory=dict)
+    # The Pod method this verb is the door to ("run" for exec, "start" for run), and the
+    # flags that only shape what is printed (the Pod method has every other flag, by name;
+    # tests/test_spine.py checks it).
+    pod_method: str | None = None
+    view: tuple[str, ...] = ()
 
     @property
     def path(self) -> str:
@@ -150,8 +157,12 @@ DECLARED: list[Verb] = []
 
 
 def verb(*, name: str | None = None, group: str | None = None,
-         options: dict[str, Opt | str] | None = None) -> Callable:
-    """Declare the decorated function as a verb of both front doors."""
+         options: dict[str, Opt | str] | None = None, pod_method: str | None = None,
+         view: Sequence[str] = ()) -> Callable:
+    """Declare the decorated function as a verb of both front doors.
+
+    A verb on the workers names its ``pod_method`` (the one tpufab.Pod method it calls) and
+    its ``view`` flags (those that only change what is printed: --json, --raw, ...)."""
 
     def declare(fn: Callable) -> Callable:
         opts = {k: Opt(v) if isinstance(v, str) else v for k, v in (options or {}).items()}
@@ -159,7 +170,8 @@ def verb(*, name: str | None = None, group: str | None = None,
         if not doc:
             raise TypeError(f"verb {fn.__name__} needs a docstring: its first line is its help")
         DECLARED.append(Verb(fn=fn, name=name or fn.__name__.rstrip("_").replace("_", "-"),
-                             group=group, help=doc, options=opts))
+                             group=group, help=doc, options=opts, pod_method=pod_method,
+                             view=tuple(view)))
         return fn
 
     return declare

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 
-from tpufab.errors import ConfigError
 from tpufab.verbs.common import note, pod_for, say, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
 
 FILES_TIMEOUT = 300.0   # put/get: seconds a worker may go without answering (no progress)
+FORWARD_TIMEOUT = 20.0  # forward: seconds to wait for the worker to answer when connecting
 
 
 def _report(report, verb: str) -> None:
@@ -21,7 +21,8 @@ def _report(report, verb: str) -> None:
                  "remote": Opt("Where on each worker (default: the home directory; into it if "
                                "it is a directory or ends with /).", argument=True),
                  "no_relay": "Send each worker its own copy over SSH instead of one upload "
-                             "that a worker relays to the others."})
+                             "that a worker relays to the others."},
+      pod_method="put")
 def put(local: str, remote: str | None = None, *, name: str | None = None,
         worker: str = "all", no_relay: bool = False, timeout: float = FILES_TIMEOUT,
         zone: str | None = None, project: str | None = None,
@@ -35,41 +36,38 @@ def put(local: str, remote: str | None = None, *, name: str | None = None,
     """
     from pathlib import Path
 
-    from tpufab import transfer
-    from tpufab.progress import BytesProgress
+    from tpufab.display.progress import BytesProgress
+    from tpufab.pod.api import TransferError
 
-    if not Path(local).expanduser().exists():
-        raise ConfigError(f"{local} does not exist here; check the local path (put copies a "
-                          "file or directory from this machine).")
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, timeout=timeout,
                                       no_os_login=no_os_login, jump=jump))
     try:
-        report = pod.put(local, remote, workers=worker, relay=not no_relay,
+        report = pod.put(local, remote, workers=worker, no_relay=no_relay, timeout=timeout,
                          progress=BytesProgress(f"put {Path(local).name}"))
-    except transfer.TransferError as err:
+    except TransferError as err:
         _report(err.report, "put")
         raise
     _report(report, "put")
 
 
 @verb(options={"remote": "File or directory on the workers.",
-                 "local": "Where here: LOCAL/w0/..., LOCAL/w1/... (one worker: LOCAL)."})
+                 "local": "Where here: LOCAL/w0/..., LOCAL/w1/... (one worker: LOCAL)."},
+      pod_method="get")
 def get(remote: str, local: str, *, name: str | None = None, worker: str = "all",
         timeout: float = FILES_TIMEOUT, zone: str | None = None, project: str | None = None,
         no_os_login: bool = False, jump: str | None = None) -> None:
     """Copy a file or directory from every (selected) worker: LOCAL/w0/..., LOCAL/w1/...
 
     ``timeout``: seconds a worker may go without answering (default 300)."""
-    from tpufab import transfer
-    from tpufab.progress import BytesProgress
+    from tpufab.display.progress import BytesProgress
+    from tpufab.pod.api import TransferError
 
-    if not remote or not remote.strip():
-        raise ConfigError("No remote path given: tpufab get REMOTE LOCAL.")
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, timeout=timeout,
                                       no_os_login=no_os_login, jump=jump))
     try:
-        report = pod.get(remote, local, workers=worker, progress=BytesProgress(f"get {remote}"))
-    except transfer.TransferError as err:
+        report = pod.get(remote, local, workers=worker, timeout=timeout,
+                         progress=BytesProgress(f"get {remote}"))
+    except TransferError as err:
         _report(err.report, "get")
         raise
     _report(report, "get")
@@ -77,19 +75,24 @@ def get(remote: str, local: str, *, name: str | None = None, worker: str = "all"
 
 @verb(options={"ports": Opt("PORT, LOCAL:REMOTE or LOCAL:HOST:REMOTE (several allowed).",
                              rest=True),
-                 "worker": Opt("Worker index.", short="-w")})
+                 "worker": Opt("Worker index.", short="-w")},
+      pod_method="forward")
 def forward(ports: list[str], *, name: str | None = None, worker: int = 0,
-            zone: str | None = None, project: str | None = None,
+            timeout: float = FORWARD_TIMEOUT, zone: str | None = None,
+            project: str | None = None,
         no_os_login: bool = False, jump: str | None = None) -> int:
-    """Forward local ports to a worker (default 0) over SSH until Ctrl-C: PORT[:REMOTE_PORT]."""
-    from tpufab import forward as forwarding
+    """Forward local ports to a worker (default 0) over SSH until Ctrl-C: PORT[:REMOTE_PORT].
+
+    ``timeout``: seconds to wait for the worker to answer when connecting (default 20, or
+    connect_timeout if shorter); a worker that does not is named in one sentence.
+    """
     from tpufab import nodeset
 
-    forwards = forwarding.parse_forwards(ports)
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
-                                   no_os_login=no_os_login, jump=jump))
-    forwarder = forwarding.forward(pod.fanout, forwards, worker=int(worker),
-                                   on_event=lambda text: note(text, "yellow"))
+                                   no_os_login=no_os_login, jump=jump, timeout=timeout))
+    forwarder = pod.forward(*ports, workers=int(worker), timeout=timeout,
+                            on_event=lambda text: note(text, "yellow"))
+    forwards = forwarder.forwards
     label = nodeset.label(int(worker))
     for f in forwards:
         say(f"{f.url} -> {label} {f.remote_host}:{f.remote}")
@@ -109,20 +112,18 @@ def forward(ports: list[str], *, name: str | None = None, worker: int = 0,
 
 @verb(options={"duration": "How long to trace: 5s, 500ms, 1m.",
                  "run": "Run id (default: the latest running run).",
-                 "port": "Profiler port (default: the job's TPUFAB_PROFILER_PORT)."})
+                 "port": "Profiler port (default: the job's TPUFAB_PROFILER_PORT)."},
+      pod_method="profile")
 def profile(*, name: str | None = None, worker: str = "0", duration: str = "5s",
             run: str | None = None, port: int | None = None, zone: str | None = None,
             project: str | None = None,
         no_os_login: bool = False, jump: str | None = None) -> None:
     """Capture a profiler trace from a running JAX job and bring it back under its local logs."""
-    from tpufab import profiling
-
-    seconds = profiling.parse_duration(duration)
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
                                    no_os_login=no_os_login, jump=jump))
     began = time.monotonic()
-    note(f"Capturing {seconds:g} s of trace...", "dim")
-    captured = pod.profile(workers=worker, seconds=seconds, run=run, port=port)
+    captured = pod.profile(workers=worker, duration=duration, run=run, port=port,
+                           progress=lambda text: note(text, "dim"))
     for line in captured.lines():
         say(f"profile: {line}")
     note(f"Traces under {captured.local_dir} ({time.monotonic() - began:.1f} s). View them "

@@ -8,15 +8,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tpufab.errors import ConfigError, TpufabError, shown
-from tpufab.verbs.common import note, pod_for, say, settings_from_flags, split_args
+from tpufab.errors import ConfigError, TpufabError
+from tpufab.verbs.common import note, pod_for, say, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
 
-INTERRUPT_CHOICES = ("kill", "detach")
-RUN_TIMEOUT = 600.0     # seconds per step before the recipe starts (deploy, start); following
-                        # the logs afterwards has no limit: a training run may last days
-LOGS_TIMEOUT = 300.0    # seconds for plain `logs` to fetch every worker's log
-LIST_TIMEOUT = 60.0     # `runs`: seconds for every worker to answer
+INTERRUPT_CHOICES = ("kill", "detach")   # --on-interrupt: what Ctrl-C while following does
+
 
 RUN_OPTIONS = {
     "recipe": "Recipe: an executable file, e.g. recipes/jax_hello.sh.",
@@ -36,19 +33,30 @@ RUN_OPTIONS = {
     "wait_port": Opt("Return once this port answers on worker 0 (the run goes on).",
                      min=1),
     "wait_timeout": Opt("With --wait-port: seconds to wait before showing the logs.", min=1),
+    "stall": Opt("No new output line from any worker for this long (e.g. 15m; at least 10s): "
+                 "take every worker's stacks, print them folded, then --stall-action.",
+                 metavar="DURATION"),
+    "stall_action": "After a stall: wait (keep following; the default) or kill the run.",
+    "stall_progress_file": Opt("With --stall: progress is this file's mtime advancing on any "
+                               "worker (the recipe touches it; relative to $TPUFAB_RUN_DIR, "
+                               "or absolute), instead of new output lines.", metavar="PATH"),
 }
 
 
-@verb(options=RUN_OPTIONS)
+@verb(options=RUN_OPTIONS, pod_method="start",
+      view=("detach", "on_interrupt", "raw", "color", "stall", "stall_action",
+            "stall_progress_file"))
 def run(recipe: str, extra: Sequence[str] = (), *, name: str | None = None, args: str = "",
         detach: bool = False, no_deploy: bool = False, direct: bool = False,
-        wip: bool = False, env: Sequence[str] | None = None, local: bool = False,
+        wip: bool = False, env: Sequence[str] | None = None,
+        secret: Sequence[str] | None = None, local: bool = False,
         workers: int | None = None, on_interrupt: str | None = None, spmd: bool = False,
         raw: bool = False, check: bool = False, wait_port: int | None = None,
-        wait_timeout: float = 600.0, color: bool = False, timeout: float = RUN_TIMEOUT,
+        wait_timeout: float = 600.0, color: bool = False, timeout: float | None = None,
         zone: str | None = None,
         project: str | None = None,
-        no_os_login: bool = False, jump: str | None = None) -> int:
+        no_os_login: bool = False, jump: str | None = None, stall: str | None = None,
+        stall_action: str = "wait", stall_progress_file: str | None = None) -> int:
     """Run a recipe on every worker at once (deploying first) and follow its logs.
 
     A Python file runs with the workers' Python: `tpufab run train.py model=tiny
@@ -66,242 +74,114 @@ def run(recipe: str, extra: Sequence[str] = (), *, name: str | None = None, args
     start; default 600); following the logs afterwards has no limit. One job at a time: a
     run while another one runs on the pod is refused with one sentence.
     """
-    from tpufab.runs import forwarded_for
-
-    path = Path(recipe)
-    if not path.is_file():
-        raise ConfigError(f"No recipe at {shown(recipe)}: pass an executable file such as "
-                          "recipes/jax_hello.sh.")
     if on_interrupt is not None and on_interrupt not in INTERRUPT_CHOICES:
         raise ConfigError(f"--on-interrupt takes kill or detach, not {on_interrupt!r}.")
-    if no_deploy and (direct or wip):
-        raise ConfigError("--no-deploy skips deploy, while --direct and --wip say how to "
-                          "deploy: give one or the other.")
-    argv = [*split_args(args), *(str(item) for item in extra or ())]
+    stall_seconds = check_stall_flags(stall, stall_action, detach=detach, local=local,
+                                      wait_port=wait_port, progress_file=stall_progress_file)
     settings = settings_from_flags(name=name, zone=zone, project=project,
                                    no_os_login=no_os_login,
                                    jump=jump, timeout=timeout)
-    forwarded = forwarded_for(settings, env)
-    if local and check:
-        raise ConfigError("--check checks a pod; drop it with --local.")
-    if local and wait_port is not None:
-        raise ConfigError("--wait-port waits for a port on worker 0 of a pod and does not go "
-                          "with --local; drop one of them.")
-    if local:
-        return _run_local(path, workers if workers is not None else 1, argv, forwarded, spmd)
-    if wait_port is not None and not 1 <= int(wait_port) <= 65535:
-        raise ConfigError(f"--wait-port takes a TCP port (1-65535), not {wait_port}.")
-    if workers is not None:
-        raise ConfigError("--workers N goes with --local (N processes on this machine); on a "
-                          "pod the recipe runs on every worker.")
-    root = None
-    if not no_deploy:
-        from tpufab import gitops
-
-        try:
-            root = gitops.repo_root()
-        except gitops.GitError:
-            raise ConfigError(f"{Path.cwd()} is not inside a git repository, so there is "
-                              "nothing to deploy: run from your project's checkout, or pass "
-                              f"--no-deploy to run {path.name} in the workers' home "
-                              "directories.") from None
-        if not direct and not wip and not gitops.has_remote(root, "origin"):
-            note("This repository has no git remote yet: deploying over SSH (--direct).")
-            direct = True
-    from tpufab import codelock
-
     pod = pod_for(settings)
-    if check:
-        _preflight(pod, settings, compare_commits=no_deploy)
-    # One writer for the code and one job at a time: from the check for a live run until
-    # the recipe has started, no other tpufab deploys or starts a run on this pod.
-    with codelock.hold(pod.fanout, pod.workers, purpose=f"run {path.name}") as lease:
-        codelock.refuse_a_second_run(pod.fanout, pod.workers, lease)
-        plan = _plan(pod, settings, path, argv, forwarded, spmd, root=root, direct=direct,
-                     wip=wip)
-        started = _start(pod, plan)
+    try:
+        run_ = pod.start(recipe, args, extra, env=env, secret=secret, no_deploy=no_deploy,
+                            direct=direct,
+                            wip=wip, local=local, workers=workers, spmd=spmd, check=check,
+                            wait_port=wait_port, wait_timeout=wait_timeout, timeout=timeout,
+                            progress=note)
+    except TpufabError as err:
+        tails = getattr(err, "tails", None)      # --wait-port: the port never answered
+        if tails is not None:
+            from tpufab.display.runlogs import print_folded
+
+            print_folded(tails)
+        raise
+    if local:
+        note(f"Local run {run_.run_id}: {run_.summary()}")
+        return 0
     if wait_port is not None:
-        code = _start_and_follow(pod, plan, detach=True, on_interrupt=on_interrupt, quiet=True,
-                                 settings=settings, started=started)
-        return code or _wait_for_port(pod, plan, int(wait_port), wait_timeout)
-    return _start_and_follow(pod, plan, detach=detach, on_interrupt=on_interrupt, raw=raw,
-                             color=color, settings=settings, started=started)
-
-
-def _preflight(pod, settings, *, compare_commits: bool) -> None:
-    """The quick checks; a problem stops the run before anything starts."""
-    from tpufab import check as checking
-
-    report = checking.run_check(settings, pod, quick=True, compare_commits=compare_commits)
-    if report.ok:
-        note(f"Checked {report.accelerator} ({len(report.workers)} workers): every quick "
-             f"check passed ({report.seconds:.1f} s).", "dim")
-        return
-    n = len(report.problems)
-    raise checking.CheckError(
-        f"Not starting: `tpufab check --quick` found {n} problem{'s' if n != 1 else ''} on "
-        f"{report.name}.", details="\n".join(p.line() for p in report.problems))
-
-
-def _wait_for_port(pod, plan, port: int, timeout: float) -> int:
-    from tpufab import jobs
-    from tpufab.runs import fold_logs, render_folded
-
-    worker = plan.workers[0]
-    note(f"Waiting (up to {timeout:g} s) for port {port} to answer on w{worker}...", "dim")
-    try:
-        ok, how = jobs.wait_port(pod.fanout, plan.run_id, port, worker=worker, timeout=timeout)
-    except KeyboardInterrupt:
-        raise TpufabError(f"Stopped waiting for port {port}; run {plan.run_id} goes on (stop "
-                          f"it with `tpufab kill --run {plan.run_id}`).", exit_code=130) from None
-    if ok:
-        note(f"Port {port} answers on w{worker} ({how}); run {plan.run_id} goes on. Reach it "
-             f"with `tpufab forward {port}`; stop it with `tpufab kill --run {plan.run_id}`.")
         return 0
-    from collections import deque
-
-    from tpufab.terminal import lines_of, neutralise_text
-
-    logs, _states = jobs.fetch_logs(pod.fanout, plan.run_id, plan.workers)
-    try:
-        per_worker = {w: [line[:-1].decode("utf-8", "replace")
-                          for line in deque(lines_of(output.chunks()), maxlen=40)]
-                      for w, output in logs.items()}
-    finally:
-        for output in logs.values():
-            output.close()
-    for line in render_folded(fold_logs(per_worker), per_worker):
-        sys.stdout.write(neutralise_text(line) + "\n")
-    sys.stdout.flush()
-    raise TpufabError(f"Run {plan.run_id}: {how}; its logs are above (last 40 lines per "
-                      f"worker; `tpufab logs --run {plan.run_id}` has them all).")
+    return follow_started(run_, detach=detach, on_interrupt=on_interrupt, raw=raw,
+                          color=color, stall=stall_seconds, stall_action=stall_action,
+                          stall_progress_file=stall_progress_file)
 
 
-def _plan(pod, settings, path: Path, argv, forwarded, spmd, *, root, direct, wip):
-    from tpufab import deploy, jobs, nodeset
-    from tpufab.remote_files import RemoteFile
-
-    workers = pod.workers
-    commit = cwd = None
-    if root is not None:
-        report = deploy.deploy(pod.fanout, dir=settings.remote_dir, direct=direct, wip=wip,
-                               cwd=root, progress=lambda msg: note(f"deploy: {msg}", "dim"),
-                               lease=False)  # run holds the lease already
-        commit, cwd = report.commit, report.dir
-        changed = [r.worker for r in report.rows if r.changed]
-        how = f"updated {nodeset.fold(changed)}" if changed else "already there"
-        note(f"Deployed {commit[:12]} to {cwd} on {nodeset.fold(workers)} ({how}, "
-              f"{report.seconds:.1f} s).")
-    else:
-        cwd = jobs.default_cwd(settings.remote_dir)
-    return jobs.plan_run(RemoteFile.from_path(path), slices=pod.slices, ips=pod.internal_ips(),
-                         args=argv, cwd=cwd, commit=commit, forwarded=forwarded, spmd=spmd)
-
-
-def _start(pod, plan) -> dict[int, dict]:
-    from tpufab import jobs, nodeset
-    from tpufab.fanout import FanoutInterrupted
-
-    try:
-        return jobs.start(pod.fanout, plan)
-    except FanoutInterrupted:
-        jobs.stop(pod.fanout, plan.run_id, plan.workers, grace=2.0)
-        raise TpufabError(f"Interrupted while starting run {plan.run_id}; stopped it on "
-                          f"{nodeset.fold(plan.workers)}.", exit_code=130) from None
-
-
-def _start_and_follow(pod, plan, *, detach: bool, on_interrupt: str | None,
-                      raw: bool = False, quiet: bool = False, color: bool = False,
-                      settings=None, started: dict[int, dict] | None = None) -> int:
-    from tpufab import jobs, nodeset
-
-    workers = plan.workers
-    if started is None:
-        started = _start(pod, plan)
-    first = started[workers[0]]
-    where = first.get("cwd") or "~"
-    missing = [w for w, s in started.items() if s.get("cwd_missing")]
-    note(f"Run {plan.run_id}: {plan.recipe.name} (sha256 {plan.recipe.sha256[:12]}"
-          f"{', commit ' + plan.commit[:12] if plan.commit else ''}) started on "
-          f"{nodeset.fold(workers)} in {where}.")
-    if missing:
-        note(f"{plan.cwd} does not exist on {nodeset.fold(missing)}; the recipe runs in the "
-              "home directory there (deploy first, or drop --no-deploy).", "yellow")
-    summary = jobs.environment_summary(plan)
-    if summary:
-        note(f"Environment: {summary}", "dim")
-    if detach and quiet:
-        return 0
-    if first.get("output_dir"):
-        note(f"Output: {first['output_dir']} (profiles: {first.get('profile_dir')})", "dim")
+def follow_started(run, *, detach: bool, on_interrupt: str | None, raw: bool = False,
+                   color: bool = False, stall: float | None = None,
+                   stall_action: str = "wait", stall_progress_file: str | None = None) -> int:
+    """After the start: where its output goes, then detach or follow (launch too)."""
+    if run.output_dir:
+        note(f"Output: {run.output_dir} (profiles: {run.profile_dir})", "dim")
     if detach:
-        note(f"Detached. Follow it with `tpufab logs --run {plan.run_id} --follow`, list "
-              f"runs with `tpufab runs`, stop it with `tpufab kill --run {plan.run_id}`.")
+        note(f"Detached. Follow it with `tpufab logs --run {run.id} --follow`, list "
+              f"runs with `tpufab runs`, stop it with `tpufab kill --run {run.id}`.")
         return 0
-    return _follow_run(pod, plan, on_interrupt, raw, color=color, settings=settings)
+    return _follow_run(run, on_interrupt, raw, color=color, stall=stall,
+                       stall_action=stall_action, stall_progress_file=stall_progress_file)
 
 
-def _follow_run(pod, plan, on_interrupt: str | None, raw: bool = False, *,
-                color: bool = False, settings=None) -> int:
-    from tpufab import jobs, nodeset
-    from tpufab.fanout import FanoutInterrupted, LiveView
+def _follow_run(run, on_interrupt: str | None, raw: bool = False, *,
+                color: bool = False, stall: float | None = None,
+                stall_action: str = "wait", stall_progress_file: str | None = None) -> int:
+    from tpufab import nodeset
+    from tpufab.display.runlogs import follow_view
 
-    workers = plan.workers
-    keep = {} if settings is None else {"keep_runs": settings.keep_runs,
-                                        "keep_gib": settings.keep_logs_gib}
+    workers = run.workers
     try:
-        copy_dir = jobs.local_log_dir(plan.run_id, **keep)
+        copy_dir = run.log_copy_dir()
     except OSError:
         copy_dir = None
     ended: dict[int, object] = {}
+    watch = None
 
     def on_end(worker, state):
         ended[worker] = state
         # Only a recipe that ended: followers stopped by Ctrl-C or a lost connection say
         # nothing about the run.
-        if state.ended and not state.ok and len(ended) < len(workers):
+        if state.ended and not state.ok and len(ended) < len(workers) and \
+                not (watch is not None and watch.killed):     # the stall verdict says it
             running = [w for w in workers if w not in ended]
-            note(f"{nodeset.label(worker)}: {plan.recipe.name} {state.label}; "
+            note(f"{nodeset.label(worker)}: {run.plan.recipe.name} {state.label}; "
                   f"{nodeset.fold(running)} still running (Ctrl-C to stop following or to "
                   "stop the run).", "yellow")
 
-    view = LiveView(workers=workers, worker_colors=color) if raw else \
-        jobs.FoldingView(workers, color=color).start()
-    sink = jobs.FollowSink(view, secrets=plan.secrets.values(),
-                           copy_dir=copy_dir, on_end=on_end)
     began = time.monotonic()
-    try:
-        states = jobs.follow(pod.fanout, plan.run_id, workers, sink)
-    except FanoutInterrupted:
-        sink.close()
-        return _interrupted(pod, plan.run_id, workers, on_interrupt)
-    finally:
-        sink.close()
-    return _finish(plan.run_id, states, time.monotonic() - began, copy_dir)
+    view = follow_view(workers, raw=raw, color=color)
+    if stall is not None:
+        view, watch = _watch_stall(run, view, stall, stall_action, stall_progress_file)
+    states = run.follow(view, copy_dir=copy_dir, on_end=on_end)
+    if watch is not None and watch.killed:
+        raise watch.verdict()
+    if states is None:
+        return _interrupted(run, on_interrupt)
+    note(run.finished(states, seconds=time.monotonic() - began, kept=_relative(copy_dir)))
+    return 0
 
 
-def _finish(run_id: str, states, seconds: float, copy_dir: Path | None) -> int:
-    from tpufab import jobs, nodeset
+def check_stall_flags(stall: str | None, action: str, *, detach: bool, local: bool,
+                      wait_port: int | None, progress_file: str | None = None) -> float | None:
+    """--stall in seconds, checked before anything starts (one sentence when it cannot be)."""
+    from tpufab.pod.api import Run
 
-    lost = [s for s in states.values() if s.state in ("unreachable", "no record")]
-    failed = [s for s in states.values() if not s.ok and s not in lost]
-    kept = f" Logs: `tpufab logs --run {run_id}`" + (
-        f" (a copy is in {_relative(copy_dir)}/)." if copy_dir else ".")
-    if not failed and not lost:
-        note(f"Run {run_id} finished on {nodeset.fold(states)}: exit 0 ({seconds:.1f} s).")
-        return 0
-    parts = []
-    if failed:
-        parts.append(f"Run {run_id} failed on {nodeset.fold(s.worker for s in failed)}: "
-                     f"{jobs.fold_states(states.values())}.")
-    if lost:
-        parts.append(f"Lost {nodeset.fold(s.worker for s in lost)} while following "
-                     f"({'; '.join(sorted({s.detail or s.state for s in lost}))}); the run may "
-                     f"still be going there: `tpufab runs`, `tpufab logs --run {run_id} "
-                     "--follow`.")
-    codes = {s.exit_status for s in failed}
-    code = codes.pop() if len(codes) == 1 else 1
-    raise jobs.RunError(" ".join(parts) + kept, exit_code=code if 0 < code < 256 else 1)
+    seconds = Run.check_stall(stall, action, progress_file=progress_file)
+    if seconds is not None and (detach or local or wait_port is not None):
+        flag = "--detach" if detach else "--local" if local else "--wait-port"
+        raise ConfigError(f"--stall watches a run while tpufab follows it, which {flag} does "
+                          "not; leave one of them out.")
+    return seconds
+
+
+def _watch_stall(run, view, seconds: float, action: str, progress_file: str | None = None):
+    """The follower's view under the stall watchdog: notes on stderr, stacks folded there."""
+    import sys
+
+    def show(lines):
+        from tpufab.display.terminal import neutralise_text
+
+        sys.stderr.write("".join(neutralise_text(line) + "\n" for line in lines))
+        sys.stderr.flush()
+
+    return run.watch_stall(view, seconds=seconds, action=action, say=note, show=show,
+                           progress_file=progress_file)
 
 
 def _relative(path: Path | None) -> str:
@@ -328,9 +208,10 @@ def ask_on_interrupt(run_id: str) -> str:
     return "kill" if answer in ("k", "kill", "s", "stop", "y", "yes") else "detach"
 
 
-def _interrupted(pod, run_id: str, workers, on_interrupt: str | None) -> int:
-    from tpufab import jobs, nodeset
+def _interrupted(run, on_interrupt: str | None) -> int:
+    from tpufab import nodeset
 
+    run_id, workers = run.id, run.workers
     choice = on_interrupt or ask_on_interrupt(run_id)
     if choice != "kill":
         note(f"Stopped following; run {run_id} keeps running on {nodeset.fold(workers)}. Follow it "
@@ -338,7 +219,7 @@ def _interrupted(pod, run_id: str, workers, on_interrupt: str | None) -> int:
               f"`tpufab kill --run {run_id}`.")
         return 130
     note(f"Stopping run {run_id} on {nodeset.fold(workers)} ...")
-    outcome = jobs.stop(pod.fanout, run_id, workers, grace=jobs.STOP_GRACE)
+    outcome = run.kill()
     errors = {w: o["error"] for w, o in outcome.items() if "error" in o}
     alive = [w for w, o in outcome.items() if o.get("still_running")]
     signals = {o.get("signal") for o in outcome.values() if o.get("signal")}
@@ -346,56 +227,16 @@ def _interrupted(pod, run_id: str, workers, on_interrupt: str | None) -> int:
         detail = "; ".join(f"{nodeset.label(w)}: {why}" for w, why in errors.items())
         if alive:
             detail += ("; " if detail else "") + f"still running on {nodeset.fold(alive)}"
-        raise jobs.RunError(f"Could not stop run {run_id} everywhere ({detail}); try "
-                            f"`tpufab kill --run {run_id}`.", exit_code=130)
+        raise TpufabError(f"Could not stop run {run_id} everywhere ({detail}); try "
+                          f"`tpufab kill --run {run_id}`.", exit_code=130)
     how = f" (SIG{'/SIG'.join(sorted(signals))})" if signals else " (it had already ended)"
     note(f"Stopped run {run_id} on {nodeset.fold(workers)}{how}.")
     return 130
 
 
-def _run_local(path: Path, workers: int, argv, forwarded, spmd: bool) -> int:
-    from tpufab.localrun import run_local
-
-    result = run_local(path, workers=workers, args=argv, forwarded=forwarded, spmd=spmd)
-    if result.ok:
-        note(f"Local run {result.run_id}: {result.summary()}")
-        return 0
-    raise TpufabError(f"Local run {result.run_id}: {result.summary()}",
-                      exit_code=1)
-
-
-def _find_run(pod, chosen, run: str | None):
-    """(run id, statuses) of ``run`` or of the latest run any chosen worker knows."""
-    from tpufab import jobs, nodeset
-    from tpufab.runs import is_run_id
-
-    if run is not None and not is_run_id(run):
-        raise ConfigError(f"{run!r} is not a run id (they look like 20261122-104455-ab12); "
-                          "`tpufab runs` lists them.")
-    statuses = jobs.statuses(pod.fanout, chosen)
-    reachable = [w for w, s in statuses.items() if s.error is None]
-    if not reachable:
-        raise jobs.RunError(f"No worker answered ({jobs.fold_states(_unreachable(statuses))}).")
-    run_id = run or jobs.latest_run(statuses)
-    if run_id is None:
-        raise jobs.RunError(f"No runs on {nodeset.fold(reachable)} yet; start one with "
-                            "`tpufab run RECIPE`.")
-    have = [w for w in reachable if any(e.get("run") == run_id for e in statuses[w].runs)]
-    if not have:
-        raise jobs.RunError(f"No run {run_id} on {nodeset.fold(reachable)}; `tpufab runs` "
-                            "lists the runs there.")
-    return run_id, statuses, have
-
-
-def _unreachable(statuses):
-    from tpufab.jobs import WorkerState
-
-    return [WorkerState(w, "unreachable", detail=s.error) for w, s in statuses.items()
-            if s.error is not None]
-
-
 @verb(options={"run": "Run id (default: the latest).", "follow": Opt("Keep following.", short="-f"),
-                 "raw": "Every line, prefixed by its worker."})
+                 "raw": "Every line, prefixed by its worker."},
+      pod_method="logs", view=("raw", "color"))
 def logs(*, run: str | None = None, follow: bool = False, worker: str = "all",
          raw: bool = False, color: bool = False, timeout: float | None = None,
          name: str | None = None, zone: str | None = None, project: str | None = None,
@@ -407,140 +248,44 @@ def logs(*, run: str | None = None, follow: bool = False, worker: str = "all",
     --follow, no limit: following stops when the run ends, or after ``timeout`` if given).
     A worker that cannot be reached is named and makes logs fail.
     """
-    from tpufab import jobs, nodeset
+    from tpufab.display.runlogs import follow_view
 
-    follow_for = float("inf") if timeout is None else timeout
-    if timeout is None:
-        timeout = LOGS_TIMEOUT
     settings = settings_from_flags(name=name, zone=zone, project=project,
                                    no_os_login=no_os_login,
                                    jump=jump, timeout=timeout)
     pod = pod_for(settings)
-    chosen = pod.fanout.select(worker)
-    run_id, statuses, have = _find_run(pod, chosen, run)
-    rows = {r.run: r for r in jobs.run_rows({w: statuses[w] for w in chosen})}
-    row = rows[run_id]
-    unreachable = _unreachable({w: statuses[w] for w in chosen})
-    absent = [w for w in chosen if w not in have and statuses[w].error is None]
-    note(f"Run {run_id}: {row.recipe} - {row.workers}", "dim")
-    if absent:
-        note(f"({nodeset.fold(absent)} {'has' if len(absent) == 1 else 'have'} no record of "
-              "it.)", "dim")
     # The workers masked the run's secrets as they wrote the log; the ones this machine
-    # would forward are masked again (a log written by an older tpufab).
-    secrets = _local_secrets(settings)
+    # would forward are masked again (a log written by an older tpufab): Pod.logs does.
+    report = pod.logs(run=run, follow=follow, workers=worker, timeout=timeout, progress=note,
+                      sink=(lambda workers: follow_view(workers, raw=raw, color=color))
+                      if follow else None)
     if follow:
-        code = _follow_logs(pod, run_id, have, raw, color, secrets, timeout=follow_for)
-        _refuse_partial(run_id, unreachable)
-        return code
-    logs, states = jobs.fetch_logs(pod.fanout, run_id, have)
+        if report.interrupted:
+            note(f"Stopped following; run {report.run_id} keeps running.")
+        elif report.ok:
+            note(report.summary())
+        report.check()
+        return 130 if report.interrupted else 0
     try:
-        _print_logs(logs, raw=raw, color=color, secrets=secrets)
+        _print_logs(report.logs, raw=raw, color=color, secrets=report.secrets)
     finally:
-        for output in logs.values():
-            output.close()
-    gone = [s for s in states.values() if s.state in ("unreachable", "no record")]
-    _refuse_partial(run_id, unreachable + [s for s in gone if s.state == "unreachable"])
-    if gone:
-        note(f"No log from {jobs.fold_states(gone)}.", "yellow")
+        report.close()
+    report.check()
+    if report.gone:
+        note(f"No log from {report.gone_text()}.", "yellow")
     return 0
 
 
-def _refuse_partial(run_id: str, unreachable) -> None:
-    """Logs missing a worker that did not answer are not the whole story: say so, fail."""
-    from tpufab import jobs
-
-    if unreachable:
-        raise jobs.RunError(f"No log from {jobs.fold_states(unreachable)}: the logs above "
-                            f"miss {'that worker' if len(unreachable) == 1 else 'those workers'}"
-                            f"; check it with `tpufab status`, then `tpufab logs --run {run_id}` "
-                            "again.")
-
-
-def _local_secrets(settings) -> list[str]:
-    from tpufab.runs import forwarded_for
-
-    try:
-        return list(forwarded_for(settings, None).secrets.values())
-    except ConfigError:
-        return []
-
-
 def _print_logs(logs, *, raw: bool, color: bool, secrets: Sequence[str], out=None) -> None:
-    """Every worker's log, prefixed (raw) or folded, streamed from the spooled outputs: a
-    window of lines per worker in memory at a time (runs.fold_stream)."""
-    from tpufab import nodeset
-    from tpufab.quoting import mask_bytes, secret_bytes
-    from tpufab.runs import fold_stream
-    from tpufab.terminal import Lines, neutralise
+    """Every worker's log, prefixed (raw) or folded (tpufab.display.runlogs)."""
+    from tpufab.display.runlogs import print_logs
 
-    masked = secret_bytes(secrets)
-
-    def blocks(output):
-        """Runs of whole lines, masked."""
-        cutter = Lines()
-        for chunk in output.chunks():
-            for block in cutter.feed(chunk):
-                yield mask_bytes(block, masked)
-        for block in cutter.end():
-            yield mask_bytes(block, masked)
-
-    out = out if out is not None else sys.stdout.buffer
-    if raw:
-        width = max((len(nodeset.label(w)) for w in logs), default=2)
-        for w in sorted(logs):
-            prefix = f"{nodeset.label(w):<{width}} │ ".encode()
-            for block in blocks(logs[w]):
-                block = neutralise(block, color=color)
-                out.write(prefix + block[:-1].replace(b"\n", b"\n" + prefix) + b"\n")
-        out.flush()
-        return
-
-    def text(w):
-        for block in blocks(logs[w]):
-            yield from block.decode("utf-8", "replace").split("\n")[:-1]
-
-    everyone = tuple(sorted(logs))
-    for folded in fold_stream({w: text(w) for w in logs}):
-        shown = folded.text if folded.workers == everyone else f"{folded.label}: {folded.text}"
-        out.write(neutralise(shown.encode("utf-8", "replace") + b"\n", color=color))
-    out.flush()
+    print_logs(logs, raw=raw, color=color, secrets=secrets, out=out)
 
 
-def _follow_logs(pod, run_id: str, workers, raw: bool, color: bool = False,
-                 secrets: Sequence[str] = (), *, timeout: float = float("inf")) -> int:
-    from tpufab import jobs, nodeset
-    from tpufab.fanout import FanoutInterrupted, LiveView
-
-    view = LiveView(workers=workers, worker_colors=color) if raw else \
-        jobs.FoldingView(workers, color=color).start()
-    sink = jobs.FollowSink(view, secrets=secrets)
-    try:
-        states = jobs.follow(pod.fanout, run_id, workers, sink, timeout=timeout)
-    except FanoutInterrupted:
-        sink.close()
-        note(f"Stopped following; run {run_id} keeps running.")
-        return 130
-    finally:
-        sink.close()
-    waited = [s.worker for s in states.values() if (s.detail or "").startswith("timed out")]
-    if waited:
-        raise jobs.RunError(f"Stopped following run {run_id} on {nodeset.fold(waited)} after "
-                            f"{timeout:g} s (--timeout); the run itself is untouched: "
-                            f"`tpufab runs`, `tpufab logs --run {run_id} --follow`.",
-                            exit_code=124)
-    text = f"Run {run_id}: {jobs.fold_states(states.values())}."
-    if all(s.ok for s in states.values()):
-        note(text)
-        return 0
-    codes = {s.exit_status for s in states.values() if not s.ok}
-    code = codes.pop() if len(codes) == 1 else 1
-    raise jobs.RunError(text, exit_code=code if 0 < code < 256 else 1)
-
-
-@verb()
+@verb(pod_method="runs", view=("as_json",))
 def runs(*, name: str | None = None, worker: str = "all", as_json: bool = False,
-         timeout: float = LIST_TIMEOUT, zone: str | None = None,
+         timeout: float | None = None, zone: str | None = None,
          project: str | None = None,
         no_os_login: bool = False, jump: str | None = None) -> int:
     """The runs the workers know, with each worker's state.
@@ -548,43 +293,30 @@ def runs(*, name: str | None = None, worker: str = "all", as_json: bool = False,
     ``timeout``: seconds for every worker to answer (default 60)."""
     import json
 
-    from tpufab import jobs, nodeset
+    from tpufab import nodeset
 
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
                                    no_os_login=no_os_login,
                                       jump=jump, timeout=timeout))
-    chosen = pod.fanout.select(worker)
-    statuses = jobs.statuses(pod.fanout, chosen)
-    rows = jobs.run_rows(statuses)
+    report = pod.runs(workers=worker, timeout=timeout)
     if as_json:
-        print(json.dumps([{"run": r.run, "recipe": r.recipe, "started_at": r.started_at,
-                           "ended_at": r.ended_at, "commit": r.commit,
-                           "workers": {str(s.worker): s.label for s in r.states}}
-                          for r in rows], indent=2))
+        print(json.dumps(report.to_json(), indent=2))
         return 0
-    unreachable = _unreachable(statuses)
-    if not rows:
-        reachable = [w for w, s in statuses.items() if s.error is None]
-        if reachable:
-            say(f"No runs on {nodeset.fold(reachable)} yet; start one with "
+    if not report.rows:
+        if report.reachable:
+            say(f"No runs on {nodeset.fold(report.reachable)} yet; start one with "
                  "`tpufab run RECIPE`.")
     else:
-        _say_table(rows)
-    if unreachable:
-        raise jobs.RunError(f"Could not list runs on {jobs.fold_states(unreachable)}.")
+        _say_table(report.rows)
+    report.check()
     return 0
 
 
 def _say_table(rows) -> None:
-    from rich.table import Table
+    from tpufab.verbs.common import print_table
 
-    from tpufab.console import stdout
-    from tpufab.terminal import neutralise_text
-
-    table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("RUN", "RECIPE", "STARTED", "TIME", "COMMIT", "WORKERS"):
-        table.add_column(column, no_wrap=column != "WORKERS")
     now = time.time()
+    lines = []
     for r in rows:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.started_at)) \
             if r.started_at else "-"
@@ -594,9 +326,8 @@ def _say_table(rows) -> None:
             took = _duration(now - r.started_at) + "+"
         else:
             took = "-"
-        table.add_row(*(neutralise_text(cell) for cell in (
-            r.run, r.recipe or "-", started, took, (r.commit or "-")[:12], r.workers)))
-    stdout().print(table)
+        lines.append((r.run, r.recipe or "-", started, took, (r.commit or "-")[:12], r.workers))
+    print_table(("RUN", "RECIPE", "STARTED", "TIME", "COMMIT", "WORKERS"), lines)
 
 
 def _duration(seconds: float) -> str:
@@ -611,7 +342,8 @@ def _duration(seconds: float) -> str:
 
 
 @verb(options={"run": "Only this run.", "grace": Opt("Seconds between TERM and KILL.", min=0),
-                 "dry_run": "Only report.", "force": "Also stop protected holders."})
+                 "dry_run": "Only report.", "force": "Also stop protected holders."},
+      pod_method="kill")
 def kill(*, name: str | None = None, run: str | None = None, grace: float = 5.0,
          dry_run: bool = False, force: bool = False, worker: str = "all",
          timeout: float | None = None, zone: str | None = None,
@@ -623,24 +355,53 @@ def kill(*, name: str | None = None, run: str | None = None, grace: float = 5.0,
     34 s, enough for TERM, the grace, KILL and the lockfile's settle time). A protected
     process (tpu-runtime, ...) still holding a device is named, with what to do about it
     (the same words `status` uses), and kill fails until it is gone."""
-    from tpufab import killing
-    from tpufab.runs import is_run_id
-
-    if grace < 0:
-        raise ConfigError(f"--grace must be 0 or more seconds, not {grace:g}.")
-    if run is not None and not is_run_id(run):
-        raise ConfigError(f"{run!r} is not a run id (they look like 20261122-104455-ab12); "
-                          "`tpufab runs` lists them.")
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
                                    no_os_login=no_os_login,
                                       jump=jump, timeout=timeout))
-    chosen = pod.fanout.select(worker)
-    result = killing.kill(pod.fanout, chosen, run=run, grace=grace, dry_run=dry_run,
-                          force=force, device_globs=pod.device_globs(), timeout=timeout)
-    for line in killing.report_lines(result):
+    result = pod.kill(run=run, grace=grace, dry_run=dry_run, force=force, workers=worker,
+                      timeout=timeout)
+    for line in result.lines():
         say(line)
-    text = killing.summary(result)
     if result.ok:
-        say(text)
+        say(result.summary())
         return 0
-    raise killing.KillError(text)
+    result.check()
+    return 1
+
+
+# --- issue 27: stacks
+@verb(options={"run": "Run id (default: the latest, while it runs; else the TPU's holders).",
+               "native": "Also the C/C++ frames (py-spy --native; slower)."},
+      pod_method="stacks", view=("as_json",))
+def stacks(*, run: str | None = None, native: bool = False, worker: str = "all",
+           as_json: bool = False, timeout: float | None = None, name: str | None = None,
+           zone: str | None = None, project: str | None = None, no_os_login: bool = False,
+           jump: str | None = None) -> int:
+    """Every worker's Python stacks (py-spy dump), folded: the workers that differ first.
+
+    Against the run's Python processes (default: the latest run while it runs; otherwise every
+    Python process holding the TPU), on every chosen worker at once. A thread whose stack is
+    the same on several workers is shown once under their folded label (`w[0-62]`); the
+    worker whose stack differs is shown first, on its own, with the frame where it leaves the
+    others' stack marked. Saved beside the run's logs (.tpufab/runs/ID/stacks-TIME.txt and
+    .json). A process py-spy cannot attach to is named with the reason and the fix.
+
+    ``timeout``: seconds each worker may take (default 60)."""
+    import json
+
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
+                                      no_os_login=no_os_login, jump=jump, timeout=timeout))
+    report = pod.stacks(run=run, native=native, workers=worker, timeout=timeout,
+                        progress=note)
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2, sort_keys=True))
+        report.check()
+        return 0
+    from tpufab.display.runlogs import print_stacks
+
+    if report.processes:      # else the one sentence of check() says it all
+        print_stacks(report.lines())
+    if report.saved:
+        note(f"Saved to {_relative(report.saved[0])} (and .json).", "dim")
+    report.check()
+    return 0

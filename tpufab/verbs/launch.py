@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 
-from tpufab.errors import ConfigError, TpufabError
+from tpufab.errors import ConfigError
 from tpufab.verbs.common import note, pod_for, say, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
 
@@ -22,174 +23,110 @@ AUTOSTOP_TIMEOUT = 60.0   # seconds for every worker to answer arming or cancell
                 metavar="DURATION"),
     "dry_run": "Print the plan (spec, steps, envs masked) and touch nothing.",
     "direct": "Deploy the commit over SSH instead of through the git remote.",
+    "force_setup": "Run the task's setup even where it is recorded as done (as `tpufab "
+                   "setup --force`).",
     "zones": Opt("Zones to try in order on a stockout.", metavar="Z1,Z2"),
     "retry_for": Opt("Keep retrying stockouts this long (30m, 2h).", metavar="DURATION"),
-    "on_interrupt": Opt("On Ctrl-C: kill or detach (default: ask).", metavar="kill|detach")})
+    "on_interrupt": Opt("On Ctrl-C: kill or detach (default: ask).", metavar="kill|detach"),
+    "stall": Opt("As `run --stall`: no new output for this long: stacks, then --stall-action.",
+                 metavar="DURATION"),
+    "stall_action": "After a stall: wait (the default) or kill the run.",
+    "stall_progress_file": Opt("As `run --stall-progress-file`: progress is this file's mtime "
+                               "advancing (relative to $TPUFAB_RUN_DIR, or absolute).",
+                               metavar="PATH"),
+    "ray": "Run the task's run once, as a Ray job on the pod's Ray cluster (brought up "
+           "first), and follow it."})
 def launch(task: str, *, name: str | None = None, type: str | None = None,
            zone: str | None = None, project: str | None = None, spot: bool = False,
-           version: str | None = None, env: Sequence[str] | None = None, down: bool = False,
+           version: str | None = None, env: Sequence[str] | None = None,
+           secret: Sequence[str] | None = None, down: bool = False,
            detach: bool = False, idle: str | None = None, dry_run: bool = False,
            direct: bool = False, zones: str | None = None, retry_for: str | None = None,
-           on_interrupt: str | None = None) -> int:
+           on_interrupt: str | None = None, force_setup: bool = False,
+           stall: str | None = None, stall_action: str = "wait",
+           stall_progress_file: str | None = None, ray: bool = False) -> int:
     """Create (or reuse) a pod, deploy, mount, set up and run TASK.yaml, and follow it."""
-    from tpufab import launch as launching
-    from tpufab import lifecycle
-    from tpufab.launch import step
-    from tpufab.taskfile import load_task
-    from tpufab.verbs.jobs import INTERRUPT_CHOICES
+    from tpufab.display.console import stderr
+    from tpufab.pod import api
+    from tpufab.verbs.jobs import INTERRUPT_CHOICES, check_stall_flags, follow_started
 
     if on_interrupt is not None and on_interrupt not in INTERRUPT_CHOICES:
         raise ConfigError(f"--on-interrupt takes kill or detach, not {on_interrupt!r}.")
-    idle_s = lifecycle.parse_duration(idle, "--idle")
-    retry_s = lifecycle.parse_duration(retry_for, "--retry-for")
-    zone_list = [z.strip() for z in (zones or "").split(",") if z.strip()]
-    if zone_list and zone and zone_list[0] != zone:
-        raise ConfigError("--zone and --zones disagree; give the zones to try in order with "
-                          "--zones only.")
-    task_file = load_task(task)
-    settings = settings_from_flags(project=project)
-    plan = launching.plan(task_file, settings=settings, name=name, type=type,
-                          zone=zone or (zone_list[0] if zone_list else None), spot=spot,
-                          version=version, env=env or (), down=down, detach=detach, idle=idle_s,
-                          direct=direct)
-    s = plan.settings
-    kind = "SkyPilot task" if task_file.source == "skypilot" else "task"
+    if ray and stall:
+        raise ConfigError("--stall watches the output of a run tpufab follows, and --ray hands "
+                          "the run to Ray: give one or the other.")
+    stall_seconds = check_stall_flags(stall, stall_action, detach=detach, local=False,
+                                      wait_port=None, progress_file=stall_progress_file)
+    launched = api.launch(task, name=name, type=type, zone=zone, project=project, spot=spot,
+                          version=version, env=env, secret=secret, down=down, detach=detach,
+                          idle=idle,
+                          dry_run=dry_run, direct=direct, zones=zones, retry_for=retry_for,
+                          console=stderr(), progress=note, setup_view=_setup_view,
+                          force_setup=force_setup, ray=ray)
+    plan = launched.plan
     if dry_run:
-        say(f"Plan for {task} ({kind}) on {s.name}:")
+        kind = "SkyPilot task" if plan.task.source == "skypilot" else "task"
+        say(f"Plan for {task} ({kind}) on {plan.settings.name}:")
+        if plan.name_note:
+            say(f"  ({plan.name_note})")
         for n, line in enumerate(plan.steps, 1):
             say(f"  {n}. {line}")
         say("Dry run: nothing was created, deployed, mounted or started.")
         return 0
-    note(f"Launching {task} ({kind}) on {s.name}: {len(plan.steps)} steps.")
-    from tpufab.console import stderr
-
-    with step("create"):
-        launching.provision(plan, console=stderr(), zones=zone_list or None, retry_for=retry_s)
-    if not down:
-        from tpufab import current
-
-        current.remember(s.name, zone=s.zone, project=s.project, set_by="launch")
-    started: list = []        # (run id, workers, secrets) of the run, for --down
     try:
-        return _after_create(plan, started, on_interrupt="kill" if down else on_interrupt)
+        if plan.ray:
+            return launched.ray_job()
+        return follow_started(launched.run, detach=plan.detach,
+                               on_interrupt="kill" if down else on_interrupt,
+                               stall=stall_seconds, stall_action=stall_action,
+                               stall_progress_file=stall_progress_file)
     finally:
         if down:
-            _down(plan, started)
+            launched.down()
 
 
-def _after_create(plan, started: list, *, on_interrupt: str | None) -> int:
-    from tpufab import autostop, babysit, nodeset
-    from tpufab import launch as launching
-    from tpufab.fanout import Tee
-    from tpufab.jobs import FoldingView
-    from tpufab.launch import step
-    from tpufab.progress import WorkerProgress
-    from tpufab.verbs.jobs import _start_and_follow
+@contextmanager
+def _setup_view(workers):
+    """The setup's output, folded, with a progress line (as `tpufab setup` shows it)."""
+    from tpufab.display.progress import WorkerProgress
+    from tpufab.display.runlogs import follow_view, tee
 
-    with step("connect"):
-        pod = pod_for(plan.settings)
-    everyone = nodeset.fold(pod.workers)
-    if plan.idle:
-        with step("autostop"):
-            state = autostop.arm(pod, plan.settings, idle=plan.idle)
-            note(f"Autostop: {autostop.describe(state)}.")
-    restore = plan.restore()
-    if plan.commit:
-        with step("deploy"):
-            report = babysit.restore_commit(pod, restore, root=plan.root, direct=plan.direct,
-                                            progress=lambda msg: note(f"deploy: {msg}", "dim"))
-            changed = [r.worker for r in report.rows if r.changed]
-            how = f"updated {nodeset.fold(changed)}" if changed else "already there"
-            note(f"Deployed {report.commit[:12]} to {report.dir} on {everyone} ({how}, "
-                 f"{report.seconds:.1f} s).")
-    for m in plan.mounts:
-        with step(f"mount {m.url}"):
-            report = babysit.restore_mount(pod, m, endpoint=plan.settings.storage_endpoint)
-            fresh = sum(r.action == "mounted" for r in report.rows)
-            note(f"Mounted {m.url} at {m.at} on {everyone} ({m.driver}; "
-                 f"{fresh} mounted now, {len(report.rows) - fresh} already had it).")
-    for remote, local in plan.files:
-        with step(f"put {remote}"):
-            launching.put_file(pod, remote, local)
-            note(f"Put {local} at {remote} on {everyone}.")
-    if restore.setup_script is not None:
-        with step("setup"):
-            view = FoldingView(pod.workers).start()
-            try:
-                with WorkerProgress("setup", len(pod.workers)) as progress:
-                    outcomes = babysit.restore_setup(pod, restore, sink=Tee([view, progress]),
-                                                     env=plan.forwarded.public,
-                                                     secrets=plan.forwarded.secrets)
-            finally:
-                view.close()
-            ran = [w for w, o in outcomes.items() if o.status == "ran"]
-            skipped = [w for w in outcomes if w not in ran]
-            parts = ([f"ran on {nodeset.fold(ran)}"] if ran else []) + (
-                [f"already done on {nodeset.fold(skipped)} (this content ran there before)"]
-                if skipped else [])
-            note(f"Setup: {'; '.join(parts)}.")
-    with step("run"):
-        run = launching.run_plan(pod, plan)
-    started.append((run.run_id, run.workers, list(run.secrets.values())))
-    return _start_and_follow(pod, run, detach=plan.detach, on_interrupt=on_interrupt)
+    view = follow_view(workers)
+    try:
+        with WorkerProgress("setup", len(workers)) as progress:
+            yield tee(view, progress)
+    finally:
+        view.close()
 
 
-def _down(plan, started: list) -> None:
-    """Save every log, then delete the node, whatever happened before."""
-    from tpufab import launch as launching
-    from tpufab import lifecycle
-    from tpufab import pod as pods
-    from tpufab.jobs import local_log_dir
-
-    for run_id, workers, secrets in started:
-        try:
-            into = local_log_dir(run_id)
-            pod = pod_for(plan.settings)
-            saved = launching.save_logs(pod, run_id, workers, into, secrets)
-            note(f"Saved the logs of run {run_id} from {len(saved)} workers in {into}/.")
-        except (TpufabError, OSError) as err:
-            note(f"Could not save every log of run {run_id} ({err}); deleting the node "
-                 "anyway (--down).", "yellow")
-    pods.forget(plan.settings)
-    from tpufab import current
-    from tpufab.console import stderr
-
-    lifecycle.delete(plan.settings, yes=True, console=stderr())
-    current.forget(plan.settings.name)
-
-
-@verb(options={
-    "idle": Opt("Delete the pod after this long idle: no run, no TPU holder (30m, 2h).",
+@verb(pod_method="autostop", options={
+    "idle": Opt("Delete the pod after this long idle: no run, no TPU holder, no tpufab "
+                "session (30m, 2h).",
                 metavar="DURATION"),
     "ttl": Opt("Delete the pod this long from now, busy or not (8h).", metavar="DURATION"),
     "cancel": "Remove the watchdog."})
 def autostop(*, name: str | None = None, idle: str | None = None, ttl: str | None = None,
              cancel: bool = False, timeout: float = AUTOSTOP_TIMEOUT, zone: str | None = None,
              project: str | None = None, jump: str | None = None) -> None:
-    """Delete the pod once idle (no run, no TPU holder on any worker) or at a TTL; --cancel.
+    """Delete the pod once idle (no run, TPU holder or tpufab session on any worker) or at a
+    TTL (counted on worker 0's clock); --cancel.
 
     ``timeout``: seconds every worker has to answer (default 60)."""
-    from tpufab import autostop as stopping
-    from tpufab import lifecycle
+    from tpufab.pod.api import autostop_skew_note, describe_autostop
 
-    idle_s = lifecycle.parse_duration(idle, "--idle")
-    ttl_s = lifecycle.parse_duration(ttl, "--ttl")
-    if cancel and (idle_s or ttl_s):
-        raise ConfigError("--cancel removes the autostop; it takes no --idle or --ttl.")
-    if not cancel and not idle_s and not ttl_s:
-        raise ConfigError("Say when to stop: --idle 30m (after 30 idle minutes), --ttl 8h (8 "
-                          "hours from now), both, or --cancel.")
     settings = settings_from_flags(name=name, zone=zone, project=project, timeout=timeout,
                                    jump=jump)
     pod = pod_for(settings)
+    done = pod.autostop(idle=idle, ttl=ttl, cancel=cancel, timeout=timeout)
     if cancel:
-        was = stopping.cancel(pod, settings)
-        say(f"Autostop of {pod.name} cancelled" + (f" (it was: {was})." if was else
+        say(f"Autostop of {pod.name} cancelled" + (f" (it was: {done})." if done else
                                                     "; none was armed."))
         return
-    state = stopping.arm(pod, settings, idle=idle_s, ttl=ttl_s)
-    say(f"Autostop of {pod.name}: {stopping.describe(state)}. `tpufab status` shows it; "
+    say(f"Autostop of {pod.name}: {describe_autostop(done)}. `tpufab status` shows it; "
         "`tpufab autostop --cancel` removes it.")
+    skew = autostop_skew_note(done)
+    if skew:
+        note(skew, "yellow")
 
 
 @verb(options={"yes": Opt("Do not ask for confirmation.", short="-y"),
@@ -197,9 +134,91 @@ def autostop(*, name: str | None = None, idle: str | None = None, ttl: str | Non
 def gc(*, yes: bool = False, all_zones: bool = False, zone: str | None = None,
        project: str | None = None) -> None:
     """Delete preempted/terminated/failed nodes and suspended/failed queued resources."""
-    from tpufab import lifecycle
-    from tpufab.console import stdout
+    from tpufab.display.console import stdout
+    from tpufab.pod.api import gc as collect
 
-    lifecycle.gc(settings_from_flags(zone=zone, project=project), yes=yes, all_zones=all_zones,
-                 console=stdout())
+    collect(zone=zone, project=project, all_zones=all_zones, yes=yes, console=stdout())
 
+
+# --- issue 29: Ray on the pod -------------------------------------------------------------
+
+@verb(name="up", group="ray", pod_method="ray_up",
+      options={"options": Opt("More `ray start` options for every host, after -- (e.g. -- "
+                              "--num-cpus=8).", rest=True, metavar="RAY_START_OPTIONS..."),
+               "join_batch": Opt("Join this many hosts at a time, each batch seen by the head "
+                                 "before the next (default 0: all at once).", metavar="N")})
+def ray_up(options: Sequence[str] = (), *, name: str | None = None,
+           timeout: float | None = None, zone: str | None = None,
+           project: str | None = None, jump: str | None = None, join_batch: int = 0) -> None:
+    """Start Ray on the pod: the head on worker 0, every other host joined; prints the address.
+
+    Each host gets the TPU environment Ray labels its node from (TPU_NAME, TPU_WORKER_ID,
+    TPU_ACCELERATOR_TYPE, TPU_TOPOLOGY); Ray is installed where it is missing. Again on a pod
+    where Ray is up: a quick no-op; a host where Ray died is rejoined. See docs/ray.md."""
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, jump=jump,
+                                      timeout=timeout))
+    done = pod.ray_up(options=list(options or ()), timeout=timeout, progress=note,
+                      join_batch=join_batch)
+    say(done.summary(pod.name))
+
+
+@verb(name="status", group="ray", pod_method="ray_status", view=("as_json",))
+def ray_status(*, name: str | None = None, as_json: bool = False,
+               timeout: float | None = None, zone: str | None = None,
+               project: str | None = None, jump: str | None = None) -> int:
+    """Ray on the pod: the nodes the head sees (TPU, head resource, slice labels), and jobs.
+
+    Exits 0 when every host joined, 3 when Ray is not up or a host is missing."""
+    from tpufab.verbs.common import print_json
+
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, jump=jump,
+                                      timeout=timeout))
+    report = pod.ray_status(timeout=timeout)
+    if as_json:
+        print_json(report.to_json())
+    else:
+        for line in report.lines():
+            say(line)
+    return 0 if report.healthy else 3
+
+
+@verb(name="submit", group="ray", pod_method="ray_submit",
+      options={"recipe": "Recipe: a Python file (run with the workers' Python) or an "
+                         "executable.",
+               "extra": Opt("The recipe's arguments, as given (after -- when one starts with "
+                            "a dash).", rest=True, metavar="ARGS..."),
+               "no_deploy": "Skip deploying the current commit.",
+               "direct": "Deploy straight to the workers over SSH."})
+def ray_submit(recipe: str, extra: Sequence[str] = (), *, name: str | None = None,
+               env: Sequence[str] | None = None, secret: Sequence[str] | None = None,
+               no_deploy: bool = False, direct: bool = False, timeout: float | None = None,
+               zone: str | None = None, project: str | None = None,
+               jump: str | None = None) -> int:
+    """Run a recipe as a Ray job from this commit and follow its logs; exits with its status.
+
+    Deploys the commit as `tpufab run` does, submits through Ray's Job API over a port
+    forwarded to the head's 127.0.0.1 (the dashboard is never exposed), prints the job's
+    output on stdout with secrets masked. `--env` values reach every Ray worker of the job;
+    `--secret` values only the job's entrypoint (from a 0600 file, never Ray's job record)."""
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, jump=jump,
+                                      timeout=timeout))
+    done = pod.ray_submit(recipe, list(extra or ()), env=env, secret=secret,
+                          no_deploy=no_deploy, direct=direct, timeout=timeout,
+                          out=lambda line: print(line, flush=True), progress=note)
+    text = (f"Ray job {done.job} {done.status.lower()}: exit {done.exit_code} "
+            f"({done.seconds:.1f} s).")
+    note(text if done.exit_code == 0 else f"{text} {done.message}".strip(),
+         None if done.exit_code == 0 else "red")
+    return done.exit_code
+
+
+@verb(name="down", group="ray", pod_method="ray_down",
+      options={"grace": Opt("Seconds Ray's processes get to stop before they are killed.",
+                            min=0)})
+def ray_down(*, name: str | None = None, grace: float = 10.0, timeout: float | None = None,
+             zone: str | None = None, project: str | None = None,
+             jump: str | None = None) -> None:
+    """Stop Ray on every host (ray stop, then forced); nothing is left holding the TPU."""
+    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, jump=jump,
+                                      timeout=timeout))
+    say(pod.ray_down(grace=grace, timeout=timeout).summary(pod.name))

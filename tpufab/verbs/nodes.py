@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from tpufab.errors import ConfigError
-from tpufab.verbs.common import count, note, print_json, settings_from_flags
+from tpufab.verbs.common import WIDE_HELP, count, note, print_json, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
 
 
@@ -23,155 +23,159 @@ from tpufab.verbs.declare import Opt, verb
                  "reservation": "Consume this reservation (a queued resource).",
                  "topology": Opt("Custom chip shape, e.g. 4x4x4 (v4, v5p, v5e, v6e).",
                                  metavar="AxBxC"),
-                 "internal_ips": "No external IPs on the workers (reach them with --jump)."})
+                 "internal_ips": "No external IPs on the workers (reach them with --jump).",
+                 "on": Opt("Control plane: tpu (the Cloud TPU API) or compute (Compute "
+                           "Engine; always for TPU7x).", metavar="tpu|compute"),
+                 "flex_start": "Compute Engine flex-start capacity (with --max-run-duration).",
+                 "max_run_duration": Opt("How long a flex-start slice may run (8h).",
+                                         metavar="DURATION")})
 def create(*, name: str | None = None, type: str | None = None, zone: str | None = None,
            project: str | None = None, version: str | None = None, spot: bool = False,
            preemptible: bool = False, reserved: bool = False, queued: bool = False,
            num_slices: int = 1, async_: bool = False,
            labels: Iterable[str] | None = None, zones: str | None = None,
            retry_for: str | None = None, reservation: str | None = None,
-           topology: str | None = None, internal_ips: bool = False) -> None:
+           topology: str | None = None, internal_ips: bool = False, on: str | None = None,
+           flex_start: bool = False, max_run_duration: str | None = None) -> None:
     """Create a TPU VM node (or queued resource) and wait until it is READY.
 
     Without a name (no --name, TPUFAB_NAME or `name:`) it picks <user>-<type> and says so.
     The node becomes this project's current pod either way. On a stockout it tries the next
     of --zones, and keeps retrying with backoff for --retry-for; quota errors stop at once.
-    --topology asks for a custom chip shape (v4, v5p, v5e, v6e), checked before any API call
-    and sent as the API's acceleratorConfig.
+    --topology asks for a custom chip shape (v4, v5p, v5e, v6e, TPU7x), checked before any
+    API call. TPU7x (and v5p/v6e with --on compute) are made on Compute Engine: one VM
+    instance, or a workload policy, an instance template and a managed instance group.
     """
-    from tpufab import current, lifecycle
+    from tpufab import current, durations
+    from tpufab.pod.api import create_node
 
     zone_list = [z.strip() for z in (zones or "").split(",") if z.strip()]
     if zone_list and zone and zone_list[0] != zone:
         raise ConfigError("--zone and --zones disagree; give the zones to try in order with "
                           "--zones only.")
-    retry_s = lifecycle.parse_duration(retry_for, "--retry-for")
+    retry_s = durations.parse_duration(retry_for, "--retry-for")
     settings = settings_from_flags(name=name, type=type,
                                    zone=zone or (zone_list[0] if zone_list else None),
                                    project=project, version=version, spot=spot,
-                                   preemptible=preemptible, reserved=reserved, labels=labels)
+                                   preemptible=preemptible, reserved=reserved, labels=labels,
+                                   control_plane=on, flex_start=flex_start,
+                                   max_run_duration=max_run_duration)
     if internal_ips:  # the API's networkConfig.enableExternalIps=false
         settings.internal_ip = True
     source = settings.source_of("name")
     if source == "default" or source.startswith("current pod"):
         settings.name = default_name(settings.ssh_user, settings.require("type", "--type"))
         note(f"No node name given: calling it {settings.name} (pass --name to choose).")
-    lifecycle.create(settings, queued=queued, num_slices=num_slices, async_=async_,
-                     zones=zone_list or None, retry_for=retry_s, reservation=reservation,
-                     topology=topology)
+    create_node(settings, queued=queued, num_slices=num_slices, async_=async_,
+                zones=zone_list or None, retry_for=retry_s, reservation=reservation,
+                topology=topology)
+    before = current.read()
     path = current.remember(settings.name, zone=settings.zone, project=settings.project,
                             set_by="create")
-    note(f"{settings.name} is this project's current pod ({path}).", "dim")
+    moved = current.became(settings.name, before, path)
+    note(moved, "dim" if before is None or before.name == settings.name else None)
 
 
 def default_name(user: str, accelerator_type: str) -> str:
     """`<user>-<type>` as a valid node name: `alice-v4-512`; `tpu-v6e-8` for odd user names."""
-    import re
+    from tpufab.pod import api
 
-    from tpufab.lifecycle import NAME_RE
-
-    person = re.sub(r"[^a-z0-9-]+", "-", user.lower()).strip("-")
-    name = f"{person}-{accelerator_type}" if person[:1].isalpha() else f"tpu-{accelerator_type}"
-    return name if NAME_RE.match(name) and len(name) <= 40 else f"tpu-{accelerator_type}"
+    return api.default_name(user, accelerator_type)
 
 
 @verb(options={"yes": Opt("Do not ask for confirmation.", short="-y")})
 def delete(*, name: str | None = None, yes: bool = False, zone: str | None = None,
            project: str | None = None) -> None:
     """Delete a TPU node (or its queued resource)."""
-    from tpufab import current, lifecycle
+    from tpufab import current
+    from tpufab.pod import api
 
     settings = settings_from_flags(name=name, zone=zone, project=project)
-    lifecycle.delete(settings, yes=yes)
-    if current.forget(settings.name):
+    # False: said no, or left a node recreated under the name alone
+    deleted = api.delete(settings.name, zone=settings.zone, project=settings.project, yes=yes)
+    if deleted and current.forget(settings.name):
         note(f"{settings.name} was this project's current pod; there is none now.", "dim")
 
 
-@verb()
-def list_(*, as_json: bool = False, zone: str | None = None, project: str | None = None) -> None:
+@verb(options={"wide": WIDE_HELP})
+def list_(*, as_json: bool = False, wide: bool = False, zone: str | None = None,
+          project: str | None = None) -> None:
     """List the TPU nodes in a zone."""
-    from tpufab import lifecycle
-    from tpufab.console import stdout
+    from tpufab.display import tables
+    from tpufab.display.console import stdout
+    from tpufab.pod.api import list_pods
 
-    settings = settings_from_flags(zone=zone, project=project)
-    nodes = lifecycle.list_nodes(settings)
+    found = list_pods(zone=zone, project=project, waiting=not as_json)
     if as_json:
-        print_json([n.to_json() for n in nodes])
+        print_json(found.to_json())
         return
-    console = stdout()
-    waiting = lifecycle.list_waiting_queued_resources(settings)
-    if not nodes and not waiting:
-        console.print(f"No TPU nodes in {settings.zone} (project {settings.project}).")
-        return
-    if nodes:
-        console.print(lifecycle.nodes_table(nodes))
-    if waiting:
-        console.print()
-        console.print(lifecycle.queued_table(waiting))
-    for line in lifecycle.preempted_notes(nodes):
-        console.print(line)
+    if wide:
+        tables.wide(stdout())
+    found.render(stdout())
 
 
 @verb()
 def describe(*, name: str | None = None, as_json: bool = False, zone: str | None = None,
              project: str | None = None) -> None:
     """Show one TPU node: state, health, workers and their IPs."""
-    from tpufab import lifecycle
-    from tpufab.console import stdout
+    from tpufab.display.console import stdout
+    from tpufab.pod import api
 
-    settings = settings_from_flags(name=name, zone=zone, project=project)
-    item = lifecycle.describe(settings)
+    item = api.describe(name, zone=zone, project=project)
     if as_json:
         print_json(item.to_json())
         return
-    console = stdout()
-    console.print(lifecycle.details_table(item))
-    if isinstance(item, lifecycle.Node):
-        for line in lifecycle.preempted_notes([item]):
-            console.print(line)
+    api.render_details(item, stdout())
 
 
 @verb()
 def types(*, as_json: bool = False) -> None:
-    """The accelerator types tpufab knows: hosts, chips, runtime, device files."""
+    """The accelerator types tpufab knows: hosts, chips, runtime, device files, and which
+    control plane offers each (the Cloud TPU API, Compute Engine and its machine type)."""
     from tpufab.topology import all_accelerator_types, parse_accelerator_type
 
     shapes = [parse_accelerator_type(t) for t in all_accelerator_types()]
     if as_json:
         print_json([{"type": s.name, "generation": s.generation, "chips": s.chips,
                       "cores": s.cores, "hosts": s.hosts, "chips_per_host": s.chips_per_host,
-                      "default_runtime": s.default_runtime, "device_files": list(s.device_files)}
+                      "default_runtime": s.default_runtime, "device_files": list(s.device_files),
+                      "control_planes": list(s.planes), "machine_type": s.machine_type}
                      for s in shapes])
         return
     from rich.table import Table
 
-    from tpufab.console import stdout
+    from tpufab.display.console import stdout
 
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("TYPE", "HOSTS", "CHIPS", "CHIPS/HOST", "DEFAULT RUNTIME", "DEVICE FILES"):
+    for column in ("TYPE", "HOSTS", "CHIPS", "CHIPS/HOST", "DEFAULT RUNTIME", "DEVICE FILES",
+                   "ON", "MACHINE TYPE"):
         table.add_column(column)
+    skipped = 0
     for s in shapes:
+        cubes = s.chips // 64
+        if s.generation == "tpu7x" and cubes > 1 and cubes & (cubes - 1) and cubes != 144:
+            skipped += 1  # every whole number of cubes is a type; the powers of two show
+            continue
         files = s.device_files
         shown = files[0] if len(files) == 1 else f"{files[0]} .. {files[-1]}"
         table.add_row(s.name, str(s.hosts), str(s.chips), str(s.chips_per_host),
-                      s.default_runtime, shown)
+                      s.default_runtime or "-", shown, "+".join(s.planes), s.machine_type or "-")
     stdout().print(table)
+    if skipped:
+        stdout().print(f"(and {skipped} more TPU7x types: tpu7x-128 times any number of 4x4x4 "
+                       "cubes up to 144; `tpufab topology TYPE`, or --json for all)",
+                       markup=False)
 
 
 @verb(name="forget", group="known-hosts",
       options={"node": "Node name, or the node id an error named."})
 def known_hosts_forget(*, node: str, zone: str | None = None, project: str | None = None) -> None:
     """Forget a node's pinned host keys (after a rebuild you trust)."""
-    from tpufab.console import stdout
-    from tpufab.hostkeys import KnownHosts
+    from tpufab.display.console import stdout
+    from tpufab.pod.api import forget_host_keys
 
     settings = settings_from_flags(zone=zone, project=project)
-    node_id = node
-    if not node.isdigit():
-        from tpufab import lifecycle
-
-        node_id = lifecycle.control_plane(settings).get_node(lifecycle.validate_name(node)).id
-    removed = KnownHosts(settings.known_hosts_path).forget(node_id)
+    removed = forget_host_keys(node, zone=zone, project=project)
     stdout().print(f"Forgot {count(removed, 'pinned host key')} of node {node} "
                    f"({settings.known_hosts_path}); the next connection pins the keys again.",
                    markup=False)
@@ -204,7 +208,7 @@ def topology(type: str, *, model_parallel: int | None = None, topology: str | No
 
 def topology_lines(shape, ranked, *, limit: int = 6) -> list[str]:
     """The `tpufab topology` report (pure)."""
-    from tpufab.topology import format_dims
+    from tpufab.topology import CONTROL_PLANES, format_dims
 
     t = shape.topology
     per_chip = "one per chip, megacore" if shape.jax_device_count == t.chips and \
@@ -223,6 +227,11 @@ def topology_lines(shape, ranked, *, limit: int = 6) -> list[str]:
              f"  TensorCores:        {t.cores}",
              f"  jax.device_count(): {shape.jax_device_count} ({per_chip}); "
              f"jax.process_count(): {t.hosts}"]
+    if shape.cubes:
+        lines.insert(1, f"  cubes:              {shape.cubes} (4x4x4 chips each)")
+    planes = " and ".join(CONTROL_PLANES[p] for p in t.planes)
+    lines.append(f"  offered by:         {planes}"
+                 + (f" (machine type {t.machine_type})" if t.machine_type else ""))
     if not ranked:
         return lines
     size = ranked[0].size

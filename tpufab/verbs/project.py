@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tpufab.errors import ConfigError
-from tpufab.verbs.common import say, settings_from_flags
+from tpufab.verbs.common import print_json, say, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
 
 FRAMEWORKS = {"jax": "jax_hello.sh", "torch": "torch_xla_hello.sh"}
@@ -65,7 +65,8 @@ def init(*, framework: str = "jax", dir: str = ".") -> None:
 def use(*, pod: str | None = None, zone: str | None = None, project: str | None = None,
         check: bool = True) -> None:
     """Choose this project's current pod: the node verbs use when no --name is given."""
-    from tpufab import current, lifecycle
+    from tpufab import current
+    from tpufab.pod import api
 
     if pod is None:
         found = current.read()
@@ -75,9 +76,50 @@ def use(*, pod: str | None = None, zone: str | None = None, project: str | None 
         else:
             say(f"{found.name}: {found.reason()}.")
         return
-    name = lifecycle.validate_name(pod)
+    name = api.valid_name(pod)
     settings = settings_from_flags(name=name, zone=zone, project=project)
+    where = ""
     if check:
-        lifecycle.describe(settings)  # one sentence if there is no such node
+        # one sentence if there is no such node
+        item = api.describe(name, zone=settings.zone, project=settings.project)
+        plane = getattr(item, "plane_text", None)
+        where = f" ({'Cloud TPU API' if plane == 'TPU API' else plane})" if plane else ""
     path = current.remember(name, zone=settings.zone, project=settings.project, set_by="use")
-    say(f"{name} is now this project's current pod ({path}).")
+    say(f"{name}{where} is now this project's current pod ({path}).")
+
+
+# The libraries whose versions change what tpufab does (a bug report names them).
+LIBRARIES = ("paramiko", "invoke", "typer", "rich", "tenacity", "pyyaml", "google-cloud-tpu",
+             "google-cloud-os-login", "google-api-core", "google-auth", "grpcio")
+
+
+def versions() -> dict[str, str | None]:
+    """tpufab's version, Python's, and the installed version of each library (None: absent).
+    Read from package metadata: nothing is imported."""
+    import platform
+    from importlib import metadata
+
+    from tpufab import __version__
+
+    found: dict[str, str | None] = {
+        "tpufab": __version__,
+        "python": f"{platform.python_version()} ({platform.python_implementation()}, "
+                  f"{platform.system()} {platform.machine()})"}
+    for name in LIBRARIES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+@verb(view=("as_json",))
+def version(*, as_json: bool = False) -> None:
+    """tpufab's version, Python's and those of the libraries it runs on (for bug reports)."""
+    found = versions()
+    if as_json:
+        print_json(found)
+        return
+    width = max(len(k) for k in found)
+    for key, value in found.items():
+        say(f"{key:<{width}}  {value or '-'}")

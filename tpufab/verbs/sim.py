@@ -13,7 +13,7 @@ from tpufab.verbs.declare import Opt, verb
 @verb(name="up", group="sim", options={"port": "API port."})
 def sim_up(*, port: int | None = None, state_dir: str | None = None) -> None:
     """Start the simulated pod in the background and print the lines to export."""
-    from tpufab.console import stdout
+    from tpufab.display.console import stdout
     from tpufab.sim import daemon
 
     info = daemon.up(state_dir=state_dir, port=port)
@@ -24,7 +24,7 @@ def sim_up(*, port: int | None = None, state_dir: str | None = None) -> None:
 
 
 def _print_exports(info: Any) -> None:
-    from tpufab.console import stdout
+    from tpufab.display.console import stdout
 
     stdout().print("Point tpufab at it by pasting these lines into your shell:")
     # plain print: no wrapping or markup, so the lines copy and paste as they are
@@ -37,7 +37,7 @@ def _print_exports(info: Any) -> None:
 @verb(name="down", group="sim")
 def sim_down(*, state_dir: str | None = None) -> None:
     """Stop the simulated pod (its nodes are kept on disk)."""
-    from tpufab.console import stdout
+    from tpufab.display.console import stdout
     from tpufab.sim import daemon
 
     stdout().print(daemon.down(state_dir=state_dir), markup=False)
@@ -46,7 +46,7 @@ def sim_down(*, state_dir: str | None = None) -> None:
 @verb(name="status", group="sim")
 def sim_status(*, state_dir: str | None = None, as_json: bool = False) -> int:
     """Is the simulated pod up, and where."""
-    from tpufab.console import stdout
+    from tpufab.display.console import stdout
     from tpufab.sim import daemon
 
     status = daemon.status(state_dir=state_dir)
@@ -124,12 +124,12 @@ def sim_preempt(*, name: str, notice: str | None = None) -> None:
     """Preempt a node: state PREEMPTED, workers stopped (with --notice, announced first)."""
     import time
 
-    from tpufab.console import stdout
-    from tpufab.lifecycle import validate_name
+    from tpufab.display.console import stdout
+    from tpufab.pod.api import valid_name as validate_name
 
     seconds = parse_seconds(notice)
     admin = sim_admin()
-    node = validate_name(name)
+    node = admin.resolve(validate_name(name))   # a TPU API node or a Compute Engine slice
     if seconds <= 0:
         admin.preempt(node)
         stdout().print(f"Preempted TPU node {name}: it is PREEMPTED and its workers are stopped.")
@@ -151,8 +151,8 @@ def sim_preempt(*, name: str, notice: str | None = None) -> None:
                "restore": "Make it reachable again."})
 def sim_unreachable(*, name: str, worker: int, restore: bool = False) -> None:
     """Make one worker unreachable over SSH (or reachable again)."""
-    from tpufab.console import stdout
-    from tpufab.lifecycle import validate_name
+    from tpufab.display.console import stdout
+    from tpufab.pod.api import valid_name as validate_name
 
     sim_admin().set_reachable(validate_name(name), worker, restore)
     state = "reachable again" if restore else "unreachable (connections refused)"
@@ -165,7 +165,7 @@ def sim_unreachable(*, name: str, worker: int, restore: bool = False) -> None:
                "count": Opt("How many creates fail.", min=1)})
 def sim_fail_create(*, quota: bool = False, zone: str | None = None, count: int = 1) -> None:
     """Make the next create (or COUNT creates, in ZONE) fail with RESOURCE_EXHAUSTED."""
-    from tpufab.console import stdout
+    from tpufab.display.console import stdout
 
     if count < 1:
         raise ConfigError(f"--count must be 1 or more, not {count}.")
@@ -180,7 +180,7 @@ def sim_fail_create(*, quota: bool = False, zone: str | None = None, count: int 
       options={"count": Opt("How many calls fail.", min=1, required=True), "code": "503 or 429."})
 def sim_burst(*, count: int, code: int = 503) -> None:
     """Make the next COUNT API calls fail with 503 (or 429)."""
-    from tpufab.console import stdout
+    from tpufab.display.console import stdout
 
     if code not in (429, 503):
         raise ConfigError(f"--code must be 503 or 429, not {code}.")
@@ -193,13 +193,14 @@ def sim_zombie(*, name: str | None = None, worker: str = "all", zone: str | None
                project: str | None = None) -> int:
     """Leave a crashed job's mess on workers: TPU holders (some ignore TERM), the lockfile,
     and a protected system process."""
-    from tpufab import killing, nodeset
+    from tpufab import nodeset
     from tpufab.errors import SimError
+    from tpufab.pod.api import make_zombies, zombie_lines
 
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
-    chosen = pod.fanout.select(worker)
-    reports = killing.make_zombies(pod.fanout, chosen, device_globs=pod.device_globs())
-    for line in killing.zombie_lines(reports):
+    chosen = pod.select(worker)
+    reports = make_zombies(pod, chosen)
+    for line in zombie_lines(reports):
         say(line)
     failed = [w for w, r in reports.items() if r.report is None or any(
         "error" in z for z in r.report.get("zombies", ()))]
@@ -217,8 +218,8 @@ def sim_zombie(*, name: str | None = None, worker: str = "all", zone: str | None
 def sim_bucket(*, name: str) -> None:
     """Create a bucket in the simulated pod's Cloud Storage (a no-op if it exists)."""
     from tpufab.config import load_settings
-    from tpufab.console import stdout
-    from tpufab.mount import parse_bucket
+    from tpufab.display.console import stdout
+    from tpufab.pod.api import parse_bucket
     from tpufab.sim import daemon
     from tpufab.sim.admin import StorageClient
 
@@ -257,7 +258,7 @@ def sim_bucket(*, name: str) -> None:
 def sim_os_login(*, enable: bool = False, disable: bool = False, unset: bool = False,
                  role: str | None = None, account: str | None = None) -> None:
     """Show or change OS Login in the simulated pod's project (its metadata and roles)."""
-    from tpufab.console import stdout
+    from tpufab.display.console import stdout
 
     if enable + disable + unset > 1:
         raise ConfigError("Give one of --enable, --disable and --unset.")
@@ -274,3 +275,45 @@ def sim_os_login(*, enable: bool = False, disable: bool = False, unset: bool = F
     roles = ", ".join(f"{who}: {what}" for who, what in sorted(state["roles"].items()))
     stdout().print(f"OS Login in project {state['project']}: enable-oslogin={flag}; roles: "
                    f"{roles or 'every account is admin (the default)'}.", markup=False)
+
+
+# --- issue 27: budgets, maintenance, top
+@verb(name="maintenance", group="sim",
+      options={"name": "Node.",
+               "in_": Opt("When the window starts (30s, 2h, 1d).", flag="--in",
+                          metavar="DURATION"),
+               "window": Opt("How long the window lasts (default 1h).", metavar="DURATION"),
+               "clear": "Take the announced window back."})
+def sim_maintenance(*, name: str, in_: str | None = None, window: str = "1h",
+                    clear: bool = False) -> None:
+    """Announce an upcoming maintenance window on a node (the API's upcomingMaintenance)."""
+    from tpufab.display.console import stdout
+    from tpufab.durations import parse_duration
+    from tpufab.pod.api import valid_name as validate_name
+
+    node = validate_name(name)
+    if clear:
+        sim_admin().schedule_maintenance(node, 0, clear=True)
+        stdout().print(f"No maintenance announced on {name} any more.")
+        return
+    if not in_:
+        raise ConfigError("Say when the window starts with --in DURATION (such as --in 2h), "
+                          "or take one back with --clear.")
+    start = parse_duration(in_, "--in")
+    length = parse_duration(window, "--window")
+    got = sim_admin().schedule_maintenance(node, start, window=length)
+    when = got.get("upcomingMaintenance", {}).get("windowStartTime", "?")
+    stdout().print(f"Maintenance announced on {name}: SCHEDULED, window starts {when} "
+                   f"(in {in_}) and lasts {window}; `tpufab status` shows it.")
+
+
+@verb(name="end-run", group="sim", options={"name": "Compute Engine slice or VM."})
+def sim_end_run(*, name: str) -> None:
+    """End a flex-start slice's run now, as its --max-run-duration would (Compute Engine's
+    instanceTerminationAction: DELETE deletes its VMs)."""
+    from tpufab.display.console import stdout
+    from tpufab.pod.api import valid_name as validate_name
+
+    got = sim_admin().end_run(validate_name(name))
+    what = "deleted" if got.get("instanceTerminationAction") == "DELETE" else "stopped"
+    stdout().print(f"The run of {name} ended: Compute Engine {what} its VMs.")

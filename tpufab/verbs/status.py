@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from tpufab.verbs.common import chosen_name_note, note, settings_from_flags, split_args
+from tpufab.display import tables
+from tpufab.verbs.common import WIDE_HELP, chosen_name_note, note, pod_for, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
 from tpufab.verbs.jobs import RUN_OPTIONS
 
@@ -13,8 +14,9 @@ STATUS_TIMEOUT = 60.0     # seconds for every worker to answer
 BABYSIT_TIMEOUT = 600.0   # seconds per step (setup, deploy, start, a check); never the follow
 
 
-@verb()
-def status(*, name: str | None = None, as_json: bool = False, timeout: float = STATUS_TIMEOUT,
+@verb(pod_method="status", view=("as_json", "wide"), options={"wide": WIDE_HELP})
+def status(*, name: str | None = None, as_json: bool = False, wide: bool = False,
+           timeout: float = STATUS_TIMEOUT,
            zone: str | None = None, project: str | None = None,
         no_os_login: bool = False, jump: str | None = None) -> int:
     """The node and every worker: reachable, TPU free or busy, runs, commit, mounts, disk.
@@ -22,57 +24,60 @@ def status(*, name: str | None = None, as_json: bool = False, timeout: float = S
     Exit code 0 when the node is READY and every worker answered, 1 otherwise. ``timeout``:
     seconds a worker has to answer (default 60; connecting at most connect_timeout).
     """
-    from tpufab import status as status_mod
-    from tpufab.console import stdout
+    from tpufab.display.console import stdout
 
     settings = settings_from_flags(name=name, zone=zone, project=project,
                                    no_os_login=no_os_login,
                                    jump=jump, timeout=timeout)
     if not as_json and settings.name:
         note(f"Pod {chosen_name_note(settings)}", "dim")
-    found = status_mod.collect(settings)
-    stopping = _autostop_state(found, settings)
+    found = pod_for(settings).status(timeout=timeout)
     if as_json:
-        print(json.dumps({**found.to_json(), "autostop": stopping}, indent=2))
+        print(json.dumps({**found.to_json(), "autostop": found.autostop}, indent=2))
     else:
-        status_mod.render(found, stdout())
-        if stopping:
-            from tpufab.autostop import status_lines
-
-            for line in status_lines(stopping):
-                stdout().print(line, markup=False)
+        if wide:
+            tables.wide(stdout())
+        found.render(stdout())
     return 0 if found.healthy else 1
 
 
-def _autostop_state(found, settings) -> dict | None:
-    """Worker 0's autostop view when the node says one is armed or the worker has events."""
-    from tpufab import autostop
-    from tpufab.errors import TpufabError
-
-    nodes = [n for n in found.nodes if n.ready]
-    if not nodes or 0 not in found.workers or not found.workers[0].reachable:
-        return None
-    try:
-        from tpufab import pod as pods
-
-        state = autostop.worker_state(pods.shared(settings))
-    except TpufabError as err:
-        return {"error": str(err)}
-    return state if state.get("config") or state.get("events") else None
-
-
-@verb(options={"recipe": RUN_OPTIONS["recipe"], "args": RUN_OPTIONS["args"],
+@verb(pod_method="babysit", options={"recipe": RUN_OPTIONS["recipe"], "args": RUN_OPTIONS["args"],
                  "max_restarts": Opt("Recoveries allowed.", min=0),
                  "restart_on_failure": "Also restart when the recipe itself fails.",
+                 "max_restarts_on_errors": Opt("Restarts allowed when the recipe exits "
+                                               "non-zero by itself (preemption, maintenance "
+                                               "and host failure do not use them).",
+                                               metavar="N"),
+                 "restart_on_exit": Opt("Exit codes always restarted, without using the error "
+                                        "budget (e.g. 42,143; 143 = killed by SIGTERM).",
+                                        metavar="CODES"),
+                 "before_maintenance": Opt("Send the recipe this signal (e.g. USR1) before an "
+                                           "announced maintenance window, then restart it.",
+                                           metavar="SIGNAL"),
+                 "maintenance_margin": Opt("How long before the window to signal.",
+                                           metavar="DURATION"),
                  "setup_script": "Setup a recreated node runs (default: the last one).",
                  "no_deploy": "Skip deploying.", "direct": "Deploy straight to the workers.",
-                 "poll": Opt("Seconds between checks (tests).", hidden=True)})
+                 "stall": RUN_OPTIONS["stall"],
+                 "stall_action": Opt("After a stall: wait (keep following; the default), kill "
+                                     "(babysit ends) or restart (the next attempt).",
+                                     metavar="wait|kill|restart"),
+                 "stall_progress_file": RUN_OPTIONS["stall_progress_file"],
+                 "poll": Opt("Seconds between checks (tests).", hidden=True),
+                 "ray": "Run the recipe as a Ray job on the pod's Ray cluster (`tpufab ray "
+                        "up` before each attempt, then `tpufab ray submit`'s path).",
+                 "ray_options": Opt("With --ray: more `ray start` options for every host, as "
+                                    "one string (e.g. \"--num-cpus=8\").", metavar="OPTIONS")})
 def babysit(recipe: str, *, name: str | None = None, max_restarts: int = 3, args: str = "",
-            restart_on_failure: bool = False, env: Sequence[str] | None = None,
+            restart_on_failure: bool = False, max_restarts_on_errors: int = 0,
+            restart_on_exit: str = "", before_maintenance: str | None = None,
+            maintenance_margin: str = "10m", env: Sequence[str] | None = None,
             setup_script: str | None = None, no_deploy: bool = False, direct: bool = False,
             poll: float | None = None, timeout: float = BABYSIT_TIMEOUT,
             zone: str | None = None, project: str | None = None,
-        no_os_login: bool = False, jump: str | None = None) -> int:
+        no_os_login: bool = False, jump: str | None = None, stall: str | None = None,
+            stall_action: str = "wait", stall_progress_file: str | None = None,
+            ray: bool = False, ray_options: str = "") -> int:
     """Run a recipe and keep it running through preemptions (recreate, set up, restart).
 
     ``args``: the recipe's arguments as one string, split like a shell would (as `run`).
@@ -80,18 +85,87 @@ def babysit(recipe: str, *, name: str | None = None, max_restarts: int = 3, args
     recreated node runs first (default: the script the workers last ran with `tpufab setup`).
     ``timeout``: seconds each step on the workers may take (setup, deploy, start, each
     check; default 600); following the recipe's logs has no limit.
+    ``max_restarts_on_errors``: how often a recipe that exits non-zero by itself is restarted
+    (default 0); ``restart_on_exit``: codes restarted always (they count against
+    --max-restarts only). Each restart says why; the end counts them by reason.
+    ``before_maintenance``: a signal sent to the recipe ``maintenance_margin`` before a
+    node's announced maintenance window (upcomingMaintenance); the attempt that ends after it
+    restarts as a maintenance restart.
+    ``stall``: the stall watchdog on every attempt (as `run --stall`; stacks into the
+    attempt's logs), then ``stall_action``: wait, kill, or restart (counted as "stalled",
+    not against the error budget).
+    ``ray``: the recipe runs as a Ray job (see docs/ray.md); after a preemption the Ray
+    cluster is started again on the recreated node before the job is resubmitted.
     Returns 0 when the recipe finished on every worker; otherwise BabysitError says why.
     """
 
-    from tpufab import babysit as babysitting
-
-    argv = split_args(args)
     settings = settings_from_flags(name=name, zone=zone, project=project,
                                    no_os_login=no_os_login,
                                    jump=jump, timeout=timeout)
-    options = {} if poll is None else {"poll": poll}
-    result = babysitting.babysit(settings, recipe, args=argv, max_restarts=max_restarts,
-                                 restart_on_failure=restart_on_failure, env=list(env or ()),
-                                 setup_script=setup_script, no_deploy=no_deploy,
-                                 direct=direct, **options)
+    result = pod_for(settings).babysit(
+        recipe, args=args, max_restarts=max_restarts,
+        restart_on_failure=restart_on_failure, max_restarts_on_errors=max_restarts_on_errors,
+        restart_on_exit=restart_on_exit, before_maintenance=before_maintenance,
+        maintenance_margin=maintenance_margin, env=list(env or ()), setup_script=setup_script,
+        no_deploy=no_deploy, direct=direct, poll=poll, timeout=timeout, stall=stall,
+        stall_action=stall_action, stall_progress_file=stall_progress_file, ray=ray,
+        ray_options=ray_options)
     return result.exit_code
+
+
+# --- issue 27: budgets, maintenance, top
+@verb(pod_method="top", view=("as_json",),
+      options={"once": "Print one frame and exit (for scripts).",
+               "every": Opt("Seconds between frames (at least 1).", metavar="SECONDS"),
+               "interval": Opt("Seconds each frame samples /proc over (at most 30).",
+                               metavar="SECONDS"),
+               "as_json": Opt("Print JSON (with --once one object; else one line a frame).",
+                              flag="--json")})
+def top(*, once: bool = False, every: float = 3.0, interval: float = 1.0, worker: str = "all",
+        as_json: bool = False, timeout: float = 30.0, name: str | None = None,
+        zone: str | None = None, project: str | None = None, no_os_login: bool = False,
+        jump: str | None = None) -> int:
+    """Every worker's CPU, memory, load, run processes and TPU use, live, folded.
+
+    One fan-out a frame; workers whose values agree share a row, the outliers get their own.
+    Ctrl-C stops it. Exit code 0 when every worker answered (the last frame), 1 otherwise.
+    """
+    from tpufab.display.console import stdout
+
+    settings = settings_from_flags(name=name, zone=zone, project=project,
+                                   no_os_login=no_os_login, jump=jump, timeout=timeout)
+    pod = pod_for(settings)
+    console = stdout()
+    if once:
+        frame = pod.top(once=True, every=every, interval=interval, workers=worker,
+                        timeout=timeout)
+        if as_json:
+            print(json.dumps(frame.to_json(), indent=2))
+        else:
+            console.print(frame.render(console))
+        return 0 if all(w.reachable for w in frame.loads.values()) else 1
+    last = []
+    if as_json:
+        def show(frame) -> None:
+            last[:] = [frame]
+            print(json.dumps(frame.to_json(), separators=(",", ":")), flush=True)
+
+        try:
+            pod.top(every=every, interval=interval, workers=worker, timeout=timeout,
+                    on_frame=show)
+        except KeyboardInterrupt:
+            pass
+    else:
+        from rich.live import Live
+
+        with Live(console=console, auto_refresh=False, transient=False) as live:
+            def draw(frame) -> None:
+                last[:] = [frame]
+                live.update(frame.render(console, live=True), refresh=True)
+
+            try:
+                pod.top(every=every, interval=interval, workers=worker, timeout=timeout,
+                        on_frame=draw)
+            except KeyboardInterrupt:
+                pass
+    return 0 if not last or all(w.reachable for w in last[0].loads.values()) else 1

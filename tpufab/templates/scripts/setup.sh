@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Setup for every worker of a Cloud TPU VM (Ubuntu 22.04 TPU images): `tpufab setup` (or
 # `invoke setup`) runs it on every worker. Makes ~/.venv with JAX for TPU (or torch + torch_xla
-# for TPU) and installs gcsfuse from Google's apt repository. Idempotent: what is already there
-# is only checked. Written by `tpufab init`; edit it freely (tpufab reruns it when it changes).
+# for TPU) and py-spy (for `tpufab stacks`), and installs gcsfuse from Google's apt repository.
+# Idempotent: what is already there is only checked. Written by `tpufab init`; edit it freely
+# (tpufab reruns it when it changes).
 #
 # Where the image already carries the framework in a shared, read-only site (the simulated
 # pod: its host builds one for every worker with tpufab's scripts/sim-wheels.sh), the venv is
@@ -48,7 +49,7 @@ while [ $# -gt 0 ]; do
         --python) python=$2; shift 2 ;;
         --extra) extras+=("$2"); shift 2 ;;
         --no-gcsfuse) gcsfuse=0; shift ;;
-        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
         *) echo "setup: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -166,6 +167,12 @@ case $framework in
         fi
         ;;
 esac
+# 3b. py-spy for `tpufab stacks` and `run --stall`: one static binary in a ~3 MB wheel with no
+#     dependencies (~/.venv/bin/py-spy); best effort, stacks says so where it is missing.
+if [ ! -x "$venv/bin/py-spy" ]; then
+    log "installing py-spy"
+    "${pip[@]}" py-spy || log "note: could not install py-spy; \`tpufab stacks\` will try again"
+fi
 if [ ${#extras[@]} -gt 0 ]; then
     log "installing ${extras[*]}"
     "${pip[@]}" "${extras[@]}"

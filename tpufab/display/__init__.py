@@ -1,0 +1,1 @@
+"""The terminal: consoles (stdout/stderr), text made safe to show, live progress."""

@@ -1,0 +1,2 @@
+"""The Pod: the Python API every verb is built on (api), and the connected node it opens
+(connection)."""

@@ -1,0 +1,281 @@
+"""tpufab ray: Ray on one host of the pod (stdlib only; Ray itself runs in the job's Python).
+
+    python3 ray_node.py state
+    python3 ray_node.py start --config FILE [-- RAY START OPTIONS]
+    python3 ray_node.py stop [--grace S]
+    python3 ray_node.py cluster [--dashboard-port P]       (on the head: nodes and jobs)
+
+The job's Python is $TPUFAB_PYTHON, else ~/.venv/bin/python, else python3; Ray is installed
+into it with pip when missing ($TPUFAB_RAY_SPEC, default ``ray[default]``: the Job API lives
+in the dashboard). ``start`` reads its host's part of the cluster from FILE (written 0600 by
+tpufab, one per host): {"head": bool, "address": "IP:PORT", "node_ip": IP, "port": P,
+"dashboard_port": P, "env": {TPU_NAME, TPU_WORKER_ID, TPU_ACCELERATOR_TYPE, TPU_TOPOLOGY}}
+and runs ``ray start`` with that environment, so Ray's TPU accelerator manager labels the
+node from tpufab's values. Each command prints one JSON line last.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tpufab.remote.workerlib import answer
+
+RAY_MAIN = "import sys; from ray.scripts.scripts import main; sys.argv[0] = 'ray'; sys.exit(main())"
+# What a Ray process looks like in /proc: its own binaries, its Python daemons, its workers.
+RAY_BINARIES = ("raylet", "gcs_server", "plasma_store")
+RAY_SCRIPTS = ("/ray/dashboard/", "/ray/_private/", "/ray/autoscaler/", "ray.util.client.server",
+               "/ray/core/src/")
+
+
+def python():
+    for candidate in (os.environ.get("TPUFAB_PYTHON"), os.path.expanduser("~/.venv/bin/python")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return "python3"
+
+
+def read(path, binary=False):
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return b"" if binary else ""
+    return data if binary else data.decode("utf-8", "replace")
+
+
+def ray_kind(pid):
+    """What kind of Ray process ``pid`` is ('raylet', 'gcs_server', 'worker', 'daemon',
+    'driver'), or None."""
+    comm = read(f"/proc/{pid}/comm").strip()
+    argv = read(f"/proc/{pid}/cmdline", binary=True).split(b"\0")
+    first = argv[0].decode("utf-8", "replace") if argv else ""
+    if comm in RAY_BINARIES or os.path.basename(first) in RAY_BINARIES:
+        return comm if comm in RAY_BINARIES else os.path.basename(first)
+    if comm.startswith("ray::") or first.startswith("ray::"):
+        return "worker"
+    if comm.startswith("ray-dashboard") or first.startswith("ray-dashboard"):
+        return "daemon"
+    line = b" ".join(argv).decode("utf-8", "replace")
+    if any(mark in line for mark in RAY_SCRIPTS):
+        return "daemon"
+    # a Ray job's entrypoint (the job supervisor sets this in its environment)
+    if b"\0RAY_JOB_CONFIG_JSON_ENV_VAR=" in b"\0" + read(f"/proc/{pid}/environ", binary=True):
+        return "driver"
+    return None
+
+
+def ray_processes():
+    """{pid: (kind, cmdline)} of this user's Ray processes on this host."""
+    me, found = os.getpid(), {}
+    uid = os.getuid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        pid = int(name)
+        try:
+            if uid != 0 and os.stat(f"/proc/{pid}").st_uid != uid:
+                continue
+        except OSError:
+            continue
+        stat = read(f"/proc/{pid}/stat")
+        if not stat or stat[stat.rfind(")") + 2:][:1] in ("Z", "X"):
+            continue
+        kind = ray_kind(pid)
+        if kind:
+            line = read(f"/proc/{pid}/cmdline", binary=True).replace(b"\0", b" ")
+            found[pid] = (kind, line.decode("utf-8", "replace")[:200])
+    return found
+
+
+def option(line, name):
+    """The value of ``--name=value`` (or ``--name value``) in a command line, else None."""
+    words = line.split()
+    for i, word in enumerate(words):
+        if word.startswith(name + "="):
+            return word.split("=", 1)[1]
+        if word == name and i + 1 < len(words):
+            return words[i + 1]
+    return None
+
+
+def state():
+    procs = ray_processes()
+    raylets = [(pid, line) for pid, (kind, line) in procs.items() if kind == "raylet"]
+    heads = [pid for pid, (kind, _) in procs.items() if kind == "gcs_server"]
+    gcs = None
+    for pid in heads + [pid for pid, _ in raylets]:
+        gcs = option(read(f"/proc/{pid}/cmdline", binary=True).replace(b"\0", b" ").decode(
+            "utf-8", "replace"), "--gcs-address") or gcs
+    return {"raylet": raylets[0][0] if raylets else None, "head": bool(heads),
+            "gcs_address": gcs, "node_ip": (option(raylets[0][1], "--node_ip_address")
+                                          or option(raylets[0][1], "--node-ip-address"))
+            if raylets else None, "processes": len(procs),
+            "kinds": sorted({kind for kind, _ in procs.values()})}
+
+
+def ensure_ray(py):
+    """Ray importable by ``py``: (version, None), installing it with pip when missing;
+    (None, why) when it cannot be."""
+    probe = subprocess.run([py, "-c", "import ray; print(ray.__version__)"],
+                           capture_output=True, text=True)
+    if probe.returncode == 0:
+        return probe.stdout.strip(), None
+    spec = os.environ.get("TPUFAB_RAY_SPEC") or "ray[default]"
+    pip = subprocess.run([py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                          spec], capture_output=True, text=True)
+    if pip.returncode != 0:
+        tail = (pip.stderr or pip.stdout).strip().splitlines()
+        return None, (f"Ray is not installed for {py} and `pip install {spec}` failed there "
+                      f"({tail[-1] if tail else f'exit {pip.returncode}'})")
+    probe = subprocess.run([py, "-c", "import ray; print(ray.__version__)"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        return None, f"{py} still cannot import ray after `pip install {spec}`"
+    return probe.stdout.strip(), None
+
+
+def ray_cli(py, args, env=None, timeout=300):
+    return subprocess.run([py, "-c", RAY_MAIN, *args], capture_output=True, text=True,
+                          env=env, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+START_TIMEOUT = 240   # seconds for one `ray start`
+
+
+def why_failed(text, code):
+    """The lines of Ray's output that say why (not its INFO chatter), shortened."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    marks = ("rror", "xception", "imed out", "ailed", "annot", "not ")
+    said = [ln for ln in lines if any(m in ln for m in marks) and " INFO " not in ln]
+    picked = said[-2:] or lines[-2:]
+    return " / ".join(ln[:240] for ln in picked) or f"exit {code}"
+
+
+def start(config_path, extra):
+    with open(os.path.expanduser(config_path)) as fh:
+        config = json.load(fh)
+    os.unlink(os.path.expanduser(config_path))
+    py = python()
+    env = dict(os.environ)
+    env.update({k: str(v) for k, v in config["env"].items()})
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    args = ["start", f"--node-ip-address={config['node_ip']}", "--disable-usage-stats"]
+    if config["head"]:
+        args += ["--head", f"--port={config['port']}", "--include-dashboard=true",
+                 "--dashboard-host=127.0.0.1", f"--dashboard-port={config['dashboard_port']}"]
+    else:
+        args += [f"--address={config['address']}"]
+    started = time.monotonic()
+    try:
+        done = ray_cli(py, args + list(extra), env=env, timeout=START_TIMEOUT)
+        if done.returncode != 0 and "No module named 'ray'" in done.stderr:
+            _version, why = ensure_ray(py)     # Ray is missing: install it, once, then again
+            if why:
+                return {"error": why}
+            done = ray_cli(py, args + list(extra), env=env, timeout=START_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"ray start did not finish in {START_TIMEOUT} s"}
+    if done.returncode != 0:
+        return {"error": "ray start failed: " + why_failed(done.stderr + "\n" + done.stdout,
+                                                          done.returncode)}
+    return {"started": True, "seconds": round(time.monotonic() - started, 2),
+            **state()}
+
+
+def stop(grace):
+    """``ray stop`` (SIGTERM, Ray's own), then ``ray stop --force``, then SIGKILL what is left;
+    until no Ray process is left on this host (bounded)."""
+    before = ray_processes()
+    if not before:
+        return {"stopped": 0, "left": [], "forced": False}
+    py = python()
+    forced = False
+    try:
+        ray_cli(py, ["stop", f"--grace-period={int(grace)}"], timeout=grace + 60)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    left = wait_gone(grace)
+    if left:
+        forced = True
+        try:
+            ray_cli(py, ["stop", "--force"], timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        left = wait_gone(5.0)
+    for pid in left:
+        forced = True
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    left = wait_gone(5.0)
+    return {"stopped": len(before) - len(left), "forced": forced,
+            "left": [f"{pid} {kind}" for pid, (kind, _) in left.items()]}
+
+
+def wait_gone(seconds):
+    deadline = time.monotonic() + seconds
+    while True:
+        left = ray_processes()
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.2)
+
+
+def cluster(port):
+    """On the head: the nodes (alive, address, resources, labels) and the jobs, from the
+    dashboard's HTTP API on 127.0.0.1."""
+    import urllib.request
+
+    def get(path):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=20) as resp:
+            return json.loads(resp.read().decode())
+
+    try:
+        nodes = get("/api/v0/nodes?limit=10000&detail=1")
+        jobs = get("/api/jobs/")
+    except (OSError, ValueError) as err:
+        return {"error": f"the Ray dashboard on 127.0.0.1:{port} did not answer ({err})"}
+    rows = []
+    for node in (nodes.get("data") or {}).get("result", {}).get("result", []):
+        rows.append({"ip": node.get("node_ip"), "state": node.get("state"),
+                     "head": bool(node.get("is_head_node")),
+                     "resources": node.get("resources_total") or {},
+                     "labels": node.get("labels") or {}})
+    return {"nodes": rows, "jobs": [
+        {"id": j.get("submission_id") or j.get("job_id"), "status": j.get("status"),
+         "entrypoint": (j.get("entrypoint") or "")[:200], "start_time": j.get("start_time")}
+        for j in jobs if isinstance(j, dict)]}
+
+
+def main(argv):
+    extra = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, extra = argv[:at], argv[at + 1:]
+    if not argv:
+        answer("answer", {"error": "ray_node.py: no command"})
+        return 2
+    command, rest = argv[0], argv[1:]
+    if command == "state":
+        reply = state()
+    elif command == "start":
+        reply = start(rest[rest.index("--config") + 1], extra)
+    elif command == "stop":
+        grace = float(rest[rest.index("--grace") + 1]) if "--grace" in rest else 10.0
+        reply = stop(grace)
+    elif command == "cluster":
+        port = int(rest[rest.index("--dashboard-port") + 1]) if "--dashboard-port" in rest \
+            else 8265
+        reply = cluster(port)
+    else:
+        reply = {"error": f"ray_node.py: unknown command {command}"}
+    answer("answer", reply)
+    return 1 if reply.get("error") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,255 @@
+#!/usr/bin/env python3
+"""tpufab stacks, worker side (stdlib only): every Python stack of a run, or of the TPU's holders.
+
+    stacks_worker.py --home DIR [--run ID | --latest] [--native] [--devices-glob GLOB ...]
+                     [--lockfile PATH ...] [--timeout S]
+
+Which processes: with --run ID, that run's live processes (its verified process group and
+whatever carries its TPUFAB_RUN_ID, as `kill --run` finds them); with --latest, those of the
+newest run recorded on this worker when it is still running, else (and with neither) every
+process holding a TPU device file or a libtpu lockfile (as `kill` finds them). Only Python
+processes are dumped; the run's supervisor (tpufab-run) never is.
+
+Each one gets `py-spy dump --json` (with --native, `--native` too), py-spy found on PATH, in
+the login user's ~/.venv/bin or ~/.local/bin, or in the simulated pod's shared site. A process
+py-spy cannot attach to is reported with the reason (kernel.yama.ptrace_scope, another user's
+process, a tracer already attached, a container without CAP_SYS_PTRACE) and the fix.
+
+Prints one JSON object: {"ok", "error"?, "missing_py_spy"?, "run", "run_state", "source"
+("run" | "tpu holders"), "py_spy", "ptrace_scope", "euid", "processes": [{"pid", "command",
+"threads": [{"name", "id", "active", "frames": [{"function", "file", "line"}]}] | "error",
+"reason", "fix"}]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from tpufab.remote.workerlib import (
+    SUPERVISOR_NAME,
+    Watched,
+    alive,
+    answer,
+    argv_of,
+    command_of,
+    expand_globs,
+    proc_stat,
+    read_int,
+    run_processes,
+    scan_holders,
+    state_of_run,
+)
+
+DEFAULT_LOCKFILES = ("/tmp/libtpu_lockfile", "/tmp/libtpu.so_lockfile")
+SIM_SITE_BIN = "/opt/tpufab-sim/share/site/bin"
+DUMP_TIMEOUT = 20.0
+
+
+def find_py_spy(home):
+    """py-spy's path, or None: PATH, the login user's venv and ~/.local, the sim's site."""
+    for folder in os.environ.get("PATH", "").split(os.pathsep) + [
+            os.path.join(home, ".venv", "bin"), os.path.join(home, ".local", "bin"),
+            SIM_SITE_BIN, "/usr/local/bin"]:
+        if not folder:
+            continue
+        path = os.path.join(folder, "py-spy")
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def ptrace_scope():
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as fh:
+            return int(fh.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def is_python(pid):
+    """The process runs a Python interpreter (its executable, else its argv[0], is python*)."""
+    try:
+        exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+    except OSError:
+        argv = argv_of(pid)
+        exe = os.path.basename(argv[0]) if argv else ""
+    return exe.startswith(("python", "pypy"))
+
+
+def status_field(pid, name):
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith(name + ":"):
+                    return line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    return []
+
+
+def why_not(pid, error, scope):
+    """(reason, fix) for a process py-spy could not dump, from its error and this host."""
+    text = error.lower()
+    denied = "permission denied" in text or "operation not permitted" in text or \
+        "os error 1)" in text or "os error 13" in text
+    tracer = status_field(pid, "TracerPid")
+    tracer = int(tracer[0]) if tracer and tracer[0].isdigit() else 0
+    if tracer:
+        proc = proc_stat(tracer)
+        name = proc.comm if proc else "?"
+        return (f"another tracer ({name}, pid {tracer}) is attached to it",
+                f"detach {name} (pid {tracer}) from it, then run `tpufab stacks` again")
+    if not proc_stat(pid) or (proc_stat(pid).exited):
+        return "it ended while being read", "run `tpufab stacks` again"
+    if not denied:
+        return (f"py-spy could not read it ({error})",
+                "check that it is a CPython process py-spy supports (`py-spy --version`)")
+    euid = os.geteuid()
+    owner = status_field(pid, "Uid")
+    owner = int(owner[1]) if len(owner) > 1 and owner[1].isdigit() else None
+    if euid == 0:
+        if scope == 3:
+            return ("kernel.yama.ptrace_scope is 3: no process may attach to another, not "
+                    "even root", "set it lower in the boot configuration and reboot the worker")
+        return ("root may not attach here: the worker lacks CAP_SYS_PTRACE (a container?)",
+                "give it CAP_SYS_PTRACE (docker: --cap-add SYS_PTRACE)")
+    if owner is not None and owner != euid:
+        return (f"it belongs to uid {owner} and this command runs as uid {euid} without sudo",
+                "give the login user passwordless sudo (as on TPU VMs) so tpufab runs py-spy as "
+                "root")
+    if scope is not None and scope >= 1:
+        return (f"kernel.yama.ptrace_scope is {scope}: only root may attach to a process "
+                "that is not its own child, and sudo -n does not work for the login user",
+                "give the login user passwordless sudo, or `sudo sysctl -w "
+                "kernel.yama.ptrace_scope=0` on the worker")
+    return (f"ptrace was refused ({error})", "run `tpufab stacks` with passwordless sudo")
+
+
+def dump(py_spy, pid, native, scope, timeout):
+    """One process's threads, or why there are none."""
+    argv = [py_spy, "dump", "--json", "--pid", str(pid)]
+    if native:
+        argv.append("--native")
+    env = dict(os.environ, RUST_BACKTRACE="0")
+    try:
+        done = subprocess.run(argv, capture_output=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"py-spy took over {timeout:g} s",
+                "reason": "the process did not let py-spy read it in time",
+                "fix": "run `tpufab stacks` again (without --native it is quicker)"}
+    except OSError as err:
+        return {"error": str(err), "reason": f"py-spy could not start ({err})",
+                "fix": "reinstall py-spy on the worker (`tpufab setup`)"}
+    if done.returncode == 0:
+        try:
+            threads = json.loads(done.stdout.decode("utf-8", "replace"))
+        except ValueError:
+            threads = None
+        if isinstance(threads, list):
+            return {"threads": [thread_of(t) for t in threads]}
+    lines = [line.strip() for line in done.stderr.decode("utf-8", "replace").splitlines()
+             if line.strip()]
+    # py-spy prints "Error: ...", then its causes; the backtrace is left out (RUST_BACKTRACE)
+    error = "; ".join(line for line in lines if not line.startswith(("Stack backtrace",))
+                      and not line[:1].isdigit())[:300] or f"exit status {done.returncode}"
+    reason, fix = why_not(pid, error, scope)
+    return {"error": error, "reason": reason, "fix": fix}
+
+
+def thread_of(entry):
+    frames = []
+    for frame in entry.get("frames") or ():
+        frames.append({"function": str(frame.get("name") or "?"),
+                       "file": str(frame.get("short_filename") or frame.get("filename") or ""),
+                       "path": str(frame.get("filename") or ""),
+                       "line": frame.get("line")})
+    return {"name": entry.get("thread_name") or "", "id": entry.get("os_thread_id")
+            or entry.get("thread_id"), "active": bool(entry.get("active")),
+            "gil": bool(entry.get("owns_gil")), "frames": frames}
+
+
+def latest_run(run_dir):
+    try:
+        names = sorted(n for n in os.listdir(run_dir) if os.path.isdir(os.path.join(run_dir, n)))
+    except OSError:
+        return None
+    return names[-1] if names else None
+
+
+def run_pids(run_dir, run):
+    rundir = os.path.join(run_dir, run)
+    pid = read_int(os.path.join(rundir, "pid"))
+    start_time = read_int(os.path.join(rundir, "start_time"))
+    group = pid if pid is not None and start_time is not None and alive(pid, start_time) \
+        else None
+    return [p.pid for p in run_processes({run: group})[run] if p.comm != SUPERVISOR_NAME]
+
+
+def holder_pids(globs, lockfiles):
+    paths = expand_globs(globs) + [p for p in lockfiles if os.path.exists(p)]
+    if not paths:
+        return []
+    holders, _unreadable = scan_holders(Watched(paths))
+    return sorted(holders)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--home", default=os.path.expanduser("~"))
+    parser.add_argument("--run")
+    parser.add_argument("--latest", action="store_true")
+    parser.add_argument("--native", action="store_true")
+    parser.add_argument("--devices-glob", action="append", dest="devices_globs", default=[])
+    parser.add_argument("--lockfile", action="append", dest="lockfiles")
+    parser.add_argument("--timeout", type=float, default=DUMP_TIMEOUT)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+
+    run_dir = os.path.join(args.home, ".tpufab", "runs")
+    answer = {"ok": True, "run": None, "run_state": None, "source": "tpu holders",
+              "euid": os.geteuid(), "ptrace_scope": ptrace_scope(), "processes": []}
+    run = args.run or (latest_run(run_dir) if args.latest else None)
+    pids = None
+    if run:
+        rundir = os.path.join(run_dir, run)
+        if not os.path.isdir(rundir):
+            if args.run:
+                answer.update(ok=False, run=run, error=f"no run {run} on this worker")
+                return answer
+        else:
+            state = state_of_run(rundir)["state"]
+            answer.update(run=run, run_state=state)
+            if args.run or state in ("running", "starting"):
+                answer["source"] = "run"
+                pids = run_pids(run_dir, run)
+    if pids is None:
+        pids = holder_pids(args.devices_globs, args.lockfiles or list(DEFAULT_LOCKFILES))
+    me = os.getpid()
+    pids = [p for p in pids if p != me and is_python(p)]
+    py_spy = find_py_spy(args.home)
+    answer["py_spy"] = py_spy
+    if pids and py_spy is None:
+        answer.update(ok=False, missing_py_spy=True,
+                      error="py-spy is not installed (looked on PATH, in ~/.venv/bin, "
+                            f"~/.local/bin and {SIM_SITE_BIN})")
+        return answer
+    scope = answer["ptrace_scope"]
+    started = time.monotonic()
+    for pid in pids:
+        proc = proc_stat(pid)
+        if proc is None or proc.exited:
+            continue
+        entry = {"pid": pid, "command": command_of(proc)}
+        left = max(2.0, args.timeout - (time.monotonic() - started))
+        entry.update(dump(py_spy, pid, args.native, scope, left))
+        answer["processes"].append(entry)
+    return answer
+
+
+if __name__ == "__main__":
+    answer("answer", main())
+    sys.exit(0)

@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""tpufab top, worker side (stdlib only, Python 3.6+): this worker's load over a short interval.
+
+    top_worker.py [--interval SECONDS] [--run-dir DIR] [--top N]
+
+Samples /proc twice, ``--interval`` apart (default 1 s), and prints one JSON object on one line:
+
+    {"host_cpu_percent": 0-100 over every core (/proc/stat), "cores",
+     "processes_cpu_percent": the visible processes' use summed (100 = one core busy),
+     "load": [1, 5, 15 min],
+     "memory": {"total_bytes", "available_bytes"},
+     "runs": [{"run", "processes", "cpu_percent", "rss_bytes"}],     tpufab runs alive here
+     "busiest": [{"pid", "command", "cpu_percent", "rss_bytes", "run"?}],  the top N processes
+     "tpu": {"available": bool, "source"?, "duty_cycle_percent"?, "hbm_used_bytes"?,
+             "hbm_total_bytes"?, "why"?}}
+
+A run's processes are those in the process group or session of the recipe tpufab started
+(``<run-dir>/<id>/pid``). TPU use comes from Google's ``tpu-info`` CLI (libtpu's runtime
+metrics: duty cycle and HBM), where it is installed and the TPU device files are real; on the
+simulated pod the device files are placeholders, and that is said, not guessed at.
+"""
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+from tpufab.remote.workerlib import DEVICE_GLOBS, answer, argv_of, expand_globs, read_end
+
+TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+TPU_INFO_SECONDS = 8.0
+
+
+def cpu_times():
+    """(busy, total) jiffies of every core together, from /proc/stat's first line."""
+    with open("/proc/stat") as fh:
+        parts = [int(x) for x in fh.readline().split()[1:]]
+    idle = parts[3] + (parts[4] if len(parts) > 4 else 0)   # idle + iowait
+    total = sum(parts[:8])                                   # guest time is inside user
+    return total - idle, total
+
+
+def processes():
+    """{pid: (pgid, sid, ticks, rss_bytes, comm)} of every process readable now."""
+    found = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                data = fh.read()
+        except OSError:
+            continue
+        right = data.rindex(b")")
+        comm = data[data.index(b"(") + 1:right].decode("utf-8", "replace")
+        f = data[right + 2:].split()
+        found[int(name)] = (int(f[2]), int(f[3]), int(f[11]) + int(f[12]), int(f[21]) * PAGE,
+                            comm)
+    return found
+
+
+def live_runs(run_dir):
+    """{run id: recipe pid} of the runs whose recipe still lives here."""
+    base = os.path.expanduser(run_dir)
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return {}
+    runs = {}
+    for name in names:
+        if read_end(os.path.join(base, name)) is not None:
+            continue
+        try:
+            with open(os.path.join(base, name, "pid")) as fh:
+                pid = int(fh.read().strip())
+        except (OSError, ValueError):
+            continue
+        if os.path.exists(f"/proc/{pid}"):
+            runs[name] = pid
+    return runs
+
+
+def memory():
+    info = {}
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                info[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return {}
+    return {"total_bytes": info.get("MemTotal"), "available_bytes": info.get("MemAvailable")}
+
+
+def tpu_info_command():
+    found = shutil.which("tpu-info")
+    if found:
+        return found
+    for path in ("~/.local/bin/tpu-info", "~/.venv/bin/tpu-info"):
+        path = os.path.expanduser(path)
+        if os.access(path, os.X_OK):
+            return path
+    return None
+
+
+GIB = re.compile(r"([\d.]+)\s*GiB\s*/\s*([\d.]+)\s*GiB")
+PERCENT = re.compile(r"\|\s*\d+\s*\|\s*([\d.]+)%\s*\|")
+
+
+def tpu_use():
+    """What this worker can say about its TPU's use, honestly."""
+    import stat
+
+    devices = expand_globs(DEVICE_GLOBS)
+    if not devices:
+        return {"available": False, "why": "no TPU device files on this worker"}
+    real = []
+    for path in devices:
+        try:
+            if stat.S_ISCHR(os.stat(path).st_mode):
+                real.append(path)
+        except OSError:
+            pass
+    if not real:
+        return {"available": False, "why": "simulated: the TPU device files are placeholders"}
+    command = tpu_info_command()
+    if command is None:
+        return {"available": False, "why": "tpu-info is not installed (pip install tpu-info)"}
+    try:
+        done = subprocess.run([command, "--metric", "duty_cycle_percent", "--metric",
+                               "hbm_usage"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              timeout=TPU_INFO_SECONDS)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return {"available": False, "why": f"tpu-info did not answer ({err.__class__.__name__})"}
+    text = done.stdout.decode("utf-8", "replace")
+    duty = [float(x) for x in PERCENT.findall(text)]
+    hbm = [(float(a), float(b)) for a, b in GIB.findall(text)]
+    if not duty and not hbm:
+        last = [line.strip() for line in text.splitlines() if line.strip()]
+        why = last[-1][:160] if last else f"exit status {done.returncode}"
+        return {"available": False, "source": "tpu-info", "why": f"tpu-info: {why}"}
+    out = {"available": True, "source": "tpu-info"}
+    if duty:
+        out["duty_cycle_percent"] = round(sum(duty) / len(duty), 1)
+    if hbm:
+        out["hbm_used_bytes"] = int(sum(a for a, _ in hbm) * (1 << 30))
+        out["hbm_total_bytes"] = int(sum(b for _, b in hbm) * (1 << 30))
+    return out
+
+
+def command_text(pid, comm, width=60):
+    text = " ".join(argv_of(pid)) or f"[{comm}]"
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def sample(interval, run_dir, top):
+    me = os.getpid()
+    busy0, total0 = cpu_times()
+    before = processes()
+    started = time.monotonic()
+    time.sleep(interval)
+    busy1, total1 = cpu_times()
+    after = processes()
+    seconds = max(time.monotonic() - started, 1e-3)
+    cpu = 100.0 * (busy1 - busy0) / max(total1 - total0, 1)
+    runs = live_runs(run_dir)
+    run_of_group = {pid: run for run, pid in runs.items()}
+    per_run = {run: {"run": run, "processes": 0, "cpu_percent": 0.0, "rss_bytes": 0}
+               for run in runs}
+    rows = []
+    for pid, (pgid, sid, ticks, rss, comm) in after.items():
+        if pid == me:
+            continue
+        was = before.get(pid)
+        used = ticks - was[2] if was is not None else 0
+        percent = 100.0 * used / TICKS / seconds
+        run = run_of_group.get(pgid) or run_of_group.get(sid)
+        if run is not None:
+            entry = per_run[run]
+            entry["processes"] += 1
+            entry["cpu_percent"] += percent
+            entry["rss_bytes"] += rss
+        rows.append((percent, pid, comm, rss, run))
+    rows.sort(key=lambda r: (-r[0], r[1]))
+    busiest = []
+    for percent, pid, comm, rss, run in rows[:top]:
+        if percent < 1.0:
+            break
+        row = {"pid": pid, "command": command_text(pid, comm),
+               "cpu_percent": round(percent, 1), "rss_bytes": rss}
+        if run:
+            row["run"] = run
+        busiest.append(row)
+    for entry in per_run.values():
+        entry["cpu_percent"] = round(entry["cpu_percent"], 1)
+    return {"host_cpu_percent": round(cpu, 1), "cores": os.cpu_count() or 1,
+            "processes_cpu_percent": round(sum(r[0] for r in rows), 1),
+            "load": [round(x, 2) for x in os.getloadavg()], "memory": memory(),
+            "runs": sorted(per_run.values(), key=lambda e: e["run"]), "busiest": busiest,
+            "interval": round(seconds, 3)}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="top_worker.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--interval", type=float, default=1.0)
+    parser.add_argument("--run-dir", default="~/.tpufab/runs")
+    parser.add_argument("--top", type=int, default=3)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    found = sample(max(0.1, min(args.interval, 30.0)), args.run_dir, max(0, args.top))
+    found["tpu"] = tpu_use()
+    answer("answer", found)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
