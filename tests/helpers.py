@@ -21,18 +21,31 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import json
 import os
+import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
+
+import pytest
 
 TPUFAB = str(Path(sys.executable).parent / "tpufab")
 INVOKE = str(Path(sys.executable).parent / "invoke")
 REPO = Path(__file__).resolve().parents[1]
+NOT_ROOT = "the simulated pod needs root (sshd workers in namespaces on 127.x addresses)"
+NO_GCLOUD = "gcloud is not installed"
 
 # The login on the workers where the local user is root (tpufab.config.DEFAULT_REMOTE_USER):
 # an ordinary user with passwordless sudo, as on real TPU VMs.
@@ -41,6 +54,155 @@ LOGIN = "tpufab"
 POD_USER = os.environ.get("TPUFAB_TEST_SSH_USER", LOGIN)
 # The interpreter worker-side scripts run under in tests, as on a worker: the system's.
 WORKER_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+
+
+# --- waiting, names, the TPU API client, ssh, ports, git, the workers' packages -----------
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 30.0, interval: float = 0.05,
+             what: str = "condition") -> Any:
+    """Poll until condition() is truthy (returns it); fail the test after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+def unique_name(prefix: str = "t") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def create_node(client: Any, parent: str, node_id: str, accelerator_type: str = "v4-8", *,
+                runtime_version: str = "tpu-ubuntu2204-base", timeout: float = 60.0,
+                **fields: Any) -> Any:
+    """Create a node with the official client and wait for its operation (-> READY node)."""
+    from google.cloud import tpu_v2
+
+    node = tpu_v2.Node(accelerator_type=accelerator_type, runtime_version=runtime_version,
+                       **fields)
+    return client.create_node(parent=parent, node_id=node_id, node=node).result(timeout=timeout)
+
+
+def wait_node_state(client: Any, name: str, state: str, timeout: float = 60.0) -> Any:
+    """Poll get_node until the node exists and is in `state` (a Node.State name)."""
+    from google.api_core import exceptions as gexc
+
+    def current():
+        try:
+            node = client.get_node(name=name)
+        except gexc.NotFound:
+            return None
+        return node if node.state.name == state else None
+
+    return wait_for(current, timeout, 0.1, f"{name} to be {state}")
+
+
+@dataclass(frozen=True)
+class SshKey:
+    path: Path        # private key
+    public: str       # "ssh-ed25519 AAAA... comment"
+
+
+def metadata_keys(user: str, key: SshKey) -> str:
+    """A metadata `ssh-keys` line giving `user` this key."""
+    return f"{user}:{key.public}"
+
+
+def ssh_run(ip: str, key: SshKey, user: str, command: str, *, timeout: float = 30.0,
+            known_hosts: Path | None = None, extra: tuple[str, ...] = ()
+            ) -> subprocess.CompletedProcess:
+    """Run `command` on a worker over real ssh (host key unchecked unless known_hosts)."""
+    checking = ["-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={known_hosts}"] \
+        if known_hosts else ["-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null"]
+    argv = ["ssh", "-i", str(key.path), "-o", "BatchMode=yes", "-o", "IdentitiesOnly=yes",
+            "-o", "ConnectTimeout=5", "-o", "LogLevel=ERROR", *checking, *extra,
+            f"{user}@{ip}", command]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+def port_open(ip: str, port: int = 22, timeout: float = 1.0) -> bool:
+    try:
+        with socket.create_connection((ip, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def git_daemon(base: Path) -> Iterator[str]:
+    """`git daemon` serving the repositories under `base` (push allowed) on a free loopback
+    port; yields its URL, `git://127.0.0.1:PORT`, and stops it afterwards."""
+    port = free_port()
+    proc = subprocess.Popen(
+        ["git", "daemon", "--export-all", "--enable=receive-pack", f"--base-path={base}",
+         "--listen=127.0.0.1", f"--port={port}", "--reuseaddr", str(base)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: port_open("127.0.0.1", port, timeout=0.2), 10, what="git daemon")
+        yield f"git://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def build_shared_site(share_dirs: list[Path], *, torch: bool = False, ray: bool = False) -> Path:
+    """The workers' Python packages (JAX; with ``torch``, torch + torch_xla + Lightning too):
+    built once per machine into a cache by scripts/sim-wheels.sh (pip: ~20 s for JAX, minutes
+    for torch), then hard-linked into each pod's share (a second). A share whose site was
+    built for other packages gets the cache's. With ``ray``, Ray (``ray[default]``, ~1 min)
+    goes beside the site in the share's ``ray`` folder (its own stamp: the site is the same
+    with or without it). Returns the cached site."""
+    repo = Path(__file__).resolve().parents[1]
+    cache = Path(os.environ.get("TPUFAB_TEST_SIM_CACHE",
+                                Path.home() / ".cache" / "tpufab" / "test-sim"))
+    argv = ["bash", str(repo / "scripts" / "sim-wheels.sh"), "--sim-dir", str(cache)]
+    built = subprocess.run(argv + (["--torch"] if torch else []) + (["--ray"] if ray else []),
+                           capture_output=True, text=True, timeout=1800)
+    assert built.returncode == 0, built.stdout + built.stderr
+    site = cache / "share" / "site"
+    _link_into_shares(site, share_dirs)
+    if ray:
+        _link_into_shares(cache / "share" / "ray", share_dirs)
+    return site
+
+
+def _link_into_shares(site: Path, share_dirs: list[Path]) -> None:
+    """The cache's ``site`` (a folder with a .tpufab-spec stamp) hard-linked into each share
+    under its own name, unless the share's copy has the same stamp."""
+    stamp = (site / ".tpufab-spec").read_text()
+    for share in share_dirs:
+        share.mkdir(parents=True, exist_ok=True)
+        target = share / site.name
+        try:
+            if (target / ".tpufab-spec").read_text() == stamp:
+                continue
+        except OSError:
+            pass
+        fresh = share / f".{site.name}.new"
+        shutil.rmtree(fresh, ignore_errors=True)
+        linked = subprocess.run(["cp", "-al", str(site), str(fresh)], capture_output=True)
+        if linked.returncode != 0:
+            shutil.copytree(site, fresh, symlinks=True)
+        old = share / f".{site.name}.old"
+        if target.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            target.rename(old)
+        fresh.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# --- processes, shipped scripts ---------------------------------------------------------
 
 
 def _stat_fields(pid: int) -> list[bytes] | None:
@@ -74,7 +236,7 @@ def _shipped_dir() -> Path:
 def shipped_bytes(name: str) -> bytes:
     """``tpufab/remote/NAME`` as it is shipped (``RemoteFile.bundled``: the worker-side
     library inlined)."""
-    from tpufab.remote_files import RemoteFile
+    from tpufab.ssh.remote_files import RemoteFile
 
     return RemoteFile.bundled(name).data
 
@@ -122,43 +284,24 @@ def cli_env(sim, home: Path, name: str | None = None) -> dict[str, str]:
     return env
 
 
-def tpufab(*args: str, env: dict, cwd: Path | None = None, timeout: float = 180,
-           stdin=subprocess.DEVNULL) -> subprocess.CompletedProcess:
-    """The installed `tpufab` command, output captured as text."""
-    return subprocess.run([TPUFAB, *args], env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, stdin=stdin)
+def tpufab(*args: str, env: dict, cwd: Path | None = None, timeout: float = 300,
+           stdin=subprocess.DEVNULL, input: str | bytes | None = None, text: bool = True,
+           extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    """The installed `tpufab` command in the environment ``env`` (plus ``extra_env``), output
+    captured (as text unless ``text=False``); ``input`` is fed to its stdin (default: none).
+    The timeout bounds a hung command (pytest-timeout's 300 s bounds the test too)."""
+    return subprocess.run([TPUFAB, *args], env={**env, **(extra_env or {})}, cwd=cwd,
+                          capture_output=True, text=text, timeout=timeout,
+                          **({"input": input} if input is not None else {"stdin": stdin}))
 
 
 def invoke(*args: str, env: dict, cwd: Path | None = None, timeout: float = 180
            ) -> subprocess.CompletedProcess:
-    """`invoke` in a project dir whose tasks.py is tpufab's (default: the checkout)."""
-    return subprocess.run([INVOKE, *args], env=env, cwd=cwd or REPO, capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-
-
-@contextlib.contextmanager
-def sim_node(sim, tmp_path_factory, prefix: str, type: str = "v4-16",
-             **overrides) -> Iterator[SimpleNamespace]:
-    """A READY node on the simulated pod for one module: ``settings``, ``node``, ``home``
-    (the user's), ``name``, ``env`` (a user's shell pointing at it); deleted afterwards."""
-    from conftest import unique_name
-
-    from tpufab import lifecycle
-    from tpufab import pod as pods
-
-    home = tmp_path_factory.mktemp(f"{prefix}-home")
-    name = unique_name(prefix)
-    settings = sim_settings(sim, home, name=name, type=type, **overrides)
-    [node] = lifecycle.create(settings, console=quiet_console())
-    env = cli_env(sim, home, name)
-    if "ssh_user" in overrides:
-        env["TPUFAB_SSH_USER"] = overrides["ssh_user"]
-    try:
-        yield SimpleNamespace(sim=sim, settings=settings, node=node, home=home, name=name,
-                              env=env)
-    finally:
-        pods.forget(settings)
-        lifecycle.delete(settings, yes=True, console=quiet_console())
+    """`invoke` with tpufab's own tasks.py (``-r``), in ``cwd`` (default: the checkout; a
+    user's project or a folder outside it keeps their working directory)."""
+    return subprocess.run([INVOKE, "-r", str(REPO), *args], env=env, cwd=cwd or REPO,
+                          capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
 
 
 def quiet_console():
@@ -206,8 +349,12 @@ def os_login_on(sim, project: str) -> Iterator:
 
 
 def no_traceback(result) -> None:
+    """No traceback and no "unexpected error, a bug in tpufab" report anywhere in the output."""
     out = (result.stdout or "") + (result.stderr or "")
-    assert "Traceback" not in out and "a bug in tpufab" not in out, out
+    if isinstance(out, bytes):
+        out = out.decode(errors="replace")
+    assert "Traceback" not in out and "a bug in tpufab" not in out \
+        and "Unexpected error" not in out, out
 
 
 def ok(result) -> str:
@@ -217,15 +364,218 @@ def ok(result) -> str:
     return result.stdout
 
 
-def one_sentence(result, *fragments: str, ignore: tuple[str, ...] = ("TPU API busy",)) -> str:
-    """Non-zero exit, one line on stderr (notes such as API retries aside) holding every
-    fragment, ending with a full stop, no traceback anywhere. Returns the line."""
+def one_sentence(result, *fragments: str, ignore: tuple[str, ...] = ("TPU API busy",),
+                 progress: int = 0, details: bool = False) -> str:
+    """The shape of every expected failure: non-zero exit, no traceback (`no_traceback`) and
+    one line on stderr (notes holding an ``ignore`` text aside) holding every fragment and
+    ending as a sentence does (".", "?" or "!", perhaps followed by a parenthesised hint such
+    as "(see `tpufab types` for the full list)"). ``progress``: at most that many progress
+    lines come first (launch reports its steps); ``details``: the sentence comes first and a
+    per-worker report may follow it (mount). Returns the sentence."""
     assert result.returncode != 0, (result.stdout or "") + (result.stderr or "")
     no_traceback(result)
     lines = [line for line in result.stderr.splitlines()
              if line.strip() and not any(noise in line for noise in ignore)]
-    assert len(lines) == 1, result.stderr
+    if details:
+        assert lines, result.stderr
+        sentence = lines[0]
+    else:
+        assert 1 <= len(lines) <= 1 + progress, result.stderr
+        sentence = lines[-1]
     for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    assert lines[0].rstrip().endswith("."), lines[0]
-    return lines[0]
+        assert fragment in sentence, result.stderr
+    assert re.search(r"[.?!](\s+\([^()]*\))?$", sentence.rstrip()), sentence
+    return sentence
+
+
+# --- git ------------------------------------------------------------------------------------
+
+
+GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+
+
+def sh(cwd: Path, *argv: str) -> str:
+    return subprocess.run(argv, cwd=cwd, check=True, capture_output=True, text=True,
+                          env={**os.environ, **GIT_ENV}).stdout.strip()
+
+
+# --- `tpufab` verbs from keywords, in the background, interrupted -----------------------------
+
+
+FLAGS = {"as_json": "--json"}        # keyword -> flag where the names differ
+
+
+def cli_argv(verb: str, **kwargs) -> list[str]:
+    """The `tpufab` command line for a verb function's keywords: ``call(env, "kill",
+    dry_run=True)`` runs ``tpufab kill --dry-run``; ``sim_zombie`` is ``tpufab sim zombie``."""
+    argv = [TPUFAB, *verb.split("_")]
+    recipe = kwargs.pop("recipe", None)
+    for key, value in kwargs.items():
+        flag = FLAGS.get(key, "--" + key.replace("_", "-"))
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            argv += [f"{flag}={item}" for item in value]
+        elif value is not None and value is not False:
+            argv.append(f"{flag}={value}")
+    return [*argv, "--", recipe] if recipe is not None else argv
+
+
+def call(environ, verb: str, *, cwd: Path, timeout: float = 120, extra_env=None, **kwargs):
+    """The verb through the installed `tpufab` command (see cli_argv)."""
+    return tpufab(*cli_argv(verb, **kwargs)[1:], env=environ, extra_env=extra_env, cwd=cwd,
+                  timeout=timeout)
+
+
+class Follower:
+    """`run` in the background, its output collected line by line as it arrives."""
+
+    def __init__(self, env, cwd: Path, **kwargs):
+        self.proc = subprocess.Popen(cli_argv("run", **kwargs),
+                                     env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True,
+                                     stdin=subprocess.DEVNULL)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self.readers = [threading.Thread(target=self._pump, args=(s, b), daemon=True)
+                        for s, b in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for reader in self.readers:
+            reader.start()
+
+    @staticmethod
+    def _pump(stream, into):
+        for line in stream:
+            into.append(line.rstrip("\n"))
+
+    def run_id(self) -> str:
+        def started():
+            for line in self.err:
+                if line.startswith("Run ") and " started on " in line:
+                    return line.split()[1].rstrip(":")
+            return None
+
+        return wait_for(started, 60, what="the run to start")
+
+    def wait_lines(self, text: str, count: int) -> None:
+        wait_for(lambda: sum(text in line for line in self.out) >= count, 60,
+                 what=f"{count} lines with {text!r}")
+
+    def finish(self, timeout: float = 60) -> int:
+        code = self.proc.wait(timeout)
+        for reader in self.readers:
+            reader.join(10)
+        return code
+
+
+def on_workers(pod, argv, workers=None, **kw) -> dict[int, str]:
+    """Each worker's stdout (stripped) of ``argv`` run through the pod's fan-out (all must
+    succeed); ``workers`` picks some."""
+    result = pod.fanout.run(argv, workers=workers, **kw)
+    assert result.ok, result.details()
+    return {w: r.stdout.strip() for w, r in result.items()}
+
+
+def write_recipe(folder: Path, name: str, text: str) -> Path:
+    path = folder / name
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+class Running:
+    """A `tpufab` subprocess whose output lines are collected as they arrive."""
+
+    def __init__(self, argv: list[str], env: dict, cwd: Path | None = None):
+        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._readers = [threading.Thread(target=self._read, args=(s, into), daemon=True)
+                         for s, into in ((self.proc.stdout, self.out),
+                                         (self.proc.stderr, self.err))]
+        for reader in self._readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream, into: list[str]) -> None:
+        for line in stream:
+            into.append(line)
+
+    def saw(self, text: str, stream: str = "out") -> bool:
+        return any(text in line for line in (self.out if stream == "out" else self.err))
+
+    def interrupt(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+
+    def wait(self, timeout: float = 60) -> SimpleNamespace:
+        code = self.proc.wait(timeout=timeout)
+        for reader in self._readers:
+            reader.join(timeout)
+        return SimpleNamespace(returncode=code, stdout="".join(self.out),
+                               stderr="".join(self.err))
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def interrupted_when(argv: list[str], env: dict, ready, what: str, timeout: float = 30,
+                     cwd: Path | None = None):
+    """Run a `tpufab` command, press Ctrl-C once `ready(running)` holds, return its result."""
+    running = Running(argv, env, cwd=cwd)
+    try:
+        wait_for(lambda: ready(running), timeout, what=what)
+        running.interrupt()
+        return running.wait(60)
+    finally:
+        running.kill()
+
+
+# --- status: facts.py's answer as data ------------------------------------------------------
+
+GiB = 1 << 30
+
+SAMPLE = {
+    "host": "t1v-n-1a2b3c4d-w-0", "uptime_s": 7260.5, "boot_id": "b-1", "load": [0.1, 0.2, 0.3],
+    "devices": [{"path": "/dev/accel0", "holders": [{"pid": 812, "command": "python3 train.py"}]},
+                {"path": "/dev/accel1", "holders": []}],
+    "unreadable_processes": 0,
+    "runs": [{"run": "20261122-104455-ab12", "state": "exited", "exit_code": 0,
+              "recipe": "jax_hello.sh", "started_at": 1.0, "ended_at": 2.0},
+             {"run": "20261122-114455-cd34", "state": "running", "recipe": "jax_train.sh",
+              "started_at": 3.0, "ended_at": None}],
+    "runs_total": 7,
+    "deploys": [{"dir": "/home/u/proj", "exists": True, "commit": "a" * 40, "branch": "main"}],
+    "mounts": [{"at": "/mnt/data", "fstype": "fuse.gcsfuse", "source": "bucket",
+                "url": "gs://bucket/prefix"}],
+    "setup": [{"hash": "0123456789abcdef", "done": True, "mtime": 5.0}],
+    "disk": [{"path": "/home/u", "free_bytes": 80 * GiB, "total_bytes": 100 * GiB}],
+    "memory": {"total_bytes": 400 * GiB, "available_bytes": 390 * GiB},
+    "python": "3.10.12", "time": 10.0,
+}
+
+
+def outcome(stdout: str = "", *, exit_code: int | None = 0, stderr: str = "",
+            error: str | None = None):
+    return SimpleNamespace(stdout=stdout, stderr=stderr, exit_code=exit_code, error=error)
+
+
+def facts_of(worker: int, **changes):
+    """status.parse_facts of SAMPLE with `changes` (a WorkerFacts)."""
+    from tpufab.workflows import status as st
+
+    return st.parse_facts(worker, outcome(answered({**json.loads(json.dumps(SAMPLE)),
+                                                   **changes})))
+
+
+def answered(payload: dict, kind: str = "answer") -> str:
+    """What a worker script prints for ``payload`` (workerlib.answer: the answer codec)."""
+    import io
+
+    from tpufab.remote.workerlib import answer
+
+    out = io.StringIO()
+    answer(kind, payload, out)
+    return out.getvalue()

@@ -15,18 +15,23 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-from conftest import unique_name, wait_for
-from helpers import TPUFAB, cli_env, in_worker, quiet_console, sim_settings
+from harness import sim_node
+from helpers import (
+    TPUFAB,
+    cli_env,
+    facts_of,
+    in_worker,
+    unique_name,
+    wait_for,
+)
 from rich.console import Console
-from test_status import facts_of
 
-from tpufab import babysit as bs
+from tpufab.cloud.nodes import Node, QueuedResourceInfo
 from tpufab.config import Settings
-from tpufab.jobs import WorkerState
-from tpufab.nodes import Node, QueuedResourceInfo
+from tpufab.jobs import babysit as bs
+from tpufab.jobs.running import WorkerState
 
 # ---------------------------------------------------------------------------------------------
 # decisions as data
@@ -73,7 +78,7 @@ def test_node_spec_settings_are_a_copy_with_the_spec():
 def test_node_spec_keeps_no_external_ips_metadata_and_network():
     """A node made with --internal-ips (the flag, not a setting) comes back without external
     IPs; an OS Login node keeps enable-oslogin (and its other metadata, not autostop's)."""
-    from tpufab.controlplane import node_body
+    from tpufab.cloud.controlplane import node_body
 
     made = node(external_ips=False, network="projects/p/global/networks/vpc",
                 subnetwork="projects/p/regions/r/subnetworks/s",
@@ -102,7 +107,7 @@ def test_node_spec_keeps_no_external_ips_metadata_and_network():
 
 
 def test_restore_reads_setup_commit_and_mounts_from_the_first_worker_that_answered():
-    from tpufab.status import WorkerFacts
+    from tpufab.workflows.status import WorkerFacts
 
     first = facts_of(1, setup=[{"hash": "a" * 16, "done": True, "mtime": 1.0},
                                {"hash": "b" * 16, "done": True, "mtime": 2.0},
@@ -184,7 +189,7 @@ def test_lock_one_babysitter_per_node_and_stale_locks(tmp_path):
             bs.Lock.for_node(settings).acquire("again")
         # another process is refused too, and told who holds it
         probe = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
-            from tpufab.babysit import Lock, BabysitError
+            from tpufab.jobs.babysit import Lock, BabysitError
             from pathlib import Path
             try:
                 Lock(Path({str(path)!r})).acquire("x")
@@ -201,7 +206,7 @@ def test_a_killed_babysitter_leaves_no_lock_behind(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
         from pathlib import Path
-        from tpufab.babysit import Lock
+        from tpufab.jobs.babysit import Lock
         Lock(Path({str(path)!r})).acquire("held")
         print("held", flush=True)
         sys.stdin.read()
@@ -239,29 +244,21 @@ echo "done $TPUFAB_RESTART_COUNT"
 @pytest.fixture(scope="module")
 def pod2(sim, tmp_path_factory):
     """A READY v4-16 (2 workers), shared by the scenarios below."""
-    from tpufab import lifecycle
-    from tpufab import pod as pods
-
-    home = tmp_path_factory.mktemp("babysit-home")
-    settings = sim_settings(sim, home, name=unique_name("bs"), type="v4-16")
-    [created] = lifecycle.create(settings, console=quiet_console())
-    recipe = home / "recipe.sh"
-    recipe.write_text(RECIPE)
-    recipe.chmod(0o755)
-    yield SimpleNamespace(settings=settings, home=home, recipe=recipe, sim=sim,
-                          name=settings.name, node=created)
-    pods.forget(settings)
-    lifecycle.delete(settings, yes=True, console=quiet_console())
+    with sim_node(sim, tmp_path_factory, "bs", "v4-16") as pod:
+        pod.recipe = pod.home / "recipe.sh"
+        pod.recipe.write_text(RECIPE)
+        pod.recipe.chmod(0o755)
+        yield pod
 
 
 def current_node(pod2):
-    from tpufab.controlplane import ControlPlane
+    from tpufab.cloud.tpu_api import TpuApi
 
-    return ControlPlane(pod2.settings).get_node(pod2.name)
+    return TpuApi(pod2.settings).get_node(pod2.name)
 
 
 def babysitter(pod2, tmp_path, monkeypatch, *, env=(), **options):
-    from tpufab import babysit
+    from tpufab.jobs import babysit
 
     for spec in env:
         key, _, value = spec.partition("=")
@@ -329,7 +326,8 @@ def test_babysit_gives_up_after_max_restarts(pod2, tmp_path, monkeypatch):
                                max_restarts=1, backoff=(0.2, 1.0),
                                env=[f"GO={go}", "FAIL_WORKER=0", "FAIL_CODE=4",
                                     "FAIL_UNTIL=9", "WAIT_UNTIL=0"])
-    with pytest.raises(bs.BabysitError, match=r"Gave up after 1 restart \(--max-restarts 1\)"):
+    with pytest.raises(bs.BabysitError, match=r"Gave up after 1 restart \(--max-restarts 1; "
+                                              r"by reason: 1 error\)"):
         sitter.run()
     assert [a.outcome for a in sitter.attempts] == ["failed", "failed"]
     assert "restarting in 0.2 s (restart 1 of 1)" in notes.getvalue()
@@ -415,3 +413,329 @@ def test_a_second_babysit_refuses_and_ctrl_c_stops_the_run(pod2, tmp_path):
                            timeout=120)
     assert third.returncode == 0, third.stderr
     assert "finished after 0 restarts" in third.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# restart budgets (issue 27): errors have a budget, the platform's losses do not use it
+
+def test_budget_and_exit_code_input_is_checked_in_one_sentence():
+    assert bs.restart_budget(2) == 2 and bs.restart_budget("0") == 0
+    assert bs.exit_codes("42, 143") == {42, 143} and bs.exit_codes([42, "143"]) == {42, 143}
+    assert bs.exit_codes("") == frozenset()
+    for bad in (-1, "two", True):
+        with pytest.raises(bs.ConfigError, match=r"^--max-restarts-on-errors takes a whole "
+                                                 r"number of restarts, 0 or more, not .*\.$"):
+            bs.restart_budget(bad)
+    for bad in ("42,x", "0", "256", "42,,143", "-1"):
+        with pytest.raises(bs.ConfigError, match=r"^--restart-on-exit takes exit codes from 1 "
+                                                 r"to 255 separated by commas, such as 42,143, "
+                                                 r"not .*\.$"):
+            bs.exit_codes(bad)
+
+
+def test_signals_count_as_128_plus_n_and_restarts_are_counted_by_reason(tmp_path):
+    assert bs.state_exit_code(WorkerState(0, "killed", signal="SIGTERM")) == 143
+    assert bs.state_exit_code(WorkerState(0, "exited", exit_code=42)) == 42
+    assert bs.recovery_reason("preempted", "TPU node p was PREEMPTED", {}) == "preempted"
+    assert bs.recovery_reason("preempted", "TPU node p was TERMINATED",
+                              {0: "maintenance: TERMINATE_ON_HOST_MAINTENANCE (x)"}) == \
+        "maintenance"
+    assert bs.recovery_reason("lost", "w1 unreachable for 300 s", {}) == "host failure"
+    attempts = [bs.Attempt(i, f"r{i}", o, "", tmp_path, restart=k and "x", restart_kind=k)
+                for i, (o, k) in enumerate([("failed", "error"), ("preempted", "preempted"),
+                                            ("failed", "error"), ("failed", "")])]
+    assert bs.restart_counts(attempts) == {"error": 2, "preempted": 1}
+    assert bs.counts_text(attempts) == "3 restarts: 2 error, 1 preempted"
+
+
+BUDGETED = """#!/bin/sh
+# attempts 0 and 2 exit 1 on every worker; attempt 1 runs until the node is preempted under it
+echo "attempt $TPUFAB_RESTART_COUNT w$TPUFAB_WORKER_ID"
+if [ "$TPUFAB_RESTART_COUNT" = 1 ]; then
+    while true; do sleep 0.05; done
+fi
+echo "failing on purpose" >&2
+exit 1
+"""
+
+
+@pytest.mark.sim
+def test_error_budget_restarts_once_and_a_preemption_does_not_use_it(pod2, tmp_path,
+                                                                      monkeypatch, sim_admin):
+    recipe = tmp_path / "budgeted.sh"
+    recipe.write_text(BUDGETED)
+    recipe.chmod(0o755)
+    sitter, notes = babysitter(pod2, tmp_path, monkeypatch, max_restarts_on_errors=1)
+    sitter.recipe = recipe
+    before = current_node(pod2)
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["value"] = sitter.run()
+        except BaseException as err:  # noqa: BLE001 - the test reads it
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    wait_for(lambda: "error" in outcome or sitter.log_dir is not None and all(
+        "attempt 1" in _read(sitter.log_dir / "attempt-1" / f"w{w}.log") for w in (0, 1)), 90,
+        what="attempt 1 to be running (after one restart on the error budget)")
+    assert "error" not in outcome, outcome["error"]
+    sim_admin.preempt(pod2.name)
+    thread.join(180)
+    assert not thread.is_alive(), "babysit did not end"
+    pod2.node = current_node(pod2)
+    assert pod2.node.id != before.id          # the preemption was recovered (recreated)
+    err = outcome.get("error")
+    assert isinstance(err, bs.BabysitError), outcome
+    assert err.exit_code == 1
+    assert [a.outcome for a in sitter.attempts] == ["failed", "preempted", "failed"]
+    said = notes.getvalue()
+    assert "babysit: exit 1 (error budget 1 of 1 used): attempt 0 failed" in said
+    assert "babysit: preempted: attempt 1 preempted" in said
+    assert "its error budget is spent (1 of 1 used)" in str(err)
+    assert "after 2 restarts: 1 error, 1 preempted" in str(err)
+    summary = json.loads((sitter.log_dir / "babysit.json").read_text())
+    assert summary["restarts"] == {"error": 1, "preempted": 1}
+    assert summary["errors_used"] == 1
+    assert [a.get("restart") for a in summary["attempts"]] == \
+        ["exit 1 (error budget 1 of 1 used)", "preempted", None]
+
+
+EXITS = """#!/bin/sh
+# attempt 0 exits 42, attempt 1 is killed by SIGTERM (143), attempt 2 finishes
+echo "attempt $TPUFAB_RESTART_COUNT w$TPUFAB_WORKER_ID"
+case "$TPUFAB_RESTART_COUNT" in
+    0) exit 42 ;;
+    1) kill -TERM $$; sleep 5; exit 7 ;;
+esac
+echo "done $TPUFAB_RESTART_COUNT"
+"""
+
+
+@pytest.mark.sim
+def test_restart_on_exit_restarts_those_codes_without_an_error_budget(pod2, tmp_path,
+                                                                       monkeypatch):
+    recipe = tmp_path / "exits.sh"
+    recipe.write_text(EXITS)
+    recipe.chmod(0o755)
+    sitter, notes = babysitter(pod2, tmp_path, monkeypatch, restart_on_exit="42,143")
+    sitter.recipe = recipe
+    result = sitter.run()
+    assert result.exit_code == 0
+    assert [a.outcome for a in result.attempts] == ["failed", "failed", "finished"]
+    said = notes.getvalue()
+    assert "babysit: exit 42 (--restart-on-exit): attempt 0 failed" in said
+    assert "babysit: exit 143 (--restart-on-exit): attempt 1 failed" in said
+    assert "finished after 2 restarts: 1 exit 42, 1 exit 143" in said
+    assert result.restart_counts == {"exit 42": 1, "exit 143": 1}
+    assert sitter.errors_used == 0
+
+
+@pytest.mark.sim
+def test_bad_budget_flags_are_one_sentence(pod2, tmp_path):
+    from helpers import one_sentence, tpufab
+
+    env = cli_env(pod2.sim, pod2.home, pod2.name)
+    bad_budget = tpufab("babysit", str(pod2.recipe), "--no-deploy",
+                        "--max-restarts-on-errors", "-1", env=env, cwd=tmp_path)
+    one_sentence(bad_budget, "--max-restarts-on-errors takes a whole number", "not -1.")
+    bad_codes = tpufab("babysit", str(pod2.recipe), "--no-deploy", "--restart-on-exit",
+                       "42,oops", env=env, cwd=tmp_path)
+    one_sentence(bad_codes, "--restart-on-exit takes exit codes", "not oops.")
+
+
+CHECKPOINTS = """#!/bin/bash
+# attempt 0 waits for the checkpoint signal, says why, and exits 0; attempt 1 finishes
+echo "attempt $TPUFAB_RESTART_COUNT w$TPUFAB_WORKER_ID"
+if [ "$TPUFAB_RESTART_COUNT" = 0 ]; then
+    trap 'echo "checkpointing: $(cat "$TPUFAB_PREEMPT_NOTICE")"; exit 0' USR1
+    while true; do sleep 0.1; done
+fi
+echo "done $TPUFAB_RESTART_COUNT"
+"""
+
+
+@pytest.mark.sim
+def test_before_maintenance_signals_the_recipe_then_restarts_it(pod2, tmp_path, monkeypatch,
+                                                                sim_admin):
+    recipe = tmp_path / "checkpoints.sh"
+    recipe.write_text(CHECKPOINTS)
+    recipe.chmod(0o755)
+    # the window starts in an hour; with a 2 h margin it is due at once
+    sim_admin.schedule_maintenance(pod2.name, 3600)
+    try:
+        sitter, notes = babysitter(pod2, tmp_path, monkeypatch, before_maintenance="usr1",
+                                   maintenance_margin="2h", maintenance_poll=0.5)
+        sitter.recipe = recipe
+        before = current_node(pod2).id
+        result = sitter.run()
+    finally:
+        sim_admin.schedule_maintenance(pod2.name, 0, clear=True)
+    assert result.exit_code == 0
+    assert [a.outcome for a in result.attempts] == ["maintenance", "finished"]
+    assert result.restart_counts == {"maintenance": 1}
+    assert current_node(pod2).id == before                   # the same node, restarted
+    said = notes.getvalue()
+    assert f"babysit: maintenance window on {pod2.name} at " in said
+    assert "sent SIGUSR1 to run" in said and "on w[0-1] to checkpoint" in said
+    assert "babysit: maintenance: attempt 0 maintenance" in said
+    assert said.count("sent SIGUSR1") == 1                   # once per window
+    for w in (0, 1):
+        first = (result.log_dir / "attempt-0" / f"w{w}.log").read_text()
+        assert "checkpointing: maintenance: SCHEDULED window on" in first
+        assert "tpufab: notice: maintenance: SCHEDULED window" in first
+        assert "done 1" in (result.log_dir / "attempt-1" / f"w{w}.log").read_text()
+
+
+def test_before_maintenance_input_is_checked_in_one_sentence():
+    assert bs.signal_name("USR1") == "USR1" and bs.signal_name("sigterm") == "TERM"
+    for bad in ("NOPE", "KILL", ""):
+        with pytest.raises(bs.ConfigError, match=r"^--before-maintenance takes the signal the "
+                                                 r"recipe checkpoints on, such as TERM, USR1 "
+                                                 r"or INT, not .*\.$"):
+            bs.signal_name(bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# the stall watchdog in babysit (issue 27): stacks into the attempt's logs, then restart
+
+STALLS = '''\
+import os
+import time
+
+ATTEMPT = os.environ["TPUFAB_RESTART_COUNT"]
+
+
+def wait_for_a_batch():
+    time.sleep(600)
+
+
+print(f"attempt {ATTEMPT} w{os.environ['TPUFAB_WORKER_ID']}", flush=True)
+if ATTEMPT == "0":
+    wait_for_a_batch()
+print(f"done {ATTEMPT}", flush=True)
+'''
+
+# prints nothing at all; worker 1 touches the progress file for a while, then both hang
+TOUCHES = '''\
+import os
+import pathlib
+import time
+
+PROGRESS = pathlib.Path(os.environ["TPUFAB_RUN_DIR"]) / "progress"
+
+
+def train():
+    end = time.monotonic() + 15
+    while time.monotonic() < end:
+        PROGRESS.touch()
+        time.sleep(0.5)
+
+
+def hang():
+    time.sleep(600)
+
+
+if os.environ["TPUFAB_WORKER_ID"] == "1":
+    train()
+hang()
+'''
+
+
+def py_spy_on(pod2) -> None:
+    """py-spy for the workers: the simulated pod's shared site carries it."""
+    from helpers import build_shared_site
+
+    build_shared_site([Path(pod2.sim.state_dir) / "share"])
+
+
+@pytest.mark.sim
+def test_a_stall_restarts_the_attempt_with_its_stacks_in_the_attempt_logs(pod2, tmp_path,
+                                                                           monkeypatch):
+    """Attempt 0 goes silent (inside wait_for_a_batch); --stall 10s --stall-action restart
+    takes both workers' stacks into attempt-0's logs, stops it and starts attempt 1, which
+    finishes. The stall is its own reason and leaves the error budget (0) alone."""
+    py_spy_on(pod2)
+    recipe = tmp_path / "stalls.py"
+    recipe.write_text(STALLS)
+    sitter, notes = babysitter(pod2, tmp_path, monkeypatch, stall="10s",
+                               stall_action="restart")
+    sitter.recipe = recipe
+    result = sitter.run()
+    said = " ".join(notes.getvalue().split())    # rich wraps the long lines
+    assert result.exit_code == 0, said
+    assert [a.outcome for a in result.attempts] == ["stalled", "finished"]
+    assert result.restart_counts == {"stalled": 1} and sitter.errors_used == 0
+    assert "babysit: no new output from any worker for 10s (--stall 10s): taking every " \
+           "worker's stacks" in said
+    assert "w[0-1] · `" in said and "wait_for_a_batch (stalls.py:" in said   # folded
+    assert "(--stall-action restart) ..." in said
+    assert "babysit: stalled (--stall-action restart): attempt 0 stalled (no new output " \
+           "for 10s; stacks: " in said
+    assert "finished after 1 restart: 1 stalled" in said
+    saved = list((result.log_dir / "attempt-0").glob("stacks-*.txt"))
+    assert len(saved) == 1 and "wait_for_a_batch (stalls.py:" in saved[0].read_text()
+    assert "done 1" in (result.log_dir / "attempt-1" / "w1.log").read_text()
+    summary = json.loads((result.log_dir / "babysit.json").read_text())
+    assert summary["restarts"] == {"stalled": 1} and summary["errors_used"] == 0
+    assert summary["stall"] == {"seconds": 10.0, "action": "restart", "progress_file": None}
+    assert summary["attempts"][0]["restart"] == "stalled (--stall-action restart)"
+
+
+@pytest.mark.sim
+def test_a_progress_file_is_progress_until_it_stops_advancing(pod2, tmp_path, monkeypatch):
+    """No output at all, but worker 1 touches $TPUFAB_RUN_DIR/progress for 15 s: with
+    --stall-progress-file progress the 10 s watchdog stays quiet while any worker touches it,
+    and fires once it stops (the stacks show both workers in hang(), none in train())."""
+    py_spy_on(pod2)
+    recipe = tmp_path / "touches.py"
+    recipe.write_text(TOUCHES)
+    sitter, notes = babysitter(pod2, tmp_path, monkeypatch, stall="10s", stall_action="kill",
+                               stall_progress_file="progress")
+    sitter.recipe = recipe
+    with pytest.raises(bs.BabysitError) as stalled:
+        sitter.run()
+    said = " ".join(notes.getvalue().split())
+    err = stalled.value
+    assert err.exit_code == 124, said
+    assert "babysit: the progress file progress did not advance on any worker for 10s " \
+           "(--stall 10s --stall-progress-file progress): taking every worker's stacks" in said
+    assert said.count("taking every worker's stacks") == 1
+    assert "stalled: the progress file progress did not advance on any worker for 10s" \
+        in str(err)
+    assert "(--stall-action kill), so babysit stops here after 0 restarts" in str(err)
+    [saved] = (sitter.log_dir / "attempt-0").glob("stacks-*.txt")
+    stacks = saved.read_text()
+    assert "hang (touches.py:" in stacks and "train (" not in stacks
+    assert [a.outcome for a in sitter.attempts] == ["stalled"]
+    no_recipe_left(pod2, pod2.node)
+
+
+@pytest.mark.sim
+def test_bad_stall_flags_are_one_sentence(pod2, tmp_path):
+    from helpers import one_sentence, tpufab
+
+    env = cli_env(pod2.sim, pod2.home, pod2.name)
+    recipe = str(pod2.recipe)
+    cases = [
+        (("babysit", "--stall", "5s"),
+         ("--stall 5s is below the floor of 10 s", "use --stall 10s or more.")),
+        (("babysit", "--stall", "1m", "--stall-action", "later"),
+         ("--stall-action takes wait, kill or restart, not 'later'.",)),
+        (("babysit", "--stall", "1m", "--stall-progress-file", "../progress"),
+         ("--stall-progress-file ", "has a '..' part",)),
+        (("babysit", "--stall", "1m", "--stall-progress-file", ""),
+         ("--stall-progress-file needs a file the recipe touches", "it was empty.")),
+        (("babysit", "--stall-progress-file", "progress"),
+         ("--stall-progress-file says what progress means", "add --stall")),
+        (("babysit", "--stall", "1m", "--ray"),
+         ("--stall watches the output of a recipe tpufab runs, and --ray hands the recipe to "
+          "Ray: give one or the other.",)),
+        (("run", "--stall", "1m", "--stall-action", "restart"),
+         ("--stall-action restart needs something to start the next attempt, which only "
+          "babysit does", "`tpufab babysit RECIPE --stall DURATION --stall-action restart`")),
+    ]
+    for argv, fragments in cases:
+        one_sentence(tpufab(*argv, "--no-deploy", recipe, env=env, cwd=tmp_path), *fragments)

@@ -7,7 +7,6 @@ unreachable worker) and expects the check to name that worker and the fix.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -15,9 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import unique_name
+from harness import connected_pod
+from helpers import on_workers, tpufab, unique_name
 
-from tpufab.check import (
+from tpufab.workflows.check import (
     Promise,
     Report,
     check_clock,
@@ -27,7 +27,15 @@ from tpufab.check import (
     quick_results,
     report_lines,
 )
-from tpufab.status import Deployed, Device, Disk, Holder, MountFact, MountProbe, WorkerFacts
+from tpufab.workflows.status import (
+    Deployed,
+    Device,
+    Disk,
+    Holder,
+    MountFact,
+    MountProbe,
+    WorkerFacts,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TPUFAB = str(Path(sys.executable).parent / "tpufab")
@@ -161,24 +169,13 @@ def test_the_collective_names_its_slowest_host_and_failures():
 
 
 def test_parse_collective_takes_the_marked_line():
-    text = 'noise\nTPUFAB_CHECK {"ok": true, "stage": "allreduce"}\n[Gloo] bye\n'
+    text = 'noise\n@tpufab-answer answer {"ok": true, "stage": "allreduce"}\n[Gloo] bye\n'
     assert parse_collective(text) == {"ok": True, "stage": "allreduce"}
-    assert parse_collective("TPUFAB_CHECK {broken\n") is None
+    assert parse_collective("@tpufab-answer answer {broken\n") is None
 
 
 # ---------------------------------------------------------------------------------------------
 # on the simulated pod
-
-
-def _quiet():
-    from rich.console import Console
-
-    return Console(file=io.StringIO())
-
-
-def tpufab(*args: str, env, cwd: Path, timeout: float = 300):
-    return subprocess.run([TPUFAB, *args], env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 def git(folder: Path, *argv: str) -> str:
@@ -191,43 +188,17 @@ def git(folder: Path, *argv: str) -> str:
 @pytest.fixture(scope="module")
 def pod_env(sim, tmp_path_factory):
     """A v4-32 with JAX set up (scripts/setup-sim.sh) and a project deployed to it."""
-    from conftest import build_shared_site
-
-    from tpufab import lifecycle
-    from tpufab import pod as pods
-    from tpufab.config import load_settings
-    from tpufab.fanout import run_setup
-
-    base = tmp_path_factory.mktemp("check-sim")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
-    env.update(sim.env(), TPUFAB_USER_CONFIG=str(base / "none.yaml"), TPUFAB_SSH_USER="root",
-               TPUFAB_SSH_KEY=str(base / "key" / "tpufab_ed25519"),
-               TPUFAB_KNOWN_HOSTS=str(base / "known_hosts"), TPUFAB_NAME=unique_name("chk"),
-               COLUMNS="250")
-    settings = load_settings(env=env, cwd=base)
-    build_shared_site([Path(sim.state_dir) / "share"])
-    lifecycle.create(load_settings({"type": "v4-32"}, env=env, cwd=base), console=_quiet())
-    pod = pods.connect(settings, console=_quiet())
-    project = base / "proj"
-    project.mkdir()
-    (project / "README").write_text("checked\n")
-    git(project, "init", "-q", "-b", "main")
-    git(project, "add", "-A")
-    git(project, "commit", "-q", "-m", "first")
-    try:
-        run_setup(pod.fanout, REPO / "scripts" / "setup-sim.sh")[0].close()
-        deployed = tpufab("deploy", "--direct", env=env, cwd=project)
+    with connected_pod(sim, tmp_path_factory, "chk", ssh_user="root", columns=250, site="jax",
+                       setup=True) as pod:
+        project = pod.base / "proj"
+        project.mkdir()
+        (project / "README").write_text("checked\n")
+        git(project, "init", "-q", "-b", "main")
+        git(project, "add", "-A")
+        git(project, "commit", "-q", "-m", "first")
+        deployed = tpufab("deploy", "--direct", env=pod.env, cwd=project)
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-        yield env, pod, project
-    finally:
-        pod.close()
-        lifecycle.delete(settings, yes=True, console=_quiet())
-
-
-def on_workers(pod, argv, workers=None) -> dict[int, str]:
-    result = pod.fanout.run(argv, workers=workers)
-    assert result.ok, result.details()
-    return {w: r.stdout.strip() for w, r in result.items()}
+        yield pod.env, pod.pod, project
 
 
 def problem_lines(result) -> list[str]:
@@ -375,3 +346,66 @@ def test_a_mount_that_hangs_on_one_worker(pod_env, tmp_path):
             "--at /mnt/chk --lazy`, then `tpufab mount` again."]
     finally:
         tpufab("umount", "--at", "/mnt/chk", "--lazy", env=env, cwd=project)
+
+
+@pytest.fixture(scope="module")
+def small_pod(sim, tmp_path_factory):
+    """A READY v4-8 (one worker), no JAX: enough to hold a live run."""
+    from harness import sim_node
+
+    with sim_node(sim, tmp_path_factory, "chklive", "v4-8") as node:
+        yield node
+
+
+@pytest.mark.sim
+def test_check_respects_a_live_run(small_pod):
+    """Beside a live run `check` refuses in one sentence (its collective would start on the
+    same TPUs, as deploy and run refuse); `check --quick` checks and says why the collective
+    is skipped. Before: the collective started beside the run without a word."""
+    env, home = small_pod.env, small_pod.home
+    (home / "long.sh").write_text("#!/bin/sh\necho started\nexec sleep 600\n")
+    (home / "long.sh").chmod(0o755)
+    started = tpufab("run", "long.sh", "--no-deploy", "--detach", env=env, cwd=home)
+    assert started.returncode == 0, started.stdout + started.stderr
+    import re
+
+    found = re.search(r"Run (\d{8}-\d{6}-[0-9a-f]{4})", started.stdout + started.stderr)
+    assert found, started.stdout + started.stderr
+    run = found.group(1)
+    runs = json.loads(tpufab("runs", "--json", env=env, cwd=home).stdout)
+    try:
+        refused = tpufab("check", env=env, cwd=home)
+        assert refused.returncode != 0, refused.stdout + refused.stderr
+        text = refused.stdout + refused.stderr
+        assert "Traceback" not in text
+        lines = [line for line in refused.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1, refused.stderr
+        assert lines[0].startswith(f"Run {run} (long.sh) is running on w0, and the collective")
+        assert "`tpufab check --quick`" in lines[0]
+        after = json.loads(tpufab("runs", "--json", env=env, cwd=home).stdout)
+        assert [r["run"] for r in after] == [r["run"] for r in runs]    # no collective ran
+        quick = tpufab("check", "--quick", env=env, cwd=home)
+        assert re.search(rf"skip +collective +skipped \(--quick\): run {run} is running on "
+                         r"w0", quick.stdout), quick.stdout + quick.stderr
+    finally:
+        tpufab("kill", "--run", run, env=env, cwd=home)
+
+
+def test_ray_is_judged_from_the_workers_raylets_and_unsaid_where_ray_is_not_used():
+    def ray(head: bool, gcs: str = "10.0.0.1:6379", raylet: int | None = 7) -> dict:
+        return {"raylet": raylet, "head": head, "gcs_address": gcs, "node_ip": None}
+
+    assert not any(r.check == "ray" for r in judge({w: healthy(w) for w in range(4)}).results)
+    up = {w: healthy(w, ray=ray(w == 0)) for w in range(4)}
+    assert "ok    ray        up, head w0, 4/4 hosts joined" in report_lines(judge(up))
+    # w2's raylet is gone, w3's talks to another GCS
+    part = {**up, 2: healthy(2), 3: healthy(3, ray=ray(False, gcs="10.0.0.9:6379"))}
+    report = judge(part)
+    assert [p.line() for p in report.problems] == [
+        "w[2-3]: not joined to Ray's head on w0; start Ray again with `tpufab ray up`."]
+    assert "FAIL  ray        head w0, 2/4 hosts joined (w[2-3] missing)" in report_lines(report)
+    # raylets left without a head anywhere
+    headless = {w: healthy(w, ray=ray(False) if w == 1 else None) for w in range(4)}
+    assert [p.line() for p in judge(headless).problems] == [
+        "w1: a raylet runs without Ray's head (GCS) on any worker; start Ray again with "
+        "`tpufab ray up`."]

@@ -6,29 +6,12 @@ from __future__ import annotations
 import os
 import re
 import socket
-import subprocess
 import threading
 import time
-from pathlib import Path
 
 import pytest
-from helpers import TPUFAB, sim_node
-
-
-def tpufab(*args: str, env: dict, cwd: Path | None = None, timeout: float = 120):
-    return subprocess.run([TPUFAB, *args], env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
-
-
-def one_sentence(result, *fragments: str) -> str:
-    assert result.returncode != 0, result.stdout + result.stderr
-    text = result.stdout + result.stderr
-    assert "Traceback" not in text and "Unexpected error" not in text, text
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
+from harness import sim_node
+from helpers import one_sentence, tpufab
 
 
 @pytest.fixture

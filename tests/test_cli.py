@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import unique_name
+from helpers import invoke, one_sentence, tpufab, unique_name
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -36,33 +36,9 @@ def sim_env(sim, user_env):
     return {**user_env, **sim.env()}
 
 
-def run(argv, env, *, cwd, timeout=180, stdin=subprocess.DEVNULL):
-    return subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, stdin=stdin)
-
-
-def tpufab(*args, env, cwd):
-    return run([TPUFAB, *args], env, cwd=cwd)
-
-
 # Outside the checkout: a verb that remembers a current pod writes it where it runs, and
 # tpufab's own checkout must not become a test's project.
 OUTSIDE = Path(tempfile.mkdtemp(prefix="tpufab-cli-cwd-"))
-
-
-def invoke(*args, env):
-    """`invoke` with tpufab's own tasks.py (-r), run from outside the checkout."""
-    return run([INVOKE, "-r", str(REPO), *args], env, cwd=OUTSIDE)
-
-
-def assert_one_sentence_failure(result, *fragments):
-    """Exit non-zero; stderr is one line holding every fragment; no traceback anywhere."""
-    assert result.returncode != 0, result.stdout + result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    assert "Traceback" not in result.stdout + result.stderr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,9 +76,9 @@ def test_invoke_list_imports_no_cloud_sdk_or_fabric():
 
 VERBS = ("init", "use", "launch", "autostop", "gc", "create", "delete", "list", "describe",
          "types", "topology", "exec", "setup", "ssh", "deploy", "mount", "umount", "run", "logs",
-         "runs", "kill", "status", "babysit", "check")
+         "runs", "kill", "status", "babysit", "check", "top")
 SIM_VERBS = ("up", "down", "status", "preempt", "unreachable", "fail-create", "burst", "zombie",
-             "bucket", "os-login")
+             "bucket", "os-login", "maintenance", "end-run")
 
 
 def listed_commands(text: str, section: str = "Commands:") -> list[str]:
@@ -120,7 +96,7 @@ def test_help_lists_every_verb(user_env, tmp_path):
     sim = tpufab("sim", "--help", env=user_env, cwd=tmp_path)
     assert set(listed_commands(sim.stdout)) == set(SIM_VERBS), sim.stdout
 
-    result = invoke("--list", env=user_env)
+    result = invoke("--list", env=user_env, cwd=OUTSIDE)
     assert result.returncode == 0, result.stderr
     tasks = set(listed_commands(result.stdout, "Available tasks:"))
     assert {*VERBS, *(f"sim.{v}" for v in SIM_VERBS)} <= tasks, sorted(tasks)
@@ -131,7 +107,7 @@ def test_types_table(user_env, tmp_path):
     assert result.returncode == 0
     row = next(line.split() for line in result.stdout.splitlines() if line.startswith("v4-32 "))
     assert row[:5] == ["v4-32", "4", "16", "4", "tpu-ubuntu2204-base"]
-    data = json.loads(invoke("types", "--json", env=user_env).stdout)
+    data = json.loads(invoke("types", "--json", env=user_env, cwd=OUTSIDE).stdout)
     v6e = next(t for t in data if t["type"] == "v6e-8")
     assert v6e["hosts"] == 1 and v6e["device_files"][-1] == "/dev/vfio/7"
 
@@ -156,23 +132,23 @@ BAD_CREATES = [
 def test_bad_create_input(user_env, tmp_path, args, fragments):
     # the endpoint answers nothing: a bad input must be refused before any API call
     env = {**user_env, "TPUFAB_API_ENDPOINT": "http://127.0.0.1:9", "TPUFAB_PROJECT": "p"}
-    assert_one_sentence_failure(tpufab("create", *args, env=env, cwd=tmp_path), *fragments)
-    assert_one_sentence_failure(invoke("create", *args, env=env), *fragments)
+    one_sentence(tpufab("create", *args, env=env, cwd=tmp_path), *fragments)
+    one_sentence(invoke("create", *args, env=env, cwd=OUTSIDE), *fragments)
 
 
 def test_unreachable_endpoint(user_env, tmp_path):
     env = {**user_env, "TPUFAB_API_ENDPOINT": "http://127.0.0.1:9", "TPUFAB_PROJECT": "p"}
     sentence = ("Cannot reach the TPU API at http://127.0.0.1:9 (connection refused); is the "
                 "simulated pod up? run `tpufab sim up`")
-    assert_one_sentence_failure(tpufab("list", env=env, cwd=tmp_path), sentence)
-    assert_one_sentence_failure(invoke("describe", "--name", "demo", env=env), sentence)
-    assert_one_sentence_failure(tpufab("create", "--name", "demo", "--type", "v4-8", env=env,
+    one_sentence(tpufab("list", env=env, cwd=tmp_path), sentence)
+    one_sentence(invoke("describe", "--name", "demo", env=env, cwd=OUTSIDE), sentence)
+    one_sentence(tpufab("create", "--name", "demo", "--type", "v4-8", env=env,
                                        cwd=tmp_path), sentence)
 
 
 def test_no_project(user_env, tmp_path):
     env = {**user_env, "TPUFAB_API_ENDPOINT": "http://127.0.0.1:9"}
-    assert_one_sentence_failure(tpufab("list", env=env, cwd=tmp_path),
+    one_sentence(tpufab("list", env=env, cwd=tmp_path),
                                 "No project given: pass --project")
 
 
@@ -213,36 +189,36 @@ def test_tpufab_create_list_describe_delete(sim_env, tmp_path):
     assert again.returncode == 0 and "already exists and is READY" in again.stdout
 
     refused = tpufab("delete", "--name", name, env=sim_env, cwd=tmp_path)
-    assert_one_sentence_failure(refused, "pass --yes")
+    one_sentence(refused, "pass --yes")
 
     result = tpufab("delete", "--name", name, "--yes", env=sim_env, cwd=tmp_path)
     assert result.returncode == 0 and f"Deleted TPU node {name}" in result.stdout
     result = tpufab("delete", "--name", name, "--yes", env=sim_env, cwd=tmp_path)
     assert result.returncode == 0 and "nothing to delete" in result.stdout
-    assert_one_sentence_failure(tpufab("describe", "--name", name, env=sim_env, cwd=tmp_path),
+    one_sentence(tpufab("describe", "--name", name, env=sim_env, cwd=tmp_path),
                                 f"No node named '{name}'")
 
 
 @pytest.mark.sim
 def test_invoke_create_list_describe_delete(sim_env):
     name = unique_name("inv")
-    result = invoke("create", "--name", name, "--type", "v6e-8", "--spot", env=sim_env)
+    result = invoke("create", "--name", name, "--type", "v6e-8", "--spot", env=sim_env, cwd=OUTSIDE)
     assert result.returncode == 0, result.stderr
     assert f"TPU node {name} is READY" in result.stdout
-    assert name in invoke("list", env=sim_env).stdout
-    data = json.loads(invoke("describe", "--name", name, "--json", env=sim_env).stdout)
+    assert name in invoke("list", env=sim_env, cwd=OUTSIDE).stdout
+    data = json.loads(invoke("describe", "--name", name, "--json", env=sim_env, cwd=OUTSIDE).stdout)
     assert data["accelerator_type"] == "v6e-8" and data["spot"] is True
     assert data["runtime_version"] == "v2-alpha-tpuv6e" and data["hosts"] == 1
-    result = invoke("delete", "--name", name, "--yes", env=sim_env)
+    result = invoke("delete", "--name", name, "--yes", env=sim_env, cwd=OUTSIDE)
     assert result.returncode == 0 and f"Deleted TPU node {name}" in result.stdout
-    assert name not in invoke("list", env=sim_env).stdout
+    assert name not in invoke("list", env=sim_env, cwd=OUTSIDE).stdout
 
 
 @pytest.mark.sim
 def test_queued_multislice_from_the_command_line(sim_env, tmp_path):
     name = unique_name("qcli")
     result = invoke("create", "--name", name, "--type", "v4-16", "--queued", "--num-slices", "2",
-                    env=sim_env)
+                    env=sim_env, cwd=OUTSIDE)
     assert result.returncode == 0, result.stderr
     assert f"Queued resource {name} is ACTIVE" in result.stdout
     listed = json.loads(tpufab("list", "--json", env=sim_env, cwd=tmp_path).stdout)
@@ -255,11 +231,11 @@ def test_queued_multislice_from_the_command_line(sim_env, tmp_path):
 def test_sim_fault_commands(sim_env, tmp_path, sim_admin):
     name = unique_name("fault")
     assert tpufab("sim", "fail-create", env=sim_env, cwd=tmp_path).returncode == 0
-    assert_one_sentence_failure(
+    one_sentence(
         tpufab("create", "--name", name, "--type", "v4-8", env=sim_env, cwd=tmp_path),
         "No v4-8 capacity is available", "--spot")
-    assert invoke("sim.fail-create", "--quota", env=sim_env).returncode == 0
-    assert_one_sentence_failure(invoke("create", "--name", name, "--type", "v4-8", env=sim_env),
+    assert invoke("sim.fail-create", "--quota", env=sim_env, cwd=OUTSIDE).returncode == 0
+    one_sentence(invoke("create", "--name", name, "--type", "v4-8", env=sim_env, cwd=OUTSIDE),
                                 "Not enough quota")
 
     assert tpufab("sim", "burst", "--count", "2", env=sim_env, cwd=tmp_path).returncode == 0
@@ -272,12 +248,12 @@ def test_sim_fault_commands(sim_env, tmp_path, sim_admin):
         assert tpufab("sim", "unreachable", name, "--worker", "0", env=sim_env,
                       cwd=tmp_path).returncode == 0
         assert invoke("sim.unreachable", "--name", name, "--worker", "0", "--restore",
-                      env=sim_env).returncode == 0
-        result = invoke("sim.preempt", "--name", name, env=sim_env)
+                      env=sim_env, cwd=OUTSIDE).returncode == 0
+        result = invoke("sim.preempt", "--name", name, env=sim_env, cwd=OUTSIDE)
         assert result.returncode == 0 and "PREEMPTED" in result.stdout
         result = tpufab("list", env=sim_env, cwd=tmp_path)
         assert f"{name} was PREEMPTED" in result.stdout
-        assert_one_sentence_failure(
+        one_sentence(
             tpufab("create", "--name", name, "--type", "v4-8", env=sim_env, cwd=tmp_path),
             "was PREEMPTED", f"tpufab delete --name {name} --yes")
     finally:
@@ -293,7 +269,7 @@ def test_sim_up_prints_the_lines_to_export(sim, user_env, tmp_path):
     assert f"export TPUFAB_API_ENDPOINT={sim.endpoint}" in lines
     assert f"export TPUFAB_PROJECT={sim.project}" in lines
     assert f"export TPUFAB_ZONE={sim.zone}" in lines
-    status = invoke("sim.status", "--state-dir", str(sim.state_dir), env=user_env)
+    status = invoke("sim.status", "--state-dir", str(sim.state_dir), env=user_env, cwd=OUTSIDE)
     assert status.returncode == 0 and sim.endpoint in status.stdout
     gone = tpufab("sim", "status", "--state-dir", str(tmp_path / "none"), env=user_env,
                   cwd=tmp_path)

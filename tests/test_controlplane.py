@@ -8,13 +8,11 @@ import stat
 
 import pytest
 import requests
-from conftest import unique_name, wait_for
 from google.api_core import exceptions as gexc
 from google.cloud import tpu_v2
+from helpers import unique_name, wait_for
 
-from tpufab import sshkeys
-from tpufab.config import load_settings
-from tpufab.controlplane import (
+from tpufab.cloud.controlplane import (
     Action,
     ControlPlane,
     RetriesExhausted,
@@ -26,8 +24,11 @@ from tpufab.controlplane import (
     queued_resource_body,
     translate,
 )
+from tpufab.cloud.nodes import Node, QueuedResourceInfo
+from tpufab.cloud.tpu_api import TpuApi
+from tpufab.config import load_settings
 from tpufab.errors import ApiError, ConfigError, NotFound
-from tpufab.nodes import Node, QueuedResourceInfo
+from tpufab.ssh import keys as sshkeys
 from tpufab.topology import parse_accelerator_type
 
 SIM = "http://127.0.0.1:9"
@@ -175,7 +176,7 @@ def test_a_long_burst_ends_in_one_sentence():
     assert flaky.calls == FAST.attempts and info.value.attempts == FAST.attempts
 
     settings = load_settings({"project": "proj", "api_endpoint": SIM}, env={})
-    control = ControlPlane(settings, retry=FAST, sleep=lambda s: None, client=object())
+    control = TpuApi(settings, retry=FAST, sleep=lambda s: None, client=object())
     with pytest.raises(ApiError) as info:
         control._call(CREATE, lambda **kw: flaky())
     text = str(info.value)
@@ -220,7 +221,7 @@ def test_client_calls_go_through_one_retry_policy_with_client_retry_off():
                 raise rest(503, "busy")
             return tpu_v2.Node(name=name, accelerator_type="v4-8", state="READY")
 
-    control = ControlPlane(settings, client=Client(), retry=FAST, sleep=lambda s: None)
+    control = TpuApi(settings, client=Client(), retry=FAST, sleep=lambda s: None)
     node = control.get_node("demo")
     assert node.name == "demo" and node.ready
     assert len(seen) == 3
@@ -232,7 +233,7 @@ def test_no_project_is_a_config_sentence(tmp_path):
     # in a folder of its own: a current pod where the tests run would name a project
     settings = load_settings({"api_endpoint": SIM}, env={}, cwd=tmp_path)
     with pytest.raises(ConfigError, match="No project given: pass --project"):
-        ControlPlane(settings)
+        TpuApi(settings)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,7 +404,7 @@ def control(sim, tmp_path):
     settings = load_settings({"api_endpoint": sim.endpoint, "project": sim.project,
                               "zone": sim.zone, "api_retries": 5, "api_retry_seconds": 30},
                              cwd=tmp_path, env={})
-    return ControlPlane(settings, retry=RetryPolicy(attempts=5, total_seconds=30, initial=0.05,
+    return TpuApi(settings, retry=RetryPolicy(attempts=5, total_seconds=30, initial=0.05,
                                                     maximum=0.2, jitter=0.05))
 
 
@@ -520,3 +521,168 @@ def test_preempted_node_reads_as_preempted(control, make_node, sim_admin):
 def test_accelerator_types_from_the_api(control):
     types = control.accelerator_types()
     assert "v4-32" in types and "v6e-8" in types
+
+
+def test_an_endpoint_that_accepts_and_never_answers_costs_api_timeout_then_one_sentence():
+    """(issue 23) list/describe have no --timeout: the whole call, retries included, waits at
+    most api_timeout for answers that never come (it took 121 s: two 60 s attempts)."""
+    import socket
+    import time
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)                       # accepts (the kernel does), never answers
+    endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        settings = load_settings({"project": "proj", "zone": "us-central2-b",
+                                  "api_endpoint": endpoint, "api_timeout": 1.5,
+                                  "api_retries": 8, "api_retry_seconds": 120}, env={})
+        started = time.monotonic()
+        with pytest.raises(ApiError) as info:
+            TpuApi(settings).list_nodes()
+        took = time.monotonic() - started
+    finally:
+        silent.close()
+    assert took < 4, took
+    text = str(info.value)
+    assert text.startswith(f"The TPU API at {endpoint} did not answer within 1.5s")
+    assert "TPUFAB_API_TIMEOUT" in text and "\n" not in text
+
+# ---------------------------------------------------------------------------------------------
+# the seam (issue 22, item 6): lifecycle and everything above it talk to ControlPlane
+
+
+class InMemory(ControlPlane):
+    """A second control plane, as small as the interface allows: nodes in a dict."""
+
+    def __init__(self, settings, nodes=()):
+        super().__init__(settings)
+        self.nodes = {n.name: n for n in nodes}
+
+    def get_node(self, name):
+        if name not in self.nodes:
+            raise NotFound(f"No TPU node named {name!r}.")
+        return self.nodes[name]
+
+    def list_nodes(self):
+        return list(self.nodes.values())
+
+    def create_node(self, name, body):
+        raise ApiError("This control plane creates nothing.")
+
+    def delete_node(self, name):
+        self.nodes.pop(name)
+        return "op-delete"
+
+    def update_metadata(self, name, metadata):
+        self.nodes[name].metadata = dict(metadata)
+        return "op-update"
+
+    def host_keys(self, name, workers=None):
+        return {}
+
+    def create_queued_resource(self, name, body):
+        raise ApiError("This control plane has no queued capacity.")
+
+    def get_queued_resource(self, name):
+        raise NotFound(f"No queued resource named {name!r}.")
+
+    def list_queued_resources(self):
+        return []
+
+    def delete_queued_resource(self, name, *, force=True):
+        raise NotFound(f"No queued resource named {name!r}.")
+
+    def operation_done(self, op_name, verb="create", *, kind="node", name=None,
+                       accelerator_type=None):
+        return True
+
+    def list_operations(self):
+        return []
+
+    def zones(self):
+        return [self.zone]
+
+    def accelerator_types(self):
+        return ["v4-8"]
+
+
+def test_the_control_plane_is_an_interface_with_the_tpu_api_as_its_first_implementation(
+        tmp_path):
+    from tpufab.cloud import lifecycle
+
+    settings = load_settings({"project": "proj", "api_endpoint": SIM}, env={}, cwd=tmp_path)
+    with pytest.raises(TypeError, match="abstract"):
+        ControlPlane(settings)
+    made = lifecycle.control_plane(settings)  # nothing says which plane: both, by name
+    from tpufab.cloud.compute_api import ComputeEngine
+    from tpufab.cloud.controlplane import BothPlanes
+
+    assert isinstance(made, BothPlanes) and isinstance(made, ControlPlane)
+    assert isinstance(made.tpu, TpuApi) and isinstance(made.compute, ComputeEngine)
+    settings.control_plane = "tpu"
+    assert isinstance(lifecycle.control_plane(settings), TpuApi)
+    settings.control_plane, settings.type = None, "tpu7x-16"  # TPU7x: Compute Engine only
+    assert isinstance(lifecycle.control_plane(settings), ComputeEngine)
+    settings.type = "v6e-8"
+    settings.control_plane = "compute"  # --on compute
+    assert isinstance(lifecycle.control_plane(settings), ComputeEngine)
+    settings.control_plane = "gke"
+    with pytest.raises(ConfigError, match="must be tpu or compute"):
+        lifecycle.control_plane(settings)
+
+    class Half(ControlPlane):
+        def get_node(self, name):
+            raise NotFound(name)
+
+    with pytest.raises(TypeError) as info:   # a new implementation is told what it lacks
+        Half(settings)
+    assert "list_nodes" in str(info.value) and "operation_done" in str(info.value)
+
+
+def test_lifecycle_works_on_any_control_plane(tmp_path):
+    from rich.console import Console
+
+    from tpufab.cloud import lifecycle
+
+    settings = load_settings({"project": "proj", "name": "demo"}, env={}, cwd=tmp_path)
+    node = Node(name="demo", project="proj", zone=settings.zone, accelerator_type="v4-8",
+                state="READY")
+    control = InMemory(settings, [node])
+    assert control.find_node("gone") is None and control.find_queued_resource("q") is None
+    assert [n.name for n in lifecycle.list_nodes(settings, control=control)] == ["demo"]
+    assert lifecycle.describe(settings, control=control) is node
+    console = Console(record=True, width=200)
+    assert lifecycle.delete(settings, yes=True, console=console, control=control)
+    assert control.nodes == {}
+
+
+def test_only_the_factory_names_the_tpu_api():
+    """Verbs, workflows and the Pod reach the cloud through lifecycle.control_plane: a second
+    implementation slots in there, and only google-cloud-tpu's own module imports it."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "tpufab"
+    naming, client, compute = [], [], []
+    for path in package.rglob("*.py"):
+        rel = str(path.relative_to(package))
+        if rel.startswith("sim/"):
+            continue  # the simulated pod serves the API, it is not a client of it
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            if any(n.startswith("tpufab.cloud.tpu_api") for n in names):
+                naming.append(rel)
+            if any(n.startswith("google.cloud.tpu_v2") for n in names):
+                client.append(rel)
+            if any(n.startswith("google.cloud.compute_v1") for n in names) or (
+                    isinstance(node, ast.ImportFrom) and node.module == "google.cloud"
+                    and any(a.name == "compute_v1" for a in node.names)):
+                compute.append(rel)
+    assert sorted(set(naming)) == ["cloud/lifecycle.py"]
+    assert sorted(set(client)) == ["cloud/tpu_api.py"]
+    assert sorted(set(compute)) == ["cloud/compute_api.py"]  # google-cloud-compute

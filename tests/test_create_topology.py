@@ -5,12 +5,12 @@ from __future__ import annotations
 import io
 
 import pytest
-from conftest import unique_name
+from helpers import unique_name
 from rich.console import Console
 
-from tpufab import lifecycle
+from tpufab.cloud import lifecycle
+from tpufab.cloud.controlplane import node_body, queued_resource_body
 from tpufab.config import load_settings
-from tpufab.controlplane import node_body, queued_resource_body
 from tpufab.errors import ConfigError
 from tpufab.sim._model import ApiFailure, accelerator_type_of
 
@@ -39,7 +39,7 @@ def test_node_body_asks_for_accelerator_config_instead_of_a_type(tmp_path):
 @pytest.mark.parametrize("type_,topology,said", [
     ("v4-128", "4x4x8", "is 128 chips, but v4-128 has 64"),
     ("v4-256", "2x8x8", "valid shapes for v4-256: 4x4x8"),
-    ("v3-32", "4x4", "--topology is for v4, v5p, v5e (v5litepod) and v6e"),
+    ("v3-32", "4x4", "--topology is for v4, v5p, v5e (v5litepod), v6e and TPU7x"),
 ])
 def test_bad_topology_is_refused_before_any_api_call(tmp_path, type_, topology, said):
     # nothing listens on this endpoint: reaching the API would be a different error

@@ -94,3 +94,18 @@ def test_invoke_reads_a_tpufab_section_from_its_own_config_file(project, tmp_pat
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "Cannot reach the TPU API at http://127.0.0.1:9" in out.stderr, out.stderr
+
+
+def test_an_empty_name_says_it_is_empty_not_that_there_is_no_current_pod(project):
+    """(issue 23) `--name ''` said "this project has no current pod" when there was one."""
+    current.remember("cur-pod", zone="us-central2-b", project="sim-project", set_by="use",
+                     cwd=project)
+    import os
+
+    here = {k: v for k, v in os.environ.items() if k == "PYTHONPATH"}   # this checkout's
+    out = subprocess.run([str(BIN / "tpufab"), "describe", "--name", ""], cwd=project,
+                         env=env_for(project) | {"PATH": str(BIN)} | here, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0
+    assert "The node name is empty (--name ''" in out.stderr and "current pod" in out.stderr
+    assert "no current pod" not in out.stderr and "Traceback" not in out.stderr

@@ -4,115 +4,35 @@ workers fetch from over the network."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import itertools
 import os
+import shlex
 import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from conftest import free_port, git_daemon
+from harness import USER, SimPod, needs_root
+from helpers import free_port, git_daemon, sh
 
-from tpufab import deploy as deploy_mod
-from tpufab.deploy import DeployError, deploy
-from tpufab.gitops import GitError
-from tpufab.remote_files import RemoteFile, python_command
-
-GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t"}
-
-
-def sh(cwd: Path, *argv: str) -> str:
-    return subprocess.run(argv, cwd=cwd, check=True, capture_output=True, text=True,
-                          env={**os.environ, **GIT_ENV}).stdout.strip()
-
+from tpufab.errors import ConfigError
+from tpufab.ssh.remote_files import RemoteFile, python_command, verify_loader
+from tpufab.workflows import deploy as deploy_mod
+from tpufab.workflows.deploy import DeployError, deploy
+from tpufab.workflows.gitops import GitError
 
 
 def dead_url() -> str:
     return f"git://127.0.0.1:{free_port()}/gone.git"
 
 
-# --- the simulated pod: real sshd workers in their own namespaces, reached by the fan-out ---
-
-ACCEL = tuple(f"/dev/accel{i}" for i in range(4))
-USER = "tpufab"  # the login user: not root, passwordless sudo (google-sudoers)
-
-
-class SimPod:
-    """``count`` simulated workers (own /home, /tmp, /dev, PID and mount namespaces) and a
-    Fanout logged in as an ordinary user with sudo (as on a real TPU VM), host keys pinned."""
-
-    def __init__(self, root: Path, count: int, node_id: str, octet: int, user: str = USER):
-        from tpufab.fanout import Fanout, Target
-        from tpufab.hostkeys import KnownHosts, alias
-        from tpufab.sim.workers import WorkerPool, WorkerSpec
-
-        self.node_id = node_id
-        self.user = user
-        self.home = "/root" if user == "root" else f"/home/{user}"
-        self.pool = WorkerPool(root / "state")
-        key = root / "client"
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)],
-                       check=True)
-        sub = 20 + os.getpid() % 200
-        specs = [WorkerSpec(node_id, w, f"127.{octet}.{sub}.{w + 1}",
-                            f"t1v-n-{int(node_id):08x}-w-{w}", ACCEL) for w in range(count)]
-        self.pool.start_node(node_id, specs,
-                             f"{user}:{key.with_suffix('.pub').read_text().strip()}")
-        try:
-            self.pool.wait_listening(node_id, 60)
-            known = KnownHosts(root / "known_hosts")
-            known.pin(node_id, self.pool.host_keys(node_id))
-            self.fanout = Fanout([Target(s.index, s.ip, user, str(key), 22,
-                                         alias(node_id, s.index)) for s in specs],
-                                 known_hosts=known)
-        except BaseException:
-            self.pool.stop_all()
-            raise
-        self.commands: list[str] = []
-
-    # the Workers surface deploy and mount use, recording each command
-    @property
-    def workers(self) -> list[int]:
-        return self.fanout.workers
-
-    def run(self, command, **kw):
-        self.commands.append(command)
-        return self.fanout.run(command, **kw)
-
-    def put(self, data, remote_path, **kw):
-        return self.fanout.put(data, remote_path, **kw)
-
-    # looking inside a worker without SSH, as the login user (or root)
-    def sh(self, w: int, script: str, check: bool = True, as_root: bool = False) -> str:
-        argv = ["sh", "-c", script]
-        env = None
-        if not as_root:
-            argv = ["runuser", "-u", self.user, "--", *argv]
-            env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": self.home,
-                   "LANG": "C.UTF-8"}
-        proc = self.pool.exec_in(self.node_id, w, argv, **({"env": env} if env else {}))
-        if check and proc.returncode != 0:
-            raise AssertionError(f"w{w}: {script!r} failed: {proc.stderr}")
-        return proc.stdout.strip()
-
-    def read(self, w: int, path: str) -> str:
-        return self.sh(w, f"cat {path}")
-
-    def git(self, w: int, dir: str, *args: str) -> str:
-        return self.sh(w, "cd " + dir + " && git " + " ".join(args))
-
-    def close(self) -> None:
-        self.fanout.close()
-        self.pool.stop_all()
-
-
 @pytest.fixture(scope="module")
+@needs_root
 def pod(tmp_path_factory) -> SimPod:
-    if os.geteuid() != 0:
-        pytest.skip("the simulated pod needs root (sshd workers in namespaces)")
     pod = SimPod(tmp_path_factory.mktemp("pod"), 4, "7101", 61)
     try:
         yield pod
@@ -133,6 +53,9 @@ class _SmartHttp(BaseHTTPRequestHandler):
     """`git http-backend` behind HTTP basic auth: a private remote that wants a token."""
 
     def _serve(self) -> None:
+        hook = getattr(self.server, "on_request", None)
+        if hook is not None:
+            hook()      # while the client waits for this answer
         expected = "Basic " + base64.b64encode(f"x-access-token:{self.server.token}".encode()
                                                ).decode()
         if self.headers.get("Authorization") != expected:
@@ -169,19 +92,114 @@ class _SmartHttp(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def private_remote(daemon):
-    """An HTTP remote over the same bare repositories that answers only with the token."""
-    base, _ = daemon
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _SmartHttp)
-    server.root, server.token, server.daemon_threads = base, "s3cr3t-" + os.urandom(6).hex(), True
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory) -> SimpleNamespace:
+    """A self-signed certificate for 127.0.0.1 and 127.0.0.2 (``cert``, ``key``, ``pem``)."""
+    where = tmp_path_factory.mktemp("tls")
+    cert, key = where / "cert.pem", where / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2", "-subj",
+                    "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1,IP:127.0.0.2",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return SimpleNamespace(cert=cert, key=key, pem=cert.read_text())
+
+
+@contextlib.contextmanager
+def serving(handler, host: str = "127.0.0.1", tls: SimpleNamespace | None = None, **attrs):
+    """``handler`` on a free port of ``host`` (https with ``tls``); yields the server, whose
+    ``url`` is its base URL."""
+    import ssl
+
+    server = ThreadingHTTPServer((host, 0), handler)
+    server.daemon_threads = True
+    for name, value in attrs.items():
+        setattr(server, name, value)
+    scheme = "http"
+    if tls is not None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(tls.cert, tls.key)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+        scheme = "https"
+    server.url = f"{scheme}://{host}:{server.server_address[1]}"
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", server.token
+        yield server
     finally:
         server.shutdown()
         server.server_close()
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    """Asks for credentials (401) and records every Authorization header it is sent."""
+
+    def _serve(self) -> None:
+        self.server.seen.append(self.headers.get("Authorization"))
+        self.send_response(401)
+        self.send_header("WWW-Authenticate", 'Basic realm="not-origin"')
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_GET = do_POST = _serve
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def private_server(daemon, tls):
+    """An HTTPS remote over the same bare repositories that answers only with the token."""
+    base, _ = daemon
+    with serving(_SmartHttp, tls=tls, root=base,
+                 token="s3cr3t-" + os.urandom(6).hex()) as server:
+        yield server
+
+
+@pytest.fixture
+def private_remote(private_server):
+    """(its URL, its token)"""
+    return private_server.url, private_server.token
+
+
+def trust(pod: SimPod, tls: SimpleNamespace) -> None:
+    """The workers' git trusts the test certificate (as a private CA would be set up)."""
+    for w in pod.workers:
+        pod.sh(w, f"cat > ~/test-ca.pem <<'EOF'\n{tls.pem}EOF\n"
+                  "git config --global http.sslCAInfo ~/test-ca.pem")
+
+
+def test_the_token_goes_only_to_origin_over_https(daemon, tls, monkeypatch):
+    """The worker's credential helper, driven by real git: origin (https) gets the token; the
+    same host over http, another host, another port (a .gitmodules URL) get nothing."""
+    from tpufab.remote import deploy_worker
+
+    base, _ = daemon
+    sh(base, "git", "init", "-q", "--bare", "-b", "main", "cred.git")
+    monkeypatch.setenv("GIT_SSL_CAINFO", str(tls.cert))
+    token = "ghp_" + os.urandom(8).hex()
+    with contextlib.ExitStack() as stack:
+        origin = stack.enter_context(serving(_SmartHttp, tls=tls, root=base, token=token))
+        others = [stack.enter_context(serving(_Recorder, host, tls=t, seen=[]))
+                  for host, t in (("127.0.0.2", tls), ("127.0.0.1", tls), ("127.0.0.1", None))]
+        git = deploy_worker.Git(token, f"{origin.url}/cred.git")
+        assert git.ok("ls-remote", f"{origin.url}/cred.git")          # origin: the token works
+        for other in others:
+            assert not git.ok("ls-remote", f"{other.url}/x.git"), other.url
+            assert other.seen and not any(other.seen), (other.url, other.seen)  # asked; no answer
+        # a token for an http origin is offered to no one, origin included
+        plain = deploy_worker.Git(token, f"{others[2].url}/x.git")
+        assert not plain.ok("ls-remote", f"{others[2].url}/x.git")
+        assert not any(others[2].seen)
+    # the helper's own decision, as git asks it (protocol and host on stdin)
+    helper = deploy_worker.CREDENTIAL_HELPER[1:]
+    env = {**os.environ, "TPUFAB_GIT_TOKEN": token, "TPUFAB_GIT_HOST": "git.example:8443"}
+    for request, answers in ((b"protocol=https\nhost=git.example:8443\n", True),
+                             (b"protocol=http\nhost=git.example:8443\n", False),
+                             (b"protocol=https\nhost=evil.example\n", False),
+                             (b"protocol=https\nhost=git.example\n", False)):
+        out = subprocess.run(["sh", "-c", helper + " get", "helper"], input=request, env=env,
+                             capture_output=True, check=True).stdout.decode()
+        assert (f"password={token}" in out) is answers and (out == "") is not answers, request
 
 
 NAMES = itertools.count()
@@ -212,6 +230,7 @@ def commit(root: Path, name: str, text: str) -> str:
     return sh(root, "git", "rev-parse", "HEAD")
 
 
+@pytest.mark.sim
 def test_fresh_clone_update_noop(repo: Path, pod: SimPod):
     head = sh(repo, "git", "rev-parse", "HEAD")
     where = f"~/{repo.name}"
@@ -238,6 +257,7 @@ def test_fresh_clone_update_noop(repo: Path, pod: SimPod):
     assert "unchanged" in report.table()
 
 
+@pytest.mark.sim
 def test_submodules_and_explicit_dir(repo: Path, pod: SimPod, daemon):
     base, url = daemon
     lib = f"lib{next(NAMES)}"
@@ -257,6 +277,7 @@ def test_submodules_and_explicit_dir(repo: Path, pod: SimPod, daemon):
     assert pod.read(1, f"'{where}/lib/util.py'") == "X = 1"
 
 
+@pytest.mark.sim
 def test_other_ref_is_checked_out_detached(repo: Path, pod: SimPod):
     first = sh(repo, "git", "rev-parse", "HEAD")
     commit(repo, "train.py", "print('v2')\n")
@@ -275,6 +296,7 @@ def tree_state(root: Path) -> dict[str, str]:
     return state
 
 
+@pytest.mark.sim
 def test_dirty_tree_refused_and_wip(repo: Path, pod: SimPod, daemon):
     (repo / "train.py").write_text("print('edited')\n")
     (repo / "notes.txt").write_text("untracked\n")
@@ -298,6 +320,7 @@ def test_dirty_tree_refused_and_wip(repo: Path, pod: SimPod, daemon):
     assert again.commit == report.commit and {r.action for r in again.rows} == {"noop"}
 
 
+@pytest.mark.sim
 def test_direct_needs_no_remote(repo: Path, pod: SimPod):
     sh(repo, "git", "remote", "set-url", "origin", dead_url())
     head = sh(repo, "git", "rev-parse", "HEAD")
@@ -314,6 +337,7 @@ def test_direct_needs_no_remote(repo: Path, pod: SimPod):
     assert {r.action for r in report.rows} == {"noop"}
 
 
+@pytest.mark.sim
 def test_one_round_trip_once_the_script_is_there(repo: Path, pod: SimPod):
     deploy(pod, cwd=repo)
     assert pod.sh(0, "ls ~/.cache/tpufab/remote/*/deploy_worker.py | wc -l") == "1"
@@ -325,16 +349,19 @@ def test_one_round_trip_once_the_script_is_there(repo: Path, pod: SimPod):
     assert len([c for c in pod.commands if " checkout " in c]) == 1
 
 
+@pytest.mark.sim
 def test_not_a_repo(tmp_path: Path, pod: SimPod):
     with pytest.raises(GitError, match="is not inside a git repository"):
         deploy(pod, cwd=tmp_path)
 
 
+@pytest.mark.sim
 def test_no_remote(repo: Path, pod: SimPod):
     with pytest.raises(GitError, match="No git remote named 'upstream'"):
         deploy(pod, cwd=repo, remote="upstream")
 
 
+@pytest.mark.sim
 def test_push_rejected(repo: Path, pod: SimPod, daemon, tmp_path: Path):
     deploy(pod, cwd=repo)
     _, url = daemon
@@ -347,6 +374,7 @@ def test_push_rejected(repo: Path, pod: SimPod, daemon, tmp_path: Path):
         deploy(pod, cwd=repo)
 
 
+@pytest.mark.sim
 def test_worker_cannot_reach_remote(repo: Path, pod: SimPod):
     with pytest.raises(DeployError) as err:
         deploy(pod, cwd=repo, worker_url=dead_url())
@@ -355,6 +383,7 @@ def test_worker_cannot_reach_remote(repo: Path, pod: SimPod):
     assert err.value.details.count("unreachable") == 4
 
 
+@pytest.mark.sim
 def test_disk_full_on_a_worker(repo: Path, pod: SimPod):
     commit(repo, "big.bin", os.urandom(512 * 1024).hex())
     for w in pod.workers:
@@ -372,6 +401,7 @@ def test_disk_full_on_a_worker(repo: Path, pod: SimPod):
         pod.sh(2, f"umount /home/{USER}/tiny", as_root=True)
 
 
+@pytest.mark.sim
 def test_divergent_commits_detected(repo: Path, pod: SimPod):
     first = sh(repo, "git", "rev-parse", "HEAD")
     deploy(pod, cwd=repo)
@@ -385,6 +415,7 @@ def test_divergent_commits_detected(repo: Path, pod: SimPod):
     assert new[:12] in str(err.value)
 
 
+@pytest.mark.sim
 def test_worker_dir_in_the_way(repo: Path, pod: SimPod):
     pod.sh(0, f"mkdir ~/{repo.name} && echo precious > ~/{repo.name}/data.bin")
     with pytest.raises(DeployError, match=f"Worker w0 already has ~/{repo.name} and it is not"):
@@ -407,14 +438,17 @@ def test_worker_command_is_data():
     assert args == ["checkout", "--dir", "~/p q", "--source", "git://h/p.git", "--commit",
                     "c" * 40, "--fetch-ref", "refs/heads/main", "--branch", "main",
                     "--origin", "git://h/p.git"]
-    command = python_command(RemoteFile.bundled("deploy_worker.py"), args)
-    assert "'~/p q'" in command and command.startswith("test -f .cache/tpufab/remote/")
+    shipped = RemoteFile.bundled("deploy_worker.py")
+    command = python_command(shipped, args)
+    assert "'~/p q'" in command and command.startswith(
+        f"exec python3 -I -S -c {shlex.quote(verify_loader())} 1 {shipped.sha256} {shipped.path} "
+        "checkout ")
 
 
 def test_a_script_from_stdin_needs_nothing_on_disk():
     """What runs where the disk is too full to ship a script (kill, status): no guard, no
     path, `python3 -` reads the source from stdin, as root through sudo where asked."""
-    from tpufab.killing import kill_command
+    from tpufab.workflows.killing import kill_command
 
     shipped = RemoteFile.bundled("tpukill.py")
     command = kill_command(grace=1, from_stdin=True)
@@ -423,8 +457,10 @@ def test_a_script_from_stdin_needs_nothing_on_disk():
     assert python_command(shipped, ["a b"], from_stdin=True) == "exec python3 -I -S - 'a b'"
 
 
-def test_private_remote_with_a_token(repo: Path, pod: SimPod, private_remote):
+@pytest.mark.sim
+def test_private_remote_with_a_token(repo: Path, pod: SimPod, private_remote, tls):
     url, token = private_remote
+    trust(pod, tls)
     http_url = f"{url}/{repo.name}.git"
     with pytest.raises(DeployError, match=r"refused workers w\[0-3\] \(authentication failed\)"):
         deploy(pod, cwd=repo, worker_url=http_url)  # no token: refused
@@ -441,8 +477,46 @@ def test_private_remote_with_a_token(repo: Path, pod: SimPod, private_remote):
     assert token not in str(err.value) + err.value.details
 
 
+@pytest.mark.sim
+def test_credentials_in_the_origin_url_never_reach_a_worker(repo: Path, pod: SimPod,
+                                                            private_server, tls, monkeypatch):
+    """origin = https://x-access-token:TOKEN@host/r.git (as CI tools write it): workers fetch
+    the URL without userinfo and get the token through the credential helper; no worker argv
+    (sampled while each request of theirs waits), .git/config or tpufab output holds it."""
+    url, token = private_server.url, private_server.token
+    trust(pod, tls)
+    monkeypatch.setenv("GIT_SSL_CAINFO", str(tls.cert))        # the local push trusts it too
+    clean = f"{url}/{repo.name}.git"
+    sh(repo, "git", "remote", "set-url", "origin",
+       clean.replace("://", f"://x-access-token:{token}@"))
+    argv: list[str] = []
+    scan = "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done"
+    said: list[str] = []
+
+    def sample() -> None:
+        argv.extend(pod.sh(w, scan, as_root=True, check=False) for w in pod.workers)
+
+    private_server.on_request = sample
+    try:
+        report = deploy(pod, cwd=repo, progress=said.append)
+    finally:
+        private_server.on_request = None
+    assert {r.commit for r in report.rows} == {sh(repo, "git", "rev-parse", "HEAD")}
+    assert any("deploy_worker" in a for a in argv)              # sampled during the checkout
+    assert not any(token in a for a in argv)
+    for w in pod.workers:
+        assert pod.git(w, f"~/{repo.name}", "remote", "get-url", "origin") == clean
+        assert token not in pod.sh(w, f"cat ~/{repo.name}/.git/config")
+    assert token not in " ".join(said) + str(report.table())
+    # credentials over plain http: refused in one sentence, before anything is sent
+    with pytest.raises(ConfigError, match=r"only over https: use an https URL") as err:
+        deploy(pod, cwd=repo, worker_url=f"http://tok:{token}@127.0.0.1:9/x.git")
+    assert token not in str(err.value)
+
+
+@pytest.mark.sim
 def test_unreachable_worker_is_named_and_the_others_deploy(repo: Path, pod: SimPod):
-    from tpufab.fanout import Fanout
+    from tpufab.ssh.fanout import Fanout
 
     pod.pool.set_reachable(pod.node_id, 3, False)
     try:

@@ -6,45 +6,28 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import create_node, git_daemon, unique_name, wait_for
-from helpers import ok
-from test_deploy import GIT_ENV, sh
+from helpers import (
+    GIT_ENV,
+    create_node,
+    git_daemon,
+    invoke,
+    ok,
+    one_sentence,
+    sh,
+    tpufab,
+    unique_name,
+    wait_for,
+)
 
 pytestmark = pytest.mark.sim
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 FAST = "--dir-cache-time 1s --vfs-write-back 0s"  # see other workers' writes within a second
-
-
-def run(argv: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=180,
-                          stdin=subprocess.DEVNULL)
-
-
-def tpufab(*args: str, env, cwd) -> subprocess.CompletedProcess:
-    return run([str(BIN / "tpufab"), *args], env, cwd)
-
-
-def invoke(*args: str, env, cwd) -> subprocess.CompletedProcess:
-    # -r: tpufab's tasks.py, while the working directory stays the user's checkout
-    return run([str(BIN / "invoke"), "-r", str(REPO), *args], env, cwd)
-
-
-def one_sentence_failure(result: subprocess.CompletedProcess, *fragments: str) -> str:
-    """Non-zero exit; the error is the first line of stderr, one sentence; no traceback."""
-    assert result.returncode != 0, result.stdout + result.stderr
-    assert "Traceback" not in result.stdout + result.stderr
-    first = next(line for line in result.stderr.splitlines() if line.strip())
-    for fragment in fragments:
-        assert fragment in first, result.stderr
-    assert first.rstrip().endswith(".") and first.count(". ") == 0, first
-    return first
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +77,7 @@ def test_deploy_from_the_command_line(env, node, repo):
     assert head in seen and "w[0-3]" in seen
 
     (repo / "train.py").write_text("print('edited')\n")  # dirty: refused before any SSH
-    one_sentence_failure(tpufab("deploy", env=env, cwd=repo),
+    one_sentence(tpufab("deploy", env=env, cwd=repo),
                          "Your working tree has uncommitted changes (train.py)", "--wip")
     sh(repo, "git", "commit", "-q", "-am", "v2")
     new = sh(repo, "git", "rev-parse", "HEAD")
@@ -140,7 +123,7 @@ def test_mount_write_on_w0_read_on_w3_then_umount(sim, env, node, tmp_path):
 
 @pytest.mark.skipif(shutil.which("rclone") is None, reason="rclone is not installed")
 def test_mount_of_a_missing_bucket(env, tmp_path):
-    one_sentence_failure(
+    one_sentence(
         tpufab("mount", "gs://no-such-bucket", "--driver", "rclone", "--at", "/mnt/x", env=env,
                cwd=tmp_path),
-        "Bucket gs://no-such-bucket does not exist (as seen from workers w[0-3])")
+        "Bucket gs://no-such-bucket does not exist (as seen from workers w[0-3])", details=True)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from conftest import (
+from google.api_core import exceptions as gexc
+from google.cloud import tpu_v2
+from google.protobuf import empty_pb2, field_mask_pb2
+from helpers import (
     create_node,
     metadata_keys,
     port_open,
@@ -14,9 +17,6 @@ from conftest import (
     wait_for,
     wait_node_state,
 )
-from google.api_core import exceptions as gexc
-from google.cloud import tpu_v2
-from google.protobuf import empty_pb2, field_mask_pb2
 
 pytestmark = pytest.mark.sim
 

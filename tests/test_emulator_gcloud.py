@@ -7,8 +7,8 @@ import re
 import subprocess
 
 import pytest
-from conftest import unique_name, wait_for
 from google.api_core import exceptions as gexc
+from helpers import unique_name, wait_for
 
 pytestmark = [pytest.mark.sim, pytest.mark.gcloud]
 

@@ -12,15 +12,17 @@ import subprocess
 import threading
 
 import pytest
-from conftest import free_port, unique_name, wait_for
+from harness import sim_node
 from helpers import (
     INVOKE,
     POD_USER,
     REPO,
     TPUFAB,
+    free_port,
     one_sentence,
-    sim_node,
     tpufab,
+    unique_name,
+    wait_for,
 )
 
 pytestmark = pytest.mark.sim

@@ -11,112 +11,44 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
+from harness import SimPod, needs_root
+from helpers import wait_for
 
 from tpufab.errors import TpufabError
-from tpufab.fanout import (
+from tpufab.quoting import Secret, command
+from tpufab.ssh.fanout import (
     Fanout,
     FanoutError,
     FanoutInterrupted,
     LiveView,
-    Target,
     print_gathered,
-    run_setup,
 )
-from tpufab.hostkeys import HostKeyChanged, KnownHosts, alias
-from tpufab.quoting import Secret, command
+from tpufab.ssh.hostkeys import HostKeyChanged, KnownHosts, alias
+from tpufab.workflows.setup import run_setup
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.sim, pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("unshare") or not os.path.exists("/usr/sbin/sshd"),
     reason="needs root, unshare and sshd for the simulated workers",
-)
+)]
 WORKERS = 4
 USER = "tpu"
 
 
 
-def listening(host, port=22):
-    with socket.socket() as sock:
-        sock.settimeout(0.2)
-        return sock.connect_ex((host, port)) == 0
-
-
-def free_subnet() -> str:
-    """A 127.19.x loopback /24 where nothing listens yet (other pods may run on this host)."""
-    for third in range(200, 256):
-        subnet = f"127.19.{third}"
-        if not any(listening(f"{subnet}.{i}") for i in (1, 2, 3, 4, 5, 6)):
-            return subnet
-    raise RuntimeError("no free 127.19.x subnet for the test workers")
-
-
-class Pod:
-    """One simulated node (WorkerPool) plus a client key that every worker accepts."""
-
-    def __init__(self, root: Path, node_id: str, count: int):
-        from tpufab.sim.workers import WorkerPool
-
-        self.root = root
-        self.key = root / "client"
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.key)], check=True)
-        self.pool = WorkerPool(root / "state")
-        self.subnet = free_subnet()
-        self.nodes: list[str] = []
-        self.specs = self.start(node_id, count)
-        self.node_id = node_id
-
-    def start(self, node_id: str, count: int, first: int = 0):
-        from tpufab.sim.workers import WorkerSpec
-
-        specs = [WorkerSpec(node_id, i, f"{self.subnet}.{first + i + 1}",
-                            f"t1v-n-{node_id[:8]}-w-{i}", ("/dev/accel0",)) for i in range(count)]
-        self.pool.start_node(node_id, specs, f"{USER}:{self.key.with_suffix('.pub').read_text()}")
-        self.nodes.append(node_id)
-        self.pool.wait_listening(node_id)
-        return specs
-
-    def targets(self, node_alias: str | None = None, specs=None, extra=()):
-        specs = specs or self.specs
-        node_alias = node_alias or specs[0].node_id
-        made = [Target(s.index, s.ip, USER, str(self.key), 22, alias(node_alias, s.index))
-                for s in specs]
-        for i, host in enumerate(extra, start=len(made)):
-            made.append(Target(i, host, USER, str(self.key), 22, alias(node_alias, i)))
-        return made
-
-    def ps(self, worker: int, node_id: str | None = None) -> list[str]:
-        """Command lines of every process on one worker (its namespace)."""
-        lines = []
-        for pid in self.pool.pids(node_id or self.node_id, worker):
-            try:
-                raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            lines.append(raw.replace(b"\0", b" ").decode(errors="replace"))
-        return lines
-
-    def running(self, token: str) -> dict[int, int]:
-        """Worker -> how many of its processes have ``token`` in their command line."""
-        return {w: sum(token in line for line in self.ps(w)) for w in range(len(self.specs))}
-
-    def stop(self) -> None:
-        for node_id in self.nodes:
-            self.pool.delete_node(node_id)
-
-
 @pytest.fixture(scope="module")
+@needs_root
 def pod(tmp_path_factory):
-    pod = Pod(tmp_path_factory.mktemp("pod"), "7700000000000000001", WORKERS)
+    pod = SimPod(tmp_path_factory.mktemp("pod"), WORKERS, "7700000000000000001", user=USER,
+                 accelerators=("/dev/accel0",), connect=False)
     try:
         yield pod
     finally:
-        pod.stop()
+        pod.close()
 
 
 @pytest.fixture
@@ -165,7 +97,7 @@ def test_failing_and_unreachable_workers_reported_while_others_complete(pod, tmp
         connect_attempts=2, retry_wait=(0.01, 0.02),
     ) as fan:
         result = fan.run(fail_third)
-        assert [r.worker for r in result.failed] == [2, 4]
+        assert sorted(result.failed) == [2, 4] and sorted(result.succeeded) == [0, 1, 3]
         assert result[2].exit_code == 3 and result[2].error is None
         assert result[4].error == "connection refused" and result[4].exit_code is None
         assert all(result[w].stdout == "fine\n" for w in (0, 1, 3))
@@ -192,6 +124,45 @@ def test_transient_connection_failure_is_retried(pod, tmp_path):
             result = fan.run("echo up", workers="1")
         assert result[1].ok and result[1].stdout == "up\n"
         assert attempts == [(1, 1, "ConnectionRefusedError")]
+    finally:
+        pod.pool.set_reachable(pod.node_id, 1, True)
+
+
+def test_ctrl_c_of_one_run_does_not_cancel_another_runs_connects(pod, tmp_path):
+    """Two commands on one set of connections (as a connection keeper serves them): the
+    first one's Ctrl-C stops its own connect retries, not the second's."""
+    pod.pool.set_reachable(pod.node_id, 1, False)  # nothing listens: connection refused
+    retries = []
+    results: dict[str, object] = {}
+
+    def run(label: str, fan: Fanout, cancel=None) -> None:
+        try:
+            results[label] = fan.run("echo up", workers="1", _cancel=cancel)
+        except FanoutInterrupted as err:
+            results[label] = err
+
+    try:
+        with Fanout(pod.targets(), known_hosts=KnownHosts(tmp_path / "kh"), connect_attempts=30,
+                    retry_wait=(0.05, 0.2),
+                    on_retry=lambda target, attempt, error: retries.append(attempt)) as fan:
+            ctrl_c = threading.Event()
+            first = threading.Thread(target=run, args=("first", fan, ctrl_c), daemon=True)
+            second = threading.Thread(target=run, args=("second", fan), daemon=True)
+            first.start()
+            second.start()
+            wait_for(lambda: retries, 30, 0.02, "a connect retry")
+            ctrl_c.set()
+            first.join(30)
+            assert isinstance(results["first"], FanoutInterrupted)
+            seen = len(retries)
+            # the second command keeps retrying (it is not interrupted) ...
+            wait_for(lambda: len(retries) > seen + 1 or "second" in results, 30, 0.02,
+                     "the second command's next retry")
+            assert "second" not in results, results["second"][1].error
+            pod.pool.set_reachable(pod.node_id, 1, True)
+            second.join(60)
+        # ... and gets its worker's result once the worker listens again
+        assert results["second"][1].ok and results["second"][1].stdout == "up\n"
     finally:
         pod.pool.set_reachable(pod.node_id, 1, True)
 
@@ -401,12 +372,14 @@ SPREAD = 16
 
 
 @pytest.fixture(scope="module")
+@needs_root
 def spread_pod(tmp_path_factory):
-    pod = Pod(tmp_path_factory.mktemp("spread"), "7700000000000000016", SPREAD)
+    pod = SimPod(tmp_path_factory.mktemp("spread"), SPREAD, "7700000000000000016", user=USER,
+                 accelerators=("/dev/accel0",), connect=False)
     try:
         yield pod
     finally:
-        pod.stop()
+        pod.close()
 
 
 @pytest.fixture

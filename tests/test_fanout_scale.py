@@ -9,7 +9,8 @@ import resource
 import pytest
 
 from tpufab.errors import ConfigError
-from tpufab.fanout import (
+from tpufab.jobs.running import FoldingView
+from tpufab.ssh.fanout import (
     GroupResult,
     WorkerResult,
     auto_processes,
@@ -18,7 +19,6 @@ from tpufab.fanout import (
     kex_preference,
     shard_of,
 )
-from tpufab.jobs import FoldingView
 
 
 def test_each_worker_belongs_to_one_process_in_contiguous_blocks():
@@ -105,8 +105,8 @@ def test_a_fanout_too_big_for_the_fd_limit_says_so_before_connecting(tmp_path):
     script = (
         "import resource\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 1024))\n"
-        "from tpufab.fanout import Fanout, Target\n"
-        "from tpufab.hostkeys import KnownHosts\n"
+        "from tpufab.ssh.fanout import Fanout, Target\n"
+        "from tpufab.ssh.hostkeys import KnownHosts\n"
         "targets = [Target(i, '192.0.2.1', 'u') for i in range(2000)]\n"
         f"Fanout(targets, known_hosts=KnownHosts({str(tmp_path / 'kh')!r}), processes=1)\n"
     )

@@ -38,7 +38,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import unique_name, wait_for
+from harness import sim_node
 from helpers import (
     POD_USER,
     TPUFAB,
@@ -47,9 +47,11 @@ from helpers import (
     no_traceback,
     one_sentence,
     quiet_console,
-    sim_node,
     sim_pool,
     sim_settings,
+    tpufab,
+    unique_name,
+    wait_for,
 )
 
 pytestmark = pytest.mark.sim
@@ -80,17 +82,15 @@ class Pod:
 
     @property
     def node(self):
-        from tpufab.controlplane import ControlPlane
+        from tpufab.cloud.tpu_api import TpuApi
 
-        return ControlPlane(self.settings).get_node(self.name)
+        return TpuApi(self.settings).get_node(self.name)
 
     def sh(self, worker: int, script: str, check: bool = True) -> str:
         return in_worker(self.sim, self.node, worker, script, check=check)
 
     def tpufab(self, *args: str, timeout: float = 120, env: dict | None = None):
-        return subprocess.run([TPUFAB, *args], env={**self.env, **(env or {})}, cwd=self.repo,
-                              capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL)
+        return tpufab(*args, env=self.env, extra_env=env, cwd=self.repo, timeout=timeout)
 
 
 RECIPE_NAME = "fm-recipe.sh"
@@ -614,11 +614,11 @@ def cells():
 
 
 def _node_exists(pod: Pod, name: str) -> bool:
-    from tpufab.controlplane import ControlPlane
+    from tpufab.cloud.tpu_api import TpuApi
     from tpufab.errors import TpufabError
 
     try:
-        ControlPlane(pod.settings).get_node(name)
+        TpuApi(pod.settings).get_node(name)
         return True
     except TpufabError:
         return False
@@ -760,8 +760,8 @@ def report(verb: Verb, fault: Fault, outcome: Outcome | None) -> None:
 
 @pytest.fixture(scope="module")
 def jump_pod(sim, tmp_path_factory) -> Iterator[Pod]:
-    from tpufab import lifecycle
-    from tpufab import pod as pods
+    from tpufab.cloud import lifecycle
+    from tpufab.pod import connection as pods
     from tpufab.sim.network import bastion_address
 
     home = tmp_path_factory.mktemp("matrix-jump-home")

@@ -8,88 +8,31 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-from conftest import unique_name, wait_for
-from helpers import LOGIN, TPUFAB, in_worker, quiet_console, sim_node, sim_settings
+from harness import sim_node
+from helpers import (
+    LOGIN,
+    TPUFAB,
+    Running,
+    in_worker,
+    interrupted_when,
+    one_sentence,
+    quiet_console,
+    sim_settings,
+    tpufab,
+    unique_name,
+    wait_for,
+)
 
 pytestmark = pytest.mark.sim
 
 
 # ---------------------------------------------------------------------------------------------
 # helpers
-
-
-def tpufab(*args: str, env: dict, cwd: Path | None = None, timeout: float = 180):
-    return subprocess.run([TPUFAB, *args], env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
-
-
-class Running:
-    """A `tpufab` subprocess whose output lines are collected as they arrive."""
-
-    def __init__(self, argv: list[str], env: dict, cwd: Path | None = None):
-        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-        self.out: list[str] = []
-        self.err: list[str] = []
-        self._readers = [threading.Thread(target=self._read, args=(s, into), daemon=True)
-                         for s, into in ((self.proc.stdout, self.out),
-                                         (self.proc.stderr, self.err))]
-        for reader in self._readers:
-            reader.start()
-
-    @staticmethod
-    def _read(stream, into: list[str]) -> None:
-        for line in stream:
-            into.append(line)
-
-    def saw(self, text: str, stream: str = "out") -> bool:
-        return any(text in line for line in (self.out if stream == "out" else self.err))
-
-    def interrupt(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-
-    def wait(self, timeout: float = 60) -> SimpleNamespace:
-        code = self.proc.wait(timeout=timeout)
-        for reader in self._readers:
-            reader.join(timeout)
-        return SimpleNamespace(returncode=code, stdout="".join(self.out),
-                               stderr="".join(self.err))
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
-def interrupted_when(argv: list[str], env: dict, ready, what: str, timeout: float = 30,
-                     cwd: Path | None = None):
-    """Run a `tpufab` command, press Ctrl-C once `ready(running)` holds, return its result."""
-    running = Running(argv, env, cwd=cwd)
-    try:
-        wait_for(lambda: ready(running), timeout, what=what)
-        running.interrupt()
-        return running.wait(60)
-    finally:
-        running.kill()
-
-
-def one_sentence(result, *fragments: str) -> str:
-    """Non-zero exit, one line on stderr holding every fragment, no traceback anywhere."""
-    assert result.returncode != 0, result.stdout + result.stderr
-    lines = [line for line in result.stderr.splitlines()
-             if line.strip() and "TPU API busy" not in line]
-    assert len(lines) == 1, result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    assert "Traceback" not in result.stdout + result.stderr
-    return lines[0]
 
 
 def processes(sim, node, worker: int, pattern: str) -> list[str]:
@@ -155,7 +98,7 @@ def test_fault_1_sshd_dies_mid_exec(sim, sim_admin, pod4):
 
 
 def test_fault_2_connection_refused_then_retried(sim, sim_admin, pod4):
-    from tpufab import pod as pods
+    from tpufab.pod import connection as pods
 
     pod = pods.connect(pod4.settings, console=quiet_console())
     retries: list[tuple[int, int, str]] = []
@@ -253,17 +196,18 @@ def interrupted(result) -> None:
     assert "Traceback" not in result.stdout + result.stderr
 
 
-def test_fault_6_ctrl_c_during_create(sim_admin, pod4):
+def test_fault_6_ctrl_c_during_create(sim_admin, pod4, tmp_path):
     name = unique_name("cc")
     sim_admin.settings(create_delay=3.0)
     result = interrupted_when([TPUFAB, "create", "--name", name, "--type", "v4-8"], pod4.env,
-                              lambda r: r.saw("CREATING"), "the create to be under way")
+                              lambda r: r.saw("CREATING"), "the create to be under way",
+                              cwd=tmp_path)  # a create that ran on names its project's pod
     interrupted(result)
     assert "Interrupted" in result.stderr
     sim_admin.settings(create_delay=0.2)
     try:
         # the node carries on in the background; the next create waits for it, then says so
-        again = tpufab("create", "--name", name, "--type", "v4-8", env=pod4.env)
+        again = tpufab("create", "--name", name, "--type", "v4-8", env=pod4.env, cwd=tmp_path)
         assert again.returncode == 0, again.stderr
         assert "already exists" in again.stdout and "READY" in again.stdout
         assert tpufab("exec", "--name", name, "echo fine", env=pod4.env).returncode == 0
@@ -326,8 +270,9 @@ def test_fault_6_ctrl_c_during_exec_of_a_root_command(sim, pod4, how):
 
 DEPLOY_DRIVER = """
 import sys
-from tpufab import deploy, pod
-from tpufab.console import run
+from tpufab.workflows import deploy
+from tpufab.pod import connection as pod
+from tpufab.display.console import run
 from tpufab.verbs.common import settings_from_flags
 
 def main():
@@ -403,11 +348,13 @@ echo "finished attempt $TPUFAB_RESTART_COUNT"
 def test_fault_5_preemption_mid_babysat_run(sim, sim_admin, tmp_path, monkeypatch):
     import shutil
 
-    from tpufab import babysit, lifecycle, mount
-    from tpufab import pod as pods
-    from tpufab.controlplane import ControlPlane
-    from tpufab.fanout import run_setup
+    from tpufab.cloud import lifecycle
+    from tpufab.cloud.tpu_api import TpuApi
+    from tpufab.jobs import babysit
+    from tpufab.pod import connection as pods
     from tpufab.sim.admin import StorageClient
+    from tpufab.workflows import mount
+    from tpufab.workflows.setup import run_setup
 
     home = tmp_path / "home"
     home.mkdir()
@@ -437,7 +384,7 @@ def test_fault_5_preemption_mid_babysat_run(sim, sim_admin, tmp_path, monkeypatc
         git(repo, "commit", "-q", "-m", "v1")
         commit = git(repo, "rev-parse", "HEAD")
         monkeypatch.chdir(repo)
-        before = ControlPlane(settings).get_node(settings.name)
+        before = TpuApi(settings).get_node(settings.name)
 
         sitter = babysit.Babysitter(settings, recipe, direct=True, poll=0.3,
                                     backoff=(0.0, 0.0), console=quiet_console(),
@@ -459,7 +406,7 @@ def test_fault_5_preemption_mid_babysat_run(sim, sim_admin, tmp_path, monkeypatc
         assert not isinstance(result, BaseException), result
 
         # recovered: a new node of the same spec, and the recipe ran again to the end
-        after = ControlPlane(settings).get_node(settings.name)
+        after = TpuApi(settings).get_node(settings.name)
         assert after.id != before.id and after.state == "READY"
         assert (after.accelerator_type, after.spot, after.runtime_version) == \
             (before.accelerator_type, before.spot, before.runtime_version)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tpufab import gitops
-from tpufab.gitops import GitError
+from tpufab.workflows import gitops
+from tpufab.workflows.gitops import GitError
 
 
 def sh(cwd: Path, *argv: str) -> str:

@@ -9,18 +9,15 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
-from types import SimpleNamespace
 
 import pytest
-from conftest import unique_name
+from harness import sim_node
 from helpers import (
     TPUFAB,
-    cli_env,
     in_worker,
     no_traceback,
     one_sentence,
     quiet_console,
-    sim_settings,
     tpufab,
 )
 from hypothesis import HealthCheck, assume, given, settings
@@ -50,27 +47,18 @@ def no_canary_here() -> None:
 @pytest.fixture(scope="module")
 def pod2(sim, tmp_path_factory):
     """A READY v4-16 (2 workers), connected once for the whole module."""
-    from tpufab import lifecycle
-    from tpufab import pod as pods
+    from tpufab.pod import connection as pods
 
     if os.path.exists(CANARY):
         os.unlink(CANARY)
-    home = tmp_path_factory.mktemp("hostile-home")
-    name = unique_name("hos")
-    settings_ = sim_settings(sim, home, name=name, type="v4-16")
-    [node] = lifecycle.create(settings_, console=quiet_console())
-    pod = pods.connect(settings_, console=quiet_console())
-    found = SimpleNamespace(settings=settings_, node=node, home=home, name=name, pod=pod,
-                            env=cli_env(sim, home, name), sim=sim)
-    yield found
-    pod.close()
-    try:
+    with sim_node(sim, tmp_path_factory, "hos", "v4-16") as found:
+        found.pod = pods.connect(found.settings, console=quiet_console())
+        yield found
+        found.pod.close()
         for w in (0, 1):
-            assert in_worker(sim, node, w, f"test -e {CANARY} && echo FOUND || true").strip() \
-                == "", f"a hostile string ran a command on worker {w}"
+            assert in_worker(sim, found.node, w, f"test -e {CANARY} && echo FOUND || true"
+                             ).strip() == "", f"a hostile string ran a command on worker {w}"
         no_canary_here()
-    finally:
-        lifecycle.delete(settings_, yes=True, console=quiet_console())
 
 
 def canary_on_workers(pod2) -> list[int]:
@@ -85,7 +73,7 @@ def canary_on_workers(pod2) -> list[int]:
 @FEW
 @given(name=HOSTILE)
 def test_node_names_are_valid_or_rejected_in_one_sentence(name):
-    from tpufab.lifecycle import NAME_RE, validate_name
+    from tpufab.cloud.lifecycle import NAME_RE, validate_name
 
     try:
         accepted = validate_name(name)
@@ -152,7 +140,7 @@ def test_env_values_arrive_literally(pod2, value):
 @FEW
 @given(spec=HOSTILE)
 def test_env_specs_with_bad_names_are_rejected(spec):
-    from tpufab.runs import forwarded_environment
+    from tpufab.jobs.runs import forwarded_environment
 
     try:
         forwarded = forwarded_environment([spec], {})
@@ -180,7 +168,7 @@ def test_env_value_with_a_nul_byte_is_one_clear_error(pod2):
 @FEW
 @given(bucket=HOSTILE, at=HOSTILE)
 def test_bucket_names_are_valid_or_rejected(bucket, at):
-    from tpufab import mount
+    from tpufab.workflows import mount
 
     try:
         spec = mount.mount_spec(f"gs://{bucket}", at=f"/tmp/{at}")
@@ -190,16 +178,16 @@ def test_bucket_names_are_valid_or_rejected(bucket, at):
     assert mount.BUCKET_NAME.match(spec.bucket)
     args = mount.worker_args(spec)
     # the worker command line splits back into exactly these arguments: nothing interpreted
-    from tpufab.deploy import script_command
+    from tpufab.ssh.remote_files import python_command
 
-    line = script_command(mount.SCRIPT, args)
+    line = python_command(mount.SCRIPT, args)
     assert shlex.split(line)[-len(args):] == args
 
 
 @FEW
 @given(at=HOSTILE)
 def test_hostile_mount_points_reach_the_worker_literally(pod2, at):
-    from tpufab import mount
+    from tpufab.workflows import mount
 
     path = "/tmp/hostile/" + at
     try:
@@ -234,8 +222,8 @@ PRINT_ARGS = b"#!/usr/bin/env python3\nimport json, sys\nprint(json.dumps(sys.ar
 
 
 def plan_for(args, run_id=None):
-    from tpufab import jobs
-    from tpufab.remote_files import RemoteFile
+    from tpufab.jobs import running as jobs
+    from tpufab.ssh.remote_files import RemoteFile
 
     return jobs.plan_run(RemoteFile("print_args.py", PRINT_ARGS, 0o755), slices=[[0, 1]],
                          ips=["10.0.0.1", "10.0.0.2"], args=args, run_id=run_id)
@@ -244,7 +232,7 @@ def plan_for(args, run_id=None):
 @FEW
 @given(args=ARGS)
 def test_recipe_args_are_single_quoted_words_on_the_worker_command_line(args):
-    from tpufab import jobs
+    from tpufab.jobs import running as jobs
 
     line = jobs.start_command(plan_for(args))
     words = shlex.split(line)
@@ -280,7 +268,7 @@ def test_an_args_string_is_split_as_shell_words_or_refused_in_one_sentence(text,
 def test_recipe_args_reach_the_recipe_literally(pod2, args):
     import json
 
-    from tpufab import jobs
+    from tpufab.jobs import running as jobs
 
     plan = plan_for(args)
     plan = jobs.plan_run(plan.recipe, slices=pod2.pod.slices, ips=pod2.pod.internal_ips(),
@@ -316,7 +304,7 @@ def refused_or(result, accepted: bool) -> None:
 @CLI
 @given(name=HOSTILE)
 def test_node_names_on_the_command_line(pod2, name):
-    from tpufab import lifecycle
+    from tpufab.cloud import lifecycle
 
     try:
         lifecycle.validate_name(name)
@@ -433,3 +421,28 @@ def test_tpufab_yaml_content(pod2, content, tmp_path_factory):
     else:
         assert "tpufab.yaml" in sentence, sentence
     no_canary_here()
+
+
+# ---------------------------------------------------------------------------------------------
+# special files through put and get (issue 23 finding 12)
+
+
+def test_special_files_through_the_cli_are_one_sentence(pod2, tmp_path):
+    """A FIFO or /dev/zero to put, a device node as get's LOCAL: one sentence each, at once
+    (these hung before: the source was hashed before anything, outside --timeout), and the
+    device node is still one afterwards."""
+    import stat
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for source in (str(fifo), "/dev/zero"):
+        result = tpufab("put", source, "/tmp/", "--worker=0", env=pod2.env, timeout=60)
+        one_sentence(result, f"{source} is a", "put copies regular files and directories only")
+    device = tmp_path / "full"
+    os.mknod(device, 0o600 | stat.S_IFCHR, os.makedev(1, 7))
+    result = tpufab("get", "/etc/hostname", str(device), "--worker=0", env=pod2.env, timeout=60)
+    no_traceback(result)      # the sentence, then the per-worker summary it folds
+    assert result.returncode != 0 and result.stderr.startswith(
+        f"get failed on 1 of 1 workers: w0: refused: {device} exists here and is a character "
+        "device, which get never writes through or replaces"), result.stderr
+    assert stat.S_ISCHR(device.lstat().st_mode)

@@ -3,7 +3,7 @@
 import base64
 import os
 
-from tpufab.hostkeys import KnownHosts, alias
+from tpufab.ssh.hostkeys import KnownHosts, alias
 
 
 def key(n: int) -> str:

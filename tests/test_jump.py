@@ -8,12 +8,12 @@ import shlex
 
 import pytest
 
+from tpufab.cloud.nodes import Node, WorkerEndpoint
 from tpufab.config import load_settings
 from tpufab.errors import ConfigError
-from tpufab.fanout import Target
-from tpufab.jump import Jump, parse_jump, proxy_command
-from tpufab.nodes import Node, WorkerEndpoint
-from tpufab.pod import check_reachable
+from tpufab.pod.connection import check_reachable
+from tpufab.ssh.fanout import Target
+from tpufab.ssh.jump import Jump, parse_jump, proxy_command
 
 
 @pytest.mark.parametrize("text,user,host,port,alias", [
@@ -115,7 +115,7 @@ class _Client:
 def test_channel_failures_read_like_direct_ones():
     import paramiko
 
-    from tpufab import fanout, jump
+    from tpufab.ssh import fanout, jump
 
     bastion = Jump("alice", "bastion")
     refused = _Transport(paramiko.ChannelException(2, "Connect failed"))

@@ -16,16 +16,17 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import build_shared_site, unique_name
 from helpers import (
     POD_USER,
-    TPUFAB,
+    build_shared_site,
     cli_env,
     no_traceback,
     one_sentence,
     quiet_console,
     sim_pool,
     sim_settings,
+    tpufab,
+    unique_name,
 )
 
 pytestmark = pytest.mark.sim
@@ -37,11 +38,6 @@ echo "worker $TPUFAB_WORKER_ID of $TPUFAB_NUM_WORKERS on $(hostname)"
 SETUP = """#!/bin/sh
 echo "set up on $(hostname)" > ~/jump-setup.txt
 """
-
-
-def tpufab(*args: str, env: dict, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([TPUFAB, *args], env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +120,8 @@ def test_deploy_run_and_kill_through_jump_in_tpufab_yaml(pod):
     ran = tpufab("run", "recipes/hello.sh", env=env, cwd=cwd)
     assert ran.returncode == 0, ran.stderr + ran.stdout
     for w in range(4):
-        assert f"worker {w} of 4" in ran.stdout, ran.stdout
+        assert f"worker {w} of 4" in ran.stdout or "worker {0..3} of 4" in ran.stdout, \
+            ran.stdout                              # its own line, or all four folded
     # A JAX collective across the node's workers: they share its namespace, and its metadata
     # servers and coordinator answer there.
     setup = tpufab("setup", "--script", str(REPO / "scripts" / "setup-sim.sh"), env=env, cwd=cwd,
@@ -155,7 +152,7 @@ def _bastion_connections(bastion: str) -> int:
 
 
 def test_one_bastion_connection_carries_every_worker_at_once(pod, sim):
-    from tpufab.pod import connect
+    from tpufab.pod.connection import connect
 
     settings = sim_settings(sim, pod["home"], name=pod["name"], jump=pod["jump"])
     before = _bastion_connections(pod["bastion"])
@@ -169,6 +166,42 @@ def test_one_bastion_connection_carries_every_worker_at_once(pod, sim):
         result.close()
 
 
+def test_a_worker_connection_closes_quietly_while_the_bastion_connection_dies(pod, monkeypatch):
+    """A full CI run once ended an `exec` through a bastion with "Exception in thread": the
+    worker's connection closed its channel (a message on the bastion's connection) just as the
+    bastion's connection closed at exit, and paramiko re-raises what that close raises. Here the
+    bastion's connection can no longer send (its socket gone) when the worker's is closed."""
+    import errno
+    import threading
+
+    import paramiko
+
+    from tpufab.ssh import jump as jumps
+
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+    bastion = paramiko.SSHClient()
+    bastion.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+    bastion.connect(pod["bastion"], username=POD_USER, look_for_keys=False, allow_agent=False,
+                    pkey=paramiko.PKey.from_path(pod["home"] / "tpufab_ed25519"), timeout=10)
+    try:
+        sock = jumps.open_channel(jumps.parse_jump(pod["jump"]), None, pod["ips"][0], 22, 10,
+                                  connect=lambda *_: bastion)
+        worker = paramiko.Transport(sock)
+        worker.start_client(timeout=10)
+        assert worker.is_active()
+
+        def dead_socket(*_):
+            raise OSError(errno.EBADF, "Bad file descriptor")
+
+        monkeypatch.setattr(bastion.get_transport().packetizer, "send_message", dead_socket)
+        worker.close()  # raised OSError here (and in the transport's thread) before the fix
+        worker.join(10)
+        assert not worker.is_alive() and raised == []
+    finally:
+        bastion.close()
+
+
 def test_bastion_host_key_is_pinned_and_a_changed_one_is_refused(pod, sim):
     env, cwd = pod["env"], pod["outside"]
     known = Path(env["TPUFAB_KNOWN_HOSTS"])
@@ -177,6 +210,18 @@ def test_bastion_host_key_is_pinned_and_a_changed_one_is_refused(pod, sim):
     pinned = [line for line in known.read_text().splitlines()
               if line.split()[0] == pod["bastion"]]
     assert pinned == [f"{pod['bastion']} {real}"]
+    # first use pins it and shows its fingerprint, as ssh does (issue 23)
+    fresh = pod["home"] / "fresh_known_hosts"
+    first = tpufab("exec", "--jump", pod["jump"], "true",
+                   env={**env, "TPUFAB_KNOWN_HOSTS": str(fresh)}, cwd=cwd)
+    assert first.returncode == 0, first.stderr
+    from tpufab.ssh.hostkeys import fingerprint
+
+    assert (f"Pinned the {real.split()[0]} host key of the jump host {pod['bastion']} "
+            f"({fingerprint(real.split()[1])}) in {fresh}") in first.stderr
+    again = tpufab("exec", "--jump", pod["jump"], "true",
+                   env={**env, "TPUFAB_KNOWN_HOSTS": str(fresh)}, cwd=cwd)
+    assert again.returncode == 0 and "Pinned the" not in again.stderr
     original = known.read_text()
     forged = "AAAAC3NzaC1lZDI1NTE5AAAAIC81zMXQ2MNi74LMPRc+zpeG4keseH+21UmpkK6nBFRn"
     known.write_text(original.replace(real.split()[1], forged))
@@ -230,8 +275,17 @@ def test_delete_takes_the_namespace_and_the_bastion_with_it(pod, sim):
     netns = Path(f"/proc/{pool.pids(pod['id'], 0)[0]}/ns/net").readlink().name
     assert netns != Path("/proc/self/ns/net").readlink().name
     assert len(_holders_of(netns)) > 4  # workers, their sshd, the bastion, the holder
-    deleted = tpufab("delete", "--yes", env=pod["env"], cwd=pod["outside"])
+    known = Path(pod["env"]["TPUFAB_KNOWN_HOSTS"])
+    assert any(line.split()[0] == pod["bastion"] for line in known.read_text().splitlines())
+    # from the project, whose tpufab.yaml names the jump: the bastion went with the node, so
+    # its pinned key (and the workers') go too (issue 23)
+    deleted = tpufab("delete", "--yes", "--name", pod["name"], env=pod["env"],
+                     cwd=pod["project"])
     assert deleted.returncode == 0, deleted.stderr
+    assert f"The jump host {pod['bastion']} went with it: forgot its pinned host key" in \
+        deleted.stdout + deleted.stderr
+    assert not any(line.split()[0] == pod["bastion"] or pod["id"] in line.split()[0]
+                   for line in known.read_text().splitlines())
     assert _holders_of(netns) == []  # nothing left in it: the kernel frees the namespace
     with pytest.raises(ConnectionRefusedError), socket.create_connection((pod["bastion"], 22), 5):
         pass

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
+import shlex
 from pathlib import Path
 
 import pytest
-from conftest import unique_name
-from test_run_sim import _quiet, call, on_workers, write_recipe
+from harness import connected_pod
+from helpers import call, on_workers, write_recipe
 
-from tpufab.killing import (
+from tpufab.ssh.remote_files import RemoteFile, verify_loader
+from tpufab.workflows.killing import (
     KillResult,
     WorkerReport,
     fold_paths,
@@ -105,9 +106,11 @@ print("holding" if os.read(r, 1) else "failed")
 
 def test_kill_command_runs_tpukill_as_root_with_both_device_families():
     line = kill_command(run="20261122-104455-ab12", grace=3, dry_run=True, force=True)
-    assert line.startswith("test -f .cache/tpufab/remote/")
-    assert "|| exit 97 ;" in line
-    assert 'if [ "$(id -u)" != 0 ] && sudo -n true 2>/dev/null; then exec sudo -n python3' in line
+    tpukill = RemoteFile.bundled("tpukill.py")
+    checked = f"python3 -I -S -c {shlex.quote(verify_loader())} 1 {tpukill.sha256} {tpukill.path}"
+    assert line.startswith('if [ "$(id -u)" != 0 ] && sudo -n true 2>/dev/null; then exec sudo '
+                           f"-n {checked} ")
+    assert f"; else exec {checked} " in line
     assert "--devices-glob '/dev/accel*' --devices-glob '/dev/vfio/[0-9]*'" in line
     assert '--run-dir="$HOME/.tpufab/runs"' in line and "--grace 3 --settle 2" in line
     assert "--run 20261122-104455-ab12 --dry-run --force" in line
@@ -184,24 +187,8 @@ def test_a_device_still_held_makes_the_result_fail():
 def pod_env(sim, tmp_path_factory):
     """A v4-32 and the environment naming it (ssh as the default user, `tpufab`: an ordinary
     user with passwordless sudo, as on a real TPU VM)."""
-    from tpufab import lifecycle
-    from tpufab import pod as pods
-    from tpufab.config import load_settings
-
-    base = tmp_path_factory.mktemp("kill-sim")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
-    env.update(sim.env(), TPUFAB_USER_CONFIG=str(base / "none.yaml"),
-               TPUFAB_SSH_KEY=str(base / "key" / "tpufab_ed25519"),
-               TPUFAB_KNOWN_HOSTS=str(base / "known_hosts"), TPUFAB_NAME=unique_name("kill"),
-               COLUMNS="250")
-    settings = load_settings(env=env, cwd=base)
-    lifecycle.create(load_settings({"type": "v4-32"}, env=env, cwd=base), console=_quiet())
-    pod = pods.connect(settings, console=_quiet())
-    try:
-        yield env, pod, base
-    finally:
-        pod.close()
-        lifecycle.delete(settings, yes=True, console=_quiet())
+    with connected_pod(sim, tmp_path_factory, "kill", columns=250) as pod:
+        yield pod.env, pod.pod, pod.base
 
 
 def flat(text: str) -> list[str]:
@@ -325,6 +312,7 @@ def test_kill_as_root_still_works(pod_env, tmp_path):
     assert holders(pod)[3] == {} and not lockfiles(pod)[3]
 
 
+@pytest.mark.sim
 def test_kill_and_status_say_the_same_about_a_protected_holder(pod_env, tmp_path):
     """Issue 11, finding 7: after `sim zombie`, kill said "TPU free: yes" (exit 0) while status
     said busy and advised `tpufab kill`: the user looped. Now both name the protected holder
@@ -359,3 +347,36 @@ def test_kill_and_status_say_the_same_about_a_protected_holder(pod_env, tmp_path
     assert forced.returncode == 0, forced.stdout + forced.stderr
     assert "TPU free on w[0-3]: yes." in forced.stdout
     assert "held" not in status().stdout
+
+
+# The Python API: a kill that cannot finish (a holder ignoring SIGTERM, a long grace)
+KILL_API = """\
+import json, sys, time
+from tpufab import Pod
+began = time.monotonic()
+result = Pod().kill(workers="3", grace=60, timeout=3)
+print(json.dumps({"seconds": time.monotonic() - began, "unreachable": result.unreachable,
+                  "ok": result.ok}))
+"""
+
+
+@pytest.mark.sim
+def test_pod_kill_gives_up_at_its_timeout(pod_env, tmp_path):
+    """Pod.kill(timeout=...) is honoured, as `tpufab kill --timeout` is (before: Pod.kill
+    took no timeout)."""
+    import subprocess
+    import sys
+
+    env, pod, _ = pod_env
+    assert call(env, "sim_zombie", cwd=tmp_path, worker="3").returncode == 0
+    try:
+        done = subprocess.run([sys.executable, "-c", KILL_API], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120,
+                              stdin=subprocess.DEVNULL)
+        assert done.returncode == 0, done.stdout + done.stderr
+        answer = json.loads(done.stdout.splitlines()[-1])
+        assert answer["seconds"] < 30, answer           # not the 60 s grace
+        assert not answer["ok"] and "timed out after 3 s" in answer["unreachable"]["3"], answer
+    finally:
+        assert call(env, "kill", cwd=tmp_path, grace=0.5, force=True).returncode == 0
+    assert holders(pod)[3] == {}

@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
-from helpers import WORKER_PYTHON, process_alive, shipped
+from helpers import WORKER_PYTHON, process_alive, shipped, wait_for
+
+from tpufab.ssh.remote_files import read_answer
 
 LAUNCH = shipped("launch.py")
 SECRET = "hf_s3cr3t-value-that-must-not-leak"
@@ -43,12 +44,12 @@ class Runs:
             args.append("--env-stdin")
             stdin = json.dumps(env)
         args.extend(extra)
-        started = json.loads(self.launch(*args, stdin=stdin).stdout)
+        started = read_answer(self.launch(*args, stdin=stdin).stdout)
         self.pgids.append(started["pgid"])
         return started
 
     def status(self, run_id):
-        return json.loads(self.launch("status", "--run", run_id).stdout)["runs"][0]
+        return read_answer(self.launch("status", "--run", run_id).stdout)["runs"][0]
 
     def go(self, run_id):
         (self.root / f"{run_id}.go").touch()
@@ -129,13 +130,13 @@ def test_stop_kills_the_whole_process_group(runs):
     wait_for(lambda: log.exists() and log.read_text().count("\n") == 3, what="children")
     children = [int(line.split()[1]) for line in log.read_text().splitlines()]
     assert all(process_alive(pid) for pid in [started["pid"], *children])
-    result = json.loads(runs.launch("stop", "--run", "grp", "--grace", "0.5").stdout)
+    result = read_answer(runs.launch("stop", "--run", "grp", "--grace", "0.5").stdout)
     assert result["before"] == "running"
     assert result["signal"] == "KILL"          # the recipe ignores TERM
     assert result["state"] == "killed" and result["ended_by"] == "SIGKILL"
     assert not any(process_alive(pid) for pid in [started["pid"], *children])
     # Stopping again is a no-op that says so.
-    again = json.loads(runs.launch("stop", "--run", "grp").stdout)
+    again = read_answer(runs.launch("stop", "--run", "grp").stdout)
     assert again["before"] == "killed" and again["signal"] is None
 
 
@@ -184,7 +185,7 @@ def test_tail_follows_to_the_end_and_a_killed_follower_changes_nothing(runs):
     out, err = follower.communicate(timeout=30)
     assert out == b"last line without newline"
     assert follower.returncode == 7
-    final = json.loads(err.decode().strip().splitlines()[-1])
+    final = read_answer(err, "state")
     assert final["state"] == "exited" and final["exit_code"] == 7
     assert final["offset"] == len(b"line 1\nline 2\nline 3\nlast line without newline")
 
@@ -198,7 +199,7 @@ def test_status_lists_runs_and_reports_lost_runs(runs):
     (lost / "pid").write_text("999999\n")
     (lost / "start_time").write_text("1\n")
     (lost / "supervisor").write_text("999998\n")
-    listed = json.loads(runs.launch("status").stdout)["runs"]
+    listed = read_answer(runs.launch("status").stdout)["runs"]
     assert [(r["run"], r["state"]) for r in listed] == [("a", "exited"), ("b", "lost")]
 
 
@@ -206,13 +207,13 @@ def test_start_refuses_bad_input(runs, tmp_path):
     recipe = tmp_path / "x.sh"
     recipe.write_text("#!/bin/sh\n")
     bad = runs.launch("start", "--run", "../escape", "--recipe", str(recipe), check=False)
-    assert bad.returncode == 2 and "bad run id" in json.loads(bad.stdout)["error"]
+    assert bad.returncode == 2 and "bad run id" in read_answer(bad.stdout)["error"]
     wrong = runs.launch("start", "--run", "h", "--recipe", str(recipe), "--recipe-sha256",
                         "0" * 64, check=False)
-    assert wrong.returncode == 2 and "expected" in json.loads(wrong.stdout)["error"]
+    assert wrong.returncode == 2 and "expected" in read_answer(wrong.stdout)["error"]
     runs.start("dup", "exit 0\n")
     dup = runs.launch("start", "--run", "dup", "--recipe", str(recipe), check=False)
-    assert dup.returncode == 2 and "already exists" in json.loads(dup.stdout)["error"]
+    assert dup.returncode == 2 and "already exists" in read_answer(dup.stdout)["error"]
 
 
 def _launch_module():
@@ -262,4 +263,8 @@ def test_a_python_recipe_runs_with_the_jobs_python(tmp_path):
         str(venv_python)
     shell = tmp_path / "x.sh"
     shell.write_text("#!/bin/sh\necho hi\n")
+    # a checkout's file that is not executable (issue 25): its shebang's interpreter runs it
+    assert launch.recipe_argv(str(shell), ["--steps", "10"], {}) == \
+        ["/bin/sh", str(shell), "--steps", "10"]
+    shell.chmod(0o755)
     assert launch.recipe_argv(str(shell), ["--steps", "10"], {}) == [str(shell), "--steps", "10"]

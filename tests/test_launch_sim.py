@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import unique_name, wait_for
+from helpers import free_port, one_sentence, tpufab, unique_name, wait_for
 
 pytestmark = pytest.mark.sim   # every test here drives the simulated pod
 
@@ -83,7 +83,7 @@ def world(sim, tmp_path_factory):
     env.update(sim.env(), TPUFAB_USER_CONFIG=str(base / "none.yaml"), TPUFAB_SSH_USER="root",
                TPUFAB_SSH_KEY=str(base / "key" / "tpufab_ed25519"),
                TPUFAB_KNOWN_HOSTS=str(base / "known_hosts"), TPUFAB_MOUNT_DRIVER="rclone",
-               TPUFAB_AUTOSTOP_CHECK="0.3", TPUFAB_AUTOSTOP_PORT=str(_free_port()),
+               TPUFAB_AUTOSTOP_CHECK="0.3", TPUFAB_AUTOSTOP_PORT=str(free_port()),
                COLUMNS="200")
     bucket = unique_name("bkt")
     storage = StorageClient(sim.storage_endpoint)
@@ -100,19 +100,6 @@ def world(sim, tmp_path_factory):
     return {"env": env, "project": project, "base": base, "bucket": bucket}
 
 
-def _free_port() -> int:
-    from conftest import free_port
-
-    return free_port()
-
-
-def tpufab(world, *args: str, timeout: float = 300, extra_env=None):
-    """The real `tpufab` command, run from the project checkout."""
-    return subprocess.run([TPUFAB, *args], env={**world["env"], **(extra_env or {})},
-                          cwd=world["project"], capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
-
-
 def settings_of(world, **over):
     from tpufab.config import load_settings
 
@@ -120,7 +107,7 @@ def settings_of(world, **over):
 
 
 def node_names(world, zone: str | None = None) -> set[str]:
-    from tpufab import lifecycle
+    from tpufab.cloud import lifecycle
 
     s = settings_of(world, zone=zone) if zone else settings_of(world)
     return {n.name for n in lifecycle.list_nodes(s)}
@@ -133,18 +120,10 @@ def quiet():
 
 
 def delete(world, name: str, zone: str | None = None) -> None:
-    from tpufab import lifecycle
+    from tpufab.cloud import lifecycle
 
     over = {"name": name, **({"zone": zone} if zone else {})}
     lifecycle.delete(settings_of(world, **over), yes=True, console=quiet())
-
-
-def one_sentence(err: str) -> str:
-    """The error: the last line on stderr, one line, no traceback (a progress line may come
-    first)."""
-    lines = [line for line in err.strip().splitlines() if line.strip()]
-    assert lines and len(lines) <= 2 and "Traceback" not in err, err
-    return lines[-1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,16 +132,16 @@ def one_sentence(err: str) -> str:
 
 def test_skypilot_task_launches_end_to_end_and_down_leaves_no_node(world):
     name = unique_name("sky")
-    got = tpufab(world, "launch", "sky.yaml", "--name", name, "--down",
-                 extra_env={"HF_TOKEN": SECRET})
+    got = tpufab("launch", "sky.yaml", "--name", name, "--down", extra_env={"HF_TOKEN": SECRET},
+                 env=world["env"], cwd=world["project"])
     out, err = got.stdout, got.stderr
     assert got.returncode == 0, out + err
-    # setup ran once per worker in the workdir, shown once (every worker printed it)
-    assert out.splitlines().count(f"setup ran in /root/{world['project'].name}/code for tiny "
-                                  "with token=***") == 1
-    # SkyPilot's variables from tpufab's job environment; lines that differ keep their worker
-    for w in range(4):
-        assert f"w{w}: train rank {w} model tiny" in out
+    # setup ran once per worker in the workdir, SkyPilot's ~/sky_workdir (a link to the
+    # deployed checkout's code/: issue 25), shown once (every worker printed it)
+    assert out.splitlines().count("setup ran in /root/sky_workdir for tiny with token=***") == 1
+    # SkyPilot's variables from tpufab's job environment; the rank lines differ only in the
+    # rank: one line, the ranks in braces (tpufab.display.fields)
+    assert "train rank {0..3} model tiny" in out.splitlines()
     assert "nodes=4 ips=4 tpu=" + name in out
     assert "hello from the bucket" in out.splitlines()          # the gcs MOUNT, all workers
     assert "token=***" in out and SECRET not in out + err          # the env, masked
@@ -178,28 +157,30 @@ def test_skypilot_task_launches_end_to_end_and_down_leaves_no_node(world):
 def test_tpufab_task_launches_then_reuses_the_node_and_refuses_another_spec(world):
     name = unique_name("tfb")
     try:
-        first = tpufab(world, "launch", "task.yaml", "--name", name, "--env", "EXTRA=from-the-flag")
+        first = tpufab("launch", "task.yaml", "--name", name, "--env", "EXTRA=from-the-flag",
+                       env=world["env"], cwd=world["project"])
         assert first.returncode == 0, first.stdout + first.stderr
         assert "hello from the bucket" in first.stdout.splitlines()
-        for w in range(4):
-            assert f"w{w}: rank={w} greeting=hello-from-the-task extra=from-the-flag" in \
-                first.stdout
+        assert "rank={0..3} greeting=hello-from-the-task extra=from-the-flag" in \
+            first.stdout.splitlines()          # one line, the ranks in braces
         assert first.stdout.splitlines().count(
             f"tpufab setup in /root/{world['project'].name}/code") == 1
         assert "Environment: EXTRA=from-the-flag GREETING=hello-from-the-task" in first.stderr
 
-        again = tpufab(world, "launch", "task.yaml", "--name", name,
-                       extra_env={"EXTRA": "from-my-shell"})
+        again = tpufab("launch", "task.yaml", "--name", name,
+                       extra_env={"EXTRA": "from-my-shell"}, env=world["env"], cwd=world["project"])
         assert again.returncode == 0, again.stdout + again.stderr
         assert f"TPU node {name} already exists and is READY" in again.stderr
         assert "already there" in again.stderr
-        assert "Setup: already done on w[0-3] (this content ran there before)." in again.stderr
+        assert "Setup: already done on w[0-3] (this content ran there before; --force-setup " \
+            "runs it again)." in again.stderr
         assert "4 already had it" in again.stderr
         assert "extra=from-my-shell" in again.stdout
 
-        other = tpufab(world, "launch", "task.yaml", "-n", name, "--type", "v4-16", "-e", "EXTRA=x")
+        other = tpufab("launch", "task.yaml", "-n", name, "--type", "v4-16", "-e", "EXTRA=x",
+                       env=world["env"], cwd=world["project"])
         assert other.returncode == 2
-        assert one_sentence(other.stderr).endswith(
+        assert one_sentence(other, progress=1).endswith(
             f"launch failed at create: TPU node '{name}' already exists with another spec (it "
             "is a v4-32, the task asks for v4-16); launch with another --name, or delete it "
             f"first (`tpufab delete --name {name}`).")
@@ -212,7 +193,8 @@ def test_detach_with_idle_leaves_the_run_going_and_the_pod_deletes_itself_after(
     (world["project"] / "short.yaml").write_text(
         "type: v4-16\nrun: |\n  echo short run on $TPUFAB_WORKER_ID\n")
     try:
-        got = tpufab(world, "launch", "short.yaml", "--name", name, "--detach", "--idle", "2s")
+        got = tpufab("launch", "short.yaml", "--name", name, "--detach", "--idle", "2s",
+                     env=world["env"], cwd=world["project"])
     finally:
         (world["project"] / "short.yaml").unlink()
     assert got.returncode == 0, got.stdout + got.stderr
@@ -221,10 +203,27 @@ def test_detach_with_idle_leaves_the_run_going_and_the_pod_deletes_itself_after(
     wait_for(lambda: name not in node_names(world), 60, what="the idle pod to delete itself")
 
 
+def test_a_setup_longer_than_idle_keeps_the_pod(world):
+    """launch --idle arms the watchdog once the pod is set up, and a setup is busy anyway: a
+    setup three times longer than --idle ends well, and the run after it too."""
+    name = unique_name("slow")
+    (world["project"] / "slow.yaml").write_text(
+        "type: v4-8\nsetup: |\n  sleep 6\n  echo setup-done\nrun: |\n  echo ran-after-setup\n")
+    try:
+        got = tpufab("launch", "slow.yaml", "--name", name, "--idle", "2s", env=world["env"], cwd=world["project"])
+    finally:
+        (world["project"] / "slow.yaml").unlink()
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert "setup-done" in got.stdout + got.stderr and "ran-after-setup" in got.stdout
+    assert got.stderr.index("Setup: ran on") < got.stderr.index("Autostop: deletes the pod")
+    wait_for(lambda: name not in node_names(world), 60, what="the idle pod to delete itself")
+
+
 def test_a_failing_run_exits_with_its_code_and_down_still_deletes(world, tmp_path):
     name = unique_name("fail")
     (world["project"] / "fail.yaml").write_text("type: v4-16\nrun: |\n  echo bye\n  exit 7\n")
-    got = tpufab(world, "launch", "fail.yaml", "--name", name, "--down")
+    got = tpufab("launch", "fail.yaml", "--name", name, "--down", env=world["env"],
+                 cwd=world["project"])
     (world["project"] / "fail.yaml").unlink()
     assert got.returncode == 7, got.stdout + got.stderr
     assert "failed on w[0-1]" in got.stderr and f"Deleted TPU node {name}" in got.stderr
@@ -234,8 +233,8 @@ def test_a_failing_run_exits_with_its_code_and_down_still_deletes(world, tmp_pat
 def test_dry_run_prints_the_plan_and_touches_nothing(world, sim_admin):
     name = unique_name("dry")
     before = sim_admin.state()
-    got = tpufab(world, "launch", "sky.yaml", "--name", name, "--dry-run",
-                 extra_env={"HF_TOKEN": SECRET})
+    got = tpufab("launch", "sky.yaml", "--name", name, "--dry-run",
+                 extra_env={"HF_TOKEN": SECRET}, env=world["env"], cwd=world["project"])
     assert got.returncode == 0, got.stderr
     out = got.stdout
     assert out.startswith(f"Plan for sky.yaml (SkyPilot task) on {name}:")
@@ -249,6 +248,20 @@ def test_dry_run_prints_the_plan_and_touches_nothing(world, sim_admin):
     after = sim_admin.state()
     assert after["nodes"] == before["nodes"] and after["queuedResources"] == \
         before["queuedResources"]
+
+
+def test_dry_run_shows_the_environment_by_the_one_masking_rule(world):
+    """issue 23, finding 11: DB_PASS is a secret by its last word, --secret makes any name one,
+    MAX_NEW_TOKENS is not one (its value shows)."""
+    got = tpufab("launch", "sky.yaml", "--name", unique_name("dry"), "--dry-run",
+                 "-e", "DB_PASS", "-e", "MAX_NEW_TOKENS=128", "--secret", "RUN_NOTE=note-3381",
+                 extra_env={"DB_PASS": "db-pass-must-not-show", "HF_TOKEN": SECRET}, env=world["env"], cwd=world["project"])
+    assert got.returncode == 0, got.stderr
+    env = next(line for line in got.stdout.splitlines() if "env: " in line)
+    for shown in ("DB_PASS=***", "MAX_NEW_TOKENS=128", "RUN_NOTE=***"):
+        assert shown in env, env
+    assert "db-pass-must-not-show" not in got.stdout + got.stderr
+    assert "note-3381" not in got.stdout + got.stderr
 
 
 @pytest.mark.parametrize(("text", "env", "sentence"), [
@@ -267,11 +280,12 @@ def test_bad_task_files_get_their_sentence(world, sim_admin, text, env, sentence
     before = sim_admin.state()["nodes"]
     (world["project"] / "bad.yaml").write_text(text)
     try:
-        got = tpufab(world, "launch", "bad.yaml", "--name", unique_name("bad"), extra_env=env)
+        got = tpufab("launch", "bad.yaml", "--name", unique_name("bad"), extra_env=env,
+                     env=world["env"], cwd=world["project"])
     finally:
         (world["project"] / "bad.yaml").unlink()
     assert got.returncode == 2
-    assert sentence in one_sentence(got.stderr)
+    assert sentence in one_sentence(got, progress=1)
     assert sim_admin.state()["nodes"] == before
 
 
@@ -282,8 +296,8 @@ def test_bad_task_files_get_their_sentence(world, sim_admin, text, env, sentence
 def test_stockout_falls_through_to_the_next_zone(world, sim_admin):
     name = unique_name("zone")
     sim_admin.fail_next_create("stockout", zone="us-central2-b")
-    got = tpufab(world, "create", "--name", name, "--type", "v4-8",
-                 "--zones", "us-central2-b,us-east5-a")
+    got = tpufab("create", "--name", name, "--type", "v4-8", "--zones",
+                 "us-central2-b,us-east5-a", env=world["env"], cwd=world["project"])
     try:
         assert got.returncode == 0, got.stderr
         assert "No v4-8 capacity in us-central2-b right now; trying us-east5-a." in got.stdout
@@ -294,7 +308,7 @@ def test_stockout_falls_through_to_the_next_zone(world, sim_admin):
 
 
 def test_retry_for_keeps_trying_stockouts_until_capacity_comes(world, sim_admin):
-    from tpufab import lifecycle
+    from tpufab.cloud import lifecycle
 
     name = unique_name("retry")
     sim_admin.fail_next_create("stockout", count=2)
@@ -316,8 +330,8 @@ def test_retry_for_keeps_trying_stockouts_until_capacity_comes(world, sim_admin)
 
 
 def test_retry_for_gives_up_at_the_deadline_and_quota_stops_at_once(world, sim_admin):
-    from tpufab import lifecycle
-    from tpufab.controlplane import QuotaExceeded, Stockout
+    from tpufab.cloud import lifecycle
+    from tpufab.cloud.controlplane import QuotaExceeded, Stockout
 
     sim_admin.fail_next_create("stockout", count=50)
     s = settings_of(world, name=unique_name("never"), type="v4-8")
@@ -341,7 +355,7 @@ def test_retry_for_gives_up_at_the_deadline_and_quota_stops_at_once(world, sim_a
 
 def test_gc_removes_a_preempted_node_and_a_failed_queued_resource_and_nothing_else(
         world, sim_admin):
-    from tpufab import lifecycle
+    from tpufab.cloud import lifecycle
     from tpufab.errors import ApiError
 
     healthy, preempted, failed = (unique_name(p) for p in ("keep", "pre", "qrf"))
@@ -353,7 +367,7 @@ def test_gc_removes_a_preempted_node_and_a_failed_queued_resource_and_nothing_el
         lifecycle.create(settings_of(world, name=failed, type="v4-8"), queued=True,
                          console=quiet())
     try:
-        got = tpufab(world, "gc", "--yes")
+        got = tpufab("gc", "--yes", env=world["env"], cwd=world["project"])
         assert got.returncode == 0, got.stderr
         assert f"TPU node {preempted} (v4-8, PREEMPTED) in us-central2-b" in got.stdout
         assert f"queued resource {failed} (v4-8, FAILED) in us-central2-b" in got.stdout
@@ -363,23 +377,23 @@ def test_gc_removes_a_preempted_node_and_a_failed_queued_resource_and_nothing_el
         qrs = {q.name for q in lifecycle.control_plane(settings_of(world))
                .list_queued_resources()}
         assert failed not in qrs
-        again = tpufab(world, "gc", "--yes")
+        again = tpufab("gc", "--yes", env=world["env"], cwd=world["project"])
         assert again.returncode == 0 and "Nothing to collect" in again.stdout
     finally:
         delete(world, healthy)
 
 
 def test_gc_all_zones_reaches_the_other_zones(world, sim_admin):
-    from tpufab import lifecycle
+    from tpufab.cloud import lifecycle
 
     elsewhere = unique_name("far")
     lifecycle.create(settings_of(world, name=elsewhere, type="v4-8", zone="us-east5-b"),
                      console=quiet())
     sim_admin.preempt(f"projects/{sim_admin.project}/locations/us-east5-b/nodes/{elsewhere}")
-    here = tpufab(world, "gc", "--yes")
+    here = tpufab("gc", "--yes", env=world["env"], cwd=world["project"])
     assert here.returncode == 0 and elsewhere not in here.stdout
     assert elsewhere in node_names(world, zone="us-east5-b")
-    everywhere = tpufab(world, "gc", "--yes", "--all-zones")
+    everywhere = tpufab("gc", "--yes", "--all-zones", env=world["env"], cwd=world["project"])
     assert everywhere.returncode == 0, everywhere.stderr
     assert f"TPU node {elsewhere} (v4-8, PREEMPTED) in us-east5-b" in everywhere.stdout
     assert elsewhere not in node_names(world, zone="us-east5-b")
@@ -392,8 +406,8 @@ def test_gc_all_zones_reaches_the_other_zones(world, sim_admin):
 @pytest.fixture
 def pod16(world):
     """A fresh v4-16 (two workers) and its connected pod; deleted afterwards if still there."""
-    from tpufab import lifecycle
-    from tpufab import pod as pods
+    from tpufab.cloud import lifecycle
+    from tpufab.pod import connection as pods
 
     name = unique_name("auto")
     s = settings_of(world, name=name, type="v4-16")
@@ -412,7 +426,7 @@ def gone(world, name: str) -> bool:
 
 
 def leader_state(p) -> dict:
-    from tpufab import autostop
+    from tpufab.workflows import autostop
 
     return autostop.worker_state(p)
 
@@ -436,35 +450,61 @@ def hold_device(p, worker: int, device: str, release: str) -> None:
                  "do sleep 0.1; done' >/dev/null 2>&1 &", workers=[worker]).close()
 
 
+def test_pod_autostop_checks_its_arguments_as_the_verb_does_before_connecting(tmp_path):
+    """The Python API gets the verb's checks and sentences (issue 22), before any call."""
+    from tpufab import Pod
+    from tpufab.errors import ConfigError
+
+    pod = Pod("nowhere", project="p", zone="z", api_endpoint="http://127.0.0.1:9")
+    with pytest.raises(ConfigError, match=r"^Say when to stop: --idle 30m"):
+        pod.autostop()
+    with pytest.raises(ConfigError, match=r"^--cancel removes the autostop; it takes no"):
+        pod.autostop(idle="30m", cancel=True)
+    with pytest.raises(ConfigError, match=r"^--ttl takes a duration such as 90s"):
+        pod.autostop(ttl="soon")
+    assert pod._connected is None
+
+
 def test_autostop_deletes_an_idle_pod_and_list_and_status_show_it_first(world, pod16):
     name, _, p = pod16
     hold_device(p, 1, "/dev/accel2", "/tmp/release-2")   # busy while we look
-    got = tpufab(world, "autostop", "--name", name, "--idle", "3s")
+    got = tpufab("autostop", "--name", name, "--idle", "3s", env=world["env"], cwd=world["project"])
     assert got.returncode == 0, got.stderr
     assert f"Autostop of {name}: deletes the pod after 3s idle." in got.stdout
-    listed = tpufab(world, "list")
+    listed = tpufab("list", env=world["env"], cwd=world["project"])
     row = next(line for line in listed.stdout.splitlines() if line.startswith(name))
     assert "idle 3s" in row and "AUTOSTOP" in listed.stdout
     checks_past(p, 0.5)
-    status = tpufab(world, "status", "--name", name)
-    assert "Autostop: deletes the pod after 3s idle; busy now (w1: TPU held by pid" in \
-        status.stdout, status.stdout
-    assert " armed (idle=3s)" in status.stdout and " busy (reasons=w1: TPU held" in status.stdout
+    status = tpufab("status", "--name", name, env=world["env"], cwd=world["project"])
+    assert "Autostop: deletes the pod after 3s idle; busy now (" in status.stdout, status.stdout
+    assert "w1: TPU held by pid" in status.stdout
+    assert " armed (idle=3s)" in status.stdout and " busy (reasons=" in status.stdout
     p.fanout.run("touch /tmp/release-2", workers=[1]).close()
+    p.close()                           # a kept connection counts as busy too
     wait_for(lambda: gone(world, name), 60, what="the idle pod to be deleted")
+    # afterwards, status and describe say who deleted it, and when
+    for verb in ("status", "describe"):
+        after = tpufab(verb, "--name", name, env=world["env"], cwd=world["project"])
+        assert after.returncode != 0
+        sentence = one_sentence(after, progress=1)     # status first names the pod
+        assert f"{name!r}" in sentence and "it was deleted by autostop at " in sentence, sentence
+        assert sentence.split("deleted by autostop at ")[1][:10] == time.strftime("%Y-%m-%d")
+        assert "(idle)" in sentence
 
 
 def test_autostop_waits_for_a_run_and_for_a_device_holder_on_any_worker(world, pod16):
-    from tpufab import pod as pods
+    from tpufab.pod import connection as pods
 
     name, s, p = pod16
     trigger = "/tmp/autostop-run-may-end"
     script = world["base"] / "long.sh"
     script.write_text(f"#!/bin/sh\nwhile [ ! -e {trigger} ]; do sleep 0.1; done\necho done\n")
-    started = tpufab(world, "run", str(script), "--name", name, "--no-deploy", "--detach")
+    started = tpufab("run", str(script), "--name", name, "--no-deploy", "--detach",
+                     env=world["env"], cwd=world["project"])
     assert started.returncode == 0, started.stderr
     hold_device(p, 1, "/dev/accel0", "/tmp/release")   # worker 1, not the leader
-    armed = tpufab(world, "autostop", "--name", name, "--idle", "2s")
+    armed = tpufab("autostop", "--name", name, "--idle", "2s", env=world["env"],
+                   cwd=world["project"])
     assert armed.returncode == 0, armed.stderr
     state = checks_past(p, 4)
     assert any(b.startswith("w0: run ") for b in state["busy"]), state
@@ -472,17 +512,20 @@ def test_autostop_waits_for_a_run_and_for_a_device_holder_on_any_worker(world, p
     assert not gone(world, name)
     p.fanout.run(f"touch {trigger}", workers=[0, 1]).close()            # the run ends
     state = checks_past(p, 4 + 3)
-    assert state["busy"] and all(b.startswith("w1: TPU held") for b in state["busy"]), state
+    assert any(b.startswith("w1: TPU held") for b in state["busy"]), state
+    assert not any(" run " in b for b in state["busy"]), state
     assert not gone(world, name)                                         # the holder remains
     p.fanout.run("touch /tmp/release", workers=[1]).close()
     pods.forget(s)
+    p.close()
     wait_for(lambda: gone(world, name), 60, what="the pod to be deleted once idle")
 
 
 def test_autostop_ttl_fires_even_while_busy(world, pod16):
     name, _, p = pod16
     hold_device(p, 0, "/dev/accel1", "/tmp/never")
-    got = tpufab(world, "autostop", "--name", name, "--ttl", "3s", "--idle", "1s")
+    got = tpufab("autostop", "--name", name, "--ttl", "3s", "--idle", "1s", env=world["env"],
+                 cwd=world["project"])
     assert got.returncode == 0, got.stderr
     assert "at the latest (TTL)" in got.stdout
     wait_for(lambda: gone(world, name), 60, what="the TTL to delete the busy pod")
@@ -490,9 +533,10 @@ def test_autostop_ttl_fires_even_while_busy(world, pod16):
 
 def test_autostop_cancel_holds(world, pod16):
     name, _, p = pod16
-    assert tpufab(world, "autostop", "--name", name, "--idle", "8s").returncode == 0
+    assert tpufab("autostop", "--name", name, "--idle", "8s", env=world["env"],
+                  cwd=world["project"]).returncode == 0
     armed_at = leader_state(p)["config"]["armed_at"]
-    got = tpufab(world, "autostop", "--name", name, "--cancel")
+    got = tpufab("autostop", "--name", name, "--cancel", env=world["env"], cwd=world["project"])
     assert got.returncode == 0, got.stderr
     assert f"Autostop of {name} cancelled (it was: deletes the pod after 8s idle)." in got.stdout
     # well past the idle period: still there, no watchdog left on any worker
@@ -507,5 +551,109 @@ def test_autostop_cancel_holds(world, pod16):
         assert all(r.stdout.strip() == "" for r in left.values())
     finally:
         left.close()
-    listed = tpufab(world, "list")
+    listed = tpufab("list", env=world["env"], cwd=world["project"])
     assert "idle 8s" not in listed.stdout
+
+
+def test_autostop_counts_a_tpufab_command_longer_than_the_idle_period_as_busy(world, pod16):
+    """A setup or exec that outlasts --idle (no run, no TPU holder) must not lose the pod."""
+    name, _, p = pod16
+    p.close()
+    started = time.monotonic()
+    command = subprocess.Popen([TPUFAB, "exec", "--name", name, "sleep 8; echo still-here"],
+                               env=world["env"], cwd=world["project"], text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               stdin=subprocess.DEVNULL)
+    try:
+        armed = tpufab("autostop", "--name", name, "--idle", "2s", env=world["env"], cwd=world["project"])
+        assert armed.returncode == 0, armed.stderr
+        out, err = command.communicate(timeout=60)
+    finally:
+        command.kill()
+    assert command.returncode == 0, err
+    assert out.count("still-here") == 2 and time.monotonic() - started > 8
+    assert not gone(world, name)
+    wait_for(lambda: gone(world, name), 60, what="the pod to be deleted once idle after it")
+
+
+def test_autostop_ttl_counts_on_the_worker_s_clock_not_the_client_s(world, pod16):
+    """A client clock two hours slow must not give a deadline already past."""
+    from tpufab.workflows import autostop
+
+    name, s, p = pod16
+    armed = autostop.arm(p, s, ttl=120, clock=lambda: time.time() - 7200)
+    assert abs(armed["ttl_at"] - (time.time() + 120)) < 15, armed
+    assert "2h" in autostop.skew_note(armed) and "ahead of" in autostop.skew_note(armed)
+    state = checks_past(p, 1)
+    assert abs(state["fires_at"] - armed["ttl_at"]) < 1 and not gone(world, name)
+    assert "firing" not in [e["event"] for e in leader_state(p)["events"]]
+
+
+def test_bad_autostop_settings_leave_the_running_watchdog_alone(world, pod16):
+    name, _, p = pod16
+    assert tpufab("autostop", "--name", name, "--idle", "1h", env=world["env"], cwd=world["project"]).returncode == 0
+    before = leader_state(p)
+    assert before["running"] and before["config"]["idle"] == 3600
+    for env, sentence in ((
+            {"TPUFAB_AUTOSTOP_CHECK": "-1"}, "autostop_check (TPUFAB_AUTOSTOP_CHECK) must be a "
+            "number of seconds above 0, not -1.0."), (
+            {"TPUFAB_AUTOSTOP_PORT": "70000"}, "autostop_port (TPUFAB_AUTOSTOP_PORT) must be a "
+            "TCP port between 1 and 65535, not 70000.")):
+        got = tpufab("autostop", "--name", name, "--idle", "2s", extra_env=env, env=world["env"], cwd=world["project"])
+        assert got.returncode != 0 and one_sentence(got).endswith(sentence), got.stderr
+    # a port another process listens on, on worker 1 only: no worker changes its watchdog
+    port = 18000 + os.getpid() % 1000
+    p.fanout.run(f"env -u TPUFAB_TASK setsid python3 -c 'import socket,os,time; s=socket."
+                 f"socket(); s.bind((\"0.0.0.0\", {port})); s.listen(1); "
+                 f"[time.sleep(0.1) for _ in iter(lambda: os.path.exists(\"/tmp/unbind\"), True)]'"
+                 " >/dev/null 2>&1 &", workers=[1]).close()
+    wait_for(lambda: "LISTEN" in _ss(p, 1, port), 10, what="the listener on worker 1")
+    try:
+        got = tpufab("autostop", "--name", name, "--idle", "2s",
+                     extra_env={"TPUFAB_AUTOSTOP_PORT": str(port)}, env=world["env"], cwd=world["project"])
+        assert got.returncode != 0
+        assert "cannot listen on" in got.stderr and "any watchdog running is kept" in got.stderr
+    finally:
+        p.fanout.run("touch /tmp/unbind", workers=[1]).close()
+    after = leader_state(p)
+    assert after["running"] and after["config"]["idle"] == 3600
+    assert after["config"]["armed_at"] == before["config"]["armed_at"]
+    listed = tpufab("list", env=world["env"], cwd=world["project"])
+    row = next(line for line in listed.stdout.splitlines() if line.startswith(name))
+    assert "idle 1h" in row
+
+
+def _ss(p, worker: int, port: int) -> str:
+    result = p.fanout.run(f"cat /proc/net/tcp | awk '{{print $2, $4}}' | grep -i ':{port:04X} 0A'"
+                          " && echo LISTEN || true", workers=[worker])
+    try:
+        return result[worker].stdout
+    finally:
+        result.close()
+
+
+def test_create_says_when_it_moves_the_current_pod(world):
+    """(issue 23) `create --name X` silently made X the current pod in place of another."""
+    first, second = unique_name("cura"), unique_name("curb")
+    try:
+        one = tpufab("create", "--name", first, "--type", "v4-8", env=world["env"], cwd=world["project"])
+        assert one.returncode == 0, one.stderr
+        two = tpufab("create", "--name", second, "--type", "v4-8", env=world["env"], cwd=world["project"])
+        assert two.returncode == 0, two.stderr
+        assert f"The current pod is now {second} (was {first};" in two.stderr
+        again = tpufab("create", "--name", second, "--type", "v4-8", env=world["env"], cwd=world["project"])
+        assert "The current pod is now" not in again.stderr
+        assert f"{second} is this project's current pod" in again.stderr
+    finally:
+        for name in (first, second):
+            delete(world, name)
+        (world["project"] / ".tpufab" / "current-pod.json").unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("project", ["Bad Project!", "x", "ends-with-"])
+def test_gc_with_an_invalid_project_fails_in_one_sentence(world, project):
+    """(issue 23) gc with an invalid project said "Nothing to collect" and exited 0."""
+    got = tpufab("gc", "--yes", "--project", project, env=world["env"], cwd=world["project"])
+    assert got.returncode != 0 and "Nothing to collect" not in got.stdout
+    assert one_sentence(got).startswith(f"Invalid project {project!r}: a Google Cloud "
+                                               "project ID has 6 to 30")

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import io
+import time
 
 import pytest
-from conftest import SshKey, ssh_run, unique_name, wait_for
+from helpers import SshKey, ssh_run, unique_name, wait_for
 from rich.console import Console
 
-from tpufab import lifecycle, sshkeys
+from tpufab.cloud import lifecycle
+from tpufab.cloud.nodes import Node, QueuedResourceInfo, WorkerEndpoint
 from tpufab.config import load_settings
 from tpufab.errors import ApiError, ConfigError, NotFound
-from tpufab.nodes import Node, QueuedResourceInfo, WorkerEndpoint
+from tpufab.ssh import keys as sshkeys
 
 
 def recording_console() -> Console:
@@ -118,7 +120,8 @@ def render(renderable) -> str:
 
 
 def test_list_table_shows_what_a_user_needs():
-    text = render(lifecycle.nodes_table([a_node(), a_node("spot-one", "PREEMPTED", spot=True)]))
+    text = render(lifecycle.nodes_table([a_node(), a_node("spot-one", "PREEMPTED", spot=True)],
+                                        recording_console()))
     header = text.splitlines()[0].split()
     assert header == ["NAME", "TYPE", "STATE", "HEALTH", "HOSTS", "WORKER", "IPS", "SPOT",
                       "CREATED"]
@@ -163,7 +166,7 @@ class RacingControl:
         return self.node if self.created else None
 
     def create_node(self, name, body):
-        from tpufab.controlplane import AlreadyExists
+        from tpufab.cloud.controlplane import AlreadyExists
 
         self.created = True
         raise AlreadyExists("A node named 'demo' already exists.")
@@ -426,3 +429,138 @@ def test_delete_asks_first(settings_for, make_node, tpu_client):
     # without a terminal and without --yes: a clear error, not a hang
     with pytest.raises(ConfigError, match="pass --yes"):
         lifecycle.delete(settings, console=recording_console())
+
+
+# ---------------------------------------------------------------------------------------------
+# deleting re-reads what it deletes (issue 23, finding 4)
+
+
+@pytest.mark.sim
+def test_gc_leaves_a_node_recreated_between_its_listing_and_its_delete(settings_for, make_node,
+                                                                      sim_admin, tpu_client):
+    """babysit recreates a preempted node under its name: gc, which listed the preempted one,
+    must not delete the live one that now has the name."""
+    proto = make_node("v4-8")
+    name = proto.name.rsplit("/", 1)[-1]
+    sim_admin.preempt(name)
+    settings = settings_for(name=name, type="v4-8")
+    old_id = lifecycle.describe(settings, name).id
+    recreated = {}
+
+    def recreate_while_asking(question, console):     # the prompt is where a user waits
+        lifecycle.delete(settings, yes=True, console=recording_console())
+        [node] = lifecycle.create(settings, console=recording_console())
+        recreated["id"] = node.id
+        return True
+
+    console = recording_console()
+    lifecycle.gc(settings, console=console, confirm=recreate_while_asking)
+    text = output(console)
+    assert f"TPU node {name} (v4-8, PREEMPTED) in {settings.zone}, id {old_id}" in text
+    assert recreated["id"] != old_id
+    assert (f"Not deleting TPU node {name}: {name} is not the node that was listed (it was id "
+            f"{old_id}, it is now id {recreated['id']}, READY)") in text
+    assert f"Deleted TPU node {name}" not in text
+    live = tpu_client.get_node(name=proto.name)
+    assert live.state.name == "READY" and str(live.id) == recreated["id"]
+
+
+@pytest.mark.sim
+def test_gc_names_every_slice_a_queued_resource_delete_takes(settings_for, created, sim_admin):
+    name = unique_name("gcms")
+    created.append(name)
+    settings = settings_for(name=name, type="v4-8")
+    nodes = lifecycle.create(settings, num_slices=2, console=recording_console())
+    ids = {n.name: n.id for n in nodes}
+    sim_admin.preempt(f"{name}-1")
+    asked = []
+
+    def say_no(question, console):
+        asked.append(question)
+        return False
+
+    console = recording_console()
+    assert lifecycle.gc(settings, console=console, confirm=say_no) == []
+    text = output(console)
+    assert (f"queued resource {name} (v4-8, SUSPENDED) in {settings.zone}; "
+            f"deleting it deletes all its slices {name}-0 (id {ids[f'{name}-0']}, READY), "
+            f"{name}-1 (id {ids[f'{name}-1']}, PREEMPTED)") in text
+    assert f"{name}-0 is not dead and will be deleted too" in text.replace("\n", " ")
+    assert asked and "Nothing deleted." in text
+
+    console = recording_console()
+    lifecycle.gc(settings, yes=True, console=console)
+    assert (f"Deleted queued resource {name} (v4-8, SUSPENDED) with all its slices "
+            f"{name}-0 (id {ids[f'{name}-0']}, READY), {name}-1") in output(console)
+
+
+@pytest.mark.sim
+def test_delete_says_the_id_and_state_it_deleted(settings_for, make_node):
+    proto = make_node("v4-8")
+    name = proto.name.rsplit("/", 1)[-1]
+    settings = settings_for(name=name)
+    node_id = lifecycle.describe(settings, name).id
+    console = recording_console()
+    assert lifecycle.delete(settings, yes=True, console=console)
+    assert f"Deleted TPU node {name} (v4-8, id {node_id}, READY)" in output(console)
+
+
+@pytest.mark.sim
+def test_the_autostop_watchdog_re_reads_the_node_before_it_deletes_it(sim, make_node, settings_for,
+                                                                     tpu_client):
+    """The watchdog's delete (worker side) goes for the node it guards only: another id under
+    the name is left alone; its own node is labelled with the decision, then deleted, and
+    `describe` says so afterwards."""
+    import importlib.util
+    from pathlib import Path
+
+    import tpufab.remote
+
+    spec = importlib.util.spec_from_file_location(
+        "autostop_worker", Path(tpufab.remote.__file__).parent / "autostop.py")
+    watchdog = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(watchdog)
+    proto = make_node("v4-8")
+    name = proto.name.rsplit("/", 1)[-1]
+    config = {"endpoint": sim.endpoint, "project": sim.project, "zone": sim.zone, "node": name,
+              "auth": "anonymous", "node_id": "12345"}
+    result = watchdog.delete_pod(config, 1_700_000_000, "idle")
+    assert result == {"ok": False, "skipped": f"node {name} is now id {proto.id}, not the one "
+                                              "this watchdog guards (id 12345)"}
+    assert tpu_client.get_node(name=proto.name).state.name == "READY"
+
+    result = watchdog.delete_pod({**config, "node_id": str(proto.id)}, time.time(), "ttl")
+    assert result["ok"] and result["node_id"] == str(proto.id) and result["state"] == "READY"
+    settings = settings_for(name=name)
+    wait_for(lambda: name not in {n.name for n in lifecycle.list_nodes(settings)}, 60,
+             what="the node to go")
+    with pytest.raises(NotFound, match=r"it was deleted by autostop at \S+ \S+ \(ttl\)"):
+        lifecycle.describe(settings, name)
+
+
+@pytest.mark.sim
+def test_babysit_does_not_delete_a_node_someone_recreated_before_its_recovery(settings_for,
+                                                                            tmp_path):
+    """babysit decided on the node it watched (preempted); by the time it deletes, another
+    babysit (or a person) recreated the name: the new node is used, not deleted."""
+    from tpufab.jobs.babysit import Babysitter, NodeSpec
+
+    name = unique_name("sit")
+    settings = settings_for(name=name, type="v4-8")
+    [watched] = lifecycle.create(settings, console=recording_console())
+    recipe = tmp_path / "r.sh"
+    recipe.write_text("#!/bin/sh\ntrue\n")
+    console = recording_console()
+    sitter = Babysitter(settings_for(name=name), recipe, console=console)
+    sitter.spec = NodeSpec.from_api(name, [watched], None)
+    sitter._watched_ids = {watched.id}
+    lifecycle.delete(settings, yes=True, console=recording_console())   # someone else
+    [fresh] = lifecycle.create(settings, console=recording_console())
+    try:
+        sitter._recreate(f"TPU node {name} was PREEMPTED")
+        text = output(console)
+        assert f"{name} (id {fresh.id}, READY) is not the node babysit watched" in text
+        assert f"Deleted TPU node {name}" not in text
+        assert lifecycle.describe(settings, name).id == fresh.id
+    finally:
+        lifecycle.delete(settings, yes=True, console=recording_console())

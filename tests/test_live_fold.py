@@ -12,9 +12,9 @@ import io
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tpufab.fanout import WorkerResult
-from tpufab.jobs import FoldingView
-from tpufab.runs import fold_logs, render_folded
+from tpufab.jobs.running import FoldingView
+from tpufab.jobs.runs import fold_logs, render_folded
+from tpufab.ssh.fanout import WorkerResult
 
 HELLO = "jax_hello: jax 0.10.2 backend=cpu processes=4 devices=4 local_devices=1"
 GATHER = "jax_hello: all-gather of process ids = [0, 1, 2, 3]"
@@ -29,9 +29,11 @@ def gloo(rank: int) -> str:
 
 DEMO_LOGS = {w: [HELLO, gloo(w), GATHER, SUM, OK] for w in range(4)}
 
-# What `tpufab logs` printed after the demo's run, and what the live view must print too.
-DEMO_FOLDED = [HELLO, f"w0: {gloo(0)}", f"w1: {gloo(1)}", f"w2: {gloo(2)}", f"w3: {gloo(3)}",
-               GATHER, SUM, OK]
+# What `tpufab logs` prints after the demo's run, and what the live view must print too: the
+# lines that differ only in the rank fold into one (tpufab.display.fields).
+GLOO_FOLDED = ("[Gloo] Rank {0..3} is connected to 3 peer ranks. Expected number of connected "
+               "peer ranks is : 3")
+DEMO_FOLDED = [HELLO, GLOO_FOLDED, GATHER, SUM, OK]
 
 # (seconds since the run started, worker, lines in that chunk) as they reached the view in two
 # runs of the demo's `run recipes/hello.sh` on a simulated v4-32 (all within 0.16 s: no worker
@@ -90,8 +92,9 @@ def test_each_line_is_shown_as_soon_as_every_worker_got_past_it():
     feed(view, clock, arrivals[:4])
     assert out.getvalue().splitlines() == [HELLO]
     feed(view, clock, arrivals[4:9])
-    # w0 has not sent the all-gather yet: the others' own lines go after its own, and their
-    # all-gather will be its all-gather; nothing is shown before it is known where.
+    # w0 has not sent the all-gather yet: the others' rank lines may still be copies of lines
+    # of its to come, so nothing is shown before it is known where (the rank lines fold
+    # once w0's all-gather places them).
     assert out.getvalue().splitlines() == [HELLO]
     feed(view, clock, arrivals[9:10])
     assert out.getvalue().splitlines() == DEMO_FOLDED[:-2]
@@ -123,8 +126,9 @@ def three_of_four_at_the_delay(speakers: tuple[int, int, int]):
     clock.now = 3.0
     view._emit()                                   # what the ticker does
     group = f"w[{speakers[0]}-{speakers[-1]}]"
+    ranks = f"{{{speakers[0]}..{speakers[-1]}}}"
     assert out.getvalue().splitlines() == [
-        f"{group}: {HELLO}", *(f"w{w}: {gloo(w)}" for w in speakers),
+        f"{group}: {HELLO}", f"{group}: {gloo(0).replace('Rank 0', 'Rank ' + ranks)}",
         f"{group}: {GATHER}", f"{group}: {SUM}", f"{group}: {OK}"]
     return view, out, clock
 
@@ -133,12 +137,13 @@ def test_a_silent_reference_holds_the_view_at_most_the_delay():
     view, out, clock = three_of_four_at_the_delay((1, 2, 3))
     # w0 speaks at last: its copies of lines already shown are not shown again, its own line is,
     # within the delay again, and nothing is lost or left held when the followers end.
+    # (its rank line has the shape of the one shown, but its own rank: shown on its own.)
     feed(view, clock, [(4.0, 0, DEMO_LOGS[0])])
     clock.now = 7.0
     view._emit()
-    assert out.getvalue().splitlines()[7:] == [f"w0: {gloo(0)}"]
+    assert out.getvalue().splitlines()[5:] == [f"w0: {gloo(0)}"]
     finish(view, clock, range(4), at=7.5)
-    assert len(out.getvalue().splitlines()) == 8
+    assert len(out.getvalue().splitlines()) == 6
 
 
 def test_a_worker_that_lags_past_the_delay_is_shown_on_its_own_then():
@@ -146,13 +151,13 @@ def test_a_worker_that_lags_past_the_delay_is_shown_on_its_own_then():
     feed(view, clock, [(5.0, 3, DEMO_LOGS[3][:2])])
     clock.now = 7.9
     view._emit()
-    assert len(out.getvalue().splitlines()) == 7     # its line may still find its place
+    assert len(out.getvalue().splitlines()) == 5     # its line may still find its place
     clock.now = 8.0
     view._emit()
-    assert out.getvalue().splitlines()[7:] == [f"w3: {gloo(3)}"]
+    assert out.getvalue().splitlines()[5:] == [f"w3: {gloo(3)}"]
     feed(view, clock, [(8.2, 3, DEMO_LOGS[3][2:])])  # copies of lines shown: not again
     finish(view, clock, range(4), at=8.5)
-    assert len(out.getvalue().splitlines()) == 8
+    assert len(out.getvalue().splitlines()) == 6
 
 
 def test_lines_after_the_reference_ended_are_folded_too():
@@ -203,3 +208,132 @@ def test_any_order_within_the_delay_folds_as_logs_does(case):
     feed(view, clock, arrivals)
     finish(view, clock, ends, at=arrivals[-1][0] + 0.1)
     assert out.getvalue().splitlines() == render_folded(fold_logs(logs), logs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory (issue 23, finding 10): bounded by the delay and the number of workers, not by output
+
+
+class Counting(io.TextIOBase):
+    """An output that keeps only how many lines it was given."""
+
+    def __init__(self):
+        self.count = 0
+
+    def write(self, text: str) -> int:
+        self.count += text.count("\n")
+        return len(text)
+
+
+def held(view: FoldingView) -> tuple[int, int]:
+    """Lines and characters the view holds, counted in its own structures: lines waiting for a
+    match, common lines not shown yet, own lines placed ahead of what was shown."""
+    queued = [line for q in view.queue.values() for line, _ in q]
+    pending = view.canon[view.emitted - view.base:]
+    own = [o.text for anchor in view.extras.values() for entries in anchor.values()
+           for o in entries]
+    lines = [*queued, *pending, *own]
+    return len(lines), sum(len(line.text) for line in lines)   # as printed, not by shape
+
+
+BOUND = (33_792, 8_912_896)   # jobs.HOLD_* for 4 workers: 32768 + 4 x 256 lines, 8 MiB + 4 x 128 KiB
+
+
+def test_four_workers_printing_100k_distinct_lines_hold_a_bounded_view():
+    """Every line arrives within the delay (a fast stream: nothing ripens by time), each
+    worker's lines its own: the view holds at most its bound, not the whole output."""
+    workers, per_worker, chunk = 4, 100_000, 2_000
+    out, clock = Counting(), Clock()
+    view = FoldingView(range(workers), out, clock=clock, delay=3.0)
+    most = (0, 0)
+    for start in range(0, per_worker, chunk):
+        clock.now = start / per_worker       # 100k lines a second: all within the delay
+        for w in range(workers):
+            view.lines(w, "stdout", "".join(f"{'abcd'[w] * 2} step {i} loss {i * 7 % 1000}\n"
+                                            for i in range(start, start + chunk)).encode())
+            if w == 0 and start % (5 * chunk) == 0:
+                now = held(view)
+                most = max(most[0], now[0]), max(most[1], now[1])
+    assert most[0] <= BOUND[0] and most[1] <= BOUND[1], (most, BOUND)
+    assert (view.hold_lines, view.hold_bytes) == BOUND
+    assert held(view) == (view.held_lines, view.held_bytes)     # its own count agrees
+    finish(view, clock, range(workers), at=clock.now + 0.1)
+    assert out.count == workers * per_worker         # nothing lost: every line shown once
+    assert held(view) == (0, 0) == (view.held_lines, view.held_bytes)
+
+
+def test_a_fast_big_log_still_folds_live_in_a_bounded_view():
+    """Live (followers on their own threads), a worker ahead of the others waits for them
+    once the view is half full, so the same 100k lines streamed as fast as possible by four
+    workers fold (each shown once, not four times) within the bound."""
+    import threading
+
+    from tpufab.ssh.fanout import WorkerResult
+
+    workers, per_worker, chunk = 4, 100_000, 1000
+    out = Counting()
+    view = FoldingView(range(workers), out).start()
+    most = [0]
+
+    def follower(w: int) -> None:
+        for start in range(0, per_worker, chunk):
+            view.lines(w, "stdout", "".join(f"step {i} loss {i * 7 % 1000}\n"
+                                            for i in range(start, start + chunk)).encode())
+            with view._lock:
+                most[0] = max(most[0], held(view)[0])
+        view.done(WorkerResult(w, exit_code=0))
+
+    threads = [threading.Thread(target=follower, args=(w,)) for w in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    view.close()
+    assert most[0] <= BOUND[0], most
+    assert out.count < 1.5 * per_worker, out.count      # folded (unfolded: 4 x 100k)
+
+
+def test_a_stuck_slowest_worker_costs_one_delay_not_one_per_chunk():
+    """w0 says nothing (stuck, or its lines come through the thread that is waiting): w1,
+    ahead and holding the view half full, waits one delay, then goes on without waiting
+    again until the view has drained."""
+    import time
+
+    view = FoldingView(range(2), Counting(), delay=0.5, hold_lines=2_000).start()
+    began = time.monotonic()
+    for start in range(0, 20_000, 1000):
+        view.lines(1, "stdout", "".join(f"step {i}\n" for i in range(start, start + 1000))
+                   .encode())
+    took = time.monotonic() - began
+    view.close()
+    assert took < 5 * 0.5, took          # one wait of 0.5 s (20 chunks: 10 s if each waited)
+    assert held(view) == (0, 0)
+
+
+def test_workers_a_delay_late_fold_among_themselves_live():
+    """Half of a 64-worker pod prints its step line more than the delay after the other half
+    (a slow storage read, a client too busy to read them in time): the line was shown for
+    the first half at its delay; live, the late half's variants come a moment later as one
+    line, not as one line per worker."""
+    def line(w: int) -> str:
+        return f"step 0 loss {2.31 + w / 10000:.4f} host t1v-n-17ffbce8-w-{w}"
+
+    out, clock = io.StringIO(), Clock()
+    view = FoldingView(range(64), out, delay=3.0, clock=clock).start()
+    try:
+        feed(view, clock, [(0.0, w, [line(w)]) for w in range(32)])
+        clock.now = 3.0
+        view._emit()
+        assert out.getvalue().splitlines() == \
+            ["w[0-31]: step 0 loss {2.3100..2.3131} host t1v-n-17ffbce8-w-{0..31}"]
+        feed(view, clock, [(5.0 + w / 1000, w, [line(w)]) for w in range(32, 64)])
+        clock.now = 8.1          # their lines waited their own delay: placed, not yet shown
+        view._emit()
+        assert len(out.getvalue().splitlines()) == 1
+        clock.now = 8.1 + 3.0 / 4
+        view._emit()
+        assert out.getvalue().splitlines()[1:] == \
+            ["w[32-63]: step 0 loss {2.3132..2.3163} host t1v-n-17ffbce8-w-{32..63}"]
+    finally:
+        finish(view, clock, range(64), at=9.0)
+    assert len(out.getvalue().splitlines()) == 2

@@ -13,8 +13,8 @@ import pytest
 from helpers import process_alive
 
 from tpufab.errors import ConfigError, TpufabError
-from tpufab.localrun import run_local
-from tpufab.runs import Forwarded
+from tpufab.jobs.localrun import run_local
+from tpufab.jobs.runs import Forwarded
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"

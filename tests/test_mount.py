@@ -6,20 +6,19 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
-from test_deploy import SimPod
+from harness import SimPod, needs_root
+from helpers import wait_for
 
-from tpufab import mount as mount_mod
 from tpufab.errors import ConfigError
-from tpufab.mount import MountError, MountSpec, mount, umount
 from tpufab.quoting import Secret
+from tpufab.workflows import mount as mount_mod
+from tpufab.workflows.mount import MountError, MountSpec, mount, umount
 
 # --- pure builders ----------------------------------------------------------------------------
 
@@ -225,9 +224,10 @@ def gcs():
 
 
 @pytest.fixture(scope="module")
+@needs_root
 def pod(tmp_path_factory, gcs):
-    if os.geteuid() != 0 or shutil.which("rclone") is None:
-        pytest.skip("needs root (simulated pod) and rclone")
+    if shutil.which("rclone") is None:
+        pytest.skip("needs rclone")
     pod = SimPod(tmp_path_factory.mktemp("pod"), 4, "7201", 62)
     try:
         yield pod
@@ -257,6 +257,7 @@ def rclone_processes(pod, w) -> list[str]:
             if re.match(r"^(/usr/bin/)?rclone .*\bmount ", line)]
 
 
+@pytest.mark.sim
 def test_write_on_one_worker_is_seen_on_another_and_in_the_bucket(pod, gcs, at):
     report = rclone_mount(pod, gcs, "gs://data", at)
     assert [(r.worker, r.action) for r in report.rows] == [(w, "mounted") for w in range(4)]
@@ -274,6 +275,7 @@ def test_write_on_one_worker_is_seen_on_another_and_in_the_bucket(pod, gcs, at):
     assert pod.sh(1, f"mountpoint -q {at} && echo yes") == "yes"
 
 
+@pytest.mark.sim
 def test_remount_is_a_verified_noop_and_umount_cleans_up(pod, gcs, at):
     rclone_mount(pod, gcs, "gs://data/seed", at)
     assert pod.read(2, f"{at}/readme.txt") == "seeded"
@@ -289,6 +291,7 @@ def test_remount_is_a_verified_noop_and_umount_cleans_up(pod, gcs, at):
     assert {r.action for r in umount(pod, at).rows} == {"noop"}
 
 
+@pytest.mark.sim
 def test_prefix_writes_land_under_the_prefix(pod, gcs, at):
     rclone_mount(pod, gcs, "gs://other/runs/1", at)
     pod.sh(2, f"mkdir -p {at}/ckpt && echo step > {at}/ckpt/step.txt")
@@ -302,6 +305,7 @@ def test_prefix_writes_land_under_the_prefix(pod, gcs, at):
         rclone_mount(pod, gcs, "gs://other/runs/2", at)
 
 
+@pytest.mark.sim
 def test_umount_without_at_unmounts_every_tpufab_mount(pod, gcs, at):
     other = at + "-b"
     rclone_mount(pod, gcs, "gs://data", at)
@@ -320,6 +324,7 @@ def test_umount_without_at_unmounts_every_tpufab_mount(pod, gcs, at):
         pod.sh(1, f"umount {at}-by-hand", check=False, as_root=True)
 
 
+@pytest.mark.sim
 def test_bucket_missing(pod, gcs, at):
     with pytest.raises(MountError, match=r"Bucket gs://nope-nope does not exist \(as seen "
                                          r"from workers w\[0-3\]\)") as err:
@@ -328,12 +333,14 @@ def test_bucket_missing(pod, gcs, at):
     assert pod.sh(0, f"mountpoint -q {at} || echo no") == "no"
 
 
+@pytest.mark.sim
 def test_access_denied(pod, gcs, at):
     with pytest.raises(MountError, match=r"Workers w\[0-3\] may not read gs://secret "
                                          r"\(access denied\): grant"):
         rclone_mount(pod, gcs, "gs://secret", at)
 
 
+@pytest.mark.sim
 def test_mount_point_busy_with_another_source(pod, gcs, at):
     rclone_mount(pod, gcs, "gs://data", at)
     with pytest.raises(MountError, match=rf"{at} is busy on workers w\[0-3\] \({at} already "
@@ -341,6 +348,7 @@ def test_mount_point_busy_with_another_source(pod, gcs, at):
         rclone_mount(pod, gcs, "gs://other", at)
 
 
+@pytest.mark.sim
 def test_mount_point_not_empty(pod, gcs, at):
     pod.sh(1, f"mkdir -p {at} && touch {at}/keep.me")
     with pytest.raises(MountError, match=rf"{at} is not empty on worker w1: mount somewhere") \
@@ -350,6 +358,7 @@ def test_mount_point_not_empty(pod, gcs, at):
     pod.sh(1, f"rm {at}/keep.me")
 
 
+@pytest.mark.sim
 def test_fuse_unavailable(pod, gcs, at):
     pod.sh(2, "rm /dev/fuse", as_root=True)  # like a container without the device
     try:
@@ -360,6 +369,7 @@ def test_fuse_unavailable(pod, gcs, at):
         pod.sh(2, "mknod -m 666 /dev/fuse c 10 229", as_root=True)
 
 
+@pytest.mark.sim
 def test_driver_not_installed(pod, at):
     if shutil.which("gcsfuse"):
         pytest.skip("gcsfuse is installed here")
@@ -369,6 +379,7 @@ def test_driver_not_installed(pod, at):
         mount(pod, "gs://data", at=at)
 
 
+@pytest.mark.sim
 def test_umount_busy_then_lazy(pod, gcs, at):
     rclone_mount(pod, gcs, "gs://data", at)
     pod.sh(1, f"cd {at} && (sleep 300 </dev/null >/dev/null 2>&1 & echo $! > /tmp/holder)")

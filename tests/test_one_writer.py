@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import git_daemon, unique_name, wait_for
-from helpers import LOGIN, TPUFAB, sim_node
+from harness import sim_node
+from helpers import LOGIN, TPUFAB, git_daemon, tpufab, unique_name, wait_for
 from helpers import in_worker as _in_worker
 
-from tpufab import gitops
+from tpufab.workflows import gitops
 
 GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
            "GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin"}
@@ -42,11 +42,6 @@ def git(repo: Path, *args: str) -> str:
     env = {**GIT_ENV, "HOME": str(repo)}
     return subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True,
                           text=True).stdout.strip()
-
-
-def tpufab(*args: str, env: dict, cwd: Path, timeout: float = 180):
-    return subprocess.run([TPUFAB, *args], env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 def start(*args: str, env: dict, cwd: Path) -> subprocess.Popen:

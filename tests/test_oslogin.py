@@ -1,4 +1,4 @@
-"""OS Login without workers: the official google-cloud-os-login client and tpufab.oslogin
+"""OS Login without workers: the official google-cloud-os-login client and tpufab.cloud.oslogin
 against the emulator's OS Login API (in this process, paper workers), and the pure parts."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import oslogin_v1
 from google.cloud.oslogin_v1 import common
 
-from tpufab import oslogin
+from tpufab.cloud import oslogin
 from tpufab.config import load_settings
 from tpufab.errors import ApiError, ConfigError
 

@@ -13,11 +13,23 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import SshKey, ssh_run, unique_name, wait_for
+from helpers import (
+    GIT_ENV,
+    POD_USER,
+    SshKey,
+    cli_env,
+    ok,
+    one_sentence,
+    os_login_on,
+    sh,
+    sim_pool,
+    ssh_run,
+    tpufab,
+    unique_name,
+    wait_for,
+)
 from helpers import OS_LOGIN_ACCOUNT as ACCOUNT
 from helpers import OS_LOGIN_USER as USER
-from helpers import POD_USER, cli_env, ok, one_sentence, os_login_on, sim_pool, tpufab
-from test_deploy import GIT_ENV, sh
 
 pytestmark = pytest.mark.sim
 
@@ -130,8 +142,8 @@ def test_babysit_recreates_the_node_without_external_ips_and_with_its_metadata(p
     from google.protobuf import field_mask_pb2
     from helpers import quiet_console, sim_settings
 
-    from tpufab.babysit import Babysitter, NodeSpec
-    from tpufab.controlplane import ControlPlane
+    from tpufab.cloud.tpu_api import TpuApi
+    from tpufab.jobs.babysit import Babysitter, NodeSpec
     from tpufab.sim.admin import SimAdmin
 
     path = f"projects/{PROJECT}/locations/{sim.zone}/nodes/{pod['name']}"
@@ -147,7 +159,7 @@ def test_babysit_recreates_the_node_without_external_ips_and_with_its_metadata(p
     sitter.spec = NodeSpec.from_api(pod["name"], *sitter._api())  # as babysit reads it first
     SimAdmin.from_info(sim, project=PROJECT).preempt(pod["name"])
     sitter._recreate("preempted")
-    after = ControlPlane(settings).get_node(pod["name"])
+    after = TpuApi(settings).get_node(pod["name"])
     assert after.id != pod["id"] and after.ready
     assert after.external_ips is False and [w.external_ip for w in after.workers] == [None]
     assert after.metadata["enable-oslogin"] == "TRUE"

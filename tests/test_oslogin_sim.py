@@ -14,11 +14,22 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import SshKey, create_node, ssh_run, unique_name, wait_for
+from helpers import (
+    GIT_ENV,
+    SshKey,
+    cli_env,
+    create_node,
+    ok,
+    one_sentence,
+    os_login_on,
+    sh,
+    ssh_run,
+    tpufab,
+    unique_name,
+    wait_for,
+)
 from helpers import OS_LOGIN_ACCOUNT as ACCOUNT
 from helpers import OS_LOGIN_USER as USER
-from helpers import cli_env, ok, one_sentence, os_login_on, tpufab
-from test_deploy import GIT_ENV, sh
 
 pytestmark = pytest.mark.sim
 

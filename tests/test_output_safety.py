@@ -20,11 +20,12 @@ import pytest
 from helpers import WORKER_PYTHON, shipped
 
 from tpufab import quoting
-from tpufab.fanout import LiveView, WorkerResult, print_gathered
-from tpufab.jobs import FoldingView, WorkerState, fold_states, prune_local_runs
+from tpufab.display.terminal import Lines, lines_of, neutralise, neutralise_text
+from tpufab.jobs.running import FoldingView, WorkerState, fold_states, prune_local_runs
+from tpufab.jobs.runs import fold_logs, fold_stream
 from tpufab.remote import facts, launch, workerlib
-from tpufab.runs import fold_logs, fold_stream
-from tpufab.terminal import Lines, lines_of, neutralise, neutralise_text
+from tpufab.ssh.fanout import LiveView, WorkerResult, print_gathered
+from tpufab.ssh.remote_files import read_answer
 
 LAUNCH = shipped("launch.py")
 HF = "hf_Vq3/x+y=z&w-must-not-leak"
@@ -53,15 +54,19 @@ def test_secret_forms_cover_url_encoding_and_agree_on_both_sides():
                  "hf_Vq3%2fx%2by%3dz%26w-must-not-leak"):
         assert form in forms
     assert forms == sorted(forms, key=lambda f: (-len(f.encode()), f.encode()))
-    assert [f.encode() for f in forms] == launch.secret_forms([HF])
+    assert quoting.secret_forms is launch.secret_forms          # one definition, inlined there
     assert quoting.mask(f"GET https://u:{quote(HF, safe='')}@hub/x?t={quote_plus(HF)}",
                         [HF]) == "GET https://u:***@hub/x?t=***"
 
 
-@pytest.mark.parametrize("secret", [HF, WANDB, "ab"])
+def forms(values):
+    return [f.encode() for f in launch.secret_forms(values)]
+
+
+@pytest.mark.parametrize("secret", [HF, WANDB, "abcdefgh"])
 def test_masker_masks_a_secret_split_at_every_point(secret):
     text = f"a {secret} b {secret}{secret} c\n".encode()
-    masker = launch.Masker(launch.secret_forms([secret, WANDB]))
+    masker = launch.Masker(forms([secret, WANDB]))
     for cut in range(1, len(text)):
         for second in (cut, min(len(text), cut + 3)):
             out = masker.feed(text[:cut]) + masker.feed(text[cut:second]) + \
@@ -70,7 +75,7 @@ def test_masker_masks_a_secret_split_at_every_point(secret):
 
 
 def test_masker_holds_back_only_what_could_become_a_secret():
-    masker = launch.Masker(launch.secret_forms([HF]))
+    masker = launch.Masker(forms([HF]))
     assert masker.feed(b"step 1 loss 0.5\n") == b"step 1 loss 0.5\n"
     assert masker.feed(b"token hf_V") == b"token "       # could be the start of the token
     assert masker.feed(b"ery nice\n") == b"hf_Very nice\n"
@@ -99,13 +104,13 @@ def start_run(run_dir: Path, run_id: str, body: str, env: dict, *extra: str) -> 
                            "--run", run_id, "--recipe", str(recipe), "--env-stdin", *extra],
                           input=json.dumps(env), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(proc.stdout)
+    return read_answer(proc.stdout)
 
 
 def status_of(run_dir: Path, run_id: str) -> dict:
     proc = subprocess.run([WORKER_PYTHON, str(LAUNCH), "status", "--run-dir", str(run_dir),
                            "--run", run_id], capture_output=True, text=True, timeout=60)
-    return json.loads(proc.stdout)["runs"][0]
+    return read_answer(proc.stdout)["runs"][0]
 
 
 def test_the_log_on_the_worker_never_holds_a_secret(tmp_path):
@@ -267,7 +272,7 @@ def test_live_view_prefixes_every_line_and_no_worker_can_forge_one():
 def test_gathered_output_is_neutralised_and_bounded_by_line():
     result = WorkerResult(0, 0)
     result.stdout_output.write(HOSTILE + b"x" * (3 << 20))       # 3 MiB without a newline
-    from tpufab.fanout import GroupResult
+    from tpufab.ssh.fanout import GroupResult
 
     out, err = io.BytesIO(), io.BytesIO()
     print_gathered(GroupResult({0: result}), out, err, color=False)
@@ -332,7 +337,7 @@ def test_fold_stream_of_identical_logs_is_each_line_once():
 
 MEASURE_LOGS = r"""
 import resource, sys
-from tpufab.fanout import Output
+from tpufab.ssh.fanout import Output
 from tpufab.verbs import jobs
 
 class Counter:
@@ -348,7 +353,7 @@ outputs = {}
 for w in range(4):
     outputs[w] = Output()          # spooled: in a temp file past 256 KiB, as fetch_logs gets it
     for i in range(0, 120000, 1000):
-        outputs[w].write("".join(f"step {j} loss {1.0 / (j + 1):.6f} tokens/s 123456.{w} and "
+        outputs[w].write("".join(f"step {j} loss {1.0 / (j + 1):.6f} tokens/s on {'abcd'[w] * 3} and "
                                  f"{SECRET if j == 7 else 'some'} more words to make it long\n"
                                  for j in range(i, i + 1000)).encode())
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import build_shared_site
+from helpers import build_shared_site
 
 pytestmark = pytest.mark.sim
 

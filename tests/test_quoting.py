@@ -8,12 +8,14 @@ from hypothesis import strategies as st
 from tpufab.errors import ConfigError
 from tpufab.quoting import (
     MASK,
+    MIN_SECRET_LENGTH,
     Command,
     Raw,
     Secret,
     command,
     env_prefix,
     export_lines,
+    is_secret_name,
     mask,
     mask_bytes,
     quote,
@@ -21,6 +23,7 @@ from tpufab.quoting import (
     reveal_env,
     secret_values,
     shell,
+    split_secrets,
     with_env,
 )
 
@@ -98,11 +101,51 @@ def test_export_lines_reveal_for_stdin_only():
 
 
 def test_mask():
-    secrets = {"A": Secret("abc"), "B": Secret("abcdef"), "C": ""}
-    assert secret_values(secrets) == ["abcdef", "abc"]
-    assert mask("x abcdef y abc", secrets) == "x *** y ***"
+    secrets = {"A": Secret("abcdefgh"), "B": Secret("abcdefghij"), "C": ""}
+    assert secret_values(secrets) == ["abcdefghij", "abcdefgh"]
+    assert mask("x abcdefghij y abcdefgh", secrets) == "x *** y ***"
     assert mask("nothing", None) == "nothing"
     assert mask_bytes(b"token=abc\n", [b"abc"]) == b"token=***\n"
+
+
+# -- the one rule: which names are secrets, which values are masked (issue 23, finding 11) --
+
+
+@pytest.mark.parametrize(("name", "secret"), [
+    # whole words at the end of the name, any case
+    ("DB_PASS", True), ("OPENAI_KEY", True), ("HF_TOKEN", True), ("WANDB_API_KEY", True),
+    ("MY_SECRET", True), ("GITHUB_TOKEN", True), ("AWS_SECRET_ACCESS_KEY", True),
+    ("DB_PASSWORD", True), ("SSH_PASSPHRASE", True), ("db_pass", True), ("TOKEN", True),
+    ("HUGGING_FACE_HUB_TOKEN", True), ("TPUFAB_GIT_TOKEN", True),
+    # a word inside the name, a longer word, or a switch/count about a secret
+    ("MAX_NEW_TOKENS", False), ("tokenizer_path", False), ("USE_AUTH_TOKEN", False),
+    ("TOKENIZERS_PARALLELISM", False), ("KEY_PATH", False), ("PASSTHROUGH", False),
+    ("SECRETS_DIR", False), ("ENABLE_API_KEY", False), ("MAX_TOKEN", False), ("PLAIN", False),
+])
+def test_secret_names_are_matched_as_whole_words(name, secret):
+    assert is_secret_name(name) is secret
+
+
+def test_explicit_secret_names_always_count():
+    assert is_secret_name("MAX_NEW_TOKENS", ["MAX_NEW_TOKENS"])
+    assert is_secret_name("run_label", ["RUN_*"])            # fnmatch, any case
+    env = {"DB_PASS": "pw-long-enough", "MAX_NEW_TOKENS": "128", "USE_AUTH_TOKEN": "1",
+           "PIN": "1234"}
+    assert split_secrets(env, ["PIN"]) == ({"MAX_NEW_TOKENS": "128", "USE_AUTH_TOKEN": "1"},
+                                           {"DB_PASS": "pw-long-enough", "PIN": "1234"})
+
+
+@pytest.mark.parametrize(("value", "masked"), [
+    ("1", False), ("128", False), ("2.5", False), ("seven77", False),      # < 8 characters
+    ("eight888", True), ("hf_abcdefghijklmnop", True),
+])
+def test_only_values_long_enough_to_be_secrets_are_masked_in_output(value, masked):
+    assert MIN_SECRET_LENGTH == 8
+    line = f"step {value} loss 2.{value}1 done"
+    shown = mask(line, {"DB_PASS": Secret(value)})
+    assert (value not in shown) is masked
+    if not masked:
+        assert shown == line                                # not garbled: "step *** loss 2.***"
 
 
 def test_shell_marks_user_text_as_is():

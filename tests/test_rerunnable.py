@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from helpers import free_port, interrupted_when, tpufab
 
 TPUFAB = str(Path(sys.executable).parent / "tpufab")
-
-
-def tpufab(*args: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([TPUFAB, *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 @pytest.mark.sim
@@ -47,16 +41,15 @@ def test_sim_down_then_up_on_the_same_port_after_traffic(tmp_path):
 @pytest.mark.sim
 def test_ctrl_c_during_create_says_how_to_delete_and_delete_of_a_creating_node_works(
         sim, sim_admin, tmp_path):
-    from conftest import unique_name
-    from helpers import cli_env
-    from test_faults import interrupted_when
+    from helpers import cli_env, unique_name
 
     name = unique_name("cc")
     env = cli_env(sim, tmp_path, name)
     sim_admin.settings(create_delay=30.0)  # it stays CREATING while the test looks at it
     try:
         result = interrupted_when([TPUFAB, "create", "--name", name, "--type", "v4-8"], env,
-                                  lambda r: r.saw("CREATING"), "the create to be under way")
+                                  lambda r: r.saw("CREATING"), "the create to be under way",
+                                  cwd=tmp_path)
         # before: only "Interrupted."
         assert result.returncode == 130, result.stderr
         assert "Traceback" not in result.stderr

@@ -11,17 +11,25 @@ import hashlib
 import io
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
-import threading
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import build_shared_site, unique_name, wait_for
-from helpers import TPUFAB
+from harness import connected_pod
+from helpers import (
+    Follower,
+    call,
+    on_workers,
+    unique_name,
+    wait_for,
+    write_recipe,
+)
 
-from tpufab.jobs import (
+from tpufab.jobs.running import (
     FoldingView,
     FollowSink,
     WorkerRuns,
@@ -32,30 +40,11 @@ from tpufab.jobs import (
     run_rows,
     start_command,
 )
-from tpufab.remote_files import RemoteFile, guard
-from tpufab.runs import Forwarded
+from tpufab.jobs.runs import Forwarded
+from tpufab.ssh.remote_files import RemoteFile, verify_loader
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "hf_Zq8-must-never-leak-7431"
-FLAGS = {"as_json": "--json"}        # keyword -> flag where the names differ
-
-
-def cli_argv(verb: str, **kwargs) -> list[str]:
-    """The `tpufab` command line for a verb function's keywords: ``call(env, "kill",
-    dry_run=True)`` runs ``tpufab kill --dry-run``; ``sim_zombie`` is ``tpufab sim zombie``."""
-    argv = [TPUFAB, *verb.split("_")]
-    recipe = kwargs.pop("recipe", None)
-    for key, value in kwargs.items():
-        flag = FLAGS.get(key, "--" + key.replace("_", "-"))
-        if value is True:
-            argv.append(flag)
-        elif isinstance(value, (list, tuple)):
-            argv += [f"{flag}={item}" for item in value]
-        elif value is not None and value is not False:
-            argv.append(f"{flag}={value}")
-    return [*argv, "--", recipe] if recipe is not None else argv
-
-
 LONG = """#!/bin/sh
 # Waits (bounded) for a trigger file named by its first argument.
 echo "worker $TPUFAB_WORKER_ID of $TPUFAB_NUM_WORKERS started"
@@ -141,19 +130,13 @@ def test_plan_gives_each_worker_its_rank_and_the_same_secrets():
     assert "HF_TOKEN" not in env and plan.secrets == {"HF_TOKEN": SECRET}
     line = start_command(plan)
     assert SECRET not in line
-    assert line.startswith(" ".join(["test", "-f", launch_path(), "&&", "test", "-f",
-                                     recipe.path, "||", "exit", "97", ";"]))
+    launch = RemoteFile.bundled("launch.py")
+    assert line.startswith(" ".join(["exec", "python3", "-I", "-S", "-c",
+                                     shlex.quote(verify_loader()), "2", launch.sha256,
+                                     launch.path, recipe.sha256, recipe.path, "start"]))
     assert "--env-stdin" in line and f"--env-file .tpufab/runs/.{plan.run_id}.env.json" in line
     assert "--recipe-sha256 " + hashlib.sha256(recipe.data).hexdigest() in line
     assert line.endswith("-- --steps 3") and "--cwd '~/proj'" in line
-
-
-def launch_path() -> str:
-    return RemoteFile.bundled("launch.py").path
-
-
-def test_guard_of_nothing_is_empty():
-    assert guard([]) == []
 
 
 def test_runs_table_folds_worker_states():
@@ -207,8 +190,8 @@ def test_live_fold_shows_common_lines_once_and_differences_with_their_workers():
     for w in range(4):
         feed += [(w, "start"), (w, f"rank {w}" if w else "rank 0"), (w, "step 1 loss 2.0")]
     feed += [(0, "done"), (1, "done"), (2, "warning: slow disk"), (2, "done"), (3, "done")]
-    assert fold_live(feed) == ["start", "w0: rank 0", "w1: rank 1", "w2: rank 2", "w3: rank 3",
-                               "step 1 loss 2.0", "w2: warning: slow disk", "done"]
+    assert fold_live(feed) == ["start", "rank {0..3}", "step 1 loss 2.0",
+                               "w2: warning: slow disk", "done"]
 
 
 def test_live_fold_waits_for_a_lagging_worker_at_most_the_delay():
@@ -241,14 +224,25 @@ class Recorder:
         self.ended.append(result.worker)
 
 
+def answered(kind: str, payload: dict) -> str:
+    """What a worker script writes through the answer codec (workerlib.answer)."""
+    import io
+
+    from tpufab.remote.workerlib import answer
+
+    out = io.StringIO()
+    answer(kind, payload, out)
+    return out.getvalue()
+
+
 class FakeResult:
     """A follower's result as the fan-out reports it."""
 
     def __init__(self, worker, status, exit_code=0):
-        from tpufab.fanout import WorkerResult
+        from tpufab.ssh.fanout import WorkerResult
 
         self.inner = WorkerResult(worker, exit_code)
-        self.inner.stderr_output.write((json.dumps(status) + "\n").encode())
+        self.inner.stderr_output.write(answered("state", status).encode())  # launch.py's
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -259,7 +253,8 @@ def test_follow_sink_masks_secrets_keeps_status_lines_out_and_copies_logs(tmp_pa
     sink = FollowSink(view, secrets=[SECRET], copy_dir=tmp_path,
                       on_end=lambda w, state: ended.append((w, state.label)))
     sink.lines(2, "stdout", f"token={SECRET}\nstep 1\n".encode())
-    sink.lines(2, "stderr", b'{"state": "exited", "exit_code": 3, "run": "r"}\nTraceback\n')
+    status = {"state": "exited", "exit_code": 3, "run": "r"}
+    sink.lines(2, "stderr", answered("state", status).encode() + b"Traceback\n")
     sink.done(FakeResult(2, {"state": "exited", "exit_code": 3}, exit_code=3))
     sink.close()
     assert view.seen == [(2, "stdout", b"token=***\nstep 1\n"), (2, "stderr", b"Traceback\n")]
@@ -273,88 +268,9 @@ def test_follow_sink_masks_secrets_keeps_status_lines_out_and_copies_logs(tmp_pa
 @pytest.fixture(scope="module")
 def pod_env(sim, tmp_path_factory):
     """A v4-32 with JAX set up (scripts/setup-sim.sh) and the environment naming it."""
-    from tpufab import lifecycle
-    from tpufab import pod as pods
-    from tpufab.config import load_settings
-    from tpufab.fanout import run_setup
-
-    base = tmp_path_factory.mktemp("run-sim")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
-    env.update(sim.env(), TPUFAB_USER_CONFIG=str(base / "none.yaml"),
-               TPUFAB_SSH_KEY=str(base / "key" / "tpufab_ed25519"),
-               TPUFAB_KNOWN_HOSTS=str(base / "known_hosts"), TPUFAB_NAME=unique_name("run"),
-               COLUMNS="200")
-    env.pop("HF_TOKEN", None)
-    settings = load_settings(env=env, cwd=base)
-    state = Path(sim.state_dir)
-    build_shared_site([state / "share"])         # bound at /opt/tpufab-sim/share in workers
-    lifecycle.create(load_settings({"type": "v4-32"}, env=env, cwd=base), console=_quiet())
-    pod = pods.connect(settings, console=_quiet())
-    try:
-        run_setup(pod.fanout, REPO / "scripts" / "setup-sim.sh")[0].close()
-        yield env, pod, base
-    finally:
-        pod.close()
-        lifecycle.delete(settings, yes=True, console=_quiet())
-
-
-def _quiet():
-    from rich.console import Console
-
-    return Console(file=io.StringIO())
-
-
-def call(environ, verb: str, *, cwd: Path, timeout: float = 120, extra_env=None, **kwargs):
-    """The verb through the installed `tpufab` command (see cli_argv)."""
-    return subprocess.run(cli_argv(verb, **kwargs),
-                          env={**environ, **(extra_env or {})}, cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-
-
-class Follower:
-    """`run` in the background, its output collected line by line as it arrives."""
-
-    def __init__(self, env, cwd: Path, **kwargs):
-        self.proc = subprocess.Popen(cli_argv("run", **kwargs),
-                                     env=env, cwd=cwd, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True,
-                                     stdin=subprocess.DEVNULL)
-        self.out: list[str] = []
-        self.err: list[str] = []
-        self.readers = [threading.Thread(target=self._pump, args=(s, b), daemon=True)
-                        for s, b in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
-        for reader in self.readers:
-            reader.start()
-
-    @staticmethod
-    def _pump(stream, into):
-        for line in stream:
-            into.append(line.rstrip("\n"))
-
-    def run_id(self) -> str:
-        def started():
-            for line in self.err:
-                if line.startswith("Run ") and " started on " in line:
-                    return line.split()[1].rstrip(":")
-            return None
-
-        return wait_for(started, 60, what="the run to start")
-
-    def wait_lines(self, text: str, count: int) -> None:
-        wait_for(lambda: sum(text in line for line in self.out) >= count, 60,
-                 what=f"{count} lines with {text!r}")
-
-    def finish(self, timeout: float = 60) -> int:
-        code = self.proc.wait(timeout)
-        for reader in self.readers:
-            reader.join(10)
-        return code
-
-
-def on_workers(pod, argv, **kw) -> dict[int, str]:
-    result = pod.fanout.run(argv, **kw)
-    assert result.ok, result.details()
-    return {w: r.stdout.strip() for w, r in result.items()}
+    with connected_pod(sim, tmp_path_factory, "run", drop=("HF_TOKEN",), site="jax",
+                       setup=True) as pod:
+        yield pod.env, pod.pod, pod.base
 
 
 def run_processes(pod, run_id: str) -> dict[int, list[int]]:
@@ -366,13 +282,6 @@ def run_states(env, cwd, run_id: str) -> dict[str, str]:
     listed = call(env, "runs", cwd=cwd, as_json=True)
     assert listed.returncode == 0, listed.stderr
     return next((r["workers"] for r in json.loads(listed.stdout) if r["run"] == run_id), {})
-
-
-def write_recipe(folder: Path, name: str, text: str) -> Path:
-    path = folder / name
-    path.write_text(text)
-    path.chmod(0o755)
-    return path
 
 
 def git_repo(folder: Path) -> str:
@@ -493,7 +402,7 @@ def test_a_run_survives_its_follower_being_killed(pod_env, tmp_path):
     trigger = f"/tmp/go-{unique_name()}"
     follower = Follower(env, tmp_path, recipe=str(recipe), no_deploy=True, args=trigger)
     run_id = follower.run_id()
-    follower.wait_lines("started", 4)
+    follower.wait_lines("worker {0..3} of 4 started", 1)   # folded: one line
     follower.proc.kill()                                      # SIGKILL: no goodbye
     assert follower.finish() == -signal.SIGKILL
 
@@ -503,7 +412,7 @@ def test_a_run_survives_its_follower_being_killed(pod_env, tmp_path):
     wait_for(lambda: run_states(env, tmp_path, run_id) == {str(w): "exited 0" for w in range(4)},
              60, 0.2, "the run to end and its exit code to be recorded")
     logs = call(env, "logs", cwd=tmp_path, run=run_id).stdout.splitlines()
-    assert "w0: worker 0 done" in logs and "w3: worker 3 done" in logs
+    assert "worker {0..3} done" in logs       # every worker's, folded (the ranks in braces)
 
 
 @pytest.mark.sim
@@ -513,7 +422,7 @@ def test_ctrl_c_with_kill_stops_the_run_everywhere(pod_env, tmp_path):
     follower = Follower(env, tmp_path, recipe=str(recipe), no_deploy=True,
                         args=f"/tmp/never-{unique_name()}", on_interrupt="kill")
     run_id = follower.run_id()
-    follower.wait_lines("started", 4)
+    follower.wait_lines("worker {0..3} of 4 started", 1)   # folded: one line
     assert all(run_processes(pod, run_id).values())
     follower.proc.send_signal(signal.SIGINT)
     assert follower.finish() == 130
@@ -530,7 +439,7 @@ def test_ctrl_c_without_a_terminal_detaches_and_kill_stops_the_run(pod_env, tmp_
     follower = Follower(env, tmp_path, recipe=str(recipe), no_deploy=True,
                         args=f"/tmp/never-{unique_name()}")
     run_id = follower.run_id()
-    follower.wait_lines("started", 4)
+    follower.wait_lines("worker {0..3} of 4 started", 1)   # folded: one line
     follower.proc.send_signal(signal.SIGINT)
     assert follower.finish() == 130
     said = "\n".join(follower.err)
@@ -573,3 +482,57 @@ def test_run_outside_a_git_checkout_says_to_pass_no_deploy(pod_env, tmp_path):
     assert len(lines) == 1 and "not inside a git repository" in lines[0]
     assert "--no-deploy" in lines[0]
 
+
+
+# The Python API as a user calls it: the sentence of each refusal on stdout.
+START_API = """\
+import sys
+from tpufab import Pod
+from tpufab.errors import TpufabError
+try:
+    Pod().start(sys.argv[1], no_deploy=sys.argv[2] == "no-deploy")
+except TpufabError as err:
+    print(err.message)
+    sys.exit(err.exit_code)
+"""
+
+
+def api_start(env, cwd: Path, recipe: Path, how: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", START_API, str(recipe), how], env=env,
+                          cwd=cwd, capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+
+
+def sentence(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.sim
+def test_pod_start_refuses_as_tpufab_run_does(pod_env, tmp_path):
+    """Pod.start and `tpufab run` are one path: the same refusals in the same words (before:
+    Pod.start had its own checks, e.g. outside a git checkout it failed at deploy with
+    git's words after taking the lease, and it took no no_deploy)."""
+    env, pod, _ = pod_env
+    recipe = write_recipe(tmp_path, "x.sh", "#!/bin/sh\necho hi\n")
+    cli = call(env, "run", cwd=tmp_path, recipe=str(recipe), raw=True)
+    api = api_start(env, tmp_path, recipe, "deploy")
+    assert cli.returncode == api.returncode == 2, cli.stderr + api.stdout + api.stderr
+    assert "not inside a git repository" in api.stdout
+    assert sentence(api.stdout) in sentence(cli.stderr), (api.stdout, cli.stderr)
+
+    long = write_recipe(tmp_path, "long.sh", LONG)
+    trigger = f"/tmp/go-{unique_name()}"
+    first = call(env, "run", cwd=tmp_path, recipe=str(long), no_deploy=True, detach=True,
+                 args=trigger)
+    assert first.returncode == 0, first.stdout + first.stderr
+    try:
+        cli = call(env, "run", cwd=tmp_path, recipe=str(recipe), no_deploy=True, raw=True)
+        api = api_start(env, tmp_path, recipe, "no-deploy")
+        assert cli.returncode == api.returncode == 1, cli.stderr + api.stdout + api.stderr
+        assert "a pod runs one job at a time" in api.stdout, api.stdout + api.stderr
+        assert sentence(api.stdout) in sentence(cli.stderr), (api.stdout, cli.stderr)
+    finally:
+        on_workers(pod, ["touch", trigger])
+    run_id = first.stderr.split("Run ", 1)[1].split(":", 1)[0]
+    wait_for(lambda: run_states(env, tmp_path, run_id) == {str(w): "exited 0" for w in range(4)},
+             60, 0.2, "the first run to end")

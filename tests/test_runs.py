@@ -1,4 +1,4 @@
-"""tpufab.runs: run ids, the job environment contract, the folded log view (data in, data out)."""
+"""tpufab.jobs.runs: run ids, the job environment contract, the folded log view (data in, data out)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from tpufab.errors import ConfigError
-from tpufab.runs import (
+from tpufab.jobs.runs import (
     FoldedLine,
     Forwarded,
     JobLayout,
+    SliceFacts,
     fold_logs,
     forwarded_environment,
     is_run_id,
@@ -67,6 +68,7 @@ def test_single_slice_contract(rank, expected):
         "TPUFAB_RUN_ID": "r1",
         "TPUFAB_NUM_WORKERS": "4",
         "TPUFAB_WORKER_IPS": ",".join(IPS),
+        "TPU_WORKER_HOSTNAMES": ",".join(IPS),
         "TPUFAB_COORDINATOR": "10.0.0.2:8476",
         "TPUFAB_SLICE_ID": "0",
         "TPUFAB_NUM_SLICES": "1",
@@ -139,6 +141,24 @@ def test_multislice(rank, slice_id, worker_id):
     assert env["TPUFAB_NUM_WORKERS"] == "6"
     assert env["TPUFAB_SLICE_ID"] == str(slice_id)
     assert env["TPUFAB_COORDINATOR"] == "10.0.0.2:8476"
+
+
+def test_tpu_variables_are_explicit_per_slice():
+    """TPU_WORKER_HOSTNAMES is the worker's own slice in worker order (what JAX's
+    GkeTpuCluster and libtpu read), TPU_NAME/TYPE/TOPOLOGY the slice's facts."""
+    layout = JobLayout.multislice(
+        [["10.0.0.2", "10.0.0.3"], ["10.1.0.2", "10.1.0.3"]],
+        [SliceFacts("s-0", "tpu7x-16", "2x2x2"), SliceFacts("s-1", "tpu7x-16", "2x2x2")])
+    env = job_environment("r1", layout, 3).public
+    assert env["TPU_WORKER_HOSTNAMES"] == "10.1.0.2,10.1.0.3"
+    assert (env["TPU_NAME"], env["TPU_WORKER_ID"]) == ("s-1", "1")
+    assert (env["TPU_ACCELERATOR_TYPE"], env["TPU_TOPOLOGY"]) == ("tpu7x-16", "2x2x2")
+    local = job_environment("r1", JobLayout.single(IPS), 0).public  # facts unknown
+    assert local["TPU_WORKER_HOSTNAMES"] == ",".join(IPS) and "TPU_NAME" not in local
+    with pytest.raises(ConfigError, match="TPU_NAME cannot be set"):
+        forwarded_environment(["TPU_NAME=x"], {})
+    with pytest.raises(ValueError):
+        JobLayout.multislice([["10.0.0.2"]], [SliceFacts("a", "v4-8"), SliceFacts("b", "v4-8")])
 
 
 def test_all_workers_and_local():
@@ -217,9 +237,12 @@ SAME = ["start", "processes=4", "result=[0 1 2 3]", "done"]
 @pytest.mark.parametrize("logs,expected", [
     # identical output folds to one copy
     ({w: SAME for w in range(4)}, [(t, ALL4) for t in SAME]),
-    # one worker prints a different value in place
+    # one worker prints a different value in place: it differs in a field only, so it folds
     ({0: ["a", "loss 1.0", "b"], 1: ["a", "loss 1.0", "b"], 2: ["a", "loss 9.9", "b"]},
-     [("a", (0, 1, 2)), ("loss 1.0", (0, 1)), ("loss 9.9", (2,)), ("b", (0, 1, 2))]),
+     [("a", (0, 1, 2)), ("loss {1.0,9.9}", (0, 1, 2)), ("b", (0, 1, 2))]),
+    # one that differs in its words does not
+    ({0: ["a", "loss 1.0", "b"], 1: ["a", "loss 1.0", "b"], 2: ["a", "NaN loss", "b"]},
+     [("a", (0, 1, 2)), ("loss 1.0", (0, 1)), ("NaN loss", (2,)), ("b", (0, 1, 2))]),
     # extra lines on two workers merge under one set
     ({0: ["a", "b"], 1: ["a", "warn x", "b"], 2: ["a", "warn x", "b"]},
      [("a", (0, 1, 2)), ("warn x", (1, 2)), ("b", (0, 1, 2))]),
@@ -240,9 +263,9 @@ def test_fold_logs(logs, expected):
 
 
 def test_render_folded():
-    logs = {0: ["a", "loss 1.0"], 1: ["a", "loss 1.0"], 2: ["a", "loss 2.0"]}
+    logs = {0: ["a", "loss 1.0"], 1: ["a", "loss 1.0"], 2: ["a", "loss 2.0"], 3: ["b"]}
     assert render_folded(fold_logs(logs), logs) == [
-        "a", "w[0-1]: loss 1.0", "w2: loss 2.0"]
+        "w[0-2]: a", "w[0-2]: loss {1.0,2.0}", "w3: b"]
 
 
 def test_64_hosts_read_like_one():
@@ -261,7 +284,7 @@ def test_64_hosts_read_like_one():
 def test_torchprime_variables_are_forwarded_when_set_and_hf_token_stays_secret(monkeypatch):
     from types import SimpleNamespace
 
-    from tpufab.runs import forwarded_for
+    from tpufab.jobs.runs import forwarded_for
 
     for name in ("HF_TOKEN", "XLA_IR_DEBUG", "XLA_HLO_DEBUG", "LIBTPU_INIT_ARGS", "OTHER"):
         monkeypatch.delenv(name, raising=False)
@@ -275,3 +298,22 @@ def test_torchprime_variables_are_forwarded_when_set_and_hf_token_stays_secret(m
     assert dict(fwd.secrets) == {"HF_TOKEN": "hf_abc"}
     assert dict(fwd.public) == {"XLA_IR_DEBUG": "0",              # --env wins
                                 "LIBTPU_INIT_ARGS": "--xla_tpu_enable_latency_hiding_scheduler=true"}
+
+
+def test_secret_flag_makes_any_name_a_secret_and_names_are_judged_as_words(monkeypatch):
+    """`--secret K=V|K` (issue 23, finding 11): forwarded like --env, always a secret; -e names
+    by the one rule (DB_PASS is one, MAX_NEW_TOKENS and USE_AUTH_TOKEN are not)."""
+    from types import SimpleNamespace
+
+    from tpufab.jobs.runs import forwarded_for
+
+    for name in ("HF_TOKEN", "XLA_IR_DEBUG", "XLA_HLO_DEBUG", "LIBTPU_INIT_ARGS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RUN_NOTE", "a note")
+    monkeypatch.setenv("DB_PASS", "pw-long-enough")
+    settings = SimpleNamespace(env=[], secrets=[])
+    fwd = forwarded_for(settings, ["DB_PASS", "MAX_NEW_TOKENS=128", "USE_AUTH_TOKEN=1"],
+                        ["RUN_NOTE", "PIN=1234"])
+    assert dict(fwd.public) == {"MAX_NEW_TOKENS": "128", "USE_AUTH_TOKEN": "1"}
+    assert dict(fwd.secrets) == {"DB_PASS": "pw-long-enough", "RUN_NOTE": "a note",
+                                 "PIN": "1234"}

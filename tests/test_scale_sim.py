@@ -7,12 +7,10 @@ Lean on purpose (CI runs it on 2 cores): one node for the module, one call per v
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import unique_name
-from helpers import TPUFAB, cli_env
+from helpers import cli_env, tpufab, unique_name
 
 pytestmark = pytest.mark.sim
 
@@ -25,22 +23,17 @@ def flat(text: str) -> list[str]:
     return [" ".join(line.split()) for line in text.splitlines()]
 
 
-def tpufab(env: dict, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([TPUFAB, *args], env=env, cwd=env["HOME"], capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-
-
 @pytest.fixture(scope="module")
 def big(sim, tmp_path_factory):
     home = tmp_path_factory.mktemp("scale-home")
     env = cli_env(sim, Path(home), unique_name("scale"))
     env["TPUFAB_WAIT_TIMEOUT"] = "600"
-    created = tpufab(env, "create", "--type", "v4-2048")
+    created = tpufab("create", "--type", "v4-2048", env=env, cwd=env["HOME"], timeout=600)
     try:
         assert created.returncode == 0, created.stdout + created.stderr
         yield env
     finally:
-        tpufab(env, "delete", "--yes")
+        tpufab("delete", "--yes", env=env, cwd=env["HOME"], timeout=600)
 
 
 def test_the_node_spans_two_address_slots(big, sim):
@@ -56,7 +49,8 @@ def test_the_node_spans_two_address_slots(big, sim):
 
 
 def test_exec_reaches_every_worker_and_folds_identical_output(big):
-    result = tpufab(big, "exec", "--gather", "echo same; test -e /dev/accel3")
+    result = tpufab("exec", "--gather", "echo same; test -e /dev/accel3", env=big,
+                    cwd=big["HOME"], timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("same") == 1
     assert f"{ALL} (exit 0)" in result.stdout
@@ -64,7 +58,7 @@ def test_exec_reaches_every_worker_and_folds_identical_output(big):
 
 
 def test_status_counts_every_worker_in_one_row(big):
-    result = tpufab(big, "status")
+    result = tpufab("status", env=big, cwd=big["HOME"], timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = flat(result.stdout)
     assert any("v4-2048 READY HEALTHY, 256 workers" in line for line in lines), lines
@@ -74,9 +68,9 @@ def test_status_counts_every_worker_in_one_row(big):
 
 
 def test_kill_clears_a_few_workers_and_folds_the_rest(big):
-    made = tpufab(big, "sim", "zombie", "--worker", "3,200")
+    made = tpufab("sim", "zombie", "--worker", "3,200", env=big, cwd=big["HOME"], timeout=600)
     assert made.returncode == 0, made.stdout + made.stderr
-    killed = tpufab(big, "kill", "--grace", "1", "--force")
+    killed = tpufab("kill", "--grace", "1", "--force", env=big, cwd=big["HOME"], timeout=600)
     assert killed.returncode == 0, killed.stdout + killed.stderr
     lines = flat(killed.stdout)
     assert any(line.startswith("w[3,200] killed") for line in lines), lines

@@ -18,8 +18,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import build_shared_site, free_port, unique_name, wait_for
-from test_run_sim import _quiet
+from harness import connected_pod
+from helpers import build_shared_site, free_port, tpufab, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 TPUFAB = str(Path(sys.executable).parent / "tpufab")
@@ -38,38 +38,15 @@ def share_xprof(state: Path) -> None:
 
 @pytest.fixture(scope="module")
 def serve_env(sim, tmp_path_factory):
-    from tpufab import lifecycle
-    from tpufab import pod as pods
-    from tpufab.config import load_settings
-    from tpufab.fanout import run_setup
-
-    base = tmp_path_factory.mktemp("serve-sim")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
-    env.update(sim.env(), TPUFAB_USER_CONFIG=str(base / "none.yaml"), TPUFAB_SSH_USER="root",
-               TPUFAB_SSH_KEY=str(base / "key" / "tpufab_ed25519"),
-               TPUFAB_KNOWN_HOSTS=str(base / "known_hosts"), TPUFAB_NAME=unique_name("srv"),
-               COLUMNS="200")
-    settings = load_settings(env=env, cwd=base)
     state = Path(sim.state_dir)
     build_shared_site([state / "share"])
-    share_xprof(state)
-    lifecycle.create(load_settings({"type": "v4-32"}, env=env, cwd=base), console=_quiet())
-    pod = pods.connect(settings, console=_quiet())
-    try:
-        run_setup(pod.fanout, REPO / "scripts" / "setup-sim.sh")[0].close()
-        project = base / "proj"
+    share_xprof(state)                                  # beside the JAX that build_shared_site made
+    with connected_pod(sim, tmp_path_factory, "srv", ssh_user="root", setup=True) as pod:
+        project = pod.base / "proj"
         (project / "recipes").mkdir(parents=True)
         for name in ("serve_jax.sh", "bench_serve.py"):
             shutil.copy(REPO / "recipes" / name, project / "recipes" / name)
-        yield env, pod, project
-    finally:
-        pod.close()
-        lifecycle.delete(settings, yes=True, console=_quiet())
-
-
-def call(env, *args: str, cwd: Path, timeout: float = 300):
-    return subprocess.run([TPUFAB, *args], env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+        yield pod.env, pod.pod, project
 
 
 class Background:
@@ -110,15 +87,15 @@ def run_id_of(stderr: str) -> str:
 def test_serve_wait_port_forward_benchmark_and_profile(serve_env):
     env, pod, project = serve_env
     port, local = free_port(), free_port()
-    started = call(env, "run", "recipes/serve_jax.sh", "--no-deploy",
-                   f"--args=--port {port} --threads 4", "--wait-port", str(port),
-                   "--wait-timeout", "240", cwd=project)
+    started = tpufab("run", "recipes/serve_jax.sh", "--no-deploy",
+                     f"--args=--port {port} --threads 4", "--wait-port", str(port),
+                     "--wait-timeout", "240", cwd=project, env=env)
     assert started.returncode == 0, started.stdout + started.stderr
     assert f"Port {port} answers on w0" in started.stderr
     run_id = run_id_of(started.stderr)
     forwarder = None
     try:
-        logs = call(env, "logs", "--run", run_id, "--raw", cwd=project)
+        logs = tpufab("logs", "--run", run_id, "--raw", cwd=project, env=env)
         assert f"w0 │ serve_jax: serving on port {port}" in logs.stdout, logs.stdout
         for w in (1, 2, 3):
             assert f"w{w} │ serve_jax: worker {w} idle: the model fits on one host" in logs.stdout
@@ -155,7 +132,7 @@ def test_serve_wait_port_forward_benchmark_and_profile(serve_env):
                 tunnel.proc.kill()
                 tunnel.proc.wait(10)
 
-        profiled = call(env, "profile", "--worker", "0", "--duration", "2s", cwd=project)
+        profiled = tpufab("profile", "--worker", "0", "--duration", "2s", cwd=project, env=env)
         assert profiled.returncode == 0, profiled.stdout + profiled.stderr
         assert "profile: w0 1 trace file" in profiled.stdout
         traces = list((project / ".tpufab" / "runs" / run_id / "profiles").rglob("*.xplane.pb"))
@@ -164,7 +141,7 @@ def test_serve_wait_port_forward_benchmark_and_profile(serve_env):
         if forwarder is not None:
             assert forwarder.stop() == 0
             assert any("Stopped forwarding" in line for line in forwarder.err), forwarder.err
-        killed = call(env, "kill", "--run", run_id, cwd=project)
+        killed = tpufab("kill", "--run", run_id, cwd=project, env=env)
         assert killed.returncode == 0, killed.stdout + killed.stderr
 
 
@@ -175,8 +152,8 @@ def test_wait_port_on_a_server_that_never_listens_shows_the_logs(serve_env):
                       "echo 'out of memory' >&2\nexit 3\n")
     recipe.chmod(0o755)
     port = free_port()
-    failed = call(env, "run", "recipes/no_server.sh", "--no-deploy", "--wait-port", str(port),
-                  "--wait-timeout", "60", cwd=project)
+    failed = tpufab("run", "recipes/no_server.sh", "--no-deploy", "--wait-port", str(port),
+                    "--wait-timeout", "60", cwd=project, env=env)
     assert failed.returncode == 1, failed.stdout + failed.stderr
     assert "the run ended on w0 (exited, exit 3) before port" in failed.stderr, failed.stderr
     assert "out of memory" in failed.stdout and "loading weights on" in failed.stdout
@@ -184,7 +161,7 @@ def test_wait_port_on_a_server_that_never_listens_shows_the_logs(serve_env):
 
 def test_profile_without_a_running_job_says_so(serve_env):
     env, _pod, project = serve_env
-    result = call(env, "profile", "--worker", "1", "--duration", "1s", cwd=project)
+    result = tpufab("profile", "--worker", "1", "--duration", "1s", cwd=project, env=env)
     assert result.returncode == 1
     assert "No run is running on w1" in result.stderr or "no trace from" in result.stderr, \
         result.stderr
@@ -194,18 +171,18 @@ def test_put_and_get_through_the_command(serve_env, tmp_path):
     env, pod, project = serve_env
     (project / "cfg").mkdir(exist_ok=True)
     (project / "cfg" / "model.yaml").write_text("layers: 4\n")
-    put = call(env, "put", "cfg", "/root/", cwd=project)
+    put = tpufab("put", "cfg", "/root/", cwd=project, env=env)
     assert put.returncode == 0, put.stdout + put.stderr
     assert put.stdout.startswith("put: w[0-3] 1 file, 10 B, ")
-    again = call(env, "put", "cfg", "/root/", cwd=project)
+    again = tpufab("put", "cfg", "/root/", cwd=project, env=env)
     assert again.stdout.startswith("put: w[0-3] 0 files, 1 already there, 0 B, ")
     pod.fanout.run("echo $(hostname) > /root/cfg/host.txt", check=True)
-    got = call(env, "get", "/root/cfg", str(tmp_path / "back"), cwd=project)
+    got = tpufab("get", "/root/cfg", str(tmp_path / "back"), cwd=project, env=env)
     assert got.returncode == 0, got.stdout + got.stderr
     for w in range(4):
         assert (tmp_path / "back" / f"w{w}" / "cfg" / "model.yaml").read_text() == "layers: 4\n"
         assert (tmp_path / "back" / f"w{w}" / "cfg" / "host.txt").read_text().strip()\
             .endswith(f"-w-{w}")
-    missing = call(env, "put", "nothing-here", cwd=project)
+    missing = tpufab("put", "nothing-here", cwd=project, env=env)
     assert missing.returncode != 0
     assert "nothing-here does not exist here" in missing.stderr

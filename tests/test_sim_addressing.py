@@ -6,7 +6,7 @@ import json
 import pytest
 
 from tpufab.sim._model import worker_address
-from tpufab.sim._slots import MAX_SLOT, SlotRegistry, node_slots, slots_for
+from tpufab.sim._slots import FRESH, MAX_SLOT, SlotRegistry, node_slots, slots_for
 from tpufab.topology import all_accelerator_types, parse_accelerator_type
 
 
@@ -45,9 +45,11 @@ def test_every_worker_of_the_biggest_types_has_its_own_loopback_address(type_nam
 
 
 def test_every_type_fits_the_address_space():
-    biggest = max(parse_accelerator_type(t).hosts for t in all_accelerator_types())
-    assert biggest == 1536
-    assert slots_for(biggest) * 254 >= biggest
+    biggest = max(parse_accelerator_type(t).hosts for t in all_accelerator_types("tpu"))
+    assert biggest == 1536  # v5p-12288
+    largest = max(parse_accelerator_type(t).hosts for t in all_accelerator_types())
+    assert largest == 2304  # tpu7x-18432, on Compute Engine
+    assert slots_for(largest) * 254 >= largest
 
 
 def _state(tmp_path, name, nodes):
@@ -69,8 +71,29 @@ def test_claims_are_runs_of_consecutive_free_slots(tmp_path):
     other = SlotRegistry(_state(tmp_path, "b", {}), path)
     assert other.claim(set(), 2) == 6  # 1-5 are fresh claims of pod a
     mine.release(2, 3)
-    assert other.claim({6, 7}, 4) == 8  # 2-4 are free again, but only three of them
-    assert other.claim({6, 7, 8, 9, 10, 11}, 3) == 2
+    assert mine.claim({1, 5}, 1) == 2    # free again for pod a at once
+    mine.release(2, 1)
+    assert other.claim({6, 7}, 3) == 8   # for pod b only once a's claims are no longer fresh
+    table = json.loads(path.read_text())
+    for slot in ("2", "3", "4"):
+        table[slot]["at"] -= FRESH
+    path.write_text(json.dumps(table))
+    assert other.claim({6, 7, 8, 9, 10}, 4) == 11  # 2-4 are free, but only three of them
+    assert other.claim({6, 7, 8, 9, 10, 11, 12, 13, 14}, 3) == 2
+
+
+def test_a_node_made_again_under_its_name_gets_its_old_slots_back(tmp_path):
+    """The simulated pod prefers a deleted node's slots for the next node of its name (its
+    addresses and its bastion's stay), and another pod cannot take them meanwhile."""
+    path = tmp_path / "slots.json"
+    mine = SlotRegistry(_state(tmp_path, "a", {}), path)
+    other = SlotRegistry(_state(tmp_path, "b", {}), path)
+    assert [mine.claim(set(range(1, s)), 1) for s in (1, 2, 3)] == [1, 2, 3]
+    mine.release(1, 1)
+    mine.release(3, 1)                        # the node on 3 is recreated...
+    assert other.claim(set(), 1) == 4         # ...while another pod makes one: not 1 or 3
+    assert mine.claim({2}, 1, prefer=3) == 3  # ...and gets 3 back, not the lower free 1
+    assert mine.claim({2, 3}, 1, prefer=4) == 1   # a preferred slot taken: the lowest free
 
 
 def test_another_pods_big_node_holds_every_slot_it_covers(tmp_path):

@@ -120,3 +120,39 @@ def test_tpufab_create_says_it_in_one_sentence(small, tmp_path):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_the_largest_tpu7x_slice_is_refused_with_the_figure_and_nothing_left(small, tmp_path):
+    """tpu7x-18432 (144 cubes, 2,304 VMs) through `tpufab create` on Compute Engine: the
+    emulator refuses the MIG before any VM starts; tpufab removes the workload policy and
+    instance template it made and says so in one sentence."""
+    import os
+    import threading
+
+    from helpers import one_sentence, tpufab
+
+    from tpufab.sim.emulator import make_server
+
+    server = make_server(small, 0)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                              daemon=True)
+    thread.start()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
+        env.update(HOME=str(tmp_path), TPUFAB_USER_CONFIG=str(tmp_path / "none.yaml"),
+                   TPUFAB_API_ENDPOINT=f"http://127.0.0.1:{server.server_address[1]}",
+                   TPUFAB_PROJECT="p", TPUFAB_ZONE="us-central1-c",
+                   TPUFAB_SSH_KEY=str(tmp_path / "key"), TPUFAB_API_RETRIES="1")
+        result = tpufab("create", "--name", "huge", "--type", "tpu7x-18432", env=env,
+                        cwd=tmp_path, timeout=300)
+        line = one_sentence(result, "tpu7x-18432 needs 2,304 simulated workers x 9.6 MiB = "
+                            "21.6 GiB", "this machine has 1.0 GiB available")
+        assert "huge" in line
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert small.workers.calls == []  # no worker started
+    state = small._state.get("compute") or {}
+    for kind in ("instances", "groups", "templates", "policies"):
+        assert not state.get(kind), (kind, state.get(kind))
+    assert small._state["nodes"] == {}

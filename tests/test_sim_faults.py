@@ -7,7 +7,11 @@ import socket
 import subprocess
 
 import pytest
-from conftest import (
+from google.api_core import exceptions as gexc
+from google.api_core.client_options import ClientOptions
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import tpu_v2
+from helpers import (
     create_node,
     metadata_keys,
     port_open,
@@ -16,10 +20,6 @@ from conftest import (
     wait_for,
     wait_node_state,
 )
-from google.api_core import exceptions as gexc
-from google.api_core.client_options import ClientOptions
-from google.auth.credentials import AnonymousCredentials
-from google.cloud import tpu_v2
 
 from tpufab.errors import SimError
 from tpufab.sim import daemon

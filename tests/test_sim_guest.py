@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import metadata_keys, ssh_run, wait_for, wait_node_state
+from helpers import Follower, metadata_keys, ssh_run, tpufab, wait_for, wait_node_state
 
 pytestmark = pytest.mark.sim
 
@@ -127,7 +127,7 @@ def test_jax_distributed_initialize_without_arguments_forms_one_job(make_node, s
     """A program written for a real pod, unchanged: jax.distributed.initialize() finds the pod
     through the metadata server (JAX_PLATFORMS=cpu because there is no TPU; JAX_FORCE_TPU_INIT
     because there is no libtpu)."""
-    from conftest import build_shared_site
+    from helpers import build_shared_site
 
     build_shared_site([Path(sim.state_dir) / "share"])
     node = make_node("v4-32", metadata={"ssh-keys": keys_for(ssh_key, "alice")})
@@ -251,9 +251,8 @@ def test_a_running_job_gets_sigterm_and_the_reason_when_its_node_is_preempted(
     """`tpufab run` as a user runs it; `sim preempt --notice` (the verb) gives the notice."""
     from helpers import TPUFAB
     from rich.console import Console
-    from test_run_sim import Follower
 
-    from tpufab import lifecycle
+    from tpufab.cloud import lifecycle
     from tpufab.config import load_settings
 
     name = f"notice-{int(time.time() * 1000) % 10**8}"
@@ -297,16 +296,10 @@ def test_a_legacy_tpu_node_from_gcloud_is_listed_refused_and_deleted_by_tpufab(s
                                                                               tmp_path):
     """gcloud compute tpus create|describe|list (API v1); tpufab lists it, says it has no
     workers to SSH into, and deletes it (API v2 sees nodes the v1 API made: apiVersion V1)."""
-    from helpers import TPUFAB
-
     name = f"legacy-{int(time.time() * 1000) % 10**8}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
     env.update(sim.env(), HOME=str(tmp_path), TPUFAB_USER_CONFIG=str(tmp_path / "none.yaml"),
                COLUMNS="200")
-
-    def tpufab(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([TPUFAB, *args], env=env, cwd=tmp_path, capture_output=True,
-                              text=True, timeout=180)
 
     def gcloud(*args: str) -> str:
         done = subprocess.run(["gcloud", "compute", "tpus", *args], env=gcloud_env,
@@ -321,12 +314,12 @@ def test_a_legacy_tpu_node_from_gcloud_is_listed_refused_and_deleted_by_tpufab(s
     assert described["networkEndpoints"] == [{"ipAddress": "10.240.8.1", "port": 8470}]
     assert name in gcloud("list", "--format=value(name)").split()
 
-    listed = tpufab("list")
+    listed = tpufab("list", env=env, cwd=tmp_path)
     assert listed.returncode == 0 and name in listed.stdout, listed.stdout + listed.stderr
-    refused = tpufab("exec", "--name", name, "hostname")
+    refused = tpufab("exec", "--name", name, "hostname", env=env, cwd=tmp_path)
     assert refused.returncode != 0
     assert f"TPU node {name} is a legacy TPU Node (API v1): it has no workers to SSH into" in \
         " ".join(refused.stderr.split()), refused.stderr
-    deleted = tpufab("delete", "--name", name, "--yes")
+    deleted = tpufab("delete", "--name", name, "--yes", env=env, cwd=tmp_path)
     assert deleted.returncode == 0, deleted.stdout + deleted.stderr
     assert name not in gcloud("list", "--format=value(name)").split()

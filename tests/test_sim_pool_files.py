@@ -1,6 +1,6 @@
 """A deleted node's files leave its place at once and are removed in the background."""
 
-from conftest import wait_for
+from helpers import wait_for
 
 from tpufab.sim.workers import TRASH, WorkerPool
 

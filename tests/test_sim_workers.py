@@ -16,7 +16,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
-from conftest import port_open, wait_for
+from harness import needs_root
+from helpers import port_open, wait_for
 
 from tpufab.errors import SimError
 from tpufab.sim.workers import (
@@ -134,7 +135,7 @@ def _sim_ready() -> str | None:
 
 
 SKIP_REASON = _sim_ready()
-sim = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
+workers_ready = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 
 
 class Pod:
@@ -174,6 +175,7 @@ class Pod:
 
 
 @pytest.fixture(scope="module")
+@needs_root
 def pod(tmp_path_factory):
     if SKIP_REASON:
         pytest.skip(SKIP_REASON)
@@ -191,7 +193,8 @@ def pod(tmp_path_factory):
         pod.pool.stop_all()
 
 
-@sim
+@pytest.mark.sim
+@workers_ready
 def test_workers_answer_ssh_with_their_own_hostnames(pod):
     names = [pod.ssh(s, "hostname").stdout.strip() for s in pod.v4]
     assert names == [s.hostname for s in pod.v4]
@@ -201,7 +204,8 @@ def test_workers_answer_ssh_with_their_own_hostnames(pod):
     assert out.stdout.split() == [pod.v4[2].ip, pod.v4[2].hostname, "42"]
 
 
-@sim
+@pytest.mark.sim
+@workers_ready
 def test_tmp_and_processes_are_private_to_each_worker(pod):
     w0, w1 = pod.v4[0], pod.v4[1]
     assert pod.ssh(w0, "echo zero > /tmp/private.txt && stat -c %a /tmp").stdout.strip() == "1777"
@@ -223,7 +227,8 @@ def test_tmp_and_processes_are_private_to_each_worker(pod):
     wait_for(sleeper_gone_without_zombies, what="the sleeper gone, no zombies")
 
 
-@sim
+@pytest.mark.sim
+@workers_ready
 def test_device_files_follow_the_generation(pod):
     ls = "ls /dev/accel* /dev/vfio/* 2>/dev/null; stat -c '%a %F' /dev/fuse"
     accel = pod.ssh(pod.v4[3], ls).stdout.split("\n")
@@ -236,7 +241,8 @@ def test_device_files_follow_the_generation(pod):
     assert tty.stdout.strip().startswith("/dev/pts/")
 
 
-@sim
+@pytest.mark.sim
+@workers_ready
 def test_sync_keys_adds_users_and_removing_a_key_denies_login(pod):
     pod.pool.sync_keys("1111", pod.metadata("alice", "bob"))
     ids = {pod.ssh(s, "id -un; id -u", "bob").stdout for s in pod.v4[:2]}
@@ -254,7 +260,8 @@ def test_sync_keys_adds_users_and_removing_a_key_denies_login(pod):
     assert pod.ssh(pod.v4[0], "true", "alice").returncode == 0
 
 
-@sim
+@pytest.mark.sim
+@workers_ready
 def test_unreachable_worker_refuses_connections_but_keeps_running(pod):
     w3 = pod.v4[3]
     session = subprocess.Popen(  # an established session survives the fault
@@ -276,7 +283,8 @@ def test_unreachable_worker_refuses_connections_but_keeps_running(pod):
     assert pod.ssh(w3, "hostname").stdout.strip() == w3.hostname
 
 
-@sim
+@pytest.mark.sim
+@workers_ready
 def test_kill_sshd_ends_sessions_mid_command_but_not_the_worker(pod):
     w2 = pod.v4[2]
 
@@ -298,7 +306,8 @@ def test_kill_sshd_ends_sessions_mid_command_but_not_the_worker(pod):
     pod.pool.exec_in("1111", 2, ["pkill", "-f", "sleep 2323"])
 
 
-@sim
+@pytest.mark.sim
+@workers_ready
 def test_exec_in_runs_as_root_inside_the_worker(pod):
     out = pod.pool.exec_in("1111", 1, ["sh", "-c", "hostname; id -u; cat /proc/1/cmdline"])
     hostname, uid, cmdline = out.stdout.split("\n", 2)
@@ -309,7 +318,8 @@ def test_exec_in_runs_as_root_inside_the_worker(pod):
     assert os.getsid(pod.pool.pids("1111", 1)[0]) != os.getsid(0)
 
 
-@sim
+@pytest.mark.sim
+@workers_ready
 def test_the_share_is_the_same_read_only_folder_on_every_worker(pod):
     (pod.pool.share_dir / "wheel.txt").write_text("cached\n")
     # ... while /mnt, like /tmp, is each worker's own
@@ -323,7 +333,8 @@ def test_the_share_is_the_same_read_only_folder_on_every_worker(pod):
     assert not os.path.exists("/mnt/only-w0")
 
 
-@sim
+@pytest.mark.sim
+@workers_ready
 def test_stop_ends_every_process_and_restart_keeps_disks_and_host_keys(pod):
     specs = specs_for("3333", 3, 2, ACCEL)
     pod.pool.start_node("3333", specs, pod.metadata("alice"))
@@ -358,7 +369,8 @@ def test_stop_ends_every_process_and_restart_keeps_disks_and_host_keys(pod):
     assert not (pod.pool.state_dir / "nodes" / "3333").exists()
 
 
-@sim
+@pytest.mark.sim
+@workers_ready
 def test_wait_listening_is_bounded_and_names_the_late_workers(pod):
     specs = specs_for("4444", 4, 2, VFIO)
     pod.pool.start_node("4444", specs, "", delay=1.5)
@@ -389,7 +401,8 @@ OWNER = textwrap.dedent("""
 """)
 
 
-@sim
+@pytest.mark.sim
+@workers_ready
 def test_workers_die_with_their_owner_process(tmp_path):
     ip = f"127.45.{RUN_OCTET}.1"
     owner = subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path / "state"), ip],

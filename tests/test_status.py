@@ -9,23 +9,28 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-from conftest import unique_name, wait_for
+from harness import sim_node
 from helpers import (
     TPUFAB,
     WORKER_PYTHON,
+    answered,
     cli_env,
+    facts_of,
     in_worker,
+    outcome,
     quiet_console,
     shipped,
     sim_settings,
+    unique_name,
     use_env,
+    wait_for,
 )
 
-from tpufab import status as st
 from tpufab.remote import facts
+from tpufab.ssh.remote_files import read_answer
+from tpufab.workflows import status as st
 
 GiB = 1 << 30
 
@@ -34,37 +39,6 @@ GiB = 1 << 30
 
 # ---------------------------------------------------------------------------------------------
 # facts.py's answer as data
-
-
-SAMPLE = {
-    "host": "t1v-n-1a2b3c4d-w-0", "uptime_s": 7260.5, "boot_id": "b-1", "load": [0.1, 0.2, 0.3],
-    "devices": [{"path": "/dev/accel0", "holders": [{"pid": 812, "command": "python3 train.py"}]},
-                {"path": "/dev/accel1", "holders": []}],
-    "unreadable_processes": 0,
-    "runs": [{"run": "20261122-104455-ab12", "state": "exited", "exit_code": 0,
-              "recipe": "jax_hello.sh", "started_at": 1.0, "ended_at": 2.0},
-             {"run": "20261122-114455-cd34", "state": "running", "recipe": "jax_train.sh",
-              "started_at": 3.0, "ended_at": None}],
-    "runs_total": 7,
-    "deploys": [{"dir": "/home/u/proj", "exists": True, "commit": "a" * 40, "branch": "main"}],
-    "mounts": [{"at": "/mnt/data", "fstype": "fuse.gcsfuse", "source": "bucket",
-                "url": "gs://bucket/prefix"}],
-    "setup": [{"hash": "0123456789abcdef", "done": True, "mtime": 5.0}],
-    "disk": [{"path": "/home/u", "free_bytes": 80 * GiB, "total_bytes": 100 * GiB}],
-    "memory": {"total_bytes": 400 * GiB, "available_bytes": 390 * GiB},
-    "python": "3.10.12", "time": 10.0,
-}
-
-
-def outcome(stdout: str = "", *, exit_code: int | None = 0, stderr: str = "",
-            error: str | None = None):
-    return SimpleNamespace(stdout=stdout, stderr=stderr, exit_code=exit_code, error=error)
-
-
-def facts_of(worker: int, **changes) -> st.WorkerFacts:
-    data = json.loads(json.dumps(SAMPLE))
-    data.update(changes)
-    return st.parse_facts(worker, outcome(json.dumps(data) + "\n"))
 
 
 def test_parse_facts_reads_every_field():
@@ -100,7 +74,7 @@ def test_parse_facts_drops_malformed_fields_one_by_one():
             "holders": [{"pid": "x"}, "junk"]}, "junk", {"holders": []}],
             "runs": [{"state": "running"}, {"run": "r1", "exit_code": "?"}],
             "disk": "full", "memory": [1], "mounts": [{"at": "/m"}]}
-    f = st.parse_facts(0, outcome(json.dumps(data)))
+    f = st.parse_facts(0, outcome(answered(data)))
     assert f.reachable and f.uptime_s is None
     assert f.devices == (st.Device("/dev/accel0", (st.Holder(0, "?"),)),)
     assert [(r.run, r.state, r.exit_code) for r in f.runs] == [("r1", "lost", None)]
@@ -276,7 +250,7 @@ def test_facts_script_prints_one_json_line(tmp_path):
                           capture_output=True, text=True, check=True)
     lines = proc.stdout.splitlines()
     assert len(lines) == 1
-    data = json.loads(lines[0])
+    data = read_answer(lines[0])
     assert data["runs"] == [] and data["deploys"][0]["exists"] is True
     assert data["memory"]["total_bytes"] > 0 and data["uptime_s"] > 0
     assert st.parse_facts(0, outcome(proc.stdout)).reachable
@@ -289,22 +263,15 @@ def test_facts_script_prints_one_json_line(tmp_path):
 @pytest.fixture(scope="module")
 def node(sim, tmp_path_factory):
     """A READY v4-32 (4 workers) and Settings naming it."""
-    from tpufab import lifecycle
-    from tpufab import pod as pods
-
-    home = tmp_path_factory.mktemp("status-home")
-    settings = sim_settings(sim, home, name=unique_name("st"), type="v4-32")
-    [created] = lifecycle.create(settings, console=quiet_console())
-    yield SimpleNamespace(settings=settings, node=created, home=home)
-    pods.forget(settings)
-    lifecycle.delete(settings, yes=True, console=quiet_console())
+    with sim_node(sim, tmp_path_factory, "st", "v4-32") as node:
+        yield node
 
 
 @pytest.mark.sim
 def test_status_folds_agreeing_workers_and_singles_out_the_odd_one(sim, node, sim_admin, capsys,
                                                                   monkeypatch):
-    from tpufab import pod as pods
-    from tpufab.console import run
+    from tpufab.display.console import run
+    from tpufab.pod import connection as pods
     from tpufab.verbs.status import status as status_verb
 
     settings = node.settings
@@ -360,8 +327,8 @@ def test_status_folds_agreeing_workers_and_singles_out_the_odd_one(sim, node, si
 
 @pytest.mark.sim
 def test_status_shows_a_running_run_and_finished_ones(sim, node):
-    from tpufab import pod as pods
-    from tpufab.deploy import run_script
+    from tpufab.pod import connection as pods
+    from tpufab.workflows.deploy import run_script
 
     settings = node.settings
     pod = pods.shared(settings)
@@ -393,8 +360,8 @@ def test_status_shows_a_running_run_and_finished_ones(sim, node):
 @pytest.mark.sim
 def test_status_of_a_preempted_node_shows_the_api_state(sim, sim_admin, tmp_path, capsys,
                                                         monkeypatch):
-    from tpufab import lifecycle
-    from tpufab.console import run
+    from tpufab.cloud import lifecycle
+    from tpufab.display.console import run
     from tpufab.verbs.status import status as status_verb
 
     settings = sim_settings(sim, tmp_path, name=unique_name("stp"), type="v4-16")
@@ -425,6 +392,22 @@ def test_status_from_the_command_line(sim, node, tmp_path):
     table = subprocess.run([TPUFAB, "status", "--name", node.settings.name], env=env,
                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert table.returncode == 0 and "WORKERS" in table.stdout and "w[0-3]" in table.stdout
+    # a terminal narrower than the table (66 cells here): every row on one line, shortened;
+    # --wide: every value in full
+    narrow = subprocess.run([TPUFAB, "status", "--name", node.settings.name],
+                            env={**env, "COLUMNS": "60"}, capture_output=True, text=True,
+                            timeout=120, cwd=tmp_path)
+    assert "WORKERS " in narrow.stdout, narrow.stdout + narrow.stderr   # never shortened
+    rows = narrow.stdout[narrow.stdout.index("WORKERS"):].splitlines()
+    assert narrow.returncode == 0 and len(rows) == 2, rows      # the header and one row
+    assert rows[1].startswith("w[0-3] ") and "…" in rows[1], rows
+    # within the terminal, or (when even the shortest cells do not fit) the floors' width
+    assert all(len(line) <= 70 for line in rows), rows
+    wide = subprocess.run([TPUFAB, "status", "--name", node.settings.name, "--wide"],
+                          env={**env, "COLUMNS": "60"}, capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    full = wide.stdout[wide.stdout.index("WORKERS"):].splitlines()[1]
+    assert wide.returncode == 0 and "…" not in full and len(full) > 60, full
     missing = subprocess.run([TPUFAB, "status", "--name", "no-such-node"], env=env,
                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert missing.returncode == 1 and "Traceback" not in missing.stderr

@@ -10,14 +10,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tpufab import autostop, lifecycle
-from tpufab import launch as launching
+from tpufab import durations
+from tpufab.cloud import lifecycle
+from tpufab.cloud.controlplane import queued_resource_body
+from tpufab.cloud.nodes import Node, QueuedResourceInfo, WorkerEndpoint, autostop_cell
 from tpufab.config import load_settings
-from tpufab.controlplane import queued_resource_body
 from tpufab.errors import ConfigError
-from tpufab.nodes import Node, QueuedResourceInfo, WorkerEndpoint
-from tpufab.runs import JobLayout, job_environment, skypilot_variables
-from tpufab.taskfile import FileCopy, Mount, load_task, parse_task, resolve_envs
+from tpufab.jobs import launch as launching
+from tpufab.jobs.runs import JobLayout, job_environment, skypilot_variables
+from tpufab.jobs.taskfile import FileCopy, Mount, load_task, parse_task, resolve_envs
+from tpufab.workflows import autostop
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,6 +152,154 @@ def test_load_task_errors(tmp_path):
         load_task(empty)
 
 
+# ---------------------------------------------------------------------------------------------
+# a task file is untrusted data (issue 23, finding 8): capped, parsed with a budget, typed
+
+LAUGHS = """\
+a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]
+b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c]
+e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d]
+f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e]
+g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f]
+h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g]
+i: &i [*h, *h, *h, *h, *h, *h, *h, *h, *h]
+"""
+BILLION_LAUGHS = "run: echo hi\nfiles:\n" + "".join(f"  {line}\n" for line in LAUGHS.splitlines())
+
+
+@pytest.mark.parametrize(("content", "sentence"), [
+    (LAUGHS + "run: *i\n", "expands, through its aliases (*name), to more than 100000 values"),
+    (BILLION_LAUGHS, "expands, through its aliases (*name), to more than 100000 values"),
+    ("s: &s '" + "x" * 200_000 + "'\nl: &l [*s, *s, *s, *s, *s, *s, *s, *s, *s, *s]\n"
+     "run: [*l, *l, *l, *l, *l]\n", "to more than 100000 values or 8 MiB of text"),
+    ("a: &a [*a]\nrun: x\n", "refers to itself (an alias inside its own anchor, line 1)"),
+    ("run: " + "[" * 500 + "]" * 500 + "\n", "nests values more than 64 deep (at line 1)"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe", "is not UTF-8 text (a binary file?)"),
+    (b"run: echo hi\x00\n", "is not UTF-8 text (a binary file?)"),
+    ("run: x\n" + "#" * (1 << 20) + "\n", "is larger than 1 MiB"),
+    ("run: echo one\nsetup: x\nrun: echo two\n", "gives the key 'run' twice (lines 1 and 3)"),
+    ("run: x\nenvs:\n  A: 1\n  B: 2\n  A: 3\n", "gives the key 'A' twice (lines 3 and 5)"),
+    ("resources:\n  accelerators: tpu-v4-8\n  zone: a\n  zone: b\nrun: x\n",
+     "gives the key 'zone' twice (lines 3 and 4)"),
+])
+def test_hostile_task_files_are_one_sentence(tmp_path, content, sentence):
+    f = tmp_path / "t.yaml"
+    f.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ConfigError) as err:
+        load_task(f)
+    assert sentence in str(err.value)
+    assert str(err.value).startswith(str(f)) and "\n" not in str(err.value)
+
+
+def test_a_task_file_s_own_aliases_still_work(tmp_path):
+    f = tmp_path / "t.yaml"
+    f.write_text("run: &cmd echo hi\nsetup: *cmd\nenvs: &e {A: 1}\nfiles: {~/a: a, ~/b: b}\n")
+    t = load_task(f)
+    assert (t.run, t.setup, t.envs) == ("echo hi", "echo hi", {"A": "1"})
+
+
+SKY_BASE = {"resources": {"accelerators": "tpu-v4-8"}, "run": "x"}
+
+
+def sky(**over):
+    resources = {**SKY_BASE["resources"], **over.pop("resources", {})}
+    return {**SKY_BASE, **over, "resources": resources}
+
+
+@pytest.mark.parametrize(("data", "sentence"), [
+    ({"run": "x", "name": ["a"]}, "name must be text, not a list"),
+    ({"run": "x", "type": {"v4": 8}}, "type must be text, not a mapping"),
+    ({"run": "x", "zone": True}, "zone must be text, not true (true/false)"),
+    ({"run": "x", "spot": "yes"}, "spot must be true or false, not 'yes'"),
+    ({"run": "x", "runtime_version": [1]}, "runtime_version must be text, not a list"),
+    ({"run": "x", "envs": ["A=1"]}, "envs must be a mapping of NAME: value, not a list"),
+    ({"run": "x", "envs": {"A": [1]}}, "envs.A must be text, not a list"),
+    ({"run": "x", "envs": {1: "a"}}, "envs has 1 (a number), which is not a variable name"),
+    ({"run": "x", "setup": {"a": 1}}, "setup must be text (a script) or a list of lines, not "
+                                      "a mapping"),
+    ({"run": ["echo", {"a": 1}]}, "run[1] must be text, not a mapping"),
+    ({"run": ["echo", None]}, "run[1] must be text (a line of the script), not nothing"),
+    ({"run": "x", "workdir": ["."]}, "workdir must be text, not a list"),
+    ({"run": "x", "mounts": ["gs://b"]}, "mounts must be a mapping of mount point: bucket"),
+    ({"run": "x", "mounts": {"/m": {"bucket": ["b"]}}}, "mounts./m.bucket must be text, not "
+                                                        "a list"),
+    ({"run": "x", "mounts": {"/m": {"bucket": "b", "driver": ["x"]}}},
+     "mounts./m.driver must be text, not a list"),
+    ({"run": "x", "mounts": {"/m": {"bucket": "b", "options": {"a": 1}}}},
+     "mounts./m.options must be text or a list of text, not a mapping"),
+    ({"run": "x", "mounts": {"/m": {"bucket": "b", "options": "'open"}}},
+     "mounts./m.options cannot be split like a shell would"),
+    ({"run": "x", "mounts": {"/m": 5}}, "mounts./m must be gs://BUCKET or a mapping with "
+                                        "bucket (and optionally driver, options), not 5"),
+    ({"run": "x", "files": ["a"]}, "files must be a mapping of a path on the workers to a "
+                                   "local path, not a list"),
+    ({"run": "x", "files": {"~/a": ["b"]}}, "files.~/a must be text, not a list"),
+    ({"run": "x", "files": {"~/a": None}}, "files.~/a must be text, not nothing (null)"),
+    (sky(num_nodes="two"), "num_nodes must be a whole number (1), not 'two'"),
+    ({**SKY_BASE, "resources": "tpu-v4-8"}, "resources must be a mapping, not 'tpu-v4-8'"),
+    (sky(resources={"accelerators": {"tpu-v4-8": [1]}}),
+     "resources.accelerators.tpu-v4-8 must be text, not a list"),
+    (sky(resources={"accelerators": True}), "resources.accelerators must be text, not true"),
+    (sky(resources={"accelerator_args": ["x"]}), "resources.accelerator_args must be a mapping"),
+    (sky(resources={"accelerator_args": {"runtime_version": ["v"]}}),
+     "resources.accelerator_args.runtime_version must be text, not a list"),
+    (sky(resources={"accelerator_args": {"tpu_vm": 3}}),
+     "resources.accelerator_args.tpu_vm must be true or false, not 3 (a number)"),
+    (sky(resources={"use_spot": "no"}), "resources.use_spot must be true or false, not 'no'"),
+    (sky(resources={"zone": ["a", "b"]}), "resources.zone must be text, not a list"),
+    (sky(resources={"cloud": ["gcp"]}), "resources.cloud must be text, not a list"),
+    (sky(resources={"region": {"r": 1}}), "resources.region must be text, not a mapping"),
+    (sky(resources={"labels": ["a"]}), "resources.labels must be a mapping, not a list"),
+    (sky(resources={"labels": {"team": {"a": 1}}}),
+     "resources.labels.team must be text, not a mapping"),
+    (sky(secrets=["TOKEN"]), "secrets must be a mapping of NAME: value, not a list"),
+    (sky(file_mounts=["/d"]), "file_mounts must be a mapping of a path on the workers to a "
+                              "source, not a list"),
+    (sky(file_mounts={"/d": 3}), "file_mounts./d must be a local path or a storage mapping "
+                                 "(name, store, mode), not 3"),
+    (sky(file_mounts={"/d": {"name": "b", "mode": ["MOUNT"]}}),
+     "file_mounts./d.mode must be text, not a list"),
+    (sky(file_mounts={"/d": {"name": "b", "store": ["gcs"]}}),
+     "file_mounts./d.store must be text, not a list"),
+    (sky(file_mounts={"/d": {"name": ["b"]}}), "file_mounts./d.name must be text, not a list"),
+    (sky(file_mounts={"/d": {"source": {"gs": 1}}}),
+     "file_mounts./d.source must be text, not a mapping"),
+    (sky(file_mounts={"/d": {"name": "b", "persistent": "yes"}}),
+     "file_mounts./d.persistent must be true or false, not 'yes'"),
+])
+def test_every_field_s_type_is_checked_in_one_sentence(data, sentence):
+    with pytest.raises(ConfigError) as err:
+        parse_task(data, "t.yaml")
+    assert sentence in str(err.value)
+    assert str(err.value).startswith("t.yaml: ") and "\n" not in str(err.value)
+
+
+def test_launch_dry_run_of_a_billion_laughs_is_one_sentence(tmp_path):
+    """`launch --dry-run` is how a user looks at a task before trusting it: an alias bomb is
+    refused at once, well under a 1 GiB address-space cap (it once grew to MemoryError)."""
+    import os
+    import resource
+    import sys
+
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(BILLION_LAUGHS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
+    env.update(HOME=str(tmp_path), TPUFAB_USER_CONFIG=str(tmp_path / "none.yaml"),
+               TPUFAB_PROJECT="p", COLUMNS="200")
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    shown = subprocess.run([str(Path(sys.executable).parent / "tpufab"), "launch", str(bomb),
+                            "--dry-run"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                           timeout=120, stdin=subprocess.DEVNULL, preexec_fn=cap)
+    assert shown.returncode != 0 and "Traceback" not in shown.stderr, shown.stderr
+    lines = [line for line in shown.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "expands, through its aliases" in lines[0], shown.stderr
+
+
 def test_env_without_value_comes_from_flags_or_local_env_else_one_sentence():
     t = task(SKY)
     assert resolve_envs(t, ["HF_TOKEN=x"], {"WANDB_API_KEY": "w"}) == [
@@ -221,8 +371,9 @@ def test_plan_runs_setup_in_the_workdir(checkout, tmp_path):
     t = task("type: v4-8\nworkdir: src\nsetup: pip install x\nrun: python train.py\n")
     p = launching.plan(t, settings=settings(tmp_path), name="n", cwd=checkout)
     assert p.run_cwd == "~/proj/src"
-    assert p.setup_script == b'#!/bin/bash\ncd "$HOME"/src || exit 1\npip install x\n' \
-        .replace(b'"$HOME"/src', b'"$HOME"/proj/src')
+    # errexit and the ERR trap that names a failed line (issue 25), then the workdir
+    assert p.setup_script.startswith(b"#!/bin/bash\nset -eE\ntrap '")
+    assert p.setup_script.endswith(b'\ncd "$HOME"/proj/src || exit 1\npip install x\n')
     assert p.run_script.data == b"#!/bin/bash\npython train.py\n"
 
 
@@ -291,13 +442,13 @@ def test_gc_picks_dead_nodes_and_failed_or_suspended_queued_resources_only():
     ("90", 90), ("90s", 90), ("30m", 1800), ("2h", 7200), ("1h30m", 5400), ("1d", 86400),
     ("0.5s", 0.5), (45, 45)])
 def test_durations(text, seconds):
-    assert lifecycle.parse_duration(text, "--idle") == seconds
+    assert durations.parse_duration(text, "--idle") == seconds
 
 
 @pytest.mark.parametrize("text", ["soon", "5x", "-3m", "0", "m"])
 def test_bad_durations_are_one_sentence(text):
     with pytest.raises(ConfigError, match="--ttl"):
-        lifecycle.parse_duration(text, "--ttl")
+        durations.parse_duration(text, "--ttl")
 
 
 def test_stockout_backoff_doubles_to_a_cap():
@@ -341,6 +492,18 @@ def test_watchdog_decides_idle_and_ttl(config, now, idle_since, expected):
     assert worker_side().decide(config, now, idle_since) == expected
 
 
+@pytest.mark.parametrize(("change", "sentence"), [
+    ({"port": 70000}, "the autostop port must be between 1 and 65535, not 70000"),
+    ({"port": "x"}, "the autostop port 'x' is not a number"),
+    ({"check_every": -1}, "autostop's check_every must be a number of seconds above 0, not -1"),
+    ({"idle": 0, "ttl": None}, "autostop's idle must be a number of seconds above 0"),
+])
+def test_watchdog_refuses_a_bad_config_before_touching_the_running_one(change, sentence):
+    good = {"port": 8479, "check_every": 30, "idle": 60}
+    assert worker_side().config_problem(good) is None
+    assert worker_side().config_problem({**good, **change}).startswith(sentence)
+
+
 def test_watchdog_deletes_the_node_or_its_queued_resource():
     w = worker_side()
     base = {"endpoint": "http://127.0.0.1:9/", "project": "p", "zone": "z", "node": "n"}
@@ -351,8 +514,8 @@ def test_watchdog_deletes_the_node_or_its_queued_resource():
 
 
 def test_worker_configs_lead_from_worker_0_and_pick_the_auth():
-    pol = autostop.policy(idle=60, ttl=3600, now=1000)
-    assert pol == {"armed_at": 1000, "idle": 60.0, "ttl_at": 4600}
+    pol = autostop.policy(idle=60, ttl=3600)
+    assert pol == {"idle": 60.0, "ttl": 3600.0}      # durations: deadlines on the worker
     configs = autostop.worker_configs(pol, ips=["10.0.0.1", "10.0.0.2"],
                                       endpoint="https://tpu.googleapis.com", project="p",
                                       zone="z", node="n", queued_resource=None, port=8479,
@@ -364,8 +527,8 @@ def test_worker_configs_lead_from_worker_0_and_pick_the_auth():
                                   project="p", zone="z", node="n", queued_resource="q",
                                   port=1, check_every=1)
     assert sim[0]["auth"] == "anonymous" and sim[0]["queued_resource"] == "q"
-    assert autostop.list_cell({"tpufab-autostop": '{"idle": 1800}'}) == "idle 30m"
-    assert autostop.list_cell({}) == "-"
+    assert autostop_cell({"tpufab-autostop": '{"idle": 1800}'}) == "idle 30m"
+    assert autostop_cell({}) == "-"
 
 
 def test_watchdog_gets_a_token_from_the_metadata_server():

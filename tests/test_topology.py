@@ -209,7 +209,7 @@ def test_custom_topologies_accepted(name, topology, custom):
     ("v4-512", "8x4x8", "ascending order; write --topology 4x8x8"),
     ("v4-32", "4x4", "has 2 dimensions, but v4 slices are 3D"),
     ("v6e-16", "2x8", "v5e and v6e have no custom shapes); valid shapes for v6e-16: 4x4"),
-    ("v3-32", "4x4", "--topology is for v4, v5p, v5e (v5litepod) and v6e"),
+    ("v3-32", "4x4", "--topology is for v4, v5p, v5e (v5litepod), v6e and TPU7x"),
     ("v4-128", "4by4", "is not a chip shape; write it AxBxC"),
 ])
 def test_custom_topologies_refused_in_one_sentence(name, topology, said):

@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import io
 import json
-import os
 import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import build_shared_site, unique_name
+from harness import connected_pod
+from helpers import tpufab
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
@@ -50,50 +46,13 @@ printf 'arg:%s\\n' "$@"
 """
 
 
-def tpufab_command() -> str:
-    beside = Path(sys.executable).parent / "tpufab"
-    return str(beside) if beside.exists() else (shutil.which("tpufab") or "tpufab")
-
-
 @pytest.fixture(scope="module")
 def torch_pod(sim, tmp_path_factory):
     """A v4-32 whose workers import torch, torch_xla and Lightning; (env, pod, site)."""
-    from tpufab import lifecycle
-    from tpufab import pod as pods
-    from tpufab.config import load_settings
-    from tpufab.fanout import run_setup
-
-    base = tmp_path_factory.mktemp("torch-sim")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
-    env.update(sim.env(), TPUFAB_USER_CONFIG=str(base / "none.yaml"), TPUFAB_SSH_USER="root",
-               TPUFAB_SSH_KEY=str(base / "key" / "tpufab_ed25519"),
-               TPUFAB_KNOWN_HOSTS=str(base / "known_hosts"), TPUFAB_NAME=unique_name("torch"),
-               COLUMNS="200")
-    for name in ("HF_TOKEN", "XLA_IR_DEBUG", "XLA_HLO_DEBUG", "LIBTPU_INIT_ARGS"):
-        env.pop(name, None)
-    settings = load_settings(env=env, cwd=base)
-    build_shared_site([Path(sim.state_dir) / "share"], torch=True)
-    site = Path(sim.state_dir) / "share" / "site"      # this session's copy, not the cache
-    lifecycle.create(load_settings({"type": "v4-32"}, env=env, cwd=base), console=_quiet())
-    pod = pods.connect(settings, console=_quiet())
-    try:
-        results, _ = run_setup(pod.fanout, REPO / "scripts" / "setup-sim.sh")
-        results.close()
-        yield env, pod, site
-    finally:
-        pod.close()
-        lifecycle.delete(settings, yes=True, console=_quiet())
-
-
-def _quiet():
-    from rich.console import Console
-
-    return Console(file=io.StringIO())
-
-
-def tpufab(env, *argv, cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([tpufab_command(), *argv], env=env, cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    drop = ("HF_TOKEN", "XLA_IR_DEBUG", "XLA_HLO_DEBUG", "LIBTPU_INIT_ARGS")
+    with connected_pod(sim, tmp_path_factory, "torch", ssh_user="root", drop=drop,
+                       site="torch", setup=True) as pod:
+        yield pod.env, pod.pod, Path(sim.state_dir) / "share" / "site"  # this session's copy
 
 
 def worker_lines(stdout: str, worker: int, prefix: str) -> list[str]:
@@ -105,8 +64,8 @@ def worker_lines(stdout: str, worker: int, prefix: str) -> list[str]:
 
 def test_torch_xla_hello_forms_one_world_across_the_workers(torch_pod, tmp_path):
     env, _, _ = torch_pod
-    result = tpufab(env, "run", str(RECIPES / "torch_xla_hello.sh"), "--no-deploy",
-                    "--raw", cwd=tmp_path)
+    result = tpufab("run", str(RECIPES / "torch_xla_hello.sh"), "--no-deploy", "--raw",
+                    cwd=tmp_path, env=env, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     for w in range(4):
         said = worker_lines(result.stdout, w, "torch_xla_hello:")
@@ -117,7 +76,7 @@ def test_torch_xla_hello_forms_one_world_across_the_workers(torch_pod, tmp_path)
         assert said[-1] == "torch_xla_hello: OK"
     assert "finished on w[0-3]: exit 0" in result.stderr
 
-    folded = tpufab(env, "logs", cwd=tmp_path)              # one copy of the common lines
+    folded = tpufab("logs", cwd=tmp_path, env=env, timeout=900)  # one copy of the common lines
     assert folded.returncode == 0, folded.stderr
     lines = folded.stdout.splitlines()
     assert lines.count("torch_xla_hello: all-reduce of (rank + 1) = 10 (expected 10)") == 1
@@ -127,8 +86,8 @@ def test_torch_xla_hello_forms_one_world_across_the_workers(torch_pod, tmp_path)
 def test_torch_xla_training_prints_its_metrics_once_and_the_loss_goes_down(torch_pod,
                                                                           tmp_path):
     env, _, _ = torch_pod
-    result = tpufab(env, "run", str(RECIPES / "torch_xla_train.sh"), "--no-deploy", "--raw",
-                    "--args=--steps 16 --log-every 5", cwd=tmp_path)
+    result = tpufab("run", str(RECIPES / "torch_xla_train.sh"), "--no-deploy", "--raw",
+                    "--args=--steps 16 --log-every 5", cwd=tmp_path, env=env, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     metric_lines = [line for line in result.stdout.splitlines() if "'train_loss'" in line]
     assert len(metric_lines) == 1 and metric_lines[0].startswith("w0 │ {"), metric_lines
@@ -147,8 +106,8 @@ def test_torch_xla_training_prints_its_metrics_once_and_the_loss_goes_down(torch
 
 def test_lightning_ddp_finishes_fit_on_every_rank(torch_pod, tmp_path):
     env, _, _ = torch_pod
-    result = tpufab(env, "run", str(RECIPES / "lightning_train.sh"), "--no-deploy", "--raw",
-                    "--args=--steps 12", cwd=tmp_path)
+    result = tpufab("run", str(RECIPES / "lightning_train.sh"), "--no-deploy", "--raw",
+                    "--args=--steps 12", cwd=tmp_path, env=env, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     checksums = set()
     for w in range(4):
@@ -169,7 +128,8 @@ def test_torchprime_style_python_file_with_pass_through_arguments(torch_pod, tmp
     local = {**env, "HF_TOKEN": SECRET, "XLA_IR_DEBUG": "1",
              "LIBTPU_INIT_ARGS": "--xla_tpu_enable_async_collective_fusion=true"}
     extra = ["model=tiny", "global_batch_size=8", "run.name=a b's", "x;y", "$HOME"]
-    result = tpufab(local, "run", "--no-deploy", "--raw", str(train), *extra, cwd=tmp_path)
+    result = tpufab("run", "--no-deploy", "--raw", str(train), *extra, cwd=tmp_path, env=local,
+                    timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     assert SECRET not in result.stdout + result.stderr
     assert "HF_TOKEN=***" in result.stderr and "XLA_IR_DEBUG=1" in result.stderr
@@ -202,8 +162,8 @@ def test_torchprime_style_python_file_with_pass_through_arguments(torch_pod, tmp
     echo = tmp_path / "x.sh"                                  # a recipe: `x.sh -- --steps 10`
     echo.write_text(ECHO_SH)
     echo.chmod(0o755)
-    result = tpufab(env, "run", "--no-deploy", "--raw", "--args=--lr 0.1", str(echo), "--",
-                    "--steps", "10", "two words", cwd=tmp_path)
+    result = tpufab("run", "--no-deploy", "--raw", "--args=--lr 0.1", str(echo), "--", "--steps",
+                    "10", "two words", cwd=tmp_path, env=env, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     assert worker_lines(result.stdout, 2, "arg:") == ["arg:--lr", "arg:0.1", "arg:--steps",
                                                       "arg:10", "arg:two words"]
@@ -212,8 +172,8 @@ def test_torchprime_style_python_file_with_pass_through_arguments(torch_pod, tmp
 def test_torch_xla_hello_on_four_local_processes(torch_pod, tmp_path):
     env, _, site = torch_pod
     local = {**env, "TPUFAB_PYTHON": "/usr/bin/python3", "PYTHONPATH": str(site)}
-    result = tpufab(local, "run", str(RECIPES / "torch_xla_hello.sh"), "--local",
-                    "--workers", "4", cwd=tmp_path)
+    result = tpufab("run", str(RECIPES / "torch_xla_hello.sh"), "--local", "--workers", "4",
+                    cwd=tmp_path, env=local, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     for w in range(4):
         assert f"w{w}: torch_xla_hello: all-reduce of (rank + 1) = 10 (expected 10)" \

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from helpers import WORKER_PYTHON, process_alive, process_start_time, shipped_bytes
 
+from tpufab.ssh.remote_files import read_answer
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = ("launch.py", "tpukill.py", "zombie.py")
 REMOTE = Path("/tmp/tpufab-remote")   # inside a scenario's own /tmp
@@ -43,18 +45,18 @@ def _make_devices(accel=4, vfio=4):
 def _zombies(*flags):
     out = subprocess.run([WORKER_PYTHON, str(REMOTE / "zombie.py"), *flags],
                          capture_output=True, text=True, timeout=30, check=True).stdout
-    return json.loads(out)["zombies"]
+    return read_answer(out)["zombies"]
 
 
 def _tpukill(*flags):
     proc = subprocess.run([WORKER_PYTHON, str(REMOTE / "tpukill.py"), *GLOBS,
                            "--run-dir", "/tmp/runs", *flags],
                           capture_output=True, text=True, timeout=60)
-    return {"rc": proc.returncode, "report": json.loads(proc.stdout), "stderr": proc.stderr}
+    return {"rc": proc.returncode, "report": read_answer(proc.stdout), "stderr": proc.stderr}
 
 
 def _wait_for(condition, what: str, timeout=10.0):
-    """conftest's wait_for for the scenario side, which runs without pytest."""
+    """helpers' wait_for for the scenario side, which runs without pytest."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
@@ -113,7 +115,7 @@ def scenario(name):
         _make_devices()
         recipe = Path("/tmp/recipe.sh")
         recipe.write_text("#!/bin/sh\nsleep 300 &\necho child $!\nwait\n")
-        started = json.loads(subprocess.run(
+        started = read_answer(subprocess.run(
             [WORKER_PYTHON, str(REMOTE / "launch.py"), "start", "--run-dir", "/tmp/runs",
              "--run", "real", "--recipe", str(recipe)],
             capture_output=True, text=True, timeout=30, check=True).stdout)
@@ -159,8 +161,9 @@ def _namespaces_usable():
     return probe.returncode == 0
 
 
-pytestmark = pytest.mark.skipif(not _namespaces_usable(),
-                                reason="needs root and unshare --pid --mount (namespaces)")
+pytestmark = [pytest.mark.sim,
+              pytest.mark.skipif(not _namespaces_usable(),
+                                 reason="needs root and unshare --pid --mount (namespaces)")]
 
 
 def run_scenario(name):

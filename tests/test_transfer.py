@@ -11,26 +11,27 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import socket
+import stat
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import free_port, wait_for
-from test_deploy import SimPod
+from harness import SimPod, needs_root
+from helpers import free_port, wait_for
 
-from tpufab import forward as forwarding
-from tpufab import transfer
 from tpufab.errors import ConfigError, TpufabError
+from tpufab.ssh import forward as forwarding
+from tpufab.ssh import transfer
 
 pytestmark = pytest.mark.sim
 
 
 @pytest.fixture(scope="module")
+@needs_root
 def pod(tmp_path_factory):
-    if os.geteuid() != 0:
-        pytest.skip("the simulated workers need root")
     root = tmp_path_factory.mktemp("pod")
     pod = SimPod(root, 4, "7301", 63, user="root")  # writes under /root: the root path
     pod.root = root
@@ -171,10 +172,10 @@ def test_a_full_disk_fails_naming_the_worker_and_leaves_nothing(pod, tmp_path):
 # A put in its own process, as `tpufab put` runs: Ctrl-C arrives while bytes are moving.
 PUT_DRIVER = r"""
 import json, sys
-from tpufab import transfer
-from tpufab.console import run
-from tpufab.fanout import Fanout, Target
-from tpufab.hostkeys import KnownHosts, alias
+from tpufab.ssh import transfer
+from tpufab.display.console import run
+from tpufab.ssh.fanout import Fanout, Target
+from tpufab.ssh.hostkeys import KnownHosts, alias
 spec = json.loads(sys.argv[1])
 targets = [Target(w, h, "root", spec["key"], 22, alias(spec["node"], w))
            for w, h in enumerate(spec["hosts"])]
@@ -280,3 +281,267 @@ def test_transfer_summary_folds_agreeing_workers():
                               "w7 failed: no space left on w7 under /data (0 B free)"]
     with pytest.raises(transfer.TransferError, match=r"put failed on 1 of 64 workers: w7: no"):
         report.check()
+
+
+# -- a worker's answers are data to check (issue 23) -------------------------------------------
+
+
+def test_a_hostile_listing_cannot_make_get_write_outside_local(pod, tmp_path):
+    """Worker 0's python3 rewrites the files worker's listing (as a patched script, or anything
+    the login user runs, could): /root/src/evil.txt becomes ../../evil.txt under /root/src/a/b,
+    the same file over SFTP, and beside LOCAL here."""
+    pod.sh(0, "mkdir -p /root/src/a/b && echo evil > /root/src/evil.txt")
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    transfer.get(pod.fanout, "/root/src", warm, workers="0").check()   # honest; the cache is warm
+    assert (warm / "src" / "evil.txt").read_text() == "evil\n"
+    pod.sh(0, r"""mkdir -p /root/hostile && cat > /root/hostile/python3 <<'SH'
+#!/bin/sh
+case "$*" in *files_worker*) ;; *) exec /usr/bin/python3 "$@" ;; esac
+/usr/bin/python3 "$@" | sed -e 's|"root": "/root/src"|"root": "/root/src/a/b"|' \
+                            -e 's|"rel": "evil.txt"|"rel": "../../evil.txt"|'
+SH
+chmod 755 /root/hostile/python3 && mount --bind /root/hostile /usr/local/bin""", as_root=True)
+    local = tmp_path / "out"
+    local.mkdir()
+    try:
+        with pytest.raises(TpufabError) as caught:
+            transfer.get(pod.fanout, "/root/src", local, workers="0").check()
+    finally:
+        pod.sh(0, "umount /usr/local/bin", as_root=True, check=False)
+    message = caught.value.message
+    assert message.startswith("get failed on 1 of 1 workers: w0: refused: w0's listing names "
+                              "'../../evil.txt' as a file, which would not stay under LOCAL; "
+                              "nothing from w0 was written"), message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "warm"]   # nothing beside LOCAL
+    assert list(local.iterdir()) == []                                    # nor in it
+
+
+HOSTILE = [
+    ({"rel": "/etc/cron.d/x"}, "names '/etc/cron.d/x' as a file"),
+    ({"rel": "a/../../x"}, "names 'a/../../x' as a file"),
+    ({"rel": "./x"}, "names './x' as a file"),
+    ({"rel": "a//x"}, "names 'a//x' as a file"),
+    ({"rel": "x\0y"}, r"names 'x\x00y' as a file"),
+    ({"rel": 7}, "names 7 as a file"),
+    ({"mode": 0o104755}, "a size, mode or checksum that is not one"),
+    ({"size": -1}, "a size, mode or checksum that is not one"),
+    ({"sha256": "../x"}, "a size, mode or checksum that is not one"),
+]
+
+
+@pytest.mark.parametrize("change, sentence", HOSTILE)
+def test_every_path_and_number_in_a_listing_is_checked(tmp_path, change, sentence):
+    entry = {"rel": "ok.txt", "size": 3, "mode": 0o644, "sha256": "0" * 64, **change}
+    listing = {"root": "/root/src", "is_dir": True, "files": [entry], "dirs": [""]}
+    with pytest.raises(transfer._Refused, match=re.escape(sentence)):
+        transfer._plan_get(0, listing, tmp_path, several=False, umask=0o022)
+    bad_name = {**listing, "root": "/root/..", "files": []}
+    with pytest.raises(transfer._Refused, match="names '..' as the name of what it sends"):
+        transfer._plan_get(0, bad_name, tmp_path, several=False, umask=0o022)
+
+
+def test_get_drops_setuid_and_applies_the_umask(pod, tmp_path):
+    pod.sh(1, "mkdir -p /root/modes && cd /root/modes && echo a > suid && chmod 4755 suid "
+              "&& echo b > open && chmod 0777 open && echo c > sticky && chmod 3770 sticky")
+    (tmp_path / "m").mkdir()
+    old = os.umask(0o027)
+    try:
+        transfer.get(pod.fanout, "/root/modes", tmp_path / "m", workers="1").check()
+        # skipped (identical) files get the cleaned mode too
+        again = transfer.get(pod.fanout, "/root/modes", tmp_path / "m", workers="1").check()
+    finally:
+        os.umask(old)
+    assert again.rows[1].skipped == 3
+    got = {p.name: p.stat().st_mode & 0o7777 for p in (tmp_path / "m" / "modes").iterdir()}
+    assert got == {"suid": 0o750, "open": 0o750, "sticky": 0o750}
+    transfer.get(pod.fanout, "/root/modes/suid", tmp_path / "one", workers="1").check()
+    assert (tmp_path / "one").stat().st_mode & 0o7777 == 0o755 & ~old
+
+
+def in_time(call, seconds: float = 30.0):
+    """``call()`` in a thread; fails the test if it has not returned within ``seconds``."""
+    import threading
+
+    outcome: dict = {}
+
+    def target():
+        try:
+            outcome["value"] = call()
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            outcome["error"] = err
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
+def test_special_files_are_refused_both_ways(pod, tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for source, kind in ((fifo, "a FIFO"), (Path("/dev/zero"), "a character device")):
+        with pytest.raises(ConfigError, match=f"{source} is {kind} here, not a file or a "
+                                              "directory; put copies regular files"):
+            in_time(lambda s=source: transfer.put(pod.fanout, s, "/root/", workers="0"))
+    assert pod.sh(0, "ls /root/fifo /root/zero 2>&1", check=False).count("No such file") == 2
+    with pytest.raises(TpufabError, match="w0: not a regular file or directory: /dev/zero is a "
+                                          "character device"):
+        in_time(lambda: transfer.get(pod.fanout, "/dev/zero", tmp_path / "z", workers="0")
+                .check())
+
+    # get never replaces (or writes through) a symlink, a FIFO or a device here
+    pod.sh(0, "echo data > /root/plain")
+    outside = tmp_path / "outside.txt"
+    outside.write_text("mine\n")
+    link = tmp_path / "link"
+    link.symlink_to(outside)
+    device = tmp_path / "full"
+    os.mknod(device, 0o600 | stat.S_IFCHR, os.makedev(1, 7))
+    for target, kind in ((fifo, "a FIFO"), (link, "a symlink"), (device, "a character device")):
+        with pytest.raises(TpufabError, match=f"w0: refused: {target} exists here and is {kind}, "
+                                              "which get never writes through or replaces"):
+            in_time(lambda t=target: transfer.get(pod.fanout, "/root/plain", t, workers="0")
+                    .check())
+    assert stat.S_ISFIFO(fifo.lstat().st_mode) and stat.S_ISCHR(device.lstat().st_mode)
+    assert link.is_symlink() and outside.read_text() == "mine\n"
+
+    # nor through a symlinked directory inside LOCAL
+    pod.sh(0, "mkdir -p /root/tree/sub && echo x > /root/tree/sub/f")
+    (tmp_path / "dest" / "tree").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "dest" / "tree" / "sub").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(TpufabError, match=r"refused: \S+/dest/tree/sub exists here and is a "
+                                          "symlink"):
+        transfer.get(pod.fanout, "/root/tree", tmp_path / "dest", workers="0").check()
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+    # LOCAL itself may be a symlink to a directory: the user named it
+    (tmp_path / "realdir").mkdir()
+    (tmp_path / "dirlink").symlink_to(tmp_path / "realdir")
+    report = transfer.get(pod.fanout, "/root/plain", tmp_path / "dirlink", workers="0").check()
+    assert (tmp_path / "realdir" / "plain").read_text() == "data\n"
+    assert report.rows[0].paths == [str(tmp_path / "dirlink" / "plain")]
+
+
+def test_get_into_a_full_local_disk_is_one_sentence(pod, tmp_path):
+    """A 1 MiB tmpfs here; four workers send 3 MiB each, several times over (the traceback
+    of paramiko's prefetch thread showed 1 time in 4)."""
+    import subprocess
+    import threading
+
+    for w in range(4):
+        pod.sh(w, "head -c 3145728 /dev/urandom > /root/three.bin")
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    seen: list = []
+    previous = threading.excepthook
+    threading.excepthook = seen.append
+    try:
+        for _ in range(6):
+            with pytest.raises(TpufabError) as caught:
+                transfer.get(pod.fanout, "/root/three.bin", small).check()
+            assert "no space left on this machine; the partial file was removed" in \
+                caught.value.message, caught.value.message
+            assert not list(small.rglob("*.tpufab-*"))
+    finally:
+        threading.excepthook = previous
+        subprocess.run(["umount", str(small)], check=False)
+    assert [f"{type(e.exc_value).__name__} in {e.thread.name}" for e in seen] == []
+
+
+def test_put_into_the_checkout_of_a_live_run_is_refused(pod, tmp_path):
+    """As deploy: a run on w1 reads /root/checkout; put there is refused in one sentence naming
+    the run, put elsewhere goes on, and once the run ends the same put works."""
+    from tpufab.jobs import running as jobs
+    from tpufab.ssh.remote_files import RemoteFile
+    from tpufab.workflows import codelock
+    from tpufab.workflows.codelock import CodeBusy
+
+    pod.sh(1, "mkdir -p /root/checkout && rm -f /tmp/stop-put")
+    recipe = RemoteFile("reads.sh", b"#!/bin/sh\nn=0\nwhile [ ! -e /tmp/stop-put ] && "
+                                    b"[ $n -lt 1200 ]; do n=$((n + 1)); sleep 0.1; done\n", 0o755)
+    ips = [t.host for _w, t in sorted(pod.fanout.targets.items())]
+    plan = jobs.plan_run(recipe, slices=[[1]], ips=ips, cwd="/root/checkout")
+    jobs.start(pod.fanout, plan)
+    src = tmp_path / "config.yaml"
+    src.write_text("lr: 0.2\n")
+    try:
+        with pytest.raises(CodeBusy) as caught:
+            transfer.put(pod.fanout, src, "/root/checkout/", workers="0,1")
+        assert caught.value.message == (
+            f"Run {plan.run_id} (reads.sh) is running in /root/checkout on w1, and putting "
+            f"/root/checkout/config.yaml there would change its code under it: wait for it to "
+            f"end (`tpufab logs --run {plan.run_id} --follow`), stop it (`tpufab kill --run "
+            f"{plan.run_id}`), or put the files elsewhere.")
+        assert pod.sh(1, "ls -A /root/checkout") == ""
+        assert pod.sh(0, "ls /root/checkout/config.yaml 2>&1", check=False).endswith(
+            "No such file or directory")                 # nothing anywhere
+        transfer.put(pod.fanout, src, "/root/beside/", workers="1").check()
+    finally:
+        pod.sh(1, "touch /tmp/stop-put")
+    wait_for(lambda: not codelock.live_runs(pod.fanout, [1]), 30, what="the run to end")
+    transfer.put(pod.fanout, src, "/root/checkout/", workers="1").check()
+    assert pod.sh(1, "cat /root/checkout/config.yaml") == "lr: 0.2"
+
+
+def test_put_notices_a_remote_that_is_this_machines_home(pod, tmp_path):
+    """`tpufab put data/ ~/` in a shell expands ~ here: a path under this machine's $HOME that
+    the worker does not have is one sentence, not a new /home/<me> there."""
+    src = tmp_path / "note.txt"
+    src.write_text("n\n")
+    home = tmp_path / "home" / "alice"
+    home.mkdir(parents=True)
+    old = os.environ.get("HOME")
+    os.environ["HOME"] = str(home)
+    try:
+        with pytest.raises(TpufabError, match=rf"w0: no such directory: {home} \(the home "
+                                              r"directory on your machine: quote '~/' so that ~ "
+                                              r"means this worker's home, /root\)"):
+            transfer.put(pod.fanout, src, f"{home}/", workers="0").check()
+    finally:
+        os.environ["HOME"] = old
+    assert pod.sh(0, f"ls -d {home} 2>&1", check=False).endswith("No such file or directory")
+
+
+# -- shipped worker scripts are checked before every run (issue 23 finding 1) ------------------
+
+
+def test_a_tampered_cached_script_is_shipped_again_never_run(pod, tmp_path):
+    """Any process of the login user can write ~/.cache/tpufab/remote: a changed files worker
+    is found by its sha256 as the command starts, shipped again, and the command runs on the
+    shipped bytes; the changed ones never run."""
+    script = transfer._worker_script()
+    cached = f"/root/{script.path}"
+    pod.sh(3, "mkdir -p /root/tamper && echo t > /root/tamper/t.txt && rm -f /root/PWNED")
+    transfer.get(pod.fanout, "/root/tamper", tmp_path / "first", workers="3").check()
+    assert remote_sha(pod, 3, cached) == script.sha256
+    pod.sh(3, f"sed -i '1i import os; open(\"/root/PWNED\", \"w\").close()' {cached}")
+    assert remote_sha(pod, 3, cached) != script.sha256
+    report = transfer.get(pod.fanout, "/root/tamper", tmp_path / "second", workers="3").check()
+    assert report.rows[3].files == 1 and (tmp_path / "second" / "t.txt").read_text() == "t\n"
+    assert pod.sh(3, "ls /root/PWNED 2>&1", check=False).endswith("No such file or directory")
+    assert remote_sha(pod, 3, cached) == script.sha256          # shipped again
+
+
+def test_a_tampered_setup_runner_or_setup_script_never_runs(pod):
+    """The shell side of the seam: setup_runner.sh runs as the bytes that were hashed (sh -c),
+    and the user's setup script it runs is a sealed in-memory copy of the checked bytes."""
+    from tpufab.ssh.remote_files import RemoteFile
+    from tpufab.workflows.setup import run_setup
+
+    setup = b'echo "setup from $0"\n'
+    result, _ = run_setup(pod.fanout, setup, workers=[2], force=True)
+    assert result[2].stdout.startswith("setup from /dev/fd/"), result[2].stdout
+    runner = RemoteFile.bundled("setup_runner.sh")
+    user = RemoteFile("setup.sh", setup, 0o700)
+    pod.sh(2, f"rm -f /root/PWNED_sh; sed -i '2i touch /root/PWNED_sh' /root/{runner.path} && "
+              f"echo 'touch /root/PWNED_sh' >> /root/{user.path}")
+    result, outcomes = run_setup(pod.fanout, setup, workers=[2], force=True)
+    assert outcomes[2].status == "ran" and result[2].stdout.startswith("setup from /dev/fd/")
+    assert pod.sh(2, "ls /root/PWNED_sh 2>&1", check=False).endswith("No such file or directory")
+    assert remote_sha(pod, 2, f"/root/{runner.path}") == runner.sha256
+    assert remote_sha(pod, 2, f"/root/{user.path}") == user.sha256

@@ -4,7 +4,6 @@ each script run once under ``python3 -I -S`` with nothing beside it)."""
 from __future__ import annotations
 
 import ast
-import json
 import os
 import subprocess
 from importlib import resources
@@ -12,7 +11,7 @@ from importlib import resources
 import pytest
 from helpers import WORKER_PYTHON, process_start_time, shipped
 
-from tpufab.remote_files import LIBRARY, BundleError, RemoteFile, bundle
+from tpufab.ssh.remote_files import LIBRARY, BundleError, RemoteFile, bundle, read_answer
 
 REMOTE = resources.files("tpufab.remote")
 SCRIPTS = sorted(p.name for p in REMOTE.iterdir()
@@ -27,10 +26,15 @@ NO_OP = {
     "facts.py": (["--help"], None, 0, "usage: facts.py"),
     "files_worker.py": ([], b"", 2, "files_worker: unknown operation ''"),
     "launch.py": (["--help"], None, 0, "usage: launch.py"),
+    "masktee.py": ([], None, 2, "usage: masktee.py LOG [NAME ...]"),
     "mount_worker.py": (["--help"], None, 0, "usage: mount_worker.py"),
     "ports.py": ([], None, 2, "usage: ports.py wait PORT SECONDS [HOST]"),
     "profile_worker.py": (["--help"], None, 0, "usage: profile_worker.py"),
+    "ray_node.py": ([], None, 2, "ray_node.py: no command"),
     "tpukill.py": (["--help"], None, 0, "usage: tpukill.py"),
+    "stacks_worker.py": (["--help"], None, 0, "usage: stacks_worker.py"),
+    "verify.py": ([], None, 2, "usage: verify.py N SHA256 PATH"),
+    "top_worker.py": (["--help"], None, 0, "usage: top_worker.py"),
     "zombie.py": (["--help"], None, 0, "usage: zombie.py"),
 }
 
@@ -64,7 +68,7 @@ def test_a_shipped_script_runs_from_stdin_too(tmp_path):
     done = subprocess.run([WORKER_PYTHON, "-I", "-S", "-", "--run-dir", str(tmp_path / "runs")],
                           input=RemoteFile.bundled("facts.py").data, capture_output=True,
                           cwd=tmp_path, timeout=60, check=True)
-    answer = json.loads(done.stdout.decode().splitlines()[-1])
+    answer = read_answer(done.stdout)
     assert answer["runs"] == [] and answer["host"] == os.uname().nodename
 
 
@@ -114,8 +118,8 @@ def test_a_script_is_reshipped_when_what_it_inlines_changes_only():
 
 
 def test_a_script_without_the_library_ships_as_it_is():
-    source = REMOTE.joinpath("ports.py").read_bytes()
-    assert bundle("ports.py", source, LIB) == source == RemoteFile.bundled("ports.py").data
+    source = REMOTE.joinpath("verify.py").read_bytes()
+    assert bundle("verify.py", source, LIB) == source == RemoteFile.bundled("verify.py").data
 
 
 @pytest.mark.parametrize(("source", "says"), [
@@ -155,3 +159,52 @@ def test_each_shipped_script_is_the_one_the_seam_ships():
     """The tests that run scripts by path (helpers.shipped) run these very bytes."""
     for name in ("launch.py", "tpukill.py", "facts.py"):
         assert shipped(name).read_bytes() == RemoteFile.bundled(name).data
+
+
+# -- the answer codec: workerlib.answer writes, the host reads in one place ----------------------
+
+
+def _answered(*calls) -> str:
+    import io
+
+    from tpufab.remote.workerlib import answer
+
+    out = io.StringIO()
+    for kind, payload in calls:
+        answer(kind, payload, out)
+    return out.getvalue()
+
+
+def test_an_answer_is_read_back_through_garbage_before_and_after_it():
+    from tpufab.ssh.remote_files import read_answer
+
+    text = ("pip: WARNING {not json}\n{\"ok\": false}\n" +
+            "half a line without newline" + _answered(("answer", {"ok": True, "n": 3})) +
+            "a recipe's print after it\n\n")
+    assert read_answer(text) == {"ok": True, "n": 3}
+    assert read_answer(text.encode()) == {"ok": True, "n": 3}  # bytes as the fan-out keeps
+
+
+def test_a_truncated_answer_is_no_answer_and_an_earlier_one_stands():
+    from tpufab.ssh.remote_files import read_answer
+
+    whole = _answered(("answer", {"ok": True, "seen": "first"}))
+    torn = _answered(("answer", {"ok": False, "seen": "second"}))[:-9]  # cut mid-object
+    assert read_answer(torn) is None
+    assert read_answer(whole + torn) == {"ok": True, "seen": "first"}
+    assert read_answer("") is None and read_answer(None) is None
+
+
+def test_of_two_answers_the_last_wins_and_streamed_kinds_are_read_apart():
+    from tpufab.ssh.remote_files import parse_answer, read_answer, read_answers
+
+    text = _answered(("port", {"port": 4100}), ("progress", {"bytes": 10}),
+                     ("answer", {"ok": False}), ("progress", {"bytes": 20}),
+                     ("answer", {"ok": True}))
+    assert read_answer(text) == {"ok": True}
+    assert read_answers(text, "progress") == [("progress", {"bytes": 10}),
+                                              ("progress", {"bytes": 20})]
+    assert read_answer(text, "port") == {"port": 4100}
+    assert parse_answer(text.splitlines()[0].encode()) == ("port", {"port": 4100})
+    assert parse_answer('{"port": 1}') is None  # untagged JSON is not an answer
+    assert parse_answer("@tpufab-answer answer [1, 2]") is None  # a payload is an object

@@ -1,0 +1,195 @@
+"""The emulator's Compute Engine v1: the official google-cloud-compute client and the real
+gcloud CLI make, see and delete TPU VM instances and a multi-host MIG; the VMs are real sshd
+workers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+from google.api_core import exceptions as gexc
+from helpers import metadata_keys, port_open, ssh_run, unique_name
+
+pytestmark = [pytest.mark.sim, pytest.mark.gcloud]
+
+
+@pytest.fixture(scope="module")
+def compute(sim):
+    """The google-cloud-compute clients (REST, anonymous) against the pod, and a helper that
+    waits for an operation (the clients' ExtendedOperation polls compute.googleapis.com
+    whatever the endpoint, so the *_unary calls and these operation clients are used)."""
+    from google.api_core.client_options import ClientOptions
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import compute_v1
+
+    kw = {"credentials": AnonymousCredentials(), "transport": "rest",
+          "client_options": ClientOptions(api_endpoint=sim.endpoint)}
+
+    class Clients:
+        v1 = compute_v1
+        instances = compute_v1.InstancesClient(**kw)
+        groups = compute_v1.InstanceGroupManagersClient(**kw)
+        templates = compute_v1.InstanceTemplatesClient(**kw)
+        policies = compute_v1.ResourcePoliciesClient(**kw)
+        zone_ops = compute_v1.ZoneOperationsClient(**kw)
+        region_ops = compute_v1.RegionOperationsClient(**kw)
+        global_ops = compute_v1.GlobalOperationsClient(**kw)
+        project, zone = sim.project, sim.zone
+        region = sim.zone.rsplit("-", 1)[0]
+
+        def wait(self, op, timeout: float = 90.0):
+            deadline = time.monotonic() + timeout
+            while True:
+                if op.zone:
+                    op = self.zone_ops.wait(project=self.project, zone=self.zone,
+                                            operation=op.name)
+                elif op.region:
+                    op = self.region_ops.wait(project=self.project, region=self.region,
+                                              operation=op.name)
+                else:
+                    op = self.global_ops.wait(project=self.project, operation=op.name)
+                if op.status == compute_v1.Operation.Status.DONE:
+                    return op
+                assert time.monotonic() < deadline, f"operation {op.name} not done"
+
+    return Clients()
+
+
+def gcloud(env: dict[str, str], *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(["gcloud", "compute", *args], env=env, capture_output=True,
+                            text=True, timeout=180, stdin=subprocess.DEVNULL)
+    if check and result.returncode != 0:
+        pytest.fail(f"gcloud compute {' '.join(args)} exited {result.returncode}:\n"
+                    f"{result.stderr}")
+    return result
+
+
+def test_client_instance_is_a_real_worker_gcloud_sees(compute, gcloud_env, ssh_key):
+    v1 = compute.v1
+    name = unique_name("ci")
+    instance = v1.Instance(
+        name=name, machine_type=f"zones/{compute.zone}/machineTypes/tpu7x-standard-4t",
+        network_interfaces=[v1.NetworkInterface(access_configs=[v1.AccessConfig(
+            name="External NAT")])],
+        scheduling=v1.Scheduling(provisioning_model="SPOT"), labels={"team": "infra"},
+        metadata=v1.Metadata(items=[v1.Items(key="ssh-keys",
+                                             value=metadata_keys("alice", ssh_key))]))
+    op = compute.wait(compute.instances.insert_unary(project=compute.project, zone=compute.zone,
+                                                     instance_resource=instance))
+    assert not op.error.errors
+    got = compute.instances.get(project=compute.project, zone=compute.zone, instance=name)
+    assert got.status == "RUNNING" and got.scheduling.provisioning_model == "SPOT"
+    assert got.machine_type.endswith("/machineTypes/tpu7x-standard-4t")
+    ip = got.network_interfaces[0].network_i_p
+    assert ip.startswith("127.") and got.network_interfaces[0].access_configs[0].nat_i_p == ip
+    assert port_open(ip)
+    result = ssh_run(ip, ssh_key, "alice", "hostname; ls /dev/vfio | wc -l")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [name, "4"]  # the VM's name; 4 chips
+    agg = dict(compute.instances.aggregated_list(project=compute.project))
+    assert name in [i.name for i in agg[f"zones/{compute.zone}"].instances]
+
+    listed = json.loads(gcloud(gcloud_env, "instances", "list", "--format=json").stdout)
+    mine = [i for i in listed if i["name"] == name]
+    assert mine and mine[0]["status"] == "RUNNING" and mine[0]["labels"] == {"team": "infra"}
+    gcloud(gcloud_env, "instances", "delete", name, "--quiet")
+    with pytest.raises(gexc.NotFound):
+        compute.instances.get(project=compute.project, zone=compute.zone, instance=name)
+    assert not port_open(ip)
+
+
+def test_gcloud_slice_mig_is_seen_by_the_client_in_worker_order(compute, gcloud_env):
+    policy, template, group = unique_name("wp"), unique_name("tt"), unique_name("mig")
+    gcloud(gcloud_env, "resource-policies", "create", "workload-policy", policy,
+           "--type=HIGH_THROUGHPUT", "--accelerator-topology=2x2x2",
+           f"--region={compute.region}")
+    gcloud(gcloud_env, "instance-templates", "create", template,
+           "--machine-type=tpu7x-standard-4t")
+    gcloud(gcloud_env, "instance-groups", "managed", "create", group, "--size=2",
+           f"--template={template}", f"--workload-policy=projects/{compute.project}/regions/"
+           f"{compute.region}/resourcePolicies/{policy}")
+    mig = compute.groups.get(project=compute.project, zone=compute.zone,
+                             instance_group_manager=group)
+    assert mig.target_size == 2 and mig.resource_policies.workload_policy.endswith(
+        f"/resourcePolicies/{policy}")
+    members = list(compute.groups.list_managed_instances(
+        project=compute.project, zone=compute.zone, instance_group_manager=group))
+    assert len(members) == 2 and {m.instance_status for m in members} == {"RUNNING"}
+    assert all(m.name.startswith(f"{group}-") for m in members)
+    vms = [compute.instances.get(project=compute.project, zone=compute.zone, instance=m.name)
+           for m in members]
+    assert all(port_open(v.network_interfaces[0].network_i_p) for v in vms)
+
+    # a policy or template the group uses cannot go; the group's deletion takes its VMs
+    in_use = gcloud(gcloud_env, "instance-templates", "delete", template, "--quiet",
+                    check=False)
+    assert in_use.returncode != 0 and "already being used" in in_use.stderr
+    compute.wait(compute.groups.delete_unary(project=compute.project, zone=compute.zone,
+                                             instance_group_manager=group))
+    listed = json.loads(gcloud(gcloud_env, "instances", "list", "--format=json").stdout)
+    assert not [i for i in listed if i["name"].startswith(f"{group}-")]
+    gcloud(gcloud_env, "instance-templates", "delete", template, "--quiet")
+    compute.wait(compute.policies.delete_unary(project=compute.project, region=compute.region,
+                                               resource_policy=policy))
+
+
+def test_client_mig_and_its_errors(compute, gcloud_env, sim_admin):
+    v1 = compute.v1
+    policy, template, group = unique_name("wp"), unique_name("tt"), unique_name("mig")
+    compute.wait(compute.policies.insert_unary(
+        project=compute.project, region=compute.region,
+        resource_policy_resource=v1.ResourcePolicy(
+            name=policy, workload_policy=v1.ResourcePolicyWorkloadPolicy(
+                type_="HIGH_THROUGHPUT", accelerator_topology="2x2x2"))))
+    compute.wait(compute.templates.insert_unary(
+        project=compute.project, instance_template_resource=v1.InstanceTemplate(
+            name=template, properties=v1.InstanceProperties(machine_type="tpu7x-standard-4t"))))
+    with pytest.raises(gexc.BadRequest, match="target size of 2 VMs"):
+        compute.groups.insert_unary(
+            project=compute.project, zone=compute.zone,
+            instance_group_manager_resource=v1.InstanceGroupManager(
+                name=group, instance_template=f"global/instanceTemplates/{template}",
+                target_size=3, resource_policies=v1.InstanceGroupManagerResourcePolicies(
+                    workload_policy=f"regions/{compute.region}/resourcePolicies/{policy}")))
+    compute.wait(compute.groups.insert_unary(
+        project=compute.project, zone=compute.zone,
+        instance_group_manager_resource=v1.InstanceGroupManager(
+            name=group, instance_template=f"global/instanceTemplates/{template}",
+            base_instance_name=group, target_size=2,
+            resource_policies=v1.InstanceGroupManagerResourcePolicies(
+                workload_policy=f"regions/{compute.region}/resourcePolicies/{policy}"))))
+    table = gcloud(gcloud_env, "instance-groups", "managed", "list-instances", group).stdout
+    assert table.count(f"{group}-") == 2 and table.count("RUNNING") == 2
+    # resize to 0 and back: the slice's VMs go and come again
+    compute.wait(compute.groups.resize_unary(project=compute.project, zone=compute.zone,
+                                             instance_group_manager=group, size=0))
+    assert not list(compute.groups.list_managed_instances(
+        project=compute.project, zone=compute.zone, instance_group_manager=group))
+    compute.wait(compute.groups.resize_unary(project=compute.project, zone=compute.zone,
+                                             instance_group_manager=group, size=2))
+    members = list(compute.groups.list_managed_instances(
+        project=compute.project, zone=compute.zone, instance_group_manager=group))
+    assert [m.instance_status for m in members] == ["RUNNING", "RUNNING"]
+    compute.wait(compute.groups.delete_unary(project=compute.project, zone=compute.zone,
+                                             instance_group_manager=group))
+    # an injected stockout ends the insert operation with the capacity error
+    sim_admin.fail_next_create("stockout")
+    op = compute.wait(compute.instances.insert_unary(
+        project=compute.project, zone=compute.zone, instance_resource=v1.Instance(
+            name=unique_name("ci"),
+            machine_type=f"zones/{compute.zone}/machineTypes/tpu7x-standard-4t")))
+    assert op.error.errors[0].code == "ZONE_RESOURCE_POOL_EXHAUSTED"
+    with pytest.raises(gexc.BadRequest, match="does not exist in zone"):
+        compute.instances.insert_unary(
+            project=compute.project, zone=compute.zone, instance_resource=v1.Instance(
+                name=unique_name("ci"), machine_type=f"zones/{compute.zone}/machineTypes/"
+                "tpu7x-standard-3t"))
+    types = [m.name for m in compute.v1.MachineTypesClient(
+        credentials=compute.instances._transport._credentials, transport="rest",
+        client_options={"api_endpoint": gcloud_env["CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE"]
+                        .removesuffix("/compute/v1/")}).list(project=compute.project,
+                                                              zone=compute.zone)]
+    assert {"tpu7x-standard-4t", "ct6e-standard-4t", "ct5p-hightpu-4t"} <= set(types)
+

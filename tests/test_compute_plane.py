@@ -1,0 +1,266 @@
+"""tpufab on Compute Engine (the ComputeEngine control plane): TPU7x created as one VM or as
+a workload policy + instance template + MIG, seen by the official google-cloud-compute
+client, listed beside TPU API nodes, reached by worker verbs, deleted with what tpufab made
+(and only that); bad input is one sentence."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from helpers import cli_env, ok, one_sentence, tpufab, unique_name, wait_for
+
+pytestmark = [pytest.mark.sim, pytest.mark.timeout(900)]  # a loaded 2-core machine
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    return tmp_path_factory.mktemp("compute-home")
+
+
+@pytest.fixture(scope="module")
+def env(sim, home):
+    return cli_env(sim, home)
+
+
+@pytest.fixture(scope="module")
+def compute(sim):
+    """google-cloud-compute clients (REST, anonymous) against the pod."""
+    from google.api_core.client_options import ClientOptions
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import compute_v1
+
+    kw = {"credentials": AnonymousCredentials(), "transport": "rest",
+          "client_options": ClientOptions(api_endpoint=sim.endpoint)}
+
+    class Clients:
+        v1 = compute_v1
+        instances = compute_v1.InstancesClient(**kw)
+        groups = compute_v1.InstanceGroupManagersClient(**kw)
+        templates = compute_v1.InstanceTemplatesClient(**kw)
+        policies = compute_v1.ResourcePoliciesClient(**kw)
+        reservations = compute_v1.ReservationsClient(**kw)
+        zone_ops = compute_v1.ZoneOperationsClient(**kw)
+        project, zone = sim.project, sim.zone
+        region = sim.zone.rsplit("-", 1)[0]
+
+        def wait(self, op, timeout: float = 90.0):
+            deadline = time.monotonic() + timeout
+            while op.status != compute_v1.Operation.Status.DONE:
+                assert time.monotonic() < deadline, f"operation {op.name} not done"
+                op = self.zone_ops.wait(project=self.project, zone=self.zone,
+                                        operation=op.name)
+            return op
+
+    return Clients()
+
+
+def _created(env, home, name, *flags):
+    ok(tpufab("create", "--name", name, *flags, env=env, cwd=home))
+    return name
+
+
+@pytest.fixture(scope="module")
+def single(env, home):
+    name = _created(env, home, unique_name("c1"), "--type", "tpu7x-8", "--spot")
+    yield name
+    tpufab("delete", "--name", name, "--yes", env=env, cwd=home)
+
+
+@pytest.fixture(scope="module")
+def sliced(env, home):
+    name = _created(env, home, unique_name("c2"), "--type", "tpu7x-16")
+    yield name
+    tpufab("delete", "--name", name, "--yes", env=env, cwd=home)
+
+
+def test_one_vm_spot_is_an_instance_listed_described_and_reached(single, env, home, compute):
+    inst = compute.instances.get(project=compute.project, zone=compute.zone, instance=single)
+    assert inst.status == "RUNNING" and inst.scheduling.provisioning_model == "SPOT"
+    assert inst.machine_type.endswith("/tpu7x-standard-4t") and inst.labels["tpufab"] == "yes"
+    keys = {i.key: i.value for i in inst.metadata.items}
+    assert "ssh-ed25519" in keys["ssh-keys"]  # tpufab's key, for its SSH
+    listed = ok(tpufab("list", env=env, cwd=home))
+    row = next(line for line in listed.splitlines() if line.startswith(single + " "))
+    assert "tpu7x-8" in row and "Compute Engine" in row and "yes" in row
+    described = json.loads(ok(tpufab("describe", "--name", single, "--json", env=env,
+                                     cwd=home)))
+    assert described["control_plane"] == "compute" and described["hosts"] == 1
+    assert described["provisioning_model"] == "SPOT"
+    out = ok(tpufab("exec", "--name", single, "--", "hostname", env=env, cwd=home))
+    assert out.strip().endswith(single)  # the VM answers as its instance name
+
+
+def test_multi_host_slice_is_a_mig_with_workload_policy_in_worker_order(sliced, env, home,
+                                                                         compute):
+    mig = compute.groups.get(project=compute.project, zone=compute.zone,
+                             instance_group_manager=sliced)
+    assert mig.target_size == 2
+    policy = compute.policies.get(project=compute.project, region=compute.region,
+                                  resource_policy=f"{sliced}-tpufab-wp")
+    assert policy.workload_policy.type_ == "HIGH_THROUGHPUT"
+    assert policy.workload_policy.accelerator_topology == "2x2x2"
+    assert mig.resource_policies.workload_policy.endswith(f"/{sliced}-tpufab-wp")
+    template = compute.templates.get(project=compute.project,
+                                     instance_template=f"{sliced}-tpufab-tt")
+    assert template.properties.machine_type == "tpu7x-standard-4t"
+    members = list(compute.groups.list_managed_instances(
+        project=compute.project, zone=compute.zone, instance_group_manager=sliced))
+    vms = [compute.instances.get(project=compute.project, zone=compute.zone,
+                                 instance=m.name) for m in members]
+    assert {v.status for v in vms} == {"RUNNING"}
+    # workers are numbered as the slice numbers them (the sim: address order)
+    order = [v.name for v in sorted(vms, key=lambda v: [
+        int(p) for p in v.network_interfaces[0].network_i_p.split(".")])]
+    out = ok(tpufab("exec", "--name", sliced, "--", "hostname", env=env, cwd=home))
+    seen = dict(line.split(" │ ") for line in out.splitlines() if " │ " in line)
+    assert {seen["w0"].strip(), seen["w1"].strip()} == set(order)
+    assert seen["w0"].strip() == order[0] and seen["w1"].strip() == order[1]
+    described = json.loads(ok(tpufab("describe", "--name", sliced, "--json", env=env,
+                                     cwd=home)))
+    assert described["instance_group"] == sliced and described["chip_topology"] == "2x2x2"
+    assert described["workload_policy"] == f"{sliced}-tpufab-wp"
+
+
+def test_delete_takes_the_mig_and_what_tpufab_made_never_what_others_use(sliced, env, home,
+                                                                         compute):
+    v1 = compute.v1
+    other = unique_name("other")  # a size-0 group of someone else's using tpufab's template
+    compute.wait(compute.groups.insert_unary(
+        project=compute.project, zone=compute.zone,
+        instance_group_manager_resource=v1.InstanceGroupManager(
+            name=other, target_size=0,
+            instance_template=f"global/instanceTemplates/{sliced}-tpufab-tt")))
+    out = ok(tpufab("delete", "--name", sliced, "--yes", env=env, cwd=home))
+    assert f"workload policy {sliced}-tpufab-wp" in out
+    assert f"Left alone: instance template {sliced}-tpufab-tt" in out
+    from google.api_core import exceptions as gexc
+
+    with pytest.raises(gexc.NotFound):
+        compute.groups.get(project=compute.project, zone=compute.zone,
+                           instance_group_manager=sliced)
+    with pytest.raises(gexc.NotFound):
+        compute.policies.get(project=compute.project, region=compute.region,
+                             resource_policy=f"{sliced}-tpufab-wp")
+    assert compute.templates.get(project=compute.project,
+                                 instance_template=f"{sliced}-tpufab-tt").name
+    compute.wait(compute.groups.delete_unary(project=compute.project, zone=compute.zone,
+                                             instance_group_manager=other))
+    compute.templates.delete_unary(project=compute.project,
+                                   instance_template=f"{sliced}-tpufab-tt")
+
+
+def test_flex_start_and_reservation_reach_the_instance(env, home, compute):
+    name = _created(env, home, unique_name("cf"), "--type", "tpu7x-8", "--flex-start",
+                    "--max-run-duration", "8h", "--async")
+    inst = compute.instances.get(project=compute.project, zone=compute.zone, instance=name)
+    assert inst.scheduling.provisioning_model == "FLEX_START"
+    assert inst.scheduling.max_run_duration.seconds == 8 * 3600
+    ok(tpufab("delete", "--name", name, "--yes", env=env, cwd=home))
+    v1 = compute.v1
+    reservation = unique_name("res")
+    compute.wait(compute.reservations.insert_unary(
+        project=compute.project, zone=compute.zone, reservation_resource=v1.Reservation(
+            name=reservation, specific_reservation_required=True,
+            specific_reservation=v1.AllocationSpecificSKUReservation(
+                count=1, instance_properties=v1.AllocationSpecificSKUAllocationReservedInstanceProperties(
+                    machine_type="tpu7x-standard-4t")))))
+    name = _created(env, home, unique_name("cr"), "--type", "tpu7x-8", "--reservation",
+                    reservation, "--async")
+    inst = compute.instances.get(project=compute.project, zone=compute.zone, instance=name)
+    assert inst.reservation_affinity.consume_reservation_type == "SPECIFIC_RESERVATION"
+    assert list(inst.reservation_affinity.values) == [reservation]
+    ok(tpufab("delete", "--name", name, "--yes", env=env, cwd=home))
+
+
+def test_bad_input_is_one_sentence(env, home):
+    def create(*flags):
+        return tpufab("create", "--name", unique_name("bad"), *flags, env=env, cwd=home)
+
+    one_sentence(create("--type", "tpu7x-8", "--flex-start"), "--max-run-duration")
+    one_sentence(create("--type", "tpu7x-12"), "Unknown TPU accelerator type", "tpu7x-16")
+    one_sentence(create("--type", "tpu7x-32", "--topology", "2x2x3"), "2x2x4")
+    one_sentence(create("--type", "tpu7x-8", "--reservation", "no-such-res"),
+                 "No reservation named 'no-such-res'", progress=1)
+    one_sentence(create("--type", "v4-8", "--on", "compute"), "not offered on Compute Engine")
+    one_sentence(create("--type", "tpu7x-8", "--spot", "--flex-start",
+                        "--max-run-duration", "1h"), "cannot be combined")
+
+
+def test_a_name_on_both_planes_is_one_sentence(single, env, home, make_node):
+    make_node("v4-8", node_id=single)  # the same name in the Cloud TPU API
+    result = tpufab("describe", "--name", single, env=env, cwd=home)
+    one_sentence(result, "both a Cloud TPU API node and a Compute Engine TPU slice",
+                 "TPUFAB_CONTROL_PLANE")
+    picked = json.loads(ok(tpufab("describe", "--name", single, "--json", env=env, cwd=home,
+                                  extra_env={"TPUFAB_CONTROL_PLANE": "compute"})))
+    assert picked["control_plane"] == "compute"
+    listed = ok(tpufab("list", env=env, cwd=home))
+    rows = [line for line in listed.splitlines() if line.startswith(single + " ")]
+    assert sorted(r.split()[-1] for r in rows) == ["API", "Engine"]  # TPU API, Compute Engine
+
+
+def test_v6e_on_compute_by_choice(env, home, compute):
+    name = _created(env, home, unique_name("c6"), "--type", "v6e-4", "--on", "compute",
+                    "--async")
+    inst = compute.instances.get(project=compute.project, zone=compute.zone, instance=name)
+    assert inst.machine_type.endswith("/ct6e-standard-4t")
+    wait_for(lambda: '"state": "READY"' in tpufab("describe", "--name", name, "--json",
+                                                  env=env, cwd=home).stdout, 120,
+             what="the v6e VM READY")
+    ok(tpufab("delete", "--name", name, "--yes", env=env, cwd=home))
+
+
+def test_a_failed_create_deletes_what_it_made_and_says_so(env, home, compute, sim_admin):
+    from google.api_core import exceptions as gexc
+
+    name = unique_name("cs")
+    sim_admin.fail_next_create("stockout")  # the MIG's VMs find no capacity
+    result = tpufab("create", "--name", name, "--type", "tpu7x-16", env=env, cwd=home)
+    one_sentence(result, "No tpu7x-16 capacity", f"deleted what this create made of {name}")
+    for get in (lambda: compute.groups.get(project=compute.project, zone=compute.zone,
+                                           instance_group_manager=name),
+                lambda: compute.templates.get(project=compute.project,
+                                              instance_template=f"{name}-tpufab-tt"),
+                lambda: compute.policies.get(project=compute.project, region=compute.region,
+                                             resource_policy=f"{name}-tpufab-wp")):
+        with pytest.raises(gexc.NotFound):
+            get()
+
+
+def test_a_preempted_spot_vm_is_reported_and_collected(single, env, home, compute, sim,
+                                                       sim_admin):
+    from google.api_core import exceptions as gexc
+
+    sim_admin.preempt(f"projects/{sim.project}/locations/{sim.zone}/ceInstances/{single}")
+    inst = compute.instances.get(project=compute.project, zone=compute.zone, instance=single)
+    assert inst.status == "TERMINATED"
+    described = tpufab("describe", "--name", single, env=env, cwd=home)
+    assert f"{single} was PREEMPTED" in described.stdout
+    collected = ok(tpufab("gc", "--yes", env=env, cwd=home))
+    assert f"TPU node {single} (tpu7x-8, PREEMPTED)" in collected
+    with pytest.raises(gexc.NotFound):
+        compute.instances.get(project=compute.project, zone=compute.zone, instance=single)
+
+
+def test_ctrl_c_in_create_deletes_what_it_made(env, home, compute, sim_admin):
+    from google.api_core import exceptions as gexc
+    from helpers import TPUFAB, interrupted_when
+
+    name = unique_name("cc")
+    sim_admin.settings(create_delay=60.0)  # the VMs take their time: Ctrl-C comes first
+    result = interrupted_when([TPUFAB, "create", "--name", name, "--type", "tpu7x-16"], env,
+                              lambda r: r.saw(f"{name}: CREATING"), "the MIG to be under way",
+                              timeout=240, cwd=home)
+    assert result.returncode == 130, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    assert f"Interrupted: Deleted what this create made of {name}" in result.stderr
+    for get in (lambda: compute.groups.get(project=compute.project, zone=compute.zone,
+                                           instance_group_manager=name),
+                lambda: compute.templates.get(project=compute.project,
+                                              instance_template=f"{name}-tpufab-tt"),
+                lambda: compute.policies.get(project=compute.project, region=compute.region,
+                                             resource_policy=f"{name}-tpufab-wp")):
+        with pytest.raises(gexc.NotFound):
+            get()

@@ -1,0 +1,338 @@
+"""Kept connections (tpufab.ssh.keeper): a background process per pod holds its SSH connections
+between commands. One v4-16 (2 workers) for the module; every test turns keeping on in its own
+environment (the suite's default is off) and every keeper it starts is stopped at teardown.
+
+The observable of "the same connection": each command prints, per worker, the pid of the sshd
+session process its shell descends from (one per SSH connection, whatever channel runs it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from harness import needs_root, sim_node
+from helpers import TPUFAB, in_worker, tpufab, unique_name, wait_for
+
+SESSION = ("p=$$; while [ \"$p\" -gt 1 ]; do case $(cat /proc/$p/comm) in sshd*) "
+           "echo SESSION=$p; break;; esac; p=$(awk '/^PPid/{print $2}' /proc/$p/status); done")
+
+
+@pytest.fixture(scope="module")
+@needs_root
+def node(sim, tmp_path_factory):
+    with sim_node(sim, tmp_path_factory, "keep", type="v4-16") as found:
+        yield found
+
+
+@pytest.fixture
+def kept(node):
+    """The node's shell environment with kept connections on (5m), in a private runtime dir
+    of its own; every keeper started under it is stopped afterwards."""
+    runtime = Path(tempfile.mkdtemp(prefix="kp", dir="/tmp"))
+    env = {**node.env, "TPUFAB_KEEP_ALIVE": "5m", "XDG_RUNTIME_DIR": str(runtime)}
+    try:
+        yield env
+    finally:
+        tpufab("disconnect", env=env, timeout=60)
+        for pid in keepers(env):
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not keepers(env), 10, 0.05, "the keepers to be gone")
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+def keepers(env: dict) -> list[int]:
+    """Pids of the keepers started under ``env``'s runtime dir."""
+    mine = os.path.join(env["XDG_RUNTIME_DIR"], "tpufab", "").encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                state = fh.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"tpufab.ssh.keeper" in argv and any(a.startswith(mine) for a in argv) \
+                and state != b"Z":
+            found.append(int(entry))
+    return found
+
+
+def sockets(env: dict) -> list[Path]:
+    return sorted((Path(env["XDG_RUNTIME_DIR"]) / "tpufab").glob("*.sock"))
+
+
+def sessions(env: dict, **extra: str) -> tuple[dict[int, int], subprocess.CompletedProcess]:
+    """{worker: its sshd session pid} for one `tpufab exec`."""
+    result = tpufab("exec", SESSION, env={**env, **extra}, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    found = {int(w): int(pid) for w, pid in re.findall(r"w(\d+)\W.*SESSION=(\d+)", result.stdout)}
+    assert sorted(found) == [0, 1], result.stdout
+    return found, result
+
+
+def kept_sessions(env: dict) -> dict[int, int]:
+    """The sessions of two commands in a row that ran over the same (kept) connections. A
+    command may connect itself when the machine is too loaded for a keeper to start or
+    answer within its bound (a few attempts); with keeping off, no two commands ever do."""
+    previous = sessions(env)[0]
+    for _ in range(4):
+        current = sessions(env)[0]
+        if current == previous:
+            return current
+        previous = current
+    pytest.fail(f"no two commands in a row shared their connections (last: {current})")
+
+
+def one_keeper(env: dict) -> int:
+    logs = Path(env["XDG_RUNTIME_DIR"]) / "tpufab"
+    wait_for(lambda: len(keepers(env)) == 1, 30, 0.05,
+             f"one keeper (now {keepers(env)}; in {logs}: "
+             f"{[(p.name, p.read_text()[-2000:] if p.suffix == '.log' else '') for p in logs.iterdir()]})")
+    return keepers(env)[0]
+
+
+def sleeping(sim, node, token: str) -> dict[int, bool]:
+    pattern = f"[{token[0]}]{token[1:]}"  # not this shell's own command line
+    return {w: bool(in_worker(sim, node.node, w, f"pgrep -f '{pattern}' || true").strip())
+            for w in (0, 1)}
+
+
+@pytest.mark.sim
+def test_a_second_command_runs_over_the_kept_connections(node, kept):
+    first = kept_sessions(kept)                  # the same SSH connection on every worker
+    pid = one_keeper(kept)
+    [sock] = sockets(kept)
+    assert oct(sock.stat().st_mode & 0o777) == "0o600"
+    assert oct(sock.parent.stat().st_mode & 0o777) == "0o700"
+    status = tpufab("status", env=kept, timeout=120)
+    assert f"Connections: kept by pid {pid} (2 of 2 workers connected" in status.stdout, \
+        status.stdout + status.stderr
+    # keep_alive 0: every command connects itself (a new sshd session each time)
+    off = {**kept, "TPUFAB_KEEP_ALIVE": "0"}
+    a, _ = sessions(off)
+    b, _ = sessions(off)
+    assert a != first and b != a
+    assert "Connections:" not in tpufab("status", env=off, timeout=120).stdout  # as before
+    # --keep-alive on the command line wins over the environment
+    outputs = []
+    for _ in range(3):
+        again = tpufab("--keep-alive", "5m", "exec", SESSION, env=off, timeout=120)
+        outputs.append(again.stdout + again.stderr)
+        if f"SESSION={first[0]}" in again.stdout:
+            break
+    else:
+        pytest.fail(f"--keep-alive 5m did not use the kept connections: {outputs}")
+
+
+@pytest.mark.sim
+def test_a_warm_command_does_not_ask_the_cloud_api(node, kept):
+    first = kept_sessions(kept)
+    one_keeper(kept)
+    # the API unreachable (nothing listens there): a command through the keeper still runs
+    # over the same connections, and never loads a cloud client
+    down = {**kept, "TPUFAB_API_ENDPOINT": "http://127.0.0.1:9"}
+    for _ in range(5):  # a loaded machine: the keeper may answer too late (see above)
+        result = subprocess.run([sys.executable, "-X", "importtime", "-m", "tpufab.cli", "exec",
+                                 SESSION], env=down, capture_output=True, text=True, timeout=120)
+        found = {int(w): int(p) for w, p in re.findall(r"w(\d+)\W.*SESSION=(\d+)",
+                                                          result.stdout)}
+        if result.returncode == 0 and found == first:
+            break
+    else:
+        pytest.fail(f"no command ran over the kept connections: {result.stdout}"
+                    f"{result.stderr[-2000:]}")
+    assert "google.cloud" not in result.stderr
+    # other settings than the kept connections were made with: it asks the API (down here)
+    other = tpufab("exec", SESSION, env={**down, "TPUFAB_SSH_USER": "someone-else"}, timeout=120)
+    assert other.returncode != 0 and "SESSION=" not in other.stdout, other.stdout
+
+
+@pytest.mark.sim
+def test_a_socket_with_the_wrong_mode_or_owner_is_not_used(node, kept):
+    first = kept_sessions(kept)
+    one_keeper(kept)
+    [sock] = sockets(kept)
+    sock.chmod(0o666)
+    other, result = sessions(kept)
+    assert other != first
+    assert f"not using kept connections at {sock}: its mode is 0666, not 0600" in result.stderr
+    sock.chmod(0o600)
+    os.chown(sock, 65534, 65534)
+    other, result = sessions(kept)
+    assert other != first
+    assert f"it is owned by uid 65534, not you (uid {os.getuid()})" in result.stderr
+    os.chown(sock, 0, 0)
+    sock.parent.chmod(0o755)
+    other, result = sessions(kept)
+    assert other != first and "its mode is 0755, not 0700" in result.stderr
+    sock.parent.chmod(0o700)
+    assert kept_sessions(kept) == first
+
+
+ASK = """
+import pickle, socket, struct, sys
+s = socket.socket(socket.AF_UNIX)
+s.settimeout(20)
+s.connect(sys.argv[1])
+data = pickle.dumps(("status",))
+try:
+    s.sendall(struct.pack(">I", len(data)) + data)
+    print("ANSWERED" if s.recv(4) else "CLOSED")
+except (ConnectionResetError, BrokenPipeError):
+    print("CLOSED")
+"""
+
+
+@pytest.mark.sim
+def test_the_keeper_answers_only_its_own_user(node, kept):
+    sessions(kept)
+    one_keeper(kept)
+    [sock] = sockets(kept)
+    mine = subprocess.run([sys.executable, "-c", ASK, str(sock)], capture_output=True,
+                          text=True, timeout=60)
+    assert mine.stdout.strip() == "ANSWERED", mine.stderr
+    runtime = sock.parent.parent
+    runtime.chmod(0o711)         # let another user reach it: the keeper still refuses them
+    sock.parent.chmod(0o711)
+    sock.chmod(0o666)
+    try:
+        other = subprocess.run(["/usr/bin/python3", "-I", "-c", ASK, str(sock)], capture_output=True,
+                               text=True, timeout=60, user=65534, group=65534, cwd="/")
+    finally:
+        sock.chmod(0o600)
+        sock.parent.chmod(0o700)
+        runtime.chmod(0o700)
+    assert other.stdout.strip() == "CLOSED", other.stdout + other.stderr
+
+
+@pytest.mark.sim
+def test_secrets_through_the_keeper_are_masked_and_exit_codes_kept(node, kept):
+    first = kept_sessions(kept)
+    value = "s3cr3t-keeper-9z"
+    for _ in range(3):  # until one ran over the kept connections (a loaded machine: above)
+        result = tpufab("exec", "-e", "MYTOKEN", "--secret", "MYTOKEN",
+                        f"echo token=$MYTOKEN; {SESSION}; exit 3",
+                        env={**kept, "MYTOKEN": value}, timeout=120)
+        said = result.stdout + result.stderr
+        assert result.returncode == 3, said
+        assert value not in said and said.count("token=***") == 2, said
+        found = re.findall(r"w(\d+)\W.*SESSION=(\d+)", result.stdout)
+        if {int(w): int(p) for w, p in found} == first:
+            break
+    else:
+        pytest.fail(f"no command ran over the kept connections: {said}")
+
+
+@pytest.mark.sim
+def test_the_keeper_exits_after_its_idle_time(node, kept):
+    short = {**kept, "TPUFAB_KEEP_ALIVE": "2s"}
+    sessions(short)
+    pid = one_keeper(short)
+    wait_for(lambda: pid not in keepers(short), 30, 0.1, "the idle keeper to exit")
+    assert sockets(short) == []
+
+
+@pytest.mark.sim
+def test_a_hung_keeper_is_replaced_without_the_command_failing(node, kept):
+    first = kept_sessions(kept)
+    pid = one_keeper(kept)
+    os.kill(pid, signal.SIGSTOP)                 # it accepts connections and never answers
+    try:
+        other, result = sessions(kept)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    assert other != first and "Traceback" not in result.stderr
+    wait_for(lambda: pid not in keepers(kept), 30, 0.1, "the hung keeper to be stopped")
+    kept_sessions(kept)                          # and a new one keeps the connections
+    assert one_keeper(kept) != pid
+
+
+@pytest.mark.sim
+def test_ctrl_c_through_the_keeper_stops_the_workers_commands(sim, node, kept):
+    kept_sessions(kept)
+    pid = one_keeper(kept)
+    token = unique_name("kc")
+    proc = subprocess.Popen([TPUFAB, "exec", f"sleep 300 && echo {token}"], env=kept,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: all(sleeping(sim, node, token).values()), 60, 0.1,
+                 "the command to run on both workers")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out + err
+    assert "Interrupted" in err, err
+    assert sleeping(sim, node, token) == {0: False, 1: False}
+    assert keepers(kept) == [pid]                # the keeper itself stays
+
+
+@pytest.mark.sim
+def test_killing_the_keeper_mid_command_says_to_run_it_again(sim, node, kept):
+    kept_sessions(kept)
+    pid = one_keeper(kept)
+    token = unique_name("kk")
+    proc = subprocess.Popen([TPUFAB, "exec", f"sleep 300 && echo {token}"], env=kept,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: all(sleeping(sim, node, token).values()), 60, 0.1,
+                 "the command to run on both workers")
+        os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "stopped mid-command; run the command again" in out + err, out + err
+    assert "Traceback" not in err
+    # its connections died with it, and so did the workers' commands
+    wait_for(lambda: sleeping(sim, node, token) == {0: False, 1: False}, 30, 0.2,
+             "the workers' commands to stop")
+    kept_sessions(kept)                          # the next command starts a new keeper
+    assert one_keeper(kept) != pid
+
+
+@pytest.mark.sim
+def test_a_recreated_node_is_never_reached_through_an_old_connection(node, kept):
+    from helpers import quiet_console
+
+    from tpufab.cloud import lifecycle
+
+    kept_sessions(kept)
+    pid = one_keeper(kept)
+    marker = unique_name("old")
+    assert tpufab("exec", f"touch ~/{marker}", env=kept).returncode == 0
+    # deleted and created again under its name behind tpufab's back: a new id, new host keys
+    lifecycle.delete(node.settings, yes=True, console=quiet_console())
+    # its connections gone, the keeper exits by itself (no command needed)
+    wait_for(lambda: pid not in keepers(kept), 30, 0.1, "the old node's keeper to exit")
+    assert sockets(kept) == []
+    [new] = lifecycle.create(node.settings, console=quiet_console())
+    assert new.id != node.node.id
+    node.node = new
+    result = tpufab("exec", f"test -e ~/{marker} && echo OLD || echo NEW", env=kept, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("NEW") == 2 and "OLD" not in result.stdout, result.stdout
+    assert len(sockets(kept)) == 1
+    kept_sessions(kept)
+    # `tpufab delete` takes the pod's kept connections with it
+    assert keepers(kept)
+    deleted = tpufab("delete", "--yes", env=kept, timeout=300)
+    assert deleted.returncode == 0, deleted.stdout + deleted.stderr
+    assert sockets(kept) == []
+    wait_for(lambda: not keepers(kept), 30, 0.1, "the deleted pod's keeper to exit")
+
