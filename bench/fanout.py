@@ -134,8 +134,8 @@ def _rss_mib() -> dict:
 
 
 def _fanout(root: Path, count: int, **kwargs):
-    from tpufab.fanout import Fanout, Target
-    from tpufab.hostkeys import KnownHosts, alias
+    from tpufab.ssh.fanout import Fanout, Target
+    from tpufab.ssh.hostkeys import KnownHosts, alias
 
     pod = _pod(root, count)
     known = KnownHosts(root / f"known_hosts.{os.getpid()}")

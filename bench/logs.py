@@ -28,7 +28,7 @@ from pathlib import Path
 
 CALL = ("import json, sys\n"
         "from tpufab.verbs import jobs\n"
-        "from tpufab.console import run\n"
+        "from tpufab.display.console import run\n"
         "sys.exit(run(jobs.logs, **json.loads(sys.argv[1])))\n")
 RECIPE = """#!/usr/bin/env python3
 import os, sys
@@ -95,11 +95,12 @@ def main() -> int:
         print("bench/logs.py needs root (the simulated pod uses namespaces)", file=sys.stderr)
         return 2
 
-    from tpufab import jobs, lifecycle
-    from tpufab import pod as pods
+    from tpufab.cloud import lifecycle
     from tpufab.config import load_settings
-    from tpufab.remote_files import RemoteFile
+    from tpufab.jobs import running as jobs
+    from tpufab.pod import connection as pods
     from tpufab.sim.daemon import down, up
+    from tpufab.ssh.remote_files import RemoteFile
 
     base = Path(tempfile.mkdtemp(prefix="tpufab-bench-logs-"))
     info = up(base / "sim", port=0, timeout=120)

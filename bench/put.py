@@ -31,9 +31,9 @@ from test_deploy import SimPod  # noqa: E402 - the same simulated workers the te
 
 DRIVER = r"""
 import sys, json
-from tpufab.fanout import Fanout, Target
-from tpufab.hostkeys import KnownHosts, alias
-from tpufab import transfer
+from tpufab.ssh.fanout import Fanout, Target
+from tpufab.ssh.hostkeys import KnownHosts, alias
+from tpufab.ssh import transfer
 spec = json.loads(sys.argv[1])
 known = KnownHosts(spec["known_hosts"])
 targets = [Target(i, h, "root", spec["key"], 22, alias(spec["node"], i))
@@ -75,7 +75,7 @@ def main() -> None:
             fh.write(os.urandom(1 << 20))
     pod = SimPod(root, max(sizes), "7501", 65)
     try:
-        from tpufab.hostkeys import KnownHosts
+        from tpufab.ssh.hostkeys import KnownHosts
 
         known = root / "known_hosts"
         KnownHosts(known).pin(pod.node_id, pod.pool.host_keys(pod.node_id))

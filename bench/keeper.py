@@ -1,0 +1,152 @@
+"""Kept connections (tpufab.ssh.keeper): a cold `tpufab exec true` against the second one.
+
+    sudo .venv/bin/python bench/keeper.py [--size 64 --size 256] [--rounds 5]
+
+For each size: a simulated pod in a temporary state dir and a node of that many workers made
+with `tpufab create` (64: v4-512, 256: v4-2048), then ``rounds`` times, in turn:
+
+- ``cold``: `tpufab --keep-alive 0 exec true` (connects itself, as before kept connections);
+- ``first``: `tpufab exec true` with no keeper running (it starts one and runs through it);
+- ``second``: `tpufab exec true` again (through the kept connections);
+- ``status cold`` / ``status second``: `tpufab status` the same two ways.
+
+Whole process, wall time and the client's CPU (user + sys of `tpufab` and its children, from
+getrusage; the keeper is not the command's child, its CPU is given apart, from /proc), and
+the keeper's resident memory at the end. Prints medians as a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scale import BIN, TYPES, project, timed  # noqa: E402
+
+
+def keeper_pids(runtime: Path) -> list[int]:
+    mine = str(runtime).encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"tpufab.ssh.keeper" in argv and any(a.startswith(mine) for a in argv):
+                found.append(int(entry))
+    return found
+
+
+def cpu_of(pids: list[int]) -> dict[int, float]:
+    """{pid: user + sys CPU s so far} of the ``pids`` still there."""
+    tick = os.sysconf("SC_CLK_TCK")
+    found = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        found[pid] = (int(fields[11]) + int(fields[12])) / tick
+    return found
+
+
+def rss_mib(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total / 1024
+
+
+def one_size(size: int, rounds: int) -> dict[str, list[tuple[float, float, float]]]:
+    from tpufab.sim.daemon import down, up
+
+    base = Path(tempfile.mkdtemp(prefix=f"bench-keeper-{size}-"))
+    home, runtime = base / "home", base / "run"
+    home.mkdir()
+    runtime.mkdir(mode=0o700)
+    info = up(base / "state", port=0, timeout=120)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
+    env.update(info.env(), HOME=str(home), COLUMNS="200", TPUFAB_NAME=f"keep{size}",
+               TPUFAB_USER_CONFIG=str(home / "none.yaml"), TPUFAB_WAIT_TIMEOUT="1800",
+               XDG_RUNTIME_DIR=str(runtime), TPUFAB_KEEP_ALIVE="5m")
+    repo = project(base)
+    tpufab = str(BIN / "tpufab")
+    samples: dict[str, list[tuple[float, float, float]]] = {}
+
+    def run(label: str, argv: list[str]) -> None:
+        keepers = keeper_pids(runtime)
+        before = cpu_of(keepers)
+        wall, cpu, code, tail = timed([tpufab, *argv], env, repo, 1800)
+        after = cpu_of(keeper_pids(runtime))  # a keeper this command started counts whole
+        kept_cpu = sum(t - before.get(pid, 0.0) for pid, t in after.items())
+        if code != 0:
+            raise SystemExit(f"{size} {label}: exit {code}\n{tail}")
+        samples.setdefault(label, []).append((wall, cpu, kept_cpu))
+        print(f"{size} {label}: {wall:.2f} s wall, {cpu:.2f} s client CPU, "
+              f"{kept_cpu:.2f} s keeper CPU", flush=True)
+
+    try:
+        wall, _, code, tail = timed([tpufab, "--keep-alive", "0", "create", "--type",
+                                     TYPES[size]], env, repo, 3600)
+        print(f"{size} create: {wall:.1f} s, exit {code}", flush=True)
+        if code != 0:
+            raise SystemExit(tail)
+        for _ in range(rounds):
+            run("exec cold", ["--keep-alive", "0", "exec", "true"])
+            timed([tpufab, "disconnect"], env, repo, 600)
+            run("exec first", ["exec", "true"])
+            time.sleep(0.5)  # a user's pause between two commands
+            run("exec second", ["exec", "true"])
+            run("status cold", ["--keep-alive", "0", "status"])
+            run("status second", ["status"])
+        samples["keeper RSS MiB"] = [(rss_mib(keeper_pids(runtime)), 0.0, 0.0)]
+    finally:
+        timed([tpufab, "disconnect"], env, repo, 600)
+        subprocess.run([tpufab, "delete", "--yes"], env=env, cwd=repo, capture_output=True,
+                       timeout=600)
+        down(base / "state", timeout=300)
+        shutil.rmtree(base, ignore_errors=True)
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", type=int, action="append", choices=[64, 256, 1024])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    results = {size: one_size(size, args.rounds) for size in args.size or [64]}
+    print(f"\nmachine: {os.cpu_count()} cores; load average at the end "
+          f"{os.getloadavg()[0]:.1f}; medians of {args.rounds} rounds")
+    print("| command | workers | wall s | vs cold | client CPU s | CPU vs cold | keeper CPU s |")
+    print("|---|--:|--:|--:|--:|--:|--:|")
+    for size, samples in results.items():
+        for label, rows in samples.items():
+            if label == "keeper RSS MiB":
+                continue
+            wall = statistics.median(r[0] for r in rows)
+            cpu = statistics.median(r[1] for r in rows)
+            kept = statistics.median(r[2] for r in rows)
+            colds = samples[label.split()[0] + " cold"]
+            cold = statistics.median(r[0] for r in colds)
+            cold_cpu = statistics.median(r[1] for r in colds)
+            print(f"| `{label}` | {size:,} | {wall:.2f} | {wall / cold:.2f}x | {cpu:.2f} | "
+                  f"{cpu / cold_cpu:.2f}x | {kept:.2f} |")
+        print(f"| keeper resident memory | {size:,} | {samples['keeper RSS MiB'][0][0]:.0f} MiB "
+              "| | | | |")
+
+
+if __name__ == "__main__":
+    main()
