@@ -7,7 +7,8 @@
 #   -> invoke setup (JAX on every worker) -> invoke run recipes/hello.sh on all 4 workers at once
 #   -> logs, runs -> sim zombie (a crashed job's mess) -> status -> kill -> status
 #   -> kill --force (the protected holder too) -> status
-#   -> delete -> sim down.
+#   -> delete -> TPU7x on Compute Engine: create tpu7x-8 (one VM instance) -> list -> exec -> delete
+#   -> sim down.
 # Run as root (the simulated workers use namespaces). Keep the pod with KEEP=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +27,7 @@ cleanup() {
   if [[ ${KEEP:-0} != 1 ]]; then
     tpufab umount --name "$NAME" >/dev/null 2>&1 || true
     tpufab delete --name "$NAME" --yes >/dev/null 2>&1 || true
+    tpufab delete --name "$NAME-7x" --yes >/dev/null 2>&1 || true
     tpufab sim down || true
   fi
   if [[ -n $GIT_DAEMON ]]; then
@@ -100,7 +102,13 @@ step tpufab kill --name "$NAME" --grace 2 --force
 step tpufab status --name "$NAME"
 
 step tpufab delete --name "$NAME" --yes
+
+say "TPU7x (Ironwood) exists only on Compute Engine: a tpu7x-8 is one VM instance (tpu7x-standard-4t)"
+step tpufab create --name "$NAME-7x" --type tpu7x-8
+step tpufab list                               # the ON column says which control plane
+step tpufab exec --name "$NAME-7x" -- 'echo "$(hostname): $(nproc) CPUs, a Compute Engine TPU VM"'
+step tpufab delete --name "$NAME-7x" --yes
 echo
 echo "Demo finished: create -> tpufab init -> deploy (remote and --direct) -> mount (written on"
 echo "w0, read on w3) -> umount -> setup -> run hello on 4 workers -> zombie -> kill -> status -> delete,"
-echo "on the simulated pod."
+echo "then a TPU7x VM on Compute Engine (create -> exec -> delete), on the simulated pod."

@@ -29,7 +29,20 @@ purelib=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["
 pth=$purelib/tpufab-sim-share.pth
 paths=$site
 # xprof's trace client (for `tpufab profile`), when scripts/sim-wheels.sh put it there.
-[ -d "$share/xprof" ] && paths=$(printf '%s\n%s' "$site" "$share/xprof")
+[ -d "$share/xprof" ] && paths=$(printf '%s\n%s' "$paths" "$share/xprof")
+# Ray (for `tpufab ray`), when scripts/sim-wheels.sh --ray put it there, with the `ray` command
+# a pip install into the venv would have made.
+if [ -d "$share/ray" ]; then
+    paths=$(printf '%s\n%s' "$paths" "$share/ray")
+    cat > "$venv/bin/ray.new" <<RAY
+#!$venv/bin/python
+import sys
+from ray.scripts.scripts import main
+sys.exit(main())
+RAY
+    chmod 755 "$venv/bin/ray.new"
+    mv "$venv/bin/ray.new" "$venv/bin/ray"
+fi
 if [ "$(cat "$pth" 2>/dev/null)" != "$paths" ]; then
     printf '%s\n' "$paths" > "$pth"
 fi

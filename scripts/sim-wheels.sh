@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Build, once on the host, the Python packages (CPU builds) that every simulated worker imports.
 #
-#   scripts/sim-wheels.sh [--sim-dir DIR] [--spec "jax==X.Y.Z"] [--torch] [--force] [--no-xprof]
+#   scripts/sim-wheels.sh [--sim-dir DIR] [--spec "jax==X.Y.Z"] [--torch] [--ray] [--force] [--no-xprof]
 #   (default spec: the jax version of the project's .venv, else the latest jax)
+# Also installs py-spy (a static binary in a wheel: site/bin/py-spy, ~6 MB) for `tpufab stacks`
+# and the stall watchdog (TPUFAB_SIM_TOOLS="" leaves it out).
 # Also puts xprof (its trace client only, --no-deps, ~30 MB) in $TPUFAB_SIM_DIR/share/xprof
 # for `tpufab profile`; setup-sim.sh adds it to the workers' venv when it is there.
 # Installs jax + jaxlib (CPU wheels for the workers' /usr/bin/python3) into
@@ -13,6 +15,10 @@
 # .pth file: one download for the whole pod instead of one per worker.
 # Idempotent: a build for the same spec is kept (a site with torch also serves a run without
 # --torch).
+# --ray puts Ray (`ray[default]`: the Job API lives in the dashboard; TPUFAB_SIM_RAY_SPEC,
+# default ray[default]) in $TPUFAB_SIM_DIR/share/ray, a folder of its own beside the site with
+# its own stamp, so the JAX (and torch) site is never rebuilt for it; setup-sim.sh adds it to
+# the workers' venv (and a ~/.venv/bin/ray) when it is there.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,7 +30,10 @@ if [ -z "$spec" ]; then
     spec=jax${version:+==$version}
 fi
 torch_version=${TPUFAB_SIM_TORCH_VERSION:-2.9.0}
+tools=${TPUFAB_SIM_TOOLS-py-spy}     # worker-side tools every simulated worker finds in site/bin
 torch=0
+ray=0
+ray_spec=${TPUFAB_SIM_RAY_SPEC:-ray[default]}
 force=0
 xprof_spec=${TPUFAB_SIM_XPROF_SPEC:-xprof}
 while [ $# -gt 0 ]; do
@@ -32,9 +41,10 @@ while [ $# -gt 0 ]; do
         --sim-dir) sim_dir=$2; shift 2 ;;
         --spec) spec=$2; shift 2 ;;
         --torch) torch=1; shift ;;
+        --ray) ray=1; shift ;;
         --force) force=1; shift ;;
         --no-xprof) xprof_spec=""; shift ;;
-        -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
         *) echo "sim-wheels: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -45,7 +55,10 @@ done
 # pod's site leaves them out (~525 MB of wheels, ~1 GB installed).
 NOT_LOADED="triton nvidia-cusolver-cu12 nvidia-cuda-nvrtc-cu12 nvidia-nvtx-cu12"
 
-specs=("$spec")
+# requests: what jax.distributed.initialize()'s Cloud TPU pod discovery imports
+# (jax/_src/clusters/cloud_tpu_cluster.py reads the metadata server with it), as on a TPU VM
+specs=("$spec" requests)
+[ -n "$tools" ] && specs+=($tools)
 if [ "$torch" = 1 ]; then
     specs+=("torch==$torch_version" "torch_xla==$torch_version" "lightning")
 fi
@@ -71,8 +84,11 @@ if [ -z "$pip_python" ]; then
     exit 1
 fi
 
-works() {   # works DIR: the workers' python imports what DIR should hold
-    JAX_PLATFORMS=cpu PYTHONPATH=$1 "$worker_python" -c 'import jax, jax.numpy as jnp
+works() {   # works DIR: the workers' python imports what DIR should hold (and has its tools)
+    for tool in $tools; do
+        [ -x "$1/bin/$tool" ] || return 1
+    done
+    JAX_PLATFORMS=cpu PYTHONPATH=$1 "$worker_python" -c 'import jax, jax.numpy as jnp, requests
 assert float(jnp.arange(4.0).sum()) == 6.0' >/dev/null 2>&1 || return 1
     [ "$torch" = 0 ] && return 0
     PJRT_DEVICE=CPU PYTHONPATH=$1 "$worker_python" -c 'import torch, torch_xla, lightning
@@ -107,6 +123,38 @@ install_xprof() {
     echo "sim-wheels: $dir has $want_x"
 }
 install_xprof
+
+# Ray for `tpufab ray`: its own folder and stamp (the site's stays what it was).
+install_ray() {
+    [ "$ray" = 1 ] || return 0
+    local dir=$sim_dir/share/ray want_r="$ray_spec python$pyver" tmp_r started_r
+    if [ "$force" = 0 ] && [ "$(cat "$dir/.tpufab-spec" 2>/dev/null)" = "$want_r" ] \
+            && PYTHONPATH=$dir "$worker_python" -c 'import ray' >/dev/null 2>&1; then
+        echo "sim-wheels: $dir already has $want_r"
+        return 0
+    fi
+    started_r=$(date +%s)
+    tmp_r=$(mktemp -d "$sim_dir/share/.ray.XXXXXX")
+    if ! "$pip_python" -m pip install --quiet --disable-pip-version-check \
+            --no-warn-script-location --target "$tmp_r" --python-version "$pyver" \
+            --only-binary=:all: "$ray_spec"; then
+        rm -rf "$tmp_r"
+        echo "sim-wheels: could not install $ray_spec" >&2
+        return 1
+    fi
+    rm -rf "$tmp_r/bin"     # pip's scripts name the host's python; setup-sim.sh writes the worker's
+    if ! PYTHONPATH=$tmp_r "$worker_python" -c 'import ray, ray.dashboard' >/dev/null 2>&1; then
+        rm -rf "$tmp_r"
+        echo "sim-wheels: $worker_python cannot import $ray_spec from the new build" >&2
+        return 1
+    fi
+    printf '%s\n' "$want_r" > "$tmp_r/.tpufab-spec"
+    chmod -R a+rX "$tmp_r"
+    rm -rf "$dir"
+    mv "$tmp_r" "$dir"
+    echo "sim-wheels: $dir has $want_r ($(du -sh "$dir" | cut -f1), built in $(( $(date +%s) - started_r )) s)"
+}
+install_ray
 
 want="${specs[*]} python$pyver"
 have=$(cat "$stamp" 2>/dev/null || true)
