@@ -22,7 +22,7 @@ from helpers import WORKER_PYTHON, shipped
 from tpufab import quoting
 from tpufab.display.terminal import Lines, lines_of, neutralise, neutralise_text
 from tpufab.jobs.running import FoldingView, WorkerState, fold_states, prune_local_runs
-from tpufab.jobs.runs import fold_logs, fold_stream
+from tpufab.jobs.runs import fold_logs, fold_stream, render_folded
 from tpufab.remote import facts, launch, workerlib
 from tpufab.ssh.fanout import LiveView, WorkerResult, print_gathered
 from tpufab.ssh.remote_files import read_answer
@@ -334,6 +334,18 @@ def test_fold_stream_of_identical_logs_is_each_line_once():
     folded = list(fold_stream(logs, window=100))
     assert [f.text for f in folded] == logs[0] and {f.workers for f in folded} == {tuple(range(8))}
 
+
+
+@pytest.mark.parametrize("window", [5, 1000])
+def test_a_worker_with_an_extra_line_before_the_last_still_folds_the_last_line(window):
+    # Workers that poll print "waiting" a different number of times; their last line, the
+    # same for all but the rank, is one line whatever the window (it once split in two).
+    logs = {w: [f"worker {w} started", *["waiting"] * (31 + w % 2), f"worker {w} done"]
+            for w in range(4)}
+    folded = list(fold_stream(logs, window=window))
+    assert render_folded(folded, logs)[-2:] == ["w[1,3]: waiting", "worker {0..3} done"]
+    for w, lines in logs.items():
+        assert [f.text_of(w) for f in folded if w in f.workers] == lines
 
 MEASURE_LOGS = r"""
 import resource, sys

@@ -412,7 +412,7 @@ def test_a_run_survives_its_follower_being_killed(pod_env, tmp_path):
     wait_for(lambda: run_states(env, tmp_path, run_id) == {str(w): "exited 0" for w in range(4)},
              60, 0.2, "the run to end and its exit code to be recorded")
     logs = call(env, "logs", cwd=tmp_path, run=run_id).stdout.splitlines()
-    assert "worker {0..3} done" in logs       # every worker's, folded (the ranks in braces)
+    assert "worker {0..3} done" in logs, "\n".join(logs)       # every worker's, folded (the ranks in braces)
 
 
 @pytest.mark.sim

@@ -433,7 +433,8 @@ def fold_stream(streams: Mapping[int, Iterable[str]], *, window: int = FOLD_WIND
 
     The lowest worker with lines left is the reference; a window of its lines is folded with
     the lines of each other worker that align with it (difflib finds the last matching line;
-    unmatched lines at the end pair up one for one), and what a worker printed beyond that
+    unmatched lines at the end pair up one for one; where its stream and the reference's both
+    end in the window, all of its lines go with it), and what a worker printed beyond that
     waits for the next window. A worker whose stream ends drops out; one with lines after
     the reference ended becomes the reference for the rest.
     """
@@ -470,9 +471,14 @@ def fold_stream(streams: Mapping[int, Iterable[str]], *, window: int = FOLD_WIND
         reference = take(ref, len(buffers[ref]))
         chunks = {ref: reference}
         slack = len(reference) // 2 + 8
+        last = ref in ended and not buffers[ref]     # the reference's last window
         for w in active[1:]:
             fill(w, len(reference) + slack, window_bytes + window_bytes // 2)
-            chunks[w] = take(w, _aligned(reference, buffers[w]))
+            # where both streams end here, all of this worker's lines go with the reference's
+            # last ones (a worker with one more line than the reference before its last
+            # would else have its last line shown apart from everyone's)
+            everything = last and w in ended
+            chunks[w] = take(w, len(buffers[w]) if everything else _aligned(reference, buffers[w]))
         yield from fold_logs(chunks)
 
 
