@@ -121,6 +121,36 @@ def test_run_records(runs):
     assert int((rundir / "start_time").read_text()) > 0
 
 
+def test_the_end_is_recorded_with_all_the_recipe_wrote_in_the_log(runs):
+    # A reader that sees the end (logs, babysit, a follower) must see the recipe's last line:
+    # the end waits until the copier has drained the pipe, however far behind it is.
+    body = ('head -c 8000000 /dev/zero | tr "\\0" "a" | fold -w 100\n'
+            + wait_go(runs.root, "big") + 'echo "the last line"\n')
+    runs.start("big", body, env={"HF_TOKEN": SECRET})     # a secret: the masker is at work
+    runs.go("big")
+    wait_for(lambda: runs.status("big")["state"] == "exited", what="the run to end")
+    log = (runs.dir / "big" / "log").read_bytes()
+    assert log.endswith(b"athe last line\n")
+    assert len(log) == 8_000_000 + 79_999 + len(b"the last line\n")   # fold: no final newline
+
+
+def test_a_process_left_holding_the_output_does_not_hold_up_the_end(runs):
+    # The recipe leaves a process behind with its stdout; the end is recorded when the recipe
+    # ends (not when that process lets the pipe go), and what it writes later still reaches
+    # the log.
+    body = ("echo recipe done\n(" + wait_go(runs.root, "left").rstrip("\n")
+            + "; echo left behind) &\nexit 4\n")
+    runs.start("left", body)
+    final = wait_for(lambda: (s := runs.status("left"))["state"] != "running" and s,
+                     what="the end, with a process still holding the recipe's output")
+    assert final["state"] == "exited" and final["exit_code"] == 4
+    log = runs.dir / "left" / "log"
+    assert log.read_text() == "recipe done\n"
+    runs.go("left")
+    wait_for(lambda: log.read_text() == "recipe done\nleft behind\n",
+             what="the left-behind process's line in the log")
+
+
 def test_stop_kills_the_whole_process_group(runs):
     body = ("trap '' TERM\nsleep 300 &\necho child $!\n(trap - TERM; sleep 300) &\n"
             "echo child2 $!\nsetsid sleep 300 </dev/null >/dev/null 2>&1 &\n"

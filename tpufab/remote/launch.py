@@ -45,6 +45,7 @@ import hashlib
 import json
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -81,6 +82,7 @@ DROPPED_ENV = ("TPUFAB_TASK",)
 POLL = 0.05
 EXIT_LOST = 255
 CHUNK = 1 << 16
+DRAIN_BOUND = 30.0   # seconds the end record waits for the log to take what the recipe wrote
 LINE_LIMIT = 1 << 20     # tail --follow holds back a partial line up to this size
 DISK_FULL = (28, 122)    # ENOSPC, EDQUOT
 
@@ -330,9 +332,12 @@ def supervise(rundir, argv, cwd, env, ready_w, forms=()):
     os.close(ready_w)
     threading.Thread(target=relay_notices, args=(rundir, child, env), daemon=True).start()
     code = child.wait()
-    # The output is whole once nothing holds the pipe; a process the recipe left behind may
-    # hold it longer: record the end anyway, and keep copying until it lets go.
-    thread.join(1.0)
+    # Everything the recipe wrote before it ended is in the pipe by now: record the end once
+    # the copier has drained it into the log (so a reader who sees the end sees all of that
+    # output), not at the pipe's end of file, which a process the recipe left behind may hold
+    # off for as long as it lives; the copier goes on copying what such a process writes.
+    copier.ended()
+    copier.drained.wait(DRAIN_BOUND)
     end.write(exit_code=code if code >= 0 else None,
               killed=signal.Signals(-code).name if code < 0 else None,
               disk_full=copier.disk_full())
@@ -346,21 +351,39 @@ class LogCopier:
 
     def __init__(self, pipe, log, masker, where):
         self.pipe, self.log, self.masker, self.where = pipe, log, masker, where
+        self.wake_r, self.wake_w = os.pipe()
+        self.drained = threading.Event()   # all that was in the pipe at ended() is in the log
         self.written = 0
         self.missing = 0        # dropped since the last successful write
         self.lost = 0           # dropped in all
         self.full_at = None     # log size when the disk first filled up
         self.error = None
 
+    def ended(self):
+        """The recipe has ended: `drained` is set once the pipe has nothing more to read."""
+        os.write(self.wake_w, b"x")
+
     def run(self):
+        poller = select.poll()
+        poller.register(self.pipe, select.POLLIN)
+        poller.register(self.wake_r, select.POLLIN)
         try:
             while True:
-                data = os.read(self.pipe, CHUNK)
-                if not data:
-                    break
-                self._write(self.masker.feed(data))
+                ready = {fd for fd, _ in poller.poll()}
+                if self.pipe in ready:
+                    data = os.read(self.pipe, CHUNK)
+                    if not data:
+                        break
+                    self._write(self.masker.feed(data))
+                elif self.wake_r in ready:
+                    # Woken after the recipe ended, and the pipe is empty now: what the recipe
+                    # wrote is in the log (what the masker holds back is a secret's possible
+                    # start, kept until more output or the end of file decides it).
+                    poller.unregister(self.wake_r)
+                    self.drained.set()
             self._write(self.masker.flush())
         finally:
+            self.drained.set()
             os.close(self.pipe)
             os.close(self.log)
 
