@@ -10,9 +10,10 @@ False, so deploy, mount and the code lease read their answers the same way.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from tpufab.quoting import Secret
 from tpufab.ssh.remote_files import last_line, read_answer
@@ -41,7 +42,7 @@ class Workers(Protocol):
             check: bool = False) -> Mapping[int, Outcome]: ...
 
 
-Row = TypeVar("Row")
+RowT = TypeVar("RowT")
 
 
 def failure_of(outcome: Outcome) -> tuple[str, str]:
@@ -55,7 +56,7 @@ def failure_of(outcome: Outcome) -> tuple[str, str]:
     return "ssh", reason
 
 
-def answer_row(row_type: type[Row], worker: int, outcome: Outcome, **extra: Any) -> Row:
+def answer_row(row_type: type[RowT], worker: int, outcome: Outcome, **extra: Any) -> RowT:
     """The worker's answer (``read_answer``, with an ``ok``) as a ``row_type`` row; fields
     the answer does not name keep their defaults, keys the row does not know are ignored.
     ``extra`` fields are set either way (e.g. the time the transport measured)."""
@@ -66,3 +67,80 @@ def answer_row(row_type: type[Row], worker: int, outcome: Outcome, **extra: Any)
         return row_type(worker=worker, ok=bool(data["ok"]), **{**fields, **extra})
     error, message = failure_of(outcome)
     return row_type(worker=worker, ok=False, error=error, message=message, **extra)
+
+
+# ---------------------------------------------------------------------------------------------
+# The one per-worker report
+
+
+class Row(Protocol):
+    """One worker's row in a report (or one of its lines: kill has a line per process)."""
+
+    worker: int
+
+    @property
+    def ok(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Column:
+    """How a report's rows show, one column of them. Rows that agree on every ``cell`` fold
+    into one line under their workers (``w[0-3]``); a column with ``over`` is shown from the
+    folded rows (a time range, each worker's pid) and is no part of what they must agree on."""
+
+    header: str
+    cell: Callable[[Any], Any] | None = None
+    over: Callable[[list[Any]], str] | None = None
+
+
+@dataclass(kw_only=True)
+class Report:
+    """One step's outcome on every worker: its typed ``rows`` (a ``worker``, ``ok``, and on
+    failure ``error``/``message``), how they show (``columns``: a table under WORKERS, or
+    ``lines`` of ``prefix who  cells``), one closing ``summary`` sentence on stdout and
+    ``notes`` on stderr. A step's report subclasses this to add the fields it knows (deploy's
+    commit, mount's mount point): they are the report's ``--json`` beside its rows. Rendered
+    by ``tpufab.display.report`` only (human and ``--json``); nothing renders itself."""
+
+    step: str
+    rows: list[Any] = field(default_factory=list)
+    columns: tuple[Column, ...] = ()
+    lines: bool = False           # bare lines, not a table under headers
+    prefix: str = ""              # before each line: "put: "
+    summary: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    SHAPE: ClassVar[tuple[str, ...]] = ("step", "rows", "columns", "lines", "prefix", "summary",
+                                        "notes")
+
+    @property
+    def ok(self) -> bool:
+        return all(getattr(r, "ok", True) for r in self.rows)
+
+    @property
+    def failed(self) -> list[Any]:
+        return [r for r in self.rows if not getattr(r, "ok", True)]
+
+    @property
+    def by_worker(self) -> dict[int, Any]:
+        """``{worker: row}`` (a step with one row per worker)."""
+        return {r.worker: r for r in self.rows}
+
+    def data(self) -> dict[str, Any]:
+        """The step's own fields (what a subclass adds), for --json."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in self.SHAPE and not f.name.startswith("_")}
+
+
+def seconds_range(rows: Sequence[Any]) -> str:
+    """``0.41-0.52s`` over rows with ``seconds`` (one value when they agree; ``-`` for none)."""
+    times = sorted(r.seconds for r in rows if getattr(r, "seconds", None) is not None)
+    if not times:
+        return "-"
+    if len(times) == 1 or times[-1] - times[0] < 0.01:
+        return f"{times[-1]:.2f}s"
+    return f"{times[0]:.2f}-{times[-1]:.2f}s"
+
+
+def count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")

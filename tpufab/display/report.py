@@ -1,0 +1,111 @@
+"""The one renderer of a step's per-worker report (``tpufab.results.Report``).
+
+Every worker verb prints its report here and nowhere else: rows that agree on every cell
+fold into one line under their workers (``w[0-3]``, first worker first), a failed row shows
+as ``failed: ERROR: MESSAGE`` under its own workers, then the summary sentence on stdout and
+the notes on stderr. ``--json`` is the same report as data: the step, ``ok``, the step's own
+fields, the summary, the notes and every row in full. ``folded`` and ``text`` are pure (the
+error details of a failed step are ``text``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from tpufab.nodeset import fold
+from tpufab.results import Report
+
+WORKERS = "WORKERS"
+
+
+def failure(row: Any) -> str:
+    """``failed: disk_full: No space left on device`` (the row's error and message)."""
+    words = [str(w) for w in (getattr(row, "error", None), getattr(row, "message", None)) if w]
+    return "failed: " + (": ".join(dict.fromkeys(words)) or "no answer")
+
+
+def folded(report: Report) -> list[tuple[str, list[str], bool]]:
+    """``[(folded workers, cells, ok)]``: the rows that agree on every keyed cell (a failed
+    row: on its failure) as one, in the order of their first worker."""
+    groups: dict[tuple, list[Any]] = {}
+    for row in sorted(report.rows, key=lambda r: r.worker):
+        if getattr(row, "ok", True):
+            key = ("ok", *(c.cell(row) if c.cell else None for c in report.columns))
+        else:
+            key = ("failed", failure(row))
+        groups.setdefault(key, []).append(row)
+    out = []
+    for key, rows in groups.items():
+        who = fold(r.worker for r in rows)
+        if key[0] == "failed":
+            cells = [key[1]] + ["-"] * (len(report.columns) - 1 if not report.lines else 0)
+        else:
+            cells = [c.over(rows) if c.over else _shown(c.cell(rows[0]) if c.cell else None)
+                     for c in report.columns]
+        out.append((who, cells, key[0] == "ok"))
+    return out
+
+
+def _shown(value: Any) -> str:
+    return "-" if value is None or value == "" else str(value)
+
+
+def text(report: Report) -> list[str]:
+    """The rows as plain lines (pure): ``prefix who  cells`` with the workers' column padded;
+    a table's cells are joined by two spaces, under no header."""
+    groups = folded(report)
+    width = max((len(who) for who, _, _ in groups), default=0)
+    sep = ", " if report.lines else "  "
+    return [f"{report.prefix}{who:<{width}}  {sep.join(cells) if ok else cells[0]}".rstrip()
+            for who, cells, ok in groups]
+
+
+def to_json(report: Report) -> dict[str, Any]:
+    """The report as data: the step, ok, its own fields, summary, notes and every row."""
+    rows = []
+    for row in sorted(report.rows, key=lambda r: r.worker):
+        data = dataclasses.asdict(row) if dataclasses.is_dataclass(row) else dict(vars(row))
+        rows.append({"worker": row.worker, "ok": getattr(row, "ok", True), **data})
+    return {"step": report.step, "ok": report.ok,
+            "workers": fold(sorted({r.worker for r in report.rows})),
+            **_plain(report.data()), "summary": report.summary, "notes": list(report.notes),
+            "rows": rows}
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def show(report: Report, *, as_json: bool = False) -> None:
+    """Print ``report``: its rows folded (a table under WORKERS, or lines), its summary on
+    stdout and its notes on stderr; or, ``as_json``, the whole of it as JSON on stdout."""
+    from tpufab.display.console import stderr, stdout
+    from tpufab.display.terminal import neutralise_text
+
+    if as_json:
+        print(json.dumps(to_json(report), indent=2, default=str))
+        return
+    console = stdout()
+    if report.columns and report.rows:
+        if report.lines:
+            for line in text(report):
+                console.print(neutralise_text(line), markup=False, highlight=False)
+        else:
+            from tpufab.display.tables import fitted
+
+            headers = (WORKERS, *(c.header for c in report.columns))
+            console.print(fitted(headers, [[who, *(neutralise_text(c) for c in cells)]
+                                           for who, cells, _ in folded(report)],
+                                 console, markup=False))
+    if report.summary:
+        console.print(neutralise_text(report.summary), markup=False, highlight=False)
+    for note in report.notes:
+        stderr().print(neutralise_text(note), markup=False, highlight=False)
