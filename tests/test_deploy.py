@@ -19,6 +19,7 @@ import pytest
 from harness import USER, SimPod, needs_root
 from helpers import free_port, git_daemon, sh
 
+from tpufab.display.report import text
 from tpufab.errors import ConfigError
 from tpufab.ssh.remote_files import RemoteFile, python_command, verify_loader
 from tpufab.workflows import deploy as deploy_mod
@@ -244,7 +245,9 @@ def test_fresh_clone_update_noop(repo: Path, pod: SimPod):
         assert pod.read(w, f"{where}/train.py") == "print('v1')"
         # the checkout's origin is the remote, so `git pull` by hand works too
         assert pod.git(w, where, "remote", "get-url", "origin").endswith(f"/{repo.name}.git")
-    assert "changed" in report.table() and "FAILED" not in report.table()
+    assert all(r.changed for r in report.rows) and report.ok
+    [line] = text(report)                                      # the one renderer, as text
+    assert line.startswith(f"w[0-3]  {head[:12]}  clone  ")
 
     new = commit(repo, "train.py", "print('v2')\n")
     report = deploy(pod, cwd=repo)
@@ -254,7 +257,7 @@ def test_fresh_clone_update_noop(repo: Path, pod: SimPod):
     report = deploy(pod, cwd=repo)
     assert report.pushed == "up to date"
     assert {r.action for r in report.rows} == {"noop"} and not any(r.changed for r in report.rows)
-    assert "unchanged" in report.table()
+    assert report.summary.endswith(f"every worker was already there ({report.seconds:.1f}s).")
 
 
 @pytest.mark.sim
@@ -380,7 +383,8 @@ def test_worker_cannot_reach_remote(repo: Path, pod: SimPod):
         deploy(pod, cwd=repo, worker_url=dead_url())
     assert "Workers w[0-3] cannot reach the remote git://127.0.0.1:" in str(err.value)
     assert "--direct" in str(err.value)
-    assert err.value.details.count("unreachable") == 4
+    # every worker's outcome, folded by the one renderer: the four failed alike
+    assert err.value.details.startswith("w[0-3]  failed: unreachable: ")
 
 
 @pytest.mark.sim
@@ -507,7 +511,7 @@ def test_credentials_in_the_origin_url_never_reach_a_worker(repo: Path, pod: Sim
     for w in pod.workers:
         assert pod.git(w, f"~/{repo.name}", "remote", "get-url", "origin") == clean
         assert token not in pod.sh(w, f"cat ~/{repo.name}/.git/config")
-    assert token not in " ".join(said) + str(report.table())
+    assert token not in " ".join(said) + "\n".join(text(report)) + report.summary
     # credentials over plain http: refused in one sentence, before anything is sent
     with pytest.raises(ConfigError, match=r"only over https: use an https URL") as err:
         deploy(pod, cwd=repo, worker_url=f"http://tok:{token}@127.0.0.1:9/x.git")
@@ -525,7 +529,9 @@ def test_unreachable_worker_is_named_and_the_others_deploy(repo: Path, pod: SimP
             with pytest.raises(DeployError, match=r"Worker w3 could not run the deploy step "
                                                   r"over SSH") as err:
                 deploy(fresh, cwd=repo)
-        assert "connection refused" in err.value.details
-        assert err.value.details.count("changed") == 3
+        # every worker's outcome, folded: the three that deployed, then the one that failed
+        deployed, failed = err.value.details.splitlines()
+        assert deployed.startswith("w[0-2]  ") and " clone " in deployed
+        assert failed == "w3      failed: ssh: connection refused"
     finally:
         pod.pool.set_reachable(pod.node_id, 3, True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from tpufab.config import Settings, load_settings
@@ -65,25 +65,6 @@ def settings_from_flags(*, type: str | None = None, accelerator_type: str | None
 
 def print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, sort_keys=False))
-
-
-def folded(rows: Iterable[Any], key: Callable[[Any], tuple]) -> list[tuple[str, list[Any]]]:
-    """Rows that agree on ``key`` as one line each: [(folded workers, rows)], first worker first."""
-    from tpufab.nodeset import fold
-
-    groups: dict[tuple, list[Any]] = {}
-    for row in sorted(rows, key=lambda r: r.worker):
-        groups.setdefault(key(row), []).append(row)
-    return [(fold(r.worker for r in group), group) for group in groups.values()]
-
-
-def seconds_range(rows: Sequence[Any]) -> str:
-    times = sorted(r.seconds for r in rows if r.seconds is not None)
-    if not times:
-        return "-"
-    if len(times) == 1 or times[-1] - times[0] < 0.01:
-        return f"{times[-1]:.2f}s"
-    return f"{times[0]:.2f}-{times[-1]:.2f}s"
 
 
 WIDE_HELP = "Every value in full (long cells are shortened to fit the terminal)."

@@ -5,7 +5,7 @@ round trip per worker: the worker script clones if absent, fetches only if the c
 missing, checks out, updates submodules and reports). ``direct``: no remote involved; the
 commit travels as a git bundle over the same SSH connections (no credentials on workers).
 
-Pure planning (``worker_command``, ``summarize``) is separate from ``deploy`` (the apply step),
+Pure planning (``worker_command``, ``deploy_summary``) is separate from ``deploy`` (the apply step),
 which talks to workers only through a ``Workers`` transport (the fan-out group).
 """
 
@@ -14,13 +14,14 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tpufab import nodeset
+from tpufab.display.report import text
 from tpufab.errors import TpufabError
 from tpufab.quoting import Secret
-from tpufab.results import Outcome, Workers, answer_row
+from tpufab.results import Column, Outcome, Report, Workers, answer_row, count, seconds_range
 from tpufab.ssh.remote_files import RemoteFile, run_script
 from tpufab.workflows import codelock, gitops
 from tpufab.workflows.codelock import SCRIPT
@@ -52,27 +53,41 @@ class WorkerDeploy:
         return self.ok and self.action != "noop"
 
 
-@dataclass
-class DeployReport:
+DEPLOY_COLUMNS = (Column("COMMIT", lambda r: (r.commit or "-")[:12]),
+                  Column("RESULT", lambda r: r.action or "-"),
+                  Column("TIME", over=seconds_range))
+
+
+@dataclass(kw_only=True)
+class DeployReport(Report):
+    """The per-worker rows of a deploy (``tpufab.results.Report``) and what was deployed."""
+
+    step: str = "deploy"
+    columns: tuple[Column, ...] = DEPLOY_COLUMNS
     commit: str
     dir: str
-    rows: list[WorkerDeploy] = field(default_factory=list)
     pushed: str | None = None       # "pushed" | "up to date" | None (direct)
     wip_ref: str | None = None
     seconds: float = 0.0
     branch: str | None = None       # checked out on the workers; None: detached
+    remote: str | None = None       # the remote the workers fetched from; None: --direct
 
-    def table(self) -> str:
-        lines = [f"{'worker':>6}  {'commit':<12}  {'result':<9}  {'time':>6}"]
-        for row in sorted(self.rows, key=lambda r: r.worker):
-            result = ("changed" if row.changed else "unchanged") if row.ok else "FAILED"
-            when = f"{row.seconds:.2f}s" if row.seconds is not None else "-"
-            commit = (row.commit or "-")[:12]
-            line = f"{row.worker:>6}  {commit:<12}  {result:<9}  {when:>6}"
-            if not row.ok:
-                line += f"  {row.error}: {row.message}"
-            lines.append(line)
-        return "\n".join(lines)
+
+def deploy_summary(report: DeployReport) -> str:
+    """``Deployed 1a2b3c4d5e6f (main) to 4 workers in ~/repo through origin (pushed): 4
+    changed (1.2s).``"""
+    changed = sum(r.changed for r in report.rows)
+    what = report.commit[:12] + (f" ({report.branch})" if report.branch else "")
+    if report.wip_ref:
+        what += f" (work-in-progress snapshot, {report.wip_ref})"
+    how = ("over SSH (--direct)" if report.remote is None
+           else f"through {report.remote} "
+                f"({'pushed' if report.pushed == 'pushed' else 'already there'})")
+    same = len(report.rows) - changed
+    outcome = ("every worker was already there" if not changed
+               else f"{changed} changed" + (f", {same} already there" if same else ""))
+    return (f"Deployed {what} to {count(len(report.rows), 'worker')} in {report.dir} "
+            f"{how}: {outcome} ({report.seconds:.1f}s).")
 
 
 def parse_outcome(worker: int, outcome: Outcome) -> WorkerDeploy:
@@ -134,7 +149,7 @@ def verify_same_commit(report: DeployReport) -> None:
         raise DeployError(f"Workers disagree after deploy: {nodeset.fold([r.worker for r in off])} are "
                           f"at {', '.join(seen)} instead of {report.commit[:12]}; deploy again "
                           f"and check those workers for processes that change {report.dir}.",
-                          details=report.table())
+                          details="\n".join(text(report)))
 
 
 # --- the operation --------------------------------------------------------------------------
@@ -197,9 +212,9 @@ def deploy(group: Workers, *, ref: str = "HEAD", remote: str = "origin", dir: st
         gitops.refuse_dirty(root)
         resolved = gitops.resolve(root, ref)
     target_dir = dir or default_dir(root)
-    report = DeployReport(resolved.commit, target_dir,
+    report = DeployReport(commit=resolved.commit, dir=target_dir,
                           wip_ref=resolved.push_ref if resolved.wip else None,
-                          branch=resolved.branch)
+                          branch=resolved.branch, remote=None if direct else remote)
     workers = list(group.workers)
     if lease:
         with codelock.hold(group, workers, purpose=f"deploy {resolved.commit[:12]}",
@@ -216,6 +231,7 @@ def deploy(group: Workers, *, ref: str = "HEAD", remote: str = "origin", dir: st
         _apply(group, root, resolved, report, workers, remote=remote, direct=direct,
                worker_url=worker_url, token=token, say=say, start=start, sink=sink,
                timeout=timeout)
+    report.summary = deploy_summary(report)
     return report
 
 
@@ -252,7 +268,7 @@ def _apply(group: Workers, root: Path, resolved: gitops.Resolved, report: Deploy
     report.seconds = round(time.monotonic() - start, 3)
     if any(not r.ok for r in report.rows):
         raise DeployError(failure_sentence(report.rows, source=source, dir=target_dir,
-                                           commit=resolved.commit), details=report.table())
+                                           commit=resolved.commit), details="\n".join(text(report)))
     verify_same_commit(report)
 
 

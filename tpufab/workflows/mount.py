@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from tpufab import nodeset
+from tpufab.display.report import text
 from tpufab.errors import ConfigError, TpufabError
 from tpufab.quoting import Secret
-from tpufab.results import Outcome, Workers, answer_row
+from tpufab.results import Column, Outcome, Report, Workers, answer_row, count, seconds_range
 from tpufab.ssh.remote_files import run_script
 
 SCRIPT = "mount_worker.py"
@@ -283,24 +284,46 @@ class WorkerMount:
     unmounted: list[str] = field(default_factory=list)
 
 
-@dataclass
-class MountReport:
+MOUNT_COLUMNS = (Column("RESULT", lambda r: r.action or "-"),
+                 Column("ENTRIES", lambda r: r.entries),
+                 Column("TIME", over=seconds_range))
+UMOUNT_COLUMNS = (Column("RESULT", lambda r: r.action or "-"), Column("TIME", over=seconds_range))
+UMOUNT_ALL_COLUMNS = (Column("RESULT", lambda r: r.action or "-"),
+                      Column("MOUNT POINTS", lambda r: ", ".join(r.unmounted) or "-"))
+
+
+@dataclass(kw_only=True)
+class MountReport(Report):
+    """The per-worker rows of a mount or umount (``tpufab.results.Report``)."""
+
+    step: str = "mount"
+    columns: tuple[Column, ...] = MOUNT_COLUMNS
     at: str
-    source: str
-    rows: list[WorkerMount] = field(default_factory=list)
+    source: str = ""
     seconds: float = 0.0
 
-    def table(self) -> str:
-        lines = [f"{'worker':>6}  {'result':<10}  {'entries':>7}  {'time':>6}"]
-        for row in sorted(self.rows, key=lambda r: r.worker):
-            result = row.action if row.ok else "FAILED"
-            entries = "-" if row.entries is None else str(row.entries)
-            when = "-" if row.seconds is None else f"{row.seconds:.2f}s"
-            line = f"{row.worker:>6}  {result:<10}  {entries:>7}  {when:>6}"
-            if not row.ok:
-                line += f"  {row.error}: {row.message}"
-            lines.append(line)
-        return "\n".join(lines)
+
+def mount_summary(report: MountReport, spec: MountSpec) -> str:
+    """``gs://b is mounted at /mnt/gcs/b on 4 workers (gcsfuse): 4 mounted now.``"""
+    fresh = sum(r.action == "mounted" for r in report.rows)
+    had = len(report.rows) - fresh
+    outcome = ("every worker already had it" if not fresh
+               else f"{fresh} mounted now" + (f", {had} already had it" if had else ""))
+    where = f" from {spec.endpoint}" if spec.endpoint else ""
+    return (f"{spec.url}{where} is mounted at {spec.at} on "
+            f"{count(len(report.rows), 'worker')} ({spec.driver}): {outcome}.")
+
+
+def umount_summary(report: MountReport, at: str | None) -> str:
+    """``Unmounted /mnt/gcs/b on 4 workers.`` (or that it was not mounted)."""
+    if at is None:
+        points = sorted({p for r in report.rows for p in r.unmounted})
+        text = (f"Unmounted {', '.join(points)}" if points
+                else "Nothing tpufab mounted was mounted")
+        return f"{text} on {count(len(report.rows), 'worker')}."
+    gone = sum(r.action == "unmounted" for r in report.rows)
+    return (f"Unmounted {report.at} on {count(gone, 'worker')}" if gone
+            else f"{report.at} was not mounted on any of the {len(report.rows)} workers") + "."
 
 
 def parse_outcome(worker: int, outcome: Outcome) -> WorkerMount:
@@ -418,7 +441,8 @@ def apply_mount(group: Workers, spec: MountSpec, *, install: bool = False,
     args = worker_args(spec, install=install, log_file=log_path(spec))
     outcomes = run_script(group, SCRIPT, args, workers, secrets=secrets or None, env=env or None,
                           sink=sink, timeout=timeout)
-    report = MountReport(spec.at, spec.url, [parse_outcome(w, outcomes[w]) for w in workers])
+    report = MountReport(at=spec.at, source=spec.url,
+                         rows=[parse_outcome(w, outcomes[w]) for w in workers])
     report.seconds = round(time.monotonic() - start, 3)
     if any(not r.ok for r in report.rows):
         other = "rclone" if spec.driver == "gcsfuse" else "gcsfuse"
@@ -427,7 +451,8 @@ def apply_mount(group: Workers, spec: MountSpec, *, install: bool = False,
                                    TASK_MOUNT_SENTENCES if for_task else MOUNT_SENTENCES,
                                    driver=spec.driver, at=spec.at, bucket=spec.bucket,
                                    hint=hint, create=create_hint(spec), other=other),
-                         details=report.table())
+                         details="\n".join(text(report)))
+    report.summary = mount_summary(report, spec)
     return report
 
 
@@ -452,10 +477,13 @@ def umount(group: Workers, at: str | None, *, lazy: bool = False,
     start = time.monotonic()
     workers = list(group.workers)
     outcomes = run_script(group, SCRIPT, args, workers, timeout=timeout)
-    report = MountReport(at or ALL_MOUNTS, "", [parse_outcome(w, outcomes[w]) for w in workers])
+    report = MountReport(step="umount", at=at or ALL_MOUNTS,
+                         columns=UMOUNT_COLUMNS if at else UMOUNT_ALL_COLUMNS,
+                         rows=[parse_outcome(w, outcomes[w]) for w in workers])
     report.seconds = round(time.monotonic() - start, 3)
     if any(not r.ok for r in report.rows):
         failed_at = next((r.at for r in report.rows if not r.ok and r.at), None)
         raise MountError(_sentence(report.rows, UMOUNT_SENTENCES, at=failed_at or at or "a mount"),
-                         details=report.table())
+                         details="\n".join(text(report)))
+    report.summary = umount_summary(report, at)
     return report
