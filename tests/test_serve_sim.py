@@ -134,7 +134,7 @@ def test_serve_wait_port_forward_benchmark_and_profile(serve_env):
 
         profiled = tpufab("profile", "--worker", "0", "--duration", "2s", cwd=project, env=env)
         assert profiled.returncode == 0, profiled.stdout + profiled.stderr
-        assert "profile: w0 1 trace file" in profiled.stdout
+        assert "profile: w0  1 trace file" in profiled.stdout
         traces = list((project / ".tpufab" / "runs" / run_id / "profiles").rglob("*.xplane.pb"))
         assert len(traces) == 1 and traces[0].stat().st_size > 1000, traces
     finally:
@@ -173,9 +173,9 @@ def test_put_and_get_through_the_command(serve_env, tmp_path):
     (project / "cfg" / "model.yaml").write_text("layers: 4\n")
     put = tpufab("put", "cfg", "/root/", cwd=project, env=env)
     assert put.returncode == 0, put.stdout + put.stderr
-    assert put.stdout.startswith("put: w[0-3] 1 file, 10 B, ")
+    assert put.stdout.startswith("put: w[0-3]  1 file, 10 B, ")
     again = tpufab("put", "cfg", "/root/", cwd=project, env=env)
-    assert again.stdout.startswith("put: w[0-3] 0 files, 1 already there, 0 B, ")
+    assert again.stdout.startswith("put: w[0-3]  0 files, 1 already there, 0 B, ")
     pod.fanout.run("echo $(hostname) > /root/cfg/host.txt", check=True)
     got = tpufab("get", "/root/cfg", str(tmp_path / "back"), cwd=project, env=env)
     assert got.returncode == 0, got.stdout + got.stderr

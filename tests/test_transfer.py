@@ -22,6 +22,7 @@ import pytest
 from harness import SimPod, needs_root
 from helpers import free_port, wait_for
 
+from tpufab.display.report import text
 from tpufab.errors import ConfigError, TpufabError
 from tpufab.ssh import forward as forwarding
 from tpufab.ssh import transfer
@@ -73,9 +74,9 @@ def test_put_a_large_file_and_a_tree_to_every_worker(pod, tmp_path):
     (tree / "train" / "shard" / "run.sh").chmod(0o755)
 
     report = transfer.put(pod.fanout, big, "/root/models/", peers=peers(pod)).check()
-    assert len(report.lines()) == 1 and report.lines()[0].startswith("w[0-3] 1 file, 48.0 MiB")
+    assert len(text(report)) == 1 and text(report)[0].startswith("put: w[0-3]  1 file, 48.0 MiB")
     report = transfer.put(pod.fanout, tree, "/root/", peers=peers(pod)).check()
-    assert report.lines()[0].startswith("w[0-3] 3 files")
+    assert text(report)[0].startswith("put: w[0-3]  3 files")
     for w in range(4):
         assert remote_sha(pod, w, "/root/models/weights.bin") == sha(big)
         assert pod.sh(w, "stat -c %a /root/models/weights.bin") == "640"
@@ -89,8 +90,8 @@ def test_put_a_large_file_and_a_tree_to_every_worker(pod, tmp_path):
     # Identical files are skipped; a worker whose copy differs gets it again.
     pod.sh(2, "echo changed > /root/data/README")
     report = transfer.put(pod.fanout, tree, "/root/", peers=peers(pod)).check()
-    assert report.rows[2].files == 1 and report.rows[2].skipped == 2
-    assert all(report.rows[w].files == 0 and report.rows[w].skipped == 3 for w in (0, 1, 3))
+    assert report.by_worker[2].files == 1 and report.by_worker[2].skipped == 2
+    assert all(report.by_worker[w].files == 0 and report.by_worker[w].skipped == 3 for w in (0, 1, 3))
     assert pod.sh(2, "cat /root/data/README") == "dataset"
 
 
@@ -98,7 +99,7 @@ def test_put_without_the_relay_and_to_a_subset(pod, tmp_path):
     src = tmp_path / "config.yaml"
     src.write_text("lr: 0.1\n")
     report = transfer.put(pod.fanout, src, "/root/cfg.yaml", workers="1,3").check()
-    assert report.lines()[0].startswith("w[1,3] 1 file")
+    assert text(report)[0].startswith("put: w[1,3]  1 file")
     assert [pod.sh(w, "cat /root/cfg.yaml 2>/dev/null || echo none", check=False)
             for w in range(4)] == ["none", "lr: 0.1", "none", "lr: 0.1"]
 
@@ -108,7 +109,7 @@ def test_get_brings_each_workers_file_into_its_own_directory(pod, tmp_path):
         pod.sh(w, f"mkdir -p /root/out/logs && echo 'rank {w}' > /root/out/logs/rank.txt "
                   f"&& head -c {100000 + w} /dev/urandom > /root/out/blob && chmod 600 /root/out/blob")
     report = transfer.get(pod.fanout, "/root/out", tmp_path / "back").check()
-    assert report.lines()[0].startswith("w[0-3] 2 files") or len(report.lines()) == 4
+    assert text(report)[0].startswith("get: w[0-3]  2 files") or len(text(report)) == 4
     for w in range(4):
         got = tmp_path / "back" / f"w{w}" / "out"
         assert (got / "logs" / "rank.txt").read_text() == f"rank {w}\n"
@@ -120,7 +121,7 @@ def test_get_brings_each_workers_file_into_its_own_directory(pod, tmp_path):
     assert (tmp_path / "r1.txt").read_text() == "rank 1\n"
     again = transfer.get(pod.fanout, "/root/out/logs/rank.txt", tmp_path / "r1.txt",
                          workers="1").check()
-    assert again.rows[1].skipped == 1 and again.rows[1].files == 0
+    assert again.by_worker[1].skipped == 1 and again.by_worker[1].files == 0
     assert not list(tmp_path.rglob("*.tpufab-*"))
 
 
@@ -276,9 +277,10 @@ def test_transfer_summary_folds_agreeing_workers():
     rows = {w: transfer.WorkerTransfer(w, files=3, bytes=int(1.2 * (1 << 30)), seconds=3.9 + w / 100)
             for w in range(64)}
     rows[7] = transfer.WorkerTransfer(7, error="no space left on w7 under /data (0 B free)")
-    report = transfer.TransferReport("put", rows)
-    assert report.lines() == ["w[0-6,8-63] 3 files, 1.2 GiB, 4.5 s",
-                              "w7 failed: no space left on w7 under /data (0 B free)"]
+    report = transfer.TransferReport(step="put", rows=list(rows.values()))
+    # the one renderer: workers padded to one column, failures named per worker
+    assert text(report) == ["put: w[0-6,8-63]  3 files, 1.2 GiB, 4.5 s",
+                            "put: w7           failed: no space left on w7 under /data (0 B free)"]
     with pytest.raises(transfer.TransferError, match=r"put failed on 1 of 64 workers: w7: no"):
         report.check()
 
@@ -352,7 +354,7 @@ def test_get_drops_setuid_and_applies_the_umask(pod, tmp_path):
         again = transfer.get(pod.fanout, "/root/modes", tmp_path / "m", workers="1").check()
     finally:
         os.umask(old)
-    assert again.rows[1].skipped == 3
+    assert again.by_worker[1].skipped == 3
     got = {p.name: p.stat().st_mode & 0o7777 for p in (tmp_path / "m" / "modes").iterdir()}
     assert got == {"suid": 0o750, "open": 0o750, "sticky": 0o750}
     transfer.get(pod.fanout, "/root/modes/suid", tmp_path / "one", workers="1").check()
@@ -423,7 +425,7 @@ def test_special_files_are_refused_both_ways(pod, tmp_path):
     (tmp_path / "dirlink").symlink_to(tmp_path / "realdir")
     report = transfer.get(pod.fanout, "/root/plain", tmp_path / "dirlink", workers="0").check()
     assert (tmp_path / "realdir" / "plain").read_text() == "data\n"
-    assert report.rows[0].paths == [str(tmp_path / "dirlink" / "plain")]
+    assert report.by_worker[0].paths == [str(tmp_path / "dirlink" / "plain")]
 
 
 def test_get_into_a_full_local_disk_is_one_sentence(pod, tmp_path):
@@ -522,7 +524,7 @@ def test_a_tampered_cached_script_is_shipped_again_never_run(pod, tmp_path):
     pod.sh(3, f"sed -i '1i import os; open(\"/root/PWNED\", \"w\").close()' {cached}")
     assert remote_sha(pod, 3, cached) != script.sha256
     report = transfer.get(pod.fanout, "/root/tamper", tmp_path / "second", workers="3").check()
-    assert report.rows[3].files == 1 and (tmp_path / "second" / "t.txt").read_text() == "t\n"
+    assert report.by_worker[3].files == 1 and (tmp_path / "second" / "t.txt").read_text() == "t\n"
     assert pod.sh(3, "ls /root/PWNED 2>&1", check=False).endswith("No such file or directory")
     assert remote_sha(pod, 3, cached) == script.sha256          # shipped again
 

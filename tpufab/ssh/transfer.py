@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpufab import nodeset
+from tpufab.display.report import text
 from tpufab.errors import ConfigError, TpufabError
+from tpufab.results import Column, Report
 from tpufab.ssh.fanout import FanoutInterrupted
 from tpufab.ssh.remote_files import (
     RemoteFile,
@@ -82,40 +84,30 @@ class WorkerTransfer:
         return self.error is None
 
 
-class TransferReport:
-    """One :class:`WorkerTransfer` per worker; ``lines()`` folds workers that agree."""
+def _moved(row: WorkerTransfer) -> str:
+    """``3 files, 1 already there, 1.2 GiB``."""
+    parts = [_count(row.files, "file")]
+    if row.skipped:
+        parts.append(f"{row.skipped} already there")
+    return ", ".join([*parts, human_bytes(row.bytes)])
 
-    def __init__(self, verb: str, rows: Mapping[int, WorkerTransfer]):
-        self.verb = verb
-        self.rows = dict(sorted(rows.items()))
 
-    @property
-    def failed(self) -> list[WorkerTransfer]:
-        return [r for r in self.rows.values() if not r.ok]
+# the slowest worker's time
+TRANSFER_COLUMNS = (Column("MOVED", _moved),
+                    Column("TIME", over=lambda rows: f"{max(r.seconds for r in rows):.1f} s"))
 
-    @property
-    def ok(self) -> bool:
-        return not self.failed
 
-    def lines(self) -> list[str]:
-        """``w[0-63] 3 files, 1.2 GiB, 4.1 s`` (slowest worker's time), one per outcome."""
-        groups: dict[tuple, list[WorkerTransfer]] = {}
-        for row in self.rows.values():
-            key = (row.error,) if row.error else (row.files, row.skipped, row.bytes)
-            groups.setdefault(key, []).append(row)
-        out = []
-        for key, rows in groups.items():
-            who = nodeset.fold(r.worker for r in rows)
-            if key[0] is not None and len(key) == 1:
-                out.append(f"{who} failed: {key[0]}")
-                continue
-            row = rows[0]
-            parts = [_count(row.files, "file")]
-            if row.skipped:
-                parts.append(f"{row.skipped} already there")
-            parts += [human_bytes(row.bytes), f"{max(r.seconds for r in rows):.1f} s"]
-            out.append(f"{who} {', '.join(parts)}")
-        return out
+@dataclass(kw_only=True)
+class TransferReport(Report):
+    """One :class:`WorkerTransfer` per worker (``tpufab.results.Report``), shown as lines
+    ``put: w[0-63]  3 files, 1.2 GiB, 4.1 s`` (the slowest worker's time), one per outcome."""
+
+    columns: tuple[Column, ...] = TRANSFER_COLUMNS
+    lines: bool = True
+
+    def __post_init__(self) -> None:
+        self.rows = sorted(self.rows, key=lambda r: r.worker)
+        self.prefix = self.prefix or f"{self.step}: "
 
     def check(self) -> TransferReport:
         failed = self.failed
@@ -124,8 +116,8 @@ class TransferReport:
             for row in failed:
                 groups.setdefault(row.error or "", []).append(row.worker)
             what = "; ".join(f"{nodeset.fold(ws)}: {err}" for err, ws in groups.items())
-            raise TransferError(f"{self.verb} failed on {len(failed)} of {len(self.rows)} "
-                                f"workers: {what}.", self, details="\n".join(self.lines()))
+            raise TransferError(f"{self.step} failed on {len(failed)} of {len(self.rows)} "
+                                f"workers: {what}.", self, details="\n".join(text(self)))
         return self
 
 
@@ -379,7 +371,7 @@ def put(fanout, local: str | os.PathLike[str], remote: str | None = None, *, wor
     for row in rows.values():
         if not row.seconds:
             row.seconds = elapsed
-    return TransferReport("put", rows)
+    return TransferReport(step="put", rows=list(rows.values()))
 
 
 def _refuse_a_live_checkout(answers: Mapping[int, dict]) -> None:
@@ -660,7 +652,7 @@ def get(fanout, remote: str, local: str | os.PathLike[str], *, workers=None,
                           "file was left under a final name.", exit_code=130) from None
     finally:
         progress.stop()
-    return TransferReport("get", rows)
+    return TransferReport(step="get", rows=list(rows.values()))
 
 
 class _Refused(Exception):

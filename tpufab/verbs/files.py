@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 from tpufab.verbs.common import note, pod_for, say, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
 
 FILES_TIMEOUT = 300.0   # put/get: seconds a worker may go without answering (no progress)
 FORWARD_TIMEOUT = 20.0  # forward: seconds to wait for the worker to answer when connecting
-
-
-def _report(report, verb: str) -> None:
-    """The folded summary on stdout (failures included: the error sentence follows)."""
-    for line in report.lines():
-        say(f"{verb}: {line}")
 
 
 @verb(options={"local": "Local file or directory.",
@@ -37,6 +29,7 @@ def put(local: str, remote: str | None = None, *, name: str | None = None,
     from pathlib import Path
 
     from tpufab.display.progress import BytesProgress
+    from tpufab.display.report import show
     from tpufab.pod.api import TransferError
 
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, timeout=timeout,
@@ -45,9 +38,9 @@ def put(local: str, remote: str | None = None, *, name: str | None = None,
         report = pod.put(local, remote, workers=worker, no_relay=no_relay, timeout=timeout,
                          progress=BytesProgress(f"put {Path(local).name}"))
     except TransferError as err:
-        _report(err.report, "put")
+        show(err.report)   # failures included: the error sentence follows
         raise
-    _report(report, "put")
+    show(report)
 
 
 @verb(options={"remote": "File or directory on the workers.",
@@ -60,6 +53,7 @@ def get(remote: str, local: str, *, name: str | None = None, worker: str = "all"
 
     ``timeout``: seconds a worker may go without answering (default 300)."""
     from tpufab.display.progress import BytesProgress
+    from tpufab.display.report import show
     from tpufab.pod.api import TransferError
 
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, timeout=timeout,
@@ -68,9 +62,9 @@ def get(remote: str, local: str, *, name: str | None = None, worker: str = "all"
         report = pod.get(remote, local, workers=worker, timeout=timeout,
                          progress=BytesProgress(f"get {remote}"))
     except TransferError as err:
-        _report(err.report, "get")
+        show(err.report)   # failures included: the error sentence follows
         raise
-    _report(report, "get")
+    show(report)
 
 
 @verb(options={"ports": Opt("PORT, LOCAL:REMOTE or LOCAL:HOST:REMOTE (several allowed).",
@@ -121,10 +115,7 @@ def profile(*, name: str | None = None, worker: str = "0", duration: str = "5s",
     """Capture a profiler trace from a running JAX job and bring it back under its local logs."""
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
                                    no_os_login=no_os_login, jump=jump))
-    began = time.monotonic()
-    captured = pod.profile(workers=worker, duration=duration, run=run, port=port,
-                           progress=lambda text: note(text, "dim"))
-    for line in captured.lines():
-        say(f"profile: {line}")
-    note(f"Traces under {captured.local_dir} ({time.monotonic() - began:.1f} s). View them "
-         f"with `xprof --logdir {captured.local_dir}` or TensorBoard's profile plugin.")
+    from tpufab.display.report import show
+
+    show(pod.profile(workers=worker, duration=duration, run=run, port=port,
+                     progress=lambda text: note(text, "dim")))

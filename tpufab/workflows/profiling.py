@@ -19,6 +19,7 @@ from pathlib import Path
 from tpufab import nodeset
 from tpufab.errors import ConfigError, TpufabError
 from tpufab.quoting import Raw, command
+from tpufab.results import Column, Report
 from tpufab.ssh.remote_files import RemoteFile, read_answer, run_with_files, verified_args
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*$")
@@ -36,22 +37,44 @@ def parse_duration(text: str | float) -> float:
 
 
 @dataclass
-class Captured:
+class WorkerTrace:
+    """What one worker's capture brought back: its trace files (name, size), or why not."""
+
+    worker: int
+    files: list[tuple[str, int]] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def _traces(row: WorkerTrace) -> str:
+    traces = [f for f in row.files if f[0].endswith(".xplane.pb")]
+    size = sum(s for _n, s in traces)
+    return (f"{len(traces)} trace file{'s' if len(traces) != 1 else ''} "
+            f"({size / 1024:.0f} KiB)")
+
+
+@dataclass(kw_only=True)
+class Captured(Report):
+    """Every worker's capture (``tpufab.results.Report``): ``profile: w[0-3]  1 trace file
+    (12 KiB)``, then where the traces are and how to view them."""
+
+    step: str = "profile"
+    columns: tuple[Column, ...] = (Column("TRACES", _traces),)
+    lines: bool = True
+    prefix: str = "profile: "
     run: str
     local_dir: Path
-    files: dict[int, list[tuple[str, int]]] = field(default_factory=dict)
-    errors: dict[int, str] = field(default_factory=dict)
 
-    def lines(self) -> list[str]:
-        groups: dict[str, list[int]] = {}
-        for w, files in self.files.items():
-            traces = [f for f in files if f[0].endswith(".xplane.pb")]
-            size = sum(s for _n, s in traces)
-            groups.setdefault(f"{len(traces)} trace file{'s' if len(traces) != 1 else ''} "
-                              f"({size / 1024:.0f} KiB)", []).append(w)
-        for w, error in self.errors.items():
-            groups.setdefault(f"failed: {error}", []).append(w)
-        return [f"{nodeset.fold(ws)} {what}" for what, ws in groups.items()]
+    @property
+    def files(self) -> dict[int, list[tuple[str, int]]]:
+        return {r.worker: r.files for r in self.rows if r.ok}
+
+    @property
+    def errors(self) -> dict[int, str]:
+        return {r.worker: r.error for r in self.failed}
 
 
 def _running_run(group, workers: Sequence[int], run: str | None) -> str:
@@ -86,6 +109,7 @@ def capture(group, *, workers: Sequence[int], run: str | None = None, port: int 
     from tpufab.ssh import transfer
 
     say = progress or (lambda text: None)
+    began = time.monotonic()
     run_id = _running_run(group, workers, run)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     remote_dir = f".cache/tpufab/profiles/{run_id}/{stamp}"
@@ -101,28 +125,32 @@ def capture(group, *, workers: Sequence[int], run: str | None = None, port: int 
         results = dict(pool.map(one, workers))
     local_dir = jobs.local_log_dir(run_id, local_base) / "profiles"
     local_dir.mkdir(exist_ok=True)
-    captured = Captured(run_id, local_dir / stamp if len(workers) == 1 else local_dir)
+    where = local_dir / stamp if len(workers) == 1 else local_dir
+    rows: dict[int, WorkerTrace] = {}
     good = []
     for w, r in results.items():
         answer = read_answer(r.stdout) if r.ok else None
         if not answer or answer.get("error"):
-            captured.errors[w] = (answer or {}).get("error") or jobs.failure_reason(r)
+            rows[w] = WorkerTrace(w, error=(answer or {}).get("error") or jobs.failure_reason(r))
         else:
             good.append(w)
     if good:
         report = transfer.get(group, remote_dir, local_dir, workers=good)
-        for w, row in report.rows.items():
+        for row in report.rows:
             if row.error:
-                captured.errors[w] = row.error
+                rows[row.worker] = WorkerTrace(row.worker, error=row.error)
             else:
-                base = local_dir / stamp if len(workers) == 1 else local_dir / nodeset.label(w) / stamp
-                captured.files[w] = [(str(Path(p).relative_to(base)), Path(p).stat().st_size)
-                                     for p in row.paths]
-        if len(workers) > 1:
-            captured.local_dir = local_dir
+                base = local_dir / stamp if len(workers) == 1 else \
+                    local_dir / nodeset.label(row.worker) / stamp
+                rows[row.worker] = WorkerTrace(row.worker, [
+                    (str(Path(p).relative_to(base)), Path(p).stat().st_size) for p in row.paths])
+    captured = Captured(run=run_id, local_dir=where, rows=sorted(rows.values(),
+                                                                 key=lambda r: r.worker))
     if not captured.files:
         raise TpufabError(f"No trace captured from run {run_id}: " + "; ".join(
             f"{nodeset.fold([w])}: {e}" for w, e in captured.errors.items()) + ".")
+    captured.notes.append(f"Traces under {where} ({time.monotonic() - began:.1f} s). View them "
+                          f"with `xprof --logdir {where}` or TensorBoard's profile plugin.")
     return captured
 
 
