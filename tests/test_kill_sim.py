@@ -10,13 +10,13 @@ import pytest
 from harness import connected_pod
 from helpers import call, on_workers, write_recipe
 
+from tpufab.display.report import text as report_lines
 from tpufab.ssh.remote_files import RemoteFile, verify_loader
 from tpufab.workflows.killing import (
     KillResult,
     WorkerReport,
     fold_paths,
     kill_command,
-    report_lines,
     summary,
     zombie_command,
 )
@@ -153,7 +153,7 @@ def test_reports_of_many_workers_fold_into_a_few_lines():
         "w[0-3]  protected  pid 7 tpu-runtime holds /dev/accel0 (protected name tpu-runtime; "
         "left running)",
         "w[0-2]  lockfile   /tmp/libtpu_lockfile removed",
-        "w4      UNCHECKED  connection refused",
+        "w4      failed: connection refused",
     ]
     text = summary(result)
     assert text.startswith("Killed 3 processes on w[0-2] (3 needed SIGKILL after the 5 s grace).")

@@ -360,13 +360,11 @@ def kill(*, name: str | None = None, run: str | None = None, grace: float = 5.0,
                                       jump=jump, timeout=timeout))
     result = pod.kill(run=run, grace=grace, dry_run=dry_run, force=force, workers=worker,
                       timeout=timeout)
-    for line in result.lines():
-        say(line)
-    if result.ok:
-        say(result.summary())
-        return 0
+    from tpufab.display.report import show
+
+    show(result)
     result.check()
-    return 1
+    return 0
 
 
 # --- issue 27: stacks

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from tpufab import nodeset
 from tpufab.errors import TpufabError
 from tpufab.quoting import Command, Raw
+from tpufab.results import Column, Report
 from tpufab.ssh.remote_files import RemoteFile, python_command, run_with_files
 from tpufab.topology import DEVICE_GLOBS
 
@@ -97,11 +98,43 @@ class WorkerReport:
                        if devices & set(e.get("holds") or ())})
 
 
+@dataclass(frozen=True)
+class KillLine:
+    """One line of a kill's report: a process (``{pid}`` stands for its pid), a run, a
+    lockfile, a note; or (``ok`` False) why the worker could not be checked."""
+
+    worker: int
+    text: str = ""
+    pid: int | None = None
+    ok: bool = True
+    message: str | None = None
+
+
+def _with_pids(lines: list[KillLine]) -> str:
+    pids = [e.pid for e in lines if e.pid is not None]
+    return lines[0].text.replace("{pid}", _pids(pids) if pids else "")
+
+
+KILL_COLUMNS = (Column("WHAT", lambda e: e.text, over=_with_pids),)
+
+
 @dataclass
-class KillResult:
+class KillResult(Report):
+    """Every worker's tpukill report (``workers``), as a ``tpufab.results.Report``: one row
+    per process, run or lockfile (folded across workers, one pid or each worker's), then the
+    summary (killed, protected survivors, device free, lockfiles)."""
+
     workers: dict[int, WorkerReport] = field(default_factory=dict)
     dry_run: bool = False
     grace: float = 5.0
+    step: str = field(default="kill", kw_only=True)
+    columns: tuple[Column, ...] = field(default=KILL_COLUMNS, kw_only=True)
+    lines: bool = field(default=True, kw_only=True)
+
+    def __post_init__(self) -> None:
+        self.rows = kill_entries(self)
+        # a TPU left busy is said once, as the error of check() (the verb exits 1 with it)
+        self.summary = summary(self) if self.ok else ""
 
     @property
     def reports(self) -> dict[int, Mapping]:
@@ -127,14 +160,6 @@ class KillResult:
     def ok(self) -> bool:
         return not self.unreachable and not self.busy and not self.unverified \
             and not self.held_by_protected
-
-    def lines(self) -> list[str]:
-        """One line per process, folded across workers (report_lines)."""
-        return report_lines(self)
-
-    def summary(self) -> str:
-        """One or a few sentences: killed, protected survivors, device free, lockfiles."""
-        return summary(self)
 
     def check(self) -> KillResult:
         """This result, or KillError with its summary when the TPU is not free everywhere."""
@@ -269,30 +294,31 @@ def _signal_note(entry: Mapping, grace: float) -> str:
     return ""
 
 
-def kill_entries(result: KillResult) -> list[tuple[int, str, int | None]]:
-    entries: list[tuple[int, str, int | None]] = []
+def kill_entries(result: KillResult) -> list[KillLine]:
+    """The lines of every worker's report, in worker order (pure)."""
+    entries: list[KillLine] = []
     for w, report in result.reports.items():
         for run in report.get("runs", ()):
             state = run.get("state")
             if state in ("not running", "ended") and not run.get("stragglers"):
                 continue
-            entries.append((w, f"run        {run.get('run')}: {state}", None))
+            entries.append(KillLine(w, f"run        {run.get('run')}: {state}", None))
         verb = "would kill" if result.dry_run else "killed"
         for e in report.get("would_kill" if result.dry_run else "killed", ()):
             note = _signal_note(e, result.grace)
-            entries.append((w, f"{verb:<10} {{pid}} {e.get('name')} `{_short(e.get('command', ''))}`"
+            entries.append(KillLine(w, f"{verb:<10} {{pid}} {e.get('name')} `{_short(e.get('command', ''))}`"
                                f" ({_reason(e.get('reason', ''))}){'; ' + note if note else ''}",
                             e.get("pid")))
         for e in report.get("failed", ()):
-            entries.append((w, f"NOT KILLED {{pid}} {e.get('name')} `{_short(e.get('command', ''))}`"
+            entries.append(KillLine(w, f"NOT KILLED {{pid}} {e.get('name')} `{_short(e.get('command', ''))}`"
                                f": {e.get('error', 'still alive')}", e.get("pid")))
         for e in report.get("protected", ()):
-            entries.append((w, f"protected  {{pid}} {e.get('name')} holds "
+            entries.append(KillLine(w, f"protected  {{pid}} {e.get('name')} holds "
                                f"{fold_paths(e.get('holds', ()))} ({e.get('why')}; left running)",
                             e.get("pid")))
         for e in report.get("holders_left", ()):
             parent = f" (its parent: {e['parent']} pid {e['ppid']})" if e.get("parent") else ""
-            entries.append((w, f"BUSY       {{pid}} {e.get('name')} still holds "
+            entries.append(KillLine(w, f"BUSY       {{pid}} {e.get('name')} still holds "
                                f"{fold_paths(e.get('holds', ()))}{parent}", e.get("pid")))
         for lock in report.get("lockfiles", ()):
             action = lock.get("action")
@@ -300,15 +326,15 @@ def kill_entries(result: KillResult) -> list[tuple[int, str, int | None]]:
                 continue
             held = lock.get("held_by")
             by = f" (held by pid {', '.join(str(p) for p in held)})" if held and "keep" in action else ""
-            entries.append((w, f"lockfile   {lock.get('path')} {action}{by}", None))
+            entries.append(KillLine(w, f"lockfile   {lock.get('path')} {action}{by}", None))
         if report.get("noop") and not report.get("protected") and not report.get("holders_left"):
-            entries.append((w, "nothing to kill", None))
+            entries.append(KillLine(w, "nothing to kill", None))
         if report.get("unreadable_processes"):
-            entries.append((w, f"note       {report['unreadable_processes']} processes of other "
+            entries.append(KillLine(w, f"note       {report['unreadable_processes']} processes of other "
                                "users could not be inspected (not root)", None))
     for w, error in result.unreachable.items():
-        entries.append((w, f"UNCHECKED  {error}", None))
-    return entries
+        entries.append(KillLine(w, ok=False, message=error))
+    return sorted(entries, key=lambda e: e.worker)
 
 
 def _reason(reason: str) -> str:
@@ -319,14 +345,6 @@ def _reason(reason: str) -> str:
             part = "holds " + fold_paths(p.strip() for p in part[6:].split(","))
         parts.append(part)
     return "; ".join(parts)
-
-
-def report_lines(result: KillResult) -> list[str]:
-    """One line per process (per distinct process, folded across workers)."""
-    folded = fold_entries(kill_entries(result))
-    width = max((len(who) for who, _ in folded), default=2)
-    return [f"{who:<{width}}  {text}" for who, text in sorted(
-        folded, key=lambda item: _first_worker(item[0]))]
 
 
 def _first_worker(label: str) -> int:
