@@ -221,15 +221,16 @@ class Pod:
               workers: str | Iterable[int] = "all", timeout: float | None = None,
               sink: OutputSink | None = None,
               env: Mapping[str, str] | Sequence[str] | None = None,
-              secret: Sequence[str] | None = None) -> dict:
-        """Run a setup script on every worker once per script content: {worker: outcome}
-        (``.status`` ran/skipped/incomplete, ``.log`` on the worker). ``env`` and ``secret``
+              secret: Sequence[str] | None = None) -> Any:
+        """Run a setup script on every worker once per script content: a SetupReport (a
+        ``tpufab.results.Report``: ``.by_worker`` {worker: outcome}, each with ``.status``
+        ran/skipped/incomplete and ``.log`` on the worker). ``env`` and ``secret``
         as for ``run``: secrets (by name, or ``secret``) only on stdin and masked in the output
         and the worker's log; neither counts as content. Raises PodError if any worker
         failed, naming the log and, where known, the failed command."""
         from tpufab.jobs.runs import forwarded_for
         from tpufab.quoting import Secret
-        from tpufab.workflows.setup import run_setup
+        from tpufab.workflows.setup import SetupReport, run_setup
 
         path = self.setup_script(script)
         if isinstance(env, Mapping):
@@ -244,7 +245,7 @@ class Pod:
                                      secrets={k: Secret(v) for k, v in
                                               forwarded.secrets.items()} if forwarded else None)
         result.close()
-        return outcomes
+        return SetupReport(script=path.name, rows=list(outcomes.values()))
 
     @staticmethod
     def setup_script(script: str | Path) -> Path:

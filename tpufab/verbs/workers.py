@@ -73,9 +73,8 @@ def setup(*, name: str | None = None, script: str = "scripts/setup.sh", force: b
     such as WANDB_API_KEY, or --secret) reaches the script on stdin only and is masked in its
     output and log; neither counts as the script's content.
     """
-    from tpufab.display.console import stdout
     from tpufab.display.progress import WorkerProgress
-    from tpufab.nodeset import fold
+    from tpufab.display.report import show
     from tpufab.pod.api import FoldingView, LiveView, Tee
 
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
@@ -87,18 +86,12 @@ def setup(*, name: str | None = None, script: str = "scripts/setup.sh", force: b
     try:
         with WorkerProgress(f"setup {path.name}", len(chosen)) as progress:
             view = folding or LiveView(workers=chosen)
-            outcomes = pod.setup(path, force=force, workers=chosen, timeout=timeout,
+            report = pod.setup(path, force=force, workers=chosen, timeout=timeout,
                                  sink=Tee([view, progress]), env=env, secret=secret)
     finally:
         if folding is not None:
             folding.close()
-    by_status: dict[str, list[int]] = {}
-    for w, outcome in outcomes.items():
-        by_status.setdefault(outcome.status, []).append(w)
-    parts = [f"{fold(ws)} {status}" for status, ws in sorted(by_status.items())]
-    log = next((o.log for o in outcomes.values() if o.log), None)
-    stdout().print(f"Setup {path.name}: {'; '.join(parts)}" + (f" (log: {log})" if log else "")
-                   + ".", markup=False)
+    show(report)
 
 
 @verb(options={"worker": Opt("Worker index.", short="-w"),

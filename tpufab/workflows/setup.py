@@ -23,8 +23,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpufab import quoting
+from tpufab import nodeset, quoting
 from tpufab.quoting import Secret
+from tpufab.results import Report
 from tpufab.ssh.fanout import Fanout, FanoutError, GroupResult, OutputSink, WorkerResult
 
 
@@ -45,6 +46,28 @@ class SetupOutcome:
             where = f"at line {f['line']} " if f.get("line") else "at "
             return f"{where}(`{f['command']}` exited {f.get('exit_code')})"
         return f"with exit status {self.exit_code}"
+
+    @property
+    def ok(self) -> bool:
+        return self.status != "failed"
+
+
+@dataclass(kw_only=True)
+class SetupReport(Report):
+    """Every worker's setup outcome (``tpufab.results.Report``); the workers' output was
+    shown live, so it says one line: ``Setup setup.sh: w[0-3] ran (log: ...).``"""
+
+    step: str = "setup"
+    script: str
+
+    def __post_init__(self) -> None:
+        by_status: dict[str, list[int]] = {}
+        for outcome in sorted(self.rows, key=lambda o: o.worker):
+            by_status.setdefault(outcome.status, []).append(outcome.worker)
+        parts = [f"{nodeset.fold(ws)} {status}" for status, ws in sorted(by_status.items())]
+        log = next((o.log for o in self.rows if o.log), None)
+        self.summary = (f"Setup {self.script}: {'; '.join(parts)}"
+                        + (f" (log: {log})" if log else "") + ".")
 
 
 class SetupFailed(FanoutError):
