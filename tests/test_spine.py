@@ -234,3 +234,101 @@ def test_the_api_result_types_are_the_fan_outs_own():
     from tpufab.ssh.fanout import FanoutError, GroupResult
 
     assert tpufab.PodResult is GroupResult and tpufab.PodError is FanoutError
+
+
+# One report, one renderer (issue 22, point 2): a worker verb's per-worker outcome is a
+# tpufab.results.Report (the step's class adds only its fields), printed, human or --json,
+# by tpufab.display.report and nowhere else.
+REPORTS = {"setup": "tpufab.workflows.setup:SetupReport",
+           "put": "tpufab.ssh.transfer:TransferReport",
+           "get": "tpufab.ssh.transfer:TransferReport",
+           "profile": "tpufab.workflows.profiling:Captured",
+           "deploy": "tpufab.workflows.deploy:DeployReport",
+           "mount": "tpufab.workflows.mount:MountReport",
+           "umount": "tpufab.workflows.mount:MountReport",
+           "kill": "tpufab.workflows.killing:KillResult"}
+# Worker verbs whose output is not a report of the step: the workers' own output (exec, run,
+# logs, babysit's followed run), a shell, live forwards.
+NO_REPORT = {"exec", "ssh", "forward", "run", "logs", "babysit"}
+# Not on the one report yet: they still render themselves (.lines() / .to_json()). This set
+# only shrinks.
+REMAINING = {"check", "runs", "status", "top", "stacks", "autostop"}
+RENDER_THEMSELVES = {"workflows/check.py", "workflows/status.py", "workflows/top.py",
+                     "workflows/stacks.py", "jobs/history.py", "jobs/raycluster.py",
+                     "jobs/babysit.py"}
+# Records of the control plane and of accelerator shapes: no workers in them.
+NOT_WORKER_REPORTS = {"cloud/nodes.py", "cloud/lifecycle.py", "topology.py"}
+RENDERING = ("lines", "to_json", "table", "render", "summary")
+PRINTING = {"print", "say", "print_table", "print_json", "print_gathered", "print_stacks"}
+
+
+def _report_class(spec: str) -> type:
+    import importlib
+
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def test_every_worker_verb_says_how_it_reports():
+    assert set(REPORTS) | NO_REPORT | REMAINING == WORKER_VERBS
+    assert not (set(REPORTS) & (NO_REPORT | REMAINING)) and not NO_REPORT & REMAINING
+
+
+@pytest.mark.parametrize("verb", sorted(REPORTS))
+def test_a_worker_verbs_report_is_the_one_type_and_renders_nothing_itself(verb):
+    from tpufab.results import Report
+
+    cls = _report_class(REPORTS[verb])
+    assert issubclass(cls, Report), f"`tpufab {verb}` reports a {cls.__name__}, not a Report"
+    own = [name for klass in cls.__mro__ if klass not in Report.__mro__
+           for name, value in vars(klass).items() if name in RENDERING and callable(value)]
+    assert not own, f"{cls.__name__} renders itself ({own}): tpufab.display.report does"
+
+
+def _printing_calls(fn) -> list[str]:
+    """Calls in ``fn``'s body that print (progress lambdas aside) and whether it calls show."""
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    found: list[str] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.Lambda):
+            return      # progress=lambda text: note(text, "dim"): words on the way, not the report
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) \
+                else ""
+            if name in PRINTING or name == "note" or name in RENDERING or name == "dumps":
+                found.append(name)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+@pytest.mark.parametrize("verb", sorted(REPORTS))
+def test_a_worker_verb_prints_its_report_through_the_one_renderer_only(verb):
+    [declared] = [v for v in all_verbs() if v.group is None and v.name == verb]
+    source = inspect.getsource(declared.fn)
+    assert "show(" in source, f"`tpufab {verb}` does not print its report with display.report.show"
+    printing = _printing_calls(declared.fn)
+    assert not printing, f"`tpufab {verb}` prints outside the one renderer: {printing}"
+
+
+def test_only_the_renderer_and_the_named_leftovers_render_reports():
+    """No library class renders itself (``def lines(self)``, ``to_json``, ``table``) but the
+    ones not migrated yet (REMAINING's modules) and records that name no workers."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith(("sim/", "remote/")) or rel in RENDER_THEMSELVES | NOT_WORKER_REPORTS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef) and item.name in RENDERING[:4] \
+                            and [a.arg for a in item.args.args] == ["self"]:
+                        offenders.append(f"{rel}: {node.name}.{item.name}")
+    assert not offenders, offenders
