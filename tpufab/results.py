@@ -127,9 +127,10 @@ class Report:
         return {r.worker: r for r in self.rows}
 
     def data(self) -> dict[str, Any]:
-        """The step's own fields (what a subclass adds), for --json."""
+        """The step's own fields (what a subclass adds), for --json; a field declared with
+        ``metadata={"json": False}`` (what the rows say already) is left out."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in self.SHAPE and not f.name.startswith("_")}
+                if f.name not in self.SHAPE and f.metadata.get("json", True)}
 
 
 def seconds_range(rows: Sequence[Any]) -> str:

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tpufab.nodeset import fold
 from tpufab.results import Report
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 WORKERS = "WORKERS"
 
@@ -68,10 +71,9 @@ def to_json(report: Report) -> dict[str, Any]:
     for row in sorted(report.rows, key=lambda r: r.worker):
         data = dataclasses.asdict(row) if dataclasses.is_dataclass(row) else dict(vars(row))
         rows.append({"worker": row.worker, "ok": getattr(row, "ok", True), **data})
-    return {"step": report.step, "ok": report.ok,
+    return {"step": report.step, "ok": report.ok, **_plain(report.data()),
             "workers": fold(sorted({r.worker for r in report.rows})),
-            **_plain(report.data()), "summary": report.summary, "notes": list(report.notes),
-            "rows": rows}
+            "summary": report.summary, "notes": list(report.notes), "rows": rows}
 
 
 def _plain(value: Any) -> Any:
@@ -84,20 +86,23 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def show(report: Report, *, as_json: bool = False) -> None:
+def show(report: Report, *, as_json: bool = False, console: Console | None = None,
+         errors: Console | None = None) -> None:
     """Print ``report``: its rows folded (a table under WORKERS, or lines), its summary on
-    stdout and its notes on stderr; or, ``as_json``, the whole of it as JSON on stdout."""
+    stdout and its notes on stderr; or, ``as_json``, the whole of it as JSON on stdout.
+    ``console``/``errors``: other consoles than tpufab's stdout and stderr (tests)."""
     from tpufab.display.console import stderr, stdout
     from tpufab.display.terminal import neutralise_text
 
+    console = console or stdout()
     if as_json:
-        print(json.dumps(to_json(report), indent=2, default=str))
+        console.print(json.dumps(to_json(report), indent=2, default=str), markup=False,
+                      highlight=False, emoji=False, soft_wrap=True)
         return
-    console = stdout()
     if report.columns and report.rows:
         if report.lines:
             for line in text(report):
-                console.print(neutralise_text(line), markup=False, highlight=False)
+                console.print(neutralise_text(line), markup=False, highlight=False, emoji=False)
         else:
             from tpufab.display.tables import fitted
 
@@ -106,6 +111,6 @@ def show(report: Report, *, as_json: bool = False) -> None:
                                            for who, cells, _ in folded(report)],
                                  console, markup=False))
     if report.summary:
-        console.print(neutralise_text(report.summary), markup=False, highlight=False)
+        console.print(neutralise_text(report.summary), markup=False, highlight=False, emoji=False)
     for note in report.notes:
-        stderr().print(neutralise_text(note), markup=False, highlight=False)
+        (errors or stderr()).print(neutralise_text(note), markup=False, highlight=False, emoji=False)

@@ -124,7 +124,8 @@ class KillResult(Report):
     per process, run or lockfile (folded across workers, one pid or each worker's), then the
     summary (killed, protected survivors, device free, lockfiles)."""
 
-    workers: dict[int, WorkerReport] = field(default_factory=dict)
+    # every worker's answer; --json has what the rows make of it
+    workers: dict[int, WorkerReport] = field(default_factory=dict, metadata={"json": False})
     dry_run: bool = False
     grace: float = 5.0
     step: str = field(default="kill", kw_only=True)

@@ -1,0 +1,94 @@
+"""The one per-worker report and its one renderer (tpufab.results.Report,
+tpufab.display.report), as data: folding, failures, lines and tables, --json."""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+
+from rich.console import Console
+
+from tpufab.display.report import folded, show, text
+from tpufab.results import Column, Report, seconds_range
+from tpufab.workflows.killing import KillResult, WorkerReport
+
+
+@dataclass
+class Row:
+    worker: int
+    ok: bool = True
+    action: str | None = None
+    seconds: float | None = None
+    error: str | None = None
+    message: str | None = None
+
+
+@dataclass(kw_only=True)
+class StepReport(Report):
+    step: str = "step"
+    columns: tuple[Column, ...] = (Column("RESULT", lambda r: r.action),
+                                   Column("TIME", over=seconds_range))
+    where: str = "~/proj"
+
+
+def report() -> StepReport:
+    rows = [Row(w, action="clone", seconds=0.5 + w / 100) for w in (0, 1, 2, 5)]
+    rows += [Row(3, action="noop", seconds=0.1),
+             Row(4, ok=False, error="disk_full", message="No space left on device"),
+             Row(6, ok=False, error="disk_full", message="No space left on device")]
+    return StepReport(rows=rows, summary="Done on 7 workers.", notes=["see ~/log"])
+
+
+def shown(r: Report, **kw) -> tuple[str, str]:
+    out = Console(file=io.StringIO(), width=120, highlight=False)
+    err = Console(file=io.StringIO(), width=120, highlight=False)
+    show(r, console=out, errors=err, **kw)
+    return out.file.getvalue(), err.file.getvalue()
+
+
+def test_rows_that_agree_fold_under_their_workers_and_failures_are_named():
+    assert folded(report()) == [("w[0-2,5]", ["clone", "0.50-0.55s"], True),
+                                ("w3", ["noop", "0.10s"], True),
+                                ("w[4,6]", ["failed: disk_full: No space left on device", "-"],
+                                 False)]
+    assert text(report()) == ["w[0-2,5]  clone  0.50-0.55s", "w3        noop  0.10s",
+                              "w[4,6]    failed: disk_full: No space left on device"]
+    r = report()
+    assert not r.ok and [f.worker for f in r.failed] == [4, 6] and r.by_worker[3].action == "noop"
+
+
+def test_show_prints_a_table_under_workers_then_the_summary_and_notes_on_stderr():
+    out, err = shown(report())
+    lines = out.splitlines()
+    assert lines[0].split() == ["WORKERS", "RESULT", "TIME"]
+    assert lines[1].split() == ["w[0-2,5]", "clone", "0.50-0.55s"]
+    assert lines[3].split()[:3] == ["w[4,6]", "failed:", "disk_full:"]
+    assert lines[-1] == "Done on 7 workers." and err == "see ~/log\n"
+
+
+def test_lines_carry_the_prefix_and_join_their_cells():
+    r = StepReport(rows=[Row(0, action="1 file"), Row(1, action="1 file")], lines=True,
+                   prefix="put: ", columns=(Column("WHAT", lambda r: r.action),
+                                            Column("TIME", over=lambda rows: "0.2 s")))
+    assert shown(r)[0] == "put: w[0-1]  1 file, 0.2 s\n"
+
+
+def test_json_is_the_step_its_fields_and_every_row():
+    data = json.loads(shown(report(), as_json=True)[0])
+    assert data["step"] == "step" and data["ok"] is False and data["workers"] == "w[0-6]"
+    assert data["where"] == "~/proj" and data["summary"] == "Done on 7 workers."
+    assert [r["worker"] for r in data["rows"]] == list(range(7))
+    assert data["rows"][4] == {"worker": 4, "ok": False, "action": None, "seconds": None,
+                               "error": "disk_full", "message": "No space left on device"}
+
+
+def test_kill_rows_fold_each_workers_pid_into_one_line():
+    answer = {"dry_run": False, "device_free": True, "killed": [
+        {"pid": 0, "name": "python3", "command": "python3 train.py", "reason": "holds /dev/accel0"}],
+        "lockfiles": [], "protected": [], "holders_left": [], "failed": [], "runs": []}
+    result = KillResult({w: WorkerReport(w, {**answer, "killed": [
+        {**answer["killed"][0], "pid": 100 + w}]}) for w in range(3)})
+    assert text(result) == ["w[0-2]  killed     pids 100,101,102 python3 `python3 train.py` "
+                            "(holds /dev/accel0)"]
+    assert result.ok and result.summary.startswith("Killed 3 processes on w[0-2].")
