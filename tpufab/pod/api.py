@@ -360,8 +360,9 @@ class Pod:
         identical files skipped; one upload that a worker relays to the others unless
         ``no_relay`` (``relay=False`` says the same). ``timeout``: seconds a worker may go
         without answering (default 300; None: the command_timeout setting). Returns the
-        per-worker TransferReport (``.lines()``); raises ConfigError for a missing local
-        path (before connecting), TransferError naming every failed worker (``.report``)."""
+        per-worker TransferReport (a Report: ``.rows``, ``.ok``); raises ConfigError for a
+        missing local path (before connecting), TransferError naming every failed worker
+        (``.report``)."""
         from tpufab.ssh import transfer
 
         if not Path(local).expanduser().exists():
@@ -407,7 +408,7 @@ class Pod:
                 seconds: float | None = None, progress: Any = None) -> Any:
         """Capture ``duration`` (``"5s"``, ``"500ms"``, ``"1m"``; or ``seconds``) of profiler
         trace from the running JAX job (`tpufab profile`); returns where it was copied
-        (``.local_dir``) and the files per worker (``.lines()``). Raises ConfigError for a
+        (``.local_dir``) and the files per worker (``.files``). Raises ConfigError for a
         bad duration (before connecting) or when no run is running."""
         from tpufab.workflows import profiling
 
@@ -449,8 +450,8 @@ class Pod:
         """Free the TPU on every worker: stop runs (only ``run``, if given) and stale
         holders, then remove the lockfile. ``timeout``: seconds the kill may take on each
         worker (default: the command_timeout setting, else the grace period plus 34 s).
-        Returns the kill result (``.ok``, ``.lines()``, ``.summary()``, per worker); raises
-        ConfigError for a negative grace or a malformed run id."""
+        Returns the kill result (a Report: ``.ok``, ``.rows``, ``.summary``, ``.workers``);
+        raises ConfigError for a negative grace or a malformed run id."""
         from tpufab.workflows import killing
 
         killing.check_options(run=run, grace=grace)
