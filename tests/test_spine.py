@@ -246,13 +246,14 @@ REPORTS = {"setup": "tpufab.workflows.setup:SetupReport",
            "deploy": "tpufab.workflows.deploy:DeployReport",
            "mount": "tpufab.workflows.mount:MountReport",
            "umount": "tpufab.workflows.mount:MountReport",
-           "kill": "tpufab.workflows.killing:KillResult"}
+           "kill": "tpufab.workflows.killing:KillResult",
+           "autostop": "tpufab.workflows.autostop:AutostopReport"}
 # Worker verbs whose output is not a report of the step: the workers' own output (exec, run,
 # logs, babysit's followed run), a shell, live forwards.
 NO_REPORT = {"exec", "ssh", "forward", "run", "logs", "babysit"}
 # Not on the one report yet: they still render themselves (.lines() / .to_json()). This set
 # only shrinks.
-REMAINING = {"check", "runs", "status", "top", "stacks", "autostop"}
+REMAINING = {"check", "runs", "status", "top", "stacks"}
 RENDER_THEMSELVES = {"workflows/check.py", "workflows/status.py", "workflows/top.py",
                      "workflows/stacks.py", "jobs/history.py", "jobs/raycluster.py",
                      "jobs/babysit.py"}

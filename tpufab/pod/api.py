@@ -521,9 +521,9 @@ class Pod:
         """`tpufab autostop`: arm the watchdog on the workers that deletes this pod after
         ``idle`` with no run and no TPU holder (or at ``ttl``): seconds or a duration such as
         ``"30m"``; ``cancel`` removes it. ``timeout``: seconds every worker has to answer
-        (None: the ``command_timeout`` setting). Returns the policy armed (a dict;
-        ``describe_autostop`` says it in words), or with cancel what was armed (None if
-        nothing). Raises ConfigError (one sentence) before touching a worker when neither
+        (None: the ``command_timeout`` setting). Returns an AutostopReport (a Report:
+        ``.armed``, the policy armed, or with cancel what was armed, None if nothing;
+        ``.summary`` says it in words). Raises ConfigError (one sentence) before touching a worker when neither
         or both of (idle/ttl, cancel) are given, AutostopError naming the workers that
         failed."""
         from tpufab.workflows import autostop
@@ -964,21 +964,6 @@ def gc(*, zone: str | None = None, project: str | None = None, all_zones: bool =
 
     return lifecycle.gc(_settings(None, zone, project, settings), yes=yes, all_zones=all_zones,
                         console=console)
-
-
-def describe_autostop(policy: Mapping[str, Any] | None) -> str:
-    """A policy `Pod.autostop` armed, in words (``idle 30m``, ``ttl 8h (at 18:00)``)."""
-    from tpufab.workflows import autostop
-
-    return autostop.describe(policy)
-
-
-def autostop_skew_note(armed: Any) -> str | None:
-    """One line when worker 0's clock and this machine's disagree by more than a minute
-    (an autostop's TTL counts on the worker's clock), else None."""
-    from tpufab.workflows import autostop
-
-    return autostop.skew_note(armed) if isinstance(armed, dict) else None
 
 
 def delete(name: str | None = None, *, zone: str | None = None,

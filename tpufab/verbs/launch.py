@@ -112,21 +112,11 @@ def autostop(*, name: str | None = None, idle: str | None = None, ttl: str | Non
     TTL (counted on worker 0's clock); --cancel.
 
     ``timeout``: seconds every worker has to answer (default 60)."""
-    from tpufab.pod.api import autostop_skew_note, describe_autostop
+    from tpufab.display.report import show
 
     settings = settings_from_flags(name=name, zone=zone, project=project, timeout=timeout,
                                    jump=jump)
-    pod = pod_for(settings)
-    done = pod.autostop(idle=idle, ttl=ttl, cancel=cancel, timeout=timeout)
-    if cancel:
-        say(f"Autostop of {pod.name} cancelled" + (f" (it was: {done})." if done else
-                                                    "; none was armed."))
-        return
-    say(f"Autostop of {pod.name}: {describe_autostop(done)}. `tpufab status` shows it; "
-        "`tpufab autostop --cancel` removes it.")
-    skew = autostop_skew_note(done)
-    if skew:
-        note(skew, "yellow")
+    show(pod_for(settings).autostop(idle=idle, ttl=ttl, cancel=cancel, timeout=timeout))
 
 
 @verb(options={"yes": Opt("Do not ask for confirmation.", short="-y"),

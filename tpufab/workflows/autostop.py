@@ -15,10 +15,12 @@ import json
 import secrets
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tpufab.cloud.nodes import AUTOSTOP_KEY
 from tpufab.errors import ConfigError, NotFound, TpufabError
+from tpufab.results import Report
 from tpufab.ssh.remote_files import (
     RemoteFile,
     put_each,
@@ -165,12 +167,23 @@ def _set_metadata(pod, settings, value: str | None, control=None) -> None:
             time.sleep(0.2)
 
 
+@dataclass(kw_only=True)
+class AutostopReport(Report):
+    """What `tpufab autostop` did (a ``tpufab.results.Report`` of the pod as a whole: the
+    watchdog runs on every worker, worker 0 answers for them): ``armed`` is the policy as
+    worker 0 armed it, or (``cancelled``) what was armed, None if nothing was."""
+
+    step: str = "autostop"
+    armed: dict[str, Any] | str | None = None
+    cancelled: bool = False
+
+
 def configure(pod, settings, *, idle: str | float | None = None,
               ttl: str | float | None = None, cancel: bool = False,
-              timeout: float | None = None) -> dict[str, Any] | str | None:
+              timeout: float | None = None) -> AutostopReport:
     """`tpufab autostop` (and ``Pod.autostop``): ``idle``/``ttl`` as durations (``30m``, or
-    seconds) checked before any worker is touched; arm them, or ``cancel``. Returns the policy
-    armed, or (cancel) what was armed (None if nothing was)."""
+    seconds) checked before any worker is touched; arm them, or ``cancel``. Returns the
+    report: the policy armed, or (cancel) what was armed (None if nothing was)."""
     from tpufab import durations
 
     idle_s = durations.parse_duration(idle, "--idle")
@@ -181,8 +194,15 @@ def configure(pod, settings, *, idle: str | float | None = None,
         raise ConfigError("Say when to stop: --idle 30m (after 30 idle minutes), --ttl 8h (8 "
                           "hours from now), both, or --cancel.")
     if cancel:
-        return _cancel_all(pod, settings, timeout=timeout)
-    return arm(pod, settings, idle=idle_s, ttl=ttl_s, timeout=timeout)
+        done = _cancel_all(pod, settings, timeout=timeout)
+        return AutostopReport(armed=done, cancelled=True, summary=(
+            f"Autostop of {pod.name} cancelled"
+            + (f" (it was: {done})." if done else "; none was armed.")))
+    armed = arm(pod, settings, idle=idle_s, ttl=ttl_s, timeout=timeout)
+    skew = skew_note(armed)
+    return AutostopReport(armed=armed, notes=[skew] if skew else [], summary=(
+        f"Autostop of {pod.name}: {describe(armed)}. `tpufab status` shows it; "
+        "`tpufab autostop --cancel` removes it."))
 
 
 SKEW_NOTE = 60.0   # seconds between this machine's clock and worker 0's worth a note
