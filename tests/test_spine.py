@@ -254,6 +254,8 @@ NO_REPORT = {"exec", "ssh", "forward", "run", "logs", "babysit"}
 # Not on the one report yet: they still render themselves (.lines() / .to_json()). This set
 # only shrinks.
 REMAINING = {"check", "runs", "status", "top", "stacks"}
+# Where classes still render themselves: REMAINING's reports (history.py: runs and logs),
+# `ray status` (raycluster.py), and babysit's attempt record (its state file, not a report).
 RENDER_THEMSELVES = {"workflows/check.py", "workflows/status.py", "workflows/top.py",
                      "workflows/stacks.py", "jobs/history.py", "jobs/raycluster.py",
                      "jobs/babysit.py"}
