@@ -42,7 +42,7 @@ class Workers(Protocol):
             check: bool = False) -> Mapping[int, Outcome]: ...
 
 
-RowT = TypeVar("RowT")
+Row = TypeVar("Row")
 
 
 def failure_of(outcome: Outcome) -> tuple[str, str]:
@@ -56,7 +56,7 @@ def failure_of(outcome: Outcome) -> tuple[str, str]:
     return "ssh", reason
 
 
-def answer_row(row_type: type[RowT], worker: int, outcome: Outcome, **extra: Any) -> RowT:
+def answer_row(row_type: type[Row], worker: int, outcome: Outcome, **extra: Any) -> Row:
     """The worker's answer (``read_answer``, with an ``ok``) as a ``row_type`` row; fields
     the answer does not name keep their defaults, keys the row does not know are ignored.
     ``extra`` fields are set either way (e.g. the time the transport measured)."""
@@ -71,15 +71,6 @@ def answer_row(row_type: type[RowT], worker: int, outcome: Outcome, **extra: Any
 
 # ---------------------------------------------------------------------------------------------
 # The one per-worker report
-
-
-class Row(Protocol):
-    """One worker's row in a report (or one of its lines: kill has a line per process)."""
-
-    worker: int
-
-    @property
-    def ok(self) -> bool: ...
 
 
 @dataclass(frozen=True)
