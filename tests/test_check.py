@@ -383,7 +383,7 @@ def test_check_respects_a_live_run(small_pod):
         assert lines[0].startswith(f"Run {run} (long.sh) is running on w0, and the collective")
         assert "`tpufab check --quick`" in lines[0]
         after = json.loads(tpufab("runs", "--json", env=env, cwd=home).stdout)
-        assert [r["run"] for r in after] == [r["run"] for r in runs]    # no collective ran
+        assert [r["run"] for r in after["rows"]] == [r["run"] for r in runs["rows"]]  # none ran
         quick = tpufab("check", "--quick", env=env, cwd=home)
         assert re.search(rf"skip +collective +skipped \(--quick\): run {run} is running on "
                          r"w0", quick.stdout), quick.stdout + quick.stderr

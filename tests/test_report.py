@@ -92,3 +92,29 @@ def test_kill_rows_fold_each_workers_pid_into_one_line():
     assert text(result) == ["w[0-2]  killed     pids 100,101,102 python3 `python3 train.py` "
                             "(holds /dev/accel0)"]
     assert result.ok and result.summary.startswith("Killed 3 processes on w[0-2].")
+
+
+def test_runs_are_the_pods_own_rows_under_their_columns_and_json():
+    from tpufab.jobs.history import RunsReport
+    from tpufab.jobs.running import WorkerRuns
+
+    entry = {"run": "20261122-113148-b627", "recipe": "fail.sh", "state": "exited",
+             "exit_code": 0, "started_at": 1000.0, "ended_at": 1000.1}
+    report = RunsReport(statuses={0: WorkerRuns(0, (entry,)),
+                                  1: WorkerRuns(1, ({**entry, "exit_code": 3},)),
+                                  2: WorkerRuns(2, error="connection refused")})
+    out, _ = shown(report)
+    header, row = out.splitlines()
+    assert header.split() == ["RUN", "RECIPE", "STARTED", "TIME", "COMMIT", "WORKERS"]
+    assert row.split()[:2] == ["20261122-113148-b627", "fail.sh"] and " 0.1s " in row
+    assert "  w0 exited 0; w1 exited 3; w2 unreachable" in row, row   # the states, folded
+    data = json.loads(shown(report, as_json=True)[0])
+    assert data["step"] == "runs" and data["ok"] is False and data["workers"] == "w[0-2]"
+    [run] = data["rows"]
+    assert run == {"run": entry["run"], "recipe": "fail.sh", "started_at": 1000.0,
+                   "ended_at": 1000.1, "commit": None,
+                   "workers": {"0": "exited 0", "1": "exited 3",
+                               "2": "unreachable (connection refused)"}}
+    assert [u["worker"] for u in data["unreachable"]] == [2]
+    empty = RunsReport(statuses={0: WorkerRuns(0)})
+    assert shown(empty)[0] == "No runs on w0 yet; start one with `tpufab run RECIPE`.\n"

@@ -153,10 +153,10 @@ def test_runs_table_folds_worker_states():
     }
     rows = run_rows(statuses)
     assert [r.run for r in rows] == ["20261122-000002-bbbb", "20261122-000001-aaaa"]
-    assert rows[0].workers == "w[0-1] running; w2 killed (SIGTERM); " \
+    assert rows[0].folded_states == "w[0-1] running; w2 killed (SIGTERM); " \
                               "w3 unreachable (connection refused)"
     assert rows[0].running and rows[0].ended_at is None
-    assert rows[1].workers == "w0 exited 0; w1 exited 1; w2 no record; " \
+    assert rows[1].folded_states == "w0 exited 0; w1 exited 1; w2 no record; " \
                               "w3 unreachable (connection refused)"
     assert latest_run(statuses) == "20261122-000002-bbbb"
     assert fold_states([WorkerState(0, "lost"), WorkerState(1, "lost")]) == "w[0-1] lost"
@@ -281,7 +281,8 @@ def run_processes(pod, run_id: str) -> dict[int, list[int]]:
 def run_states(env, cwd, run_id: str) -> dict[str, str]:
     listed = call(env, "runs", cwd=cwd, as_json=True)
     assert listed.returncode == 0, listed.stderr
-    return next((r["workers"] for r in json.loads(listed.stdout) if r["run"] == run_id), {})
+    return next((r["workers"] for r in json.loads(listed.stdout)["rows"] if r["run"] == run_id),
+                {})
 
 
 def git_repo(folder: Path) -> str:

@@ -87,7 +87,7 @@ class Column:
 @dataclass(kw_only=True)
 class Report:
     """One step's outcome on every worker: its typed ``rows`` (a ``worker``, ``ok``, and on
-    failure ``error``/``message``), how they show (``columns``: a table under WORKERS, or
+    failure ``error``/``message``; or, not ``per_worker``, the pod's own), how they show (``columns``: a table under WORKERS, or
     ``lines`` of ``prefix who  cells``), one closing ``summary`` sentence on stdout and
     ``notes`` on stderr. A step's report subclasses this to add the fields it knows (deploy's
     commit, mount's mount point): they are the report's ``--json`` beside its rows. Rendered
@@ -100,9 +100,12 @@ class Report:
     prefix: str = ""              # before each line: "put: "
     summary: str = ""
     notes: list[str] = field(default_factory=list)
+    # False: the rows are the pod's (a run across the workers), each on its own line under
+    # the columns alone; the workers it concerns are in its cells
+    per_worker: bool = True
 
     SHAPE: ClassVar[tuple[str, ...]] = ("step", "rows", "columns", "lines", "prefix", "summary",
-                                        "notes")
+                                        "notes", "per_worker")
 
     @property
     def ok(self) -> bool:
@@ -119,7 +122,7 @@ class Report:
 
     def data(self) -> dict[str, Any]:
         """The step's own fields (what a subclass adds), for --json; a field declared with
-        ``metadata={"json": False}`` (what the rows say already) is left out."""
+        ``metadata={"json": False}`` (what the rows say already) is left out, in a row too."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.name not in self.SHAPE and f.metadata.get("json", True)}
 

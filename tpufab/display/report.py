@@ -32,6 +32,9 @@ def failure(row: Any) -> str:
 def folded(report: Report) -> list[tuple[str, list[str], bool]]:
     """``[(folded workers, cells, ok)]``: the rows that agree on every keyed cell (a failed
     row: on its failure) as one, in the order of their first worker."""
+    if not report.per_worker:   # the pod's rows: each as it is, in its order
+        return [("", [_shown(c.cell(row) if c.cell else None) for c in report.columns], True)
+                for row in report.rows]
     groups: dict[tuple, list[Any]] = {}
     for row in sorted(report.rows, key=lambda r: r.worker):
         if getattr(row, "ok", True):
@@ -61,24 +64,29 @@ def text(report: Report) -> list[str]:
     groups = folded(report)
     width = max((len(who) for who, _, _ in groups), default=0)
     sep = ", " if report.lines else "  "
-    return [f"{report.prefix}{who:<{width}}  {sep.join(cells) if ok else cells[0]}".rstrip()
-            for who, cells, ok in groups]
+    lead = "" if not report.per_worker else "{who:<{width}}  "
+    return [f"{report.prefix}{lead.format(who=who, width=width)}"
+            f"{sep.join(cells) if ok else cells[0]}".rstrip() for who, cells, ok in groups]
 
 
 def to_json(report: Report) -> dict[str, Any]:
     """The report as data: the step, ok, its own fields, summary, notes and every row."""
-    rows = []
-    for row in sorted(report.rows, key=lambda r: r.worker):
-        data = dataclasses.asdict(row) if dataclasses.is_dataclass(row) else dict(vars(row))
-        rows.append({"worker": row.worker, "ok": getattr(row, "ok", True), **data})
+    if not report.per_worker:
+        return {"step": report.step, "ok": report.ok, **_plain(report.data()),
+                "summary": report.summary, "notes": list(report.notes),
+                "rows": [_plain(row) for row in report.rows]}
+    rows = [{"worker": row.worker, "ok": getattr(row, "ok", True), **_plain(row)}
+            for row in sorted(report.rows, key=lambda r: r.worker)]
     return {"step": report.step, "ok": report.ok, **_plain(report.data()),
             "workers": fold(sorted({r.worker for r in report.rows})),
             "summary": report.summary, "notes": list(report.notes), "rows": rows}
 
 
 def _plain(value: Any) -> Any:
+    """``value`` as JSON data: a dataclass as its fields (those not ``json: False``)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if f.metadata.get("json", True)}
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -106,10 +114,10 @@ def show(report: Report, *, as_json: bool = False, console: Console | None = Non
         else:
             from tpufab.display.tables import fitted
 
-            headers = (WORKERS, *(c.header for c in report.columns))
-            console.print(fitted(headers, [[who, *(neutralise_text(c) for c in cells)]
-                                           for who, cells, _ in folded(report)],
-                                 console, markup=False))
+            lead = (WORKERS,) if report.per_worker else ()
+            console.print(fitted((*lead, *(c.header for c in report.columns)),
+                                 [[*((who,) if lead else ()), *map(neutralise_text, cells)]
+                                  for who, cells, _ in folded(report)], console, markup=False))
     if report.summary:
         console.print(neutralise_text(report.summary), markup=False, highlight=False, emoji=False)
     for note in report.notes:

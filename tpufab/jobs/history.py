@@ -3,9 +3,9 @@ runs each worker has (with its state there), and one run's logs so far."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 
 from tpufab import nodeset
 from tpufab.errors import ConfigError
@@ -21,6 +21,7 @@ from tpufab.jobs.running import (
     statuses,
 )
 from tpufab.jobs.runs import is_run_id
+from tpufab.results import Column, Report
 
 LIST_TIMEOUT = 60.0     # `runs`: seconds for every worker to answer
 LOGS_TIMEOUT = 300.0    # plain `logs`: seconds for every worker's log
@@ -31,20 +32,57 @@ def unreachable_states(found: dict[int, WorkerRuns]) -> list[WorkerState]:
             if s.error is not None]
 
 
-@dataclass
-class RunsReport:
-    """Every run the chosen workers know (``.rows``, newest first), and the workers that did
-    not answer (``.unreachable``)."""
+def _started(row: RunRow) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row.started_at)) \
+        if row.started_at else "-"
 
-    statuses: dict[int, WorkerRuns]
 
-    @cached_property
-    def rows(self) -> list[RunRow]:
-        return run_rows(self.statuses)
+def _took(row: RunRow) -> str:
+    """``3.7s``, or ``2.8s+`` while it runs (counted to now)."""
+    if row.started_at and row.ended_at:
+        return duration_text(row.ended_at - row.started_at)
+    if row.started_at and row.running:
+        return duration_text(time.time() - row.started_at) + "+"
+    return "-"
 
-    @property
-    def unreachable(self) -> list[WorkerState]:
-        return unreachable_states(self.statuses)
+
+def duration_text(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+RUNS_COLUMNS = (Column("RUN", lambda r: r.run), Column("RECIPE", lambda r: r.recipe),
+                Column("STARTED", _started), Column("TIME", _took),
+                Column("COMMIT", lambda r: (r.commit or "-")[:12]),
+                Column("WORKERS", lambda r: r.folded_states))
+
+
+@dataclass(kw_only=True)
+class RunsReport(Report):
+    """Every run the chosen workers know (``.rows``, newest first, each with every worker's
+    state: a ``tpufab.results.Report`` of the pod's own rows), and the workers that did not
+    answer (``.unreachable``)."""
+
+    step: str = "runs"
+    columns: tuple[Column, ...] = RUNS_COLUMNS
+    per_worker: bool = False
+    statuses: dict[int, WorkerRuns] = field(default_factory=dict, metadata={"json": False})
+    workers: str = ""
+    unreachable: list[WorkerState] = field(default_factory=list)   # did not answer
+
+    def __post_init__(self) -> None:
+        self.rows = run_rows(self.statuses)
+        self.workers = nodeset.fold(self.statuses)
+        self.unreachable = unreachable_states(self.statuses)
+        if not self.rows and self.reachable:
+            self.summary = (f"No runs on {nodeset.fold(self.reachable)} yet; start one with "
+                            "`tpufab run RECIPE`.")
 
     @property
     def reachable(self) -> list[int]:
@@ -53,11 +91,6 @@ class RunsReport:
     @property
     def ok(self) -> bool:
         return not self.unreachable
-
-    def to_json(self) -> list[dict]:
-        return [{"run": r.run, "recipe": r.recipe, "started_at": r.started_at,
-                 "ended_at": r.ended_at, "commit": r.commit,
-                 "workers": {str(s.worker): s.label for s in r.states}} for r in self.rows]
 
     def check(self) -> RunsReport:
         """This report, or RunError naming the workers that did not answer."""
@@ -68,7 +101,7 @@ class RunsReport:
 
 def list_runs(group, workers: Sequence[int], *, timeout: float | None) -> RunsReport:
     """``launch.py status`` on ``workers``, as one report."""
-    return RunsReport(statuses(group, workers, timeout=timeout))
+    return RunsReport(statuses=statuses(group, workers, timeout=timeout))
 
 
 def find_run(group, chosen: Sequence[int], run: str | None, *,
@@ -179,7 +212,7 @@ def run_logs(group, chosen: Sequence[int], run: str | None, *, timeout: float | 
                         unreachable_states({w: found[w] for w in chosen}),
                         secrets=list(secrets), followed=follow, follow_timeout=follow_timeout)
     if progress is not None:
-        progress(f"Run {run_id}: {report.row.recipe} - {report.row.workers}", "dim")
+        progress(f"Run {run_id}: {report.row.recipe} - {report.row.folded_states}", "dim")
         if report.absent:
             progress(f"({nodeset.fold(report.absent)} "
                      f"{'has' if len(report.absent) == 1 else 'have'} no record of it.)", "dim")

@@ -187,7 +187,9 @@ class WorkerState:
     exit_code: int | None = None
     signal: str | None = None
     detail: str | None = None
-    info: Mapping = field(default_factory=dict, compare=False, repr=False)
+    # the worker's whole record of the run (--json has the fields above)
+    info: Mapping = field(default_factory=dict, compare=False, repr=False,
+                          metadata={"json": False})
 
     @property
     def disk_full(self) -> Mapping | None:
@@ -302,10 +304,16 @@ class RunRow:
     started_at: float | None
     ended_at: float | None
     commit: str | None
-    states: tuple[WorkerState, ...]
+    states: tuple[WorkerState, ...] = field(metadata={"json": False})
+    # each worker's state in words, {"0": "exited 0"}: what --json says of the states
+    workers: dict[str, str] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "workers", {str(s.worker): s.label for s in self.states})
 
     @property
-    def workers(self) -> str:
+    def folded_states(self) -> str:
+        """``w[0-1] running; w2 killed (SIGTERM)``."""
         return fold_states(self.states)
 
     @property

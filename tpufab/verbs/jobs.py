@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tpufab.errors import ConfigError, TpufabError
-from tpufab.verbs.common import note, pod_for, say, settings_from_flags
+from tpufab.verbs.common import note, pod_for, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
 
 INTERRUPT_CHOICES = ("kill", "detach")   # --on-interrupt: what Ctrl-C while following does
@@ -291,54 +291,16 @@ def runs(*, name: str | None = None, worker: str = "all", as_json: bool = False,
     """The runs the workers know, with each worker's state.
 
     ``timeout``: seconds for every worker to answer (default 60)."""
-    import json
-
-    from tpufab import nodeset
+    from tpufab.display.report import show
 
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
                                    no_os_login=no_os_login,
                                       jump=jump, timeout=timeout))
     report = pod.runs(workers=worker, timeout=timeout)
-    if as_json:
-        print(json.dumps(report.to_json(), indent=2))
-        return 0
-    if not report.rows:
-        if report.reachable:
-            say(f"No runs on {nodeset.fold(report.reachable)} yet; start one with "
-                 "`tpufab run RECIPE`.")
-    else:
-        _say_table(report.rows)
-    report.check()
+    show(report, as_json=as_json)
+    if not as_json:   # --json says who did not answer in its data, and exits 0
+        report.check()
     return 0
-
-
-def _say_table(rows) -> None:
-    from tpufab.verbs.common import print_table
-
-    now = time.time()
-    lines = []
-    for r in rows:
-        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.started_at)) \
-            if r.started_at else "-"
-        if r.started_at and r.ended_at:
-            took = _duration(r.ended_at - r.started_at)
-        elif r.started_at and r.running:
-            took = _duration(now - r.started_at) + "+"
-        else:
-            took = "-"
-        lines.append((r.run, r.recipe or "-", started, took, (r.commit or "-")[:12], r.workers))
-    print_table(("RUN", "RECIPE", "STARTED", "TIME", "COMMIT", "WORKERS"), lines)
-
-
-def _duration(seconds: float) -> str:
-    seconds = max(0.0, seconds)
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    minutes, secs = divmod(int(seconds), 60)
-    if minutes < 60:
-        return f"{minutes}m{secs:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m"
 
 
 @verb(options={"run": "Only this run.", "grace": Opt("Seconds between TERM and KILL.", min=0),
