@@ -622,10 +622,10 @@ class ComputeEngine(ControlPlane):
                 continue
 
             def fetch(vm: str = vms[index], **kw: Any) -> Any:
-                try:
-                    return self.c.instances.get_guest_attributes(
-                        project=self.project, zone=self.zone, instance=vm,
-                        query_path="hostkeys/", **kw)
+                try:  # query_path is no keyword of the method: only in the request
+                    return self.c.instances.get_guest_attributes(request={
+                        "project": self.project, "zone": self.zone, "instance": vm,
+                        "query_path": "hostkeys/"}, **kw)
                 except gexc.NotFound:
                     return None
 
