@@ -271,8 +271,10 @@ def _create_on_compute(settings: Settings, *, queued: bool, num_slices: int, asy
                           f"{name}`.")
             return control.find_node(name) or Node(name, settings.project, settings.zone,
                                                    shape.name, "CREATING", plane="compute")
-        return _wait_node(control, name, settings, console=console, op=op,
+        node = _wait_node(control, name, settings, console=console, op=op,
                           accelerator_type=shape.name)
+        _keep_worker_order(control, node, console)
+        return node
     except KeyboardInterrupt:  # perhaps half-way through the policy, template and MIG
         gone = _discard(control, name, True)
         raise TpufabError(f"Interrupted: {gone[0].upper()}{gone[1:]}", exit_code=130) from None
@@ -281,6 +283,21 @@ def _create_on_compute(settings: Settings, *, queued: bool, num_slices: int, asy
             raise
         gone = _discard(control, name, started)
         raise type(err)(f"{str(err).rstrip('.')}; {gone[0].lower()}{gone[1:]}") from None
+
+
+def _keep_worker_order(control: ControlPlane, node: Node, console: Console) -> None:
+    """A new MIG's worker numbers, kept in its per-instance configs so that a VM the MIG
+    recreates (at another internal IP) keeps its number (ComputeEngine.record_worker_order).
+    A refusal leaves the slice as it is, numbered by internal IP, and says so."""
+    keep = getattr(control, "record_worker_order", None)
+    if keep is None or not node.compute_group or node.hosts < 2:
+        return
+    try:
+        keep(node.name)
+    except TpufabError as err:
+        console.print(f"[yellow]Could not keep {_escape(node.name)}'s worker numbers in its "
+                      f"per-instance configs ({_escape(err)}); its workers stay numbered by "
+                      "internal IP, which a recreated VM can change.[/yellow]")
 
 
 MULTISLICE_LABEL = "tpufab-multislice"   # on every VM of a Compute Engine multislice slice

@@ -62,6 +62,7 @@ class WorkerEndpoint:
     internal_ip: str
     external_ip: str | None
     port: int = 22
+    host_id: str = ""  # Compute Engine: the VM's instance id (a recreated VM has a new one)
 
     def address(self, internal_ip: bool = False) -> str:
         """The address to reach this worker at: external unless asked for internal (or none)."""
