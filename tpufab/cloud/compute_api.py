@@ -284,7 +284,7 @@ class ComputeEngine(ControlPlane):
             state = "CREATING"
         ordered = worker_order(members, self.numbers.get(group.name, {}))
         node = self._node(group.name, str(group.id), accel, topology, ordered, sample,
-                          created=group.creation_timestamp, state=state)
+                          created=group.creation_timestamp, state=state, per_vm=True)
         node.compute_group = group.name
         node.compute_template = _short(template_url)
         node.compute_policy = _short(group.resource_policies.workload_policy
@@ -299,7 +299,9 @@ class ComputeEngine(ControlPlane):
         return node
 
     def _node(self, name: str, ident: str, accel: str, topology: str, members: list[Any],
-              sample: Any, *, created: str, state: str) -> Node:
+              sample: Any, *, created: str, state: str, per_vm: bool = False) -> Node:
+        """``per_vm``: a MIG's VMs, each worker carrying its instance id (``host_id``: its
+        host key is pinned by it; a lone VM's id is the node's)."""
         workers = []
         for i, m in enumerate(members):
             nic = m.network_interfaces[0] if m.network_interfaces else None
@@ -307,7 +309,7 @@ class ComputeEngine(ControlPlane):
             external = (nic.access_configs[0].nat_i_p or None) if nic and nic.access_configs \
                 else None
             workers.append(WorkerEndpoint(index=i, internal_ip=internal, external_ip=external,
-                                          host_id=str(m.id or "")))
+                                          host_id=str(m.id or "") if per_vm else ""))
         metadata = {item.key: item.value for item in sample.metadata.items} \
             if sample is not None and sample.metadata else {}
         model = sample.scheduling.provisioning_model if sample is not None else ""

@@ -1171,7 +1171,7 @@ def describe(settings: Settings, name: str | None = None, *,
     except NotFound:                    # both is one sentence here (BothPlanes.get_node)
         node = None
     qr = control.find_queued_resource(name) if node is None else None
-    slices = compute_multislice(control, name) if _may_hold_compute(control) else []
+    slices = compute_multislice(control, name) if _multislice_named(control, name) else []
     if slices and (node is not None or qr is not None):
         raise ConfigError(_two_things(name, node, qr, slices))
     if node is not None:
@@ -1191,9 +1191,18 @@ def describe(settings: Settings, name: str | None = None, *,
     return control.get_node(name)  # raises the NotFound sentence
 
 
-def _may_hold_compute(control: ControlPlane) -> bool:
-    """Whether ``control`` can answer for Compute Engine (itself, or beside the TPU API)."""
-    return getattr(control, "plane", "") == "compute" or hasattr(control, "compute")
+def _multislice_named(control: ControlPlane, name: str) -> bool:
+    """Whether Compute Engine holds slice 0 of a multislice ``name`` (``NAME-0`` labelled
+    with it): one lookup, so `describe` of any other name never lists every MIG of the zone
+    (``compute_multislice`` does, once this says there is one)."""
+    plane = getattr(control, "compute", control)   # BothPlanes: its Compute Engine side
+    if getattr(plane, "plane", "") != "compute":
+        return False
+    try:
+        first = plane.find_node(f"{name}-0")
+    except TpufabError:   # only looking: a project without the Compute Engine API has none
+        return False
+    return first is not None and first.labels.get(MULTISLICE_LABEL) == name
 
 
 def _two_things(name: str, node: Node | None, qr: QueuedResourceInfo | None,
