@@ -1277,6 +1277,9 @@ class Emulator:
                 if state == "READY":
                     self._resuming += 1
                     self._spawn(self._restart_workers, name)
+                    for worker in record["sim"].get("recreating") or {}:  # cut short by the
+                        self._spawn(self._recreate_worker, name,       # restart: again
+                                    record["node"]["id"], int(worker))
                 elif state in BRING_UP_STATES:
                     self._spawn(self._bring_up, name, 0.0)
                 elif state == "STOPPING":
