@@ -114,7 +114,7 @@ def test_multislice_on_compute_engine_wires_megascale(multislice, tmp_path):
 def test_describe_and_use_take_the_multislices_name(multislice):
     """`describe NAME` and `use NAME` take the multislice's name as they take a multislice
     queued resource's on the Cloud TPU API: its slices, its workers numbered as the verbs
-    number them, and verbs without --name then reach every VM of it."""
+    number them, and verbs without --name (exec, status) then reach every VM of it."""
     env, home, name = multislice
     shown = " ".join(ok(tpufab("describe", "--name", name, env=env, cwd=home)).split())
     for text in (f"multislice {name}", "control plane Compute Engine", "type 2 x tpu7x-16",
@@ -139,6 +139,12 @@ def test_describe_and_use_take_the_multislices_name(multislice):
     said = dict(line.split(" │ ") for line in out.splitlines() if " │ " in line)
     assert sorted(k.strip() for k in said) == ["w0", "w1", "w2", "w3"], out
     assert {v.strip().rsplit("-", 1)[0] for v in said.values()} == {f"{name}-0", f"{name}-1"}
+    status = tpufab("status", env=env, cwd=home)  # the current pod, said as such
+    shown = ok(status)
+    assert f"Pod {name} (this project's current pod, set by `tpufab use`" in status.stderr
+    for index in range(2):
+        assert f"TPU node {name}-{index}: tpu7x-16 READY, 2 workers" in shown, shown
+    assert "w[0-3]" in shown, shown
 
 
 def test_a_name_that_is_a_slice_and_a_multislice_is_one_sentence(multislice):
