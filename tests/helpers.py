@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -70,6 +70,46 @@ def wait_for(condition: Callable[[], Any], timeout: float = 30.0, interval: floa
         if time.monotonic() >= deadline:
             pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(interval)
+
+
+class InThread:
+    """``call()`` in a daemon thread (a babysitter, say), its return value or the exception
+    it raised kept in ``outcome`` ("value" or "error") for the test to read."""
+
+    def __init__(self, call: Callable[[], Any]):
+        self.outcome: dict[str, Any] = {}
+        self.thread = threading.Thread(target=self._run, args=(call,), daemon=True)
+        self.thread.start()
+
+    def _run(self, call: Callable[[], Any]) -> None:
+        try:
+            self.outcome["value"] = call()
+        except BaseException as err:  # noqa: BLE001 - the test reads it
+            self.outcome["error"] = err
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+
+def text_of(path: Path) -> str:
+    """A file's text, or "" where it is not (yet) there."""
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def attempt_running(sitter: Any, job: InThread, attempt: int, workers: Sequence[int],
+                    timeout: float, what: str) -> None:
+    """Wait until ``sitter``'s attempt has printed "attempt N" on each of ``workers`` (its
+    recipes say so first), or the babysitter has failed (the test then shows why)."""
+    wait_for(lambda: "error" in job.outcome or sitter.log_dir is not None and all(
+        f"attempt {attempt}" in text_of(sitter.log_dir / f"attempt-{attempt}" / f"w{w}.log")
+        for w in workers), timeout, what=what)
+    assert "error" not in job.outcome, job.outcome["error"]
 
 
 def unique_name(prefix: str = "t") -> str:

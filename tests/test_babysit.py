@@ -13,16 +13,18 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import pytest
 from harness import sim_node
 from helpers import (
     TPUFAB,
+    InThread,
+    attempt_running,
     cli_env,
     facts_of,
     in_worker,
+    text_of,
     unique_name,
     wait_for,
 )
@@ -340,19 +342,11 @@ def test_workers_unreachable_while_the_api_says_ready_are_recovered(pod2, tmp_pa
     sitter, notes = babysitter(pod2, tmp_path, monkeypatch, unreachable_grace=1.0,
                                env=[f"GO={go}", "FAIL_WORKER=9", "FAIL_CODE=0"])
     before = current_node(pod2)
-    result = {}
-
-    def run():
-        try:
-            result["value"] = sitter.run()
-        except BaseException as err:  # noqa: BLE001
-            result["error"] = err
-
-    thread = threading.Thread(target=run)
-    thread.start()
+    thread = InThread(sitter.run)
+    result = thread.outcome
     try:
         wait_for(lambda: sitter.log_dir is not None and
-                 "attempt 0 w1" in _read(sitter.log_dir / "attempt-0" / "w1.log"), 30,
+                 "attempt 0 w1" in text_of(sitter.log_dir / "attempt-0" / "w1.log"), 30,
                  what="attempt 0 to start")
         sim_admin.set_reachable(pod2.name, 1, False)
         sim_admin.kill_sshd(pod2.name, 1)       # cut the follower's connection too
@@ -368,13 +362,6 @@ def test_workers_unreachable_while_the_api_says_ready_are_recovered(pod2, tmp_pa
     assert after.id != before.id and after.state == "READY"      # deleted and recreated
     pod2.node = after
     assert "done 1" in (done.log_dir / "attempt-1" / "w1.log").read_text()
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
 
 
 @pytest.mark.sim
@@ -468,20 +455,10 @@ def test_error_budget_restarts_once_and_a_preemption_does_not_use_it(pod2, tmp_p
     sitter, notes = babysitter(pod2, tmp_path, monkeypatch, max_restarts_on_errors=1)
     sitter.recipe = recipe
     before = current_node(pod2)
-    outcome: dict = {}
-
-    def run():
-        try:
-            outcome["value"] = sitter.run()
-        except BaseException as err:  # noqa: BLE001 - the test reads it
-            outcome["error"] = err
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    wait_for(lambda: "error" in outcome or sitter.log_dir is not None and all(
-        "attempt 1" in _read(sitter.log_dir / "attempt-1" / f"w{w}.log") for w in (0, 1)), 90,
-        what="attempt 1 to be running (after one restart on the error budget)")
-    assert "error" not in outcome, outcome["error"]
+    thread = InThread(sitter.run)
+    outcome = thread.outcome
+    attempt_running(sitter, thread, 1, (0, 1), 90,
+                    "attempt 1 to be running (after one restart on the error budget)")
     sim_admin.preempt(pod2.name)
     thread.join(180)
     assert not thread.is_alive(), "babysit did not end"

@@ -8,12 +8,11 @@ through a stockout."""
 from __future__ import annotations
 
 import io
-import threading
 from pathlib import Path
 
 import pytest
 from harness import sim_node
-from helpers import free_port, ok, tpufab, wait_for
+from helpers import InThread, attempt_running, free_port, ok, text_of, tpufab, wait_for
 from rich.console import Console
 
 from tpufab.jobs import babysit as bs
@@ -38,13 +37,6 @@ def spot16(sim, tmp_path_factory):
         yield pod
 
 
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
-
-
 def _compute(pod):
     from tpufab.cloud.compute_api import ComputeEngine
 
@@ -61,20 +53,9 @@ def test_a_preempted_spot_mig_is_recreated_and_the_recipe_rerun(spot16, tmp_path
                            console=Console(file=notes, width=300), out=io.StringIO(),
                            base_dir=tmp_path)
     before = _compute(spot16).get_node(spot16.name)
-    outcome: dict = {}
-
-    def run():
-        try:
-            outcome["value"] = sitter.run()
-        except BaseException as err:  # noqa: BLE001 - the test reads it
-            outcome["error"] = err
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    wait_for(lambda: "error" in outcome or sitter.log_dir is not None and all(
-        "attempt 0" in _read(sitter.log_dir / "attempt-0" / f"w{w}.log") for w in (0, 1)),
-        120, what="attempt 0 to be running on both VMs")
-    assert "error" not in outcome, outcome["error"]
+    thread = InThread(sitter.run)
+    outcome = thread.outcome
+    attempt_running(sitter, thread, 0, (0, 1), 120, "attempt 0 to be running on both VMs")
     said = ok(tpufab("sim", "preempt", spot16.name, env=spot16.env, cwd=spot16.home))
     assert f"Preempted TPU node {spot16.name}" in said   # `sim preempt` finds the MIG
     thread.join(400)
@@ -89,7 +70,7 @@ def test_a_preempted_spot_mig_is_recreated_and_the_recipe_rerun(spot16, tmp_path
     assert after.plane == "compute" and after.spot and len(after.workers) == 2
     assert after.accelerator_type == "tpu7x-16"
     for w in (0, 1):
-        assert "done 1" in _read(sitter.log_dir / "attempt-1" / f"w{w}.log")
+        assert "done 1" in text_of(sitter.log_dir / "attempt-1" / f"w{w}.log")
 
 
 def test_autostop_deletes_an_idle_mig_with_the_template_and_policy_tpufab_made(spot16, sim):
@@ -156,20 +137,9 @@ def test_a_flex_start_end_is_said_and_babysit_stops_or_renews(sim, tmp_path_fact
         loops.write_text(LOOPS_FIRST)
         loops.chmod(0o755)
         sitter, notes = _sitter(pod.settings, loops, tmp_path / "first")
-        outcome: dict = {}
-
-        def run():
-            try:
-                outcome["value"] = sitter.run()
-            except BaseException as err:  # noqa: BLE001 - the test reads it
-                outcome["error"] = err
-
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        wait_for(lambda: "error" in outcome or sitter.log_dir is not None and all(
-            "attempt 0" in _read(sitter.log_dir / "attempt-0" / f"w{w}.log") for w in (0, 1)),
-            120, what="attempt 0 to be running on both VMs")
-        assert "error" not in outcome, outcome["error"]
+        thread = InThread(sitter.run)
+        outcome = thread.outcome
+        attempt_running(sitter, thread, 0, (0, 1), 120, "attempt 0 to be running on both VMs")
         ended = ok(tpufab("sim", "end-run", pod.name, env=pod.env, cwd=pod.home))
         assert f"The run of {pod.name} ended: Compute Engine deleted its VMs." in ended
         thread.join(300)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 from google.api_core import exceptions as gexc
-from helpers import metadata_keys, port_open, ssh_run, unique_name
+from helpers import metadata_keys, port_open, ssh_run, unique_name, wait_for
 
 pytestmark = [pytest.mark.sim, pytest.mark.gcloud]
 
@@ -121,6 +121,25 @@ def test_gcloud_slice_mig_is_seen_by_the_client_in_worker_order(compute, gcloud_
     vms = [compute.instances.get(project=compute.project, zone=compute.zone, instance=m.name)
            for m in members]
     assert all(port_open(v.network_interfaces[0].network_i_p) for v in vms)
+
+    # gcloud's recreate-instances: the VM comes back under its name, a new VM (another id,
+    # another internal IP), and list-instances shows it RECREATING, then RUNNING again
+    old = vms[0]
+    gcloud(gcloud_env, "instance-groups", "managed", "recreate-instances", group,
+           f"--instances={old.name}")
+
+    def back():
+        listed = json.loads(gcloud(gcloud_env, "instance-groups", "managed", "list-instances",
+                                   group, "--format=json").stdout)
+        mine = [i for i in listed if i["instance"].endswith(f"/{old.name}")]
+        return mine and mine[0].get("currentAction") == "NONE" and \
+            mine[0].get("instanceStatus") == "RUNNING"
+
+    wait_for(back, timeout=120, interval=0.5, what=f"{old.name} recreated")
+    new = compute.instances.get(project=compute.project, zone=compute.zone, instance=old.name)
+    assert new.id != old.id and new.network_interfaces[0].network_i_p != \
+        old.network_interfaces[0].network_i_p
+    assert port_open(new.network_interfaces[0].network_i_p)
 
     # a policy or template the group uses cannot go; the group's deletion takes its VMs
     in_use = gcloud(gcloud_env, "instance-templates", "delete", template, "--quiet",

@@ -123,6 +123,75 @@ def test_multi_host_slice_is_a_mig_with_workload_policy_in_worker_order(sliced, 
     assert described["workload_policy"] == f"{sliced}-tpufab-wp"
 
 
+def _workers_say(env, home, name):
+    """{worker: (hostname, the worker number its own metadata server says)} via `exec`."""
+    out = ok(tpufab("exec", "--name", name, "--", "echo $(hostname) $(curl -sf -H "
+                    "Metadata-Flavor:Google http://metadata.google.internal/computeMetadata/"
+                    "v1/instance/attributes/agent-worker-number)", env=env, cwd=home))
+    return {w.strip(): tuple(said.split()) for w, said in
+            (line.split(" │ ") for line in out.splitlines() if " │ " in line)}
+
+
+def _pinned(home, host_alias):
+    lines = (home / "known_hosts").read_text().splitlines()
+    return [line.split()[2] for line in lines if line.split()[0] == host_alias]
+
+
+def test_a_vm_the_mig_recreates_keeps_its_worker_number_and_its_new_key_is_pinned(
+        sliced, env, home, compute):
+    """The MIG recreates the slice's worker 0 (instanceGroupManagers.recreateInstances,
+    through the official client): it comes back under its name with a new instance id, boot
+    disk and host key, at an internal IP that now sorts after worker 1's. tpufab still
+    numbers the workers as the slice does (each VM's own agent-worker-number), describe
+    agrees, and verbs reach the new VM with its new key, pinned from its guest attributes
+    under the new VM's id, never the old VM's key."""
+    before = _workers_say(env, home, sliced)
+    assert [before["w0"][1], before["w1"][1]] == ["0", "1"], before
+    vm, other = before["w0"][0], before["w1"][0]
+
+    def get(instance):
+        return compute.instances.get(project=compute.project, zone=compute.zone,
+                                     instance=instance)
+
+    old, peer = get(vm), get(other)
+    group_id = str(compute.groups.get(project=compute.project, zone=compute.zone,
+                                      instance_group_manager=sliced).id)
+    pinned_before = {line.split()[2] for line in
+                     (home / "known_hosts").read_text().splitlines()}
+    compute.wait(compute.groups.recreate_instances_unary(
+        project=compute.project, zone=compute.zone, instance_group_manager=sliced,
+        instance_group_managers_recreate_instances_request_resource=(
+            compute.v1.InstanceGroupManagersRecreateInstancesRequest(
+                instances=[f"zones/{compute.zone}/instances/{vm}"]))))
+
+    def settled():
+        managed = list(compute.groups.list_managed_instances(
+            project=compute.project, zone=compute.zone, instance_group_manager=sliced))
+        return all(m.instance_status == "RUNNING" and m.current_action == "NONE"
+                   for m in managed) and len(managed) == 2
+
+    wait_for(settled, timeout=120, interval=0.5, what=f"{vm} recreated and RUNNING")
+    new = get(vm)
+    ip = new.network_interfaces[0].network_i_p
+    assert new.id != old.id and ip != old.network_interfaces[0].network_i_p
+    assert [int(p) for p in ip.split(".")] > \
+        [int(p) for p in peer.network_interfaces[0].network_i_p.split(".")]  # IP order: last
+
+    after = _workers_say(env, home, sliced)  # no stale key in the way: it just works
+    assert after == {"w0": (vm, "0"), "w1": (other, "1")}, after
+    described = json.loads(ok(tpufab("describe", "--name", sliced, "--json", env=env,
+                                     cwd=home)))
+    assert [w["internal_ip"] for w in described["workers"]] == \
+        [ip, peer.network_interfaces[0].network_i_p]
+    offered = compute.instances.get_guest_attributes(request={
+        "project": compute.project, "zone": compute.zone, "instance": vm,
+        "query_path": "hostkeys/"})
+    new_key = next(i.value.split()[-1] for i in offered.query_value.items
+                   if i.key == "ssh-ed25519")
+    assert _pinned(home, f"tpufab-{group_id}-vm{new.id}") == [new_key]
+    assert new_key not in pinned_before  # a new disk, a new key: no old key is the new VM's
+
+
 def test_delete_takes_the_mig_and_what_tpufab_made_never_what_others_use(sliced, env, home,
                                                                          compute):
     v1 = compute.v1

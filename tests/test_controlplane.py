@@ -686,3 +686,40 @@ def test_only_the_factory_names_the_tpu_api():
     assert sorted(set(naming)) == ["cloud/lifecycle.py"]
     assert sorted(set(client)) == ["cloud/tpu_api.py"]
     assert sorted(set(compute)) == ["cloud/compute_api.py"]  # google-cloud-compute
+
+
+def _vm(name, ip, vm_id):
+    from google.cloud import compute_v1
+
+    return compute_v1.Instance(name=name, id=vm_id, network_interfaces=[
+        compute_v1.NetworkInterface(network_i_p=ip)])
+
+
+def test_a_migs_vms_are_ordered_by_the_numbers_kept_for_them_then_by_ip():
+    """compute_api.worker_order: the worker number kept in a VM's per-instance config wins
+    over its IP (a recreated VM keeps its place); VMs without one follow, by IP."""
+    from tpufab.cloud.compute_api import worker_order
+
+    vms = [_vm("a", "10.0.0.9", 1), _vm("b", "10.0.0.10", 2), _vm("c", "10.0.0.2", 3),
+           _vm("d", "10.0.0.1", 4)]
+    assert [v.name for v in worker_order(vms, {})] == ["d", "c", "a", "b"]  # by IP (9 < 10)
+    assert [v.name for v in worker_order(vms, {"b": 0, "a": 1})] == ["b", "a", "d", "c"]
+
+
+def test_a_multislice_numbers_its_workers_slice_by_slice():
+    from tpufab.cloud.nodes import MultisliceInfo, WorkerEndpoint
+
+    def one(index, state="READY"):
+        return Node(name=f"ms-{index}", project="p", zone="z", accelerator_type="tpu7x-16",
+                    state=state, plane="compute", multislice=True, slice_index=index,
+                    workers=[WorkerEndpoint(w, f"10.0.{index}.{w + 1}", None)
+                             for w in range(2)])
+
+    ms = MultisliceInfo("ms", "p", "z", [one(0), one(1, "CREATING")])
+    assert (ms.state, ms.hosts, ms.accelerator_type, ms.plane_text) == \
+        ("CREATING", 4, "tpu7x-16", "Compute Engine")
+    data = ms.to_json()
+    assert data["multislice"] and data["slice_count"] == 2
+    assert [(w["index"], w["slice"], w["slice_worker"], w["internal_ip"])
+            for w in data["workers"]] == [(0, 0, 0, "10.0.0.1"), (1, 0, 1, "10.0.0.2"),
+                                          (2, 1, 0, "10.0.1.1"), (3, 1, 1, "10.0.1.2")]

@@ -3,7 +3,9 @@
 import base64
 import os
 
-from tpufab.ssh.hostkeys import KnownHosts, alias
+import pytest
+
+from tpufab.ssh.hostkeys import HostKeyChanged, KnownHosts, alias
 
 
 def key(n: int) -> str:
@@ -42,3 +44,16 @@ def test_a_thousand_workers_are_checked_against_one_read_of_the_file(tmp_path, m
     for w in range(1024):
         assert hosts.lookup(alias("9", w)) == [tuple(key(w).split())]
     assert len(reads) <= 1
+
+
+def test_a_migs_vms_are_pinned_by_instance_id_and_forgotten_with_their_group(tmp_path):
+    hosts = KnownHosts(tmp_path / "known_hosts")
+    vm = alias("77", 0, "123")
+    assert vm == "tpufab-77-vm123" and alias("77", 0) == "tpufab-77-w0"
+    hosts.pin_aliases({vm: key(1), alias("77", 1, "456"): key(2), alias("777", 0): key(3)})
+    assert hosts.lookup(vm) == [tuple(key(1).split())]
+    with pytest.raises(HostKeyChanged, match="host key of VM 123 of node 77 differs") as err:
+        hosts.pin_aliases({vm: key(4)})  # another key for the same VM: refused
+    assert "tpufab known-hosts forget 77" in str(err.value)
+    assert hosts.forget("77") == 2  # the group's VMs go with it; node 777's stays
+    assert hosts.lookup(alias("777", 0)) == [tuple(key(3).split())]

@@ -19,6 +19,7 @@ import pytest
 from harness import connected_pod
 from helpers import (
     TPUFAB,
+    InThread,
     Running,
     in_worker,
     ok,
@@ -322,7 +323,6 @@ print("attempt " + n + " sees Ray hosts " + ",".join(alive), flush=True)
 def test_babysit_ray_restarts_the_cluster_after_a_preemption_then_resubmits(ray_pod, sim_admin,
                                                                            tmp_path):
     import io
-    import threading
 
     from rich.console import Console
 
@@ -338,16 +338,8 @@ def test_babysit_ray_restarts_the_cluster_after_a_preemption_then_resubmits(ray_
                                 console=Console(file=notes, width=300), out=out,
                                 base_dir=tmp_path)
     before = TpuApi(ray_pod.settings).get_node(name).id
-    outcome: dict = {}
-
-    def run():
-        try:
-            outcome["value"] = sitter.run()
-        except BaseException as err:  # noqa: BLE001 - the test reads it
-            outcome["error"] = err
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    thread = InThread(sitter.run)
+    outcome = thread.outcome
     try:
         wait_for(lambda: "error" in outcome or "ray attempt 0 of" in out.getvalue(), 420,
                  interval=1.0, what="attempt 0's Ray job to be running")

@@ -42,6 +42,7 @@ from tpufab.topology import GENERATIONS, all_accelerator_types, parse_accelerato
 T = TypeVar("T")
 GOOGLE_COMPUTE = "https://compute.googleapis.com"
 MADE_BY = "Made by tpufab for slice "   # the description of a policy/template tpufab made
+WORKER_KEY = "tpufab-worker"  # a MIG VM's worker number, kept in its per-instance config
 DEFAULT_IMAGE = "projects/ubuntu-os-accelerator-images/global/images/family/" \
                 "ubuntu-accel-2204-amd64-tpu-tpu7x"
 MACHINE_TYPES = {machine: (gen.name, chips) for gen in GENERATIONS.values()
@@ -132,6 +133,7 @@ class ComputeEngine(ControlPlane):
         self._clients = clients
         self.removed: list[str] = []     # what the last delete_node removed beside the MIG
         self.missing: dict[str, list[tuple[str, str]]] = {}   # MIG -> [(VM, why)] (_members)
+        self.numbers: dict[str, dict[str, int]] = {}  # MIG -> {VM: worker} (_members)
         self.left_alone: list[str] = []  # ... and what it left, with why
 
     # -- plumbing
@@ -280,10 +282,9 @@ class ComputeEngine(ControlPlane):
             state = "STOPPED"
         else:
             state = "CREATING"
-        ordered = sorted(members, key=lambda m: _ip_key(
-            m.network_interfaces[0].network_i_p if m.network_interfaces else ""))
+        ordered = worker_order(members, self.numbers.get(group.name, {}))
         node = self._node(group.name, str(group.id), accel, topology, ordered, sample,
-                          created=group.creation_timestamp, state=state)
+                          created=group.creation_timestamp, state=state, per_vm=True)
         node.compute_group = group.name
         node.compute_template = _short(template_url)
         node.compute_policy = _short(group.resource_policies.workload_policy
@@ -298,14 +299,17 @@ class ComputeEngine(ControlPlane):
         return node
 
     def _node(self, name: str, ident: str, accel: str, topology: str, members: list[Any],
-              sample: Any, *, created: str, state: str) -> Node:
+              sample: Any, *, created: str, state: str, per_vm: bool = False) -> Node:
+        """``per_vm``: a MIG's VMs, each worker carrying its instance id (``host_id``: its
+        host key is pinned by it; a lone VM's id is the node's)."""
         workers = []
         for i, m in enumerate(members):
             nic = m.network_interfaces[0] if m.network_interfaces else None
             internal = nic.network_i_p if nic else ""
             external = (nic.access_configs[0].nat_i_p or None) if nic and nic.access_configs \
                 else None
-            workers.append(WorkerEndpoint(index=i, internal_ip=internal, external_ip=external))
+            workers.append(WorkerEndpoint(index=i, internal_ip=internal, external_ip=external,
+                                          host_id=str(m.id or "") if per_vm else ""))
         metadata = {item.key: item.value for item in sample.metadata.items} \
             if sample is not None and sample.metadata else {}
         model = sample.scheduling.provisioning_model if sample is not None else ""
@@ -333,6 +337,12 @@ class ComputeEngine(ControlPlane):
         pool = instances if instances is not None else self._instances()
         found = [i for i in pool if i.name in names]
         have = {i.name for i in found}
+        self.numbers[group_name] = {}   # the worker numbers tpufab recorded at create
+        for m in managed:
+            kept = m.preserved_state_from_config.metadata \
+                if m.preserved_state_from_config else {}
+            if str(kept.get(WORKER_KEY, "")).isdigit():
+                self.numbers[group_name][m.name or _short(m.instance)] = int(kept[WORKER_KEY])
         self.missing[group_name] = [   # VMs the MIG is still trying to create, and why
             (m.name or _short(m.instance), "; ".join(
                 e.message or e.code for e in m.last_attempt.errors.errors)
@@ -485,6 +495,30 @@ class ComputeEngine(ControlPlane):
             raise
         return self._op_name(op)
 
+    def record_worker_order(self, name: str) -> bool:
+        """Keep each VM's worker number of MIG ``name`` (its order now: by internal IP, as
+        the VMs came up) in the MIG's per-instance configs (stateful metadata
+        ``tpufab-worker``), which a MIG keeps for a VM through recreation and autohealing, so
+        a VM recreated at another internal IP keeps its number. False for a lone VM."""
+        node = self.get_node(name)
+        if not node.compute_group or not node.workers:
+            return False
+        v1 = self.c.v1
+        by_ip = {m.network_interfaces[0].network_i_p: m.name for m in self._members(name)
+                 if m.network_interfaces}
+        configs = [v1.PerInstanceConfig(name=by_ip[w.internal_ip], preserved_state=(
+            v1.PreservedState(metadata={WORKER_KEY: str(w.index)})))
+            for w in node.workers if w.internal_ip in by_ip]
+        action = self._action("update", name)
+        op = self._call(
+            action, self.c.groups.update_per_instance_configs_unary, project=self.project,
+            zone=self.zone, instance_group_manager=name,
+            instance_group_managers_update_per_instance_configs_req_resource=(
+                v1.InstanceGroupManagersUpdatePerInstanceConfigsReq(
+                    per_instance_configs=configs)))
+        self._wait(self._op_name(op), action, timeout=300)
+        return True
+
     # -- deleting
 
     def delete_node(self, name: str) -> str:
@@ -622,10 +656,10 @@ class ComputeEngine(ControlPlane):
                 continue
 
             def fetch(vm: str = vms[index], **kw: Any) -> Any:
-                try:
-                    return self.c.instances.get_guest_attributes(
-                        project=self.project, zone=self.zone, instance=vm,
-                        query_path="hostkeys/", **kw)
+                try:  # query_path is no keyword of the method: only in the request
+                    return self.c.instances.get_guest_attributes(request={
+                        "project": self.project, "zone": self.zone, "instance": vm,
+                        "query_path": "hostkeys/"}, **kw)
                 except gexc.NotFound:
                     return None
 
@@ -692,6 +726,18 @@ class ComputeEngine(ControlPlane):
 
     def accelerator_types(self) -> list[str]:
         return all_accelerator_types("compute")
+
+
+def worker_order(members: list[Any], numbers: dict[str, int]) -> list[Any]:
+    """A MIG's VMs in worker order: by the worker number tpufab kept for each in the MIG's
+    per-instance configs (``record_worker_order``), else, for a VM without one (a slice
+    made by hand), by internal IP after them."""
+    def key(m: Any) -> tuple:
+        ip = m.network_interfaces[0].network_i_p if m.network_interfaces else ""
+        number = numbers.get(m.name)
+        return (0, number, _ip_key(ip)) if number is not None else (1, 0, _ip_key(ip))
+
+    return sorted(members, key=key)
 
 
 def mig_short(name: str, have: int, want: int, missing: list[tuple[str, str]]) -> str:

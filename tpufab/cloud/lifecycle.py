@@ -22,7 +22,7 @@ from tpufab.cloud.controlplane import (
     queued_resource_body,
     scheduling_tier,
 )
-from tpufab.cloud.nodes import DEAD_STATES, Node, QueuedResourceInfo
+from tpufab.cloud.nodes import DEAD_STATES, MultisliceInfo, Node, QueuedResourceInfo
 from tpufab.config import Settings
 from tpufab.durations import human_duration
 from tpufab.errors import ApiError, ConfigError, TpufabError
@@ -271,8 +271,10 @@ def _create_on_compute(settings: Settings, *, queued: bool, num_slices: int, asy
                           f"{name}`.")
             return control.find_node(name) or Node(name, settings.project, settings.zone,
                                                    shape.name, "CREATING", plane="compute")
-        return _wait_node(control, name, settings, console=console, op=op,
+        node = _wait_node(control, name, settings, console=console, op=op,
                           accelerator_type=shape.name)
+        _keep_worker_order(control, node, console)
+        return node
     except KeyboardInterrupt:  # perhaps half-way through the policy, template and MIG
         gone = _discard(control, name, True)
         raise TpufabError(f"Interrupted: {gone[0].upper()}{gone[1:]}", exit_code=130) from None
@@ -281,6 +283,21 @@ def _create_on_compute(settings: Settings, *, queued: bool, num_slices: int, asy
             raise
         gone = _discard(control, name, started)
         raise type(err)(f"{str(err).rstrip('.')}; {gone[0].lower()}{gone[1:]}") from None
+
+
+def _keep_worker_order(control: ControlPlane, node: Node, console: Console) -> None:
+    """A new MIG's worker numbers, kept in its per-instance configs so that a VM the MIG
+    recreates (at another internal IP) keeps its number (ComputeEngine.record_worker_order).
+    A refusal leaves the slice as it is, numbered by internal IP, and says so."""
+    keep = getattr(control, "record_worker_order", None)
+    if keep is None or not node.compute_group or node.hosts < 2:
+        return
+    try:
+        keep(node.name)
+    except TpufabError as err:
+        console.print(f"[yellow]Could not keep {_escape(node.name)}'s worker numbers in its "
+                      f"per-instance configs ({_escape(err)}); its workers stay numbered by "
+                      "internal IP, which a recreated VM can change.[/yellow]")
 
 
 MULTISLICE_LABEL = "tpufab-multislice"   # on every VM of a Compute Engine multislice slice
@@ -1139,8 +1156,11 @@ def vanished_note(control, name: str) -> str | None:
 
 
 def describe(settings: Settings, name: str | None = None, *,
-             control: ControlPlane | None = None) -> Node | QueuedResourceInfo:
-    """Node ``name`` (default settings.name); a queued resource of that name if no node has it."""
+             control: ControlPlane | None = None) -> Node | QueuedResourceInfo | MultisliceInfo:
+    """Node ``name`` (default settings.name); a queued resource of that name if no node has
+    it; else the Compute Engine multislice of that name (``create --num-slices N``), as
+    verbs given the name find them (pod.connection.resolve_nodes). A name that is both a
+    node (or queued resource) and a multislice is one sentence."""
     name = validate_name(name or settings.name)
     settings.project = settings.require("project")
     control = control_plane(settings, control)
@@ -1150,17 +1170,53 @@ def describe(settings: Settings, name: str | None = None, *,
         node = control.get_node(name)   # both planes, when nothing says which: a name on
     except NotFound:                    # both is one sentence here (BothPlanes.get_node)
         node = None
+    qr = control.find_queued_resource(name) if node is None else None
+    slices = compute_multislice(control, name) if _multislice_named(control, name) else []
+    if slices and (node is not None or qr is not None):
+        raise ConfigError(_two_things(name, node, qr, slices))
     if node is not None:
+        if node.plane == "compute" and node.labels.get(MULTISLICE_LABEL):
+            node.multislice = True  # one slice of a multislice (`describe --name NAME-0`)
+            node.slice_index = int(node.labels.get(SLICE_LABEL, "0") or 0)
         return node
-    qr = control.find_queued_resource(name)
     if qr is not None:
         return qr
+    if slices:
+        return MultisliceInfo(name, settings.project, settings.zone, slices)
     how = vanished_note(control, name)
     if how:
         raise NotFound(f"No node named {name!r} in {settings.zone} (project "
                        f"{settings.project}): it was {how}; create it again with `tpufab "
                        f"create --name {name} --type TYPE`.")
     return control.get_node(name)  # raises the NotFound sentence
+
+
+def _multislice_named(control: ControlPlane, name: str) -> bool:
+    """Whether Compute Engine holds slice 0 of a multislice ``name`` (``NAME-0`` labelled
+    with it): one lookup, so `describe` of any other name never lists every MIG of the zone
+    (``compute_multislice`` does, once this says there is one)."""
+    plane = getattr(control, "compute", control)   # BothPlanes: its Compute Engine side
+    if getattr(plane, "plane", "") != "compute":
+        return False
+    try:
+        first = plane.find_node(f"{name}-0")
+    except TpufabError:   # only looking: a project without the Compute Engine API has none
+        return False
+    return first is not None and first.labels.get(MULTISLICE_LABEL) == name
+
+
+def _two_things(name: str, node: Node | None, qr: QueuedResourceInfo | None,
+                slices: Sequence[Node]) -> str:
+    """The sentence for a name that is a node (or queued resource) and a multislice too."""
+    if node is not None:
+        kind = ("Compute Engine TPU slice" if node.plane == "compute" else
+                "Cloud TPU API node")
+    else:
+        kind = "queued resource"
+    return (f"{name!r} names both the {kind} {name} and the Compute Engine multislice "
+            f"{name} ({', '.join(n.name for n in slices)}), and verbs given {name} reach the "
+            f"{kind}; delete or rename one of them (`tpufab delete --name {name}` deletes the "
+            f"{kind}), or name one slice of the multislice (`--name {slices[0].name}`).")
 
 
 _STATE_STYLE = {"READY": "green", "ACTIVE": "green", "PREEMPTED": "bold red", "FAILED": "bold red",
@@ -1216,7 +1272,7 @@ def preempted_notes(nodes: list[Node]) -> list[str]:
          if getattr(n, "condition", "")]   # Compute Engine: a flex-start end, a short MIG
 
 
-def details_table(item: Node | QueuedResourceInfo) -> RenderableType:
+def details_table(item: Node | QueuedResourceInfo | MultisliceInfo) -> RenderableType:
     """The `tpufab describe` view: fields, then one row per worker."""
     from rich.console import Group
     from rich.table import Table
@@ -1224,6 +1280,24 @@ def details_table(item: Node | QueuedResourceInfo) -> RenderableType:
     fields = Table(box=None, show_header=False, pad_edge=False)
     fields.add_column(style="bold")
     fields.add_column(overflow="fold")
+    if isinstance(item, MultisliceInfo):
+        shape = item.slices[0].topology if item.slices else None
+        rows = [("multislice", _escape(item.name)), ("control plane", item.plane_text),
+                ("type", f"{len(item.slices)} x {item.accelerator_type}"),
+                ("state", _state_text(item.state)), ("hosts", str(item.hosts)),
+                ("chips", str(shape.chips * len(item.slices)) if shape else "-"),
+                ("slices", _escape(", ".join(f"{n.name} ({n.state})" for n in item.slices))),
+                ("zone", item.zone), ("project", item.project),
+                ("created", _created(item.slices[0]) if item.slices else "-")]
+        for key, value in rows:
+            fields.add_row(key, value)
+        workers = Table(box=None, pad_edge=False, header_style="bold")
+        for column in ("WORKER", "SLICE", "SLICE WORKER", "INTERNAL IP", "EXTERNAL IP"):
+            workers.add_column(column)
+        for index, slice_index, w in item.workers():
+            workers.add_row(str(index), str(slice_index), str(w.index), w.internal_ip,
+                            w.external_ip or "-")
+        return Group(fields, "", workers)
     if isinstance(item, QueuedResourceInfo):
         rows = [("queued resource", item.name), ("type", item.accelerator_type),
                 ("state", _state_text(item.state)), ("tier", item.tier),
@@ -1307,11 +1381,12 @@ def listing(settings: Settings, *, waiting: bool = True,
     return Listing(settings, nodes, queued)
 
 
-def render_details(item: Node | QueuedResourceInfo, console: Console) -> None:
+def render_details(item: Node | QueuedResourceInfo | MultisliceInfo, console: Console) -> None:
     """The `tpufab describe` view, and a line on what to do about a preempted node."""
     console.print(details_table(item))
-    if isinstance(item, Node):
-        for line in preempted_notes([item]):
+    if isinstance(item, (Node, MultisliceInfo)):
+        for line in preempted_notes(item.slices if isinstance(item, MultisliceInfo)
+                                    else [item]):
             console.print(line)
 
 

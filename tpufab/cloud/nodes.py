@@ -62,6 +62,7 @@ class WorkerEndpoint:
     internal_ip: str
     external_ip: str | None
     port: int = 22
+    host_id: str = ""  # Compute Engine: the VM's instance id (a recreated VM has a new one)
 
     def address(self, internal_ip: bool = False) -> str:
         """The address to reach this worker at: external unless asked for internal (or none)."""
@@ -390,6 +391,56 @@ class QueuedResourceInfo:
             "created": self.created.isoformat() if self.created else None,
             "failure": self.failure or None,
         }
+
+
+@dataclass
+class MultisliceInfo:
+    """A Compute Engine multislice: the slices (MIGs ``NAME-0 .. NAME-(N-1)``) tpufab made
+    as one job with ``create --num-slices N`` and labelled ``tpufab-multislice=NAME``
+    (Compute Engine has no resource that ties them together). Its workers are numbered as
+    the verbs number them: slice 0's first, then slice 1's ..."""
+
+    name: str
+    project: str
+    zone: str
+    slices: list[Node]
+    plane: str = "compute"
+
+    @property
+    def accelerator_type(self) -> str:
+        return self.slices[0].accelerator_type if self.slices else ""
+
+    @property
+    def state(self) -> str:
+        """READY when every slice is; else the first slice's state that is not."""
+        return next((s.state for s in self.slices if not s.ready), "READY")
+
+    @property
+    def hosts(self) -> int:
+        return sum(s.hosts for s in self.slices)
+
+    @property
+    def plane_text(self) -> str:
+        return "Compute Engine"
+
+    def workers(self) -> list[tuple[int, int, WorkerEndpoint]]:
+        """(worker number across the multislice, slice index, the slice's worker)."""
+        rows, base = [], 0
+        for index, node in enumerate(self.slices):
+            for w in node.workers:
+                rows.append((base + w.index, node.slice_index if node.slice_index is not None
+                             else index, w))
+            base += len(node.workers)
+        return rows
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "multislice": True, "control_plane": self.plane,
+                "project": self.project, "zone": self.zone,
+                "accelerator_type": self.accelerator_type, "state": self.state,
+                "slice_count": len(self.slices), "hosts": self.hosts,
+                "slices": [s.to_json() for s in self.slices],
+                "workers": [{**w.to_json(), "index": i, "slice": s, "slice_worker": w.index}
+                            for i, s, w in self.workers()]}
 
 
 # The autostop policy tpufab's watchdog enforces, as the node's metadata carries it

@@ -1008,8 +1008,9 @@ def list_pods(*, zone: str | None = None, project: str | None = None, waiting: b
 def describe(name: str | None = None, *, zone: str | None = None, project: str | None = None,
              **settings: Any) -> Any:
     """`tpufab describe`: the node called ``name`` (a Node: state, health, workers and their
-    IPs), or the queued resource of that name if no node has it; ``.to_json()``. Raises
-    ApiError when there is neither."""
+    IPs), or the queued resource of that name if no node has it, or the Compute Engine
+    multislice of that name (a MultisliceInfo: ``.slices``); ``.to_json()``. Raises ApiError
+    when there is none, ConfigError when the name is both a node and a multislice."""
     from tpufab.cloud import lifecycle
 
     return lifecycle.describe(_settings(name, zone, project, settings))

@@ -121,18 +121,27 @@ def pin_host_keys(control: ControlPlane, nodes: list[Node], known_hosts) -> None
 
     Workers whose keys the API does not offer are trusted on first use instead.
     """
-    from tpufab.ssh.hostkeys import alias
-
     for node in nodes:
-        if all(known_hosts.lookup(alias(node.id, w.index)) for w in node.workers):
+        if all(known_hosts.lookup(worker_alias(node, w)) for w in node.workers):
             continue
         try:
             offered = control.host_keys(node.name)
         except ApiError:
             continue  # older runtimes do not publish host keys: first use pins them
-        keys = {i: k["ssh-ed25519"] for i, k in offered.items() if k.get("ssh-ed25519")}
+        by_index = {w.index: w for w in node.workers}
+        keys = {worker_alias(node, by_index[i]): k["ssh-ed25519"] for i, k in offered.items()
+                if k.get("ssh-ed25519") and i in by_index}
         if keys:
-            known_hosts.pin(node.id, keys)
+            known_hosts.pin_aliases(keys)
+
+
+def worker_alias(node: Node, worker) -> str:
+    """The known_hosts alias of one worker: by node id and worker index, or for a Compute
+    Engine VM by its own instance id (a VM a MIG recreates is a new VM, with a new host key,
+    under the same group: it is pinned afresh, and the old VM's key is never offered for it)."""
+    from tpufab.ssh.hostkeys import alias
+
+    return alias(node.id, worker.index, getattr(worker, "host_id", ""))
 
 
 def check_reachable(nodes: list[Node], settings: Settings) -> None:
@@ -205,7 +214,7 @@ def connect(settings: Settings, *, control: ControlPlane | None = None,
     from tpufab.display.console import stderr
     from tpufab.ssh import keys as sshkeys
     from tpufab.ssh.fanout import Fanout, Target
-    from tpufab.ssh.hostkeys import KnownHosts, alias
+    from tpufab.ssh.hostkeys import KnownHosts
 
     control = lifecycle.control_plane(settings, control)
     nodes = nodes if nodes is not None else resolve_nodes(control, name)
@@ -238,7 +247,7 @@ def connect(settings: Settings, *, control: ControlPlane | None = None,
                                   host=w.address(settings.internal_ip or bastion is not None),
                                   user=login.user if login and login.user else settings.ssh_user,
                                   key_filename=str(settings.ssh_key_path),
-                                  port=SSH_PORT, host_key_alias=alias(node.id, w.index),
+                                  port=SSH_PORT, host_key_alias=worker_alias(node, w),
                                   jump=bastion, auth_hint=login.hint if login else None))
         slices.append(ids)
     if not targets:

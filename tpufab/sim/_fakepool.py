@@ -65,6 +65,9 @@ class PaperWorkers:
             self.nodes.pop(node_id, None)
             self.up.pop(node_id, None)
 
+    def remove_worker(self, node_id, index) -> None:
+        self._record("remove_worker", node_id)
+
     def sync_keys(self, node_id, ssh_keys: str) -> None:
         self._record("sync_keys", node_id)
         with self._lock:

@@ -3,7 +3,8 @@
 Instances (insert, get, list, aggregatedList, delete, setMetadata, setLabels, stop, start,
 getGuestAttributes), zone/region/global operations (get, wait), machine types of the TPU
 families, global instance templates, zonal managed instance groups (insert, get, list,
-listManagedInstances, resize, delete) and regional resource policies (workload policies:
+listManagedInstances, resize, recreateInstances, updatePerInstanceConfigs,
+listPerInstanceConfigs, delete) and regional resource policies (workload policies:
 ``workloadPolicy {type: HIGH_THROUGHPUT, acceleratorTopology}``), in the JSON shapes of the
 real API (field names of google-cloud-compute's ``compute_v1`` messages).
 
@@ -317,6 +318,14 @@ class ComputeEngine:
                     self._group_key(project, zone, tail[0]))}
             elif len(tail) == 2 and tail[1] == "resize" and method == "POST":
                 return self.resize_group(project, zone, tail[0], query.get("size"))
+            elif len(tail) == 2 and tail[1] == "recreateInstances" and method == "POST":
+                return self.recreate_instances(project, zone, tail[0], body)
+            elif len(tail) == 2 and tail[1] == "updatePerInstanceConfigs" and method == "POST":
+                return self.update_instance_configs(project, zone, tail[0], body)
+            elif len(tail) == 2 and tail[1] == "listPerInstanceConfigs" and method == "POST":
+                key = self._group_key(project, zone, tail[0])
+                return {"items": [json.loads(json.dumps(c)) for _, c in sorted(
+                    (self.state["groups"][key].get("configs") or {}).items())]}
         raise _not_found("", rest)
 
     def _regional(self, method: str, project: str, region: str, p: list[str],
@@ -511,6 +520,8 @@ class ComputeEngine:
             return inst
         state = node["node"]["state"]
         inst["status"] = INSTANCE_STATUS.get(state, "RUNNING")
+        if str(worker) in (node["sim"].get("recreating") or {}):
+            inst["status"] = "STAGING"  # a MIG recreating this VM: it boots again
         endpoints = node["node"].get("networkEndpoints") or []
         if worker < len(endpoints):
             nic = inst["networkInterfaces"][0]
@@ -954,12 +965,20 @@ class ComputeEngine:
                     for m in record["members"] if m in self.state["instances"]]
         creating = sum(1 for s in statuses if s in ("PROVISIONING", "STAGING")) + \
             len(record.get("missing") or {})
-        group["currentActions"] = {"none": len(statuses) - creating, "creating": creating,
-                                   "deleting": 0, "recreating": 0, "restarting": 0,
+        recreating = sum(1 for m in record["members"] if m in self.state["instances"] and
+                         str(self.state["instances"][m].get("worker", 0)) in
+                         ((self.emu._state["nodes"].get(self.state["instances"][m].get("node")
+                                                        or "") or {"sim": {}})["sim"]
+                          .get("recreating") or {}))
+        creating -= recreating
+        group["currentActions"] = {"none": len(statuses) - creating - recreating,
+                                   "creating": creating,
+                                   "deleting": 0, "recreating": recreating, "restarting": 0,
                                    "abandoning": 0, "refreshing": 0, "verifying": 0,
                                    "creatingWithoutRetries": 0, "suspending": 0,
                                    "resuming": 0, "stopping": 0, "starting": 0}
-        group["status"] = {"isStable": creating == 0 and len(statuses) == group["targetSize"]}
+        group["status"] = {"isStable": creating == 0 and not recreating and
+                           len(statuses) == group["targetSize"]}
         return group
 
     def managed_instances(self, key: str) -> list[dict[str, Any]]:
@@ -970,10 +989,17 @@ class ComputeEngine:
             if inst is None:
                 continue
             view = self.instance_view(inst)
-            out.append({"instance": view["selfLink"], "id": view["id"], "name": view["name"],
-                        "instanceStatus": view["status"],
-                        "currentAction": "CREATING" if view["status"] in (
-                            "PROVISIONING", "STAGING") else "NONE"})
+            node = self.emu._state["nodes"].get(inst.get("node") or "") or {"sim": {}}
+            recreating = str(inst.get("worker", 0)) in (node["sim"].get("recreating") or {})
+            entry = {"instance": view["selfLink"], "id": view["id"], "name": view["name"],
+                     "instanceStatus": view["status"],
+                     "currentAction": "RECREATING" if recreating else "CREATING" if
+                     view["status"] in ("PROVISIONING", "STAGING") else "NONE"}
+            config = (record.get("configs") or {}).get(view["name"])
+            if config and config.get("preservedState"):
+                entry["preservedStateFromConfig"] = json.loads(json.dumps(
+                    config["preservedState"]))
+            out.append(entry)
         project, zone = key.split("/")[1], key.split("/")[3]
         for name, message in sorted((record.get("missing") or {}).items()):
             out.append({"instance": self.link(f"projects/{project}/zones/{zone}/instances/{name}"),
@@ -1037,6 +1063,54 @@ class ComputeEngine:
             record["members"] = record["members"][:size]
         return self._operation(project, "zones", zone, "resize", key, group["id"],
                                wait_node=wait, until=until if wait else "done")
+
+    def recreate_instances(self, project: str, zone: str, name: str,
+                           body: dict[str, Any]) -> dict[str, Any]:
+        """instanceGroupManagers.recreateInstances: each VM named in ``instances`` is deleted
+        and created again from the group's template under the same name (a new instance id,
+        boot disk and host key; another internal IP: Emulator.recreate_backing_worker). As
+        on Compute Engine the operation is DONE once the recreation is scheduled; the VM
+        shows ``currentAction: RECREATING`` (and status STAGING) until it runs again."""
+        key = self._group_key(project, zone, name)
+        record = self.state["groups"][key]
+        urls = body.get("instances") or []
+        if not urls:
+            raise _error(400, "required", "Required field 'instances' not specified")
+        targets = []
+        for url in urls:
+            inst_key = f"projects/{project}/zones/{zone}/instances/{_short(url)}"
+            if inst_key not in record["members"] or inst_key not in self.state["instances"]:
+                raise _error(400, "invalid", f"The instance '{inst_key}' is not a member of "
+                             f"the managed instance group '{key}'.")
+            targets.append(self.state["instances"][inst_key])
+        for inst in targets:
+            self.emu.recreate_backing_worker(inst["node"], inst.get("worker", 0))
+            inst["instance"]["id"] = _new_id()
+            inst["instance"]["creationTimestamp"] = rfc3339()
+            inst["instance"]["fingerprint"] = _fingerprint()
+        return self._operation(project, "zones", zone, "recreateInstances", key,
+                               record["group"]["id"])
+
+    def update_instance_configs(self, project: str, zone: str, name: str,
+                                body: dict[str, Any]) -> dict[str, Any]:
+        """instanceGroupManagers.updatePerInstanceConfigs: per-instance configs (stateful
+        metadata in ``preservedState.metadata``), kept by VM name, so they outlive a
+        recreation; listManagedInstances shows them as ``preservedStateFromConfig``."""
+        key = self._group_key(project, zone, name)
+        record = self.state["groups"][key]
+        configs = record.setdefault("configs", {})
+        for config in body.get("perInstanceConfigs") or []:
+            vm = self._check_name("instance", (config or {}).get("name"))
+            metadata = ((config.get("preservedState") or {}).get("metadata") or {})
+            if not isinstance(metadata, dict) or \
+                    not all(isinstance(v, str) for v in metadata.values()):
+                raise _error(400, "invalid", "preservedState.metadata must map strings to "
+                             "strings.")
+            configs[vm] = {"name": vm, "fingerprint": _fingerprint(), "status": "EFFECTIVE",
+                           "preservedState": {"metadata": dict(metadata)}}
+        self.emu._save()
+        return self._operation(project, "zones", zone, "updatePerInstanceConfigs", key,
+                               record["group"]["id"])
 
     def delete_group(self, project: str, zone: str, name: str) -> dict[str, Any]:
         key = self._group_key(project, zone, name)

@@ -44,7 +44,7 @@ from tpufab.sim._model import (
     worker_address,
     worker_hostname,
 )
-from tpufab.sim._slots import SlotRegistry, node_slots, slots_for
+from tpufab.sim._slots import WORKERS_PER_SLOT, SlotRegistry, node_slots, slots_for
 from tpufab.sim.compute_api import ComputeEngine
 from tpufab.sim.guest import GuestEnvironment, Tokens
 from tpufab.sim.legacy import LegacyNodes
@@ -78,6 +78,7 @@ class Workers(Protocol):
     def stop_node(self, node_id: str) -> None: ...
     def delete_node(self, node_id: str) -> None: ...
     def sync_keys(self, node_id: str, ssh_keys: str) -> None: ...
+    def remove_worker(self, node_id: str, index: int) -> None: ...
     def set_os_login(self, node_id: str, accounts: list[dict] | None) -> None: ...
     def host_keys(self, node_id: str) -> dict[int, str]: ...
     def set_reachable(self, node_id: str, index: int, reachable: bool) -> None: ...
@@ -959,6 +960,69 @@ class Emulator:
         self._save()
         self._spawn(self._bring_up, name, self.settings.operation_delay)
 
+    def recreate_backing_worker(self, name: str, worker: int) -> None:
+        """Recreate the VM that is worker ``worker`` of backing node ``name`` (a MIG's
+        recreateInstances; caller holds the lock). It keeps its place in the slice (its worker
+        number, what its metadata server's agent-worker-number and tpu-env say) and comes back
+        from a new boot disk (a new host key) at another internal IP: a MIG VM without a
+        stateful IP gets a new ephemeral one (Google's "Configuring stateful IP addresses in
+        MIGs"). Here that is the next free address of the node's own slots."""
+        record = self._require_node(name)
+        if record["node"]["state"] != "READY":
+            raise ApiFailure("FAILED_PRECONDITION", f"The instance is "
+                             f"{record['node']['state']}; only a running one is recreated.")
+        endpoints = record["node"]["networkEndpoints"]
+        used = {e["ipAddress"] for e in endpoints}
+        span = node_slots(record)
+        fresh = next((worker_address(span.start, k)
+                      for k in range(len(endpoints), len(span) * WORKERS_PER_SLOT)
+                      if worker_address(span.start, k) not in used),
+                     endpoints[worker]["ipAddress"])  # a full slot: the address it had
+        endpoints[worker]["ipAddress"] = fresh
+        if endpoints[worker].get("accessConfig"):
+            endpoints[worker]["accessConfig"]["externalIp"] = fresh
+        record["sim"].setdefault("recreating", {})[str(worker)] = True
+        record["sim"].get("hostKeys", {}).pop(str(worker), None)
+        self._save()
+        self._spawn(self._recreate_worker, name, record["node"]["id"], worker)
+
+    def _recreate_worker(self, name: str, node_id: str, worker: int) -> None:
+        if self._stopping.wait(self.settings.operation_delay):
+            return
+        with self._lock:
+            record = self._state["nodes"].get(name)
+            if record is None or record["node"]["id"] != node_id:
+                return
+            specs = self._specs(record["node"])
+            keys = self.oslogin.login_keys(record)
+        try:
+            with self._node_lock(node_id):
+                self.workers.remove_worker(node_id, worker)
+                self.workers.start_node(node_id, specs, keys,
+                                        delay=self.settings.worker_start_delay)
+                self.guest.open_metadata(node_id, specs)  # the worker's new address
+                self.workers.wait_listening(node_id, timeout=self.settings.listen_timeout)
+                host_keys = self.workers.host_keys(node_id)
+        except Exception as exc:
+            if self._stopping.is_set():
+                return
+            log.exception("worker %d of %s was not recreated", worker, name)
+            with self._lock:
+                record = self._state["nodes"].get(name)
+                if record is not None and record["node"]["id"] == node_id:
+                    record["node"]["state"] = "UNKNOWN"
+                    record["node"]["healthDescription"] = (
+                        f"The simulated worker {worker} was not recreated: {exc}")
+                    self._save()
+            return
+        with self._lock:
+            record = self._state["nodes"].get(name)
+            if record is None or record["node"]["id"] != node_id:
+                return
+            record["sim"]["hostKeys"] = {str(i): k for i, k in host_keys.items()}
+            record["sim"].get("recreating", {}).pop(str(worker), None)
+            self._save()
+
     def set_backing_metadata(self, name: str, items: dict[str, str],
                              done: Callable[[], None]) -> None:
         """Replace a VM's metadata (caller holds the lock); ``done()`` once keys synced."""
@@ -1213,6 +1277,9 @@ class Emulator:
                 if state == "READY":
                     self._resuming += 1
                     self._spawn(self._restart_workers, name)
+                    for worker in record["sim"].get("recreating") or {}:  # cut short by the
+                        self._spawn(self._recreate_worker, name,       # restart: again
+                                    record["node"]["id"], int(worker))
                 elif state in BRING_UP_STATES:
                     self._spawn(self._bring_up, name, 0.0)
                 elif state == "STOPPING":

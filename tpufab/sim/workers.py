@@ -720,6 +720,35 @@ class WorkerPool:
             for index in records:
                 (node_dir / f"w{index}" / "init.json").unlink(missing_ok=True)
 
+    def remove_worker(self, node_id: str, index: int) -> None:
+        """End worker ``index`` of ``node_id`` (its whole PID namespace) and remove its files:
+        a VM that Compute Engine recreates comes back from a new boot disk (a new host key, an
+        empty home and /tmp). ``start_node`` brings it up again."""
+        with self._node_lock(node_id):
+            wdir = self._worker_dir(node_id, index)
+            record = _read_json(wdir / "init.json", None)
+            if self._init_pid(node_id, index) is not None and record:
+                _signal(record["pid"], signal.SIGTERM)
+
+                def gone() -> bool:
+                    return not _alive(record["pid"], record["start_time"])
+
+                if not _wait_for(gone, self.stop_grace + 3.0):
+                    _signal(record["pid"], signal.SIGKILL)  # takes the namespace with it
+                    if not _wait_for(gone, 10.0):
+                        raise SimError(f"Worker {index} of node {node_id} did not stop even "
+                                       "after SIGKILL.")
+            trash = self.state_dir / TRASH / f"{node_id}-w{index}-{time.time_ns()}"
+            try:
+                trash.parent.mkdir(parents=True, exist_ok=True)
+                os.rename(wdir, trash)
+            except FileNotFoundError:
+                return
+            except OSError:
+                shutil.rmtree(wdir, ignore_errors=True)
+                return
+            _empty_in_background(trash.parent)
+
     def delete_node(self, node_id: str) -> None:
         """Stop the node's workers, then remove all their files: moved aside at once, removed
         in the background (a used 1,024-worker node holds ~10^5 files: minutes on a busy

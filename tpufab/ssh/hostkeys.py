@@ -32,8 +32,12 @@ class HostKeyChanged(TpufabError):
     """A worker presented a key that differs from the one pinned for its node id."""
 
 
-def alias(node_id: str, worker: int) -> str:
-    """The known_hosts name of one worker of one node: ``tpufab-1234-w3``."""
+def alias(node_id: str, worker: int, host_id: str = "") -> str:
+    """The known_hosts name of one worker of one node: ``tpufab-1234-w3``; of a Compute
+    Engine MIG's VM, by its own instance id (``tpufab-1234-vm5678``), since a MIG recreates
+    a VM (a new disk, a new host key) under the same group id and may renumber it."""
+    if host_id:
+        return f"tpufab-{_SAFE.sub('_', str(node_id))}-vm{_SAFE.sub('_', str(host_id))}"
     return f"tpufab-{_SAFE.sub('_', str(node_id))}-w{worker}"
 
 
@@ -116,7 +120,11 @@ class KnownHosts:
     # -- operations ----------------------------------------------------------------------
     def pin(self, node_id: str, keys: Mapping[int, str]) -> None:
         """Pin keys learned from the API (``{worker: "ssh-ed25519 AAAA..."}``)."""
-        wanted = {alias(node_id, w): _parse_key(k) for w, k in keys.items()}
+        self.pin_aliases({alias(node_id, w): k for w, k in keys.items()})
+
+    def pin_aliases(self, keys: Mapping[str, str]) -> None:
+        """Pin keys learned from the API (``{alias: "ssh-ed25519 AAAA..."}``)."""
+        wanted = {name: _parse_key(k) for name, k in keys.items()}
 
         def change(entries):
             current = {}
@@ -132,8 +140,9 @@ class KnownHosts:
         self._update(change)
 
     def forget(self, node_id: str) -> int:
-        """Drop every key pinned for ``node_id``; returns how many lines were removed."""
-        prefix = alias(node_id, 0)[: -len("0")]
+        """Drop every key pinned for ``node_id`` (its workers' and its VMs'); returns how
+        many lines were removed."""
+        prefix = alias(node_id, 0)[: -len("w0")]
         removed = 0
 
         def change(entries):
@@ -192,6 +201,9 @@ class KnownHosts:
     def _changed_error(self, host_alias: str, ktype: str) -> HostKeyChanged:
         node, _, worker = host_alias.removeprefix("tpufab-").rpartition("-w")
         who = f"worker {worker} of node {node}" if node else host_alias
+        if "-vm" in host_alias and not worker.isdigit():
+            node, _, vm = host_alias.removeprefix("tpufab-").rpartition("-vm")
+            who = f"VM {vm} of node {node}"
         return HostKeyChanged(
             f"The {ktype} host key of {who} differs from the one pinned in {self.path} "
             "(someone may be intercepting the connection, or the worker was rebuilt under the "

@@ -117,7 +117,8 @@ def list_(*, as_json: bool = False, wide: bool = False, zone: str | None = None,
 @verb()
 def describe(*, name: str | None = None, as_json: bool = False, zone: str | None = None,
              project: str | None = None) -> None:
-    """Show one TPU node: state, health, workers and their IPs."""
+    """Show one TPU node: state, health, workers and their IPs (or the queued resource, or
+    the Compute Engine multislice, of that name)."""
     from tpufab.display.console import stdout
     from tpufab.pod import api
 

@@ -59,9 +59,9 @@ def init(*, framework: str = "jax", dir: str = ".") -> None:
         "`invoke run recipes/hello.sh`.")
 
 
-@verb(options={"pod": Opt("The node (or queued resource) to make current; without it, "
-                          "show the current pod.", argument=True),
-               "check": "Check with the TPU API that the node exists (--no-check to skip)."})
+@verb(options={"pod": Opt("The node, queued resource or Compute Engine multislice to make "
+                          "current; without it, show the current pod.", argument=True),
+               "check": "Check with the cloud that it exists (--no-check to skip)."})
 def use(*, pod: str | None = None, zone: str | None = None, project: str | None = None,
         check: bool = True) -> None:
     """Choose this project's current pod: the node verbs use when no --name is given."""
@@ -84,6 +84,10 @@ def use(*, pod: str | None = None, zone: str | None = None, project: str | None 
         item = api.describe(name, zone=settings.zone, project=settings.project)
         plane = getattr(item, "plane_text", None)
         where = f" ({'Cloud TPU API' if plane == 'TPU API' else plane})" if plane else ""
+        slices = getattr(item, "slices", None)   # a Compute Engine multislice
+        if slices:
+            where = (f" (Compute Engine multislice of {len(slices)} slices: "
+                     f"{', '.join(n.name for n in slices)})")
     path = current.remember(name, zone=settings.zone, project=settings.project, set_by="use")
     say(f"{name}{where} is now this project's current pod ({path}).")
 

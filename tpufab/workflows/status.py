@@ -607,6 +607,8 @@ def collect(settings: Settings, *, control: ControlPlane | None = None, pod: Any
     settings.project = settings.require("project")
     control = lifecycle.control_plane(settings, control)
     nodes, qr = find_nodes(control, name)
+    if not nodes and qr is None:  # a Compute Engine multislice, as the worker verbs find it
+        nodes = lifecycle.compute_multislice(control, name)
     if not nodes and qr is None:
         from tpufab.cloud.lifecycle import vanished_note
 
