@@ -112,6 +112,49 @@ def attempt_running(sitter: Any, job: InThread, attempt: int, workers: Sequence[
     assert "error" not in job.outcome, job.outcome["error"]
 
 
+def compute_clients(sim: Any) -> Any:
+    """The official google-cloud-compute clients (REST, anonymous) against the simulated pod,
+    built as a user builds them (not through tpufab), and a helper that
+    waits for an operation (the clients' ExtendedOperation polls compute.googleapis.com
+    whatever the endpoint, so the *_unary calls and these operation clients are used)."""
+    from google.api_core.client_options import ClientOptions
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import compute_v1
+
+    kw = {"credentials": AnonymousCredentials(), "transport": "rest",
+          "client_options": ClientOptions(api_endpoint=sim.endpoint)}
+
+    class Clients:
+        v1 = compute_v1
+        instances = compute_v1.InstancesClient(**kw)
+        groups = compute_v1.InstanceGroupManagersClient(**kw)
+        templates = compute_v1.InstanceTemplatesClient(**kw)
+        policies = compute_v1.ResourcePoliciesClient(**kw)
+        reservations = compute_v1.ReservationsClient(**kw)
+        zone_ops = compute_v1.ZoneOperationsClient(**kw)
+        region_ops = compute_v1.RegionOperationsClient(**kw)
+        global_ops = compute_v1.GlobalOperationsClient(**kw)
+        project, zone = sim.project, sim.zone
+        region = sim.zone.rsplit("-", 1)[0]
+
+        def wait(self, op, timeout: float = 90.0):
+            deadline = time.monotonic() + timeout
+            while True:
+                if op.zone:
+                    op = self.zone_ops.wait(project=self.project, zone=self.zone,
+                                            operation=op.name)
+                elif op.region:
+                    op = self.region_ops.wait(project=self.project, region=self.region,
+                                              operation=op.name)
+                else:
+                    op = self.global_ops.wait(project=self.project, operation=op.name)
+                if op.status == compute_v1.Operation.Status.DONE:
+                    return op
+                assert time.monotonic() < deadline, f"operation {op.name} not done"
+
+    return Clients()
+
+
 def unique_name(prefix: str = "t") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 

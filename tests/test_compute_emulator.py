@@ -6,55 +6,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 
 import pytest
 from google.api_core import exceptions as gexc
-from helpers import metadata_keys, port_open, ssh_run, unique_name, wait_for
+from helpers import compute_clients, metadata_keys, port_open, ssh_run, unique_name, wait_for
 
 pytestmark = [pytest.mark.sim, pytest.mark.gcloud]
 
 
 @pytest.fixture(scope="module")
 def compute(sim):
-    """The google-cloud-compute clients (REST, anonymous) against the pod, and a helper that
-    waits for an operation (the clients' ExtendedOperation polls compute.googleapis.com
-    whatever the endpoint, so the *_unary calls and these operation clients are used)."""
-    from google.api_core.client_options import ClientOptions
-    from google.auth.credentials import AnonymousCredentials
-    from google.cloud import compute_v1
-
-    kw = {"credentials": AnonymousCredentials(), "transport": "rest",
-          "client_options": ClientOptions(api_endpoint=sim.endpoint)}
-
-    class Clients:
-        v1 = compute_v1
-        instances = compute_v1.InstancesClient(**kw)
-        groups = compute_v1.InstanceGroupManagersClient(**kw)
-        templates = compute_v1.InstanceTemplatesClient(**kw)
-        policies = compute_v1.ResourcePoliciesClient(**kw)
-        zone_ops = compute_v1.ZoneOperationsClient(**kw)
-        region_ops = compute_v1.RegionOperationsClient(**kw)
-        global_ops = compute_v1.GlobalOperationsClient(**kw)
-        project, zone = sim.project, sim.zone
-        region = sim.zone.rsplit("-", 1)[0]
-
-        def wait(self, op, timeout: float = 90.0):
-            deadline = time.monotonic() + timeout
-            while True:
-                if op.zone:
-                    op = self.zone_ops.wait(project=self.project, zone=self.zone,
-                                            operation=op.name)
-                elif op.region:
-                    op = self.region_ops.wait(project=self.project, region=self.region,
-                                              operation=op.name)
-                else:
-                    op = self.global_ops.wait(project=self.project, operation=op.name)
-                if op.status == compute_v1.Operation.Status.DONE:
-                    return op
-                assert time.monotonic() < deadline, f"operation {op.name} not done"
-
-    return Clients()
+    return compute_clients(sim)
 
 
 def gcloud(env: dict[str, str], *args: str, check: bool = True) -> subprocess.CompletedProcess:

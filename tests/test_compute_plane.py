@@ -6,10 +6,9 @@ client, listed beside TPU API nodes, reached by worker verbs, deleted with what 
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
-from helpers import cli_env, ok, one_sentence, tpufab, unique_name, wait_for
+from helpers import cli_env, compute_clients, ok, one_sentence, tpufab, unique_name, wait_for
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(900)]  # a loaded 2-core machine
 
@@ -26,34 +25,7 @@ def env(sim, home):
 
 @pytest.fixture(scope="module")
 def compute(sim):
-    """google-cloud-compute clients (REST, anonymous) against the pod."""
-    from google.api_core.client_options import ClientOptions
-    from google.auth.credentials import AnonymousCredentials
-    from google.cloud import compute_v1
-
-    kw = {"credentials": AnonymousCredentials(), "transport": "rest",
-          "client_options": ClientOptions(api_endpoint=sim.endpoint)}
-
-    class Clients:
-        v1 = compute_v1
-        instances = compute_v1.InstancesClient(**kw)
-        groups = compute_v1.InstanceGroupManagersClient(**kw)
-        templates = compute_v1.InstanceTemplatesClient(**kw)
-        policies = compute_v1.ResourcePoliciesClient(**kw)
-        reservations = compute_v1.ReservationsClient(**kw)
-        zone_ops = compute_v1.ZoneOperationsClient(**kw)
-        project, zone = sim.project, sim.zone
-        region = sim.zone.rsplit("-", 1)[0]
-
-        def wait(self, op, timeout: float = 90.0):
-            deadline = time.monotonic() + timeout
-            while op.status != compute_v1.Operation.Status.DONE:
-                assert time.monotonic() < deadline, f"operation {op.name} not done"
-                op = self.zone_ops.wait(project=self.project, zone=self.zone,
-                                        operation=op.name)
-            return op
-
-    return Clients()
+    return compute_clients(sim)
 
 
 def _created(env, home, name, *flags):
