@@ -547,3 +547,28 @@ def test_a_tampered_setup_runner_or_setup_script_never_runs(pod):
     assert pod.sh(2, "ls /root/PWNED_sh 2>&1", check=False).endswith("No such file or directory")
     assert remote_sha(pod, 2, f"/root/{runner.path}") == runner.sha256
     assert remote_sha(pod, 2, f"/root/{user.path}") == user.sha256
+
+
+def test_a_copy_joins_only_its_own_prefetch_thread():
+    """Four workers' files are fetched at once, each starting paramiko's prefetch thread: a
+    copy must wait for its own, never another's (which may not have started yet: joining it
+    raised "cannot join thread before it is started" and failed a get in CI)."""
+    import threading
+
+    release = threading.Event()
+
+    class File:
+        def _prefetch_thread(self, *_):
+            release.wait(10)
+
+        def prefetch(self, size):
+            # another worker's copy starts its thread at the same moment
+            threading.Thread(target=File()._prefetch_thread, daemon=True).start()
+            threading.Thread(target=self._prefetch_thread, args=(size,), daemon=True).start()
+
+    mine = File()
+    try:
+        threads = transfer._prefetch(mine, 10)
+        assert [t._target.__self__ for t in threads] == [mine]
+    finally:
+        release.set()

@@ -889,5 +889,8 @@ def _prefetch(src, size: int) -> list[threading.Thread]:
     1 time in 4 when the local disk filled mid-copy): the caller joins it."""
     before = set(threading.enumerate())
     src.prefetch(size)
+    # this file's thread only (its target is a method of ``src``): another worker's copy may
+    # be starting its own at this moment, and joining a thread not yet started raises
+    # "cannot join thread before it is started" (seen once in CI, on a get from four workers)
     return [t for t in threading.enumerate()
-            if t not in before and t.name.endswith("(_prefetch_thread)")]
+            if t not in before and getattr(getattr(t, "_target", None), "__self__", None) is src]
