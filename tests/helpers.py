@@ -155,6 +155,22 @@ def compute_clients(sim: Any) -> Any:
     return Clients()
 
 
+def workers_printing(output: str, pattern: str, count: int) -> set[int]:
+    """The workers whose folded lines in ``output`` match ``pattern`` (a regex searched in
+    the text): ``w[1-3]: text`` is theirs, a line with no label every worker's. However the
+    fold grouped them, each worker's line counts."""
+    from tpufab.nodeset import parse_selection
+
+    found: set[int] = set()
+    for line in output.splitlines():
+        labelled = re.match(r"(w(?:\d+|\[[\d,-]+\])): (.*)", line)
+        text = labelled.group(2) if labelled else line
+        if re.search(pattern, text):
+            found.update(parse_selection(labelled.group(1), count) if labelled
+                         else range(count))
+    return found
+
+
 def unique_name(prefix: str = "t") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
@@ -340,7 +356,7 @@ def settings_env(sim, home: Path) -> dict[str, str]:
             "TPUFAB_KNOWN_HOSTS": str(home / "known_hosts"),
             "TPUFAB_STATE_DIR": str(home / "state"), "TPUFAB_API_RETRIES": "4",
             "TPUFAB_API_RETRY_SECONDS": "20", "TPUFAB_WAIT_TIMEOUT": "120",
-            "TPUFAB_CONNECT_TIMEOUT": "5"}
+            "TPUFAB_CONNECT_TIMEOUT": "10"}
 
 
 def sim_settings(sim, home: Path, **overrides):
