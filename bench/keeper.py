@@ -10,6 +10,9 @@ with `tpufab create` (64: v4-512, 256: v4-2048), then ``rounds`` times, in turn:
 - ``second``: `tpufab exec true` again (through the kept connections);
 - ``status cold`` / ``status second``: `tpufab status` the same two ways.
 
+``--compare BIN``: each ``second`` is also run with the `tpufab` in ``BIN`` (another install of
+the same tpufab, e.g. with another typer), labelled ``(compare)``, in the same rounds.
+
 Whole process, wall time and the client's CPU (user + sys of `tpufab` and its children, from
 getrusage; the keeper is not the command's child, its CPU is given apart, from /proc), and
 the keeper's resident memory at the end. Prints medians as a Markdown table.
@@ -70,7 +73,8 @@ def rss_mib(pids: list[int]) -> float:
     return total / 1024
 
 
-def one_size(size: int, rounds: int) -> dict[str, list[tuple[float, float, float]]]:
+def one_size(size: int, rounds: int, compare: Path | None = None
+             ) -> dict[str, list[tuple[float, float, float]]]:
     from tpufab.sim.daemon import down, up
 
     base = Path(tempfile.mkdtemp(prefix=f"bench-keeper-{size}-"))
@@ -86,10 +90,10 @@ def one_size(size: int, rounds: int) -> dict[str, list[tuple[float, float, float
     tpufab = str(BIN / "tpufab")
     samples: dict[str, list[tuple[float, float, float]]] = {}
 
-    def run(label: str, argv: list[str]) -> None:
+    def run(label: str, argv: list[str], program: str = tpufab) -> None:
         keepers = keeper_pids(runtime)
         before = cpu_of(keepers)
-        wall, cpu, code, tail = timed([tpufab, *argv], env, repo, 1800)
+        wall, cpu, code, tail = timed([program, *argv], env, repo, 1800)
         after = cpu_of(keeper_pids(runtime))  # a keeper this command started counts whole
         kept_cpu = sum(t - before.get(pid, 0.0) for pid, t in after.items())
         if code != 0:
@@ -110,8 +114,12 @@ def one_size(size: int, rounds: int) -> dict[str, list[tuple[float, float, float
             run("exec first", ["exec", "true"])
             time.sleep(0.5)  # a user's pause between two commands
             run("exec second", ["exec", "true"])
+            if compare:
+                run("exec second (compare)", ["exec", "true"], str(compare / "tpufab"))
             run("status cold", ["--keep-alive", "0", "status"])
             run("status second", ["status"])
+            if compare:
+                run("status second (compare)", ["status"], str(compare / "tpufab"))
         samples["keeper RSS MiB"] = [(rss_mib(keeper_pids(runtime)), 0.0, 0.0)]
     finally:
         timed([tpufab, "disconnect"], env, repo, 600)
@@ -126,8 +134,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=int, action="append", choices=[64, 256, 1024])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--compare", type=Path, help="a bin/ folder with another tpufab install")
     args = parser.parse_args()
-    results = {size: one_size(size, args.rounds) for size in args.size or [64]}
+    results = {size: one_size(size, args.rounds, args.compare) for size in args.size or [64]}
     print(f"\nmachine: {os.cpu_count()} cores; load average at the end "
           f"{os.getloadavg()[0]:.1f}; medians of {args.rounds} rounds")
     print("| command | workers | wall s | vs cold | client CPU s | CPU vs cold | keeper CPU s |")
