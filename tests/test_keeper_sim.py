@@ -136,6 +136,32 @@ def test_a_second_command_runs_over_the_kept_connections(node, kept):
         pytest.fail(f"--keep-alive 5m did not use the kept connections: {outputs}")
 
 
+def agents(sim, node) -> dict[int, bool]:
+    """{worker: tpufab's agent runs there} (`python3 -I -S -c` with the loader)."""
+    return {w: bool(in_worker(sim, node.node, w,
+                              "pgrep -f -- '[p]ython3 -I -S -c' || true").strip())
+            for w in (0, 1)}
+
+
+@pytest.mark.sim
+def test_after_a_command_the_keeper_starts_every_workers_agent(sim, node, kept):
+    """The first command on a connection runs on a plain channel, without tpufab's agent;
+    the keeper then starts the agents, so the second command finds them running (it no longer
+    pays for starting them: docs/benchmarks.md, "Kept connections")."""
+    wait_for(lambda: not any(agents(sim, node).values()), 30, 0.1,
+             "the agents of earlier commands to end")
+    sessions(kept)
+    one_keeper(kept)
+    wait_for(lambda: all(agents(sim, node).values()), 30, 0.1,
+             "the keeper to start both workers' agents")
+    off = {**kept, "TPUFAB_KEEP_ALIVE": "0"}      # a command of its own starts none after
+    tpufab("disconnect", env=kept, timeout=60)
+    wait_for(lambda: not any(agents(sim, node).values()), 30, 0.1,
+             "the agents to end with the keeper")
+    sessions(off)
+    assert not any(agents(sim, node).values())
+
+
 @pytest.mark.sim
 def test_a_warm_command_does_not_ask_the_cloud_api(node, kept):
     first = kept_sessions(kept)

@@ -1162,6 +1162,24 @@ class Fanout:
                                     timeout)
             return link.agent
 
+    def start_agents(self) -> int:
+        """Start the agent on every connection this process holds open that has none running
+        yet, one after another, without waiting for any to answer: a keeper does this once a
+        command is done, so the next command finds them started (the first command on a
+        connection runs without one). Returns how many were started; a worker where it fails
+        is left as it was, and its next command says why."""
+        started = 0
+        for worker, link in list(self.links.items()):
+            if self.owner.get(worker, 0) or not link.ready or \
+                    (link.agent is not None and link.agent.alive):
+                continue
+            try:
+                self._agent(link, self.connect_timeout)
+                started += 1
+            except Exception:  # noqa: BLE001,S112 - the next command meets it and says it
+                continue
+        return started
+
     def transport(self, worker: int, *, connect_timeout: float | None = None):
         """An open paramiko Transport to ``worker`` in this process (SFTP, port forwards);
         connects if needed (``connect_timeout`` None: the fan-out's), raising

@@ -594,6 +594,8 @@ class _Server:
             with self.clients_lock:
                 self.clients[me] = send
             serve(self.fanout, inbox, send, stop_at_end=True)
+            # the next command finds every worker's agent running (the first ran without)
+            threading.Thread(target=self.fanout.start_agents, daemon=True).start()
         except (OSError, EOFError, ValueError, TypeError):
             pass
         finally:
