@@ -506,8 +506,9 @@ class Pod:
     # -- health: status, check, babysit, autostop --------------------------------------------
     def status(self, *, timeout: float | None = 60.0) -> Any:
         """`tpufab status`: the node's API state and every worker's facts, and worker 0's
-        autostop view when one is armed. Returns a PodStatus (``.healthy``, ``.rows``,
-        ``.autostop``, ``.to_json()``, ``.render(console)``). ``timeout``: seconds each
+        autostop view when one is armed. Returns a PodStatus (a Report: ``.rows`` every
+        worker's facts, ``.folded`` the table's rows, ``.healthy``, ``.autostop``; shown by
+        tpufab.display.report.show). ``timeout``: seconds each
         worker has to answer (default 60, as the verb; None: the ``command_timeout``
         setting). Raises ApiError when there is no such node."""
         from tpufab.workflows import status

@@ -6,7 +6,7 @@ import json
 from collections.abc import Sequence
 
 from tpufab.display import tables
-from tpufab.verbs.common import WIDE_HELP, chosen_name_note, note, pod_for, settings_from_flags
+from tpufab.verbs.common import WIDE_HELP, chosen_name_note, pod_for, progress, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
 from tpufab.verbs.jobs import RUN_OPTIONS
 
@@ -25,19 +25,17 @@ def status(*, name: str | None = None, as_json: bool = False, wide: bool = False
     seconds a worker has to answer (default 60; connecting at most connect_timeout).
     """
     from tpufab.display.console import stdout
+    from tpufab.display.report import show
 
     settings = settings_from_flags(name=name, zone=zone, project=project,
                                    no_os_login=no_os_login,
                                    jump=jump, timeout=timeout)
-    if not as_json and settings.name:
-        note(f"Pod {chosen_name_note(settings)}", "dim")
+    if not as_json and settings.name:   # which pod is asked, while it is asked
+        progress(f"Pod {chosen_name_note(settings)}")
     found = pod_for(settings).status(timeout=timeout)
-    if as_json:
-        print(json.dumps({**found.to_json(), "autostop": found.autostop}, indent=2))
-    else:
-        if wide:
-            tables.wide(stdout())
-        found.render(stdout())
+    if wide and not as_json:
+        tables.wide(stdout())
+    show(found, as_json=as_json)
     return 0 if found.healthy else 1
 
 
