@@ -594,8 +594,8 @@ class Pod:
     def check(self, *, quick: bool = False, timeout: float = 120.0,
               progress: Any = None) -> Any:
         """`tpufab check`: every worker compared, then (unless ``quick``) a collective across
-        every host (``timeout``: seconds it may take); a report (``.ok``, ``.problems``,
-        ``.lines()``, ``.summary()``, ``.to_json()``). ``progress(message)`` hears the
+        every host (``timeout``: seconds it may take); a CheckReport (a Report: ``.rows`` one
+        per check, ``.ok``, ``.problems``, ``.summary``). ``progress(message)`` hears the
         steps. Raises ConfigError for a timeout that is not above 0."""
         from tpufab.workflows import check
 
