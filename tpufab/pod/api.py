@@ -644,7 +644,9 @@ class Pod:
             on_frame: Any = None) -> Any:
         """`tpufab top`: every worker's CPU, memory, load, run processes and TPU use, sampled
         over ``interval`` seconds in one fan-out a frame, folded where workers agree
-        (``.rows``, ``.to_json()``, ``.render(console)``). ``once``: one frame, returned.
+        (a TopFrame, a Report: ``.rows`` every worker's load, ``.folded`` the table's rows;
+        display.report.show prints it, display.top.follow draws them live). ``once``: one
+        frame, returned.
         Otherwise a frame every ``every`` seconds goes to ``on_frame(frame)`` until Ctrl-C
         (KeyboardInterrupt, left to the caller) and the last is returned. ``timeout``: seconds
         each worker has to answer. ConfigError (one sentence) for an interval outside (0, 30]
