@@ -251,16 +251,17 @@ REPORTS = {"setup": "tpufab.workflows.setup:SetupReport",
            "runs": "tpufab.jobs.history:RunsReport",
            "status": "tpufab.workflows.status:PodStatus",
            "check": "tpufab.workflows.check:CheckReport",
-           "top": "tpufab.workflows.top:TopFrame"}
+           "top": "tpufab.workflows.top:TopFrame",
+           "stacks": "tpufab.workflows.stacks:StacksReport"}
 # Worker verbs whose output is not a report of the step: the workers' own output (exec, run,
 # logs, babysit's followed run), a shell, live forwards.
 NO_REPORT = {"exec", "ssh", "forward", "run", "logs", "babysit"}
 # Not on the one report yet: they still render themselves (.lines() / .to_json()). This set
 # only shrinks.
-REMAINING = {"stacks"}
+REMAINING: set[str] = set()
 # Where classes still render themselves: REMAINING's reports, `ray status` (raycluster.py),
 # and babysit's attempt record (its state file, not a report).
-RENDER_THEMSELVES = {"workflows/stacks.py", "jobs/raycluster.py", "jobs/babysit.py"}
+RENDER_THEMSELVES = {"jobs/raycluster.py", "jobs/babysit.py"}
 # Records of the control plane and of accelerator shapes: no workers in them.
 NOT_WORKER_REPORTS = {"cloud/nodes.py", "cloud/lifecycle.py", "topology.py"}
 RENDERING = ("lines", "to_json", "table", "render", "summary")

@@ -6,7 +6,8 @@ as ``failed: ERROR: MESSAGE`` under its own workers, then the summary sentence o
 the notes on stderr. ``--json`` is the same report as data: the step, ``ok``, the step's own
 fields, the summary, the notes and every row in full. ``folded`` and ``text`` are pure (the
 error details of a failed step are ``text``). A step whose output has a layout of its own
-(status's node lines above its table, check's lines and problems, top's frame) names it as its report's ``view``: that module of
+(status's node lines above its table, check's lines and problems, top's frame, the
+folded stacks) names it as its report's ``view``: that module of
 tpufab.display prints it, human and ``--json`` (``VIEWS``), and ``show`` reaches it all the same.
 """
 
@@ -16,7 +17,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from tpufab.display import check, status, top
+from tpufab.display import check, stacks, status, top
 from tpufab.nodeset import fold
 from tpufab.results import Report
 
@@ -27,7 +28,7 @@ WORKERS = "WORKERS"
 # A report's ``view`` -> the module function that prints it: show(report, as_json=, console=,
 # errors=)
 VIEWS: dict[str, Callable[..., None]] = {"status": status.show, "check": check.show,
-                                         "top": top.show}
+                                         "top": top.show, "stacks": stacks.show}
 
 
 def failure(row: Any) -> str:
@@ -108,9 +109,9 @@ def show(report: Report, *, as_json: bool = False, console: Console | None = Non
     ``console``/``errors``: other consoles than tpufab's stdout and stderr (tests).
 
     The one way to a layout of a step's own: a report whose class sets ``view`` (status, check,
-    top) is
+    top, stacks) is
     printed, human and ``as_json``, by ``VIEWS[view]``, the function of that name's module
-    under tpufab/display (tpufab/display/status.py, check.py, top.py), given the same
+    under tpufab/display (tpufab/display/status.py, check.py, top.py, stacks.py), given the same
     consoles. A stream of reports (top's live frames) is drawn by its view's ``follow``."""
     from tpufab.display.console import print_json, stderr, stdout
     from tpufab.display.terminal import neutralise_text

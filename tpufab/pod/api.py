@@ -611,8 +611,9 @@ class Pod:
                save: bool = True, progress: Any = None) -> Any:
         """`tpufab stacks`: py-spy on every chosen worker at once, against ``run``'s Python
         processes (default: the latest run, while it runs; otherwise every Python process
-        holding the TPU); ``native`` adds C/C++ frames. Returns a StacksReport (``.lines()``
-        folded as `logs` folds, the odd workers first; ``.odd``; ``.to_json()``; ``.check()``
+        holding the TPU); ``native`` adds C/C++ frames. Returns a StacksReport (a Report,
+        a row per worker; display.report.show prints it folded as `logs` folds, the odd
+        workers first; ``.odd``; ``.check()``
         raises StacksError in one sentence: no such run, nothing to dump, py-spy missing and
         not installable). With ``save``, the folded text and the JSON go beside the run's
         local logs (./.tpufab/runs/ID/stacks-TIME.txt and .json; ./.tpufab/stacks/ without a
