@@ -49,6 +49,7 @@ def main() -> int:
 
     from tpufab.cloud import lifecycle
     from tpufab.config import load_settings
+    from tpufab.display import top as top_view
     from tpufab.pod import connection as pods
     from tpufab.sim.daemon import down, up
     from tpufab.workflows import top
@@ -73,10 +74,10 @@ def main() -> int:
             cpu0, t0 = cpu_self(), time.perf_counter()
             got = top.frame(pod, interval=args.interval)
             seconds, cpu = time.perf_counter() - t0, cpu_self() - cpu0
-            assert all(w.reachable for w in got.loads.values()), got.to_json()
-            warm.append((seconds, cpu, len(got.rows)))
+            assert got.ok, top_view.to_json(got)
+            warm.append((seconds, cpu, len(got.folded)))
             print(f"warm frame {n + 1}: {seconds:.2f} s wall, {cpu:.3f} s client CPU, "
-                  f"{len(got.rows)} rows")
+                  f"{len(got.folded)} rows")
         kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "tpufab.cli", "top", "--once",

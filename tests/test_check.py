@@ -17,15 +17,15 @@ import pytest
 from harness import connected_pod
 from helpers import on_workers, tpufab, unique_name
 
+from tpufab.display.check import report_lines
 from tpufab.workflows.check import (
+    CheckReport,
     Promise,
-    Report,
     check_clock,
     clock_skew,
     judge_collective,
     parse_collective,
     quick_results,
-    report_lines,
 )
 from tpufab.workflows.status import (
     Deployed,
@@ -74,9 +74,9 @@ def healthy(w: int, **changes) -> WorkerFacts:
 
 
 def judge(facts, **kw):
-    report = Report("pod", "v4-32", sorted(facts))
-    report.results = quick_results(facts, expected_devices={w: ACCEL for w in facts},
-                                   before=999.9, after=1000.2, **kw)
+    report = CheckReport("pod", "v4-32", sorted(facts))
+    report.rows = quick_results(facts, expected_devices={w: ACCEL for w in facts},
+                                before=999.9, after=1000.2, **kw)
     return report
 
 
@@ -395,7 +395,7 @@ def test_ray_is_judged_from_the_workers_raylets_and_unsaid_where_ray_is_not_used
     def ray(head: bool, gcs: str = "10.0.0.1:6379", raylet: int | None = 7) -> dict:
         return {"raylet": raylet, "head": head, "gcs_address": gcs, "node_ip": None}
 
-    assert not any(r.check == "ray" for r in judge({w: healthy(w) for w in range(4)}).results)
+    assert not any(r.check == "ray" for r in judge({w: healthy(w) for w in range(4)}).rows)
     up = {w: healthy(w, ray=ray(w == 0)) for w in range(4)}
     assert "ok    ray        up, head w0, 4/4 hosts joined" in report_lines(judge(up))
     # w2's raylet is gone, w3's talks to another GCS

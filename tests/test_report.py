@@ -118,3 +118,43 @@ def test_runs_are_the_pods_own_rows_under_their_columns_and_json():
     assert [u["worker"] for u in data["unreachable"]] == [2]
     empty = RunsReport(statuses={0: WorkerRuns(0)})
     assert shown(empty)[0] == "No runs on w0 yet; start one with `tpufab run RECIPE`.\n"
+
+
+def test_a_report_with_a_view_is_printed_by_its_view_human_and_json():
+    from tpufab.workflows.top import TopFrame, WorkerLoad
+
+    frame = TopFrame("demo", 1000.0, 1.5, 1.0,
+                     rows=[WorkerLoad(0, True), WorkerLoad(1, True),
+                           WorkerLoad(2, False, error="connection refused")])
+    assert not frame.ok and [r.label for r in frame.folded] == ["w[0-1]", "w2"]
+    out, err = shown(frame)
+    lines = out.splitlines()
+    assert lines[0].startswith("demo: 3 workers at ") and not err
+    assert lines[1].split()[:2] == ["WORKERS", "STATE"]
+    assert [line.split()[:2] for line in lines[2:]] == [["w[0-1]", "idle"],
+                                                         ["w2", "unreachable"]]
+    data = json.loads(shown(frame, as_json=True)[0])
+    assert [r["workers"] for r in data["rows"]] == ["w[0-1]", "w2"]     # the documented shape
+    assert [w["worker"] for w in data["workers"]] == [0, 1, 2] and "step" not in data
+
+
+def test_top_follow_draws_each_frame_until_ctrl_c_and_returns_the_last():
+    from tpufab.display.top import follow
+    from tpufab.workflows.top import TopFrame, WorkerLoad
+
+    frames = [TopFrame("demo", 1000.0 + n, 1.0, 1.0, rows=[WorkerLoad(0, True)])
+              for n in range(3)]
+
+    def watch(on_frame):
+        for frame in frames:
+            on_frame(frame)
+        raise KeyboardInterrupt
+
+    out = Console(file=io.StringIO(), width=120)
+    assert follow(watch, as_json=True, console=out) is frames[-1]
+    lines = out.file.getvalue().splitlines()
+    assert [json.loads(line)["taken_at"] for line in lines] == [1000.0, 1001.0, 1002.0]
+    live = Console(file=io.StringIO(), width=120, force_terminal=True)
+    assert follow(watch, as_json=False, console=live) is frames[-1]
+    assert "Ctrl-C to stop." in live.file.getvalue()
+    assert follow(lambda on_frame: None, as_json=True, console=out) is None

@@ -248,17 +248,20 @@ REPORTS = {"setup": "tpufab.workflows.setup:SetupReport",
            "umount": "tpufab.workflows.mount:MountReport",
            "kill": "tpufab.workflows.killing:KillResult",
            "autostop": "tpufab.workflows.autostop:AutostopReport",
-           "runs": "tpufab.jobs.history:RunsReport"}
+           "runs": "tpufab.jobs.history:RunsReport",
+           "status": "tpufab.workflows.status:PodStatus",
+           "check": "tpufab.workflows.check:CheckReport",
+           "top": "tpufab.workflows.top:TopFrame",
+           "stacks": "tpufab.workflows.stacks:StacksReport"}
 # Worker verbs whose output is not a report of the step: the workers' own output (exec, run,
 # logs, babysit's followed run), a shell, live forwards.
 NO_REPORT = {"exec", "ssh", "forward", "run", "logs", "babysit"}
 # Not on the one report yet: they still render themselves (.lines() / .to_json()). This set
 # only shrinks.
-REMAINING = {"check", "status", "top", "stacks"}
+REMAINING: set[str] = set()
 # Where classes still render themselves: REMAINING's reports, `ray status` (raycluster.py),
 # and babysit's attempt record (its state file, not a report).
-RENDER_THEMSELVES = {"workflows/check.py", "workflows/status.py", "workflows/top.py",
-                     "workflows/stacks.py", "jobs/raycluster.py", "jobs/babysit.py"}
+RENDER_THEMSELVES = {"jobs/raycluster.py", "jobs/babysit.py"}
 # Records of the control plane and of accelerator shapes: no workers in them.
 NOT_WORKER_REPORTS = {"cloud/nodes.py", "cloud/lifecycle.py", "topology.py"}
 RENDERING = ("lines", "to_json", "table", "render", "summary")
@@ -286,6 +289,17 @@ def test_a_worker_verbs_report_is_the_one_type_and_renders_nothing_itself(verb):
     own = [name for klass in cls.__mro__ if klass not in Report.__mro__
            for name, value in vars(klass).items() if name in RENDERING and callable(value)]
     assert not own, f"{cls.__name__} renders itself ({own}): tpufab.display.report does"
+
+
+@pytest.mark.parametrize("verb", sorted(REPORTS))
+def test_a_report_with_a_layout_of_its_own_names_a_view_the_renderer_has(verb):
+    """One way to a step's own layout: its report's ``view``, a key of display.report.VIEWS
+    (whose function lives in a module of tpufab/display); no view: the generic table."""
+    from tpufab.display.report import VIEWS
+
+    cls = _report_class(REPORTS[verb])
+    assert cls.view == "" or cls.view in VIEWS, f"{cls.__name__}.view {cls.view!r} is not shown"
+    assert all(fn.__module__.startswith("tpufab.display.") for fn in VIEWS.values())
 
 
 def _printing_calls(fn) -> list[str]:

@@ -28,6 +28,7 @@ from helpers import (
     wait_for,
 )
 
+from tpufab.display import status as status_view
 from tpufab.remote import facts
 from tpufab.ssh.remote_files import read_answer
 from tpufab.workflows import status as st
@@ -53,7 +54,7 @@ def test_parse_facts_reads_every_field():
     assert f.mounts[0].driver == "gcsfuse" and f.mounts[0].what == "gs://bucket/prefix"
     assert f.setup[0].done and f.disk[0].free_bytes == 80 * GiB
     assert f.memory_total == 400 * GiB and not f.memory_low
-    assert f.to_json()["devices"][0]["busy"] is True
+    assert status_view.facts_json(f)["devices"][0]["busy"] is True
 
 
 @pytest.mark.parametrize("result,reason", [
@@ -108,7 +109,7 @@ def test_sixty_four_workers_fold_into_three_rows():
     assert rows[0].tpu == "4 free" and rows[0].state == "up 2h00m..2h01m"
     assert rows[1].tpu.startswith("1/2 busy: python3 train.py")
     assert rows[2].state == "unreachable: connection refused" and not rows[2].ok
-    assert rows[0].to_json()["worker_ids"] == [w for w in range(63) if w != 17]
+    assert status_view.row_json(rows[0])["worker_ids"] == [w for w in range(63) if w != 17]
 
 
 def test_a_rebooted_worker_and_low_disk_get_their_own_rows():
@@ -130,10 +131,10 @@ def test_a_full_disk_is_named_in_one_sentence():
     full = [{"path": "/home/u", "free_bytes": 0, "total_bytes": GiB},
             {"path": "/tmp", "free_bytes": 10 << 20, "total_bytes": GiB}]
     workers = {w: facts_of(w) for w in range(4)}
-    assert st.full_disk_line(workers) is None
+    assert status_view.full_disk_line(workers) is None
     workers[1] = facts_of(1, disk=full)
     workers[3] = facts_of(3, disk=full[:1])
-    assert st.full_disk_line(workers) == (
+    assert status_view.full_disk_line(workers) == (
         "Disk full on w[1,3] (/home/u, /tmp): setup, deploy and run fail there until you "
         "free space (kill and status still work).")
 
@@ -142,7 +143,7 @@ def test_holder_lines_fold_by_command():
     workers = {w: facts_of(w, devices=[{"path": "/dev/accel0", "holders": [
         {"pid": 100 + w, "command": "python3 train.py"}]}]) for w in range(3)}
     workers[3] = facts_of(3, devices=[{"path": "/dev/accel0", "holders": []}])
-    assert st.holder_lines(workers, shown=2) == [
+    assert status_view.holder_lines(workers, shown=2) == [
         "python3 train.py: w[0-2] (w0 pid 100, w1 pid 101, +1 more (see --json))"]
 
 
@@ -281,8 +282,8 @@ def test_status_folds_agreeing_workers_and_singles_out_the_odd_one(sim, node, si
                    "~/proj/.git/HEAD && echo " + "c" * 40 + " > ~/proj/.git/refs/heads/main",
                    check=True)
     found = st.collect(settings, deploy_dirs=["~/proj"])
-    assert found.healthy and [r.label for r in found.rows] == ["w[0-3]"]
-    row = found.rows[0]
+    assert found.healthy and [r.label for r in found.folded] == ["w[0-3]"]
+    row = found.folded[0]
     assert row.tpu == "4 free" and row.commit == "c" * 12 and row.runs == "-"
     assert found.nodes[0].state == "READY" and found.nodes[0].health == "HEALTHY"
 
@@ -296,8 +297,8 @@ def test_status_folds_agreeing_workers_and_singles_out_the_odd_one(sim, node, si
             return got if got.workers[1].busy_devices else None
 
         found = wait_for(busy, 20, what="w1's holder to show")
-        assert [r.label for r in found.rows] == ["w[0,2-3]", "w1"]
-        assert found.rows[1].tpu.startswith("1/4 busy: python3 -c import signal")
+        assert [r.label for r in found.folded] == ["w[0,2-3]", "w1"]
+        assert found.folded[1].tpu.startswith("1/4 busy: python3 -c import signal")
         holder = found.workers[1].busy_devices[0].holders[0]
         assert holder.pid == pid and found.workers[1].busy_devices[0].path == "/dev/accel0"
         assert run(status_verb, name=settings.name, as_json=True) == 0
@@ -313,8 +314,8 @@ def test_status_folds_agreeing_workers_and_singles_out_the_odd_one(sim, node, si
     sim_admin.set_reachable(settings.name, 3, False)
     try:
         found = st.collect(settings, deploy_dirs=["~/proj"])
-        assert [r.label for r in found.rows] == ["w[0-2]", "w3"]
-        assert found.rows[1].state == "unreachable: connection refused"
+        assert [r.label for r in found.folded] == ["w[0-2]", "w3"]
+        assert found.folded[1].state == "unreachable: connection refused"
         assert found.unreachable == [3] and not found.healthy
         assert run(status_verb, name=settings.name) == 1
         out = capsys.readouterr().out
@@ -340,20 +341,20 @@ def test_status_shows_a_running_run_and_finished_ones(sim, node):
                          pod.workers)
     assert all(r.exit_code == 0 for r in started.values()), started
     found = st.collect(settings, deploy_dirs=[])
-    assert [r.label for r in found.rows] == ["w[0-3]"]
-    assert found.rows[0].runs == f"running {run_id} (wait.sh)"
+    assert [r.label for r in found.folded] == ["w[0-3]"]
+    assert found.folded[0].runs == f"running {run_id} (wait.sh)"
     pod.fanout.run("touch ~/go-x", workers=[0, 1, 2], check=True)
 
     def ended():
         got = st.collect(settings, deploy_dirs=[])
-        return got if len(got.rows) == 2 else None
+        return got if len(got.folded) == 2 else None
 
     found = wait_for(ended, 20, what="w[0-2]'s run to end")
-    assert [r.label for r in found.rows] == ["w[0-2]", "w3"]
-    assert found.rows[0].runs == f"last {run_id} exit 0"
-    assert found.rows[1].runs == f"running {run_id} (wait.sh)"
+    assert [r.label for r in found.folded] == ["w[0-2]", "w3"]
+    assert found.folded[0].runs == f"last {run_id} exit 0"
+    assert found.folded[1].runs == f"running {run_id} (wait.sh)"
     pod.fanout.run("touch ~/go-x", workers=[3], check=True)
-    wait_for(lambda: len(st.collect(settings, deploy_dirs=[]).rows) == 1, 20,
+    wait_for(lambda: len(st.collect(settings, deploy_dirs=[]).folded) == 1, 20,
              what="w3's run to end")
 
 
@@ -372,8 +373,8 @@ def test_status_of_a_preempted_node_shows_the_api_state(sim, sim_admin, tmp_path
         found = st.collect(settings)
         assert found.nodes[0].state == "PREEMPTED" and not found.healthy
         assert "is PREEMPTED: its workers were not asked" in found.note
-        assert [r.label for r in found.rows] == ["w[0-1]"]
-        assert found.rows[0].state == "unreachable: node PREEMPTED"
+        assert [r.label for r in found.folded] == ["w[0-1]"]
+        assert found.folded[0].state == "unreachable: node PREEMPTED"
         assert run(status_verb, name=settings.name) == 1
         out = capsys.readouterr().out
         assert f"{settings.name} is PREEMPTED" in out and "tpufab babysit" in out

@@ -9,6 +9,7 @@ from rich.console import Console
 
 from tpufab.cloud import lifecycle
 from tpufab.cloud.nodes import Node, WorkerEndpoint
+from tpufab.display import status as status_view
 from tpufab.display import tables
 from tpufab.workflows import status as st
 
@@ -29,26 +30,26 @@ def busy_status() -> st.PodStatus:
             {"path": "/dev/accel1", "holders": []}]
     workers = {w: facts_of(w) for w in range(4)}
     workers[2] = facts_of(2, devices=busy)
-    return st.PodStatus(name="pod", workers=workers)
+    return st.PodStatus(name="pod", rows=list(workers.values()))
 
 
 def test_a_busy_workers_long_holder_stays_on_its_row():
     status = busy_status()
-    assert [r.label for r in status.rows] == ["w[0-1,3]", "w2"]
+    assert [r.label for r in status.folded] == ["w[0-1,3]", "w2"]
     for width in (100, 120, 160):
-        lines = printed(lambda c: st.table(status, c), width)
+        lines = printed(lambda c: status_view.table(status, c), width)
         assert len(lines) == 3, lines            # the header and one line per row: no wrap
         assert all(len(line) <= width for line in lines), lines
         assert lines[1].startswith("w[0-1,3] ") and lines[2].startswith("w2 ")
-        assert "…" in lines[2] and status.rows[1].tpu not in lines[2]
+        assert "…" in lines[2] and status.folded[1].tpu not in lines[2]
         assert lines[0].split()[:3] == ["WORKERS", "STATE", "TPU"]
 
 
 def test_wide_shows_every_value_in_full():
     status = busy_status()
-    cell = status.rows[1].tpu          # the holder's command as status words it
+    cell = status.folded[1].tpu          # the holder's command as status words it
     assert cell.startswith("1/2 busy: python3 -I -S /home/me/.cache/tpufab/") and len(cell) > 40
-    lines = printed(lambda c: st.table(status, c), 100, wide=True)
+    lines = printed(lambda c: status_view.table(status, c), 100, wide=True)
     assert len(lines) == 3 and cell in lines[2] and "…" not in "".join(lines)
 
 
@@ -76,6 +77,6 @@ def test_a_table_that_fits_is_left_alone_and_the_widest_column_gives_first():
 
 def test_a_terminal_too_narrow_for_the_floors_keeps_every_column_and_the_names_whole():
     status = busy_status()
-    lines = printed(lambda c: st.table(status, c), 40)
+    lines = printed(lambda c: status_view.table(status, c), 40)
     assert len(lines) == 3 and lines[0].startswith("WORKERS ") and lines[1].startswith("w[0-1,3] ")
     assert lines[0].split()[-1] == "MEMORY"           # no column dropped

@@ -110,9 +110,9 @@ def test_pod_status_honours_its_timeout_on_a_connection_already_open(sim, pod4):
     # before: Pod.status took no timeout, and the open fan-out had none: it waited for ever
     assert took < 25, took
     assert found.unreachable == [1] and not found.healthy
-    assert [r.label for r in found.rows] == ["w[0,2-3]", "w1"]
-    assert "no answer" in found.rows[1].state or "timed out" in found.rows[1].state, \
-        found.rows[1].state
+    assert [r.label for r in found.folded] == ["w[0,2-3]", "w1"]
+    assert "no answer" in found.folded[1].state or "timed out" in found.folded[1].state, \
+        found.folded[1].state
 
 
 @pytest.mark.sim

@@ -104,6 +104,10 @@ class Report:
     # the columns alone; the workers it concerns are in its cells
     per_worker: bool = True
 
+    # A layout of the step's own (a module of tpufab.display, VIEWS in display.report); "":
+    # the rows as the table or lines above
+    view: ClassVar[str] = ""
+
     SHAPE: ClassVar[tuple[str, ...]] = ("step", "rows", "columns", "lines", "prefix", "summary",
                                         "notes", "per_worker")
 

@@ -448,6 +448,24 @@ class MultisliceInfo:
 AUTOSTOP_KEY = "tpufab-autostop"
 
 
+def describe_autostop(pol: Mapping[str, Any] | None, *, fires_at: float | None = None) -> str:
+    """An autostop policy (node metadata ``AUTOSTOP_KEY``) in words: ``deletes the pod after
+    30m idle, or at 2026-11-28 14:05:00 at the latest (TTL)``."""
+    if not pol:
+        return "off"
+    parts = []
+    if pol.get("idle"):
+        parts.append(f"deletes the pod after {human_duration(pol['idle'])} idle")
+    if pol.get("ttl_at"):
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(pol["ttl_at"]))
+        parts.append(f"{'or ' if parts else 'deletes the pod '}at {at} at the latest (TTL)")
+    text = ", ".join(parts)
+    if fires_at:
+        text += f"; fires at {time.strftime('%H:%M:%S', time.localtime(fires_at))} if nothing " \
+                "starts"
+    return text
+
+
 def autostop_cell(metadata: Mapping[str, str]) -> str:
     """The AUTOSTOP column of `tpufab list`, from node metadata."""
     raw = metadata.get(AUTOSTOP_KEY)

@@ -36,6 +36,15 @@ def stderr() -> Console:
     return _make_console(stderr=True)
 
 
+def print_json(data: Any, console: Console) -> None:
+    """``data`` as indented JSON on ``console``, as it is (no markup, no wrapping); what a
+    value JSON does not know (a datetime) as its text."""
+    import json
+
+    console.print(json.dumps(data, indent=2, default=str), markup=False, highlight=False,
+                  emoji=False, soft_wrap=True)
+
+
 def debug_enabled(flag: bool = False) -> bool:
     return flag or os.environ.get("TPUFAB_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
 

@@ -5,15 +5,19 @@ fold into one line under their workers (``w[0-3]``, first worker first), a faile
 as ``failed: ERROR: MESSAGE`` under its own workers, then the summary sentence on stdout and
 the notes on stderr. ``--json`` is the same report as data: the step, ``ok``, the step's own
 fields, the summary, the notes and every row in full. ``folded`` and ``text`` are pure (the
-error details of a failed step are ``text``).
+error details of a failed step are ``text``). A step whose output has a layout of its own
+(status's node lines above its table, check's lines and problems, top's frame, the
+folded stacks) names it as its report's ``view``: that module of
+tpufab.display prints it, human and ``--json`` (``VIEWS``), and ``show`` reaches it all the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from tpufab.display import check, stacks, status, top
 from tpufab.nodeset import fold
 from tpufab.results import Report
 
@@ -21,6 +25,10 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 WORKERS = "WORKERS"
+# A report's ``view`` -> the module function that prints it: show(report, as_json=, console=,
+# errors=)
+VIEWS: dict[str, Callable[..., None]] = {"status": status.show, "check": check.show,
+                                         "top": top.show, "stacks": stacks.show}
 
 
 def failure(row: Any) -> str:
@@ -98,14 +106,22 @@ def show(report: Report, *, as_json: bool = False, console: Console | None = Non
          errors: Console | None = None) -> None:
     """Print ``report``: its rows folded (a table under WORKERS, or lines), its summary on
     stdout and its notes on stderr; or, ``as_json``, the whole of it as JSON on stdout.
-    ``console``/``errors``: other consoles than tpufab's stdout and stderr (tests)."""
-    from tpufab.display.console import stderr, stdout
+    ``console``/``errors``: other consoles than tpufab's stdout and stderr (tests).
+
+    The one way to a layout of a step's own: a report whose class sets ``view`` (status, check,
+    top, stacks) is
+    printed, human and ``as_json``, by ``VIEWS[view]``, the function of that name's module
+    under tpufab/display (tpufab/display/status.py, check.py, top.py, stacks.py), given the same
+    consoles. A stream of reports (top's live frames) is drawn by its view's ``follow``."""
+    from tpufab.display.console import print_json, stderr, stdout
     from tpufab.display.terminal import neutralise_text
 
     console = console or stdout()
+    if report.view:
+        VIEWS[report.view](report, as_json=as_json, console=console, errors=errors or stderr())
+        return
     if as_json:
-        console.print(json.dumps(to_json(report), indent=2, default=str), markup=False,
-                      highlight=False, emoji=False, soft_wrap=True)
+        print_json(to_json(report), console)
         return
     if report.columns and report.rows:
         if report.lines:

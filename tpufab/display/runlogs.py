@@ -77,10 +77,3 @@ def print_folded(per_worker: Mapping[int, Sequence[str]]) -> None:
     sys.stdout.flush()
 
 
-def print_stacks(lines: Sequence[str]) -> None:
-    """`tpufab stacks`' folded view on stdout (made safe to show)."""
-    from tpufab.display.terminal import neutralise_text
-
-    for line in lines:
-        sys.stdout.write(neutralise_text(line) + "\n")
-    sys.stdout.flush()

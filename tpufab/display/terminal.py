@@ -65,6 +65,19 @@ def _line(line: str, color: bool) -> str:
     return _DANGER.sub(_visible, line)
 
 
+def relative_path(path: Any) -> str:
+    """``path`` from the current directory when it is below it, else as it is ("" for
+    None): how tpufab names a local file it wrote."""
+    from pathlib import Path
+
+    if path is None:
+        return ""
+    try:
+        return str(Path(path).relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def neutralise_text(text: str, *, color: bool = False) -> str:
     """``text`` (any number of lines) with control sequences made harmless."""
     if not _DANGER.search(text):

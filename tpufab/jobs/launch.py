@@ -567,9 +567,11 @@ def execute(p: LaunchPlan, launch: Launch, open_pod, *, zones: Sequence[str] | N
                     "0 (a SkyPilot setup runs as SkyPilot runs it), so the run starts, but the "
                     "setup is not recorded as done: the next launch runs it again.", "yellow")
     if p.idle:   # armed once the pod is set up: deploy, mounts and setup are not idle
+        from tpufab.cloud.nodes import describe_autostop
+
         with step("autostop"):
             state = autostop.arm(pod, p.settings, idle=p.idle)
-            say(f"Autostop: {autostop.describe(state)}.")
+            say(f"Autostop: {describe_autostop(state)}.")
     if p.ray:   # the run is the Ray job that `ray_job` submits and follows
         from tpufab.jobs import raycluster
 

@@ -229,14 +229,17 @@ class StallHandler:
         said = self.signal(silence)
         self.say(f"{said[0].upper()}{said[1:]} ({flag}): taking every worker's stacks ...",
                  "yellow")
+        from tpufab.display import stacks as view
+        from tpufab.display.terminal import relative_path
+
         report: Any = self.take_stacks()
         self.odd = list(report.odd)
         if report.saved:
-            self.saved = _relative(report.saved[0])
+            self.saved = relative_path(report.saved[0])
         if report.dumped and report.processes:
-            self.show(report.lines())
+            self.show(view.lines(report))
         else:
-            for line in report.lines():
+            for line in view.lines(report):
                 self.say(line, "dim")
         where = f"; stacks saved to {self.saved}" if self.saved else ""
         odd = (f"{nodeset.fold(self.odd)} differ{'s' if len(self.odd) == 1 else ''} from the "
@@ -265,11 +268,3 @@ class StallHandler:
                           f"{nodeset.fold(self.workers)} (--stall-action {self.action}).",
                           exit_code=EXIT_STALLED)
 
-
-def _relative(path) -> str:
-    from pathlib import Path
-
-    try:
-        return str(Path(path).relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)

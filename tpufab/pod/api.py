@@ -506,8 +506,9 @@ class Pod:
     # -- health: status, check, babysit, autostop --------------------------------------------
     def status(self, *, timeout: float | None = 60.0) -> Any:
         """`tpufab status`: the node's API state and every worker's facts, and worker 0's
-        autostop view when one is armed. Returns a PodStatus (``.healthy``, ``.rows``,
-        ``.autostop``, ``.to_json()``, ``.render(console)``). ``timeout``: seconds each
+        autostop view when one is armed. Returns a PodStatus (a Report: ``.rows`` every
+        worker's facts, ``.folded`` the table's rows, ``.healthy``, ``.autostop``; shown by
+        tpufab.display.report.show). ``timeout``: seconds each
         worker has to answer (default 60, as the verb; None: the ``command_timeout``
         setting). Raises ApiError when there is no such node."""
         from tpufab.workflows import status
@@ -593,8 +594,8 @@ class Pod:
     def check(self, *, quick: bool = False, timeout: float = 120.0,
               progress: Any = None) -> Any:
         """`tpufab check`: every worker compared, then (unless ``quick``) a collective across
-        every host (``timeout``: seconds it may take); a report (``.ok``, ``.problems``,
-        ``.lines()``, ``.summary()``, ``.to_json()``). ``progress(message)`` hears the
+        every host (``timeout``: seconds it may take); a CheckReport (a Report: ``.rows`` one
+        per check, ``.ok``, ``.problems``, ``.summary``). ``progress(message)`` hears the
         steps. Raises ConfigError for a timeout that is not above 0."""
         from tpufab.workflows import check
 
@@ -610,8 +611,9 @@ class Pod:
                save: bool = True, progress: Any = None) -> Any:
         """`tpufab stacks`: py-spy on every chosen worker at once, against ``run``'s Python
         processes (default: the latest run, while it runs; otherwise every Python process
-        holding the TPU); ``native`` adds C/C++ frames. Returns a StacksReport (``.lines()``
-        folded as `logs` folds, the odd workers first; ``.odd``; ``.to_json()``; ``.check()``
+        holding the TPU); ``native`` adds C/C++ frames. Returns a StacksReport (a Report,
+        a row per worker; display.report.show prints it folded as `logs` folds, the odd
+        workers first; ``.odd``; ``.check()``
         raises StacksError in one sentence: no such run, nothing to dump, py-spy missing and
         not installable). With ``save``, the folded text and the JSON go beside the run's
         local logs (./.tpufab/runs/ID/stacks-TIME.txt and .json; ./.tpufab/stacks/ without a
@@ -643,7 +645,9 @@ class Pod:
             on_frame: Any = None) -> Any:
         """`tpufab top`: every worker's CPU, memory, load, run processes and TPU use, sampled
         over ``interval`` seconds in one fan-out a frame, folded where workers agree
-        (``.rows``, ``.to_json()``, ``.render(console)``). ``once``: one frame, returned.
+        (a TopFrame, a Report: ``.rows`` every worker's load, ``.folded`` the table's rows;
+        display.report.show prints it, display.top.follow draws them live). ``once``: one
+        frame, returned.
         Otherwise a frame every ``every`` seconds goes to ``on_frame(frame)`` until Ctrl-C
         (KeyboardInterrupt, left to the caller) and the last is returned. ``timeout``: seconds
         each worker has to answer. ConfigError (one sentence) for an interval outside (0, 30]

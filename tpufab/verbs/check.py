@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tpufab.verbs.common import note, pod_for, print_json, say, settings_from_flags
+from tpufab.verbs.common import note, pod_for, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
 
 
@@ -21,14 +21,11 @@ def check(*, name: str | None = None, quick: bool = False, as_json: bool = False
 
     Exit code 0 when every check passed, 1 otherwise (one line per problem, with its fix).
     """
+    from tpufab.display.report import show
+
     settings = settings_from_flags(name=name, zone=zone, project=project,
                                    no_os_login=no_os_login, jump=jump)
     report = pod_for(settings).check(quick=quick, timeout=timeout,
                                      progress=None if as_json else lambda m: note(m, "dim"))
-    if as_json:
-        print_json(report.to_json())
-        return 0 if report.ok else 1
-    for line in report.lines():
-        say(line)
-    note(report.summary(), None if report.ok else "bold red")
+    show(report, as_json=as_json)
     return 0 if report.ok else 1

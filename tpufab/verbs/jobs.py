@@ -6,8 +6,8 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
+from tpufab.display.terminal import relative_path
 from tpufab.errors import ConfigError, TpufabError
 from tpufab.verbs.common import note, pod_for, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
@@ -153,7 +153,7 @@ def _follow_run(run, on_interrupt: str | None, raw: bool = False, *,
         raise watch.verdict()
     if states is None:
         return _interrupted(run, on_interrupt)
-    note(run.finished(states, seconds=time.monotonic() - began, kept=_relative(copy_dir)))
+    note(run.finished(states, seconds=time.monotonic() - began, kept=relative_path(copy_dir)))
     return 0
 
 
@@ -182,15 +182,6 @@ def _watch_stall(run, view, seconds: float, action: str, progress_file: str | No
 
     return run.watch_stall(view, seconds=seconds, action=action, say=note, show=show,
                            progress_file=progress_file)
-
-
-def _relative(path: Path | None) -> str:
-    if path is None:
-        return ""
-    try:
-        return str(path.relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
 
 
 def ask_on_interrupt(run_id: str) -> str:
@@ -347,21 +338,12 @@ def stacks(*, run: str | None = None, native: bool = False, worker: str = "all",
     .json). A process py-spy cannot attach to is named with the reason and the fix.
 
     ``timeout``: seconds each worker may take (default 60)."""
-    import json
+    from tpufab.display.report import show
 
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
                                       no_os_login=no_os_login, jump=jump, timeout=timeout))
     report = pod.stacks(run=run, native=native, workers=worker, timeout=timeout,
                         progress=note)
-    if as_json:
-        print(json.dumps(report.to_json(), indent=2, sort_keys=True))
-        report.check()
-        return 0
-    from tpufab.display.runlogs import print_stacks
-
-    if report.processes:      # else the one sentence of check() says it all
-        print_stacks(report.lines())
-    if report.saved:
-        note(f"Saved to {_relative(report.saved[0])} (and .json).", "dim")
+    show(report, as_json=as_json)
     report.check()
     return 0

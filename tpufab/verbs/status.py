@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
 from tpufab.display import tables
-from tpufab.verbs.common import WIDE_HELP, chosen_name_note, note, pod_for, settings_from_flags
+from tpufab.verbs.common import WIDE_HELP, chosen_name_note, pod_for, progress, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
 from tpufab.verbs.jobs import RUN_OPTIONS
 
@@ -25,19 +24,17 @@ def status(*, name: str | None = None, as_json: bool = False, wide: bool = False
     seconds a worker has to answer (default 60; connecting at most connect_timeout).
     """
     from tpufab.display.console import stdout
+    from tpufab.display.report import show
 
     settings = settings_from_flags(name=name, zone=zone, project=project,
                                    no_os_login=no_os_login,
                                    jump=jump, timeout=timeout)
-    if not as_json and settings.name:
-        note(f"Pod {chosen_name_note(settings)}", "dim")
+    if not as_json and settings.name:   # which pod is asked, while it is asked
+        progress(f"Pod {chosen_name_note(settings)}")
     found = pod_for(settings).status(timeout=timeout)
-    if as_json:
-        print(json.dumps({**found.to_json(), "autostop": found.autostop}, indent=2))
-    else:
-        if wide:
-            tables.wide(stdout())
-        found.render(stdout())
+    if wide and not as_json:
+        tables.wide(stdout())
+    show(found, as_json=as_json)
     return 0 if found.healthy else 1
 
 
@@ -130,42 +127,18 @@ def top(*, once: bool = False, every: float = 3.0, interval: float = 1.0, worker
     One fan-out a frame; workers whose values agree share a row, the outliers get their own.
     Ctrl-C stops it. Exit code 0 when every worker answered (the last frame), 1 otherwise.
     """
-    from tpufab.display.console import stdout
+    from tpufab.display.report import show
+    from tpufab.display.top import follow
 
     settings = settings_from_flags(name=name, zone=zone, project=project,
                                    no_os_login=no_os_login, jump=jump, timeout=timeout)
     pod = pod_for(settings)
-    console = stdout()
     if once:
         frame = pod.top(once=True, every=every, interval=interval, workers=worker,
                         timeout=timeout)
-        if as_json:
-            print(json.dumps(frame.to_json(), indent=2))
-        else:
-            console.print(frame.render(console))
-        return 0 if all(w.reachable for w in frame.loads.values()) else 1
-    last = []
-    if as_json:
-        def show(frame) -> None:
-            last[:] = [frame]
-            print(json.dumps(frame.to_json(), separators=(",", ":")), flush=True)
-
-        try:
-            pod.top(every=every, interval=interval, workers=worker, timeout=timeout,
-                    on_frame=show)
-        except KeyboardInterrupt:
-            pass
-    else:
-        from rich.live import Live
-
-        with Live(console=console, auto_refresh=False, transient=False) as live:
-            def draw(frame) -> None:
-                last[:] = [frame]
-                live.update(frame.render(console, live=True), refresh=True)
-
-            try:
-                pod.top(every=every, interval=interval, workers=worker, timeout=timeout,
-                        on_frame=draw)
-            except KeyboardInterrupt:
-                pass
-    return 0 if not last or all(w.reachable for w in last[0].loads.values()) else 1
+        show(frame, as_json=as_json)
+        return 0 if frame.ok else 1
+    last = follow(lambda on_frame: pod.top(every=every, interval=interval, workers=worker,
+                                           timeout=timeout, on_frame=on_frame),
+                  as_json=as_json)
+    return 0 if last is None or last.ok else 1

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tpufab.cloud.nodes import AUTOSTOP_KEY
+from tpufab.cloud.nodes import AUTOSTOP_KEY, describe_autostop
 from tpufab.errors import ConfigError, NotFound, TpufabError
 from tpufab.results import Report
 from tpufab.ssh.remote_files import (
@@ -107,25 +107,6 @@ def compute_config(node, settings) -> dict[str, Any]:
             "auth": "anonymous" if endpoint.startswith("http://") else "metadata"}
 
 
-def describe(pol: Mapping[str, Any] | None, *, fires_at: float | None = None) -> str:
-    """``deletes it after 30m idle, or at 14:05 at the latest (TTL)``."""
-    from tpufab.durations import human_duration
-
-    if not pol:
-        return "off"
-    parts = []
-    if pol.get("idle"):
-        parts.append(f"deletes the pod after {human_duration(pol['idle'])} idle")
-    if pol.get("ttl_at"):
-        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(pol["ttl_at"]))
-        parts.append(f"{'or ' if parts else 'deletes the pod '}at {at} at the latest (TTL)")
-    text = ", ".join(parts)
-    if fires_at:
-        text += f"; fires at {time.strftime('%H:%M:%S', time.localtime(fires_at))} if nothing " \
-                "starts"
-    return text
-
-
 # -- applying ----------------------------------------------------------------------------------
 
 
@@ -201,7 +182,7 @@ def configure(pod, settings, *, idle: str | float | None = None,
     armed = arm(pod, settings, idle=idle_s, ttl=ttl_s, timeout=timeout)
     skew = skew_note(armed)
     return AutostopReport(armed=armed, notes=[skew] if skew else [], summary=(
-        f"Autostop of {pod.name}: {describe(armed)}. `tpufab status` shows it; "
+        f"Autostop of {pod.name}: {describe_autostop(armed)}. `tpufab status` shows it; "
         "`tpufab autostop --cancel` removes it."))
 
 
@@ -290,7 +271,7 @@ def cancel(pod, settings, *, control=None, timeout: float | None = None) -> str 
                      "cancel the autostop")
     _set_metadata(pod, settings, None, control)
     was = answers.get(pod.workers[0], {}).get("was")
-    return describe(was) if was else None
+    return describe_autostop(was) if was else None
 
 
 _cancel_all = cancel  # configure's keyword `cancel` hides the function there
@@ -301,41 +282,3 @@ def worker_state(pod, *, timeout: float | None = None) -> dict[str, Any]:
     first = pod.workers[0]
     results = run_script(pod.fanout, SCRIPT, ["state"], [first], timeout=timeout)
     return _check(results, "read the autostop state")[first]
-
-
-def status_lines(state: Mapping[str, Any]) -> list[str]:
-    """What `tpufab status` prints about autostop."""
-    config = state.get("config")
-    events = state.get("events") or []
-    lines = []
-    if config:
-        current = state.get("state") or {}
-        fires = current.get("fires_at")
-        text = f"Autostop: {describe(config, fires_at=fires if not current.get('busy') else None)}"
-        if current.get("busy"):
-            text += f"; busy now ({', '.join(current['busy'][:3])})"
-        if not state.get("running"):
-            text += "; the watchdog is NOT running (arm it again: `tpufab autostop`)"
-        lines.append(text + ".")
-    elif events:
-        lines.append("Autostop: off.")
-    for e in events[-5:]:
-        when = time.strftime("%H:%M:%S", time.localtime(e.get("time", 0)))
-        extra = {k: _shown(k, v) for k, v in e.items() if k not in ("event", "time", "host")
-                 and v not in (None, [], "", False)}
-        detail = ", ".join(f"{k}={v}" for k, v in sorted(extra.items()))
-        lines.append(f"  {when} {e.get('event')}" + (f" ({detail})" if detail else ""))
-    return lines
-
-
-def _shown(key: str, value: Any) -> Any:
-    """Event fields for people: times as clock times, the idle period as a duration."""
-    from tpufab.durations import human_duration
-
-    if isinstance(value, int | float) and (key.endswith("_at") or key.endswith("since")):
-        return time.strftime("%H:%M:%S", time.localtime(value))
-    if key == "idle" and isinstance(value, int | float):
-        return human_duration(value)
-    if isinstance(value, list):
-        return "; ".join(str(v) for v in value[:3])
-    return value

@@ -17,10 +17,11 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from tpufab import nodeset
 from tpufab.errors import TpufabError
+from tpufab.results import Report
 from tpufab.workflows.status import WorkerFacts, human_bytes
 
 PYTHONS = ("~/.venv/bin/python", "python3")          # what the recipes run with, in order
@@ -51,10 +52,6 @@ class Problem:
         where = f"{nodeset.fold(self.workers)}: " if self.workers else ""
         return f"{where}{self.text}; {self.fix}."
 
-    def to_json(self) -> dict:
-        return {"check": self.check, "workers": nodeset.fold(self.workers),
-                "worker_ids": list(self.workers), "problem": self.text, "fix": self.fix}
-
 
 @dataclass
 class Result:
@@ -74,41 +71,25 @@ class Result:
     def status(self) -> str:
         return "skip" if self.skipped else ("ok" if self.ok else "FAIL")
 
-    def to_json(self) -> dict:
-        return {"check": self.check, "status": self.status, "detail": self.detail,
-                "problems": [p.to_json() for p in self.problems], **self.data}
-
 
 @dataclass
-class Report:
+class CheckReport(Report):
+    """`tpufab check` (and `run --check`'s quick checks): a ``tpufab.results.Report`` of the
+    pod's own rows, one ``Result`` per check (``ok``: no problems), and the ``summary``
+    sentence; printed by tpufab.display.check (the view ``check``)."""
+
     name: str
     accelerator: str
     workers: list[int]
-    results: list[Result] = field(default_factory=list)
     seconds: float = 0.0
+    step: str = field(default="check", kw_only=True)
+    per_worker: bool = field(default=False, kw_only=True)
+
+    view: ClassVar[str] = "check"
 
     @property
     def problems(self) -> list[Problem]:
-        return [p for r in self.results for p in r.problems]
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def to_json(self) -> dict:
-        return {"name": self.name, "accelerator_type": self.accelerator,
-                "workers": nodeset.fold(self.workers), "ok": self.ok,
-                "seconds": round(self.seconds, 3),
-                "checks": [r.to_json() for r in self.results],
-                "problems": [p.to_json() for p in self.problems]}
-
-    def lines(self) -> list[str]:
-        """The check table and one line per problem."""
-        return report_lines(self)
-
-    def summary(self) -> str:
-        """One line: passed every check, or how many problems."""
-        return summary(self)
+        return [p for r in self.rows for p in r.problems]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -532,7 +513,7 @@ def live_runs(facts: Mapping[int, WorkerFacts]) -> list[tuple[str, str | None, s
 
 def run_check(settings: Any, pod: Any, *, quick: bool = False, timeout: float = 120.0,
               compare_commits: bool = True, deploy_dirs: Sequence[str] | None = None,
-              progress: Any = None) -> Report:
+              progress: Any = None) -> CheckReport:
     """The quick checks in one fan-out, then (unless ``quick`` or they failed) the
     collective. Beside a live run the collective is refused (CodeBusy, one sentence), or
     with ``quick`` named as skipped because of it."""
@@ -546,10 +527,10 @@ def run_check(settings: Any, pod: Any, *, quick: bool = False, timeout: float = 
                                 timeout=settings.command_timeout)
     after = time.time()
     types = sorted({n.accelerator_type for n in pod.nodes})
-    report = Report(pod.name, ", ".join(types), list(pod.workers))
-    report.results = quick_results(facts, expected_devices=expected_device_files(pod.nodes),
-                                   before=before, after=after, compare_commits=compare_commits)
-    report.results.append(maintenance_result(settings, pod.nodes, facts))
+    report = CheckReport(pod.name, ", ".join(types), list(pod.workers))
+    report.rows = quick_results(facts, expected_devices=expected_device_files(pod.nodes),
+                                before=before, after=after, compare_commits=compare_commits)
+    report.rows.append(maintenance_result(settings, pod.nodes, facts))
     live = live_runs(facts)
     if live:
         run, recipe, where = live[0]
@@ -561,17 +542,18 @@ def run_check(settings: Any, pod: Any, *, quick: bool = False, timeout: float = 
                            f"it (`tpufab logs --run {run} --follow`), stop it (`tpufab kill "
                            f"--run {run}`), or check without the collective (`tpufab check "
                            "--quick`).")
-        report.results.append(Result("collective", f"skipped (--quick): run {run} is "
+        report.rows.append(Result("collective", f"skipped (--quick): run {run} is "
                                      f"running on {where}", skipped=True))
     elif not quick:
         if report.problems:
-            report.results.append(Result("collective", "skipped: fix the problems above "
+            report.rows.append(Result("collective", "skipped: fix the problems above "
                                          "first", skipped=True))
         else:
             if progress is not None:
                 progress("Running a collective on every worker ...")
-            report.results.append(run_collective(pod, promise_of(pod.nodes), timeout=timeout))
+            report.rows.append(run_collective(pod, promise_of(pod.nodes), timeout=timeout))
     report.seconds = time.monotonic() - started
+    report.summary = summary(report)
     return report
 
 
@@ -598,18 +580,8 @@ def refuse_timeout(timeout: float) -> None:
         raise ConfigError(f"--timeout must be more than 0 seconds, not {timeout:g}.")
 
 
-def report_lines(report: Report) -> list[str]:
-    """The check table and one line per problem (pure)."""
-    width = max(len(r.check) for r in report.results) if report.results else 5
-    lines = [f"{r.status:<4}  {r.check:<{width}}  {r.detail}" for r in report.results]
-    problems = report.problems
-    if problems:
-        lines += ["", f"{len(problems)} problem{'s' if len(problems) != 1 else ''}:"]
-        lines += [f"  {p.line()}" for p in problems]
-    return lines
-
-
-def summary(report: Report) -> str:
+def summary(report: CheckReport) -> str:
+    """One sentence: passed every check, or how many problems (pure)."""
     where = nodeset.fold(report.workers)
     if report.ok:
         return (f"Pod {report.name} ({report.accelerator}, {where}) passed every check in "

@@ -400,7 +400,7 @@ def summary(result: KillResult) -> str:
         for w, names in held.items():
             by_names.setdefault(", ".join(names), []).append(w)
         if by_names:
-            from tpufab.workflows.status import PROTECTED_ADVICE
+            from tpufab.display.status import PROTECTED_ADVICE
         for names, ws in by_names.items():
             parts.append(f"TPU free on {nodeset.fold(ws)}: NO{PROTECTED_ADVICE.format(name=names)}.")
         if unverified:

@@ -18,10 +18,12 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from tpufab import nodeset
 from tpufab.errors import ConfigError, TpufabError
 from tpufab.quoting import Command, Raw
+from tpufab.results import Report
 from tpufab.ssh.remote_files import (
     RemoteFile,
     last_line,
@@ -38,7 +40,6 @@ INSTALL_TIMEOUT = 180.0   # a `pip install py-spy` where it is missing
 INSTALL_PY_SPY = ('if [ -x "$HOME/.venv/bin/python" ]; then exec "$HOME/.venv/bin/python" -m pip '
                   'install --quiet --disable-pip-version-check py-spy; else exec python3 -m pip '
                   'install --user --quiet --disable-pip-version-check py-spy; fi')
-MARK = "<-- differs"
 
 
 class StacksError(TpufabError):
@@ -118,13 +119,6 @@ class Folded:
     @property
     def label(self) -> str:
         return nodeset.fold(self.workers)
-
-    def to_json(self) -> dict:
-        return {"workers": self.workers, "label": self.label, "odd": self.odd,
-                "command": self.key.command, "thread": self.key.thread,
-                "frames": list(self.key.frames), "pids": {str(w): p for w, p in self.pids.items()},
-                "differs_at": self.differs_at, "others": self.others or None,
-                "others_frame": self.others_frame or None}
 
 
 @dataclass
@@ -222,45 +216,44 @@ def unattached(answers: Mapping[int, Mapping]) -> list[Unattached]:
     return list(found.values())
 
 
-def _short(command: str, width: int = 70) -> str:
-    return command if len(command) <= width else command[:width - 3] + "..."
-
-
-def render(entries: Sequence[Folded], odd: Sequence[int], *, total: int) -> list[str]:
-    """The folded stacks as text lines (``total``: how many workers answered with stacks)."""
-    lines: list[str] = []
-    for entry in entries:
-        head = entry.label
-        if entry.odd:
-            head += " (differs)"
-        if len(entry.workers) == 1:
-            [pid] = entry.pids.values()
-            head += f" · pid {pid}"
-        head += f" · `{_short(entry.key.command)}` · thread {entry.key.thread}"
-        lines.append(head)
-        for i, frame in enumerate(entry.key.frames or ("(no Python frames)",)):
-            text = f"    {frame}"
-            if entry.differs_at == i:
-                text += f"   {MARK}: {entry.others} are in {entry.others_frame}"
-            lines.append(text)
-        lines.append("")
-    return lines
-
-
 # -- the report ------------------------------------------------------------------------------------
 
 
 @dataclass
-class StacksReport:
-    """Every chosen worker's answer (``.answers``) or why there is none (``.errors``)."""
+class WorkerStacks:
+    """One worker's row: what its stacks worker answered (``answer``; ``ok`` when it dumped
+    its processes), or why it answered nothing (``error``)."""
+
+    worker: int
+    ok: bool
+    answer: dict | None = None
+    error: str | None = None
+
+
+@dataclass
+class StacksReport(Report):
+    """Every chosen worker's row (``.answers`` what they answered, ``.errors`` why the others
+    did not), as a ``tpufab.results.Report``; printed by tpufab.display.stacks (the view
+    ``stacks``), which also writes the saved text and JSON."""
 
     workers: list[int]
-    answers: dict[int, dict] = field(default_factory=dict)
-    errors: dict[int, str] = field(default_factory=dict)
     native: bool = False
     taken_at: float = field(default_factory=time.time)
     install_errors: dict[int, str] = field(default_factory=dict)
     saved: list[Path] = field(default_factory=list)
+    step: str = field(default="stacks", kw_only=True)
+
+    view: ClassVar[str] = "stacks"
+
+    @property
+    def answers(self) -> dict[int, dict]:
+        return {r.worker: r.answer for r in sorted(self.rows, key=lambda r: r.worker)
+                if r.answer is not None}
+
+    @property
+    def errors(self) -> dict[int, str]:
+        return {r.worker: r.error or "no answer"
+                for r in sorted(self.rows, key=lambda r: r.worker) if r.answer is None}
 
     @property
     def dumped(self) -> dict[int, dict]:
@@ -284,6 +277,15 @@ class StacksReport:
         return self.fold()[1]
 
     @property
+    def unattached(self) -> list[Unattached]:
+        """The processes py-spy could not read, folded by reason."""
+        return unattached(self.dumped)
+
+    @property
+    def errors_by_reason(self) -> dict[str, list[int]]:
+        return _by_text(self.errors)
+
+    @property
     def missing_py_spy(self) -> list[int]:
         return sorted(w for w, a in self.answers.items() if a.get("missing_py_spy"))
 
@@ -291,38 +293,8 @@ class StacksReport:
     def processes(self) -> int:
         return sum(len(a.get("processes") or ()) for a in self.dumped.values())
 
-    def headline(self) -> str:
-        entries, odd = self.fold()
-        what = f"run {self.run}" if self.run else (
-            "the runs" if self.source == "run" else "the TPU's Python holders")
-        there = nodeset.fold(self.dumped) or "no worker"
-        text = (f"Stacks of {what} on {there}: {self.processes} process"
-                f"{'es' if self.processes != 1 else ''}, {len(entries)} distinct "
-                f"stack{'s' if len(entries) != 1 else ''}")
-        if odd:
-            text += f"; {nodeset.fold(odd)} differ{'s' if len(odd) == 1 else ''} (shown first)"
-        elif entries and len(self.dumped) > 1:
-            text += "; no worker differs"
-        return text + "."
-
-    def lines(self) -> list[str]:
-        """The folded view: a headline, odd workers' stacks first, then the rest, then the
-        processes py-spy could not read and the workers with nothing to read."""
-        entries, odd = self.fold()
-        lines = [self.headline(), ""]
-        lines += render(entries, odd, total=len(self.dumped))
-        for item in unattached(self.dumped):
-            pids = ", ".join(str(p) for p in item.pids.values())
-            lines.append(f"{nodeset.fold(item.workers)} · pid {pids} `{_short(item.command)}`: "
-                         f"py-spy cannot attach: {item.reason}; fix: {item.fix}.")
-        idle = [w for w, a in self.dumped.items() if not a.get("processes")]
-        if idle:
-            lines.append(f"{nodeset.fold(idle)}: {self._nothing_text(idle)}.")
-        for why, ws in _by_text(self.errors).items():
-            lines.append(f"{nodeset.fold(ws)}: no stacks ({why}).")
-        return lines
-
-    def _nothing_text(self, workers: Iterable[int]) -> str:
+    def nothing_text(self, workers: Iterable[int]) -> str:
+        """Why ``workers`` had nothing to dump, in words."""
         states = {self.answers[w].get("run_state") for w in workers}
         source = {self.answers[w].get("source") for w in workers}
         run = {self.answers[w].get("run") for w in workers}
@@ -332,21 +304,10 @@ class StacksReport:
                 (f" (it is {state} there)" if state and state != "running" else "")
         return "no run is running and no Python process holds the TPU"
 
-    def to_json(self) -> dict:
-        entries, odd = self.fold()
-        return {"run": self.run, "source": self.source, "native": self.native,
-                "taken_at": self.taken_at, "odd_workers": odd,
-                "stacks": [e.to_json() for e in entries],
-                "unattached": [{"workers": u.workers, "command": u.command, "reason": u.reason,
-                                "fix": u.fix, "pids": {str(w): p for w, p in u.pids.items()}}
-                               for u in unattached(self.dumped)],
-                "workers": {str(w): a for w, a in sorted(self.answers.items())},
-                "errors": {str(w): e for w, e in sorted(self.errors.items())},
-                "saved": [str(p) for p in self.saved]}
-
     def save(self, folder: Path) -> list[Path]:
         """``stacks-<time>.txt`` (the folded view) and ``.json`` (everything) in ``folder``
-        (private files, as the run's logs beside them)."""
+        (private files, as the run's logs beside them), as tpufab.display.stacks writes them."""
+        from tpufab.display import stacks as view
         from tpufab.jobs.running import open_private, private_dir
 
         private_dir(folder)
@@ -354,9 +315,9 @@ class StacksReport:
         text, data = folder / f"stacks-{stamp}.txt", folder / f"stacks-{stamp}.json"
         self.saved = [text, data]
         with open_private(text, "wb") as fh:
-            fh.write(("\n".join(self.lines()) + "\n").encode())
+            fh.write(("\n".join(view.lines(self)) + "\n").encode())
         with open_private(data, "wb") as fh:
-            fh.write(json.dumps(self.to_json(), indent=1, sort_keys=True).encode() + b"\n")
+            fh.write(json.dumps(view.to_json(self), indent=1, sort_keys=True).encode() + b"\n")
         return self.saved
 
     def check(self) -> StacksReport:
@@ -387,8 +348,8 @@ class StacksReport:
             raise StacksError("; ".join(sorted(str(e) for e in asked_run if e)) + ".")
         if self.dumped and not self.processes:
             raise StacksError(f"Nothing to dump on {nodeset.fold(self.dumped)}: "
-                              f"{self._nothing_text(self.dumped)}.")
-        missed = unattached(self.dumped)
+                              f"{self.nothing_text(self.dumped)}.")
+        missed = self.unattached
         if missed:
             count = sum(len(item.pids) for item in missed)
             where = nodeset.fold({w for item in missed for w in item.workers})
@@ -446,13 +407,14 @@ def _pip_error(result) -> str:
 
 
 def _read(report: StacksReport, results: Mapping[int, object]) -> None:
+    """Each worker's answer (or why none) as its row, in place of any row it had."""
+    rows = {r.worker: r for r in report.rows}
     for w, r in sorted(results.items()):
         data = read_answer(getattr(r, "stdout", "")) if getattr(r, "ok", False) else None
         if data is None:
             error = getattr(r, "error", None) or last_line(getattr(r, "stderr", "")) \
                 or f"exit status {getattr(r, 'exit_code', '?')}"
-            report.errors[w] = str(error)[:200]
-            report.answers.pop(w, None)
+            rows[w] = WorkerStacks(w, False, error=str(error)[:200])
         else:
-            report.answers[w] = data
-            report.errors.pop(w, None)
+            rows[w] = WorkerStacks(w, bool(data.get("ok")), answer=data)
+    report.rows = [rows[w] for w in sorted(rows)]

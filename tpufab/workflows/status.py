@@ -3,22 +3,22 @@
 ``facts_args`` (what to ask), ``parse_facts`` (a worker's answer as a record),
 ``worker_cells`` and ``fold_rows`` (the table) are pure and tested as data; ``collect`` is the
 only step with side effects: the node's API state, then one round trip per worker running
-``remote/facts.py`` (shipped once per content hash).
+``remote/facts.py`` (shipped once per content hash). The PodStatus it returns is a
+``tpufab.results.Report``; tpufab.display.status prints it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from tpufab import nodeset
 from tpufab.errors import ApiError, TpufabError
+from tpufab.results import Report
 from tpufab.ssh.remote_files import last_line, read_answer
 
 if TYPE_CHECKING:
-    from rich.console import RenderableType
-
     from tpufab.cloud.controlplane import ControlPlane
     from tpufab.cloud.nodes import Node, QueuedResourceInfo
     from tpufab.config import Settings
@@ -141,10 +141,15 @@ class Disk:
         return self.free_bytes < max(LOW_DISK_BYTES, self.total_bytes * LOW_DISK_FRACTION) \
             and self.total_bytes > 0
 
+    @property
+    def full(self) -> bool:
+        return bool(self.total_bytes) and self.free_bytes < FULL_DISK_BYTES
+
 
 @dataclass
 class WorkerFacts:
-    """What one worker said (or why it said nothing)."""
+    """What one worker said (or why it said nothing): `status`'s row for it (``ok``: it
+    answered; else ``error`` says why not)."""
 
     worker: int
     reachable: bool
@@ -172,6 +177,10 @@ class WorkerFacts:
     ray: dict[str, Any] | None = None
 
     @property
+    def ok(self) -> bool:
+        return self.reachable
+
+    @property
     def commit(self) -> str | None:
         return next((d.commit for d in self.deploys if d.commit), None)
 
@@ -192,12 +201,6 @@ class WorkerFacts:
         if not self.memory_total or self.memory_available is None:
             return False
         return self.memory_available < self.memory_total * LOW_MEMORY_FRACTION
-
-    def to_json(self) -> dict:
-        data = asdict(self)
-        for device in data["devices"]:
-            device["busy"] = bool(device["holders"])
-        return data
 
 
 def facts_args(*, deploy_dirs: Sequence[str] = (), run_dir: str | None = None,
@@ -405,11 +408,6 @@ class Row:
     def label(self) -> str:
         return nodeset.fold(self.workers)
 
-    def to_json(self) -> dict:
-        return {"workers": self.label, "worker_ids": list(self.workers), "state": self.state,
-                "tpu": self.tpu, "runs": self.runs, "commit": self.commit,
-                "mounts": self.mounts, "disk": self.disk, "memory": self.memory, "ok": self.ok}
-
 
 def _boot_clusters(members: list[WorkerFacts]) -> list[list[WorkerFacts]]:
     """Split workers whose uptimes are far apart (one rebooted) into separate groups."""
@@ -469,17 +467,27 @@ def fold_rows(facts: Mapping[int, WorkerFacts]) -> list[Row]:
 
 
 @dataclass
-class PodStatus:
+class PodStatus(Report):
+    """`tpufab status`: the node(s) as the API sees them and every worker's facts (``rows``:
+    a WorkerFacts per worker, ``.workers`` by index; ``.folded``: the table's rows, workers
+    that agree folded). Printed by tpufab.display.status (the view ``status``)."""
+
     name: str
     nodes: list[Node] = field(default_factory=list)
     queued: QueuedResourceInfo | None = None
-    workers: dict[int, WorkerFacts] = field(default_factory=dict)
     note: str | None = None       # why workers were not asked, if they were not
     autostop: dict | None = None  # worker 0's autostop view, when one is armed (or its error)
     kept: str | None = None       # whether the connections are kept between commands (a line)
+    step: str = field(default="status", kw_only=True)
+
+    view: ClassVar[str] = "status"
 
     @property
-    def rows(self) -> list[Row]:
+    def workers(self) -> dict[int, WorkerFacts]:
+        return {f.worker: f for f in sorted(self.rows, key=lambda f: f.worker)}
+
+    @property
+    def folded(self) -> list[Row]:
         return fold_rows(self.workers)
 
     @property
@@ -488,7 +496,7 @@ class PodStatus:
 
     @property
     def healthy(self) -> bool:
-        return (bool(self.nodes) and all(n.ready for n in self.nodes) and bool(self.workers)
+        return (bool(self.nodes) and all(n.ready for n in self.nodes) and bool(self.rows)
                 and not self.unreachable)
 
     @property
@@ -496,28 +504,13 @@ class PodStatus:
         """Nodes whose workers are gone (preempted, terminated, stopped...)."""
         return [n for n in self.nodes if n.state in GONE_STATES]
 
-    def to_json(self) -> dict:
-        return {"name": self.name,
-                "nodes": [n.to_json() for n in self.nodes],
-                "queued_resource": self.queued.to_json() if self.queued else None,
-                "healthy": self.healthy,
-                "note": self.note,
-                "rows": [r.to_json() for r in self.rows],
-                "maintenance": maintenance_lines(self.nodes, self.workers),
-                "ray": ray.to_json() if (ray := ray_view(self.workers)) else None,
-                "workers": [self.workers[w].to_json() for w in sorted(self.workers)]}
+    @property
+    def maintenance(self) -> list[str]:
+        return maintenance_lines(self.nodes, self.workers)
 
-    def render(self, console: Any) -> None:
-        """`tpufab status`'s table, then the autostop lines when one is armed."""
-        render(self, console)
-        if self.autostop:
-            from tpufab.display.terminal import neutralise_text
-            from tpufab.workflows.autostop import status_lines
-
-            for line in status_lines(self.autostop):   # worker 0's words: shown as text
-                console.print(neutralise_text(line), markup=False)
-        if self.kept:
-            console.print(self.kept, markup=False, highlight=False, style="dim")
+    @property
+    def ray(self) -> RayView | None:
+        return ray_view(self.workers)
 
 
 def find_nodes(control: ControlPlane, name: str) -> tuple[list[Node], QueuedResourceInfo | None]:
@@ -617,23 +610,21 @@ def collect(settings: Settings, *, control: ControlPlane | None = None, pod: Any
                        f"(project {settings.project})" + (f": it was {how}" if how else "") +
                        "; see `tpufab list`.")
     fill_upcoming_maintenance(control, nodes)
-    status = PodStatus(name, nodes, qr)
     if not nodes:
-        status.note = (f"Queued resource {name} has no nodes yet ({qr.state if qr else '?'}).")
-        return status
+        return PodStatus(name, nodes, qr, note=f"Queued resource {name} has no nodes yet "
+                         f"({qr.state if qr else '?'}).")
     not_ready = [n for n in nodes if not n.ready]
     if not_ready:
-        status.note = "; ".join(f"TPU node {n.name} is {n.state}" for n in not_ready) + \
-            ": its workers were not asked."
         count = sum(len(n.workers) for n in nodes) or sum(n.hosts for n in nodes)
-        status.workers = {w: WorkerFacts(w, False, error=f"node {_node_of(nodes, w).state}")
-                          for w in range(count)}
-        return status
+        return PodStatus(name, nodes, qr, note="; ".join(
+            f"TPU node {n.name} is {n.state}" for n in not_ready) + ": its workers were not asked.",
+            rows=[WorkerFacts(w, False, error=f"node {_node_of(nodes, w).state}")
+                  for w in range(count)])
     if pod is None:
         pod = pods.shared(settings, control=control, nodes=nodes)
     dirs = default_deploy_dirs(settings) if deploy_dirs is None else list(deploy_dirs)
-    status.workers = gather_facts(pod.fanout, deploy_dirs=dirs, timeout=timeout)
-    return status
+    facts = gather_facts(pod.fanout, deploy_dirs=dirs, timeout=timeout)
+    return PodStatus(name, nodes, qr, rows=[facts[w] for w in sorted(facts)])
 
 
 def pod_status(settings: Settings, *, timeout: float | None = None, pod: Any = None,
@@ -667,85 +658,7 @@ def _node_of(nodes: Sequence[Node], worker: int) -> Node:
 
 
 # ---------------------------------------------------------------------------------------------
-# Rendering
-
-
-def _escape(text: object) -> str:
-    """Text from a worker or the API, shown as text: no rich markup, no control sequences."""
-    from rich.markup import escape
-
-    from tpufab.display.terminal import neutralise_text
-
-    return escape(neutralise_text(str(text)))
-
-
-def node_lines(status: PodStatus) -> list[str]:
-    """One line per node: type, API state and health, tier, runtime, zone."""
-    from tpufab.cloud.lifecycle import _state_text
-
-    lines = []
-    if status.queued is not None:
-        q = status.queued
-        failure = f" ({_escape(q.failure)})" if q.failure else ""
-        lines.append(f"Queued resource [bold]{_escape(q.name)}[/bold]: {_state_text(q.state)}"
-                     f"{failure}, {q.tier}, {q.node_count} node{'s' if q.node_count != 1 else ''}")
-    for n in status.nodes:
-        health = f" {_escape(n.health)}" if n.health else ""
-        on = f", on Compute Engine ({_escape(n.provisioning_model or 'STANDARD')})" \
-            if n.plane == "compute" else ""
-        lines.append(f"TPU node [bold]{_escape(n.name)}[/bold]: {_escape(n.accelerator_type)} "
-                     f"{_state_text(n.state)}{health}, {n.hosts} workers, "
-                     f"{_escape(n.tier)}, {_escape(n.runtime_version)}, {_escape(n.zone)}{on}")
-    return lines
-
-
-def table(status: PodStatus, console: Any) -> RenderableType:
-    """One line per folded row, fitted to ``console`` (tpufab.display.tables)."""
-    from tpufab.display.tables import fitted
-
-    rows = status.rows
-    return fitted(
-        ("WORKERS", "STATE", "TPU", "RUNS", "COMMIT", "MOUNTS", "DISK FREE", "MEMORY"),
-        [(row.label, _escape(row.state), _escape(row.tpu), _escape(row.runs),
-          _escape(row.commit), _escape(row.mounts), _escape(row.disk), _escape(row.memory))
-         for row in rows], console,
-        styles=[None if row.ok else ("red" if row.state.startswith("unreachable") else "yellow")
-                for row in rows])
-
-
-def holder_lines(facts: Mapping[int, WorkerFacts], shown: int = 8) -> list[str]:
-    """``python3 train.py: w[0-3] (w0 pid 812, w1 pid 9, ...)``: one line per command (pure)."""
-    by_command: dict[str, dict[int, set[int]]] = {}
-    protected: dict[str, str] = {}
-    for w, f in sorted(facts.items()):
-        for device in f.busy_devices:
-            for h in device.holders:
-                by_command.setdefault(h.command, {}).setdefault(w, set()).add(h.pid)
-                if h.protected:
-                    protected[h.command] = h.protected
-    lines = []
-    for command, where in sorted(by_command.items(), key=lambda kv: min(kv[1])):
-        pids = [f"{nodeset.label(w)} pid {p}" for w, ps in sorted(where.items()) for p in sorted(ps)]
-        more = f", +{len(pids) - shown} more (see --json)" if len(pids) > shown else ""
-        line = f"{command}: {nodeset.fold(where)} ({', '.join(pids[:shown])}{more})"
-        if command in protected:
-            line += PROTECTED_ADVICE.format(name=protected[command])
-        lines.append(line)
-    return lines
-
-
-def full_disk_line(facts: Mapping[int, WorkerFacts]) -> str | None:
-    """One sentence naming the workers whose disk is full (home or /tmp), or None (pure)."""
-    full: dict[int, list[str]] = {}
-    for w, f in sorted(facts.items()):
-        paths = [d.path for d in f.disk if d.total_bytes and d.free_bytes < FULL_DISK_BYTES]
-        if paths:
-            full[w] = paths
-    if not full:
-        return None
-    where = ", ".join(dict.fromkeys(p for ps in full.values() for p in ps))
-    return (f"Disk full on {nodeset.fold(full)} ({where}): setup, deploy and run fail there "
-            "until you free space (kill and status still work).")
+# Ray, as the facts show it (pure)
 
 
 @dataclass(frozen=True)
@@ -772,10 +685,6 @@ class RayView:
         return (f"Ray: head {nodeset.label(self.head)}, {len(self.joined)}/{total} hosts "
                 f"joined ({nodeset.fold(self.missing)} missing); `tpufab ray up` rejoins them.")
 
-    def to_json(self) -> dict:
-        return {"up": self.up, "head": self.head, "joined": list(self.joined),
-                "missing": list(self.missing), "line": self.line()}
-
 
 def ray_view(facts: Mapping[int, WorkerFacts]) -> RayView | None:
     """Whether Ray is up and joined on every worker, from the facts; None when no worker runs
@@ -793,48 +702,3 @@ def ray_view(facts: Mapping[int, WorkerFacts]) -> RayView | None:
     missing = tuple(w for w in sorted(facts) if w not in joined)
     stray = tuple(w for w in missing if w in where)
     return RayView(head, joined, missing, stray)
-
-
-# Said by `status` under a protected holder and by `kill` about it: the same words.
-PROTECTED_ADVICE = (" - protected ({name}): `tpufab kill` leaves it running; if it should not "
-                    "hold the TPU, stop it with `tpufab kill --force` (or its service)")
-
-
-def render(status: PodStatus, console: Any) -> None:
-    for line in node_lines(status):
-        console.print(line)
-    for node in status.gone:
-        if node.condition:   # Compute Engine's reason (a flex-start end) and what to do
-            console.print(f"[bold red]{_escape(node.condition)}[/bold red]")
-            continue
-        console.print(f"[bold red]{_escape(node.name)} is {_escape(node.state)}[/bold red]: its workers are "
-                      f"gone; `tpufab babysit` recovers it, or `tpufab delete --name "
-                      f"{_escape(node.name)} --yes` and create it again.")
-    for node in status.nodes:   # Compute Engine: a MIG below its size, and why
-        if node.condition and node not in status.gone:
-            console.print(f"[yellow]{_escape(node.condition)}[/yellow]")
-    for line in maintenance_lines(status.nodes, status.workers):
-        console.print(f"[yellow]{_escape(line)}[/yellow]")
-    if status.workers:
-        console.print()
-        console.print(table(status, console))
-    elif status.note:
-        console.print(_escape(status.note))
-    ray = ray_view(status.workers)
-    if ray is not None:
-        console.print(_escape(ray.line()), style=None if ray.up else "yellow")
-    holders = holder_lines(status.workers)
-    if holders:
-        console.print()
-        every = [h for f in status.workers.values() for d in f.busy_devices for h in d.holders]
-        console.print("[bold]TPU holders[/bold]:" if all(h.protected for h in every) else
-                      "[bold]TPU holders[/bold] (free them with `tpufab kill`):")
-        for line in holders:
-            console.print(f"  {_escape(line)}")
-    full = full_disk_line(status.workers)
-    if full:
-        console.print(f"[bold red]{_escape(full)}[/bold red]")
-    unreachable = status.unreachable
-    if unreachable and not status.note:
-        console.print(f"[bold red]{len(unreachable)} of {len(status.workers)} workers "
-                      f"unreachable[/bold red]: {nodeset.fold(unreachable)}.")

@@ -6,7 +6,7 @@ fall in the same buckets fold into one row (``w[0-62]  idle  1-2%``); a worker t
 (busy, unreachable, another run) gets its own row. A worker's CPU is the sum of its own
 processes' use over the interval, as a share of all its cores (on a TPU VM that is the host's;
 on the simulated pod, whose workers share one machine, it is that worker's alone); memory and
-load are what the worker's /proc says.
+load are what the worker's /proc says. A frame is a Report; tpufab.display.top shows it.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from tpufab import nodeset
 from tpufab.errors import ConfigError
+from tpufab.results import Report
 
 SCRIPT = "top_worker.py"
 IDLE_BELOW = 10.0        # % of ONE core: below it a worker is idle (robust on a busy host)
@@ -28,7 +29,7 @@ MIN_EVERY = 1.0          # s between frames, at least
 
 @dataclass
 class WorkerLoad:
-    """One worker's answer (or why there is none)."""
+    """One worker's answer (or why there is none): its row of a frame."""
 
     worker: int
     reachable: bool
@@ -42,6 +43,10 @@ class WorkerLoad:
     runs: tuple[dict, ...] = ()
     busiest: tuple[dict, ...] = ()
     tpu: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.reachable
 
     @property
     def memory_percent(self) -> float | None:
@@ -91,16 +96,6 @@ class WorkerLoad:
                 self.top_process, bool(tpu.get("available")),
                 None if duty is None else int(duty // BUSY_BUCKET),
                 None if tpu.get("available") else tpu.get("why"))
-
-    def to_json(self) -> dict:
-        return {"worker": self.worker, "reachable": self.reachable, "error": self.error,
-                "cpu_percent": self.cpu_percent, "core_percent": self.core_percent,
-                "cores": self.cores, "load": list(self.load),
-                "memory_total_bytes": self.memory_total,
-                "memory_available_bytes": self.memory_available,
-                "memory_percent": None if self.memory_percent is None
-                else round(self.memory_percent, 1),
-                "runs": list(self.runs), "busiest": list(self.busiest), "tpu": self.tpu}
 
 
 def parse(worker: int, outcome: Any) -> WorkerLoad:
@@ -156,11 +151,6 @@ class Row:
     def label(self) -> str:
         return nodeset.fold(self.workers)
 
-    def to_json(self) -> dict:
-        return {"workers": self.label, "indexes": self.workers, "state": self.state,
-                "cpu": self.cpu, "memory": self.memory, "load": self.load,
-                "processes": self.processes, "tpu": self.tpu, "outlier": self.odd}
-
 
 def _span(values: Sequence[float], fmt: str, suffix: str = "") -> str:
     if not values:
@@ -201,70 +191,35 @@ def fold_rows(loads: Mapping[int, WorkerLoad]) -> list[Row]:
 
 
 @dataclass
-class TopFrame:
-    """One frame: every worker's load, when it was taken and what it cost."""
+class TopFrame(Report):
+    """One frame: a ``tpufab.results.Report`` whose rows are every worker's load (``ok``: it
+    answered; ``.loads`` by index, ``.folded`` the table's rows), when it was taken and what it
+    cost. Printed by tpufab.display.top (the view ``top``)."""
 
     name: str
-    loads: dict[int, WorkerLoad]
     taken_at: float
     seconds: float            # wall time of the fan-out (the interval included)
     interval: float
+    step: str = field(default="top", kw_only=True)
+
+    view: ClassVar[str] = "top"
 
     @property
-    def rows(self) -> list[Row]:
+    def loads(self) -> dict[int, WorkerLoad]:
+        return {w.worker: w for w in sorted(self.rows, key=lambda w: w.worker)}
+
+    @property
+    def folded(self) -> list[Row]:
         return fold_rows(self.loads)
 
     @property
     def tpu_note(self) -> str | None:
         """The one TPU line when every worker says the same (e.g. simulated), else None."""
-        texts = {w.tpu_text for w in self.loads.values() if w.reachable}
+        texts = {w.tpu_text for w in self.rows if w.reachable}
         if len(texts) == 1:
             only = texts.pop()
             return f"TPU use: {only}" if only else None
         return None
-
-    def to_json(self) -> dict:
-        return {"name": self.name, "taken_at": self.taken_at, "seconds": round(self.seconds, 3),
-                "interval": self.interval, "tpu": self.tpu_note,
-                "rows": [r.to_json() for r in self.rows],
-                "workers": [self.loads[w].to_json() for w in sorted(self.loads)]}
-
-    def table(self) -> Any:
-        from rich.markup import escape
-        from rich.table import Table
-
-        from tpufab.display.terminal import neutralise_text
-
-        note = self.tpu_note
-        columns = ["WORKERS", "STATE", "CPU", "MEMORY", "LOAD", "PROCESSES"]
-        if note is None:
-            columns.append("TPU")
-        t = Table(box=None, pad_edge=False, header_style="bold")
-        for column in columns:
-            t.add_column(column, overflow="fold")
-        for row in self.rows:
-            cells = [row.label, row.state, row.cpu, row.memory, row.load, row.processes]
-            if note is None:
-                cells.append(row.tpu)
-            style = "red" if row.state == "unreachable" else ("yellow" if row.odd else None)
-            t.add_row(*(escape(neutralise_text(c)) for c in cells), style=style)
-        return t
-
-    def render(self, console: Any, *, live: bool = False) -> Any:
-        """The frame as one rich renderable (a header, the table, the TPU line)."""
-        from rich.console import Group
-        from rich.markup import escape
-        from rich.text import Text
-
-        when = time.strftime("%H:%M:%S", time.localtime(self.taken_at))
-        head = (f"[bold]{escape(self.name)}[/bold]: {len(self.loads)} workers at {when} "
-                f"(sampled {self.interval:g} s; frame {self.seconds:.1f} s)")
-        parts: list[Any] = [head, self.table()]
-        if self.tpu_note:
-            parts.append(Text(self.tpu_note, style="dim"))
-        if live:
-            parts.append(Text("Ctrl-C to stop.", style="dim"))
-        return Group(*parts)
 
 
 def frame(pod: Any, *, workers: Iterable[int] | None = None, interval: float = 1.0,
@@ -282,7 +237,8 @@ def frame(pod: Any, *, workers: Iterable[int] | None = None, interval: float = 1
         close = getattr(outcomes, "close", None)
         if close is not None:
             close()
-    return TopFrame(pod.name, loads, time.time(), time.monotonic() - started, interval)
+    return TopFrame(pod.name, time.time(), time.monotonic() - started, interval,
+                    rows=[loads[w] for w in chosen])
 
 
 def check_every(every: float, interval: float) -> None:
