@@ -572,3 +572,59 @@ def test_a_copy_joins_only_its_own_prefetch_thread():
         assert [t._target.__self__ for t in threads] == [mine]
     finally:
         release.set()
+
+
+def test_a_forward_closed_under_a_live_connection_prints_no_traceback(monkeypatch):
+    """`close()` (Ctrl-C, `ray down`) shuts the connections it still pumps; a pump that was
+    between reading the worker's bytes and writing them here met a closed socket and died
+    with "OSError: Bad file descriptor" printed as a thread's traceback (seen under load)."""
+    import threading
+
+    failures: list = []
+    monkeypatch.setattr(threading, "excepthook", failures.append)
+    worker_side, far_end = socket.socketpair()
+
+    class Channel:
+        closed = False
+
+        def fileno(self):
+            return worker_side.fileno()
+
+        def recv(self, n):
+            data = worker_side.recv(n)
+            forwarder.close()          # closed meanwhile: the pump writes to a closed socket
+            return data
+
+        def sendall(self, data):
+            worker_side.sendall(data)
+
+        def shutdown_write(self):
+            worker_side.shutdown(socket.SHUT_WR)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.closed = True
+
+    class Transport:
+        def open_channel(self, *args, **kwargs):
+            return Channel()
+
+    port = free_port()
+    forwarder = forwarding.Forwarder(lambda: Transport(),
+                                     [forwarding.PortForward(port, 80)]).start()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10):
+            wait_for(lambda: forwarder.connections == 1, 10, 0.01, "the connection to be served")
+            far_end.sendall(b"from the worker")
+            wait_for(lambda: forwarder.stopped.is_set() and not forwarder._open, 10, 0.01,
+                     "the forwarder to close its connection")
+            for thread in threading.enumerate():
+                if thread.name.endswith("-conn"):
+                    thread.join(10)
+    finally:
+        forwarder.close()
+        worker_side.close()
+        far_end.close()
+    assert not failures, [f.exc_value for f in failures]

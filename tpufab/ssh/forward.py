@@ -171,7 +171,12 @@ class Forwarder:
                               "still listening")
                 return
             with channel:
-                _pump(client, channel, self.stopped)
+                try:
+                    _pump(client, channel, self.stopped)
+                except (OSError, ValueError, EOFError):
+                    # the program here reset its connection, or close() shut it under the
+                    # pump: this connection is over, quietly (never a thread's traceback)
+                    pass
         finally:
             with self._lock:
                 self._open.discard(client)
