@@ -158,3 +158,42 @@ def test_top_follow_draws_each_frame_until_ctrl_c_and_returns_the_last():
     assert follow(watch, as_json=False, console=live) is frames[-1]
     assert "Ctrl-C to stop." in live.file.getvalue()
     assert follow(lambda on_frame: None, as_json=True, console=out) is None
+
+
+def test_ray_status_is_a_report_printed_by_its_view_and_ray_up_down_say_what_they_did():
+    from tpufab.display.ray import down_sentence, up_sentence
+    from tpufab.jobs.raycluster import Host, RayDown, RayStatus, RayUp
+
+    hosts = [Host(w, f"10.0.0.{w + 2}", "pod-a", w, "v4-16", "2x2x2", 4) for w in (0, 1)]
+    head_node = {"ip": "10.0.0.2", "head": True, "labels": {"ray.io/tpu-slice-name": "pod-a",
+                 "ray.io/tpu-worker-id": "0", "ray.io/tpu-pod-type": "v4-16",
+                 "ray.io/tpu-topology": "2x2x2"},
+                 "resources": {"TPU": 4.0, "CPU": 8.0, "TPU-v4-16-head": 1.0}}
+    status = RayStatus(name="pod", address="10.0.0.2:6379", head=0, rows=hosts,
+                       states={0: {"head": True}, 1: {}}, nodes=[head_node],
+                       jobs=[{"id": "raysubmit_1", "status": "RUNNING", "entrypoint": "x.py"}])
+    assert status.hosts == hosts and status.missing == [1] and not status.ok
+    out, err = shown(status)
+    assert out.splitlines() == [
+        "Ray on pod: head on w0 at 10.0.0.2:6379; 1/2 hosts joined.",
+        "  w0 10.0.0.2: TPU 4, CPU 8, TPU-v4-16-head; slice pod-a, worker-id 0, pod-type "
+        "v4-16, topology 2x2x2 (head)",
+        "  not joined: w1 (`tpufab ray up` rejoins them)",
+        "Jobs (1):",
+        "  raysubmit_1: RUNNING  x.py"] and not err
+    data = json.loads(shown(status, as_json=True)[0])
+    assert data == {"up": True, "address": "10.0.0.2:6379", "head": 0, "missing": [1],
+                    "nodes": [head_node], "jobs": status.jobs, "error": None}   # docs/ray.md
+    down = RayStatus(name="pod", address="10.0.0.2:6379", head=0, rows=hosts,
+                     states={0: {}, 1: {"processes": [123]}})
+    assert shown(down)[0].splitlines() == [
+        "Ray is not running on pod (Ray processes are left on w1: `tpufab ray down` stops "
+        "them); `tpufab ray up` starts it."]
+    up = RayUp(address="10.0.0.2:6379", head=0, hosts=2, started=[1], seconds=3.0)
+    assert up_sentence(up, "pod") == (
+        "Ray is up on pod: head on w0 at 10.0.0.2:6379, 2 hosts joined (started on w1 (the "
+        "others were up), 3.0 s). Jobs: `tpufab ray submit RECIPE`; dashboard: `tpufab "
+        "forward 8265`.")
+    assert down_sentence(RayDown({0: {"stopped": True}, 1: {"stopped": True, "forced": True}}),
+                         "pod") == ("Ray stopped on w[0-1] of pod (forced on w1); no Ray "
+                                    "process is left on any host.")

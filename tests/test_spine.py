@@ -259,9 +259,9 @@ NO_REPORT = {"exec", "ssh", "forward", "run", "logs", "babysit"}
 # Not on the one report yet: they still render themselves (.lines() / .to_json()). This set
 # only shrinks.
 REMAINING: set[str] = set()
-# Where classes still render themselves: REMAINING's reports, `ray status` (raycluster.py),
-# and babysit's attempt record (its state file, not a report).
-RENDER_THEMSELVES = {"jobs/raycluster.py", "jobs/babysit.py"}
+# Where classes still render themselves: REMAINING's reports and babysit's attempt record
+# (its state file, not a report).
+RENDER_THEMSELVES = {"jobs/babysit.py"}
 # Records of the control plane and of accelerator shapes: no workers in them.
 NOT_WORKER_REPORTS = {"cloud/nodes.py", "cloud/lifecycle.py", "topology.py"}
 RENDERING = ("lines", "to_json", "table", "render", "summary")

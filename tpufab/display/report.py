@@ -7,7 +7,7 @@ the notes on stderr. ``--json`` is the same report as data: the step, ``ok``, th
 fields, the summary, the notes and every row in full. ``folded`` and ``text`` are pure (the
 error details of a failed step are ``text``). A step whose output has a layout of its own
 (status's node lines above its table, check's lines and problems, top's frame, the
-folded stacks) names it as its report's ``view``: that module of
+folded stacks, `ray status`'s nodes and jobs) names it as its report's ``view``: that module of
 tpufab.display prints it, human and ``--json`` (``VIEWS``), and ``show`` reaches it all the same.
 """
 
@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from tpufab.display import check, stacks, status, top
+from tpufab.display import check, ray, stacks, status, top
 from tpufab.nodeset import fold
 from tpufab.results import Report
 
@@ -28,7 +28,8 @@ WORKERS = "WORKERS"
 # A report's ``view`` -> the module function that prints it: show(report, as_json=, console=,
 # errors=)
 VIEWS: dict[str, Callable[..., None]] = {"status": status.show, "check": check.show,
-                                         "top": top.show, "stacks": stacks.show}
+                                         "top": top.show, "stacks": stacks.show,
+                                         "ray": ray.show}
 
 
 def failure(row: Any) -> str:

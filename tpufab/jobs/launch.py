@@ -573,11 +573,12 @@ def execute(p: LaunchPlan, launch: Launch, open_pod, *, zones: Sequence[str] | N
             state = autostop.arm(pod, p.settings, idle=p.idle)
             say(f"Autostop: {describe_autostop(state)}.")
     if p.ray:   # the run is the Ray job that `ray_job` submits and follows
+        from tpufab.display.ray import up_sentence
         from tpufab.jobs import raycluster
 
         with step("ray up"):
             ray = raycluster.up(pod, progress=say)
-            say(ray.summary(pod.name))
+            say(up_sentence(ray, pod.name))
         return
     with step("run"):
         planned = run_plan(pod, p)

@@ -21,9 +21,11 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from tpufab import nodeset
 from tpufab.errors import ConfigError, TpufabError
+from tpufab.results import Report
 
 GCS_PORT = 6379          # the head's GCS (Ray's default)
 DASHBOARD_PORT = 8265    # the dashboard and Job API, on the head's 127.0.0.1 only
@@ -113,15 +115,10 @@ class RayUp:
     seconds: float = 0.0
     nodes: list[dict] = field(default_factory=list)     # the head's view afterwards
 
-    def summary(self, name: str) -> str:
-        if self.already:
-            return (f"Ray is already up on {name}: head on {nodeset.label(self.head)} at "
-                    f"{self.address}, all {self.hosts} hosts joined; nothing to do ({self.seconds:.1f} s).")
-        how = "started" if len(self.started) == self.hosts else \
-            f"started on {nodeset.fold(self.started)} (the others were up)"
-        return (f"Ray is up on {name}: head on {nodeset.label(self.head)} at {self.address}, "
-                f"{self.hosts} hosts joined ({how}, {self.seconds:.1f} s). Jobs: `tpufab ray "
-                f"submit RECIPE`; dashboard: `tpufab forward {DASHBOARD_PORT}`.")
+    @property
+    def dashboard_port(self) -> int:
+        """Where the head's dashboard (and Job API) listens, on its loopback."""
+        return DASHBOARD_PORT
 
 
 def join_batches(head: int, to_start: Sequence[int], *, head_up: bool,
@@ -253,16 +250,26 @@ def _wait_joined(pod, head: int, ips: dict[str, int], timeout: float) -> list[di
 # -- status ---------------------------------------------------------------------------------
 
 
-@dataclass
-class RayStatus:
+@dataclass(kw_only=True)
+class RayStatus(Report):
+    """`tpufab ray status`: a row per host (its ``Host``), what each said of its Ray
+    processes (``states``), the nodes the head sees and the jobs; printed by
+    tpufab/display/ray.py (the view ``ray``)."""
+
+    step: str = "ray status"
     name: str
     address: str
     head: int
-    hosts: list[Host]
     states: dict[int, dict]
     nodes: list[dict] = field(default_factory=list)
     jobs: list[dict] = field(default_factory=list)
     error: str | None = None
+
+    view: ClassVar[str] = "ray"
+
+    @property
+    def hosts(self) -> list[Host]:
+        return self.rows
 
     @property
     def up(self) -> bool:
@@ -278,45 +285,9 @@ class RayStatus:
     def healthy(self) -> bool:
         return self.up and not self.missing
 
-    def to_json(self) -> dict:
-        return {"up": self.up, "address": self.address if self.up else None,
-                "head": self.head, "missing": self.missing, "nodes": self.nodes,
-                "jobs": self.jobs, "error": self.error}
-
-    def lines(self) -> list[str]:
-        if not self.up:
-            running = [w for w, s in self.states.items() if s.get("processes")]
-            extra = (f" (Ray processes are left on {nodeset.fold(running)}: `tpufab ray down` "
-                     "stops them)") if running else ""
-            why = f": {self.error}" if self.error else ""
-            return [f"Ray is not running on {self.name}{why}{extra}; `tpufab ray up` starts it."]
-        by_ip = {h.ip: h for h in self.hosts}
-        out = [f"Ray on {self.name}: head on {nodeset.label(self.head)} at {self.address}; "
-               f"{len(self.hosts) - len(self.missing)}/{len(self.hosts)} hosts joined."]
-        for n in sorted(self.nodes, key=lambda n: by_ip[n["ip"]].worker if n.get("ip") in by_ip
-                        else 1 << 30):
-            host = by_ip.get(n.get("ip"))
-            res = n.get("resources") or {}
-            labels = n.get("labels") or {}
-            extras = sorted(k for k in res if k.startswith("TPU-") and k.endswith("-head"))
-            out.append(
-                f"  {nodeset.label(host.worker) if host else '?'} {n.get('ip')}: "
-                f"TPU {res.get('TPU', 0):g}, CPU {res.get('CPU', 0):g}"
-                + "".join(f", {k}" for k in extras)
-                + f"; slice {labels.get('ray.io/tpu-slice-name', '-')}, worker-id "
-                f"{labels.get('ray.io/tpu-worker-id', '-')}, pod-type "
-                f"{labels.get('ray.io/tpu-pod-type', '-')}, topology "
-                f"{labels.get('ray.io/tpu-topology', '-')}" + (" (head)" if n.get("head") else ""))
-        if self.missing:
-            out.append(f"  not joined: {nodeset.fold(self.missing)} (`tpufab ray up` rejoins "
-                       "them)")
-        if self.jobs:
-            out.append(f"Jobs ({len(self.jobs)}):")
-            for job in sorted(self.jobs, key=lambda j: j.get("start_time") or 0):
-                out.append(f"  {job.get('id')}: {job.get('status')}  {job.get('entrypoint')}")
-        else:
-            out.append("No jobs.")
-        return out
+    @property
+    def ok(self) -> bool:
+        return self.healthy
 
 
 def status(pod, *, timeout: float | None = None) -> RayStatus:
@@ -324,7 +295,8 @@ def status(pod, *, timeout: float | None = None) -> RayStatus:
     every = hosts(pod)
     head = every[0]
     states = _run(pod, ["state"], [h.worker for h in every], timeout)
-    report = RayStatus(pod.name, f"{head.ip}:{GCS_PORT}", head.worker, every, states)
+    report = RayStatus(name=pod.name, address=f"{head.ip}:{GCS_PORT}", head=head.worker,
+                       rows=every, states=states)
     if states[head.worker].get("head"):
         answer = _run(pod, ["cluster", "--dashboard-port", DASHBOARD_PORT], [head.worker],
                       timeout)[head.worker]
@@ -342,15 +314,6 @@ def status(pod, *, timeout: float | None = None) -> RayStatus:
 @dataclass
 class RayDown:
     answers: dict[int, dict]    # each worker's answer: stopped, forced, left
-
-    def summary(self, name: str) -> str:
-        had = [w for w, a in self.answers.items() if a.get("stopped")]
-        if not had:
-            return f"Ray was not running on {name}; nothing to stop."
-        forced = [w for w, a in self.answers.items() if a.get("forced")]
-        how = f" (forced on {nodeset.fold(forced)})" if forced else ""
-        return (f"Ray stopped on {nodeset.fold(had)} of {name}{how}; no Ray process is left "
-                "on any host.")
 
 
 def down(pod, *, grace: float = 10.0, timeout: float | None = None) -> RayDown:

@@ -683,7 +683,7 @@ class Pod:
         hosts joined at a time (0: all at once), each batch seen by the head before the next
         (for machines where many simultaneous joins miss Ray's 30 s wait). ``timeout``:
         seconds per step on the workers (default 300). Returns a RayUp (``.address``,
-        ``.already``, ``.started``, ``.summary(name)``); raises RayError saying where and
+        ``.already``, ``.started``; ``tpufab.display.ray.up_sentence`` says it); raises RayError saying where and
         why it could not."""
         from tpufab.jobs import raycluster
 
@@ -694,8 +694,9 @@ class Pod:
 
     def ray_status(self, *, timeout: float | None = 60.0) -> Any:
         """`tpufab ray status`: whether Ray is up, the nodes the head sees (TPU resources,
-        the head resource, slice labels), the hosts not joined and the jobs: a RayStatus
-        (``.up``, ``.healthy``, ``.missing``, ``.lines()``, ``.to_json()``)."""
+        the head resource, slice labels), the hosts not joined and the jobs: a RayStatus, a
+        Report whose rows are the hosts (``.up``, ``.healthy``, ``.missing``; printed by
+        ``tpufab.display.report.show``)."""
         from tpufab.jobs import raycluster
 
         return raycluster.status(self, timeout=self._timeout(timeout, 60.0))
@@ -718,8 +719,8 @@ class Pod:
 
     def ray_down(self, *, grace: float = 10.0, timeout: float | None = None) -> Any:
         """`tpufab ray down`: `ray stop` on every host (then forced) until no Ray process is
-        left; a RayDown (``.answers`` per worker, ``.summary(name)``); raises RayError naming
-        hosts where Ray processes are left."""
+        left; a RayDown (``.answers`` per worker; ``tpufab.display.ray.down_sentence`` says
+        it); raises RayError naming hosts where Ray processes are left."""
         from tpufab.jobs import raycluster
 
         return raycluster.down(self, grace=grace,

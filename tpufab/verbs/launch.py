@@ -147,9 +147,11 @@ def ray_up(options: Sequence[str] = (), *, name: str | None = None,
     where Ray is up: a quick no-op; a host where Ray died is rejoined. See docs/ray.md."""
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, jump=jump,
                                       timeout=timeout))
+    from tpufab.display.ray import up_sentence
+
     done = pod.ray_up(options=list(options or ()), timeout=timeout, progress=note,
                       join_batch=join_batch)
-    say(done.summary(pod.name))
+    say(up_sentence(done, pod.name))
 
 
 @verb(name="status", group="ray", pod_method="ray_status", view=("as_json",))
@@ -159,16 +161,12 @@ def ray_status(*, name: str | None = None, as_json: bool = False,
     """Ray on the pod: the nodes the head sees (TPU, head resource, slice labels), and jobs.
 
     Exits 0 when every host joined, 3 when Ray is not up or a host is missing."""
-    from tpufab.verbs.common import print_json
+    from tpufab.display.report import show
 
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, jump=jump,
                                       timeout=timeout))
     report = pod.ray_status(timeout=timeout)
-    if as_json:
-        print_json(report.to_json())
-    else:
-        for line in report.lines():
-            say(line)
+    show(report, as_json=as_json)
     return 0 if report.healthy else 3
 
 
@@ -209,6 +207,8 @@ def ray_down(*, name: str | None = None, grace: float = 10.0, timeout: float | N
              zone: str | None = None, project: str | None = None,
              jump: str | None = None) -> None:
     """Stop Ray on every host (ray stop, then forced); nothing is left holding the TPU."""
+    from tpufab.display.ray import down_sentence
+
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, jump=jump,
                                       timeout=timeout))
-    say(pod.ray_down(grace=grace, timeout=timeout).summary(pod.name))
+    say(down_sentence(pod.ray_down(grace=grace, timeout=timeout), pod.name))
