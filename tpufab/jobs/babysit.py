@@ -934,6 +934,7 @@ class Babysitter:
         cancels the follow. The job's log is copied to ``attempt-<k>/job.log``."""
         import sys
 
+        from tpufab.display.ray import up_sentence
         from tpufab.jobs import raycluster
         from tpufab.jobs.running import open_private
         from tpufab.workflows.deploy import default_cwd
@@ -949,7 +950,7 @@ class Babysitter:
             if reason is None:
                 raise BabysitError(f"Could not start Ray for attempt {number}: {err}") from None
             return Attempt(number, run_id, "preempted", reason, attempt_dir)
-        self.note(f"babysit: {started.summary(self.name)}")
+        self.note(f"babysit: {up_sentence(started, self.name)}")
         job = f"tpufab-{run_id}"
         public = {RESTART_VARIABLE: str(restarts), BABYSIT_VARIABLE: self.base_run_id}
         cancel = threading.Event()
