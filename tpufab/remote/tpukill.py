@@ -11,7 +11,8 @@
    sshd, systemd, container runtimes, TPU runtime and health agents, and this kill's own
    ancestry) are reported and left alone; --force stops the name-protected ones too (never
    pid 1 or the ancestry).
-   Everything is sent SIGTERM at once, then SIGKILL after --grace seconds for what is left.
+   Everything is sent SIGTERM at once, then SIGKILL after --grace seconds for what is left
+   (given up to KILL_WAIT seconds to exit).
 3. Wait (bounded by --settle) until no unprotected process holds a device file or lockfile,
    then remove each lockfile that no live process holds.
 4. Print one JSON report on stdout. Nothing to do is a clean no-op. --dry-run only reports.
@@ -61,6 +62,10 @@ PROTECTED_NAMES = (
 )
 POLL = 0.02
 CONFIRM = 0.2    # after the holders are gone, how long to watch for one coming back
+# How long SIGKILLed processes get to exit before they are reported NOT KILLED: one inside
+# a driver call dies when the call returns, and on a starved host (load 99 in CI) 2 s was
+# too short. The wait ends as soon as they are gone (pidfds), so it costs nothing else.
+KILL_WAIT = 10.0
 
 
 def ancestry(pid):
@@ -402,7 +407,7 @@ def kill(devices_globs, lockfiles, run_dir, run_id, grace, settle, dry_run, forc
 
     # Ray's processes first through `ray stop`, then everything at once: one grace period.
     ray_stop(targets, grace)
-    survivors = stop_all(targets, groups, grace, max(1.0, settle), own)
+    survivors = stop_all(targets, groups, grace, max(KILL_WAIT, settle), own)
     for target in targets.values():
         if target in survivors:
             target.error = target.error or "still alive after SIGKILL"
