@@ -1164,7 +1164,8 @@ class Fanout:
 
     def start_agents(self) -> int:
         """Start the agent on every connection this process holds open that has none running
-        yet, one after another, without waiting for any to answer: a keeper does this once a
+        yet, one after another (each waits for its channel to open, not for the agent to
+        answer): a keeper does this once a
         command is done, so the next command finds them started (the first command on a
         connection runs without one). Returns how many were started; a worker where it fails
         is left as it was, and its next command says why."""
