@@ -603,6 +603,36 @@ def test_autostop_ttl_counts_on_the_worker_s_clock_not_the_client_s(world, pod16
     assert "firing" not in [e["event"] for e in leader_state(p)["events"]]
 
 
+def test_an_arm_whose_ttl_deletes_the_node_before_its_metadata_is_written_is_armed(world, pod16):
+    """On a loaded machine a short TTL fires before `autostop` writes the node's metadata: the
+    API then refuses the update ("being deleted"). The watchdog did its job; not an error.
+    Any other refusal still is one."""
+    from tpufab.cloud import lifecycle
+    from tpufab.errors import ApiError
+    from tpufab.workflows import autostop
+
+    name, s, p = pod16
+    real = lifecycle.control_plane(s)
+
+    class FiredFirst:       # the real API, with the deletion arriving just before the update
+        def __getattr__(self, attr):
+            return getattr(real, attr)
+
+        def update_metadata(self, node, metadata):
+            real.delete_node(node)
+            return real.update_metadata(node, metadata)
+
+    class Refusing(FiredFirst):
+        def update_metadata(self, node, metadata):
+            raise ApiError("The TPU API rejected the request to update it: no.")
+
+    with pytest.raises(ApiError, match="no[.]$"):
+        autostop.arm(p, s, idle=3600, control=Refusing())
+    armed = autostop.arm(p, s, ttl=3600, control=FiredFirst())
+    assert armed["ttl"] == 3600 and armed["armed_at"], armed
+    wait_for(lambda: gone(world, name), 60, what="the deletion to finish")
+
+
 def test_bad_autostop_settings_leave_the_running_watchdog_alone(world, pod16):
     name, _, p = pod16
     assert tpufab("autostop", "--name", name, "--idle", "1h", env=world["env"], cwd=world["project"]).returncode == 0

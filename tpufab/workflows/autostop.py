@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tpufab.cloud.nodes import AUTOSTOP_KEY, describe_autostop
-from tpufab.errors import ConfigError, NotFound, TpufabError
+from tpufab.errors import ApiError, ConfigError, NotFound, TpufabError
 from tpufab.results import Report
 from tpufab.ssh.remote_files import (
     RemoteFile,
@@ -125,6 +125,16 @@ def _check(results: Mapping[int, Any], what: str) -> dict[int, dict]:
         detail = "; ".join(f"{nodeset.label(w)}: {why}" for w, why in failed.items())
         raise AutostopError(f"Could not {what} on {nodeset.fold(failed)} ({detail}).")
     return answers
+
+
+def _node_going(settings, name: str, control=None) -> bool:
+    """True when the node is deleted or being deleted (the API refuses to update it then)."""
+    from tpufab.cloud import lifecycle
+
+    try:
+        return lifecycle.control_plane(settings, control).get_node(name).state == "DELETING"
+    except NotFound:
+        return True
 
 
 def _set_metadata(pod, settings, value: str | None, control=None) -> None:
@@ -241,10 +251,12 @@ def arm(pod, settings, *, idle: float | None = None, ttl: float | None = None,
         armed["ttl_at"] = lead["ttl_at"]
     try:
         _set_metadata(pod, settings, json.dumps(armed, sort_keys=True), control)
-    except NotFound:
-        # every worker answered a moment ago: the node went since, by this very watchdog (a
-        # TTL shorter than this command on a loaded machine). Armed, and done already.
-        pass
+    except ApiError:
+        # every worker answered a moment ago: if the node is gone or going since, this very
+        # watchdog did it (a TTL shorter than this command on a loaded machine). Armed, and
+        # done already; any other refusal is the user's to see.
+        if not _node_going(settings, node.name, control):
+            raise
     if isinstance(lead.get("now"), int | float) and abs(lead["now"] - clock()) > SKEW_NOTE:
         armed["skew"] = lead["now"] - clock()
     return armed
