@@ -186,6 +186,63 @@ def test_a_warm_command_does_not_ask_the_cloud_api(node, kept):
 
 
 @pytest.mark.sim
+def test_a_warm_status_asks_the_api_through_the_keeper(node, kept):
+    """`tpufab status` reports the API's state now (not the keeper's record of it), asked by
+    the keeper whose client is loaded: the command itself loads no cloud client."""
+    kept_sessions(kept)
+    pid = one_keeper(kept)
+    said = tpufab("sim", "maintenance", node.name, "--in", "2h", env=kept)
+    assert said.returncode == 0, said.stderr
+    try:
+        for _ in range(5):  # a loaded machine: the keeper may answer too late (see above)
+            result = subprocess.run([sys.executable, "-X", "importtime", "-m", "tpufab.cli",
+                                     "status"], env=kept, capture_output=True, text=True,
+                                    timeout=120)
+            if "google.cloud" not in result.stderr:
+                break
+        else:
+            pytest.fail(f"every status loaded the API's client: {result.stderr[-2000:]}")
+        assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+        assert f"Maintenance ahead on {node.name}: SCHEDULED" in result.stdout, result.stdout
+        assert f"Connections: kept by pid {pid} (2 of 2 workers connected" in result.stdout
+    finally:
+        cleared = tpufab("sim", "maintenance", node.name, "--clear", env=kept)
+    assert cleared.returncode == 0, cleared.stderr
+    # the window taken back: the next status says so (nothing of the last answer is kept)
+    result = tpufab("status", env=kept, timeout=120)
+    assert result.returncode == 0 and "Maintenance ahead" not in result.stdout, result.stdout
+
+
+@pytest.mark.sim
+def test_an_api_error_through_the_keeper_is_the_one_the_command_would_meet(node, kept,
+                                                                         monkeypatch):
+    from dataclasses import replace
+
+    from tpufab.cloud import lifecycle
+    from tpufab.errors import NotFound
+    from tpufab.pod import connection as pods
+
+    kept_sessions(kept)
+    one_keeper(kept)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", kept["XDG_RUNTIME_DIR"])
+    settings = replace(node.settings, keep_alive="5m")
+    found = pods.kept_api(settings)
+    assert found is not None
+    pod, control = found
+    try:
+        assert pod.nodes[0].id == node.node.id
+        with pytest.raises(NotFound) as through:
+            control.get_node("nosuch-keeper")
+        assert control._local is None          # the keeper answered, no client here
+        with pytest.raises(NotFound) as direct:
+            lifecycle.control_plane(settings).get_node("nosuch-keeper")
+        assert str(through.value) == str(direct.value)
+        assert control.find_node(node.name).id == node.node.id
+    finally:
+        pods.forget(settings)
+
+
+@pytest.mark.sim
 def test_a_socket_with_the_wrong_mode_or_owner_is_not_used(node, kept):
     first = kept_sessions(kept)
     one_keeper(kept)

@@ -104,22 +104,30 @@ def plane_of(settings: Settings) -> str | None:
     return chosen
 
 
+def retry_note(exc: BaseException, attempt: int, delay: float) -> str:
+    """The line (rich markup) a command prints on stderr when the API is retried."""
+    from tpufab.cloud.controlplane import status_name
+
+    return (f"[dim]TPU API busy ({_escape(status_name(exc))}); retrying in {delay:.1f}s "
+            f"(attempt {attempt + 1}).[/dim]")
+
+
 def control_plane(settings: Settings, control: ControlPlane | None = None, *,
-                  plane: str | None = "auto") -> ControlPlane:
+                  plane: str | None = "auto", on_retry=None) -> ControlPlane:
     """``control`` if given, else the control plane ``settings`` calls for (``plane_of``):
     the Cloud TPU API (``TpuApi``), Compute Engine (``ComputeEngine``) or, when nothing says
-    which, both side by side (``BothPlanes``), noting each retry on stderr. Everything that
-    talks to the cloud gets its ControlPlane here (docs/control-plane.md)."""
+    which, both side by side (``BothPlanes``), noting each retry on stderr (or calling
+    ``on_retry(exc, attempt, delay)``). Everything that talks to the cloud gets its
+    ControlPlane here (docs/control-plane.md)."""
     if control is not None:
         return control
     from tpufab.cloud.tpu_api import TpuApi
 
-    def on_retry(exc: BaseException, attempt: int, delay: float) -> None:
-        from tpufab.cloud.controlplane import status_name
-        from tpufab.display.console import stderr
+    if on_retry is None:
+        def on_retry(exc: BaseException, attempt: int, delay: float) -> None:
+            from tpufab.display.console import stderr
 
-        stderr().print(f"[dim]TPU API busy ({_escape(status_name(exc))}); retrying in "
-                       f"{delay:.1f}s (attempt {attempt + 1}).[/dim]")
+            stderr().print(retry_note(exc, attempt, delay))
 
     which = plane_of(settings) if plane == "auto" else plane
     if which == "tpu":

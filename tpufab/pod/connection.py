@@ -275,6 +275,69 @@ def warm(settings: Settings) -> Pod | None:
     cloud client import. None when keep_alive is off, through a jump host, or no keeper of
     the pod holds every worker's connection made with these settings and the host keys
     pinned now (then ``connect`` asks the API)."""
+    found = _warm(settings)
+    return found[0] if found else None
+
+
+class KeptControl:
+    """A control plane whose reads (tpufab.ssh.keeper.API_READS) the pod's keeper asks the
+    cloud API for, fresh, with the client it has loaded already; whatever else, and any read
+    the keeper does not answer, this command does itself (loading the client then)."""
+
+    def __init__(self, settings: Settings, path):
+        self.settings, self.path = settings, path
+        self._local = None
+
+    def local(self):
+        if self._local is None:
+            from tpufab.cloud import lifecycle
+
+            self._local = lifecycle.control_plane(self.settings)
+        return self._local
+
+    def __getattr__(self, attr: str):
+        from tpufab.ssh import keeper
+
+        if attr.startswith("_") or attr not in keeper.API_READS:
+            return getattr(self.local(), attr)
+
+        def read(*args, **kwargs):
+            from tpufab.display.console import stderr
+
+            if self.path is not None:
+                try:
+                    return keeper.ask_api(self.path, self.settings, attr, args, kwargs,
+                                          on_note=lambda text: stderr().print(text))
+                except keeper.KeeperGone:
+                    self.path = None   # not again in this command
+            return getattr(self.local(), attr)(*args, **kwargs)
+
+        return read
+
+
+def kept_api(settings: Settings) -> tuple[Pod, KeptControl] | None:
+    """The pod as its keeper holds it, and a control plane asking the API through that
+    keeper (`tpufab status`: fresh API state without loading the API's client here). None
+    as for ``warm``. The pod is the one ``shared`` gives this process from now on; a caller
+    that finds the nodes changed (``same_nodes``) calls ``forget`` and connects anew."""
+    found = _warm(settings)
+    if found is None:
+        return None
+    pod, path = found
+    _OPEN.setdefault(_key(settings), pod)
+    return pod, KeptControl(settings, path)
+
+
+def same_nodes(a: list[Node], b: list[Node]) -> bool:
+    """The same nodes (names, ids) with the same workers (addresses): connections made to
+    one reach the other."""
+    def shape(nodes):
+        return [(n.name, n.id, [(w.internal_ip, w.external_ip, w.port, w.host_id) for w in n.workers]) for n in nodes]
+
+    return shape(a) == shape(b)
+
+
+def _warm(settings: Settings):
     if settings.keep_alive_seconds <= 0 or settings.jump:
         return None
     from tpufab.ssh import keeper
@@ -295,12 +358,18 @@ def warm(settings: Settings) -> Pod | None:
         fanout.close()
         return None
     keeper.attach(fanout, settings, record)
-    return Pod(settings=settings, nodes=record["nodes"], fanout=fanout, slices=record["slices"])
+    return Pod(settings=settings, nodes=record["nodes"], fanout=fanout,
+               slices=record["slices"]), path
 
 
 # One open pod per (project, zone, name) for the life of the process: `invoke deploy run`
 # runs both steps over the same warm connections.
 _OPEN: dict[tuple, Pod] = {}
+
+
+def _key(settings: Settings) -> tuple:
+    return (settings.project, settings.zone, settings.name, settings.ssh_user,
+            str(settings.ssh_key_path), settings.internal_ip, settings.jump, settings.os_login)
 
 
 def shared(settings: Settings, **kwargs) -> Pod:
@@ -309,8 +378,7 @@ def shared(settings: Settings, **kwargs) -> Pod:
     of the caller before it, and never changing the cached pod's."""
     import atexit
 
-    key = (settings.project, settings.zone, settings.name, settings.ssh_user,
-           str(settings.ssh_key_path), settings.internal_ip, settings.jump, settings.os_login)
+    key = _key(settings)
     pod = _OPEN.get(key)
     if pod is None:
         pod = _OPEN[key] = connect(settings, **kwargs)

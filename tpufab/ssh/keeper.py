@@ -49,6 +49,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import pickle
 import signal
 import socket
 import stat
@@ -62,10 +63,17 @@ from typing import Any
 
 from tpufab.ssh.fanshard import Shard, _read, _write
 
-PROTOCOL = 2
+PROTOCOL = 3
 CONNECT_WAIT = 2.0   # s: a running keeper's answer (connect + handshake)
 LOOKUP_WAIT = 1.0    # s: a keeper's answer to "which pod do you hold" (else: the cloud API)
 SPAWN_WAIT = 3.0     # s: a keeper this command starts (a Python interpreter starting)
+API_WAIT = 60.0      # s: a cloud API read through a keeper (then the command asks itself)
+# The control plane's reads a command may ask through the pod's keeper (tpufab status: its
+# client is loaded there already); anything else a command does itself.
+API_READS = frozenset({"get_node", "find_node", "find_both", "list_nodes", "host_keys",
+                       "upcoming_maintenance", "get_queued_resource", "find_queued_resource",
+                       "list_queued_resources", "list_operations", "zones",
+                       "accelerator_types"})
 TICK = 0.5           # s: how often an idle keeper looks at its clock and its socket
 SOCKET_MAX = 100     # bytes: sun_path holds 108
 PEERCRED = struct.Struct("3i")  # pid, uid, gid
@@ -475,6 +483,49 @@ def lookup(project: str | None, zone: str | None, name: str | None,
     return None
 
 
+class KeeperGone(Exception):
+    """The keeper did not answer an API read (then the command asks the API itself)."""
+
+
+def ask_api(path: Path, settings, method: str, args: tuple = (), kwargs: dict | None = None,
+            *, on_note=None, wait: float = API_WAIT) -> Any:
+    """``control.method(*args, **kwargs)`` of the control plane ``settings`` call for, asked
+    by the keeper at ``path`` (a fresh API answer; only the client is the keeper's, loaded
+    already). ``on_note(text)`` gets each retry line. Raises the API's error as the command
+    would have, or KeeperGone when the keeper did not answer (bounded by CONNECT_WAIT to
+    reach it, ``wait`` for the answer)."""
+    if method not in API_READS:
+        raise KeeperGone(f"{method} is not a read")
+    from tpufab import errors
+
+    try:
+        with _dial(path, time.monotonic() + CONNECT_WAIT) as sock:
+            if _peer(sock)[1] != os.getuid():
+                raise KeeperGone("not ours")
+            sock.settimeout(wait)
+            with sock.makefile("wb") as out:
+                _write(out, threading.Lock(), ("api", PROTOCOL, _version(), settings, method,
+                                               tuple(args), dict(kwargs or {})))
+            with sock.makefile("rb") as inbox:
+                while True:
+                    answer = _read(inbox)
+                    if not isinstance(answer, tuple) or not answer:
+                        raise KeeperGone("no answer")
+                    if answer[0] == "note" and on_note is not None:
+                        on_note(answer[1])
+                    elif answer[0] == "value":
+                        return answer[1]
+                    elif answer[0] == "error":
+                        kind = getattr(errors, answer[1], None)
+                        if not (isinstance(kind, type) and issubclass(kind, errors.TpufabError)):
+                            kind = errors.ApiError
+                        raise kind(answer[2])
+                    elif answer[0] != "note":
+                        raise KeeperGone(f"answered {answer[0]!r}")
+    except (OSError, EOFError, ValueError, pickle.UnpicklingError) as err:
+        raise KeeperGone(str(err)) from None
+
+
 def matches(path: Path, fanout) -> bool:
     """Whether the keeper at ``path`` holds exactly ``fanout``'s connections (its name is
     their hash: workers, keys, node id, the host keys pinned now, version)."""
@@ -500,6 +551,9 @@ class _Server:
         self.last = time.monotonic()
         self.stopping = threading.Event()
         self.ids = iter(range(1, 1 << 62))
+        self.controls: dict[bytes, Any] = {}   # the control planes API reads were asked of
+        self.controls_lock = threading.Lock()
+        self.asking = threading.local()         # the client a retry note goes to
 
     def on_retry(self, target, attempt, error) -> None:
         from tpufab.ssh.shard_child import retry_message
@@ -572,6 +626,9 @@ class _Server:
                     record, init = self.record, self.init
                 send(("pod", PROTOCOL, _version(), record, init, self.all_connected()))
                 return
+            if first[0] == "api":
+                self.api(first, send)
+                return
             if first[0] != "hello":
                 return
             _, protocol, version, keep_alive, init, record = first
@@ -606,6 +663,51 @@ class _Server:
                 with contextlib.suppress(OSError):
                     stream.close()
             conn.close()
+
+    def api(self, message: tuple, send) -> None:
+        """One control-plane read for a command (ask_api): its value, the command's error
+        as a sentence (the error's class by name), or "failed" (the command asks itself)."""
+        from tpufab.errors import TpufabError
+
+        if len(message) != 7:
+            return
+        _, protocol, version, settings, method, args, kwargs = message
+        if protocol != PROTOCOL or version != _version() or method not in API_READS:
+            send(("refused", f"keeper of tpufab {_version()} (protocol {PROTOCOL})"))
+            return
+        self.asking.send = send
+        try:
+            value = getattr(self.control(settings), method)(*args, **kwargs)
+            answer = ("value", value)
+            pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)  # sendable, or "failed"
+        except TpufabError as err:
+            answer = ("error", type(err).__name__, str(err))
+        except Exception as err:  # noqa: BLE001 - the command then asks the API itself
+            answer = ("failed", f"{type(err).__name__}: {err}")
+        finally:
+            self.asking.send = None
+        send(answer)
+
+    def control(self, settings):
+        """The control plane for ``settings``, made once (its client stays loaded)."""
+        from tpufab.cloud import lifecycle
+
+        key = pickle.dumps(settings, protocol=pickle.HIGHEST_PROTOCOL)
+        with self.controls_lock:
+            control = self.controls.get(key)
+            if control is None:
+                if len(self.controls) >= 8:   # commands with many settings: keep it bounded
+                    self.controls.clear()
+                control = self.controls[key] = lifecycle.control_plane(
+                    settings, on_retry=self.api_retry)
+        return control
+
+    def api_retry(self, exc: BaseException, attempt: int, delay: float) -> None:
+        from tpufab.cloud.lifecycle import retry_note
+
+        send = getattr(self.asking, "send", None)
+        if send is not None:
+            send(("note", retry_note(exc, attempt, delay)))
 
     def status(self) -> dict:
         fan = self.fanout

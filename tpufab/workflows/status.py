@@ -598,6 +598,11 @@ def collect(settings: Settings, *, control: ControlPlane | None = None, pod: Any
 
     name = lifecycle.validate_name(settings.name)
     settings.project = settings.require("project")
+    kept = None
+    if control is None and pod is None:   # the API asked through the pod's keeper, if kept
+        found = pods.kept_api(settings)
+        if found is not None:
+            kept, control = found
     control = lifecycle.control_plane(settings, control)
     nodes, qr = find_nodes(control, name)
     if not nodes and qr is None:  # a Compute Engine multislice, as the worker verbs find it
@@ -621,6 +626,8 @@ def collect(settings: Settings, *, control: ControlPlane | None = None, pod: Any
             rows=[WorkerFacts(w, False, error=f"node {_node_of(nodes, w).state}")
                   for w in range(count)])
     if pod is None:
+        if kept is not None and not pods.same_nodes(kept.nodes, nodes):
+            pods.forget(settings)   # recreated since: never through the old connections
         pod = pods.shared(settings, control=control, nodes=nodes)
     dirs = default_deploy_dirs(settings) if deploy_dirs is None else list(deploy_dirs)
     facts = gather_facts(pod.fanout, deploy_dirs=dirs, timeout=timeout)
