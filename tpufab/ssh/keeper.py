@@ -37,6 +37,12 @@ imports a cloud client. A keeper missing a connection (a worker that went away: 
 stopped, preempted or recreated VM drops it) is not asked: the command asks the API as before,
 and a recreated node's new id and host keys give it a new keeper.
 
+A command that must ask the API (`tpufab status`: the node's state, health and maintenance
+now) asks it through the keeper (``ask_api``: the reads in API_READS only), whose client is
+loaded already; the answer is the API's, fresh, never the keeper's record. A keeper that does
+not answer (CONNECT_WAIT to reach it, API_WAIT for the answer) is not asked again in that
+command: it asks the API itself.
+
 If the keeper dies during a command, the workers' commands die with its connections and each
 worker's result says to run the command again (it is not rerun: it may have done part of
 its work).
