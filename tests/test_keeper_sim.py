@@ -185,6 +185,45 @@ def test_a_warm_command_does_not_ask_the_cloud_api(node, kept):
     assert other.returncode != 0 and "SESSION=" not in other.stdout, other.stdout
 
 
+def cmdline(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as fh:
+        return fh.read().decode().split("\0")
+
+
+@pytest.mark.sim
+def test_the_first_command_s_keeper_starts_while_it_asks_the_api_and_none_is_left_behind(
+        node, kept):
+    """The first command starts its keeper before asking the API (``FOLDER/-``: told its
+    socket once the command knows it), so the keeper's start overlaps that lookup. A command
+    that never needs it (the pod does not exist) leaves nothing running."""
+    first = kept_sessions(kept)
+    pid = one_keeper(kept)
+    folder = os.path.join(kept["XDG_RUNTIME_DIR"], "tpufab")
+    assert cmdline(pid)[-2] == os.path.join(folder, "-"), cmdline(pid)
+    assert len(sockets(kept)) == 1 and kept_sessions(kept) == first
+    tpufab("disconnect", env=kept, timeout=60)
+    wait_for(lambda: not keepers(kept), 30, 0.05, "the keeper to stop")
+    missing = tpufab("exec", "true", env={**kept, "TPUFAB_NAME": unique_name("nosuch")},
+                     timeout=120)
+    assert missing.returncode != 0 and "No TPU node or queued resource named" in \
+        missing.stderr, missing.stderr
+    wait_for(lambda: not keepers(kept), 30, 0.05, "the keeper started ahead to exit untold")
+    assert sockets(kept) == []
+
+
+@pytest.mark.sim
+def test_a_keeper_started_ahead_and_never_told_its_socket_exits(kept, monkeypatch):
+    from tpufab.ssh import keeper
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", kept["XDG_RUNTIME_DIR"])
+    ahead = keeper.prestart()
+    assert ahead is not None
+    wait_for(lambda: len(keepers(kept)) == 1, 30, 0.05, "the keeper started ahead")
+    ahead.discard()
+    wait_for(lambda: not keepers(kept), 30, 0.05, "the keeper started ahead to exit untold")
+    assert sockets(kept) == []
+
+
 @pytest.mark.sim
 def test_a_warm_status_asks_the_api_through_the_keeper(node, kept):
     """`tpufab status` reports the API's state now (not the keeper's record of it), asked by

@@ -207,6 +207,11 @@ def connect(settings: Settings, *, control: ControlPlane | None = None,
         pod = warm(settings)  # a keeper exists only under a name that was checked
         if pod is not None:
             return pod
+    pending = None
+    if settings.keep_alive_seconds > 0 and settings.name:
+        from tpufab.ssh import keeper
+
+        pending = keeper.prestart()   # its start overlaps the API lookup below
     from tpufab.cloud import lifecycle, oslogin
 
     name = lifecycle.validate_name(settings.name)
@@ -260,7 +265,7 @@ def connect(settings: Settings, *, control: ControlPlane | None = None,
 
     # later runs go to the pod's kept connections, if on; the keeper keeps what the API said
     keeper.attach(fanout, settings, {"nodes": nodes, "slices": slices,
-                                     "settings": fingerprint(settings)})
+                                     "settings": fingerprint(settings)}, pending)
     return Pod(settings=settings, nodes=nodes, fanout=fanout, slices=slices)
 
 

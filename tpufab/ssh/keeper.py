@@ -245,8 +245,10 @@ class Keeper:
     """A pod's keeper, as its commands see it: ``shard(fanout)`` is the live connection to it
     (started if need be), or None when this command connects itself."""
 
-    def __init__(self, prefix: str, keep_alive: float, record: dict | None = None):
+    def __init__(self, prefix: str, keep_alive: float, record: dict | None = None,
+                 pending: Prestarted | None = None):
         self.prefix, self.keep_alive, self.record = prefix, keep_alive, record
+        self.pending = pending   # a keeper started ahead (prestart), waiting for its socket
         self._shard: KeeperShard | None = None
         self._lock = threading.Lock()
 
@@ -277,10 +279,15 @@ class Keeper:
                 return None
             found = self._handshake(path, hello, time.monotonic() + CONNECT_WAIT)
             if found is not None:
+                if self.pending is not None:   # not needed: it exits now
+                    self.pending.discard()
+                    self.pending = None
                 return _shard(found, fanout)
-        # None there (or it was stale and is stopped now): start one, wait a bounded time.
+        # None there (or it was stale and is stopped now): start one (or give the one started
+        # ahead its socket), wait a bounded time.
         deadline = time.monotonic() + SPAWN_WAIT
-        if not _spawn(path, deadline):
+        pending, self.pending = self.pending, None
+        if not (pending is not None and pending.serve(path)) and not _spawn(path, deadline):
             return None
         while time.monotonic() < deadline:
             if path.exists():
@@ -346,6 +353,50 @@ def _init(fanout) -> dict:
             "connect_attempts": fanout.connect_attempts, "retry_wait": fanout.retry_wait,
             "python": fanout.python, "kill_grace": fanout.kill_grace,
             "processes": fanout.processes}
+
+
+PRESTART_WAIT = 60.0  # s: how long a keeper started ahead waits to be told its socket
+
+
+class Prestarted:
+    """A keeper started ahead (``prestart``): its interpreter and SSH modules load while the
+    command asks the cloud API; ``serve(path)`` tells it its socket. Never told (the command
+    found a keeper, failed, or ended), it exits: its stdin closes with this process."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+
+    def serve(self, path: Path) -> bool:
+        """Give it its socket (it logs beside it); False when it is gone already."""
+        try:
+            self.proc.stdin.write(f"{path}\n".encode())
+            self.proc.stdin.close()
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.proc.stdin.close()
+
+
+def prestart() -> Prestarted | None:
+    """Start a keeper ahead of knowing its socket (the first command to a pod: the keeper's
+    start then overlaps the cloud API lookup instead of following it); None when keepers
+    cannot be kept here (no private directory)."""
+    folder = private_dir()
+    if folder is None:
+        return None
+    try:   # "FOLDER/-": a socket in FOLDER, named on stdin (ps shows where)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tpufab.ssh.keeper", str(folder / "-")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            cwd="/", close_fds=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    except OSError:
+        return None
+    threading.Thread(target=proc.wait, daemon=True).start()  # the first fork exits at once
+    return Prestarted(proc)
 
 
 def _spawn(path: Path, deadline: float) -> bool:
@@ -450,14 +501,18 @@ def describe(project: str | None, zone: str | None, name: str | None,
             f"command; socket {info['socket']}).")
 
 
-def attach(fanout, settings, record: dict | None = None) -> None:
+def attach(fanout, settings, record: dict | None = None,
+           pending: Prestarted | None = None) -> None:
     """Let ``fanout`` send its runs to the pod's keeper (if keep_alive is on); ``record``:
     the pod as the cloud API described it (``nodes``, ``slices``, ``settings``: see
-    :func:`lookup`), kept by the keeper for the next command."""
+    :func:`lookup`), kept by the keeper for the next command; ``pending``: a keeper started
+    ahead (``prestart``), used if this command must start one."""
     seconds = settings.keep_alive_seconds
     if seconds > 0:
         fanout.keeper = Keeper(pod_prefix(settings.project, settings.zone, settings.name),
-                               seconds, record)
+                               seconds, record, pending)
+    elif pending is not None:
+        pending.discard()
 
 
 def lookup(project: str | None, zone: str | None, name: str | None,
@@ -760,13 +815,38 @@ class _Server:
             self.fanout.close()  # every worker's agent stops what it still runs
 
 
+def _told_path(folder: Path) -> Path | None:
+    """A keeper started ahead (``FOLDER/-``): load what serving needs, then read the socket
+    path in ``folder`` its command writes on stdin (None: never told, within PRESTART_WAIT).
+    It logs beside it."""
+    import select
+
+    from tpufab.ssh import fanout, hostkeys, shard_child  # noqa: F401 - loaded while waiting
+
+    ready, _, _ = select.select([sys.stdin], [], [], PRESTART_WAIT)
+    line = sys.stdin.readline().strip() if ready else ""
+    if not line:
+        return None
+    path = Path(line)
+    if path.parent != folder or not path.name.endswith(".sock"):
+        return None
+    log = os.open(path.with_suffix(".log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(log, 2)
+    os.close(log)
+    return path
+
+
 def main(argv: list[str]) -> int:
-    path = Path(argv[1])
     if os.fork():
         os._exit(0)  # the command that started us reaps this first process at once
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
     os.umask(0o077)
+    path = Path(argv[1])
+    if path.name == "-":
+        path = _told_path(path.parent)
+    if path is None:
+        return 0
     lock = open(path.with_suffix(".lock"), "a+")  # noqa: SIM115 - held for our whole life
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
