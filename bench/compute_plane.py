@@ -42,7 +42,7 @@ def main() -> None:
     state = Path(tempfile.mkdtemp(prefix="tpufab-bench-compute-"))
     info = up(state, port=0, timeout=60)
     home = Path(tempfile.mkdtemp(prefix="tpufab-bench-home-"))
-    env = {**info.env(), "TPUFAB_USER_CONFIG": str(home / "none.yaml"),
+    env = {**info.env(), "TPUFAB_USER_CONFIG": str(home / "none.yaml"), "TPUFAB_KEEP_ALIVE": "0",
            "TPUFAB_SSH_KEY": str(home / "key"), "TPUFAB_KNOWN_HOSTS": str(home / "kh"),
            "TPUFAB_STATE_DIR": str(home / "state")}
     quiet = Console(file=open(os.devnull, "w"))  # noqa: SIM115

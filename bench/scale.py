@@ -87,7 +87,8 @@ def one_size(size: int, verbs: list[str], show: bool, profile: Path | None = Non
     info = up(base / "state", port=0, timeout=120)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
     env.update(info.env(), HOME=str(home), COLUMNS="200", TPUFAB_NAME=f"scale{size}",
-               TPUFAB_USER_CONFIG=str(home / "none.yaml"), TPUFAB_WAIT_TIMEOUT="1800")
+               TPUFAB_USER_CONFIG=str(home / "none.yaml"), TPUFAB_WAIT_TIMEOUT="1800",
+               TPUFAB_KEEP_ALIVE="0")  # cold commands, as pssh and clush are (bench/keeper.py: kept)
     repo = project(base)
     tpufab = str(BIN / "tpufab")
     try:

@@ -57,7 +57,9 @@ def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="tpufab-bench-top-"))
     info = up(base / "sim", port=0, timeout=120)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
-    env.update(info.env(), TPUFAB_USER_CONFIG=str(base / "none.yaml"), TPUFAB_SSH_USER="root",
+    env.update(info.env(), TPUFAB_USER_CONFIG=str(base / "none.yaml"),
+               TPUFAB_KEEP_ALIVE="0",  # every command connects itself (cold), as before keepers
+               TPUFAB_SSH_USER="root",
                TPUFAB_SSH_KEY=str(base / "key" / "tpufab_ed25519"),
                TPUFAB_KNOWN_HOSTS=str(base / "known_hosts"), TPUFAB_NAME="bench-top",
                COLUMNS="200")

@@ -1,6 +1,7 @@
 """Kept connections (tpufab.ssh.keeper): a background process per pod holds its SSH connections
-between commands. One v4-16 (2 workers) for the module; every test turns keeping on in its own
-environment (the suite's default is off) and every keeper it starts is stopped at teardown.
+between commands. One v4-16 (2 workers) for the module; every test keeps connections as tpufab
+does by default, in its own environment (the rest of the suite turns keeping off), and every
+keeper it starts is stopped at teardown.
 
 The observable of "the same connection": each command prints, per worker, the pid of the sshd
 session process its shell descends from (one per SSH connection, whatever channel runs it).
@@ -35,10 +36,12 @@ def node(sim, tmp_path_factory):
 
 @pytest.fixture
 def kept(node):
-    """The node's shell environment with kept connections on (5m), in a private runtime dir
-    of its own; every keeper started under it is stopped afterwards."""
+    """The node's shell environment with kept connections as a user has them by default (no
+    TPUFAB_KEEP_ALIVE: 5m), in a private runtime dir of its own; every keeper started under it
+    is stopped afterwards."""
     runtime = Path(tempfile.mkdtemp(prefix="kp", dir="/tmp"))
-    env = {**node.env, "TPUFAB_KEEP_ALIVE": "5m", "XDG_RUNTIME_DIR": str(runtime)}
+    env = {k: v for k, v in node.env.items() if k != "TPUFAB_KEEP_ALIVE"}
+    env["XDG_RUNTIME_DIR"] = str(runtime)
     try:
         yield env
     finally:

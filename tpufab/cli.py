@@ -158,7 +158,7 @@ def build_app() -> typer.Typer:
               keep_alive: str | None = typer.Option(
                   None, "--keep-alive", metavar="DURATION",
                   help="How long the pod's connections stay open after this command for the "
-                       "next one (e.g. 5m; 0: not kept; setting keep_alive).")) -> None:
+                       "next one (default 5m; 0: not kept; setting keep_alive).")) -> None:
         """Make a Cloud TPU pod feel like one machine."""
         _state["debug"] = debug
         if keep_alive is not None:

@@ -71,7 +71,7 @@ class Settings:
     fanout_processes: int = 0            # client processes sharing the connections; 0: automatic
     connect_timeout: float = 20.0
     command_timeout: float | None = None
-    keep_alive: str = "0"                # how long a pod's connections stay open after a command; 0 (default for now): not kept
+    keep_alive: str = "5m"               # how long a pod's connections stay open after a command (tpufab.ssh.keeper); 0: not kept
     # OS Login (tpufab.cloud.oslogin): auto = as the node's (else the project's) enable-oslogin says
     os_login: str = "auto"               # or true / false (--no-os-login)
     os_login_account: str | None = None  # your Google account's email; default: from credentials

@@ -83,6 +83,9 @@ API_READS = frozenset({"get_node", "find_node", "find_both", "list_nodes", "host
 TICK = 0.5           # s: how often an idle keeper looks at its clock and its socket
 SOCKET_MAX = 100     # bytes: sun_path holds 108
 PEERCRED = struct.Struct("3i")  # pid, uid, gid
+# A keeper answers only its own user, which it learns with SO_PEERCRED (Linux): where there
+# is none (macOS), connections are not kept and every command connects itself.
+SUPPORTED = hasattr(socket, "SO_PEERCRED")
 _WARNED: set[str] = set()
 
 
@@ -133,6 +136,8 @@ def _warn(path: Path, reason: str) -> None:
 def private_dir() -> Path | None:
     """The keepers' directory (made 0700 if missing), or None (said once) when it is not ours
     and private."""
+    if not SUPPORTED:
+        return None
     path = keeper_dir()
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -476,7 +481,7 @@ def describe(project: str | None, zone: str | None, name: str | None,
     keep_alive is 0: status looks as it did before kept connections)."""
     from tpufab.durations import human_duration
 
-    if keep_alive <= 0:
+    if keep_alive <= 0 or not SUPPORTED:
         return None
     folder = keeper_dir()
     live = []
@@ -508,7 +513,7 @@ def attach(fanout, settings, record: dict | None = None,
     :func:`lookup`), kept by the keeper for the next command; ``pending``: a keeper started
     ahead (``prestart``), used if this command must start one."""
     seconds = settings.keep_alive_seconds
-    if seconds > 0:
+    if seconds > 0 and SUPPORTED:
         fanout.keeper = Keeper(pod_prefix(settings.project, settings.zone, settings.name),
                                seconds, record, pending)
     elif pending is not None:
@@ -521,7 +526,7 @@ def lookup(project: str | None, zone: str | None, name: str | None,
     made with the settings ``fingerprint``; None (then the command asks the cloud API) when
     there is none, it is not private, another version, or slow to answer (LOOKUP_WAIT)."""
     folder = keeper_dir()
-    if _private(folder, "directory") or not folder.is_dir():
+    if not SUPPORTED or _private(folder, "directory") or not folder.is_dir():
         return None
     for path in _sockets(folder, pod_prefix(project, zone, name)):
         if _private(path, "socket"):
