@@ -155,7 +155,9 @@ def sim_unreachable(*, name: str, worker: int, restore: bool = False) -> None:
     from tpufab.pod.api import valid_name as validate_name
 
     sim_admin().set_reachable(validate_name(name), worker, restore)
-    state = "reachable again" if restore else "unreachable (connections refused)"
+    state = "reachable again" if restore else (
+        "unreachable (new connections refused; connections kept open stay: `tpufab "
+        "disconnect` drops them)")
     stdout().print(f"Worker {worker} of {name} is {state}.")
 
 
