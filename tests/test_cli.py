@@ -62,7 +62,7 @@ def imported_heavy_modules(body: str, cwd: Path) -> list[str]:
 
 
 def test_tpufab_help_imports_no_cloud_sdk_or_fabric(tmp_path):
-    body = ("from tpufab.cli import app\n"
+    body = ("from tpufab.cli import build_app\napp = build_app()\n"
             "try:\n    app(['--help'])\nexcept SystemExit:\n    pass\n"
             "try:\n    app(['create', '--help'])\nexcept SystemExit:\n    pass\n")
     assert imported_heavy_modules(body, tmp_path) == []
@@ -73,7 +73,8 @@ def test_a_verb_reading_its_flags_imports_no_pydantic(tmp_path):
     command (docs/benchmarks.md), so pyproject.toml keeps typer below it. A command that reads
     its flags and stops at its first sentence (no pod named) imports none of the above."""
     body = (f"import os\nos.environ['TPUFAB_USER_CONFIG'] = {str(tmp_path / 'none.yaml')!r}\n"
-            "import contextlib, io\nfrom tpufab.cli import app\nsaid = io.StringIO()\n"
+            "import contextlib, io\nfrom tpufab.cli import build_app\napp = build_app()\n"
+            "said = io.StringIO()\n"
             "with contextlib.redirect_stderr(said):\n    try:\n"
             "        app(['exec', '--timeout', '5', '--worker', '0', 'true'])\n"
             "    except SystemExit:\n        pass\n"

@@ -98,3 +98,29 @@ def test_the_exit_codes_are_one_table_in_the_readme():
     section = readme.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
     for code in (0, TpufabError.exit_code, ConfigError.exit_code, 124, 130):
         assert re.search(rf"^\| {code} \|", section, re.M), code
+
+
+def test_a_command_builds_only_its_own_verb_and_still_reads_what_comes_before_it(env, tmp_path):
+    """`tpufab exec ...` builds exec's click parameters only (the whole table of verbs costs
+    every command ~60 ms of CPU); options before the verb, help and bad verbs are as before."""
+    import typer
+
+    from tpufab.cli import build_app, command_named
+
+    assert command_named(["--keep-alive", "0", "--debug", "exec", "true"]) == "exec"
+    assert command_named(["--keep-alive=0", "sim", "up"]) == "sim"
+    assert command_named(["--help"]) is None and command_named([]) is None
+    assert command_named(["exce", "true"]) is None           # no such verb: the whole table
+    assert command_named(["--", "exec"]) is None
+    narrowed = typer.main.get_command(build_app("exec"))
+    assert sorted(narrowed.commands) == ["exec"]
+    assert sorted(typer.main.get_command(build_app("sim")).commands) == ["sim"]
+
+    helped = run("--keep-alive", "0", "exec", "--help", env=env, cwd=tmp_path)
+    assert helped.returncode == 0 and "Usage: tpufab exec [OPTIONS]" in helped.stdout
+    wrong = run("exce", "true", env=env, cwd=tmp_path)
+    assert wrong.returncode == 2 and "No such command 'exce'" in wrong.stderr, wrong.stderr
+    whole = run("--help", env=env, cwd=tmp_path)
+    assert all(f" {verb} " in whole.stdout for verb in ("exec", "status", "sim", "run"))
+    bad = run("--keep-alive", "soon", "exec", "true", env=env, cwd=tmp_path)
+    assert bad.returncode != 0 and "--keep-alive" in bad.stderr, bad.stderr

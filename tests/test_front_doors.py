@@ -20,7 +20,9 @@ def typer_doors() -> dict[str, dict[str, object]]:
     """`sim up` -> {"--port": default, ..., "<name>": "argument"} from the real click app."""
     import typer
 
-    from tpufab.cli import app
+    from tpufab.cli import build_app
+
+    app = build_app()
 
     out: dict[str, dict[str, object]] = {}
 

@@ -136,7 +136,9 @@ def _command(v: Verb):
     return command
 
 
-def build_app() -> typer.Typer:
+def build_app(only: str | None = None) -> typer.Typer:
+    """The whole command line, or (``only``: a verb's or a group's name) the part one command
+    needs: a command builds the click parameters of its own verb only (``main``)."""
     settings = {"no_args_is_help": True, "rich_markup_mode": None,
                 "context_settings": {"help_option_names": ["-h", "--help"]}}
     app = typer.Typer(name="tpufab", help="Make a Cloud TPU pod feel like one machine.",
@@ -177,6 +179,8 @@ def build_app() -> typer.Typer:
 
     groups: dict[str, typer.Typer] = {}
     for v in all_verbs():
+        if only is not None and (v.group or v.name) != only:
+            continue
         target = app
         if v.group:
             if v.group not in groups:
@@ -187,11 +191,32 @@ def build_app() -> typer.Typer:
     return app
 
 
-app = build_app()
+VALUED = ("--keep-alive",)   # the options before the verb that take a value
+
+
+def command_named(argv: list[str]) -> str | None:
+    """The verb (or group) ``argv`` names after the options that come before it; None when
+    it names none that exists, asks for completions, or for the whole help."""
+    import os
+
+    if any(key.startswith("_TPUFAB_COMPLETE") for key in os.environ):
+        return None
+    words = iter(argv)
+    for word in words:
+        if word in VALUED:
+            next(words, None)
+        elif not word.startswith("-"):
+            known = {v.group or v.name for v in all_verbs()}
+            return word if word in known else None
+        elif word == "--":
+            return None
+    return None
 
 
 def main() -> None:
-    app()
+    import sys
+
+    build_app(command_named(sys.argv[1:]))()
 
 
 if __name__ == "__main__":
