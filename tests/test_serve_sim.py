@@ -84,12 +84,22 @@ def run_id_of(stderr: str) -> str:
     raise AssertionError(f"no run id in {stderr!r}")
 
 
+@pytest.mark.timeout(720)
 def test_serve_wait_port_forward_benchmark_and_profile(serve_env):
+    # 22-95 s on CI; once the server did not answer within 5 minutes while the other groups
+    # ran Ray and torch on the same 2 cores. The bounds leave room for that, and a run that
+    # does not start is stopped here, not left for the next test.
     env, pod, project = serve_env
     port, local = free_port(), free_port()
-    started = tpufab("run", "recipes/serve_jax.sh", "--no-deploy",
-                     f"--args=--port {port} --threads 4", "--wait-port", str(port),
-                     "--wait-timeout", "240", cwd=project, env=env)
+    try:
+        started = tpufab("run", "recipes/serve_jax.sh", "--no-deploy",
+                         f"--args=--port {port} --threads 4", "--wait-port", str(port),
+                         "--wait-timeout", "360", cwd=project, env=env, timeout=480)
+    except subprocess.TimeoutExpired as err:
+        tpufab("kill", cwd=project, env=env)
+        pytest.fail(f"`tpufab run --wait-port` did not end: {err.stdout}{err.stderr}")
+    if started.returncode != 0:
+        tpufab("kill", cwd=project, env=env)
     assert started.returncode == 0, started.stdout + started.stderr
     assert f"Port {port} answers on w0" in started.stderr
     run_id = run_id_of(started.stderr)
