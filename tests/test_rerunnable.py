@@ -45,7 +45,9 @@ def test_ctrl_c_during_create_says_how_to_delete_and_delete_of_a_creating_node_w
 
     name = unique_name("cc")
     env = cli_env(sim, tmp_path, name)
-    sim_admin.settings(create_delay=30.0)  # it stays CREATING while the test looks at it
+    # it stays CREATING while the test looks at it (30 s was once too short on a loaded CI: the
+    # bring-up of a node deleted meanwhile just ends, so a long delay costs nothing)
+    sim_admin.settings(create_delay=120.0)
     try:
         result = interrupted_when([TPUFAB, "create", "--name", name, "--type", "v4-8"], env,
                                   lambda r: r.saw("CREATING"), "the create to be under way",
