@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import pytest
 from harness import sim_node
-from helpers import in_worker, tpufab
+from helpers import in_worker, tpufab, wait_for
 
 # A verb as the CLI calls it (for flags the front doors do not declare yet).
 CALL = ("import json, sys\n"
@@ -113,6 +113,43 @@ def test_pod_status_honours_its_timeout_on_a_connection_already_open(sim, pod4):
     assert [r.label for r in found.folded] == ["w[0,2-3]", "w1"]
     assert "no answer" in found.folded[1].state or "timed out" in found.folded[1].state, \
         found.folded[1].state
+
+
+@pytest.mark.sim
+def test_waiting_for_a_port_gives_up_on_a_worker_that_froze_mid_probe(sim, pod4):
+    """`run --wait-port`'s rounds (a port probe, then the run's status) each have a bound: a
+    worker whose sshd freezes while the probe runs there ends the wait soon after
+    --wait-timeout instead of holding it for ever (no command timeout set, as a user has it
+    by default)."""
+    import dataclasses
+    import threading
+
+    from tpufab import Pod
+    from tpufab.jobs import running
+
+    settings = dataclasses.replace(pod4.settings, command_timeout=None)
+    answer: list = []
+    with Pod.from_settings(settings) as pod:
+        assert pod.connected.workers == [0, 1, 2, 3]
+        began = time.monotonic()
+        waiting = threading.Thread(target=lambda: answer.append(running.wait_port(
+            pod.fanout, "no-such-run", 9, worker=1, timeout=3, probe=2, slack=1)), daemon=True)
+        waiting.start()
+        probing = "pgrep -f 'ports[.]py wait'"   # [.]: not this pgrep's own sh
+        wait_for(lambda: in_worker(sim, pod4.node, 1, probing, check=False).strip(),
+                 timeout=30)
+        pids = " ".join(in_worker(sim, pod4.node, 1, SSHD_ALL).split())
+        in_worker(sim, pod4.node, 1, f"kill -STOP {pids}")
+        try:
+            waiting.join(60)   # before: the probe had no bound, the wait never ended
+            took = time.monotonic() - began
+        finally:
+            in_worker(sim, pod4.node, 1, f"kill -CONT {pids}")
+    assert answer, f"wait_port still waiting after {took:.0f} s on a frozen worker"
+    ok, why = answer[0]
+    # its bound (wait_port's docstring: 3 + 2 + 4 * 1 + 8 = 17 s), and a margin
+    assert not ok and took < 17 + 5, (took, why)
+    assert why.startswith("port 9 did not answer on w1 within 3 s"), why
 
 
 @pytest.mark.sim

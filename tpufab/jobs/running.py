@@ -509,29 +509,50 @@ def stop(group, run_id: str, workers: Sequence[int],
     return out
 
 
+# what each command of wait_port's rounds may take (to connect, and to run) past the time left:
+# near the end a status only picks the sentence (the port did not answer either way), so a
+# slow answer there costs nothing but a worse reason
+ROUND_SLACK = 5.0
+
+
 def wait_port(group, run_id: str, port: int, *, worker: int = 0, timeout: float = 600.0,
-              probe: float = 5.0) -> tuple[bool, str]:
+              probe: float = 5.0, slack: float = ROUND_SLACK) -> tuple[bool, str]:
     """Wait (at most ``timeout`` s) until ``port`` answers on ``worker`` while the run lives.
 
     Each round asks the worker to try for up to ``probe`` s (``remote/ports.py``), then checks
-    that the run is still running there. Returns ``(True, "after N s")`` or ``(False, why)``.
+    that the run is still running there. Connecting may take what is left of ``timeout`` plus
+    ``slack``, and each command as long (the probe: ``probe`` at most, plus ``slack``); the
+    fan-out gives up on a worker that stops answering at those two plus 4 s. So a worker that
+    freezes mid-round ends the wait at most ``probe + 4 * slack + 8`` s (33 s by default)
+    past ``timeout``, not never. Returns ``(True, "after N s")`` or
+    ``(False, why)``.
     """
     began = time.monotonic()
+
+    def left() -> float:
+        return timeout - (time.monotonic() - began)
+
+    def within(run: float):
+        """``group`` with the command bounded by ``run`` s, and connecting by what is left of
+        the wait (a loaded worker may be slow to let us in while there is time) plus slack."""
+        return group.bound(connect_timeout=min(group.connect_timeout, max(0.0, left()) + slack),
+                           command_timeout=run)
+
     while True:
-        left = timeout - (time.monotonic() - began)
-        result = run_script(group, "ports.py", ["wait", int(port), max(0.1, min(probe, left))],
-                            [worker])[worker]
+        trying = max(0.1, min(probe, left()))
+        result = run_script(within(min(trying, max(0.0, left())) + slack), "ports.py",
+                            ["wait", int(port), trying], [worker])[worker]
         answer = read_answer(result.stdout) if result.ok else None
         if answer and answer.get("open"):
             return True, f"after {time.monotonic() - began:.1f} s"
         why = (answer or {}).get("error") or failure_reason(result)
-        state = statuses(group, [worker])[worker]
+        state = statuses(within(max(0.0, left()) + slack), [worker])[worker]
         entry = next((e for e in state.runs if e.get("run") == run_id), None)
         if entry is not None and entry.get("state") != "running":
             return False, f"the run ended on {nodeset.label(worker)} ({entry.get('state')}" + (
                 f", exit {entry['exit_code']}" if entry.get("exit_code") is not None else "") \
                 + f") before port {port} answered"
-        if time.monotonic() - began >= timeout:
+        if left() <= 0:
             return False, f"port {port} did not answer on {nodeset.label(worker)} within " \
                           f"{timeout:g} s ({why})"
 
