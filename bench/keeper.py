@@ -7,8 +7,20 @@ with `tpufab create` (64: v4-512, 256: v4-2048), then ``rounds`` times, in turn:
 
 - ``cold``: `tpufab --keep-alive 0 exec true` (connects itself, as before kept connections);
 - ``first``: `tpufab exec true` with no keeper running (it starts one and runs through it);
-- ``second``: `tpufab exec true` again (through the kept connections);
+- ``second``: `tpufab exec true` again, 0.5 s later (through the kept connections);
+- ``settled``: the same once the machine is quiet again (the keeper starts every worker's
+  agent after the first command: on a simulated pod that loads the cores the next command
+  runs on; at 1,024 workers for tens of seconds);
 - ``status cold`` / ``status second``: `tpufab status` the same two ways.
+
+``--no-status``: the ``exec`` rounds only (at 1,024 workers a `status` starts 1,024 Pythons on
+the simulated workers at once, more memory than a 24 GiB machine holding 1,024 kept
+connections has left).
+
+``--floor N``: then, with the keeper warm, N rounds of what a second `exec true` is made of,
+alternately: a bare `python -c pass`, `import typer`, `import tpufab.cli`, importing every
+tpufab module a warm `exec true` loads (listed by running it under ``-X importtime``), and
+the whole command; medians, printed as a second table.
 
 ``--compare BIN``: each ``second`` is also run with the `tpufab` in ``BIN`` (another install of
 the same tpufab, e.g. with another typer), labelled ``(compare)``, in the same rounds.
@@ -73,8 +85,64 @@ def rss_mib(pids: list[int]) -> float:
     return total / 1024
 
 
-def one_size(size: int, rounds: int, compare: Path | None = None
-             ) -> dict[str, list[tuple[float, float, float]]]:
+def used_mib() -> float:
+    """The machine's memory in use (MemTotal - MemAvailable), MiB."""
+    info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return (int(info["MemTotal"].split()[0]) - int(info["MemAvailable"].split()[0])) / 1024
+
+
+def busy_share(window: float = 1.0) -> float:
+    """The machine's CPU busy share (0-1) over ``window`` s, from /proc/stat."""
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields), fields[3] + fields[4]   # total, idle + iowait
+    total0, idle0 = sample()
+    time.sleep(window)
+    total1, idle1 = sample()
+    return 1 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+def settle(limit: float = 300.0, below: float = 0.2) -> float:
+    """Wait (at most ``limit`` s) until the machine is quiet (busy share under ``below``:
+    the keeper has started every worker's agent and they are idle); returns the wait."""
+    began = time.monotonic()
+    while time.monotonic() - began < limit and busy_share() >= below:
+        pass
+    return time.monotonic() - began
+
+
+def warm_modules(argv: list[str], env: dict[str, str], cwd: Path) -> list[str]:
+    """The tpufab modules ``argv`` (a `tpufab` command) imports, from ``-X importtime``."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "tpufab.cli", *argv[1:]],
+                          env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+    names = [line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines()
+             if line.startswith("import time:") and "|" in line]
+    return sorted({n for n in names if n.startswith("tpufab") and not n.endswith("__main__")})
+
+
+def floor(rounds: int, env: dict[str, str], cwd: Path, tpufab: str) -> dict[str, list]:
+    """What a warm `exec true` costs, part by part (see --floor)."""
+    modules = warm_modules([tpufab, "exec", "true"], env, cwd)
+    parts = {
+        "`python -c pass`": [sys.executable, "-c", "pass"],
+        "`python -c 'import typer'`": [sys.executable, "-c", "import typer"],
+        "`python -c 'import tpufab.cli'`": [sys.executable, "-c", "import tpufab.cli"],
+        f"importing the {len(modules)} tpufab modules a warm `exec true` loads":
+            [sys.executable, "-c", "import " + ", ".join(modules)],
+        "`tpufab exec true` (second)": [tpufab, "exec", "true"],
+    }
+    found: dict[str, list] = {label: [] for label in parts}
+    for _ in range(rounds):
+        for label, argv in parts.items():
+            wall, cpu, code, tail = timed(argv, env, cwd, 600)
+            if code != 0:
+                raise SystemExit(f"{label}: exit {code}\n{tail}")
+            found[label].append((wall, cpu))
+    return found
+
+
+def one_size(size: int, rounds: int, compare: Path | None = None, status: bool = True,
+             floor_rounds: int = 0) -> dict[str, list[tuple[float, float, float]]]:
     from tpufab.sim.daemon import down, up
 
     base = Path(tempfile.mkdtemp(prefix=f"bench-keeper-{size}-"))
@@ -119,13 +187,36 @@ def one_size(size: int, rounds: int, compare: Path | None = None
             run("exec first", ["exec", "true"])
             time.sleep(0.5)  # a user's pause between two commands
             run("exec second", ["exec", "true"])
+            # and once the agents the keeper starts after the first command are all up (on a
+            # simulated pod they load the same 2 cores the commands run on)
+            print(f"{size}: quiet after {settle():.1f} s", flush=True)
+            run("exec settled", ["exec", "true"])
             if compare:
                 run("exec second (compare)", ["exec", "true"], str(compare / "tpufab"))
+            if not status:
+                continue
             run("status cold", ["--keep-alive", "0", "status"])
             run("status second", ["status"])
             if compare:
                 run("status second (compare)", ["status"], str(compare / "tpufab"))
         samples["keeper RSS MiB"] = [(rss_mib(keeper_pids(runtime)), 0.0, 0.0)]
+        if floor_rounds:
+            settle()
+            parts = floor(floor_rounds, env, repo, tpufab)
+            print(f"\n{size} workers, a warm `exec true` part by part (medians of "
+                  f"{floor_rounds}, alternately)")
+            print("| what | wall s | CPU s |\n|---|--:|--:|")
+            for label, rows in parts.items():
+                print(f"| {label} | {statistics.median(r[0] for r in rows):.3f} | "
+                      f"{statistics.median(r[1] for r in rows):.3f} |")
+        held = used_mib()
+        timed([tpufab, "disconnect"], env, repo, 600)
+        give_up = time.monotonic() + 120
+        while keeper_pids(runtime) and time.monotonic() < give_up:
+            time.sleep(0.1)
+        # what the kept connections cost the machine: the keeper, and on the workers' side
+        # one sshd session and one agent each (on a real pod that is each worker's memory)
+        samples["kept MiB"] = [(held - used_mib(), 0.0, 0.0)]
     finally:
         timed([tpufab, "disconnect"], env, repo, 600)
         subprocess.run([tpufab, "delete", "--yes"], env=env, cwd=repo, capture_output=True,
@@ -140,15 +231,20 @@ def main() -> None:
     parser.add_argument("--size", type=int, action="append", choices=[64, 256, 1024])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--compare", type=Path, help="a bin/ folder with another tpufab install")
+    parser.add_argument("--no-status", dest="status", action="store_false",
+                        help="the exec rounds only")
+    parser.add_argument("--floor", type=int, default=0, metavar="N",
+                        help="N rounds of a warm exec's parts (see the docstring)")
     args = parser.parse_args()
-    results = {size: one_size(size, args.rounds, args.compare) for size in args.size or [64]}
+    results = {size: one_size(size, args.rounds, args.compare, args.status, args.floor)
+               for size in args.size or [64]}
     print(f"\nmachine: {os.cpu_count()} cores; load average at the end "
           f"{os.getloadavg()[0]:.1f}; medians of {args.rounds} rounds")
     print("| command | workers | wall s | vs cold | client CPU s | CPU vs cold | keeper CPU s |")
     print("|---|--:|--:|--:|--:|--:|--:|")
     for size, samples in results.items():
         for label, rows in samples.items():
-            if label == "keeper RSS MiB":
+            if label in ("keeper RSS MiB", "kept MiB"):
                 continue
             wall = statistics.median(r[0] for r in rows)
             cpu = statistics.median(r[1] for r in rows)
@@ -160,6 +256,8 @@ def main() -> None:
                   f"{cpu / cold_cpu:.2f}x | {kept:.2f} |")
         print(f"| keeper resident memory | {size:,} | {samples['keeper RSS MiB'][0][0]:.0f} MiB "
               "| | | | |")
+        print(f"| the machine's memory freed by `disconnect` (keeper + workers' sessions) | "
+              f"{size:,} | {samples['kept MiB'][0][0]:.0f} MiB | | | | |")
 
 
 if __name__ == "__main__":
