@@ -256,6 +256,53 @@ def test_a_worker_down_behind_the_bastion_and_the_bastion_down(pod, sim):
     assert again.returncode == 0, again.stderr
 
 
+SESSION = ("p=$$; while [ \"$p\" -gt 1 ]; do case $(cat /proc/$p/comm) in sshd*) "
+           "echo SESSION=$p; break;; esac; p=$(awk '/^PPid/{print $2}' /proc/$p/status); done")
+
+
+def test_kept_connections_through_the_bastion_need_no_new_login_there(pod, sim):
+    """Kept connections (issue 28) through --jump: once the pod's keeper holds the workers'
+    connections (over its own bastion connection), a command asks neither the TPU API nor the
+    bastion. It works while the bastion takes no new connection at all, over the same
+    connections; a command that connects itself (keeping off) cannot."""
+    import re
+    import tempfile
+
+    runtime = Path(tempfile.mkdtemp(prefix="kj", dir="/tmp"))
+    env = {k: v for k, v in pod["env"].items() if k != "TPUFAB_KEEP_ALIVE"}  # the default: 5m
+    env.update(XDG_RUNTIME_DIR=str(runtime), TPUFAB_CONNECT_TIMEOUT="3")
+    cwd, pool = pod["project"], sim_pool(sim)
+
+    def sessions() -> dict[int, int]:
+        result = tpufab("exec", SESSION, env=env, cwd=cwd, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert f"via bastion {pod['jump']}" in result.stderr   # said kept or not
+        return {int(w): int(pid) for w, pid in re.findall(r"w(\d+)\W.*SESSION=(\d+)",
+                                                          result.stdout)}
+
+    try:
+        # two commands in a row over the same connections: the keeper holds them (a loaded
+        # machine may make a command connect itself before its keeper answers: a few tries)
+        previous, held = sessions(), None
+        for _ in range(4):
+            current = sessions()
+            if current == previous:
+                held = current
+                break
+            previous = current
+        assert held is not None and sorted(held) == [0, 1, 2, 3], (previous, current)
+        pool.set_reachable(pod["id"] + "-bastion", 0, False)
+        try:
+            assert sessions() == held   # before: every command logged into the bastion first
+            cold = tpufab("--keep-alive", "0", "exec", "true", env=env, cwd=cwd)
+            one_sentence(cold, f"Cannot reach the jump host {pod['jump']}")
+        finally:
+            pool.set_reachable(pod["id"] + "-bastion", 0, True)
+    finally:
+        tpufab("disconnect", env=env, cwd=cwd, timeout=60)
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
 def _holders_of(netns: str) -> list[int]:
     """Processes on this machine in the network namespace ``netns`` (``net:[4026...]``)."""
     found = []

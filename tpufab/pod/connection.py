@@ -194,9 +194,14 @@ def open_jump(settings: Settings, known_hosts, console: Console, name: str, coun
     if first_use:
         for note in jump.pinned_notes(bastion, known_hosts):
             console.print(note, markup=False, highlight=False)
+    say_path(console, name, count, bastion)
+    return bastion
+
+
+def say_path(console: Console, name: str, count: int, bastion) -> None:
+    """The line every verb through a bastion says once, connected or kept."""
     console.print(f"[dim]Reaching {name}'s {count} worker{'s' if count != 1 else ''} at their "
                   f"internal IPs via bastion {bastion}.[/dim]", highlight=False)
-    return bastion
 
 
 def connect(settings: Settings, *, control: ControlPlane | None = None,
@@ -206,6 +211,11 @@ def connect(settings: Settings, *, control: ControlPlane | None = None,
     if control is None and nodes is None and settings.name and settings.project:
         pod = warm(settings)  # a keeper exists only under a name that was checked
         if pod is not None:
+            if pod.jump is not None:
+                from tpufab.display.console import stderr
+
+                say_path(console or stderr(), settings.name,
+                         sum(len(n.workers) for n in pod.nodes), pod.jump)
             return pod
     pending = None
     if settings.keep_alive_seconds > 0 and settings.name:
@@ -277,9 +287,11 @@ def fingerprint(settings: Settings) -> tuple:
 
 def warm(settings: Settings) -> Pod | None:
     """The pod as its keeper holds it (tpufab.ssh.keeper.lookup): no cloud API call, no
-    cloud client import. None when keep_alive is off, through a jump host, or no keeper of
-    the pod holds every worker's connection made with these settings and the host keys
-    pinned now (then ``connect`` asks the API)."""
+    cloud client import, no connection to a jump host (the keeper's own carries its
+    connections; this process connects to the bastion only if it opens one of its own, for
+    SFTP or a forward). None when keep_alive is off, or no keeper of the pod holds every
+    worker's connection made with these settings and the host keys pinned now (then
+    ``connect`` asks the API)."""
     found = _warm(settings)
     return found[0] if found else None
 
@@ -343,7 +355,7 @@ def same_nodes(a: list[Node], b: list[Node]) -> bool:
 
 
 def _warm(settings: Settings):
-    if settings.keep_alive_seconds <= 0 or settings.jump:
+    if settings.keep_alive_seconds <= 0:
         return None
     from tpufab.ssh import keeper
 
