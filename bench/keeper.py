@@ -22,6 +22,9 @@ alternately: a bare `python -c pass`, `import typer`, `import tpufab.cli`, impor
 tpufab module a warm `exec true` loads (listed by running it under ``-X importtime``), and
 the whole command; medians, printed as a second table.
 
+``--jump``: the node has internal IPs only (`create --internal-ips`), and every command
+reaches its workers through the node's bastion (`TPUFAB_JUMP`).
+
 ``--compare BIN``: each ``second`` is also run with the `tpufab` in ``BIN`` (another install of
 the same tpufab, e.g. with another typer), labelled ``(compare)``, in the same rounds.
 
@@ -33,6 +36,7 @@ the keeper's resident memory at the end. Prints medians as a Markdown table.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -142,7 +146,8 @@ def floor(rounds: int, env: dict[str, str], cwd: Path, tpufab: str) -> dict[str,
 
 
 def one_size(size: int, rounds: int, compare: Path | None = None, status: bool = True,
-             floor_rounds: int = 0) -> dict[str, list[tuple[float, float, float]]]:
+             floor_rounds: int = 0, through_jump: bool = False
+             ) -> dict[str, list[tuple[float, float, float]]]:
     from tpufab.sim.daemon import down, up
 
     base = Path(tempfile.mkdtemp(prefix=f"bench-keeper-{size}-"))
@@ -172,10 +177,19 @@ def one_size(size: int, rounds: int, compare: Path | None = None, status: bool =
 
     try:
         wall, _, code, tail = timed([tpufab, "--keep-alive", "0", "create", "--type",
-                                     TYPES[size]], env, repo, 3600)
+                                     TYPES[size], *(["--internal-ips"] if through_jump else [])],
+                                    env, repo, 3600)
         print(f"{size} create: {wall:.1f} s, exit {code}", flush=True)
         if code != 0:
             raise SystemExit(tail)
+        if through_jump:  # every later command reaches the workers through the node's bastion
+            listed = subprocess.run([tpufab, "sim", "status", "--json", "--state-dir",
+                                     str(base / "state")], env=env, cwd=repo, check=True,
+                                    capture_output=True, text=True, timeout=120)
+            node = next(n for n in json.loads(listed.stdout)["nodes"]
+                        if n["name"].endswith(f"/keep{size}"))
+            env["TPUFAB_JUMP"] = node["bastion"]
+            print(f"{size}: through the bastion at {node['bastion']}", flush=True)
         for _ in range(rounds):
             # no keeper, and the last one's agents gone, before the cold and the first command
             # alike (a keeper stopping under the first command would slow it alone)
@@ -233,11 +247,13 @@ def main() -> None:
     parser.add_argument("--compare", type=Path, help="a bin/ folder with another tpufab install")
     parser.add_argument("--no-status", dest="status", action="store_false",
                         help="the exec rounds only")
+    parser.add_argument("--jump", action="store_true",
+                        help="an internal-IP node, every command through its bastion")
     parser.add_argument("--floor", type=int, default=0, metavar="N",
                         help="N rounds of a warm exec's parts (see the docstring)")
     args = parser.parse_args()
-    results = {size: one_size(size, args.rounds, args.compare, args.status, args.floor)
-               for size in args.size or [64]}
+    results = {size: one_size(size, args.rounds, args.compare, args.status, args.floor,
+                              args.jump) for size in args.size or [64]}
     print(f"\nmachine: {os.cpu_count()} cores; load average at the end "
           f"{os.getloadavg()[0]:.1f}; medians of {args.rounds} rounds")
     print("| command | workers | wall s | vs cold | client CPU s | CPU vs cold | keeper CPU s |")
