@@ -620,9 +620,12 @@ class Running:
             self.proc.wait(10)
 
 
-def interrupted_when(argv: list[str], env: dict, ready, what: str, timeout: float = 30,
+def interrupted_when(argv: list[str], env: dict, ready, what: str, timeout: float = 120,
                      cwd: Path | None = None):
-    """Run a `tpufab` command, press Ctrl-C once `ready(running)` holds, return its result."""
+    """Run a `tpufab` command, press Ctrl-C once `ready(running)` holds, return its result.
+
+    ``timeout`` bounds the wait for ``ready``: a `create` loads both cloud clients before its
+    first line (~3.5 s of CPU on a quiet machine), which took over 30 s on a loaded CI."""
     running = Running(argv, env, cwd=cwd)
     try:
         wait_for(lambda: ready(running), timeout, what=what)
