@@ -681,3 +681,30 @@ def answered(payload: dict, kind: str = "answer") -> str:
     out = io.StringIO()
     answer(kind, payload, out)
     return out.getvalue()
+
+
+# --- kept connections: which SSH connection a command ran over -------------------------------
+
+# A shell line printing the pid of the sshd session process it descends from: one per SSH
+# connection, whatever channel runs it (the observable of "the same connection").
+SESSION = ("p=$$; while [ \"$p\" -gt 1 ]; do case $(cat /proc/$p/comm) in sshd*) "
+           "echo SESSION=$p; break;; esac; p=$(awk '/^PPid/{print $2}' /proc/$p/status); done")
+
+
+def sessions_in(stdout: str) -> dict[int, int]:
+    """{worker: its sshd session pid} from the output of a command that ran SESSION."""
+    return {int(w): int(pid) for w, pid in re.findall(r"w(\d+)\W.*SESSION=(\d+)", stdout)}
+
+
+def same_twice(sessions: Callable[[], dict[int, int]], tries: int = 4) -> dict[int, int]:
+    """The sessions of two commands in a row (``sessions()`` runs one) that ran over the same
+    (kept) connections. A command may connect itself when the machine is too loaded for a
+    keeper to start or answer within its bound (a few attempts); with keeping off, no two
+    commands ever do."""
+    previous = sessions()
+    for _ in range(tries):
+        current = sessions()
+        if current == previous:
+            return current
+        previous = current
+    pytest.fail(f"no two commands in a row shared their connections (last: {current})")

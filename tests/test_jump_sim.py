@@ -18,11 +18,14 @@ from pathlib import Path
 import pytest
 from helpers import (
     POD_USER,
+    SESSION,
     build_shared_site,
     cli_env,
     no_traceback,
     one_sentence,
     quiet_console,
+    same_twice,
+    sessions_in,
     sim_pool,
     sim_settings,
     tpufab,
@@ -256,16 +259,11 @@ def test_a_worker_down_behind_the_bastion_and_the_bastion_down(pod, sim):
     assert again.returncode == 0, again.stderr
 
 
-SESSION = ("p=$$; while [ \"$p\" -gt 1 ]; do case $(cat /proc/$p/comm) in sshd*) "
-           "echo SESSION=$p; break;; esac; p=$(awk '/^PPid/{print $2}' /proc/$p/status); done")
-
-
 def test_kept_connections_through_the_bastion_need_no_new_login_there(pod, sim):
     """Kept connections (issue 28) through --jump: once the pod's keeper holds the workers'
     connections (over its own bastion connection), a command asks neither the TPU API nor the
     bastion. It works while the bastion takes no new connection at all, over the same
     connections; a command that connects itself (keeping off) cannot."""
-    import re
     import tempfile
 
     runtime = Path(tempfile.mkdtemp(prefix="kj", dir="/tmp"))
@@ -277,20 +275,11 @@ def test_kept_connections_through_the_bastion_need_no_new_login_there(pod, sim):
         result = tpufab("exec", SESSION, env=env, cwd=cwd, timeout=120)
         assert result.returncode == 0, result.stdout + result.stderr
         assert f"via bastion {pod['jump']}" in result.stderr   # said kept or not
-        return {int(w): int(pid) for w, pid in re.findall(r"w(\d+)\W.*SESSION=(\d+)",
-                                                          result.stdout)}
+        return sessions_in(result.stdout)
 
     try:
-        # two commands in a row over the same connections: the keeper holds them (a loaded
-        # machine may make a command connect itself before its keeper answers: a few tries)
-        previous, held = sessions(), None
-        for _ in range(4):
-            current = sessions()
-            if current == previous:
-                held = current
-                break
-            previous = current
-        assert held is not None and sorted(held) == [0, 1, 2, 3], (previous, current)
+        held = same_twice(sessions)   # the keeper holds the connections now
+        assert sorted(held) == [0, 1, 2, 3], held
         pool.set_reachable(pod["id"] + "-bastion", 0, False)
         try:
             assert sessions() == held   # before: every command logged into the bastion first

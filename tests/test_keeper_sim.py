@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -21,10 +20,16 @@ from pathlib import Path
 
 import pytest
 from harness import needs_root, sim_node
-from helpers import TPUFAB, in_worker, tpufab, unique_name, wait_for
-
-SESSION = ("p=$$; while [ \"$p\" -gt 1 ]; do case $(cat /proc/$p/comm) in sshd*) "
-           "echo SESSION=$p; break;; esac; p=$(awk '/^PPid/{print $2}' /proc/$p/status); done")
+from helpers import (
+    SESSION,
+    TPUFAB,
+    in_worker,
+    same_twice,
+    sessions_in,
+    tpufab,
+    unique_name,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")
@@ -80,22 +85,14 @@ def sessions(env: dict, **extra: str) -> tuple[dict[int, int], subprocess.Comple
     """{worker: its sshd session pid} for one `tpufab exec`."""
     result = tpufab("exec", SESSION, env={**env, **extra}, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
-    found = {int(w): int(pid) for w, pid in re.findall(r"w(\d+)\W.*SESSION=(\d+)", result.stdout)}
+    found = sessions_in(result.stdout)
     assert sorted(found) == [0, 1], result.stdout
     return found, result
 
 
 def kept_sessions(env: dict) -> dict[int, int]:
-    """The sessions of two commands in a row that ran over the same (kept) connections. A
-    command may connect itself when the machine is too loaded for a keeper to start or
-    answer within its bound (a few attempts); with keeping off, no two commands ever do."""
-    previous = sessions(env)[0]
-    for _ in range(4):
-        current = sessions(env)[0]
-        if current == previous:
-            return current
-        previous = current
-    pytest.fail(f"no two commands in a row shared their connections (last: {current})")
+    """The sessions of two commands in a row over the same (kept) connections."""
+    return same_twice(lambda: sessions(env)[0])
 
 
 def one_keeper(env: dict) -> int:
@@ -175,9 +172,7 @@ def test_a_warm_command_does_not_ask_the_cloud_api(node, kept):
     for _ in range(5):  # a loaded machine: the keeper may answer too late (see above)
         result = subprocess.run([sys.executable, "-X", "importtime", "-m", "tpufab.cli", "exec",
                                  SESSION], env=down, capture_output=True, text=True, timeout=120)
-        found = {int(w): int(p) for w, p in re.findall(r"w(\d+)\W.*SESSION=(\d+)",
-                                                          result.stdout)}
-        if result.returncode == 0 and found == first:
+        if result.returncode == 0 and sessions_in(result.stdout) == first:
             break
     else:
         pytest.fail(f"no command ran over the kept connections: {result.stdout}"
@@ -353,8 +348,7 @@ def test_secrets_through_the_keeper_are_masked_and_exit_codes_kept(node, kept):
         said = result.stdout + result.stderr
         assert result.returncode == 3, said
         assert value not in said and said.count("token=***") == 2, said
-        found = re.findall(r"w(\d+)\W.*SESSION=(\d+)", result.stdout)
-        if {int(w): int(p) for w, p in found} == first:
+        if sessions_in(result.stdout) == first:
             break
     else:
         pytest.fail(f"no command ran over the kept connections: {said}")

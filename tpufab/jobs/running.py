@@ -524,8 +524,7 @@ def wait_port(group, run_id: str, port: int, *, worker: int = 0, timeout: float 
     ``slack``, and each command as long (the probe: ``probe`` at most, plus ``slack``); the
     fan-out gives up on a worker that stops answering at those two plus 4 s. So a worker that
     freezes mid-round ends the wait at most ``probe + 4 * slack + 8`` s (33 s by default)
-    past ``timeout``, not never. Returns ``(True, "after N s")`` or
-    ``(False, why)``.
+    past ``timeout``, not never. Returns ``(True, "after N s")`` or ``(False, why)``.
     """
     began = time.monotonic()
 
@@ -540,8 +539,8 @@ def wait_port(group, run_id: str, port: int, *, worker: int = 0, timeout: float 
 
     while True:
         trying = max(0.1, min(probe, left()))
-        result = run_script(within(min(trying, max(0.0, left())) + slack), "ports.py",
-                            ["wait", int(port), trying], [worker])[worker]
+        result = run_script(within(trying + slack), "ports.py", ["wait", int(port), trying],
+                            [worker])[worker]
         answer = read_answer(result.stdout) if result.ok else None
         if answer and answer.get("open"):
             return True, f"after {time.monotonic() - began:.1f} s"
