@@ -5,6 +5,7 @@ others block in a socket barrier waiting for it."""
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 
 import pytest
@@ -462,3 +463,49 @@ def test_a_progress_file_is_read_where_the_recipe_touches_it_quoted():
     assert where("R", "/mnt/d/x; rm -rf ~") == "'/mnt/d/x; rm -rf ~'"
     # read every DURATION/5, at least every 2 s and at most every 30 s
     assert [progress_probe_every(s) for s in (10, 60, 900)] == [2.0, 12.0, 30.0]
+
+
+# -- the worker side's py-spy call, against a live process and a py-spy that fails as it does --
+
+FLAKY_PY_SPY = '''#!/bin/sh
+# fails as py-spy 0.4 does when a read races the process, FAILS times, then answers
+n=$(cat "$0.count" 2>/dev/null || echo 0); n=$((n + 1)); echo "$n" > "$0.count"
+if [ "$n" -le {fails} ]; then
+  printf 'Error: Failed to get stack traces\\n\\nCaused by:\\n    0: {cause}\\n    1: No such process (os error 3)\\n' >&2
+  exit 1
+fi
+echo '[{{"thread_name": "MainThread", "os_thread_id": 1, "active": false, "owns_gil": false, "frames": [{{"name": "wait", "short_filename": "job.py", "filename": "/x/job.py", "line": 3}}]}}]'
+'''
+
+
+@pytest.mark.parametrize("fails, cause, tries, says", [
+    (1, "Failed to suspend process", 2, None),
+    (2, "Failed to copy PyThreadState", 3, None),
+    (9, "Failed to suspend process", 3, "Error: Failed to get stack traces; Caused by:; "
+     "0: Failed to suspend process; 1: No such process (os error 3) (tried 3 times)"),
+    (9, "Operation not permitted (os error 1)", 1, "0: Operation not permitted (os error 1)"),
+])
+def test_a_py_spy_read_that_races_the_process_is_tried_again_and_its_causes_kept(
+        tmp_path, fails, cause, tries, says):
+    """A live process py-spy failed to read (not refused, no tracer) gets up to three tries; a
+    refusal gets one. What is said keeps py-spy's causes (it used to drop the numbered ones)."""
+    from tpufab.remote.stacks_worker import dump
+
+    py_spy = tmp_path / "py-spy"
+    py_spy.write_text(FLAKY_PY_SPY.format(fails=fails, cause=cause))
+    py_spy.chmod(0o755)
+    job = subprocess.Popen(["sleep", "60"])
+    try:
+        got = dump(str(py_spy), job.pid, native=False, scope=0, timeout=20)
+    finally:
+        job.kill()
+        job.wait()
+    assert (tmp_path / "py-spy.count").read_text().strip() == str(tries)
+    if says is None:
+        assert got == {"threads": [{"name": "MainThread", "id": 1, "active": False, "gil": False,
+                                    "frames": [{"function": "wait", "file": "job.py",
+                                                "path": "/x/job.py", "line": 3}]}]}
+    else:
+        assert says in got["error"] and "threads" not in got, got
+        # a raced read is named as py-spy's; a refusal by what refused it (ptrace, a container)
+        assert got["reason"].startswith("py-spy could not read it (") == (tries > 1), got

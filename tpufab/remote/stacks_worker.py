@@ -48,6 +48,8 @@ from tpufab.remote.workerlib import (
 DEFAULT_LOCKFILES = ("/tmp/libtpu_lockfile", "/tmp/libtpu.so_lockfile")
 SIM_SITE_BIN = "/opt/tpufab-sim/share/site/bin"
 DUMP_TIMEOUT = 20.0
+DUMP_TRIES = 3             # a read that raced the process is tried again
+RETRY_PAUSE = 0.2          # seconds, times the try
 
 
 def find_py_spy(home):
@@ -92,13 +94,16 @@ def status_field(pid, name):
     return []
 
 
+def tracer_of(pid):
+    """The pid of the process tracing ``pid`` (a debugger, py-spy), or 0."""
+    tracer = status_field(pid, "TracerPid")
+    return int(tracer[0]) if tracer and tracer[0].isdigit() else 0
+
+
 def why_not(pid, error, scope):
     """(reason, fix) for a process py-spy could not dump, from its error and this host."""
-    text = error.lower()
-    denied = "permission denied" in text or "operation not permitted" in text or \
-        "os error 1)" in text or "os error 13" in text
-    tracer = status_field(pid, "TracerPid")
-    tracer = int(tracer[0]) if tracer and tracer[0].isdigit() else 0
+    denied = refused(error)
+    tracer = tracer_of(pid)
     if tracer:
         proc = proc_stat(tracer)
         name = proc.comm if proc else "?"
@@ -130,34 +135,69 @@ def why_not(pid, error, scope):
     return (f"ptrace was refused ({error})", "run `tpufab stacks` with passwordless sudo")
 
 
-def dump(py_spy, pid, native, scope, timeout):
-    """One process's threads, or why there are none."""
+def py_spy_error(stderr, returncode):
+    """py-spy's message and its causes on one line ("Error: ...; Caused by:; 0: ..."), without
+    the backtrace a build with RUST_BACKTRACE on would add."""
+    lines = []
+    for line in stderr.decode("utf-8", "replace").splitlines():
+        line = line.strip()
+        if line.startswith("Stack backtrace"):
+            break
+        if line:
+            lines.append(line)
+    return "; ".join(lines)[:300] or f"exit status {returncode}"
+
+
+def refused(error):
+    """py-spy's error is the kernel refusing ptrace."""
+    text = error.lower()
+    return "permission denied" in text or "operation not permitted" in text or \
+        "os error 1)" in text or "os error 13" in text
+
+
+def transient(pid, error):
+    """py-spy failed on a live process, not for permission nor a tracer: most likely a read that
+    raced the process ("Failed to get stack traces", "Failed to suspend process", a thread state
+    copied while it changed), worth another try."""
+    if refused(error) or tracer_of(pid):
+        return False
+    proc = proc_stat(pid)
+    return bool(proc) and not proc.exited
+
+
+def dump(py_spy, pid, native, scope, timeout, tries=DUMP_TRIES):
+    """One process's threads, or why there are none. A read that raced the process is tried
+    again (up to ``tries`` in all, within ``timeout``), as py-spy's own sampler skips one."""
     argv = [py_spy, "dump", "--json", "--pid", str(pid)]
     if native:
         argv.append("--native")
     env = dict(os.environ, RUST_BACKTRACE="0")
-    try:
-        done = subprocess.run(argv, capture_output=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"error": f"py-spy took over {timeout:g} s",
-                "reason": "the process did not let py-spy read it in time",
-                "fix": "run `tpufab stacks` again (without --native it is quicker)"}
-    except OSError as err:
-        return {"error": str(err), "reason": f"py-spy could not start ({err})",
-                "fix": "reinstall py-spy on the worker (`tpufab setup`)"}
-    if done.returncode == 0:
+    deadline = time.monotonic() + timeout
+    for attempt in range(1, tries + 1):
+        left = deadline - time.monotonic()
         try:
-            threads = json.loads(done.stdout.decode("utf-8", "replace"))
-        except ValueError:
-            threads = None
-        if isinstance(threads, list):
-            return {"threads": [thread_of(t) for t in threads]}
-    lines = [line.strip() for line in done.stderr.decode("utf-8", "replace").splitlines()
-             if line.strip()]
-    # py-spy prints "Error: ...", then its causes; the backtrace is left out (RUST_BACKTRACE)
-    error = "; ".join(line for line in lines if not line.startswith(("Stack backtrace",))
-                      and not line[:1].isdigit())[:300] or f"exit status {done.returncode}"
+            done = subprocess.run(argv, capture_output=True, timeout=max(left, 0.5), env=env)
+        except subprocess.TimeoutExpired:
+            return {"error": f"py-spy took over {timeout:g} s",
+                    "reason": "the process did not let py-spy read it in time",
+                    "fix": "run `tpufab stacks` again (without --native it is quicker)"}
+        except OSError as err:
+            return {"error": str(err), "reason": f"py-spy could not start ({err})",
+                    "fix": "reinstall py-spy on the worker (`tpufab setup`)"}
+        if done.returncode == 0:
+            try:
+                threads = json.loads(done.stdout.decode("utf-8", "replace"))
+            except ValueError:
+                threads = None
+            if isinstance(threads, list):
+                return {"threads": [thread_of(t) for t in threads]}
+        error = py_spy_error(done.stderr, done.returncode)
+        if attempt == tries or deadline - time.monotonic() < 1.0 or not transient(pid, error):
+            break
+        time.sleep(RETRY_PAUSE * attempt)   # let the process move past what raced the read
     reason, fix = why_not(pid, error, scope)
+    if attempt > 1:
+        error = f"{error} (tried {attempt} times)"
     return {"error": error, "reason": reason, "fix": fix}
 
 
