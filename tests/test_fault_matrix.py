@@ -374,10 +374,14 @@ class Freezer:
             self._stop.wait(0.03)
 
     def disarm(self) -> None:
-        """Freeze nothing new from now on (what is frozen stays so until exit)."""
+        """Freeze nothing new from now on (what is frozen stays so until exit). The stopping
+        shell stays the login shell until exit, but no longer stops: /etc/passwd is rewritten
+        in place (a bind mount: no rename), and a command still logging into a worker while it
+        is rewritten would find no such user there (CI saw `authentication failed` on w1)."""
         self.armed = False
-        with self._sweep:      # a sweep under way would stop what restores the shells
-            self._restore_shells()
+        with self._sweep:      # a sweep under way would stop what turns the shells off
+            for worker in self._shells:
+                in_worker(self.pod.sim, self.node, worker, f"rm -f {STOPPING_SHELL}.on")
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
