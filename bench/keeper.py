@@ -29,8 +29,10 @@ reaches its workers through the node's bastion (`TPUFAB_JUMP`).
 the same tpufab, e.g. with another typer), labelled ``(compare)``, in the same rounds.
 
 Whole process, wall time and the client's CPU (user + sys of `tpufab` and its children, from
-getrusage; the keeper is not the command's child, its CPU is given apart, from /proc), and
-the keeper's resident memory at the end. Prints medians as a Markdown table.
+getrusage; the keeper and the resident command server are not the command's children: their
+CPU, with the commands the resident server ran for it, is given apart, from /proc), and the
+keeper's resident memory at the end. ``(no resident)``: the same command with
+``TPUFAB_RESIDENT=0`` (it loads the CLI itself). Prints medians as a Markdown table.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scale import BIN, TYPES, project, timed  # noqa: E402
 
 
-def keeper_pids(runtime: Path) -> list[int]:
+def keeper_pids(runtime: Path, module: bytes = b"tpufab.ssh.keeper") -> list[int]:
+    """The keepers (``module``'s processes: also b"tpufab.resident") under ``runtime``."""
     mine = str(runtime).encode()
     found = []
     for entry in os.listdir("/proc"):
@@ -59,13 +62,19 @@ def keeper_pids(runtime: Path) -> list[int]:
                 argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"tpufab.ssh.keeper" in argv and any(a.startswith(mine) for a in argv):
+            if any(module in a for a in argv) and any(a.startswith(mine) for a in argv):
                 found.append(int(entry))
     return found
 
 
+def background_pids(runtime: Path) -> list[int]:
+    """The keepers and the resident command server."""
+    return keeper_pids(runtime) + keeper_pids(runtime, b"tpufab.resident")
+
+
 def cpu_of(pids: list[int]) -> dict[int, float]:
-    """{pid: user + sys CPU s so far} of the ``pids`` still there."""
+    """{pid: user + sys CPU s so far} of the ``pids`` still there, with their children's that
+    they waited for (the resident server's: the commands it ran)."""
     tick = os.sysconf("SC_CLK_TCK")
     found = {}
     for pid in pids:
@@ -73,7 +82,7 @@ def cpu_of(pids: list[int]) -> dict[int, float]:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        found[pid] = (int(fields[11]) + int(fields[12])) / tick
+        found[pid] = sum(int(fields[i]) for i in (11, 12, 13, 14)) / tick
     return found
 
 
@@ -163,11 +172,10 @@ def one_size(size: int, rounds: int, compare: Path | None = None, status: bool =
     tpufab = str(BIN / "tpufab")
     samples: dict[str, list[tuple[float, float, float]]] = {}
 
-    def run(label: str, argv: list[str], program: str = tpufab) -> None:
-        keepers = keeper_pids(runtime)
-        before = cpu_of(keepers)
-        wall, cpu, code, tail = timed([program, *argv], env, repo, 1800)
-        after = cpu_of(keeper_pids(runtime))  # a keeper this command started counts whole
+    def run(label: str, argv: list[str], program: str = tpufab, **extra: str) -> None:
+        before = cpu_of(background_pids(runtime))
+        wall, cpu, code, tail = timed([program, *argv], {**env, **extra}, repo, 1800)
+        after = cpu_of(background_pids(runtime))  # one this command started counts whole
         kept_cpu = sum(t - before.get(pid, 0.0) for pid, t in after.items())
         if code != 0:
             raise SystemExit(f"{size} {label}: exit {code}\n{tail}")
@@ -195,7 +203,7 @@ def one_size(size: int, rounds: int, compare: Path | None = None, status: bool =
             # alike (a keeper stopping under the first command would slow it alone)
             timed([tpufab, "disconnect"], env, repo, 600)
             give_up = time.monotonic() + 60
-            while keeper_pids(runtime) and time.monotonic() < give_up:
+            while background_pids(runtime) and time.monotonic() < give_up:
                 time.sleep(0.1)
             run("exec cold", ["--keep-alive", "0", "exec", "true"])
             run("exec first", ["exec", "true"])
@@ -205,15 +213,20 @@ def one_size(size: int, rounds: int, compare: Path | None = None, status: bool =
             # simulated pod they load the same 2 cores the commands run on)
             print(f"{size}: quiet after {settle():.1f} s", flush=True)
             run("exec settled", ["exec", "true"])
+            # the same without the resident command server: this command loads the CLI
+            run("exec settled (no resident)", ["exec", "true"], TPUFAB_RESIDENT="0")
             if compare:
                 run("exec second (compare)", ["exec", "true"], str(compare / "tpufab"))
             if not status:
                 continue
             run("status cold", ["--keep-alive", "0", "status"])
             run("status second", ["status"])
+            run("status second (no resident)", ["status"], TPUFAB_RESIDENT="0")
             if compare:
                 run("status second (compare)", ["status"], str(compare / "tpufab"))
         samples["keeper RSS MiB"] = [(rss_mib(keeper_pids(runtime)), 0.0, 0.0)]
+        samples["resident RSS MiB"] = [(rss_mib(keeper_pids(runtime, b"tpufab.resident")),
+                                        0.0, 0.0)]
         if floor_rounds:
             settle()
             parts = floor(floor_rounds, env, repo, tpufab)
@@ -226,7 +239,7 @@ def one_size(size: int, rounds: int, compare: Path | None = None, status: bool =
         held = used_mib()
         timed([tpufab, "disconnect"], env, repo, 600)
         give_up = time.monotonic() + 120
-        while keeper_pids(runtime) and time.monotonic() < give_up:
+        while background_pids(runtime) and time.monotonic() < give_up:
             time.sleep(0.1)
         # what the kept connections cost the machine: the keeper, and on the workers' side
         # one sshd session and one agent each (on a real pod that is each worker's memory)
@@ -256,11 +269,12 @@ def main() -> None:
                               args.jump) for size in args.size or [64]}
     print(f"\nmachine: {os.cpu_count()} cores; load average at the end "
           f"{os.getloadavg()[0]:.1f}; medians of {args.rounds} rounds")
-    print("| command | workers | wall s | vs cold | client CPU s | CPU vs cold | keeper CPU s |")
+    print("| command | workers | wall s | vs cold | client CPU s | CPU vs cold | "
+          "keeper + resident CPU s |")
     print("|---|--:|--:|--:|--:|--:|--:|")
     for size, samples in results.items():
         for label, rows in samples.items():
-            if label in ("keeper RSS MiB", "kept MiB"):
+            if label in ("keeper RSS MiB", "resident RSS MiB", "kept MiB"):
                 continue
             wall = statistics.median(r[0] for r in rows)
             cpu = statistics.median(r[1] for r in rows)
@@ -272,6 +286,8 @@ def main() -> None:
                   f"{cpu / cold_cpu:.2f}x | {kept:.2f} |")
         print(f"| keeper resident memory | {size:,} | {samples['keeper RSS MiB'][0][0]:.0f} MiB "
               "| | | | |")
+        print(f"| resident command server's memory | {size:,} | "
+              f"{samples['resident RSS MiB'][0][0]:.0f} MiB | | | | |")
         print(f"| the machine's memory freed by `disconnect` (keeper + workers' sessions) | "
               f"{size:,} | {samples['kept MiB'][0][0]:.0f} MiB | | | | |")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -51,14 +52,15 @@ def kept(node):
         yield env
     finally:
         tpufab("disconnect", env=env, timeout=60)
-        for pid in keepers(env):
+        for pid in keepers(env) + residents(env):
             os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: not keepers(env), 10, 0.05, "the keepers to be gone")
+        wait_for(lambda: not keepers(env) and not residents(env), 10, 0.05,
+                 "the keepers and resident servers to be gone")
         shutil.rmtree(runtime, ignore_errors=True)
 
 
-def keepers(env: dict) -> list[int]:
-    """Pids of the keepers started under ``env``'s runtime dir."""
+def keepers(env: dict, module: bytes = b"tpufab.ssh.keeper") -> list[int]:
+    """Pids of the keepers (``module``'s processes) started under ``env``'s runtime dir."""
     mine = os.path.join(env["XDG_RUNTIME_DIR"], "tpufab", "").encode()
     found = []
     for entry in os.listdir("/proc"):
@@ -71,14 +73,30 @@ def keepers(env: dict) -> list[int]:
                 state = fh.read().rsplit(b")", 1)[1].split()[0]
         except OSError:
             continue
-        if b"tpufab.ssh.keeper" in argv and any(a.startswith(mine) for a in argv) \
+        if any(module in a for a in argv) and any(a.startswith(mine) for a in argv) \
                 and state != b"Z":
             found.append(int(entry))
     return found
 
 
+def residents(env: dict) -> list[int]:
+    """Pids of the resident command servers started under ``env``'s runtime dir."""
+    return keepers(env, b"tpufab.resident")
+
+
 def sockets(env: dict) -> list[Path]:
-    return sorted((Path(env["XDG_RUNTIME_DIR"]) / "tpufab").glob("*.sock"))
+    """The keepers' sockets."""
+    return sorted(p for p in (Path(env["XDG_RUNTIME_DIR"]) / "tpufab").glob("*.sock")
+                  if not p.name.startswith("resident-"))
+
+
+def resident_socket(env: dict) -> Path:
+    """The one resident command server's socket, once it listens."""
+    folder = Path(env["XDG_RUNTIME_DIR"]) / "tpufab"
+    found = wait_for(lambda: sorted(folder.glob("resident-*.sock")), 60, 0.05,
+                     "the resident command server to listen")
+    assert len(found) == 1 and len(residents(env)) == 1, (found, residents(env))
+    return found[0]
 
 
 def sessions(env: dict, **extra: str) -> tuple[dict[int, int], subprocess.CompletedProcess]:
@@ -175,8 +193,9 @@ def test_a_warm_command_does_not_ask_the_cloud_api(node, kept):
         if result.returncode == 0 and sessions_in(result.stdout) == first:
             break
     else:
-        pytest.fail(f"no command ran over the kept connections: {result.stdout}"
-                    f"{result.stderr[-2000:]}")
+        said = "\n".join(line for line in result.stderr.splitlines()
+                         if not line.startswith("import time:"))
+        pytest.fail(f"no command ran over the kept connections: {result.stdout}{said[-2000:]}")
     assert "google.cloud" not in result.stderr
     # other settings than the kept connections were made with: it asks the API (down here)
     other = tpufab("exec", SESSION, env={**down, "TPUFAB_SSH_USER": "someone-else"}, timeout=120)
@@ -425,6 +444,131 @@ def test_killing_the_keeper_mid_command_says_to_run_it_again(sim, node, kept):
     assert one_keeper(kept) != pid
 
 
+# -- the resident command server (tpufab.resident, tpufab.entry) ------------------------------
+
+def imports(result: subprocess.CompletedProcess) -> set[str]:
+    """The modules the `tpufab` process itself loaded (PYTHONPROFILEIMPORTTIME's lines)."""
+    return {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines()
+            if line.startswith("import time:") and "|" in line}
+
+
+@pytest.mark.sim
+def test_a_command_after_one_that_kept_connections_is_run_by_the_resident_server(node, kept):
+    """The command that kept the connections leaves a resident server (private socket); the
+    next `tpufab` hands it the command and loads no CLI itself, with the same output, exit code
+    and connections; with TPUFAB_RESIDENT=0 it runs the CLI itself, the same way."""
+    first = kept_sessions(kept)
+    sock = resident_socket(kept)
+    assert oct(sock.stat().st_mode & 0o777) == "0o600"
+    said = "echo out; echo err >&2; " + SESSION + "; exit 3"
+    results = {}
+    for mode in ("1", "0"):
+        env = {**kept, "PYTHONPROFILEIMPORTTIME": "1", "TPUFAB_RESIDENT": mode}
+        results[mode] = tpufab("exec", said, env=env, timeout=120)
+    warm, cold = results["1"], results["0"]
+    assert "typer" not in imports(warm) and "tpufab.cli" not in imports(warm), warm.stderr
+    assert "typer" in imports(cold), cold.stderr[-2000:]
+    assert warm.returncode == cold.returncode == 3, warm.stdout + warm.stderr
+    # the same lines (the workers' order is theirs), over the same connections
+    lines = lambda text: sorted(re.sub(r"[0-9.]+ ms", "T ms", line)  # noqa: E731
+                                for line in text.splitlines()
+                                if not line.startswith("import time:"))
+    assert lines(warm.stdout) == lines(cold.stdout), (warm.stdout, cold.stdout)
+    assert sessions_in(warm.stdout) == first, warm.stdout
+    assert lines(warm.stderr) == lines(cold.stderr), (warm.stderr, cold.stderr)
+    # a relative path resolves in the command's own directory, and its environment is its own
+    here = Path(tempfile.mkdtemp(prefix="rs", dir="/tmp"))
+    try:
+        (here / "note.txt").write_text("from-here\n")
+        pushed = subprocess.run([TPUFAB, "put", "note.txt", "/tmp/rs-note.txt"], cwd=here,
+                                env=kept, capture_output=True, text=True, timeout=120)
+        assert pushed.returncode == 0, pushed.stdout + pushed.stderr
+        copied = tpufab("exec", "cat /tmp/rs-note.txt", env=kept, timeout=120)
+        assert copied.stdout.count("from-here") == 2, copied.stdout + copied.stderr
+    finally:
+        shutil.rmtree(here, ignore_errors=True)
+
+
+@pytest.mark.sim
+def test_the_resident_server_is_private_and_ends_with_the_keepers(node, kept):
+    """Its socket with a wrong mode is not used (said once; the command runs here); another
+    user is refused; `tpufab disconnect` (no keeper left) ends it and removes its socket."""
+    first = kept_sessions(kept)
+    sock = resident_socket(kept)
+    [server] = residents(kept)
+    status = tpufab("status", env=kept, timeout=120)
+    assert f"Commands are run by the resident server (pid {server})." in status.stdout, \
+        status.stdout + status.stderr
+    sock.chmod(0o666)
+    try:
+        result = tpufab("exec", SESSION, env={**kept, "PYTHONPROFILEIMPORTTIME": "1"},
+                        timeout=120)
+    finally:
+        sock.chmod(0o600)
+    assert result.returncode == 0 and sessions_in(result.stdout) == first, result.stdout
+    assert f"not using the resident command server at {sock}: its mode is 0666, not 0600" \
+        in result.stderr and "typer" in imports(result), result.stderr[-2000:]
+    runtime = sock.parent.parent
+    runtime.chmod(0o711)
+    sock.parent.chmod(0o711)
+    sock.chmod(0o666)
+    try:
+        other = subprocess.run(["/usr/bin/python3", "-I", "-c", HELLO, str(sock)],
+                               capture_output=True, text=True, timeout=60, user=65534,
+                               group=65534, cwd="/")
+    finally:
+        sock.chmod(0o600)
+        sock.parent.chmod(0o700)
+        runtime.chmod(0o700)
+    assert other.stdout.strip() == "CLOSED", other.stdout + other.stderr
+    tpufab("disconnect", env=kept, timeout=60)
+    wait_for(lambda: server not in residents(kept) and not sock.exists(), 30, 0.1,
+             "the resident server to end with the keepers")
+
+
+HELLO = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.settimeout(20)
+s.connect(sys.argv[1])
+try:
+    socket.send_fds(s, [b'{"argv": ["exec", "true"], "argv0": "tpufab", "cwd": "/", '
+                        b'"env": {}, "umask": 18}\\n'], [0, 1, 2])
+    print("ANSWERED" if s.recv(64) else "CLOSED")
+except (ConnectionResetError, BrokenPipeError):
+    print("CLOSED")
+"""
+
+
+@pytest.mark.sim
+def test_killing_a_command_run_by_the_resident_server_stops_the_workers_commands(
+        sim, node, kept):
+    """Ctrl-C (forwarded) ends it as Ctrl-C ends any command; the `tpufab` process killed
+    outright leaves nothing running on the workers either."""
+    kept_sessions(kept)
+    resident_socket(kept)
+    for how in (signal.SIGINT, signal.SIGKILL):
+        token = unique_name("rk")
+        proc = subprocess.Popen([TPUFAB, "exec", f"sleep 300 && echo {token}"], env=kept,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for(lambda t=token: all(sleeping(sim, node, t).values()), 60, 0.1,
+                     "the command to run on both workers")
+            proc.send_signal(how)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        if how == signal.SIGINT:
+            assert proc.returncode == 130 and "Interrupted" in err, out + err
+        else:
+            assert proc.returncode == -signal.SIGKILL
+        wait_for(lambda t=token: sleeping(sim, node, t) == {0: False, 1: False}, 60, 0.2,
+                 "the workers' commands to stop")
+
+
+# -- last: it deletes the module's pod -------------------------------------------------------
+
 @pytest.mark.sim
 def test_a_recreated_node_is_never_reached_through_an_old_connection(node, kept):
     from helpers import quiet_console
@@ -454,4 +598,3 @@ def test_a_recreated_node_is_never_reached_through_an_old_connection(node, kept)
     assert deleted.returncode == 0, deleted.stdout + deleted.stderr
     assert sockets(kept) == []
     wait_for(lambda: not keepers(kept), 30, 0.1, "the deleted pod's keeper to exit")
-

@@ -213,10 +213,25 @@ def command_named(argv: list[str]) -> str | None:
     return None
 
 
+_APPS: dict[str | None, typer.Typer] = {}
+
+
+def app_for(only: str | None) -> typer.Typer:
+    """``build_app(only)``, built once per process (the resident server builds them all)."""
+    if only not in _APPS:
+        _APPS[only] = build_app(only)
+    return _APPS[only]
+
+
+def command_names() -> list[str]:
+    """Every verb's name, and every group's (the commands ``main`` builds apart)."""
+    return sorted({v.group or v.name for v in all_verbs()})
+
+
 def main() -> None:
     import sys
 
-    build_app(command_named(sys.argv[1:]))()
+    app_for(command_named(sys.argv[1:]))()
 
 
 if __name__ == "__main__":

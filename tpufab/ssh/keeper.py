@@ -58,8 +58,6 @@ import os
 import pickle
 import signal
 import socket
-import stat
-import struct
 import subprocess
 import sys
 import threading
@@ -68,6 +66,9 @@ from pathlib import Path
 from typing import Any
 
 from tpufab.ssh.fanshard import Shard, _read, _write
+from tpufab.ssh.sockets import SUPPORTED, resident_pid, socket_dir
+from tpufab.ssh.sockets import peer as _peer
+from tpufab.ssh.sockets import unsafe as _private
 
 PROTOCOL = 3
 CONNECT_WAIT = 2.0   # s: a running keeper's answer (connect + handshake)
@@ -82,10 +83,6 @@ API_READS = frozenset({"get_node", "find_node", "find_both", "list_nodes", "host
                        "accelerator_types"})
 TICK = 0.5           # s: how often an idle keeper looks at its clock and its socket
 SOCKET_MAX = 100     # bytes: sun_path holds 108
-PEERCRED = struct.Struct("3i")  # pid, uid, gid
-# A keeper answers only its own user, which it learns with SO_PEERCRED (Linux): where there
-# is none (macOS), connections are not kept and every command connects itself.
-SUPPORTED = hasattr(socket, "SO_PEERCRED")
 _WARNED: set[str] = set()
 
 
@@ -100,28 +97,7 @@ def _version() -> str:
 
 
 def keeper_dir() -> Path:
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isdir(runtime):
-        return Path(runtime) / "tpufab"
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "tpufab" / "keepers"
-
-
-def _private(path: Path, kind: str) -> str | None:
-    """Why ``path`` (a directory or socket) must not be used, or None: ours, no symlink, and
-    no access for group or others."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    want = stat.S_ISDIR if kind == "directory" else stat.S_ISSOCK
-    if not want(st.st_mode):
-        return f"it is not a {kind}"
-    if st.st_uid != os.getuid():
-        return f"it is owned by uid {st.st_uid}, not you (uid {os.getuid()})"
-    if st.st_mode & 0o077:
-        return f"its mode is {stat.S_IMODE(st.st_mode):04o}, not {0o700 if kind == 'directory' else 0o600:04o}"
-    return None
+    return Path(socket_dir())
 
 
 def _warn(path: Path, reason: str) -> None:
@@ -173,10 +149,6 @@ def connection_key(fanout) -> str:
 # ---------------------------------------------------------------------------------------------
 # Client side
 # ---------------------------------------------------------------------------------------------
-
-
-def _peer(sock: socket.socket) -> tuple[int, int, int]:
-    return PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
 
 
 def _dial(path: Path, deadline: float) -> socket.socket:
@@ -287,7 +259,7 @@ class Keeper:
                 if self.pending is not None:   # not needed: it exits now
                     self.pending.discard()
                     self.pending = None
-                return _shard(found, fanout)
+                return _shard(found, fanout, self.keep_alive)
         # None there (or it was stale and is stopped now): start one (or give the one started
         # ahead its socket), wait a bounded time.
         deadline = time.monotonic() + SPAWN_WAIT
@@ -302,7 +274,7 @@ class Keeper:
                     return None
                 found = self._handshake(path, hello, deadline, replace=False)
                 if found is not None:
-                    return _shard(found, fanout)
+                    return _shard(found, fanout, self.keep_alive)
             time.sleep(0.02)
         return None
 
@@ -341,9 +313,13 @@ class Keeper:
         return None
 
 
-def _shard(found: tuple[socket.socket, int], fanout) -> KeeperShard:
+def _shard(found: tuple[socket.socket, int], fanout, keep_alive: float) -> KeeperShard:
     sock, pid = found
+    KEPT.append(keep_alive)
     return KeeperShard(sock, fanout, pid)
+
+
+KEPT: list[float] = []   # this process's kept connections' keep_alive (tpufab.resident)
 
 
 def _init(fanout) -> dict:
@@ -501,9 +477,11 @@ def describe(project: str | None, zone: str | None, name: str | None,
         return (f"Connections: not kept (the next command keeps them for "
                 f"{human_duration(keep_alive)}).")
     info = live[0]
+    resident = resident_pid()
+    served = f" Commands are run by the resident server (pid {resident})." if resident else ""
     return (f"Connections: kept by pid {info['pid']} ({info['connected']} of {info['workers']} "
             f"workers connected; kept {human_duration(info['keep_alive'])} after the last "
-            f"command; socket {info['socket']}).")
+            f"command; socket {info['socket']}).{served}")
 
 
 def attach(fanout, settings, record: dict | None = None,
@@ -841,24 +819,21 @@ def _told_path(folder: Path) -> Path | None:
     return path
 
 
-def main(argv: list[str]) -> int:
-    if os.fork():
-        os._exit(0)  # the command that started us reaps this first process at once
-    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
-        signal.signal(sig, signal.SIG_IGN)
-    os.umask(0o077)
-    path = Path(argv[1])
-    if path.name == "-":
-        path = _told_path(path.parent)
-    if path is None:
-        return 0
+def listen(path: Path, ready=None) -> socket.socket | None:
+    """A listening socket at ``path``, 0600, or None when another process serves it (it holds
+    ``path``'s .lock for its whole life, as the caller now does). ``ready``: called once the
+    lock is ours, before the socket appears (what must be loaded before serving)."""
     lock = open(path.with_suffix(".lock"), "a+")  # noqa: SIM115 - held for our whole life
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        return 0  # another keeper serves this socket
+        lock.close()
+        return None
+    _HELD.append(lock)
+    if ready is not None:
+        ready(lock)
     with contextlib.suppress(FileNotFoundError):
-        path.unlink()  # left by a keeper that died (we hold the lock: none serves it)
+        path.unlink()  # left by a server that died (we hold the lock: none serves it)
     # Bound, made 0600 and listening under a private name first: the socket appears under
     # its own name only when it is ready and private.
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -869,6 +844,32 @@ def main(argv: list[str]) -> int:
     os.chmod(ready, 0o600)
     listener.listen(128)
     os.rename(ready, path)
+    return listener
+
+
+_HELD: list = []   # the locks of the sockets this process serves
+
+
+def detach() -> None:
+    """Become a background server: the second process of a fork (its command reaps the first
+    at once), deaf to a terminal's Ctrl-C and hang-up, making private files."""
+    if os.fork():
+        os._exit(0)
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_IGN)
+    os.umask(0o077)
+
+
+def main(argv: list[str]) -> int:
+    detach()
+    path = Path(argv[1])
+    if path.name == "-":
+        path = _told_path(path.parent)
+    if path is None:
+        return 0
+    listener = listen(path)
+    if listener is None:
+        return 0  # another keeper serves this socket
     server = _Server(path, listener)
     signal.signal(signal.SIGTERM, lambda *_: server.stopping.set())
     try:

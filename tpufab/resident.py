@@ -1,0 +1,319 @@
+"""The resident command server: the CLI loaded once, a forked child per command.
+
+A ``tpufab`` command that kept a pod's connections (tpufab.ssh.keeper) starts one as it ends
+(tpufab.entry), unless one serves already. It loads the CLI and every tpufab module a command
+may need (not the cloud clients), then listens on ``resident-<fingerprint>.sock`` in the
+keepers' private directory (0700; the socket 0600, the peer's uid checked on every
+connection). The ``tpufab`` entry (tpufab.entry) sends it a command with its own stdin, stdout
+and stderr; the server answers "ready", and on the client's "go" forks a child that takes the
+command's working directory, environment, umask, arguments and descriptors, tells the client
+its pid (the client forwards its signals there), runs ``tpufab.cli.main`` and exits with its
+code. The server reports how the child ended (its exit code or signal), so the client ends
+the same way. A child whose client went away is interrupted (as Ctrl-C would: the workers'
+commands are stopped).
+
+It exits after ``keep_alive`` seconds without a command, as soon as no keeper is left in its
+directory (``tpufab disconnect``, keepers that timed out), and when its socket is removed or
+taken over. Its log is beside the socket (``.log``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+TICK = 1.0            # s: how often an idle server looks at its clock, socket and keepers
+HELLO_WAIT = 5.0      # s: a client's whole request, and its "go" after "ready"
+NOT_PRELOADED = ("tpufab.sim", "tpufab.remote", "tpufab.templates")
+CHILD = False         # True in a child running a command
+
+
+# ---------------------------------------------------------------------------------------------
+# The server
+# ---------------------------------------------------------------------------------------------
+
+
+def preload() -> None:
+    """Load what commands load: the CLI with every verb's command built, tpufab's modules
+    (not the simulated pod's, not the worker-side scripts) and paramiko; not the cloud
+    clients (seconds of CPU and ~100 MB: the commands that need them load them)."""
+    import importlib
+    import pkgutil
+
+    import tpufab
+    from tpufab import cli
+
+    for name in [None, *cli.command_names()]:
+        cli.app_for(name)
+    for module in pkgutil.walk_packages(tpufab.__path__, "tpufab."):
+        if not module.name.startswith(NOT_PRELOADED):
+            with contextlib.suppress(Exception):
+                importlib.import_module(module.name)
+    with contextlib.suppress(Exception):
+        import paramiko  # noqa: F401
+
+
+def _keepers_left(folder: Path) -> bool:
+    try:
+        return any(name.endswith(".sock") and not name.startswith("resident-")
+                   for name in os.listdir(folder))
+    except OSError:
+        return False
+
+
+class Server:
+    def __init__(self, path: Path, listener: socket.socket, keep_alive: float):
+        self.path, self.listener, self.keep_alive = path, listener, keep_alive
+        self.inode = os.stat(path).st_ino
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(listener, selectors.EVENT_READ, None)
+        self.children: dict[int, tuple[int, socket.socket]] = {}   # pidfd: (pid, client)
+        self.last = time.monotonic()
+
+    def loop(self) -> None:
+        while True:
+            for key, _ in self.selector.select(TICK):
+                if key.data is None:
+                    self.accept()
+                else:
+                    self.reap(key.fd)
+            if not self.children and self.done():
+                return
+
+    def done(self) -> bool:
+        """Idle past keep_alive, no keeper left to serve commands for, or our socket gone."""
+        if time.monotonic() - self.last > self.keep_alive:
+            return True
+        if not _keepers_left(self.path.parent):
+            return True
+        try:
+            return os.stat(self.path).st_ino != self.inode
+        except OSError:
+            return True
+
+    def accept(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        fds: list[int] = []
+        try:
+            conn.settimeout(HELLO_WAIT)
+            if _peer_uid(conn) != os.getuid():
+                return
+            hello, fds = _hello(conn)
+            if hello is None or len(fds) != 3:
+                _send(conn, {"ready": False})
+                return
+            _send(conn, {"ready": True})
+            if not _go(conn):
+                return
+            self.last = time.monotonic()
+            pid = os.fork()
+            if pid == 0:
+                self.child(conn, fds, hello)   # never returns
+            pidfd = os.pidfd_open(pid)
+            self.children[pidfd] = (pid, conn)
+            self.selector.register(pidfd, selectors.EVENT_READ, pid)
+            conn = None
+        except (OSError, ValueError):
+            pass
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            if conn is not None:
+                conn.close()
+
+    def reap(self, pidfd: int) -> None:
+        pid, conn = self.children.pop(pidfd)
+        self.selector.unregister(pidfd)
+        os.close(pidfd)
+        _, status = os.waitpid(pid, 0)
+        ended = {"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status) else \
+            {"exit": os.waitstatus_to_exitcode(status)}
+        with contextlib.suppress(OSError):
+            _send(conn, ended)
+        conn.close()
+        self.last = time.monotonic()
+
+    def child(self, conn: socket.socket, fds: list[int], hello: dict) -> None:
+        """Become the command: its session, descriptors, directory, environment; run it."""
+        global CHILD
+        CHILD = True
+        code = 1
+        try:
+            os.setsid()
+            self.selector.close()
+            self.listener.close()
+            for pidfd, (_pid, other) in self.children.items():
+                os.close(pidfd)
+                other.close()
+            from tpufab.ssh.keeper import _HELD
+
+            for lock in _HELD:   # the socket's lock is the server's, not its children's
+                lock.close()
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGCHLD):
+                signal.signal(sig, signal.SIG_DFL)
+            signal.signal(signal.SIGPIPE, signal.SIG_IGN)   # as Python sets it
+            for target, fd in enumerate(fds):
+                os.dup2(fd, target)
+            for fd in fds:
+                if fd > 2:
+                    os.close(fd)
+            os.chdir(hello["cwd"])
+            os.umask(int(hello["umask"]))
+            os.environ.clear()
+            os.environ.update(hello["env"])
+            import tempfile
+
+            tempfile.tempdir = None
+            sys.argv = [hello["argv0"], *hello["argv"]]
+            _stdio(hello.get("stdio") or {})
+            conn.settimeout(None)
+            _send(conn, {"pid": os.getpid()})
+            threading.Thread(target=_watch, args=(conn,), daemon=True).start()
+            code = _run()
+        finally:
+            os._exit(code)
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    from tpufab.ssh.sockets import peer
+
+    return peer(conn)[1]
+
+
+def _hello(conn: socket.socket) -> tuple[dict | None, list[int]]:
+    """The client's request (one JSON line) and the descriptors that came with it."""
+    data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 3)
+    while data and not data.endswith(b"\n"):
+        chunk = conn.recv(1 << 16)
+        if not chunk:
+            return None, fds
+        data += chunk
+    try:
+        hello = json.loads(data)
+    except ValueError:
+        return None, fds
+    needed = {"argv", "argv0", "cwd", "env", "umask"}
+    return (hello if isinstance(hello, dict) and needed <= hello.keys() else None), fds
+
+
+def _go(conn: socket.socket) -> bool:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(16)
+        if not chunk:
+            return False
+        data += chunk
+    return data == b"go\n"
+
+
+def _send(conn: socket.socket, message: dict) -> None:
+    conn.sendall(json.dumps(message).encode() + b"\n")
+
+
+def _stdio(how: dict) -> None:
+    """stdin, stdout and stderr over the client's descriptors, set up as the client's were."""
+    import io
+
+    for fd, name in enumerate(("stdin", "stdout", "stderr")):
+        spec = how.get(name) or {}
+        encoding, errors = spec.get("encoding") or "utf-8", spec.get("errors") or "strict"
+        if fd == 0:
+            raw = io.FileIO(0, "r", closefd=False)
+            stream = io.TextIOWrapper(io.BufferedReader(raw), encoding=encoding, errors=errors,
+                                      line_buffering=bool(spec.get("line_buffering")))
+        else:
+            raw = io.FileIO(fd, "w", closefd=False)
+            through = bool(spec.get("write_through"))
+            stream = io.TextIOWrapper(raw if through else io.BufferedWriter(raw),
+                                      encoding=encoding, errors=errors,
+                                      line_buffering=bool(spec.get("line_buffering")),
+                                      write_through=through)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
+def _watch(conn: socket.socket) -> None:
+    """The client went away (killed): interrupt the command, as Ctrl-C would."""
+    with contextlib.suppress(OSError):
+        while conn.recv(64):
+            pass
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def _run() -> int:
+    """``tpufab.cli.main`` as the interpreter would run it: its exit code (an uncaught
+    KeyboardInterrupt ends the process by SIGINT, as Python's does)."""
+    import atexit
+
+    from tpufab import cli
+
+    code = 0
+    interrupted = False
+    try:
+        cli.main()
+    except SystemExit as exc:
+        if exc.code is None:
+            code = 0
+        elif isinstance(exc.code, int):
+            code = exc.code
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        interrupted = True
+    except BaseException:  # noqa: BLE001 - printed as the interpreter prints it
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    if interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return code & 0xFF
+
+
+def main(argv: list[str]) -> int:
+    from tpufab.ssh.keeper import detach, listen
+
+    detach()
+    path, keep_alive = Path(argv[0]), float(argv[1])
+    try:
+        os.close(os.pidfd_open(os.getpid()))   # how children are waited for (Linux 5.3)
+    except (AttributeError, OSError):
+        print("no pidfd_open here: no resident command server", file=sys.stderr)
+        return 0
+
+    def ready(lock) -> None:
+        lock.truncate(0)
+        lock.write(str(os.getpid()))    # for `tpufab status` (sockets.resident_pid)
+        lock.flush()
+        preload()
+
+    listener = listen(path, ready)
+    if listener is None:
+        return 0   # another server serves this socket
+    server = Server(path, listener, keep_alive)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        server.loop()
+    finally:
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == server.inode:
+                path.unlink()
+    return 0
