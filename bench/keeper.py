@@ -19,8 +19,9 @@ connections has left).
 
 ``--floor N``: then, with the keeper warm, N rounds of what a second `exec true` is made of,
 alternately: a bare `python -c pass`, `import typer`, `import tpufab.cli`, importing every
-tpufab module a warm `exec true` loads (listed by running it under ``-X importtime``), and
-the whole command; medians, printed as a second table.
+tpufab module a warm `exec true` loads (listed by running it under ``-X importtime``),
+`import tpufab.entry`, and the whole command without and with the resident command server;
+medians, printed as a second table.
 
 ``--jump``: the node has internal IPs only (`create --internal-ips`), and every command
 reaches its workers through the node's bastion (`TPUFAB_JUMP`).
@@ -133,24 +134,32 @@ def warm_modules(argv: list[str], env: dict[str, str], cwd: Path) -> list[str]:
     return sorted({n for n in names if n.startswith("tpufab") and not n.endswith("__main__")})
 
 
-def floor(rounds: int, env: dict[str, str], cwd: Path, tpufab: str) -> dict[str, list]:
-    """What a warm `exec true` costs, part by part (see --floor)."""
+def floor(rounds: int, env: dict[str, str], cwd: Path, tpufab: str,
+          runtime: Path) -> dict[str, list]:
+    """What a warm `exec true` costs, part by part (see --floor). CPU: the command's, and the
+    resident server's children's (the command it ran) where it ran it."""
     modules = warm_modules([tpufab, "exec", "true"], env, cwd)
+    off = {**env, "TPUFAB_RESIDENT": "0"}
     parts = {
-        "`python -c pass`": [sys.executable, "-c", "pass"],
-        "`python -c 'import typer'`": [sys.executable, "-c", "import typer"],
-        "`python -c 'import tpufab.cli'`": [sys.executable, "-c", "import tpufab.cli"],
+        "`python -c pass`": ([sys.executable, "-c", "pass"], env),
+        "`python -c 'import typer'`": ([sys.executable, "-c", "import typer"], env),
+        "`python -c 'import tpufab.cli'`": ([sys.executable, "-c", "import tpufab.cli"], env),
         f"importing the {len(modules)} tpufab modules a warm `exec true` loads":
-            [sys.executable, "-c", "import " + ", ".join(modules)],
-        "`tpufab exec true` (second)": [tpufab, "exec", "true"],
+            ([sys.executable, "-c", "import " + ", ".join(modules)], env),
+        "`python -c 'import tpufab.entry'` (what a command run by the resident server loads)":
+            ([sys.executable, "-c", "import tpufab.entry"], env),
+        "`tpufab exec true` (second, TPUFAB_RESIDENT=0)": ([tpufab, "exec", "true"], off),
+        "`tpufab exec true` (second, run by the resident server)": ([tpufab, "exec", "true"], env),
     }
     found: dict[str, list] = {label: [] for label in parts}
     for _ in range(rounds):
-        for label, argv in parts.items():
-            wall, cpu, code, tail = timed(argv, env, cwd, 600)
+        for label, (argv, with_env) in parts.items():
+            before = cpu_of(keeper_pids(runtime, b"tpufab.resident"))
+            wall, cpu, code, tail = timed(argv, with_env, cwd, 600)
+            after = cpu_of(keeper_pids(runtime, b"tpufab.resident"))
             if code != 0:
                 raise SystemExit(f"{label}: exit {code}\n{tail}")
-            found[label].append((wall, cpu))
+            found[label].append((wall, cpu + sum(t - before.get(p, 0.0) for p, t in after.items())))
     return found
 
 
@@ -229,7 +238,7 @@ def one_size(size: int, rounds: int, compare: Path | None = None, status: bool =
                                         0.0, 0.0)]
         if floor_rounds:
             settle()
-            parts = floor(floor_rounds, env, repo, tpufab)
+            parts = floor(floor_rounds, env, repo, tpufab, runtime)
             print(f"\n{size} workers, a warm `exec true` part by part (medians of "
                   f"{floor_rounds}, alternately)")
             print("| what | wall s | CPU s |\n|---|--:|--:|")
