@@ -126,7 +126,8 @@ def test_plan_gives_each_worker_its_rank_and_the_same_secrets():
     env = plan.environments[3].public
     assert env["TPUFAB_WORKER_ID"] == "3" and env["TPU_WORKER_ID"] == "1"
     assert env["MEGASCALE_SLICE_ID"] == "1" and env["MEGASCALE_NUM_SLICES"] == "2"
-    assert env["TPUFAB_COORDINATOR"] == "10.0.0.2:8476" and env["XLA_FLAGS"] == "--x"
+    # the coordinator's port is the run's (0xab12 % 500 = 294 past 8476), as MASTER_PORT is
+    assert env["TPUFAB_COORDINATOR"] == "10.0.0.2:8770" and env["XLA_FLAGS"] == "--x"
     assert "HF_TOKEN" not in env and plan.secrets == {"HF_TOKEN": SECRET}
     line = start_command(plan)
     assert SECRET not in line

@@ -146,9 +146,11 @@ def test_torchprime_style_python_file_with_pass_through_arguments(torch_pod, tmp
             "MASTER_ADDR": ips[0], "MASTER_PORT": report["env"]["MASTER_PORT"],
             "WORLD_SIZE": "4", "RANK": str(w), "NODE_RANK": str(w), "LOCAL_RANK": "0",
             "TPUFAB_WORKER_ID": str(w), "TPUFAB_NUM_WORKERS": "4",
-            "TPUFAB_COORDINATOR": f"{ips[0]}:8476", "XLA_IR_DEBUG": "1",
+            "TPUFAB_COORDINATOR": report["env"]["TPUFAB_COORDINATOR"], "XLA_IR_DEBUG": "1",
             "LIBTPU_INIT_ARGS": "--xla_tpu_enable_async_collective_fusion=true"}
         assert 29500 <= int(report["env"]["MASTER_PORT"]) < 30500
+        host, port = report["env"]["TPUFAB_COORDINATOR"].split(":")
+        assert host == ips[0] and 8476 <= int(port) < 8976, report["env"]
         assert report["hf_token_sha256"] == hashlib.sha256(SECRET.encode()).hexdigest()
         assert report["profile_dir_exists"]
         assert report["output_dir"].endswith("/output")

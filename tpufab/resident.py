@@ -59,6 +59,11 @@ def preload() -> None:
                 importlib.import_module(module.name)
     with contextlib.suppress(Exception):
         import paramiko  # noqa: F401
+    import gc
+
+    gc.collect()
+    gc.freeze()   # what is loaded now is never scanned again: a child's collections would
+    #               otherwise walk (and copy, page by page) every object the server holds
 
 
 def _keepers_left(folder: Path) -> bool:

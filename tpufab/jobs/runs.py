@@ -22,6 +22,10 @@ from tpufab.nodeset import fold
 from tpufab.quoting import is_secret_name
 
 RUN_DIR = "~/.tpufab/runs"
+# JAX's coordinator port (TPUFAB_COORDINATOR), plus 0-499 from the run id, as MASTER_PORT
+# below: a coordinator left over from an earlier run cannot take the next run's connections,
+# and on the simulated pod, whose nodes share this machine's network (XLA's coordination
+# service listens on every address, with SO_REUSEPORT), two pods' jobs never meet.
 DEFAULT_COORDINATOR_PORT = 8476
 DEFAULT_MEGASCALE_PORT = 8081
 # jax.profiler.start_server port of rank 0; rank N uses this + N, so processes that share one
@@ -189,7 +193,7 @@ def secret_specs(secret: Iterable[str] | None) -> tuple[list[str], list[str]]:
 
 
 def job_environment(run_id: str, layout: JobLayout, rank: int, *, platform: str = "tpu",
-                    spmd: bool = False, coordinator_port: int = DEFAULT_COORDINATOR_PORT,
+                    spmd: bool = False, coordinator_port: int | None = None,
                     megascale_port: int = DEFAULT_MEGASCALE_PORT,
                     master_port: int | None = None,
                     forwarded: Forwarded | None = None) -> JobEnvironment:
@@ -234,7 +238,7 @@ def job_environment(run_id: str, layout: JobLayout, rank: int, *, platform: str 
         TPU_WORKER_HOSTNAMES=layout.slice_hosts_text[slice_id],
         TPUFAB_NUM_WORKERS=str(layout.num_workers),
         TPUFAB_WORKER_IPS=layout.ips_text,
-        TPUFAB_COORDINATOR=f"{ips[0]}:{coordinator_port}",
+        TPUFAB_COORDINATOR=f"{ips[0]}:{coordinator_port or coordinator_port_for(run_id)}",
         TPUFAB_SLICE_ID=str(slice_id),
         TPUFAB_NUM_SLICES=str(len(layout.slices)),
         TPUFAB_PROFILER_PORT=str(profiler_port(rank)),
@@ -271,13 +275,22 @@ def profiler_port(rank: int) -> int:
     return DEFAULT_PROFILER_PORT + rank
 
 
+def _port_for(run_id: str, base: int, spread: int) -> int:
+    """``base`` plus 0 to ``spread - 1`` taken from the run id's random suffix."""
+    try:
+        return base + int(run_id.rsplit("-", 1)[-1], 16) % spread
+    except ValueError:
+        return base
+
+
 def master_port_for(run_id: str) -> int:
     """MASTER_PORT of a run: 29500 plus 0-999 taken from the run id's random suffix."""
-    suffix = run_id.rsplit("-", 1)[-1]
-    try:
-        return DEFAULT_MASTER_PORT + int(suffix, 16) % 1000
-    except ValueError:
-        return DEFAULT_MASTER_PORT
+    return _port_for(run_id, DEFAULT_MASTER_PORT, 1000)
+
+
+def coordinator_port_for(run_id: str) -> int:
+    """The port of TPUFAB_COORDINATOR: 8476 plus 0-499 from the run id's random suffix."""
+    return _port_for(run_id, DEFAULT_COORDINATOR_PORT, 500)
 
 
 def job_environments(run_id: str, layout: JobLayout, **options) -> list[JobEnvironment]:
