@@ -33,7 +33,6 @@ from pathlib import Path
 TICK = 1.0            # s: how often an idle server looks at its clock, socket and keepers
 HELLO_WAIT = 5.0      # s: a client's whole request, and its "go" after "ready"
 NOT_PRELOADED = ("tpufab.sim", "tpufab.remote", "tpufab.templates")
-CHILD = False         # True in a child running a command
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,8 +151,6 @@ class Server:
 
     def child(self, conn: socket.socket, fds: list[int], hello: dict) -> None:
         """Become the command: its session, descriptors, directory, environment; run it."""
-        global CHILD
-        CHILD = True
         code = 1
         try:
             os.setsid()
