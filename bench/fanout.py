@@ -150,9 +150,10 @@ def _fanout(root: Path, count: int, **kwargs):
         return Fanout(targets, known_hosts=known, concurrency=WINDOW, connect_timeout=60, **kwargs)
 
 
-def driver_cold(root: Path, count: int, processes: str) -> None:
+def driver_cold(root: Path, count: int, processes: str, transport: str = "") -> None:
     start = time.perf_counter()
-    fan = _fanout(root, count, processes=int(processes) or None)
+    options = {"ssh_transport": transport} if transport else {}  # an older tpufab has none
+    fan = _fanout(root, count, processes=int(processes) or None, **options)
     with fan:
         try:
             result = fan.run("true", one_shot=True)   # what `tpufab exec true` does
@@ -282,6 +283,7 @@ def bench_size(pod: SimPod, count: int, reps: int, args) -> dict:
     me = [PYTHON, str(Path(__file__).resolve())]
     repeat("tpufab", [*me, "_cold", root, count, 0], reps, row, env)
     repeat("tpufab_1proc", [*me, "_cold", root, count, 1], reps, row, env)
+    repeat("tpufab_paramiko", [*me, "_cold", root, count, 0, "paramiko"], reps, row, env)
     if args.baseline:
         repeat("baseline", [*me, "_cold", root, count, 1], reps, row,
                {**os.environ, "PYTHONPATH": args.baseline})
@@ -318,6 +320,14 @@ def bench_size(pod: SimPod, count: int, reps: int, args) -> dict:
     return row
 
 
+def _ssh2_version() -> str:
+    try:
+        import ssh2
+    except ImportError:
+        return "missing"
+    return ssh2.__version__
+
+
 def versions() -> dict:
     def out(argv, stream="stdout"):
         try:
@@ -334,6 +344,7 @@ def versions() -> dict:
     return {"nproc": os.cpu_count(), "cpu": cpu, "kernel": platform.release(),
             "memory": out(["free", "-h"]).splitlines()[1].split()[1],
             "python": platform.python_version(), "paramiko": paramiko.__version__,
+            "ssh2-python": _ssh2_version(),
             "openssh": out(["ssh", "-V"], "stderr"), "clush": out(["clush", "--version"]),
             "pssh": "parallel-ssh " + out(["parallel-ssh", "--version"])}
 
@@ -345,6 +356,8 @@ ROWS = [
     ("tpufab_rss_mib", "tpufab cold, client peak RSS (MiB)", "{:.0f}"),
     ("tpufab_1proc_ms", "tpufab cold, 1 process, wall", "{:.0f}"),
     ("tpufab_1proc_cpu_ms", "tpufab cold, 1 process, client CPU", "{:.0f}"),
+    ("tpufab_paramiko_ms", "tpufab cold over paramiko (ssh_transport paramiko), wall", "{:.0f}"),
+    ("tpufab_paramiko_cpu_ms", "tpufab cold over paramiko, client CPU", "{:.0f}"),
     ("baseline_ms", "tpufab before (agent on every worker), wall", "{:.0f}"),
     ("baseline_cpu_ms", "tpufab before, client CPU", "{:.0f}"),
     ("clush_ms", "clush, wall", "{:.0f}"),
@@ -358,7 +371,9 @@ ROWS = [
     ("pssh2_cpu_ms", "parallel-ssh native, client CPU", "{:.0f}"),
     ("asyncssh_ms", "asyncssh, wall", "{:.0f}"),
     ("asyncssh_cpu_ms", "asyncssh, client CPU", "{:.0f}"),
+    ("cpu_per_worker", "tpufab cold, client CPU per worker (ms)", "{:.2f}"),
     ("cpu_ratio", "tpufab / better of clush, pssh: client CPU", "{:.2f}x"),
+    ("paramiko_cpu_ratio", "tpufab over paramiko / better of clush, pssh: client CPU", "{:.2f}x"),
     ("wall_ratio", "tpufab / better of clush, pssh: wall", "{:.2f}x"),
     ("warm_shell_ms", "tpufab warm `true` (shell)", "{:.1f}"),
     ("warm_argv_ms", "tpufab warm `[\"true\"]` (argv)", "{:.1f}"),
@@ -372,6 +387,10 @@ def table(rows: list[dict]) -> str:
         others = [row[k] for k in ("clush_cpu_ms", "pssh_cpu_ms") if k in row]
         if others and "tpufab_cpu_ms" in row:
             row["cpu_ratio"] = row["tpufab_cpu_ms"] / min(others)
+        if others and "tpufab_paramiko_cpu_ms" in row:
+            row["paramiko_cpu_ratio"] = row["tpufab_paramiko_cpu_ms"] / min(others)
+        if "tpufab_cpu_ms" in row:
+            row["cpu_per_worker"] = row["tpufab_cpu_ms"] / row["workers"]
         walls = [row[k] for k in ("clush_ms", "pssh_ms") if k in row]
         if walls and "tpufab_ms" in row:
             row["wall_ratio"] = row["tpufab_ms"] / min(walls)

@@ -2,8 +2,8 @@
 
     sudo .venv/bin/python bench/transports.py [--sizes 64,256] [--reps 3] [--profile]
 
-Needs ``ssh2-python`` and ``asyncssh`` in the same Python (measurement only: tpufab does not
-depend on them). Starts the largest size's worth of simulated workers (bench/fanout.py's
+Needs ``asyncssh`` in the same Python (measurement only; ``ssh2-python`` is a tpufab
+dependency since issue 28). Starts the largest size's worth of simulated workers (bench/fanout.py's
 SimPod: a real sshd per worker), then for each size, a fresh interpreter per run (new
 connections) doing ``exec true`` on every worker, 64 handshakes in flight, each with:
 
@@ -13,8 +13,10 @@ connections) doing ``exec true`` on every worker, 64 handshakes in flight, each 
   the pin before authenticating; asyncssh: a known_hosts of the pins);
 - the client's ed25519 key, no agent.
 
-``paramiko`` is tpufab's own Fanout in one process (``fanout_processes 1``) and as it
-runs by default (``auto``); ``libssh2`` is ssh2-python's blocking Session on a thread per
+``paramiko`` is tpufab's own Fanout over paramiko (``ssh_transport paramiko``) in one
+process (``fanout_processes 1``) and with its automatic processes; ``libssh2 (tpufab's
+default)`` is tpufab's Fanout as it runs by default since issue 28 (tpufab.ssh.transport);
+``libssh2`` is ssh2-python's blocking Session on a thread per
 connection (it releases the GIL during its C calls), as paramiko's; ``asyncssh`` one event
 loop. Client CPU is user + system of the run's process and its children (getrusage), wall
 the run's, peak RSS the process's own (its children's largest for tpufab's auto mode).
@@ -143,7 +145,7 @@ def driver_profile(root: Path, count: int) -> None:
     threading.Thread._bootstrap_inner = profiled
     main = cProfile.Profile(time.thread_time)
     profiles.append(main)
-    main.runcall(driver_cold, root, count, "1")
+    main.runcall(driver_cold, root, count, "1", "paramiko")
     threading.Thread._bootstrap_inner = plain
     stats = pstats.Stats(profiles[0])
     for profile in profiles[1:]:
@@ -177,7 +179,7 @@ def driver_fastmac(root: Path, count: int) -> None:
     import paramiko.util
 
     paramiko.util.constant_time_bytes_eq = hmac.compare_digest
-    driver_cold(root, count, "1")
+    driver_cold(root, count, "1", "paramiko")
 
 
 def driver_gcm(root: Path, count: int) -> None:
@@ -198,8 +200,10 @@ def runs(root: Path, count: int, reps: int) -> dict[str, dict]:
     """{transport: {wall_ms, cpu_ms, rss_mib}} medians of ``reps`` fresh runs (round robin)."""
     me = [sys.executable, str(Path(__file__).resolve())]
     fan = [sys.executable, str(Path(__file__).resolve().parent / "fanout.py")]
-    argvs = {"paramiko (tpufab, 1 process)": [*fan, "_cold", root, count, "1"],
-             "paramiko (tpufab, auto)": [*fan, "_cold", root, count, "0"],
+    argvs = {"paramiko (tpufab, 1 process)": [*fan, "_cold", root, count, "1", "paramiko"],
+             "paramiko (tpufab, auto)": [*fan, "_cold", root, count, "0", "paramiko"],
+             "libssh2 (tpufab's default, 1 process)": [*fan, "_cold", root, count, "1",
+                                                       "libssh2"],
              "libssh2 (ssh2-python)": [*me, "_libssh2", root, count],
              "asyncssh": [*me, "_asyncssh", root, count],
              "paramiko, MAC compare in C (tpufab, 1 process)": [*me, "_fastmac", root, count],

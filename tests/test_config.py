@@ -83,3 +83,12 @@ def test_the_default_login_is_the_local_user_but_never_root(monkeypatch, local, 
     assert load_settings(env={}).ssh_user == expected
     assert load_settings({"ssh_user": "root"}, env={}).ssh_user == "root"
     assert load_settings(env={"TPUFAB_SSH_USER": "root"}).ssh_user == "root"
+
+
+def test_ssh_transport_is_one_of_three_words(tmp_path):
+    assert load_settings(cwd=tmp_path, env={}).ssh_transport == "auto"
+    assert load_settings(cwd=tmp_path, env={"TPUFAB_SSH_TRANSPORT": "Paramiko"}).ssh_transport \
+        == "paramiko"
+    with pytest.raises(ConfigError, match="TPUFAB_SSH_TRANSPORT: ssh_transport must be one of "
+                                          "auto, libssh2, paramiko, not 'openssh'"):
+        load_settings(cwd=tmp_path, env={"TPUFAB_SSH_TRANSPORT": "openssh"})

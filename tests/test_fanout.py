@@ -29,6 +29,7 @@ from tpufab.ssh.fanout import (
     print_gathered,
 )
 from tpufab.ssh.hostkeys import HostKeyChanged, KnownHosts, alias
+from tpufab.ssh.transfer import _sftp
 from tpufab.workflows.setup import run_setup
 
 pytestmark = [pytest.mark.sim, pytest.mark.skipif(
@@ -454,3 +455,41 @@ def test_two_processes_enforce_timeouts_on_both_paths(spread_pod, spread):
     for result in (cold, warm):
         assert [r.error for r in result.values()] == ["timed out after 0.5 s"] * 2
     assert not any(spread_pod.running("sleep 4321.5").values())
+
+
+@pytest.mark.parametrize("transport", ["libssh2", "paramiko"])
+def test_both_ssh_transports_give_the_same_results(pod, tmp_path, transport):
+    """libssh2 (the default where ssh2-python imports) and paramiko: the one-shot path, the
+    agent with stdin larger than a window, a timeout's kill, and SFTP (paramiko's, beside a
+    libssh2 connection)."""
+    with Fanout(pod.targets(), known_hosts=KnownHosts(tmp_path / "kh"),
+                ssh_transport=transport) as fan:
+        one = fan.run("echo out $((6*7)); echo err >&2; exit 3", one_shot=True)
+        assert {(r.exit_code, r.stdout, r.stderr) for r in one.values()} == {(3, "out 42\n", "err\n")}
+        used = type(fan.links[0].conn.transport).__module__
+        assert used == ("tpufab.ssh.transport" if transport == "libssh2" else "paramiko.transport")
+        big = fan.run("cat | wc -c; seq 200000 | tail -1", stdin=b"x" * 3_000_000)
+        assert {r.stdout for r in big.values()} == {"3000000\n200000\n"}
+        timed = fan.run("sleep 30; echo never", timeout=1, workers="0")
+        assert timed[0].error == "timed out after 1 s" and "never" not in timed[0].stdout
+        fan.put(b"both ways\n", "/tmp/transport-check", workers="1")
+        sftp = _sftp(fan, 1)  # what tpufab put/get of trees use
+        with sftp.open("/tmp/transport-check") as fh:
+            assert fh.read() == b"both ways\n"
+        sftp.close()
+        assert type(fan.transport(1)).__module__ == "paramiko.transport"
+
+
+def test_an_unknown_ssh_transport_is_refused(pod, tmp_path):
+    with pytest.raises(ValueError, match="ssh_transport must be one of auto, libssh2, paramiko"):
+        Fanout(pod.targets(), known_hosts=KnownHosts(tmp_path / "kh"), ssh_transport="openssh")
+
+
+def test_libssh2_asks_for_the_pinned_host_key_type_first():
+    from tpufab.ssh.transport import hostkey_preference
+
+    assert hostkey_preference(["ssh-rsa"]).split(",")[:3] == ["rsa-sha2-512", "rsa-sha2-256",
+                                                              "ssh-rsa"]
+    assert hostkey_preference([]).split(",")[0] == "ssh-ed25519"
+    assert hostkey_preference(["ecdsa-sha2-nistp256", "ssh-ed25519"]).split(",")[:2] == \
+        ["ecdsa-sha2-nistp256", "ssh-ed25519"]

@@ -120,4 +120,4 @@ def test_a_fanout_too_big_for_the_fd_limit_says_so_before_connecting(tmp_path):
     raised = subprocess.run([sys.executable, "-c", small + "print(resource.getrlimit("
                              "resource.RLIMIT_NOFILE)[0])"], capture_output=True, text=True,
                             timeout=60)
-    assert raised.stdout.strip() == str(100 * 3 + 64)  # soft limit raised up front
+    assert raised.stdout.strip() == str(100 * 4 + 64)  # socket, eventfd, 2 spools: raised up front

@@ -69,6 +69,7 @@ class Settings:
     known_hosts: str = "~/.tpufab/known_hosts"
     concurrency: int = 64
     fanout_processes: int = 0            # client processes sharing the connections; 0: automatic
+    ssh_transport: str = "auto"          # libssh2 where it can (a third of paramiko's CPU), or paramiko
     connect_timeout: float = 20.0
     command_timeout: float | None = None
     keep_alive: str = "5m"               # how long a pod's connections stay open after a command (tpufab.ssh.keeper); 0: not kept
@@ -338,7 +339,8 @@ LIMITS = {
     "os_login_ttl": (0, True, "seconds tpufab's key stays registered with OS Login"),
 }
 # Settings that take one of a few words; booleans are accepted for the true/false ones.
-CHOICES = {"os_login": ("auto", "true", "false")}
+CHOICES = {"os_login": ("auto", "true", "false"),
+           "ssh_transport": ("auto", "libssh2", "paramiko")}
 URL_SETTINGS = {"api_endpoint": "http://127.0.0.1:8475 (the simulated pod) or "
                                 "https://tpu.googleapis.com",
                 "storage_endpoint": "http://127.0.0.1:PORT (the simulated pod's) or "

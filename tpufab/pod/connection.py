@@ -269,6 +269,7 @@ def connect(settings: Settings, *, control: ControlPlane | None = None,
         raise TpufabError(f"TPU node {name} reports no workers (networkEndpoints is empty).")
     fanout = Fanout(targets, known_hosts=known_hosts, concurrency=settings.concurrency,
                     processes=settings.fanout_processes or None,
+                    ssh_transport=settings.ssh_transport,
                     connect_timeout=settings.connect_timeout,
                     command_timeout=settings.command_timeout)
     from tpufab.ssh import keeper
@@ -369,6 +370,7 @@ def _warm(settings: Settings):
     fanout = Fanout(init["targets"], known_hosts=KnownHosts(settings.known_hosts_path),
                     concurrency=settings.concurrency,
                     processes=settings.fanout_processes or None,
+                    ssh_transport=settings.ssh_transport,
                     connect_timeout=settings.connect_timeout,
                     command_timeout=settings.command_timeout)
     if not keeper.matches(path, fanout):  # pins or keys changed since: ask the API

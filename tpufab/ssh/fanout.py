@@ -15,8 +15,10 @@ docs/fanout.md.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import io
+import ipaddress
 import os
 import socket
 import statistics
@@ -33,7 +35,17 @@ from tpufab import nodeset, quoting
 from tpufab.display.terminal import Lines, colors_for, neutralise
 from tpufab.errors import TpufabError
 from tpufab.quoting import Secret
-from tpufab.ssh.transport import ConnectError, WorkerSilent, quiet_paramiko
+from tpufab.ssh.transport import (
+    ConnectError,
+    KeyUnusable,
+    WorkerSilent,
+    libssh2_auth_error,
+    libssh2_available,
+    libssh2_connect,
+    libssh2_timeout,
+    libssh2_transient,
+    quiet_paramiko,
+)
 
 if TYPE_CHECKING:
     from tpufab.ssh.jump import Jump
@@ -689,6 +701,17 @@ class _Wake:
         pass
 
 
+@functools.cache
+def _oneshot_line() -> str:
+    """The exec request of every one-shot channel (the same for all: built once)."""
+    return quoting.command(quoting.Raw("exec"), "sh", "-c", _remote_file("oneshot.sh").decode(),
+                           "tpufab-oneshot")
+
+
+def _waited(event: threading.Event, timeout: float | None) -> bool:
+    return event.wait(timeout)
+
+
 class _Plain:
     """One command line on its own exec channel (``remote/oneshot.sh``), read by the thread that
     connected. Ctrl-C, a timeout or a failed sink send EOF, and the wrapper on the worker then
@@ -701,9 +724,9 @@ class _Plain:
         self.wake = _Wake()
         self.chan.in_buffer.set_event(self.wake)
         self.chan.in_stderr_buffer.set_event(self.wake)
-        self.chan.exec_command(quoting.command(quoting.Raw("exec"), "sh", "-c",
-                                               _remote_file("oneshot.sh").decode(),
-                                               "tpufab-oneshot"))
+        # libssh2's channel reads the socket in this thread while it waits (no second thread)
+        self.pause = getattr(self.chan, "drive", None)
+        self.chan.exec_command(_oneshot_line())
         # The command line on stdin (not on the wrapper's argv, which lives longer than it).
         lines = command.split("\n")
         self.chan.sendall(f"{len(lines)}\n{command}\n".encode("utf-8", "surrogateescape"))
@@ -729,7 +752,10 @@ class _Plain:
                         timed_out = True
                         self.kill(task)
                         wait = None
-                event.wait(wait)
+                if self.pause is not None:
+                    self.pause(event, wait)
+                else:
+                    event.wait(wait)
                 event.clear()
                 while chan.recv_ready():
                     task.feed("stdout", chan.recv(1 << 18))
@@ -738,8 +764,9 @@ class _Plain:
                 if (chan.eof_received or chan.closed) and not chan.recv_ready() \
                         and not chan.recv_stderr_ready():
                     break
-            while not chan.status_event.wait(None if deadline is None or timed_out
-                                             else max(0.0, deadline - time.monotonic())):
+            while not (self.pause or _waited)(chan.status_event,
+                                              None if deadline is None or timed_out
+                                              else max(0.0, deadline - time.monotonic())):
                 timed_out = True
                 self.kill(task)
             code = chan.exit_status
@@ -786,10 +813,20 @@ class _QuickAckSocket(socket.socket):
         return data
 
 
+def _addresses(host: str, port: int) -> list[tuple]:
+    """Where to dial ``host``: an IP address as it is (a pod's workers: no resolver call per
+    worker), a name through getaddrinfo."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (host, port))]
+
+
 def _open_socket(host: str, port: int, timeout: float) -> socket.socket:
     last: Exception | None = None
-    for family, kind, proto, _name, address in socket.getaddrinfo(host, port,
-                                                                   type=socket.SOCK_STREAM):
+    for family, kind, proto, _name, address in _addresses(host, port):
         sock = _QuickAckSocket(family, kind, proto)
         try:
             sock.settimeout(timeout)
@@ -827,8 +864,14 @@ def open_socket(target: Target, timeout: float, known_hosts) -> socket.socket:
 def _timed_out(err: BaseException) -> bool:
     """The worker accepted the connection (or not) but never answered within the timeout."""
     text = str(err)
+    if _from_libssh2(err):
+        return libssh2_timeout(err)
     return isinstance(err, socket.timeout | TimeoutError) or "protocol banner" in text \
         or "timed out" in text.lower()
+
+
+def _from_libssh2(err: BaseException) -> bool:
+    return type(err).__module__.startswith("ssh2.")
 
 
 def _transient(err: BaseException) -> bool:
@@ -837,6 +880,8 @@ def _transient(err: BaseException) -> bool:
     per attempt (82 s for 4 attempts of 20 s)."""
     import paramiko
 
+    if _from_libssh2(err):
+        return libssh2_transient(err)
     if isinstance(err, TpufabError | paramiko.AuthenticationException | paramiko.BadHostKeyException):
         return False
     if _timed_out(err):
@@ -853,13 +898,22 @@ def _describe(err: BaseException, target: Target | None = None) -> str:
         return "connection reset"
     if _timed_out(err):
         return "connection timed out"
-    if isinstance(err, paramiko.AuthenticationException):
+    if isinstance(err, paramiko.AuthenticationException) or \
+            (_from_libssh2(err) and libssh2_auth_error(err)):
         hint = (target and target.auth_hint) or "is the tpufab key in the worker's authorized_keys?"
         return f"authentication failed ({hint})"
     if isinstance(err, TpufabError):
         return str(err)
     text = str(err) or type(err).__name__
+    if _from_libssh2(err):
+        text = f"{type(err).__name__}{': ' + str(err) if str(err) else ''}"
     return f"connection failed: {text}"
+
+
+def _paramiko_transport():
+    import paramiko
+
+    return paramiko.Transport
 
 
 class _Conn:
@@ -886,6 +940,7 @@ class _Link:
         self.conn: _Conn | None = None
         self.agent: _Agent | None = None
         self.used = False  # a command ran on this connection (the one-shot path is spent)
+        self.side = None   # a paramiko Transport for SFTP and forwards beside a libssh2 one
         self.lock = threading.Lock()
 
     @property
@@ -904,6 +959,9 @@ class _Link:
             except Exception:  # noqa: BLE001
                 pass
             self.conn = None
+        if self.side is not None:
+            _Conn(self.side).close()
+            self.side = None
         self.used = False
 
 
@@ -912,13 +970,14 @@ class _Link:
 # ---------------------------------------------------------------------------------------------
 
 
-FDS_PER_WORKER = 3    # its socket, and the two output spools once they spill to a file
+FDS_PER_CONNECTION = 2  # its socket, and libssh2's eventfd
+FDS_PER_WORKER = 2    # the two output spools once they spill to a file
 FDS_SPARE = 64        # the interpreter, logs, terminals, the shard processes' pipes
 
 
 def fd_budget(connections: int, workers: int) -> int:
     """File descriptors a fan-out needs: ``connections`` here, spools for ``workers`` (pure)."""
-    return connections + (FDS_PER_WORKER - 1) * workers + FDS_SPARE
+    return FDS_PER_CONNECTION * connections + FDS_PER_WORKER * workers + FDS_SPARE
 
 
 def ensure_fds(needed: int, *, limits: tuple[int, int] | None = None, setter=None) -> int:
@@ -940,6 +999,8 @@ def ensure_fds(needed: int, *, limits: tuple[int, int] | None = None, setter=Non
     (setter or resource.setrlimit)(resource.RLIMIT_NOFILE, (needed, hard))
     return needed
 
+
+TRANSPORTS = ("auto", "libssh2", "paramiko")  # ssh_transport: auto is libssh2 where it can be
 
 KEEPER = -1  # the owner of every worker while the pod's connection keeper serves them
 WORKERS_PER_PROCESS = 256   # measured: at 256 workers a 2nd process cost 0.3 s more CPU, no faster
@@ -988,6 +1049,7 @@ class Fanout:
         python: str = "python3",
         kill_grace: float = KILL_GRACE,
         processes: int | None = None,
+        ssh_transport: str = "auto",
     ):
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -1017,6 +1079,15 @@ class Fanout:
         self._ids = iter(range(1, 1 << 31))
         self._ids_lock = threading.Lock()
         self.keeper = None  # the pod's connection keeper (tpufab.ssh.keeper.Keeper), if kept
+        if ssh_transport not in TRANSPORTS:
+            raise ValueError(f"ssh_transport must be one of {', '.join(TRANSPORTS)}")
+        self.ssh_transport = ssh_transport
+        self._libssh2 = ssh_transport != "paramiko" and libssh2_available()
+        if ssh_transport == "libssh2" and not self._libssh2:
+            raise ConnectError("ssh_transport is libssh2 but ssh2-python is not installed for "
+                               "this Python (pip install ssh2-python), or this is not Linux; "
+                               "set ssh_transport to auto or paramiko.")
+        self._paramiko_keys: set[str] = set()  # key files libssh2 could not read
 
     # -- context ----------------------------------------------------------------------------
     def __enter__(self) -> Fanout:
@@ -1076,9 +1147,28 @@ class Fanout:
                 self._keys[path] = key
             return key
 
-    def _handshake(self, target: Target, timeout: float):
+    def _uses_libssh2(self, target: Target) -> bool:
+        """libssh2 for this worker: installed, not turned off, a key file it can read, and a
+        direct TCP connection (a jump host's channel is paramiko's)."""
+        return self._libssh2 and target.jump is None and target.key_filename is not None \
+            and target.key_filename not in self._paramiko_keys
+
+    def _handshake(self, target: Target, timeout: float, *, paramiko_only: bool = False):
         """Socket, key exchange (cheapest first), pinned host key, public-key auth, each
-        bounded by ``timeout`` seconds."""
+        bounded by ``timeout`` seconds: a libssh2 connection where it can be (half the client
+        CPU of paramiko's), else a paramiko Transport."""
+        if not paramiko_only and self._uses_libssh2(target):
+            path = os.path.expanduser(target.key_filename)
+            if not os.path.exists(path):
+                self._pkey(target.key_filename)  # says which setting to fix
+            try:
+                return libssh2_connect(
+                    open_socket(target, timeout, self.known_hosts), target.user, path, timeout,
+                    lambda ktype, blob: self.known_hosts.verify_blob(target.key_alias, ktype,
+                                                                     blob),
+                    [ktype for ktype, _blob in self.known_hosts.lookup(target.key_alias)])
+            except KeyUnusable:
+                self._paramiko_keys.add(target.key_filename)  # passphrase, format: paramiko
         import paramiko
 
         pkey = self._pkey(target.key_filename)
@@ -1133,25 +1223,46 @@ class Fanout:
         own) is set."""
         if link.ready:
             return
-        from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
-
-        def before_sleep(state):
-            if self.on_retry is not None:
-                self.on_retry(link.target, state.attempt_number, state.outcome.exception())
-
         with link.lock:
             if link.ready:
                 return
             link.close()
-            retrying = Retrying(
-                stop=stop_after_attempt(self.connect_attempts),
-                wait=wait_exponential(multiplier=self.retry_wait[0], max=self.retry_wait[1]),
-                retry=retry_if_exception(
-                    lambda e: _transient(e) and not (cancelled and cancelled.is_set())),
-                before_sleep=before_sleep,
-                reraise=True,
-            )
-            retrying(self._connect_once, link, timeout)
+            try:
+                self._connect_once(link, timeout)  # most connect at once: no retry machinery
+                return
+            except BaseException as err:
+                if self.connect_attempts < 2 or not _transient(err) or \
+                        (cancelled is not None and cancelled.is_set()):
+                    raise
+                first = err
+            self._retry_connect(link, timeout, cancelled, first)
+
+    def _retry_connect(self, link: _Link, timeout: float, cancelled: threading.Event | None,
+                       first: BaseException) -> None:
+        """Attempts 2.. of a connection whose first failed with ``first`` (a transient
+        failure): tenacity, backing off exponentially (retry_wait) from the first attempt."""
+        from tenacity import Retrying, retry_if_exception, stop_after_attempt
+
+        multiplier, longest = self.retry_wait
+
+        def backoff(state) -> float:  # state.attempt_number n here is attempt n + 1 overall
+            return min(multiplier * 2 ** state.attempt_number, longest)
+
+        def before_sleep(state):
+            if self.on_retry is not None:
+                self.on_retry(link.target, state.attempt_number + 1, state.outcome.exception())
+
+        if self.on_retry is not None:
+            self.on_retry(link.target, 1, first)
+        time.sleep(min(multiplier, longest))  # the backoff after attempt 1
+        Retrying(
+            stop=stop_after_attempt(self.connect_attempts - 1),
+            wait=backoff,
+            retry=retry_if_exception(
+                lambda e: _transient(e) and not (cancelled and cancelled.is_set())),
+            before_sleep=before_sleep,
+            reraise=True,
+        )(self._connect_once, link, timeout)
 
     def _agent(self, link: _Link, timeout: float) -> _Agent:
         """The worker's agent, started on its open connection by the first command needing it
@@ -1186,16 +1297,23 @@ class Fanout:
         connects if needed (``connect_timeout`` None: the fan-out's), raising
         :class:`ConnectError` with the reason."""
         link = self.links[worker]
-        if not link.ready:
-            try:
-                self._connect(link, self.connect_timeout if connect_timeout is None
-                              else connect_timeout)
-            except TpufabError:
-                raise
-            except Exception as err:  # noqa: BLE001 - one sentence for the caller
-                link.close()
-                raise ConnectError(f"{nodeset.label(worker)}: {_describe(err, link.target)}") from err
-        return link.conn.transport
+        timeout = self.connect_timeout if connect_timeout is None else connect_timeout
+        try:
+            if not link.ready:
+                self._connect(link, timeout)
+            transport = link.conn.transport
+            if not isinstance(transport, _paramiko_transport()):
+                # libssh2 runs commands; SFTP and forwards take a paramiko connection of their own
+                with link.lock:
+                    if link.side is None or not link.side.is_active():
+                        link.side = self._handshake(link.target, timeout, paramiko_only=True)
+                    transport = link.side
+            return transport
+        except TpufabError:
+            raise
+        except Exception as err:  # noqa: BLE001 - one sentence for the caller
+            link.close()
+            raise ConnectError(f"{nodeset.label(worker)}: {_describe(err, link.target)}") from err
 
     def open(self, workers=None, *, connect_timeout: float | None = None) -> GroupResult:
         """Connect to the selected workers now (else the first run connects lazily)."""

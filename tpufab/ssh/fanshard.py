@@ -78,7 +78,7 @@ class Shard:
             "forget_hint": known.forget_hint,
             "concurrency": fanout.concurrency, "connect_attempts": fanout.connect_attempts,
             "retry_wait": fanout.retry_wait, "python": fanout.python,
-            "kill_grace": fanout.kill_grace,
+            "kill_grace": fanout.kill_grace, "ssh_transport": fanout.ssh_transport,
         }))
         self.alive = True
         self.reader = threading.Thread(target=self._read_loop, daemon=True,

@@ -169,7 +169,10 @@ class KnownHosts:
 
     def verify(self, host_alias: str, key: paramiko.PKey) -> None:
         """Accept ``key`` for ``host_alias`` if pinned, pin it if unknown (TOFU), else raise."""
-        ktype, blob = key.get_name(), key.get_base64()
+        self.verify_blob(host_alias, key.get_name(), key.get_base64())
+
+    def verify_blob(self, host_alias: str, ktype: str, blob: str) -> None:
+        """:meth:`verify` for a key given as its type and base64 blob (libssh2's)."""
 
         def change(entries):
             pinned = [(t, k) for a, t, k in entries if a == host_alias]

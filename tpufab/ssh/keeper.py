@@ -333,7 +333,7 @@ def _init(fanout) -> dict:
             "forget_hint": known.forget_hint, "concurrency": fanout.concurrency,
             "connect_attempts": fanout.connect_attempts, "retry_wait": fanout.retry_wait,
             "python": fanout.python, "kill_grace": fanout.kill_grace,
-            "processes": fanout.processes}
+            "processes": fanout.processes, "ssh_transport": fanout.ssh_transport}
 
 
 PRESTART_WAIT = 60.0  # s: how long a keeper started ahead waits to be told its socket

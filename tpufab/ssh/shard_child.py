@@ -38,6 +38,7 @@ def fanout_from_init(init: dict, on_retry):
                   concurrency=init["concurrency"], connect_attempts=init["connect_attempts"],
                   retry_wait=init["retry_wait"], python=init["python"],
                   kill_grace=init["kill_grace"], processes=init.get("processes", 1),
+                  ssh_transport=init.get("ssh_transport", "auto"),
                   on_retry=on_retry)
 
 
