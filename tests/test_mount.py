@@ -457,3 +457,9 @@ def test_install_steps_are_data():
     assert worker.install_steps("rclone")[-1][0][-2:] == ["fuse3", "rclone"]
     assert worker.plain_source("tpufab{lqHh4}:data/p") == "tpufab:data/p"
     assert worker.unescape(r"/mnt/a\040b") == "/mnt/a b"
+    # a driver's log time differs between workers by a second: the reason shown drops it,
+    # so identical reasons fold (CI saw w[0-1] and w[2-3] apart at 00:40:31 / 00:40:32)
+    for logged in ("2026/11/29 00:40:31 Failed to lsjson: directory not found",
+                   "2026-11-29T00:40:32.123Z Failed to lsjson: directory not found"):
+        assert worker.last_line(f"starting\n{logged}\n") == \
+            "Failed to lsjson: directory not found"

@@ -98,9 +98,15 @@ def classify(text: str, default: str = "driver_failed") -> str:
     return default
 
 
+# rclone's and gcsfuse's log prefix ("2026/11/29 00:40:31 ", "2026-11-29T00:40:31.123Z "): it
+# differs between workers by a second and would keep their identical reasons from folding
+LOG_TIME = re.compile(r"^\d{4}[/-]\d\d[/-]\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?Z?\s+")
+
+
 def last_line(text: str) -> str:
-    """The most telling line: the last one that names an error, else the last one."""
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    """The most telling line (without its log time): the last one that names an error, else
+    the last one."""
+    lines = [LOG_TIME.sub("", line.strip()) for line in text.strip().splitlines() if line.strip()]
     telling = [line for line in lines if "error" in line.lower() or "fail" in line.lower()]
     return (telling or lines or ["no output"])[-1][:300]
 
