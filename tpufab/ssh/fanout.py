@@ -38,6 +38,7 @@ from tpufab.quoting import Secret
 from tpufab.ssh.transport import (
     ConnectError,
     KeyUnusable,
+    Libssh2Connection,
     WorkerSilent,
     libssh2_auth_error,
     libssh2_available,
@@ -725,7 +726,7 @@ class _Plain:
         self.chan.in_buffer.set_event(self.wake)
         self.chan.in_stderr_buffer.set_event(self.wake)
         # libssh2's channel reads the socket in this thread while it waits (no second thread)
-        self.pause = getattr(self.chan, "drive", None)
+        self.pause = getattr(self.chan, "drive", None) or _waited
         self.chan.exec_command(_oneshot_line())
         # The command line on stdin (not on the wrapper's argv, which lives longer than it).
         lines = command.split("\n")
@@ -752,10 +753,7 @@ class _Plain:
                         timed_out = True
                         self.kill(task)
                         wait = None
-                if self.pause is not None:
-                    self.pause(event, wait)
-                else:
-                    event.wait(wait)
+                self.pause(event, wait)
                 event.clear()
                 while chan.recv_ready():
                     task.feed("stdout", chan.recv(1 << 18))
@@ -764,9 +762,8 @@ class _Plain:
                 if (chan.eof_received or chan.closed) and not chan.recv_ready() \
                         and not chan.recv_stderr_ready():
                     break
-            while not (self.pause or _waited)(chan.status_event,
-                                              None if deadline is None or timed_out
-                                              else max(0.0, deadline - time.monotonic())):
+            while not self.pause(chan.status_event, None if deadline is None or timed_out
+                                 else max(0.0, deadline - time.monotonic())):
                 timed_out = True
                 self.kill(task)
             code = chan.exit_status
@@ -908,12 +905,6 @@ def _describe(err: BaseException, target: Target | None = None) -> str:
     if _from_libssh2(err):
         text = f"{type(err).__name__}{': ' + str(err) if str(err) else ''}"
     return f"connection failed: {text}"
-
-
-def _paramiko_transport():
-    import paramiko
-
-    return paramiko.Transport
 
 
 class _Conn:
@@ -1155,8 +1146,8 @@ class Fanout:
 
     def _handshake(self, target: Target, timeout: float, *, paramiko_only: bool = False):
         """Socket, key exchange (cheapest first), pinned host key, public-key auth, each
-        bounded by ``timeout`` seconds: a libssh2 connection where it can be (half the client
-        CPU of paramiko's), else a paramiko Transport."""
+        bounded by ``timeout`` seconds: a libssh2 connection where it can be (a third of the
+        client CPU of paramiko's), else a paramiko Transport."""
         if not paramiko_only and self._uses_libssh2(target):
             path = os.path.expanduser(target.key_filename)
             if not os.path.exists(path):
@@ -1302,7 +1293,7 @@ class Fanout:
             if not link.ready:
                 self._connect(link, timeout)
             transport = link.conn.transport
-            if not isinstance(transport, _paramiko_transport()):
+            if isinstance(transport, Libssh2Connection):
                 # libssh2 runs commands; SFTP and forwards take a paramiko connection of their own
                 with link.lock:
                     if link.side is None or not link.side.is_active():
