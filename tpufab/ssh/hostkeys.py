@@ -171,8 +171,13 @@ class KnownHosts:
         """Accept ``key`` for ``host_alias`` if pinned, pin it if unknown (TOFU), else raise."""
         self.verify_blob(host_alias, key.get_name(), key.get_base64())
 
-    def verify_blob(self, host_alias: str, ktype: str, blob: str) -> None:
-        """:meth:`verify` for a key given as its type and base64 blob (libssh2's)."""
+    def verify_blob(self, host_alias: str, ktype: str, blob: str,
+                    pinned: list[tuple[str, str]] | None = None) -> None:
+        """:meth:`verify` for a key given as its type and base64 blob (libssh2's). ``pinned``:
+        what :meth:`lookup` said for ``host_alias`` a moment ago (a match there needs no
+        second look at the file)."""
+        if pinned and (ktype, blob) in pinned:
+            return
 
         def change(entries):
             pinned = [(t, k) for a, t, k in entries if a == host_alias]

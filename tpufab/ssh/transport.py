@@ -21,6 +21,7 @@ have read the socket itself kicks whoever waits through an eventfd.
 from __future__ import annotations
 
 import base64
+import functools
 import os
 import select
 import socket
@@ -59,6 +60,7 @@ BLOCK_OUTBOUND = 2  # LIBSSH2_SESSION_BLOCK_OUTBOUND: a packet waits for room in
 STALL_LIMIT = 3     # writable wake-ups that sent nothing (a caller's packet waits): then
 STALL_PAUSE = 0.02  # s: the socket's room is looked at this often, not at once
 READ_SIZE = 1 << 16
+SETTLE = 0.1  # s: how long a fresh one-shot command is waited for in C before the pump loop
 ANSWER_TICK = 0.05  # s: the longest a caller waits for an answer the pump may have read first
 KEX = ("curve25519-sha256,curve25519-sha256@libssh.org,ecdh-sha2-nistp256,"
        "ecdh-sha2-nistp384,ecdh-sha2-nistp521,diffie-hellman-group14-sha256,"
@@ -90,28 +92,36 @@ class KeyUnusable(Exception):
     """libssh2 cannot read this private key (passphrase, format): the fan-out uses paramiko."""
 
 
-def libssh2_auth_error(err: BaseException) -> bool:
-    from ssh2 import exceptions as e
+@functools.cache
+def _ssh2():
+    """ssh2-python's ``exceptions`` and ``session`` modules, imported at the first use (startup
+    stays instant) and then taken from here: an import statement per call costs each connection
+    a trip through the import machinery."""
+    from ssh2 import exceptions, session
 
+    return exceptions, session
+
+
+def libssh2_auth_error(err: BaseException) -> bool:
+    e = _ssh2()[0]
     return isinstance(err, e.AuthenticationError | e.PublickeyUnverifiedError)
 
 
 def libssh2_timeout(err: BaseException) -> bool:
-    from ssh2 import exceptions as e
-
+    e = _ssh2()[0]
     return isinstance(err, e.Timeout | e.SocketTimeout)
 
 
 def libssh2_transient(err: BaseException) -> bool:
     """A connection-level failure another attempt may not meet (reset, a banner cut short by
     sshd's MaxStartups): not authentication, not a timeout, not a host key."""
-    from ssh2 import exceptions as e
-
+    e = _ssh2()[0]
     return isinstance(err, e.SSH2Error) and not libssh2_auth_error(err) and not libssh2_timeout(err) \
         and not isinstance(err, KeyUnusable)
 
 
-def hostkey_preference(pinned: list[str]) -> str:
+@functools.lru_cache(maxsize=64)
+def hostkey_preference(pinned: tuple[str, ...]) -> str:
     """libssh2's host key algorithms, those of the ``pinned`` key types first (pure)."""
     order = [a for t in pinned for a in HOSTKEY_ALGORITHMS.get(t, ())]
     order += [a for algs in HOSTKEY_ALGORITHMS.values() for a in algs if a not in order]
@@ -123,14 +133,12 @@ def libssh2_connect(sock: socket.socket, user: str, key_filename: str, timeout: 
     """Handshake on ``sock`` (curve25519 first, the ``pinned`` host key types first),
     ``verify(key_type, base64_blob)`` the host key (raises to refuse it), then public-key
     auth with ``key_filename``; each step bounded by ``timeout`` seconds."""
-    from ssh2 import exceptions as e
-    from ssh2.session import LIBSSH2_METHOD_HOSTKEY, LIBSSH2_METHOD_KEX, Session
-
-    session = Session()
+    e, lib = _ssh2()
+    session = lib.Session()
     try:
         session.set_timeout(max(1, int(timeout * 1000)))
-        session.method_pref(LIBSSH2_METHOD_KEX, KEX)
-        session.method_pref(LIBSSH2_METHOD_HOSTKEY, hostkey_preference(list(pinned)))
+        session.method_pref(lib.LIBSSH2_METHOD_KEX, KEX)
+        session.method_pref(lib.LIBSSH2_METHOD_HOSTKEY, hostkey_preference(tuple(pinned)))
         session.handshake(sock)
         blob, kind = session.hostkey()
         verify(HOSTKEY_TYPES.get(kind, "unknown"), base64.b64encode(blob).decode())
@@ -142,12 +150,10 @@ def libssh2_connect(sock: socket.socket, user: str, key_filename: str, timeout: 
             if session.last_error().startswith("Unable to extract"):
                 raise KeyUnusable(session.last_error()) from err
             raise
-        session.set_timeout(0)
-        session.set_blocking(False)
     except BaseException:
         _shut(sock)
         raise
-    return Libssh2Connection(sock, session)
+    return Libssh2Connection(sock, session, max(1, int(timeout * 1000)))
 
 
 def _shut(sock: socket.socket) -> None:
@@ -190,6 +196,7 @@ class Libssh2Channel:
         self.close_sent = False
         self.exit_status = -1
         self.status_event = threading.Event()
+        self.timeout: float | None = None  # for a request's answer (the channel's open timeout)
 
     # -- from the pump (holding the connection's lock) ---------------------------------------
     def _feed(self, stream: _Stream, data: bytes) -> None:
@@ -220,12 +227,12 @@ class Libssh2Channel:
 
     # -- paramiko's Channel ------------------------------------------------------------------
     def exec_command(self, command: str) -> None:
-        self.conn.call(self.chan.execute, command)
+        self.conn.call(self.chan.execute, command, timeout=self.timeout)
 
     def sendall(self, data: bytes) -> None:
         view = memoryview(data)
         while view:
-            written = self.conn.write(self.chan, view)
+            written = self.conn.write(self, view)
             view = view[written:]
 
     def shutdown_write(self) -> None:
@@ -260,6 +267,12 @@ class Libssh2Channel:
         does (:meth:`Libssh2Connection.drive`)."""
         return self.conn.drive(event, timeout)
 
+    def settle(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for the command to end, in C, if nobody else reads the
+        connection: most one-shot commands end that soon, and then cost no Python loop. True
+        when it ended (its output buffered, its exit status in)."""
+        return self.conn.settle(self, seconds)
+
     def close(self) -> None:
         if not self.closed and not self.closing:
             self.closing = True
@@ -267,12 +280,17 @@ class Libssh2Channel:
             self.conn.start_pump()  # someone must send the close and see the worker's
 
 
+_BUSY = object()  # another thread reads the connection: no call of libssh2's may wait in C
+
+
 class Libssh2Connection:
     """An authenticated libssh2 session, shaped like the part of paramiko's Transport the
     fan-out uses."""
 
-    def __init__(self, sock: socket.socket, session):
+    def __init__(self, sock: socket.socket, session, timeout_ms: int):
         self.sock = sock
+        self.blocking = True         # as the handshake left it, waiting at most timeout_ms
+        self.timeout_ms = timeout_ms
         self.fd = sock.fileno()
         self.session = session
         self.lock = threading.Lock()                    # every libssh2 call
@@ -285,10 +303,12 @@ class Libssh2Connection:
         self.calls = 0      # libssh2 calls made by callers (each may read the socket)
         self.seen = -1      # ``calls`` when the stepping thread last woke them
         self.dirty = False  # a caller's call may have read data a channel is waiting for
-        self.kick_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # The eventfd that wakes the stepping thread, and its poll set: made by the first wait
+        # on the socket in Python (a one-shot command that ends within SETTLE never waits so).
+        self.kick_fd = -1
         self.kick_lock = threading.Lock()  # the eventfd is closed once, never written after
-        self.poller = select.poll()
-        self.poller.register(self.kick_fd, select.POLLIN)
+        self.poller: select.poll | None = None
+        self.ended = False
         self.watching = 0
         self.stalled = 0    # wake-ups for room in the socket after which a packet still waited
 
@@ -305,6 +325,7 @@ class Libssh2Connection:
         while True:
             with self.lock:
                 self._check(deadline)
+                self._nonblocking()
                 self.calls += 1
                 result = fn()
                 if (result[0] if isinstance(result, tuple) else result) != EAGAIN or \
@@ -332,38 +353,91 @@ class Libssh2Connection:
                 self._step(max(0.0, left), answer=True)
             finally:
                 self.stepper.release()
-        self.kick()  # whoever waits on the socket passes over the channels again
+        if self.stepper.locked():  # whoever waits on the socket passes over the channels again
+            self.kick()            # (one that starts later sees ``dirty``)
         return result
 
     def call(self, fn, *args, timeout: float | None = None):
         """``fn(*args)`` until it stops saying EAGAIN, within ``timeout`` seconds."""
-        if timeout is not None and self.pump_thread is None and \
-                self.stepper.acquire(blocking=False):
-            # Nobody else reads this connection (a fresh one, the one-shot path): libssh2 waits
-            # for the answer itself, in C, without the GIL.
-            try:
-                with self.lock:
-                    self._check(None)
-                    self.session.set_timeout(max(1, int(timeout * 1000)))
-                    self.session.set_blocking(True)
-                    try:
-                        return fn(*args)
-                    finally:
-                        self.session.set_blocking(False)
-                        self.session.set_timeout(0)
-                        self.dirty = True
-            finally:
-                self.stepper.release()
+        if timeout is not None:
+            result = self._inline(fn, args, timeout)
+            if result is not _BUSY:
+                return result
         deadline = None if timeout is None else time.monotonic() + timeout
         return self._attempt(lambda: fn(*args), deadline)
 
-    def write(self, chan, data: memoryview) -> int:
+    def _inline(self, fn, args, timeout: float):
+        """``fn(*args)`` with libssh2 waiting for the answer itself, in C, without the GIL,
+        within ``timeout`` s, if nobody else reads this connection (a fresh one, the one-shot
+        path); else _BUSY."""
+        if self.pump_thread is not None or not self.stepper.acquire(blocking=False):
+            return _BUSY
+        try:
+            with self.lock:
+                self._check(None)
+                self._blocking(timeout)
+                try:
+                    return fn(*args)
+                finally:
+                    self.dirty = True
+        finally:
+            self.stepper.release()
+
+    def settle(self, channel: Libssh2Channel, seconds: float) -> bool:
+        """:meth:`Libssh2Channel.settle`: EOF, the output, the worker's close and the exit
+        status waited for in blocking mode; False (nothing lost: the rest is read as usual)
+        when the command runs on, or another thread reads this connection."""
+        Timeout = _ssh2()[0].Timeout  # noqa: N806
+        if seconds <= 0 or self.pump_thread is not None or \
+                not self.stepper.acquire(blocking=False):
+            return False
+        try:
+            with self.lock:
+                if self.dead or channel not in self.channels:
+                    return False
+                self._blocking(seconds)
+                self.dirty = True  # whatever ends this, the next pass looks at every channel
+                try:
+                    channel.chan.wait_eof()
+                    self._read(channel)    # up to the EOF: no read waits
+                    self._finish(channel)  # the close follows the EOF at once, as a rule
+                except Timeout:
+                    return False
+                return channel.closed
+        finally:
+            self.stepper.release()
+
+    def _blocking(self, timeout: float) -> None:
+        """libssh2 in blocking mode, waiting at most ``timeout`` s (the lock and the stepper
+        held). The session stays so until the socket is waited on in Python again: a fresh
+        connection's requests switch nothing."""
+        ms = max(1, int(timeout * 1000))
+        if not self.blocking:
+            self.session.set_blocking(True)
+            self.blocking = True
+        if ms != self.timeout_ms:
+            self.session.set_timeout(ms)
+            self.timeout_ms = ms
+
+    def _nonblocking(self) -> None:
+        """libssh2 back in non-blocking mode (the lock held) before any call that must not wait."""
+        if self.blocking:
+            self.session.set_blocking(False)
+            self.blocking = False
+
+    def write(self, chan: Libssh2Channel, data: memoryview) -> int:
         """Write some of ``data`` to ``chan``'s stdin; how much."""
-        return self._attempt(lambda: chan.write(bytes(data[:1 << 18])), None)[1]
+        piece = bytes(data[:1 << 18])
+        if chan.timeout is not None:  # before any pump: a fresh channel's request or script
+            result = self._inline(chan.chan.write, (piece,), chan.timeout)
+            if result is not _BUSY:
+                return result[1]
+        return self._attempt(lambda: chan.chan.write(piece), None)[1]
 
     def open_session(self, timeout: float | None = None) -> Libssh2Channel:
         chan = self.call(self.session.open_session, timeout=timeout)
         channel = Libssh2Channel(self, chan)
+        channel.timeout = timeout
         with self.lock:
             self.channels.append(channel)
         return channel
@@ -424,6 +498,8 @@ class Libssh2Connection:
         every channel and wake the callers waiting for an answer."""
         with self.lock:
             dead = self.dead
+            if self.poller is None and not dead:
+                self._wakeable()
             # Without a channel nothing drains the socket but a caller's own call: watched
             # for data only while one waits and has called since it was last woken.
             inbound = answer or bool(self.channels) or \
@@ -461,6 +537,7 @@ class Libssh2Connection:
                     return
                 if ready or self.dirty or busy or outbound:
                     self.dirty = False
+                    self._nonblocking()
                     self._pass()
                 if not self.session.block_directions() & BLOCK_OUTBOUND:
                     self.stalled = 0
@@ -480,24 +557,32 @@ class Libssh2Connection:
             self.dead = True
             self._end()
 
+    def _wakeable(self) -> None:
+        """The eventfd and poll set (the lock held; before the first wait: a kick earlier came
+        with a flag the wait looks at first, ``dirty``, ``dead`` or a channel's ``closing``)."""
+        with self.kick_lock:
+            self.kick_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.poller = select.poll()
+        self.poller.register(self.kick_fd, select.POLLIN)
+
     def _end(self) -> None:
         """The connection is gone (the stepper held): end its channels, free the socket."""
         with self.lock, self.kick_lock:
-            if self.kick_fd < 0:
+            if self.ended:
                 return
-            self.dead = True
+            self.ended = self.dead = True
             channels, self.channels = self.channels, []
             self.answered.notify_all()
             _shut(self.sock)
-            os.close(self.kick_fd)
-            self.kick_fd = -1
+            if self.kick_fd >= 0:
+                os.close(self.kick_fd)
+                self.kick_fd = -1
         for channel in channels:
             channel._ended(-1)
 
     def _pass(self) -> None:
         """Read every channel into its buffers; close those that ended (the lock held)."""
-        from ssh2.exceptions import SSH2Error
-
+        SSH2Error = _ssh2()[0].SSH2Error  # noqa: N806
         # Any read takes in every packet that arrived, for every channel and stream: reading
         # one stream may queue another's data after that one was read. So read rounds until
         # nothing comes, and once more while libssh2 still holds data (a round that reads
