@@ -488,8 +488,8 @@ def test_an_unknown_ssh_transport_is_refused(pod, tmp_path):
 def test_libssh2_asks_for_the_pinned_host_key_type_first():
     from tpufab.ssh.transport import hostkey_preference
 
-    assert hostkey_preference(["ssh-rsa"]).split(",")[:3] == ["rsa-sha2-512", "rsa-sha2-256",
+    assert hostkey_preference(("ssh-rsa",)).split(",")[:3] == ["rsa-sha2-512", "rsa-sha2-256",
                                                               "ssh-rsa"]
-    assert hostkey_preference([]).split(",")[0] == "ssh-ed25519"
-    assert hostkey_preference(["ecdsa-sha2-nistp256", "ssh-ed25519"]).split(",")[:2] == \
+    assert hostkey_preference(()).split(",")[0] == "ssh-ed25519"
+    assert hostkey_preference(("ecdsa-sha2-nistp256", "ssh-ed25519")).split(",")[:2] == \
         ["ecdsa-sha2-nistp256", "ssh-ed25519"]

@@ -11,6 +11,7 @@ import pytest
 from tpufab.errors import ConfigError
 from tpufab.jobs.running import FoldingView
 from tpufab.ssh.fanout import (
+    WORKERS_PER_LIBSSH2_PROCESS,
     GroupResult,
     WorkerResult,
     auto_processes,
@@ -37,6 +38,13 @@ def test_each_worker_belongs_to_one_process_in_contiguous_blocks():
 ])
 def test_automatic_processes_follow_size_and_cores(workers, cpus, expected):
     assert auto_processes(workers, cpus) == expected
+
+
+@pytest.mark.parametrize(("workers", "cpus", "expected"), [
+    (1024, 8, 1), (2047, 8, 1), (2048, 8, 2), (8192, 2, 2), (64, 1, 1),
+])
+def test_libssh2_keeps_a_thousand_workers_in_one_process(workers, cpus, expected):
+    assert auto_processes(workers, cpus, WORKERS_PER_LIBSSH2_PROCESS) == expected
 
 
 def test_the_cheapest_key_exchange_comes_first():

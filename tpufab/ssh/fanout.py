@@ -14,12 +14,14 @@ docs/fanout.md.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import errno
 import functools
 import hashlib
 import io
-import ipaddress
 import os
+import queue
 import socket
 import statistics
 import struct
@@ -36,6 +38,7 @@ from tpufab.display.terminal import Lines, colors_for, neutralise
 from tpufab.errors import TpufabError
 from tpufab.quoting import Secret
 from tpufab.ssh.transport import (
+    SETTLE,
     ConnectError,
     KeyUnusable,
     Libssh2Connection,
@@ -103,25 +106,32 @@ class FanoutInterrupted(FanoutError):
 
 
 class Output:
-    """One stream of one worker: bytes spooled in memory up to a cap, then to a temp file."""
+    """One stream of one worker: bytes spooled in memory up to a cap, then to a temp file. The
+    spool and its hash are made by the first write (most workers' stderr stays empty)."""
 
-    __slots__ = ("_spool", "_hash", "size")
+    __slots__ = ("_spool", "_hash", "size", "_max")
 
     def __init__(self, max_memory: int = SPOOL_BYTES):
-        self._spool = tempfile.SpooledTemporaryFile(max_size=max_memory)
-        self._hash = hashlib.sha256()
+        self._spool: tempfile.SpooledTemporaryFile | None = None
+        self._hash = None
+        self._max = max_memory
         self.size = 0
 
     def write(self, data: bytes) -> None:
+        if self._spool is None:
+            self._spool = tempfile.SpooledTemporaryFile(max_size=self._max)
+            self._hash = hashlib.sha256()
         self._spool.write(data)
         self._hash.update(data)
         self.size += len(data)
 
     @property
     def digest(self) -> str:
-        return self._hash.hexdigest()
+        return (self._hash or hashlib.sha256()).hexdigest()
 
     def chunks(self, size: int = 1 << 16) -> Iterable[bytes]:
+        if self._spool is None:
+            return
         self._spool.seek(0)
         while chunk := self._spool.read(size):
             yield chunk
@@ -131,7 +141,8 @@ class Output:
         return b"".join(self.chunks())
 
     def close(self) -> None:
-        self._spool.close()
+        if self._spool is not None:
+            self._spool.close()
 
 
 class WorkerResult:
@@ -713,6 +724,77 @@ def _waited(event: threading.Event, timeout: float | None) -> bool:
     return event.wait(timeout)
 
 
+class _Slots:
+    """A counting semaphore waited on in C (``queue.SimpleQueue`` of tokens): ``threading``'s
+    is Python around a Condition, a cost every cold worker paid twice."""
+
+    def __init__(self, count: int):
+        self.tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
+        for _ in range(max(1, count)):
+            self.tokens.put(None)
+
+    def __enter__(self) -> None:
+        self.tokens.get()
+
+    def __exit__(self, *exc) -> None:
+        self.tokens.put(None)
+
+
+class _Crew:
+    """The threads that connect a run's cold workers: at most ``size`` of them free to take the
+    next worker at once (a handshake each). One that goes on to read a one-shot command
+    (:class:`_Plain`) first starts a replacement if workers still wait, and takes the next one
+    itself once its command ended: a thread per worker only while their commands all run."""
+
+    def __init__(self, work: Callable[[_Task, _Crew], None], size: int):
+        self.work = work
+        self.size = max(1, size)
+        self.pending: collections.deque[_Task] = collections.deque()
+        self.lock = threading.Lock()
+        self.free = 0  # threads not reading a command: taking workers, or about to
+
+    def add(self, task: _Task) -> None:
+        self.pending.append(task)
+
+    def start(self) -> None:
+        for _ in range(min(self.size, len(self.pending))):
+            self._spawn()
+
+    def _spawn(self) -> bool:
+        with self.lock:
+            self.free += 1
+        try:
+            threading.Thread(target=self._loop, daemon=True, name="tpufab-connect").start()
+            return True
+        except RuntimeError:  # no thread to be had: the others take the workers left
+            with self.lock:
+                self.free -= 1
+            return False
+
+    def _loop(self) -> None:
+        while True:
+            with self.lock:
+                if not self.pending:
+                    self.free -= 1
+                    return
+                task = self.pending.popleft()
+            self.work(task, self)
+
+    @contextlib.contextmanager
+    def serving(self):
+        """Around reading one command: a replacement takes the next workers meanwhile."""
+        with self.lock:
+            self.free -= 1
+            more = bool(self.pending) and self.free < self.size
+        if more:
+            self._spawn()
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.free += 1
+
+
 class _Plain:
     """One command line on its own exec channel (``remote/oneshot.sh``), read by the thread that
     connected. Ctrl-C, a timeout or a failed sink send EOF, and the wrapper on the worker then
@@ -745,6 +827,9 @@ class _Plain:
         deadline = None if timeout is None else time.monotonic() + timeout
         timed_out = False
         try:
+            settle = getattr(chan, "settle", None)  # libssh2: a quick command ends in C
+            if settle is not None:
+                settle(SETTLE if timeout is None else min(SETTLE, timeout / 2))
             while True:
                 wait = None
                 if deadline is not None and not timed_out:
@@ -813,12 +898,13 @@ class _QuickAckSocket(socket.socket):
 def _addresses(host: str, port: int) -> list[tuple]:
     """Where to dial ``host``: an IP address as it is (a pod's workers: no resolver call per
     worker), a name through getaddrinfo."""
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
-    return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (host, port))]
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+        except OSError:
+            continue
+        return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (host, port))]
+    return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
 
 
 def _open_socket(host: str, port: int, timeout: float) -> socket.socket:
@@ -994,14 +1080,19 @@ def ensure_fds(needed: int, *, limits: tuple[int, int] | None = None, setter=Non
 TRANSPORTS = ("auto", "libssh2", "paramiko")  # ssh_transport: auto is libssh2 where it can be
 
 KEEPER = -1  # the owner of every worker while the pod's connection keeper serves them
-WORKERS_PER_PROCESS = 256   # measured: at 256 workers a 2nd process cost 0.3 s more CPU, no faster
+WORKERS_PER_PROCESS = 256   # paramiko, measured: at 256 workers a 2nd process cost 0.3 s more CPU, no faster
+# libssh2 runs its handshakes in C outside the GIL: at 1,024 workers one process took less CPU
+# and less wall time than two, in every run side by side (docs/benchmarks.md).
+WORKERS_PER_LIBSSH2_PROCESS = 1024
 
 
-def auto_processes(workers: int, cpus: int | None = None) -> int:
+def auto_processes(workers: int, cpus: int | None = None,
+                   per_process: int = WORKERS_PER_PROCESS) -> int:
     """Client processes for ``workers`` connections when not set (pure): one per core at most,
-    and one per WORKERS_PER_PROCESS workers."""
+    and one per ``per_process`` workers (WORKERS_PER_PROCESS over paramiko,
+    WORKERS_PER_LIBSSH2_PROCESS over libssh2)."""
     cpus = cpus or os.cpu_count() or 1
-    return max(1, min(cpus, workers // WORKERS_PER_PROCESS))
+    return max(1, min(cpus, workers // per_process))
 
 
 def shard_of(workers: Sequence[int], processes: int) -> dict[int, int]:
@@ -1059,7 +1150,17 @@ class Fanout:
         self.on_retry = on_retry
         self.python = python
         self.kill_grace = kill_grace
-        self.processes = processes or auto_processes(len(self.targets))
+        if ssh_transport not in TRANSPORTS:
+            raise ValueError(f"ssh_transport must be one of {', '.join(TRANSPORTS)}")
+        self.ssh_transport = ssh_transport
+        self._libssh2 = ssh_transport != "paramiko" and libssh2_available()
+        if ssh_transport == "libssh2" and not self._libssh2:
+            raise ConnectError("ssh_transport is libssh2 but ssh2-python is not installed for "
+                               "this Python (pip install ssh2-python), or this is not Linux; "
+                               "set ssh_transport to auto or paramiko.")
+        self.processes = processes or auto_processes(
+            len(self.targets),
+            per_process=WORKERS_PER_LIBSSH2_PROCESS if self._libssh2 else WORKERS_PER_PROCESS)
         self.owner = shard_of(self.targets, self.processes)
         self._shards: dict[int, object] = {}
         self._shards_lock = threading.Lock()
@@ -1070,15 +1171,8 @@ class Fanout:
         self._ids = iter(range(1, 1 << 31))
         self._ids_lock = threading.Lock()
         self.keeper = None  # the pod's connection keeper (tpufab.ssh.keeper.Keeper), if kept
-        if ssh_transport not in TRANSPORTS:
-            raise ValueError(f"ssh_transport must be one of {', '.join(TRANSPORTS)}")
-        self.ssh_transport = ssh_transport
-        self._libssh2 = ssh_transport != "paramiko" and libssh2_available()
-        if ssh_transport == "libssh2" and not self._libssh2:
-            raise ConnectError("ssh_transport is libssh2 but ssh2-python is not installed for "
-                               "this Python (pip install ssh2-python), or this is not Linux; "
-                               "set ssh_transport to auto or paramiko.")
         self._paramiko_keys: set[str] = set()  # key files libssh2 could not read
+        self._key_paths: dict[str, str] = {}   # key file setting -> a path found to exist
 
     # -- context ----------------------------------------------------------------------------
     def __enter__(self) -> Fanout:
@@ -1149,15 +1243,19 @@ class Fanout:
         bounded by ``timeout`` seconds: a libssh2 connection where it can be (a third of the
         client CPU of paramiko's), else a paramiko Transport."""
         if not paramiko_only and self._uses_libssh2(target):
-            path = os.path.expanduser(target.key_filename)
-            if not os.path.exists(path):
-                self._pkey(target.key_filename)  # says which setting to fix
+            path = self._key_paths.get(target.key_filename)
+            if path is None:
+                path = os.path.expanduser(target.key_filename)
+                if not os.path.exists(path):
+                    self._pkey(target.key_filename)  # says which setting to fix
+                self._key_paths[target.key_filename] = path
+            pinned = self.known_hosts.lookup(target.key_alias)
             try:
                 return libssh2_connect(
                     open_socket(target, timeout, self.known_hosts), target.user, path, timeout,
                     lambda ktype, blob: self.known_hosts.verify_blob(target.key_alias, ktype,
-                                                                     blob),
-                    [ktype for ktype, _blob in self.known_hosts.lookup(target.key_alias)])
+                                                                     blob, pinned),
+                    [ktype for ktype, _blob in pinned])
             except KeyUnusable:
                 self._paramiko_keys.add(target.key_filename)  # passphrase, format: paramiko
         import paramiko
@@ -1404,13 +1502,15 @@ class Fanout:
         elif _put is not None:
             request = _put[0]
         plain = one_shot and set(request) <= {"command", "timeout"} and "command" in request
+        if plain:
+            _oneshot_line()  # built here once, not by the first connections racing for it
         stdin_bytes = stdin.encode() if isinstance(stdin, str) else stdin
         sinks = [s for s in (sink, LineCallback(on_line) if on_line else None) if s is not None]
         view = sinks[0] if len(sinks) == 1 else (Tee(sinks) if sinks else None)
         label = command if isinstance(command, str) else " ".join(command or [])
 
         tasks: dict[int, _Task] = {} if _tasks is None else _tasks
-        slots = threading.BoundedSemaphore(self.concurrency)
+        slots = _Slots(self.concurrency)
         remaining = [len(chosen)]
         counter = threading.Lock()
         wake = threading.Event()
@@ -1422,20 +1522,25 @@ class Fanout:
                 if remaining[0] == 0:
                     wake.set()
 
-        def submit(task: _Task, link: _Link) -> None:
+        def submit(task: _Task, link: _Link, crew: _Crew | None = None) -> None:
             if command is None and _put is None:
                 task.finish(0)
                 return
             if plain and not link.used:
                 link.used = True
-                _Plain(link.conn.transport, task, request["command"], connect_timeout
-                       ).serve(timeout)
+                plain_channel = _Plain(link.conn.transport, task, request["command"],
+                                       connect_timeout)
+                if crew is None:
+                    plain_channel.serve(timeout)
+                else:
+                    with crew.serving():
+                        plain_channel.serve(timeout)
                 return
             link.used = True
             self._agent(link, connect_timeout).submit(task, request, stdin_bytes,
                                                       _put[1] if _put else None)
 
-        def cold(task: _Task) -> None:
+        def cold(task: _Task, crew: _Crew) -> None:
             link = self.links[task.worker]
             try:
                 with slots:  # at most `concurrency` handshakes in flight
@@ -1444,10 +1549,12 @@ class Fanout:
                     self._connect(link, connect_timeout, cancelled)
                 if task.done.is_set() or cancelled.is_set():
                     return
-                submit(task, link)
+                submit(task, link, crew)
             except BaseException as err:  # noqa: BLE001 - becomes this worker's result
                 link.close()
                 task.finish(None, _describe(err, link.target))
+
+        crew = _Crew(cold, self.concurrency)
 
         remote: dict[int, list[_Task]] = {}
         try:
@@ -1469,8 +1576,8 @@ class Fanout:
                         link.close()
                         task.finish(None, _describe(err, link.target))
                 else:
-                    threading.Thread(target=cold, args=(task,), daemon=True,
-                                     name=f"tpufab-w{worker}").start()
+                    crew.add(task)
+            crew.start()
             for owner, owned in remote.items():
                 try:
                     shard = self._shard(owner)
