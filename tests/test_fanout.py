@@ -480,6 +480,34 @@ def test_both_ssh_transports_give_the_same_results(pod, tmp_path, transport):
         assert type(fan.transport(1)).__module__ == "paramiko.transport"
 
 
+@pytest.mark.parametrize("transport", ["libssh2", "paramiko"])
+def test_one_shot_commands_start_everywhere_one_handshake_at_a_time(pod, tmp_path, transport):
+    """``concurrency`` bounds handshakes, not running commands: with one handshake at a time a
+    long one-shot command still runs on every worker at once (the thread that reads it hands
+    the next workers on). A command that outlives libssh2's wait in C (``settle``) is read to
+    its end as any other."""
+    def fanout():
+        return Fanout(pod.targets(), known_hosts=KnownHosts(tmp_path / "kh"), concurrency=1,
+                      ssh_transport=transport)
+
+    with fanout() as fan:
+        late = fan.run("echo first; sleep 0.3; echo second >&2; exit 4", one_shot=True)
+        assert {(r.exit_code, r.stdout, r.stderr) for r in late.values()} == \
+            {(4, "first\n", "second\n")}
+    token = "4321.25"
+    with fanout() as fan:  # fresh connections: the one-shot path is a connection's first command
+        runner = threading.Thread(target=lambda: fan.run(f"sleep {token}", one_shot=True),
+                                  daemon=True)
+        runner.start()
+        wait_for(lambda: all(pod.running(f"sleep {token}").values()),
+                 what="the sleep running on every worker at once")
+    # Closing the connections ends each wrapper's stdin: it stops its sleep.
+    wait_for(lambda: not any(pod.running(f"sleep {token}").values()), timeout=10,
+             what="no sleep left")
+    runner.join(10)
+    assert not runner.is_alive()
+
+
 def test_an_unknown_ssh_transport_is_refused(pod, tmp_path):
     with pytest.raises(ValueError, match="ssh_transport must be one of auto, libssh2, paramiko"):
         Fanout(pod.targets(), known_hosts=KnownHosts(tmp_path / "kh"), ssh_transport="openssh")
