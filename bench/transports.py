@@ -1,9 +1,11 @@
 """Cold handshakes: paramiko (tpufab's Fanout) against libssh2 and asyncssh, same guarantees.
 
     sudo .venv/bin/python bench/transports.py [--sizes 64,256] [--reps 3] [--profile]
+        [--only libssh2]
 
 Needs ``asyncssh`` in the same Python (measurement only; ``ssh2-python`` is a tpufab
-dependency since issue 28). Starts the largest size's worth of simulated workers (bench/fanout.py's
+dependency since issue 28), except with ``--only`` naming rows without it (``--only
+libssh2``: tpufab's fan-out over libssh2 beside a bare libssh2 loop). Starts the largest size's worth of simulated workers (bench/fanout.py's
 SimPod: a real sshd per worker), then for each size, a fresh interpreter per run (new
 connections) doing ``exec true`` on every worker, 64 handshakes in flight, each with:
 
@@ -196,8 +198,9 @@ DRIVERS = {"_libssh2": driver_libssh2, "_asyncssh": driver_asyncssh,
            "_profile": driver_profile, "_fastmac": driver_fastmac, "_gcm": driver_gcm}
 
 
-def runs(root: Path, count: int, reps: int) -> dict[str, dict]:
-    """{transport: {wall_ms, cpu_ms, rss_mib}} medians of ``reps`` fresh runs (round robin)."""
+def runs(root: Path, count: int, reps: int, only: str = "") -> dict[str, dict]:
+    """{transport: {wall_ms, cpu_ms, rss_mib}} medians of ``reps`` fresh runs (round robin);
+    ``only``: the rows whose name contains it."""
     me = [sys.executable, str(Path(__file__).resolve())]
     fan = [sys.executable, str(Path(__file__).resolve().parent / "fanout.py")]
     argvs = {"paramiko (tpufab, 1 process)": [*fan, "_cold", root, count, "1", "paramiko"],
@@ -208,6 +211,7 @@ def runs(root: Path, count: int, reps: int) -> dict[str, dict]:
              "asyncssh": [*me, "_asyncssh", root, count],
              "paramiko, MAC compare in C (tpufab, 1 process)": [*me, "_fastmac", root, count],
              "paramiko, MAC in C + AES-GCM (tpufab, 1 process)": [*me, "_gcm", root, count]}
+    argvs = {name: argv for name, argv in argvs.items() if only in name}
     samples: dict[str, list[tuple[float, float, float]]] = {k: [] for k in argvs}
     for _ in range(reps):
         for name, argv in argvs.items():
@@ -231,6 +235,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="64,256")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--only", default="", help="only the rows whose name contains this, "
+                        "e.g. libssh2: tpufab's fan-out and a bare libssh2 loop")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     root = Path(tempfile.mkdtemp(prefix="bench-transports-"))
@@ -239,7 +245,7 @@ def main() -> None:
     try:
         for count in sizes:
             load = os.getloadavg()[0]
-            results[count] = runs(root, count, args.reps)
+            results[count] = runs(root, count, args.reps, args.only)
             results[count]["load"] = (load, os.getloadavg()[0])
         if args.profile:
             import subprocess
