@@ -69,7 +69,7 @@ class Settings:
     known_hosts: str = "~/.tpufab/known_hosts"
     concurrency: int = 64
     fanout_processes: int = 0            # client processes sharing the connections; 0: automatic
-    ssh_transport: str = "auto"          # libssh2 where it can (a third of paramiko's CPU), or paramiko
+    ssh_transport: str = "auto"          # libssh2 where it can (a quarter of paramiko's CPU), or paramiko
     connect_timeout: float = 20.0
     command_timeout: float | None = None
     keep_alive: str = "5m"               # how long a pod's connections stay open after a command (tpufab.ssh.keeper); 0: not kept
