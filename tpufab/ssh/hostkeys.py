@@ -180,10 +180,10 @@ class KnownHosts:
             return
 
         def change(entries):
-            pinned = [(t, k) for a, t, k in entries if a == host_alias]
-            if (ktype, blob) in pinned:
+            current = [(t, k) for a, t, k in entries if a == host_alias]
+            if (ktype, blob) in current:
                 return None
-            if pinned:
+            if current:
                 raise self._changed_error(host_alias, ktype)
             return entries + [(host_alias, ktype, blob)]
 

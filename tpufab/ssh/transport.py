@@ -2,7 +2,7 @@
 errors a connection can end in, paramiko's logging kept quiet; and the libssh2 transport.
 
 **libssh2** (ssh2-python): the fan-out's cheaper handshake. paramiko's costs the client
-several ms of CPU in Python; libssh2 does it in C, a third of that (docs/fanout.md).
+several ms of CPU in Python; libssh2 does it in C, a quarter of that (docs/fanout.md).
 :func:`libssh2_connect` makes one connection with tpufab's guarantees (cheapest key exchange
 first, the worker's host key checked against the pinned one before authenticating, the key
 file) and returns a :class:`Libssh2Connection`, shaped like the part of paramiko's
@@ -10,12 +10,14 @@ file) and returns a :class:`Libssh2Connection`, shaped like the part of paramiko
 are shaped like paramiko's ``Channel`` for the agent and one-shot paths: the fan-out runs
 both unchanged. SFTP and port forwards stay on paramiko (``Fanout.transport``).
 
-libssh2 is not thread-safe within a session, so every call on a connection holds its lock,
-in non-blocking mode once authenticated. One thread at a time waits on the socket (poll, no
-periodic wake-up) and reads every open channel into its buffers: the thread that waits for
-an answer while nobody else reads (the one-shot path needs no second thread), else a *pump*
-thread started for channels that other threads read (an agent's). A caller whose call may
-have read the socket itself kicks whoever waits through an eventfd.
+libssh2 is not thread-safe within a session, so every call on a connection holds its lock.
+While only the connecting thread uses it, the session stays in blocking mode and libssh2
+waits for answers in C (the one-shot path: channel open, exec, the command line, and the
+command's end within SETTLE). From the first wait on the socket in Python it is non-blocking:
+one thread at a time waits on the socket (poll, no periodic wake-up) and reads every open
+channel into its buffers, the thread that waits for an answer while nobody else reads, else
+a *pump* thread started for channels that other threads read (an agent's). A caller whose
+call may have read the socket itself kicks whoever waits through an eventfd.
 """
 
 from __future__ import annotations
@@ -134,9 +136,10 @@ def libssh2_connect(sock: socket.socket, user: str, key_filename: str, timeout: 
     ``verify(key_type, base64_blob)`` the host key (raises to refuse it), then public-key
     auth with ``key_filename``; each step bounded by ``timeout`` seconds."""
     e, lib = _ssh2()
+    timeout_ms = max(1, int(timeout * 1000))
     session = lib.Session()
     try:
-        session.set_timeout(max(1, int(timeout * 1000)))
+        session.set_timeout(timeout_ms)
         session.method_pref(lib.LIBSSH2_METHOD_KEX, KEX)
         session.method_pref(lib.LIBSSH2_METHOD_HOSTKEY, hostkey_preference(tuple(pinned)))
         session.handshake(sock)
@@ -153,7 +156,7 @@ def libssh2_connect(sock: socket.socket, user: str, key_filename: str, timeout: 
     except BaseException:
         _shut(sock)
         raise
-    return Libssh2Connection(sock, session, max(1, int(timeout * 1000)))
+    return Libssh2Connection(sock, session, timeout_ms)
 
 
 def _shut(sock: socket.socket) -> None:
@@ -184,7 +187,7 @@ class Libssh2Channel:
     """A session channel on a :class:`Libssh2Connection`, with the paramiko ``Channel`` methods the
     fan-out's agent and one-shot paths use."""
 
-    def __init__(self, conn: Libssh2Connection, chan):
+    def __init__(self, conn: Libssh2Connection, chan, timeout: float | None):
         self.conn = conn
         self.chan = chan
         self.in_buffer = _Stream()
@@ -196,7 +199,7 @@ class Libssh2Channel:
         self.close_sent = False
         self.exit_status = -1
         self.status_event = threading.Event()
-        self.timeout: float | None = None  # for a request's answer (the channel's open timeout)
+        self.timeout = timeout  # for a request's answer (the channel's open timeout)
 
     # -- from the pump (holding the connection's lock) ---------------------------------------
     def _feed(self, stream: _Stream, data: bytes) -> None:
@@ -436,8 +439,7 @@ class Libssh2Connection:
 
     def open_session(self, timeout: float | None = None) -> Libssh2Channel:
         chan = self.call(self.session.open_session, timeout=timeout)
-        channel = Libssh2Channel(self, chan)
-        channel.timeout = timeout
+        channel = Libssh2Channel(self, chan, timeout)
         with self.lock:
             self.channels.append(channel)
         return channel
