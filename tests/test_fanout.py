@@ -6,6 +6,7 @@ hostname; "ps on a worker" is the command lines of the processes in its namespac
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import re
@@ -494,6 +495,10 @@ def test_one_shot_commands_start_everywhere_one_handshake_at_a_time(pod, tmp_pat
         late = fan.run("echo first; sleep 0.3; echo second >&2; exit 4", one_shot=True)
         assert {(r.exit_code, r.stdout, r.stderr) for r in late.values()} == \
             {(4, "first\n", "second\n")}
+    with fanout() as fan:  # more output at once than the channel's window (2 MiB in libssh2)
+        big = fan.run("head -c 5000000 /dev/zero | tr '\\0' x; echo end >&2", one_shot=True)
+        assert {(r.exit_code, len(r.stdout), r.stdout.strip("x"), r.stderr)
+                for r in big.values()} == {(0, 5_000_000, "", "end\n")}
     token = "4321.25"
     with fanout() as fan:  # fresh connections: the one-shot path is a connection's first command
         runner = threading.Thread(target=lambda: fan.run(f"sleep {token}", one_shot=True),
@@ -506,6 +511,32 @@ def test_one_shot_commands_start_everywhere_one_handshake_at_a_time(pod, tmp_pat
              what="no sleep left")
     runner.join(10)
     assert not runner.is_alive()
+
+
+def _libssh2_channels() -> int:
+    """libssh2 channels alive in this process (ssh2-python's Channel objects)."""
+    return sum(1 for o in gc.get_objects() if type(o).__module__ == "ssh2.channel")
+
+
+def test_a_libssh2_channel_is_freed_when_it_ends_not_by_the_garbage_collector(pod, tmp_path):
+    """libssh2 sessions are not thread-safe: a channel freed by the garbage collector, in
+    whatever thread runs it, would change its session while the connection's pump reads it.
+    So an ended channel is freed at once, under the connection's lock, even while the objects
+    that used it wait in a reference cycle."""
+    gc.collect()
+    before = _libssh2_channels()
+    gc.disable()
+    try:
+        with Fanout(pod.targets(), known_hosts=KnownHosts(tmp_path / "kh"),
+                    ssh_transport="libssh2") as fan:
+            assert fan.run("true", one_shot=True).ok
+            assert _libssh2_channels() == before      # one-shot: ended, gone
+            assert fan.run(["printf", "%s", "a"]).ok  # the agent's channel stays, one a worker
+            assert _libssh2_channels() == before + len(pod.targets())
+        # closed: each connection's pump ends its channels as it stops
+        wait_for(lambda: _libssh2_channels() == before, timeout=10, what="the agents' channels freed")
+    finally:
+        gc.enable()
 
 
 def test_an_unknown_ssh_transport_is_refused(pod, tmp_path):

@@ -210,6 +210,10 @@ class Libssh2Channel:
             stream.event.set()
 
     def _ended(self, status: int) -> None:
+        # libssh2's channel is freed here, under the connection's lock: freed later by the
+        # garbage collector, in any thread, it would change the session's packet list while
+        # another thread reads it in a libssh2 call (the session is not thread-safe)
+        self.chan = None
         with self.cond:
             self.eof_received = True
             self.closed = True
@@ -228,9 +232,17 @@ class Libssh2Channel:
             if stream.event is not None:
                 stream.event.set()
 
+    def live(self):
+        """libssh2's channel (the connection's lock held), or EOFError once it ended; calls
+        look it up under the lock, so no reference to it outlives them."""
+        chan = self.chan
+        if chan is None:
+            raise EOFError("the channel is closed")
+        return chan
+
     # -- paramiko's Channel ------------------------------------------------------------------
     def exec_command(self, command: str) -> None:
-        self.conn.call(self.chan.execute, command, timeout=self.timeout)
+        self.conn.call(lambda: self.live().execute(command), timeout=self.timeout)
 
     def sendall(self, data: bytes) -> None:
         view = memoryview(data)
@@ -239,7 +251,7 @@ class Libssh2Channel:
             view = view[written:]
 
     def shutdown_write(self) -> None:
-        self.conn.call(self.chan.send_eof)
+        self.conn.call(lambda: self.live().send_eof())
 
     def _take(self, stream: _Stream, size: int) -> bytes:
         out = bytes(stream.data[:size])
@@ -390,7 +402,7 @@ class Libssh2Connection:
         """:meth:`Libssh2Channel.settle`: EOF, the output, the worker's close and the exit
         status waited for in blocking mode; False (nothing lost: the rest is read as usual)
         when the command runs on, or another thread reads this connection."""
-        Timeout = _ssh2()[0].Timeout  # noqa: N806
+        errors = _ssh2()[0]
         if seconds <= 0 or self.pump_thread is not None or \
                 not self.stepper.acquire(blocking=False):
             return False
@@ -404,7 +416,8 @@ class Libssh2Connection:
                     channel.chan.wait_eof()
                     self._read(channel)    # up to the EOF: no read waits
                     self._finish(channel)  # the close follows the EOF at once, as a rule
-                except Timeout:
+                except (errors.Timeout, errors.ChannelWindowFullError):
+                    # it runs on, or wrote a window's worth before its EOF: read as usual
                     return False
                 return channel.closed
         finally:
@@ -432,10 +445,10 @@ class Libssh2Connection:
         """Write some of ``data`` to ``chan``'s stdin; how much."""
         piece = bytes(data[:1 << 18])
         if chan.timeout is not None:  # before any pump: a fresh channel's request or script
-            result = self._inline(chan.chan.write, (piece,), chan.timeout)
+            result = self._inline(lambda: chan.live().write(piece), (), chan.timeout)
             if result is not _BUSY:
                 return result[1]
-        return self._attempt(lambda: chan.chan.write(piece), None)[1]
+        return self._attempt(lambda: chan.live().write(piece), None)[1]
 
     def open_session(self, timeout: float | None = None) -> Libssh2Channel:
         chan = self.call(self.session.open_session, timeout=timeout)
@@ -579,8 +592,8 @@ class Libssh2Connection:
             if self.kick_fd >= 0:
                 os.close(self.kick_fd)
                 self.kick_fd = -1
-        for channel in channels:
-            channel._ended(-1)
+            for channel in channels:  # under the lock: their libssh2 channels are freed
+                channel._ended(-1)
 
     def _pass(self) -> None:
         """Read every channel into its buffers; close those that ended (the lock held)."""
