@@ -60,15 +60,17 @@ WORKER_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sy
 
 
 def wait_for(condition: Callable[[], Any], timeout: float = 30.0, interval: float = 0.05,
-             what: str = "condition") -> Any:
-    """Poll until condition() is truthy (returns it); fail the test after `timeout` s."""
+             what: str | Callable[[], str] = "condition") -> Any:
+    """Poll until condition() is truthy (returns it); fail the test after `timeout` s (``what``
+    may be a function: the failure then says what it returns at that moment)."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
         if value:
             return value
         if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+            pytest.fail(f"timed out after {timeout:g} s waiting for "
+                        f"{what() if callable(what) else what}")
         time.sleep(interval)
 
 
@@ -392,6 +394,32 @@ def tpufab(*args: str, env: dict, cwd: Path | None = None, timeout: float = 300,
     return subprocess.run([TPUFAB, *args], env={**env, **(extra_env or {})}, cwd=cwd,
                           capture_output=True, text=text, timeout=timeout,
                           **({"input": input} if input is not None else {"stdin": stdin}))
+
+
+def tpufab_within(seconds: float, *args: str, env: dict, cwd: Path | None = None,
+                  extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    """:func:`tpufab` for a command that must end within ``seconds``. One still running then
+    fails the test with what it was doing: it is stopped with SIGABRT, and faulthandler prints
+    every thread's stack (or, when it has exited, the test says what still holds its output)."""
+    argv = [TPUFAB, *args]
+    proc = subprocess.Popen(argv, env={**env, **(extra_env or {}), "PYTHONFAULTHANDLER": "1"},
+                            cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        ended = proc.poll()
+        if ended is None:
+            proc.send_signal(signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = "", "(its output is still held open by a process it started)"
+        state = "still ran" if ended is None else f"had exited ({ended}) but its output was open"
+        pytest.fail(f"`tpufab {' '.join(args)}` {state} after {seconds:g} s:\n"
+                    f"{err[-8000:]}\n-- stdout --\n{out[-2000:]}")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def invoke(*args: str, env: dict, cwd: Path | None = None, timeout: float = 180

@@ -647,11 +647,17 @@ def test_bad_autostop_settings_leave_the_running_watchdog_alone(world, pod16):
         assert got.returncode != 0 and one_sentence(got).endswith(sentence), got.stderr
     # a port another process listens on, on worker 1 only: no worker changes its watchdog
     port = 18000 + os.getpid() % 1000
-    p.fanout.run(f"env -u TPUFAB_TASK setsid python3 -c 'import socket,os,time; s=socket."
-                 f"socket(); s.bind((\"0.0.0.0\", {port})); s.listen(1); "
-                 f"[time.sleep(0.1) for _ in iter(lambda: os.path.exists(\"/tmp/unbind\"), True)]'"
-                 " >/dev/null 2>&1 &", workers=[1]).close()
-    wait_for(lambda: "LISTEN" in _ss(p, 1, port), 10, what="the listener on worker 1")
+    launched = p.fanout.run(
+        f"env -u TPUFAB_TASK setsid python3 -c 'import socket,os,time; s=socket.socket(); "
+        f"s.bind((\"0.0.0.0\", {port})); s.listen(1); [time.sleep(0.1) for _ in "
+        f"iter(lambda: os.path.exists(\"/tmp/unbind\"), True)]' >/tmp/listener.log 2>&1 &",
+        workers=[1])
+    try:
+        assert (launched[1].exit_code, launched[1].error) == (0, None), launched[1]
+    finally:
+        launched.close()
+    wait_for(lambda: "LISTEN" in _ss(p, 1, port), 30, what=lambda: "the listener on worker 1 "
+             "(its output: " + p.fanout.run("cat /tmp/listener.log", workers=[1])[1].stdout + ")")
     try:
         got = tpufab("autostop", "--name", name, "--idle", "2s",
                      extra_env={"TPUFAB_AUTOSTOP_PORT": str(port)}, env=world["env"], cwd=world["project"])
