@@ -454,6 +454,9 @@ class Libssh2Connection:
         chan = self.call(self.session.open_session, timeout=timeout)
         channel = Libssh2Channel(self, chan, timeout)
         with self.lock:
+            if self.ended:  # it ended its channels meanwhile: this one would wait forever
+                channel.chan = None
+                raise EOFError("the connection to the worker is closed")
             self.channels.append(channel)
         return channel
 
