@@ -41,6 +41,7 @@ code (128+N when killed by signal N, 255 when lost). Killing a follower never to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -316,17 +317,27 @@ def supervise(rundir, argv, cwd, env, ready_w, forms=()):
         end.write(exit_code=127)
         return
     os.close(out_w)
+    recipe = proc_stat(child.pid)
+    start_time = recipe.start_time if recipe else 0
+    own = proc_stat(os.getpid())
+    try:  # before any output is copied: the recipe's own output may fill the disk
+        write_atomic(os.path.join(rundir, "pid"), f"{child.pid}\n")
+        write_atomic(os.path.join(rundir, "pgid"), f"{child.pid}\n")
+        write_atomic(os.path.join(rundir, "start_time"), f"{start_time}\n")
+        write_atomic(os.path.join(rundir, "supervisor_start_time"),
+                     f"{own.start_time if own else 0}\n")
+        write_atomic(os.path.join(rundir, "supervisor"), f"{os.getpid()}\n")
+    except OSError as err:  # no record of it: it must not run on unsupervised
+        with contextlib.suppress(OSError):
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        os.write(ready_w, json.dumps({"error": f"cannot record run {os.path.basename(rundir)} "
+                                               f"in {rundir}: {err.strerror or err}"}).encode())
+        os.close(ready_w)
+        return
     copier = LogCopier(out_r, log, Masker(forms), rundir)
     thread = threading.Thread(target=copier.run, name="tpufab-log", daemon=True)
     thread.start()
-    recipe = proc_stat(child.pid)
-    start_time = recipe.start_time if recipe else 0
-    write_atomic(os.path.join(rundir, "pid"), f"{child.pid}\n")
-    write_atomic(os.path.join(rundir, "pgid"), f"{child.pid}\n")
-    write_atomic(os.path.join(rundir, "start_time"), f"{start_time}\n")
-    own = proc_stat(os.getpid())
-    write_atomic(os.path.join(rundir, "supervisor_start_time"), f"{own.start_time if own else 0}\n")
-    write_atomic(os.path.join(rundir, "supervisor"), f"{os.getpid()}\n")
     os.write(ready_w, json.dumps({"pid": child.pid, "pgid": child.pid,
                                   "start_time": start_time}).encode())
     os.close(ready_w)
