@@ -657,7 +657,7 @@ def test_bad_autostop_settings_leave_the_running_watchdog_alone(world, pod16):
     finally:
         launched.close()
     wait_for(lambda: "LISTEN" in _ss(p, 1, port), 30, what=lambda: "the listener on worker 1 "
-             "(its output: " + p.fanout.run("cat /tmp/listener.log", workers=[1])[1].stdout + ")")
+             "(its output: " + _on(p, 1, "cat /tmp/listener.log") + ")")
     try:
         got = tpufab("autostop", "--name", name, "--idle", "2s",
                      extra_env={"TPUFAB_AUTOSTOP_PORT": str(port)}, env=world["env"], cwd=world["project"])
@@ -673,13 +673,18 @@ def test_bad_autostop_settings_leave_the_running_watchdog_alone(world, pod16):
     assert "idle 1h" in row
 
 
-def _ss(p, worker: int, port: int) -> str:
-    result = p.fanout.run(f"cat /proc/net/tcp | awk '{{print $2, $4}}' | grep -i ':{port:04X} 0A'"
-                          " && echo LISTEN || true", workers=[worker])
+def _on(p, worker: int, command: str) -> str:
+    """``command``'s output on ``worker`` (its spools closed)."""
+    result = p.fanout.run(command, workers=[worker])
     try:
         return result[worker].stdout
     finally:
         result.close()
+
+
+def _ss(p, worker: int, port: int) -> str:
+    return _on(p, worker, f"cat /proc/net/tcp | awk '{{print $2, $4}}' | grep -i "
+                          f"':{port:04X} 0A' && echo LISTEN || true")
 
 
 def test_create_says_when_it_moves_the_current_pod(world):
