@@ -8,6 +8,7 @@ included); the test checks the pod through the TPU API and its own connections t
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import free_port, one_sentence, tpufab, unique_name, wait_for
+from helpers import free_port, in_worker, one_sentence, tpufab, unique_name, wait_for
 
 pytestmark = pytest.mark.sim   # every test here drives the simulated pod
 
@@ -418,7 +419,12 @@ def pod16(world):
     finally:
         p.close()
         if name in node_names(world):
-            delete(world, name)
+            try:
+                delete(world, name)
+            except Exception as err:   # autostop's own delete may be under way
+                if "already being deleted" not in str(err):
+                    raise
+                wait_for(lambda: gone(world, name), 60, what=f"{name}'s deletion to end")
 
 
 def gone(world, name: str) -> bool:
@@ -569,24 +575,59 @@ def test_autostop_cancel_holds(world, pod16):
     assert "idle 8s" not in listed.stdout
 
 
-def test_autostop_counts_a_tpufab_command_longer_than_the_idle_period_as_busy(world, pod16):
-    """A setup or exec that outlasts --idle (no run, no TPU holder) must not lose the pod."""
-    name, _, p = pod16
+def test_autostop_counts_a_tpufab_command_longer_than_the_idle_period_as_busy(sim, world, pod16):
+    """A setup or exec that outlasts --idle (no run, no TPU holder) must not lose the pod.
+
+    The exec waits on the workers for the test to release it, and the test looks only from
+    inside the workers (no SSH of its own, which would count as busy): armed once the exec is
+    seen running everywhere, still there while the leader has checked well past the idle
+    period, deleted once idle after it."""
+    name, s, p = pod16
     p.close()
-    started = time.monotonic()
-    command = subprocess.Popen([TPUFAB, "exec", "--name", name, "sleep 8; echo still-here"],
-                               env=world["env"], cwd=world["project"], text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               stdin=subprocess.DEVNULL)
+    tag = unique_name("busy")
+    started, release = f"/tmp/{tag}-started", f"/tmp/{tag}-release"
+    command = subprocess.Popen(
+        [TPUFAB, "exec", "--name", name,
+         f"touch {started}; while [ ! -e {release} ]; do sleep 0.1; done; echo still-here"],
+        env=world["env"], cwd=world["project"], text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    home = f"$(getent passwd {s.ssh_user} | cut -d: -f6)/.tpufab/autostop"
+
+    def on_workers(script: str) -> list[str]:
+        return [in_worker(sim, p.node, w, script, check=False) for w in (0, 1)]
+
+    def leader(name_: str) -> dict:
+        text = on_workers(f"cat {home}/{name_} 2>/dev/null || true")[0]
+        return json.loads(text) if text.strip() else {}
+
     try:
-        armed = tpufab("autostop", "--name", name, "--idle", "2s", env=world["env"], cwd=world["project"])
+        def running() -> bool:
+            assert command.poll() is None, command.communicate()
+            return on_workers(f"test -e {started} && echo yes") == ["yes\n"] * 2
+
+        wait_for(running, 60, what="the exec to run on both workers")
+        armed = tpufab("autostop", "--name", name, "--idle", "2s", env=world["env"],
+                       cwd=world["project"])
         assert armed.returncode == 0, armed.stderr
+        armed_at = leader("config.json")["armed_at"]
+        seen = {}
+
+        def checked_past_idle():
+            seen.clear()
+            seen.update(leader("state.json"))
+            return (seen.get("checked_at") or 0) > armed_at + 2 + 1.5
+
+        wait_for(checked_past_idle, 60, what="the leader to check past the idle period")
+        assert seen.get("fired_at") is None and not gone(world, name), seen
+        busy = seen["busy"]
+        assert any(r.startswith("w0: tpufab command") for r in busy), busy
+        assert any(r.startswith("w1: tpufab command") for r in busy), busy
+        on_workers(f"touch {release}")
         out, err = command.communicate(timeout=60)
     finally:
         command.kill()
     assert command.returncode == 0, err
-    assert out.count("still-here") == 2 and time.monotonic() - started > 8
-    assert not gone(world, name)
+    assert out.count("still-here") == 2
     wait_for(lambda: gone(world, name), 60, what="the pod to be deleted once idle after it")
 
 
