@@ -824,19 +824,25 @@ class _Plain:
         chan, task, event = self.chan, self.task, self.wake.event
         deadline = None if timeout is None else time.monotonic() + timeout
         timed_out = False
+
+        def left() -> float | None:
+            """How long to wait now; past the deadline, the command is stopped (once)."""
+            nonlocal timed_out
+            if deadline is None or timed_out:
+                return None
+            wait = deadline - time.monotonic()
+            if wait > 0:
+                return wait
+            timed_out = True
+            self.kill(task)
+            return None
+
         try:
             settle = getattr(chan, "settle", None)  # libssh2: a quick command ends in C
             if settle is not None:
                 settle(SETTLE if timeout is None else min(SETTLE, timeout / 2))
             while True:
-                wait = None
-                if deadline is not None and not timed_out:
-                    wait = deadline - time.monotonic()
-                    if wait <= 0:
-                        timed_out = True
-                        self.kill(task)
-                        wait = None
-                self.pause(event, wait)
+                self.pause(event, left())
                 event.clear()
                 while chan.recv_ready():
                     task.feed("stdout", chan.recv(1 << 18))
@@ -845,10 +851,11 @@ class _Plain:
                 if (chan.eof_received or chan.closed) and not chan.recv_ready() \
                         and not chan.recv_stderr_ready():
                     break
-            while not self.pause(chan.status_event, None if deadline is None or timed_out
-                                 else max(0.0, deadline - time.monotonic())):
-                timed_out = True
-                self.kill(task)
+            # ``pause`` may come back before the status (libssh2's ``drive`` does after any
+            # read, say the exit status read before the worker's close): only the deadline
+            # stops the command, never an early return.
+            while not chan.status_event.is_set():
+                self.pause(chan.status_event, left())
             code = chan.exit_status
         except Exception as err:  # noqa: BLE001 - becomes this worker's result
             task.finish(None, f"connection lost ({type(err).__name__}: {err})")
