@@ -388,7 +388,7 @@ class Freezer:
         self._thread.join(10)
         self._restore_shells()
         clean = []        # two looks in a row with nothing stopped
-        wait_for(lambda: clean.append(self._thaw()) or clean[-2:] == [True, True], 10,
+        wait_for(lambda: clean.append(self._thaw()) or clean[-2:] == [True, True], 30,
                  what="every process the freezer stopped to run again")
 
     def _thaw(self) -> bool:

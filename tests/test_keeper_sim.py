@@ -54,7 +54,7 @@ def kept(node):
         tpufab("disconnect", env=env, timeout=60)
         for pid in keepers(env) + residents(env):
             os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: not keepers(env) and not residents(env), 10, 0.05,
+        wait_for(lambda: not keepers(env) and not residents(env), 30, 0.05,
                  "the keepers and resident servers to be gone")
         shutil.rmtree(runtime, ignore_errors=True)
 

@@ -84,7 +84,7 @@ def test_unreachable_worker_refuses_connections_until_reachable(
     assert ssh_run(ip1, ssh_key, "carol", "true").returncode == 255
     assert ssh_run(ip0, ssh_key, "carol", "true").returncode == 0
     sim_admin.set_reachable(short(node), 1, True)
-    wait_for(lambda: port_open(ip1), 10, what="worker 1 to listen again")
+    wait_for(lambda: port_open(ip1), 30, what="worker 1 to listen again")
     result = ssh_run(ip1, ssh_key, "carol", "hostname")
     assert result.returncode == 0 and result.stdout.strip().endswith("-w-1")
     with pytest.raises(SimError, match="out of range"):
@@ -106,7 +106,7 @@ def test_killed_sshd_ends_sessions_and_comes_back(sim_admin, make_node, ssh_key)
     finally:
         session.kill()
         session.wait()
-    wait_for(lambda: port_open(ip), 10, what="a new sshd listener")
+    wait_for(lambda: port_open(ip), 30, what="a new sshd listener")
     assert ssh_run(ip, ssh_key, "dave", "true").returncode == 0
 
 

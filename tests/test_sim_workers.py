@@ -415,6 +415,6 @@ def test_workers_die_with_their_owner_process(tmp_path):
     finally:
         owner.kill()
         owner.wait()
-    wait_for(lambda: all(start_time(p) != t for p, t in pids.items()), 10,
+    wait_for(lambda: all(start_time(p) != t for p, t in pids.items()), 30,
              what="every worker process restarted")
     assert WorkerPool(tmp_path / "state").running("5555") == {0: False}

@@ -55,7 +55,7 @@ def _tpukill(*flags):
     return {"rc": proc.returncode, "report": read_answer(proc.stdout), "stderr": proc.stderr}
 
 
-def _wait_for(condition, what: str, timeout=10.0):
+def _wait_for(condition, what: str, timeout=30.0):
     """helpers' wait_for for the scenario side, which runs without pytest."""
     deadline = time.monotonic() + timeout
     while not condition():

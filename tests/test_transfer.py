@@ -241,7 +241,7 @@ def test_forward_reaches_a_server_on_worker_0_and_survives_refusals(pod, tmp_pat
         # and both listeners keep working.
         with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
             fetch(f"http://127.0.0.1:{idle_port}/", timeout=5)
-        wait_for(lambda: any("connection refused" in e for e in events), 10,
+        wait_for(lambda: any("connection refused" in e for e in events), 30,
                  what="the refusal to be reported")
         assert f"127.0.0.1:{idle_port} -> w0 127.0.0.1:{idle_remote}: connection refused" \
             in events[0]
@@ -616,9 +616,9 @@ def test_a_forward_closed_under_a_live_connection_prints_no_traceback(monkeypatc
                                      [forwarding.PortForward(port, 80)]).start()
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=10):
-            wait_for(lambda: forwarder.connections == 1, 10, 0.01, "the connection to be served")
+            wait_for(lambda: forwarder.connections == 1, 30, 0.01, "the connection to be served")
             far_end.sendall(b"from the worker")
-            wait_for(lambda: forwarder.stopped.is_set() and not forwarder._open, 10, 0.01,
+            wait_for(lambda: forwarder.stopped.is_set() and not forwarder._open, 30, 0.01,
                      "the forwarder to close its connection")
             for thread in threading.enumerate():
                 if thread.name.endswith("-conn"):
