@@ -1,7 +1,7 @@
 """Cold handshakes: paramiko (tpufab's Fanout) against libssh2 and asyncssh, same guarantees.
 
     sudo .venv/bin/python bench/transports.py [--sizes 64,256] [--reps 3] [--profile]
-        [--only libssh2]
+        [--only libssh2] [--compare SRC]
 
 Needs ``asyncssh`` in the same Python (measurement only; ``ssh2-python`` is a tpufab
 dependency since issue 28), except with ``--only`` naming rows without it (``--only
@@ -22,6 +22,8 @@ default)`` is tpufab's Fanout as it runs by default since issue 28 (tpufab.ssh.t
 connection (it releases the GIL during its C calls), as paramiko's; ``asyncssh`` one event
 loop. Client CPU is user + system of the run's process and its children (getrusage), wall
 the run's, peak RSS the process's own (its children's largest for tpufab's auto mode).
+``--compare SRC``: tpufab's libssh2 row again with the tpufab of another source tree (a git
+worktree of an earlier commit, first on PYTHONPATH), in the same rounds: an A/B of a change.
 ``--profile``: cProfile of paramiko's 64-worker run in one process, its top functions by own
 time (what a handshake costs there).
 """
@@ -198,9 +200,11 @@ DRIVERS = {"_libssh2": driver_libssh2, "_asyncssh": driver_asyncssh,
            "_profile": driver_profile, "_fastmac": driver_fastmac, "_gcm": driver_gcm}
 
 
-def runs(root: Path, count: int, reps: int, only: str = "") -> dict[str, dict]:
+def runs(root: Path, count: int, reps: int, only: str = "",
+         compare: Path | None = None) -> dict[str, dict]:
     """{transport: {wall_ms, cpu_ms, rss_mib}} medians of ``reps`` fresh runs (round robin);
-    ``only``: the rows whose name contains it."""
+    ``only``: the rows whose name contains it; ``compare``: tpufab's libssh2 row again with
+    that source tree's tpufab (first on PYTHONPATH), in the same rounds."""
     me = [sys.executable, str(Path(__file__).resolve())]
     fan = [sys.executable, str(Path(__file__).resolve().parent / "fanout.py")]
     argvs = {"paramiko (tpufab, 1 process)": [*fan, "_cold", root, count, "1", "paramiko"],
@@ -212,10 +216,16 @@ def runs(root: Path, count: int, reps: int, only: str = "") -> dict[str, dict]:
              "paramiko, MAC compare in C (tpufab, 1 process)": [*me, "_fastmac", root, count],
              "paramiko, MAC in C + AES-GCM (tpufab, 1 process)": [*me, "_gcm", root, count]}
     argvs = {name: argv for name, argv in argvs.items() if only in name}
+    envs = {}
+    if compare is not None:
+        name = f"libssh2 (tpufab's default, 1 process) (compare: {compare})"
+        argvs[name] = argvs.get("libssh2 (tpufab's default, 1 process)") or \
+            [*fan, "_cold", root, count, "1", "libssh2"]
+        envs[name] = {**os.environ, "PYTHONPATH": str(compare)}
     samples: dict[str, list[tuple[float, float, float]]] = {k: [] for k in argvs}
     for _ in range(reps):
         for name, argv in argvs.items():
-            wall, cpu, answer = measure(argv)
+            wall, cpu, answer = measure(argv, envs.get(name))
             answer = answer or {}
             rss = answer.get("rss_self_mib", 0.0) + (answer.get("processes", 1) - 1) * \
                 answer.get("rss_child_max_mib", 0.0)
@@ -237,6 +247,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--only", default="", help="only the rows whose name contains this, "
                         "e.g. libssh2: tpufab's fan-out and a bare libssh2 loop")
+    parser.add_argument("--compare", type=Path, help="another tpufab source tree (a git "
+                        "worktree of an earlier commit): its libssh2 row in the same rounds")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     root = Path(tempfile.mkdtemp(prefix="bench-transports-"))
@@ -245,7 +257,7 @@ def main() -> None:
     try:
         for count in sizes:
             load = os.getloadavg()[0]
-            results[count] = runs(root, count, args.reps, args.only)
+            results[count] = runs(root, count, args.reps, args.only, args.compare)
             results[count]["load"] = (load, os.getloadavg()[0])
         if args.profile:
             import subprocess
