@@ -14,6 +14,8 @@ import json
 import os
 import re
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from harness import connected_pod
@@ -265,6 +267,28 @@ def test_kill_during_a_ray_job_stops_ray_there_cleanly_and_frees_the_tpu(sim, ra
     assert ray_processes(sim, ray_pod, 1) == []
     assert accel_holders(sim, ray_pod, 1) == 0
     assert ray_processes(sim, ray_pod, 0), "kill stopped Ray where it held no TPU"
+
+
+def test_the_dashboard_s_forkserver_is_a_ray_process():
+    """Ray 2.60's dashboard starts its modules through a multiprocessing forkserver, a
+    ``python -c`` whose command line names Ray only in its module list: `ray down` must wait
+    for it (and kill it if it stays), as for any other Ray process (CI once found one left)."""
+    from tpufab.remote import ray_node
+
+    line = ("import time; time.sleep(60)  # from multiprocessing.forkserver import main; "
+            "main(25, 27, ['ray', 'ray.dashboard.subprocesses.module'], **{'sys_path': []})")
+    proc = subprocess.Popen([sys.executable, "-c", line])
+    plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)  # ray"])
+    try:
+        wait_for(lambda: b"forkserver" in Path(f"/proc/{proc.pid}/cmdline").read_bytes(),
+                 what="the process to start")
+        assert ray_node.ray_kind(proc.pid) == "daemon"
+        assert ray_node.ray_kind(plain.pid) is None
+        assert proc.pid in ray_node.ray_processes()
+    finally:
+        for p in (proc, plain):
+            p.kill()
+            p.wait()
 
 
 def test_ray_down_leaves_no_ray_process_on_any_worker(sim, ray_pod):

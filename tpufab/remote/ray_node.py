@@ -26,8 +26,11 @@ from tpufab.remote.workerlib import answer
 RAY_MAIN = "import sys; from ray.scripts.scripts import main; sys.argv[0] = 'ray'; sys.exit(main())"
 # What a Ray process looks like in /proc: its own binaries, its Python daemons, its workers.
 RAY_BINARIES = ("raylet", "gcs_server", "plasma_store")
+# (``ray.dashboard.``: the dashboard's multiprocessing forkserver, ``python -c from
+# multiprocessing.forkserver import main; main(..., ['ray', 'ray.dashboard.subprocesses...'])``,
+# which can outlive the dashboard a moment)
 RAY_SCRIPTS = ("/ray/dashboard/", "/ray/_private/", "/ray/autoscaler/", "ray.util.client.server",
-               "/ray/core/src/")
+               "/ray/core/src/", "ray.dashboard.")
 
 
 def python():
