@@ -516,9 +516,9 @@ def test_one_shot_commands_start_everywhere_one_handshake_at_a_time(pod, tmp_pat
 
 @pytest.mark.parametrize("transport", ["libssh2", "paramiko"])
 def test_a_one_shot_command_s_first_lines_stream_while_it_runs_on(pod, tmp_path, transport):
-    """libssh2 waits for a fresh one-shot command in C while it prints nothing (``settle``):
-    a line it prints is shown at once, not when it ends, and a Ctrl-C (here: closing the
-    fan-out) still stops it."""
+    """libssh2 waits for a fresh one-shot command in C for its first 0.1 s (``settle``): a
+    line printed after that is shown at once, not when the command ends, and a Ctrl-C (here:
+    closing the fan-out) still stops it."""
     seen: list[tuple[int, str]] = []
     token = "4321.375"
     fan = Fanout(pod.targets(), known_hosts=KnownHosts(tmp_path / "kh"), ssh_transport=transport)
@@ -540,12 +540,14 @@ def test_a_one_shot_command_s_first_lines_stream_while_it_runs_on(pod, tmp_path,
 
 class _EarlyDrive:
     """A one-shot channel whose ``drive`` comes back before the exit status, as libssh2's does
-    after any read of the socket (the exit status read, the worker's close not yet): the
-    race CI's 1,024-worker bench met once. Records what the fan-out did to it."""
+    after any read of the socket (the exit status read, the worker's close not yet): a race
+    a 1,024-worker benchmark met once. Counts the EOFs the fan-out sent it (its stop)."""
 
     def __init__(self, early: int):
+        from tpufab.ssh.transport import _Stream
+
         self.early = early  # drives of the status that come back without it
-        self.in_buffer, self.in_stderr_buffer = _Plainbuf(), _Plainbuf()
+        self.in_buffer, self.in_stderr_buffer = _Stream(), _Stream()
         self.status_event = threading.Event()
         self.eof_received, self.closed, self.exit_status = True, False, -1
         self.shut = 0
@@ -553,12 +555,22 @@ class _EarlyDrive:
     def open_session(self, timeout=None):
         return self
 
-    def exec_command(self, line): pass
-    def sendall(self, data): pass
-    def settle(self, seconds): return False
-    def recv_ready(self): return False
-    def recv_stderr_ready(self): return False
-    def close(self): self.closed = True
+    def exec_command(self, line):
+        pass
+
+    def sendall(self, data):
+        pass
+
+    def settle(self, seconds):
+        return False
+
+    def recv_ready(self):
+        return False
+
+    recv_stderr_ready = recv_ready
+
+    def close(self):
+        self.closed = True
 
     def shutdown_write(self):
         self.shut += 1
@@ -571,10 +583,6 @@ class _EarlyDrive:
             self.exit_status = 0
             event.set()
         return True
-
-
-class _Plainbuf:
-    def set_event(self, event): pass
 
 
 @pytest.mark.parametrize("timeout", [None, 30.0])
