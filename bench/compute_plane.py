@@ -36,7 +36,7 @@ def main() -> None:
 
     from tpufab.cloud import lifecycle
     from tpufab.config import load_settings
-    from tpufab.pod import connection
+    from tpufab.hosts import connect as connection
     from tpufab.sim.daemon import down, up
 
     state = Path(tempfile.mkdtemp(prefix="tpufab-bench-compute-"))

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from test_deploy import SimPod  # noqa: E402 - the same simulated pod the tests use
 
-from tpufab.workflows.deploy import deploy  # noqa: E402
+from tpufab.steps.code.deploy import deploy  # noqa: E402
 
 ENV = {**os.environ, "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@b",
        "GIT_COMMITTER_NAME": "b", "GIT_COMMITTER_EMAIL": "b@b"}

@@ -24,9 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tpufab.jobs.running import FoldingView  # noqa: E402
-from tpufab.jobs.runs import fold_logs, render_folded  # noqa: E402
 from tpufab.ssh.fanout import WorkerResult  # noqa: E402
+from tpufab.steps.runs.env import fold_logs, render_folded  # noqa: E402
+from tpufab.steps.runs.running import FoldingView  # noqa: E402
 
 
 def hello(workers: int) -> dict[int, list[str]]:

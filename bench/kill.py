@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 CALL = ("import json, sys\n"
         "from tpufab.verbs import jobs, sim\n"
-        "from tpufab.display.console import run\n"
+        "from tpufab.term.console import run\n"
         "verb = getattr(jobs, sys.argv[1], None) or getattr(sim, sys.argv[1])\n"
         "sys.exit(run(verb, **json.loads(sys.argv[2])))\n")
 
@@ -81,9 +81,9 @@ def main() -> int:
 
     from tpufab.cloud import lifecycle
     from tpufab.config import load_settings
-    from tpufab.pod import connection as pods
+    from tpufab.hosts import connect as pods
     from tpufab.sim.daemon import down, up
-    from tpufab.workflows import killing
+    from tpufab.steps.host import killing
 
     base = Path(tempfile.mkdtemp(prefix="tpufab-bench-kill-"))
     info = up(base / "sim", port=0, timeout=120)

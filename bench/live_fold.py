@@ -76,8 +76,8 @@ class Clock:
 
 
 def measure(shape: str, repeat: int) -> dict:
-    from tpufab.jobs.running import FoldingView
     from tpufab.ssh.fanout import WorkerResult
+    from tpufab.steps.runs.running import FoldingView
 
     workers, lines, own_every, lag, chunking = SHAPES[shape]
     events, logs = arrivals(workers, lines, own_every, lag, chunking)

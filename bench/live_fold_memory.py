@@ -42,8 +42,8 @@ def held(view) -> int:
 
 
 def run_case(name: str, mb: float) -> dict:
-    from tpufab.jobs.running import FoldingView
     from tpufab.ssh.fanout import WorkerResult
+    from tpufab.steps.runs.running import FoldingView
 
     workers, share, distinct = CASES[name]
     lines = int(mb * share * (1 << 20) / LINE)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 CALL = ("import json, sys\n"
         "from tpufab.verbs import jobs\n"
-        "from tpufab.display.console import run\n"
+        "from tpufab.term.console import run\n"
         "sys.exit(run(jobs.logs, **json.loads(sys.argv[1])))\n")
 RECIPE = """#!/usr/bin/env python3
 import os, sys
@@ -97,10 +97,10 @@ def main() -> int:
 
     from tpufab.cloud import lifecycle
     from tpufab.config import load_settings
-    from tpufab.jobs import running as jobs
-    from tpufab.pod import connection as pods
+    from tpufab.hosts import connect as pods
     from tpufab.sim.daemon import down, up
     from tpufab.ssh.remote_files import RemoteFile
+    from tpufab.steps.runs import running as jobs
 
     base = Path(tempfile.mkdtemp(prefix="tpufab-bench-logs-"))
     info = up(base / "sim", port=0, timeout=120)

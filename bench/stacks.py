@@ -36,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 CALL = ("import json, sys\n"
         "from tpufab.verbs import jobs\n"
-        "from tpufab.display.console import run\n"
+        "from tpufab.term.console import run\n"
         "sys.exit(run(getattr(jobs, sys.argv[1]), **json.loads(sys.argv[2])))\n")
 JOB = '''\
 import os, time

@@ -49,10 +49,10 @@ def main() -> int:
 
     from tpufab.cloud import lifecycle
     from tpufab.config import load_settings
-    from tpufab.display import top as top_view
-    from tpufab.pod import connection as pods
+    from tpufab.hosts import connect as pods
     from tpufab.sim.daemon import down, up
-    from tpufab.workflows import top
+    from tpufab.steps.health import top
+    from tpufab.views import top as top_view
 
     base = Path(tempfile.mkdtemp(prefix="tpufab-bench-top-"))
     info = up(base / "sim", port=0, timeout=120)

@@ -8,7 +8,7 @@ module-scoped so each module pays for its pod once).
   v4-16 = 2, v4-32 = 4); settings overrides pick the rest (``ssh_user``, ``project``,
   ``no_os_login``, ``jump``, ...).
 - `connected_pod(sim, tmp_path_factory, prefix, ...)`: ``sim_node``'s sibling for the job
-  tests: a node, a connected `tpufab.pod.connection` pod and the environment naming it;
+  tests: a node, a connected `tpufab.hosts.connect` pod and the environment naming it;
   optionally the workers' Python packages (``site="jax"`` or ``"torch"``) and
   scripts/setup-sim.sh run on every worker.
 - `SimPod(root, count, node_id, octet, user=, accelerators=)`: bare workers without the
@@ -74,7 +74,7 @@ def sim_node(sim, tmp_path_factory, prefix: str, type: str = "v4-16",
     """A READY node on the simulated pod for one module: ``settings``, ``node``, ``home``
     (the user's), ``name``, ``env`` (a user's shell pointing at it); deleted afterwards."""
     from tpufab.cloud import lifecycle
-    from tpufab.pod import connection as pods
+    from tpufab.hosts import connect as pods
 
     home = tmp_path_factory.mktemp(f"{prefix}-home")
     name = unique_name(prefix)
@@ -233,7 +233,7 @@ def connected_pod(sim, tmp_path_factory, prefix: str, type: str = "v4-32", *,
                   ssh_user: str | None = None, columns: int = 200, drop: tuple[str, ...] = (),
                   site: str | None = None, setup: bool = False,
                   num_slices: int = 1) -> Iterator[SimpleNamespace]:
-    """A READY node through the simulated TPU API, connected (``tpufab.pod.connection``), for
+    """A READY node through the simulated TPU API, connected (``tpufab.hosts.connect``), for
     one module's job tests: ``env`` (a user's shell naming it: own key and known_hosts,
     ``TPUFAB_SSH_USER=ssh_user`` if given, ``COLUMNS=columns``, the names in ``drop``
     removed), ``pod`` (the connection: ``pod.fanout``), ``base`` (a folder for the user's
@@ -243,8 +243,8 @@ def connected_pod(sim, tmp_path_factory, prefix: str, type: str = "v4-32", *,
     The node is deleted afterwards."""
     from tpufab.cloud import lifecycle
     from tpufab.config import load_settings
-    from tpufab.pod import connection as pods
-    from tpufab.workflows.setup import run_setup
+    from tpufab.hosts import connect as pods
+    from tpufab.steps.host.setup import run_setup
 
     base = tmp_path_factory.mktemp(f"{prefix}-sim")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}

@@ -32,8 +32,8 @@ from rich.console import Console
 
 from tpufab.cloud.nodes import Node, QueuedResourceInfo
 from tpufab.config import Settings
-from tpufab.jobs import babysit as bs
-from tpufab.jobs.running import WorkerState
+from tpufab.flows import babysit as bs
+from tpufab.steps.runs.running import WorkerState
 
 # ---------------------------------------------------------------------------------------------
 # decisions as data
@@ -109,7 +109,7 @@ def test_node_spec_keeps_no_external_ips_metadata_and_network():
 
 
 def test_restore_reads_setup_commit_and_mounts_from_the_first_worker_that_answered():
-    from tpufab.workflows.status import WorkerFacts
+    from tpufab.steps.health.status import WorkerFacts
 
     first = facts_of(1, setup=[{"hash": "a" * 16, "done": True, "mtime": 1.0},
                                {"hash": "b" * 16, "done": True, "mtime": 2.0},
@@ -191,7 +191,7 @@ def test_lock_one_babysitter_per_node_and_stale_locks(tmp_path):
             bs.Lock.for_node(settings).acquire("again")
         # another process is refused too, and told who holds it
         probe = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
-            from tpufab.jobs.babysit import Lock, BabysitError
+            from tpufab.flows.babysit import Lock, BabysitError
             from pathlib import Path
             try:
                 Lock(Path({str(path)!r})).acquire("x")
@@ -208,7 +208,7 @@ def test_a_killed_babysitter_leaves_no_lock_behind(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
         from pathlib import Path
-        from tpufab.jobs.babysit import Lock
+        from tpufab.flows.babysit import Lock
         Lock(Path({str(path)!r})).acquire("held")
         print("held", flush=True)
         sys.stdin.read()
@@ -260,7 +260,7 @@ def current_node(pod2):
 
 
 def babysitter(pod2, tmp_path, monkeypatch, *, env=(), **options):
-    from tpufab.jobs import babysit
+    from tpufab.flows import babysit
 
     for spec in env:
         key, _, value = spec.partition("=")

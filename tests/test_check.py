@@ -17,8 +17,7 @@ import pytest
 from harness import connected_pod
 from helpers import on_workers, tpufab, unique_name
 
-from tpufab.display.check import report_lines
-from tpufab.workflows.check import (
+from tpufab.steps.health.check import (
     CheckReport,
     Promise,
     check_clock,
@@ -27,7 +26,7 @@ from tpufab.workflows.check import (
     parse_collective,
     quick_results,
 )
-from tpufab.workflows.status import (
+from tpufab.steps.health.status import (
     Deployed,
     Device,
     Disk,
@@ -36,6 +35,7 @@ from tpufab.workflows.status import (
     MountProbe,
     WorkerFacts,
 )
+from tpufab.views.check import report_lines
 
 REPO = Path(__file__).resolve().parents[1]
 TPUFAB = str(Path(sys.executable).parent / "tpufab")

@@ -13,8 +13,8 @@ import pytest
 from helpers import REPO, TPUFAB
 
 import tpufab
-from tpufab.display.terminal import colors_for
 from tpufab.errors import ConfigError, TpufabError
+from tpufab.term.terminal import colors_for
 
 ANSI = re.compile("\x1b\\[")
 

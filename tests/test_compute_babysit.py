@@ -15,7 +15,7 @@ from harness import sim_node
 from helpers import InThread, attempt_running, free_port, ok, text_of, tpufab, wait_for
 from rich.console import Console
 
-from tpufab.jobs import babysit as bs
+from tpufab.flows import babysit as bs
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(900)]  # a loaded 2-core machine
 
@@ -77,7 +77,7 @@ def test_autostop_deletes_an_idle_mig_with_the_template_and_policy_tpufab_made(s
     """The last test that uses spot16: it deletes the slice."""
     from google.api_core import exceptions as gexc
 
-    from tpufab.pod import connection as pods
+    from tpufab.hosts import connect as pods
 
     pods.forget(spot16.settings)   # babysit's kept connection would count as busy
     env = {**spot16.env, "TPUFAB_AUTOSTOP_CHECK": "0.3",

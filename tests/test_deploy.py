@@ -19,12 +19,12 @@ import pytest
 from harness import USER, SimPod, needs_root
 from helpers import free_port, git_daemon, sh
 
-from tpufab.display.report import text
 from tpufab.errors import ConfigError
 from tpufab.ssh.remote_files import RemoteFile, python_command, verify_loader
-from tpufab.workflows import deploy as deploy_mod
-from tpufab.workflows.deploy import DeployError, deploy
-from tpufab.workflows.gitops import GitError
+from tpufab.steps.code import deploy as deploy_mod
+from tpufab.steps.code.deploy import DeployError, deploy
+from tpufab.steps.code.gitops import GitError
+from tpufab.views.report import text
 
 
 def dead_url() -> str:
@@ -452,7 +452,7 @@ def test_worker_command_is_data():
 def test_a_script_from_stdin_needs_nothing_on_disk():
     """What runs where the disk is too full to ship a script (kill, status): no guard, no
     path, `python3 -` reads the source from stdin, as root through sudo where asked."""
-    from tpufab.workflows.killing import kill_command
+    from tpufab.steps.host.killing import kill_command
 
     shipped = RemoteFile.bundled("tpukill.py")
     command = kill_command(grace=1, from_stdin=True)

@@ -100,7 +100,7 @@ except PodError as err:
 
 
 def test_exec_env_and_pod_run_env_mask_the_same_variables(pod_env):
-    # one rule for both doors (tpufab.jobs.runs.forwarded_for): a name like *TOKEN* is a
+    # one rule for both doors (tpufab.steps.runs.env.forwarded_for): a name like *TOKEN* is a
     # secret whether it comes from `exec -e` or from Pod.run(env=...)
     cli = tpufab("exec", "-w", "0", "-e", "MY_TOKEN=s3cr3t-value", "-e", "PLAIN=visible",
                  'echo "$MY_TOKEN $PLAIN"', env=pod_env)

@@ -32,7 +32,7 @@ from tpufab.ssh.fanout import (
 )
 from tpufab.ssh.hostkeys import HostKeyChanged, KnownHosts, alias
 from tpufab.ssh.transfer import _sftp
-from tpufab.workflows.setup import run_setup
+from tpufab.steps.host.setup import run_setup
 
 pytestmark = [pytest.mark.sim, pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("unshare") or not os.path.exists("/usr/sbin/sshd"),

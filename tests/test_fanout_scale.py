@@ -9,7 +9,6 @@ import resource
 import pytest
 
 from tpufab.errors import ConfigError
-from tpufab.jobs.running import FoldingView
 from tpufab.ssh.fanout import (
     WORKERS_PER_LIBSSH2_PROCESS,
     GroupResult,
@@ -20,6 +19,7 @@ from tpufab.ssh.fanout import (
     kex_preference,
     shard_of,
 )
+from tpufab.steps.runs.running import FoldingView
 
 
 def test_each_worker_belongs_to_one_process_in_contiguous_blocks():

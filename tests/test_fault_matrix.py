@@ -765,7 +765,7 @@ def report(verb: Verb, fault: Fault, outcome: Outcome | None) -> None:
 @pytest.fixture(scope="module")
 def jump_pod(sim, tmp_path_factory) -> Iterator[Pod]:
     from tpufab.cloud import lifecycle
-    from tpufab.pod import connection as pods
+    from tpufab.hosts import connect as pods
     from tpufab.sim.network import bastion_address
 
     home = tmp_path_factory.mktemp("matrix-jump-home")

@@ -98,7 +98,7 @@ def test_fault_1_sshd_dies_mid_exec(sim, sim_admin, pod4):
 
 
 def test_fault_2_connection_refused_then_retried(sim, sim_admin, pod4):
-    from tpufab.pod import connection as pods
+    from tpufab.hosts import connect as pods
 
     pod = pods.connect(pod4.settings, console=quiet_console())
     retries: list[tuple[int, int, str]] = []
@@ -270,9 +270,9 @@ def test_fault_6_ctrl_c_during_exec_of_a_root_command(sim, pod4, how):
 
 DEPLOY_DRIVER = """
 import sys
-from tpufab.workflows import deploy
-from tpufab.pod import connection as pod
-from tpufab.display.console import run
+from tpufab.steps.code import deploy
+from tpufab.hosts import connect as pod
+from tpufab.term.console import run
 from tpufab.verbs.common import settings_from_flags
 
 def main():
@@ -350,11 +350,11 @@ def test_fault_5_preemption_mid_babysat_run(sim, sim_admin, tmp_path, monkeypatc
 
     from tpufab.cloud import lifecycle
     from tpufab.cloud.tpu_api import TpuApi
-    from tpufab.jobs import babysit
-    from tpufab.pod import connection as pods
+    from tpufab.flows import babysit
+    from tpufab.hosts import connect as pods
     from tpufab.sim.admin import StorageClient
-    from tpufab.workflows import mount
-    from tpufab.workflows.setup import run_setup
+    from tpufab.steps.host import mount
+    from tpufab.steps.host.setup import run_setup
 
     home = tmp_path / "home"
     home.mkdir()

@@ -1,4 +1,4 @@
-"""Lines that differ only in their fields fold into one (tpufab.display.fields), in `logs`
+"""Lines that differ only in their fields fold into one (tpufab.term.fields), in `logs`
 (runs.fold_logs) as live (FoldingView): recorded multi-host output as data, and the property
 that folding never loses a line (unfolding gives every worker's lines back, in order)."""
 
@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tpufab.display.fields import FIELD, PLACEHOLDER, fields, merge, shape, show_values
-from tpufab.jobs.running import FoldingView
-from tpufab.jobs.runs import fold_logs, render_folded, unfold
 from tpufab.ssh.fanout import WorkerResult
+from tpufab.steps.runs.env import fold_logs, render_folded, unfold
+from tpufab.steps.runs.running import FoldingView
+from tpufab.term.fields import FIELD, PLACEHOLDER, fields, merge, shape, show_values
 
 
 @pytest.mark.parametrize("values,shown", [
@@ -133,7 +133,7 @@ class _Counted:
 def test_the_field_rule_runs_once_per_kind_of_line_not_once_per_line(monkeypatch):
     # a training log on 64 workers whose loss and tokens/s differ per worker: 1,280 lines of
     # a few keys (the rule is the fold's dearest step; it ran twice a line)
-    import tpufab.display.fields as fields_module
+    import tpufab.term.fields as fields_module
 
     counted = _Counted(FIELD)
     monkeypatch.setattr(fields_module, "FIELD", counted)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tpufab.workflows import gitops
-from tpufab.workflows.gitops import GitError
+from tpufab.steps.code import gitops
+from tpufab.steps.code.gitops import GitError
 
 
 def sh(cwd: Path, *argv: str) -> str:

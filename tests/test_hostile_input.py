@@ -47,7 +47,7 @@ def no_canary_here() -> None:
 @pytest.fixture(scope="module")
 def pod2(sim, tmp_path_factory):
     """A READY v4-16 (2 workers), connected once for the whole module."""
-    from tpufab.pod import connection as pods
+    from tpufab.hosts import connect as pods
 
     if os.path.exists(CANARY):
         os.unlink(CANARY)
@@ -140,7 +140,7 @@ def test_env_values_arrive_literally(pod2, value):
 @FEW
 @given(spec=HOSTILE)
 def test_env_specs_with_bad_names_are_rejected(spec):
-    from tpufab.jobs.runs import forwarded_environment
+    from tpufab.steps.runs.env import forwarded_environment
 
     try:
         forwarded = forwarded_environment([spec], {})
@@ -168,7 +168,7 @@ def test_env_value_with_a_nul_byte_is_one_clear_error(pod2):
 @FEW
 @given(bucket=HOSTILE, at=HOSTILE)
 def test_bucket_names_are_valid_or_rejected(bucket, at):
-    from tpufab.workflows import mount
+    from tpufab.steps.host import mount
 
     try:
         spec = mount.mount_spec(f"gs://{bucket}", at=f"/tmp/{at}")
@@ -187,7 +187,7 @@ def test_bucket_names_are_valid_or_rejected(bucket, at):
 @FEW
 @given(at=HOSTILE)
 def test_hostile_mount_points_reach_the_worker_literally(pod2, at):
-    from tpufab.workflows import mount
+    from tpufab.steps.host import mount
 
     path = "/tmp/hostile/" + at
     try:
@@ -222,8 +222,8 @@ PRINT_ARGS = b"#!/usr/bin/env python3\nimport json, sys\nprint(json.dumps(sys.ar
 
 
 def plan_for(args, run_id=None):
-    from tpufab.jobs import running as jobs
     from tpufab.ssh.remote_files import RemoteFile
+    from tpufab.steps.runs import running as jobs
 
     return jobs.plan_run(RemoteFile("print_args.py", PRINT_ARGS, 0o755), slices=[[0, 1]],
                          ips=["10.0.0.1", "10.0.0.2"], args=args, run_id=run_id)
@@ -232,7 +232,7 @@ def plan_for(args, run_id=None):
 @FEW
 @given(args=ARGS)
 def test_recipe_args_are_single_quoted_words_on_the_worker_command_line(args):
-    from tpufab.jobs import running as jobs
+    from tpufab.steps.runs import running as jobs
 
     line = jobs.start_command(plan_for(args))
     words = shlex.split(line)
@@ -268,7 +268,7 @@ def test_an_args_string_is_split_as_shell_words_or_refused_in_one_sentence(text,
 def test_recipe_args_reach_the_recipe_literally(pod2, args):
     import json
 
-    from tpufab.jobs import running as jobs
+    from tpufab.steps.runs import running as jobs
 
     plan = plan_for(args)
     plan = jobs.plan_run(plan.recipe, slices=pod2.pod.slices, ips=pod2.pod.internal_ips(),

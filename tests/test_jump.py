@@ -11,7 +11,7 @@ import pytest
 from tpufab.cloud.nodes import Node, WorkerEndpoint
 from tpufab.config import load_settings
 from tpufab.errors import ConfigError
-from tpufab.pod.connection import check_reachable
+from tpufab.hosts.connect import check_reachable
 from tpufab.ssh.fanout import Target
 from tpufab.ssh.jump import Jump, parse_jump, proxy_command
 

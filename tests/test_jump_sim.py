@@ -155,7 +155,7 @@ def _bastion_connections(bastion: str) -> int:
 
 
 def test_one_bastion_connection_carries_every_worker_at_once(pod, sim):
-    from tpufab.pod.connection import connect
+    from tpufab.hosts.connect import connect
 
     settings = sim_settings(sim, pod["home"], name=pod["name"], jump=pod["jump"])
     before = _bastion_connections(pod["bastion"])

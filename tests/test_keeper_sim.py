@@ -276,7 +276,7 @@ def test_an_api_error_through_the_keeper_is_the_one_the_command_would_meet(node,
 
     from tpufab.cloud import lifecycle
     from tpufab.errors import NotFound
-    from tpufab.pod import connection as pods
+    from tpufab.hosts import connect as pods
 
     kept_sessions(kept)
     one_keeper(kept)

@@ -10,9 +10,8 @@ import pytest
 from harness import connected_pod
 from helpers import call, on_workers, write_recipe
 
-from tpufab.display.report import text as report_lines
 from tpufab.ssh.remote_files import RemoteFile, verify_loader
-from tpufab.workflows.killing import (
+from tpufab.steps.host.killing import (
     KillResult,
     WorkerReport,
     fold_paths,
@@ -20,6 +19,7 @@ from tpufab.workflows.killing import (
     summary,
     zombie_command,
 )
+from tpufab.views.report import text as report_lines
 
 REPO = Path(__file__).resolve().parents[1]
 

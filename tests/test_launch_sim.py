@@ -141,7 +141,7 @@ def test_skypilot_task_launches_end_to_end_and_down_leaves_no_node(world):
     # deployed checkout's code/: issue 25), shown once (every worker printed it)
     assert out.splitlines().count("setup ran in /root/sky_workdir for tiny with token=***") == 1
     # SkyPilot's variables from tpufab's job environment; the rank lines differ only in the
-    # rank: one line, the ranks in braces (tpufab.display.fields)
+    # rank: one line, the ranks in braces (tpufab.term.fields)
     assert "train rank {0..3} model tiny" in out.splitlines()
     assert "nodes=4 ips=4 tpu=" + name in out
     assert "hello from the bucket" in out.splitlines()          # the gcs MOUNT, all workers
@@ -408,7 +408,7 @@ def test_gc_all_zones_reaches_the_other_zones(world, sim_admin):
 def pod16(world):
     """A fresh v4-16 (two workers) and its connected pod; deleted afterwards if still there."""
     from tpufab.cloud import lifecycle
-    from tpufab.pod import connection as pods
+    from tpufab.hosts import connect as pods
 
     name = unique_name("auto")
     s = settings_of(world, name=name, type="v4-16")
@@ -432,7 +432,7 @@ def gone(world, name: str) -> bool:
 
 
 def leader_state(p) -> dict:
-    from tpufab.workflows import autostop
+    from tpufab.steps.host import autostop
 
     return autostop.worker_state(p)
 
@@ -512,7 +512,7 @@ def test_autostop_deletes_an_idle_pod_and_list_and_status_show_it_first(world, p
 
 
 def test_autostop_waits_for_a_run_and_for_a_device_holder_on_any_worker(world, pod16):
-    from tpufab.pod import connection as pods
+    from tpufab.hosts import connect as pods
 
     name, s, p = pod16
     trigger = "/tmp/autostop-run-may-end"
@@ -633,7 +633,7 @@ def test_autostop_counts_a_tpufab_command_longer_than_the_idle_period_as_busy(si
 
 def test_autostop_ttl_counts_on_the_worker_s_clock_not_the_client_s(world, pod16):
     """A client clock two hours slow must not give a deadline already past."""
-    from tpufab.workflows import autostop
+    from tpufab.steps.host import autostop
 
     name, s, p = pod16
     armed = autostop.arm(p, s, ttl=120, clock=lambda: time.time() - 7200)
@@ -650,7 +650,7 @@ def test_an_arm_whose_ttl_deletes_the_node_before_its_metadata_is_written_is_arm
     Any other refusal still is one."""
     from tpufab.cloud import lifecycle
     from tpufab.errors import ApiError
-    from tpufab.workflows import autostop
+    from tpufab.steps.host import autostop
 
     name, s, p = pod16
     real = lifecycle.control_plane(s)

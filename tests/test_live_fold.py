@@ -12,9 +12,9 @@ import io
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tpufab.jobs.running import FoldingView
-from tpufab.jobs.runs import fold_logs, render_folded
 from tpufab.ssh.fanout import WorkerResult
+from tpufab.steps.runs.env import fold_logs, render_folded
+from tpufab.steps.runs.running import FoldingView
 
 HELLO = "jax_hello: jax 0.10.2 backend=cpu processes=4 devices=4 local_devices=1"
 GATHER = "jax_hello: all-gather of process ids = [0, 1, 2, 3]"
@@ -30,7 +30,7 @@ def gloo(rank: int) -> str:
 DEMO_LOGS = {w: [HELLO, gloo(w), GATHER, SUM, OK] for w in range(4)}
 
 # What `tpufab logs` prints after the demo's run, and what the live view must print too: the
-# lines that differ only in the rank fold into one (tpufab.display.fields).
+# lines that differ only in the rank fold into one (tpufab.term.fields).
 GLOO_FOLDED = ("[Gloo] Rank {0..3} is connected to 3 peer ranks. Expected number of connected "
                "peer ranks is : 3")
 DEMO_FOLDED = [HELLO, GLOO_FOLDED, GATHER, SUM, OK]

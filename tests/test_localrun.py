@@ -13,8 +13,8 @@ import pytest
 from helpers import process_alive
 
 from tpufab.errors import ConfigError, TpufabError
-from tpufab.jobs.localrun import run_local
-from tpufab.jobs.runs import Forwarded
+from tpufab.steps.runs.env import Forwarded
+from tpufab.steps.start.localrun import run_local
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"

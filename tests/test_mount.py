@@ -17,8 +17,8 @@ from helpers import wait_for
 
 from tpufab.errors import ConfigError
 from tpufab.quoting import Secret
-from tpufab.workflows import mount as mount_mod
-from tpufab.workflows.mount import MountError, MountSpec, mount, umount
+from tpufab.steps.host import mount as mount_mod
+from tpufab.steps.host.mount import MountError, MountSpec, mount, umount
 
 # --- pure builders ----------------------------------------------------------------------------
 

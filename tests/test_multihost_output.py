@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tpufab.jobs.running import FoldingView
-from tpufab.jobs.runs import fold_logs, render_folded, unfold
 from tpufab.ssh.fanout import WorkerResult
+from tpufab.steps.runs.env import fold_logs, render_folded, unfold
+from tpufab.steps.runs.running import FoldingView
 
 DATA = Path(__file__).parent / "data" / "multihost"
 JOBS = sorted(p.name for p in DATA.iterdir() if p.is_dir())

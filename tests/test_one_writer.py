@@ -15,7 +15,7 @@ from harness import sim_node
 from helpers import LOGIN, TPUFAB, git_daemon, tpufab, tpufab_within, unique_name, wait_for
 from helpers import in_worker as _in_worker
 
-from tpufab.workflows import gitops
+from tpufab.steps.code import gitops
 
 GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
            "GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin"}

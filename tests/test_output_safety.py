@@ -20,12 +20,12 @@ import pytest
 from helpers import WORKER_PYTHON, shipped
 
 from tpufab import quoting
-from tpufab.display.terminal import Lines, lines_of, neutralise, neutralise_text
-from tpufab.jobs.running import FoldingView, WorkerState, fold_states, prune_local_runs
-from tpufab.jobs.runs import fold_logs, fold_stream, render_folded
 from tpufab.remote import facts, launch, workerlib
 from tpufab.ssh.fanout import LiveView, WorkerResult, print_gathered
 from tpufab.ssh.remote_files import read_answer
+from tpufab.steps.runs.env import fold_logs, fold_stream, render_folded
+from tpufab.steps.runs.running import FoldingView, WorkerState, fold_states, prune_local_runs
+from tpufab.term.terminal import Lines, lines_of, neutralise, neutralise_text
 
 LAUNCH = shipped("launch.py")
 HF = "hf_Vq3/x+y=z&w-must-not-leak"

@@ -50,7 +50,7 @@ VIEWS = [(), ("--raw",), ("--follow",), ("--follow", "--raw")]     # every view 
 @pytest.fixture(scope="module")
 def pod(sim, tmp_path_factory):
     """A READY v4-16, its user's environment (with HF_TOKEN and WANDB_API_KEY) and home."""
-    from tpufab.pod import connection as pods
+    from tpufab.hosts import connect as pods
 
     with sim_node(sim, tmp_path_factory, "safe", "v4-16") as node:
         pods.connect(node.settings, console=quiet_console()).close()  # as an earlier command
@@ -218,9 +218,9 @@ def test_setup_logs_on_the_workers_are_masked_and_private(pod):
     """launch's setup (fanout.run_setup with the run's secrets, as babysit.run_setup calls it):
     the log each worker keeps is masked as it is written, 0600 in a 0700 directory, and the
     output shown is masked too (issue 23, finding 6)."""
-    from tpufab.pod import connection as pods
+    from tpufab.hosts import connect as pods
     from tpufab.quoting import Secret
-    from tpufab.workflows.setup import run_setup
+    from tpufab.steps.host.setup import run_setup
 
     secret = DB_PASS + "/x+y=z"          # with characters URL-encoding changes
     with pods.connect(pod.settings, console=quiet_console()) as connected:

@@ -94,7 +94,7 @@ def test_google_s_python_version_warning_does_not_precede_every_answer():
     output started with two lines of it (seen running the suite under 3.10). `--debug` keeps it."""
     import warnings
 
-    from tpufab.display import console
+    from tpufab.term import console
 
     def verb():
         warnings.warn_explicit("You are using a non-supported Python version (3.10.13).",

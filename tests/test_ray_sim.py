@@ -126,7 +126,7 @@ def status_json(pod) -> dict:
 
 
 def test_ray_up_joins_hosts_in_batches_after_the_head():
-    from tpufab.jobs.raycluster import join_batches
+    from tpufab.steps.start.raycluster import join_batches
 
     assert join_batches(0, range(16), head_up=False) == [[0], list(range(1, 16))]
     assert join_batches(0, range(16), head_up=False, size=4) == \
@@ -351,7 +351,7 @@ def test_babysit_ray_restarts_the_cluster_after_a_preemption_then_resubmits(ray_
     from rich.console import Console
 
     from tpufab.cloud.tpu_api import TpuApi
-    from tpufab.jobs import babysit
+    from tpufab.flows import babysit
 
     name = ray_pod.env["TPUFAB_NAME"]
     recipe = tmp_path / "babysat.py"

@@ -1,5 +1,5 @@
-"""The one per-worker report and its one renderer (tpufab.results.Report,
-tpufab.display.report), as data: folding, failures, lines and tables, --json."""
+"""The one per-worker report and its one renderer (tpufab.reports.Report,
+tpufab.views.report), as data: folding, failures, lines and tables, --json."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 from rich.console import Console
 
-from tpufab.display.report import folded, show, text
-from tpufab.results import Column, Report, seconds_range
-from tpufab.workflows.killing import KillResult, WorkerReport
+from tpufab.reports import Column, Report, seconds_range
+from tpufab.steps.host.killing import KillResult, WorkerReport
+from tpufab.views.report import folded, show, text
 
 
 @dataclass
@@ -95,8 +95,8 @@ def test_kill_rows_fold_each_workers_pid_into_one_line():
 
 
 def test_runs_are_the_pods_own_rows_under_their_columns_and_json():
-    from tpufab.jobs.history import RunsReport
-    from tpufab.jobs.running import WorkerRuns
+    from tpufab.steps.runs.history import RunsReport
+    from tpufab.steps.runs.running import WorkerRuns
 
     entry = {"run": "20261122-113148-b627", "recipe": "fail.sh", "state": "exited",
              "exit_code": 0, "started_at": 1000.0, "ended_at": 1000.1}
@@ -121,7 +121,7 @@ def test_runs_are_the_pods_own_rows_under_their_columns_and_json():
 
 
 def test_a_report_with_a_view_is_printed_by_its_view_human_and_json():
-    from tpufab.workflows.top import TopFrame, WorkerLoad
+    from tpufab.steps.health.top import TopFrame, WorkerLoad
 
     frame = TopFrame("demo", 1000.0, 1.5, 1.0,
                      rows=[WorkerLoad(0, True), WorkerLoad(1, True),
@@ -139,8 +139,8 @@ def test_a_report_with_a_view_is_printed_by_its_view_human_and_json():
 
 
 def test_top_follow_draws_each_frame_until_ctrl_c_and_returns_the_last():
-    from tpufab.display.top import follow
-    from tpufab.workflows.top import TopFrame, WorkerLoad
+    from tpufab.steps.health.top import TopFrame, WorkerLoad
+    from tpufab.views.top import follow
 
     frames = [TopFrame("demo", 1000.0 + n, 1.0, 1.0, rows=[WorkerLoad(0, True)])
               for n in range(3)]
@@ -161,8 +161,8 @@ def test_top_follow_draws_each_frame_until_ctrl_c_and_returns_the_last():
 
 
 def test_ray_status_is_a_report_printed_by_its_view_and_ray_up_down_say_what_they_did():
-    from tpufab.display.ray import down_sentence, up_sentence
-    from tpufab.jobs.raycluster import Host, RayDown, RayStatus, RayUp
+    from tpufab.steps.start.raycluster import Host, RayDown, RayStatus, RayUp
+    from tpufab.views.ray import down_sentence, up_sentence
 
     hosts = [Host(w, f"10.0.0.{w + 2}", "pod-a", w, "v4-16", "2x2x2", 4) for w in (0, 1)]
     head_node = {"ip": "10.0.0.2", "head": True, "labels": {"ray.io/tpu-slice-name": "pod-a",

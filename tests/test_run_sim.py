@@ -29,7 +29,9 @@ from helpers import (
     write_recipe,
 )
 
-from tpufab.jobs.running import (
+from tpufab.ssh.remote_files import RemoteFile, verify_loader
+from tpufab.steps.runs.env import Forwarded
+from tpufab.steps.runs.running import (
     FoldingView,
     FollowSink,
     WorkerRuns,
@@ -40,8 +42,6 @@ from tpufab.jobs.running import (
     run_rows,
     start_command,
 )
-from tpufab.jobs.runs import Forwarded
-from tpufab.ssh.remote_files import RemoteFile, verify_loader
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "hf_Zq8-must-never-leak-7431"

@@ -1,4 +1,4 @@
-"""tpufab.jobs.runs: run ids, the job environment contract, the folded log view (data in, data out)."""
+"""tpufab.steps.runs.env: run ids, the job environment contract, the folded log view (data in, data out)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from tpufab.errors import ConfigError
-from tpufab.jobs.runs import (
+from tpufab.steps.runs.env import (
     FoldedLine,
     Forwarded,
     JobLayout,
@@ -284,7 +284,7 @@ def test_64_hosts_read_like_one():
 def test_torchprime_variables_are_forwarded_when_set_and_hf_token_stays_secret(monkeypatch):
     from types import SimpleNamespace
 
-    from tpufab.jobs.runs import forwarded_for
+    from tpufab.steps.runs.env import forwarded_for
 
     for name in ("HF_TOKEN", "XLA_IR_DEBUG", "XLA_HLO_DEBUG", "LIBTPU_INIT_ARGS", "OTHER"):
         monkeypatch.delenv(name, raising=False)
@@ -305,7 +305,7 @@ def test_secret_flag_makes_any_name_a_secret_and_names_are_judged_as_words(monke
     by the one rule (DB_PASS is one, MAX_NEW_TOKENS and USE_AUTH_TOKEN are not)."""
     from types import SimpleNamespace
 
-    from tpufab.jobs.runs import forwarded_for
+    from tpufab.steps.runs.env import forwarded_for
 
     for name in ("HF_TOKEN", "XLA_IR_DEBUG", "XLA_HLO_DEBUG", "LIBTPU_INIT_ARGS"):
         monkeypatch.delenv(name, raising=False)

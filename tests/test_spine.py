@@ -26,7 +26,7 @@ CONNECTION = {"name", "zone", "project", "no_os_login", "jump"}
 ALIASES = {"worker": "workers"}
 
 # What a verb module may import: the Pod API and the front-door helpers.
-VERB_IMPORTS = ("tpufab.pod", "tpufab.verbs", "tpufab.display", "tpufab.config",
+VERB_IMPORTS = ("tpufab.pod", "tpufab.verbs", "tpufab.views", "tpufab.term", "tpufab.config",
                 "tpufab.errors", "tpufab.nodeset", "tpufab.durations", "tpufab.topology",
                 "tpufab.current", "tpufab.__version__")
 VERB_IMPORTS_OF = {"sim.py": ("tpufab.sim",)}  # the simulated pod's own verbs drive it
@@ -237,22 +237,22 @@ def test_the_api_result_types_are_the_fan_outs_own():
 
 
 # One report, one renderer (issue 22, point 2): a worker verb's per-worker outcome is a
-# tpufab.results.Report (the step's class adds only its fields), printed, human or --json,
-# by tpufab.display.report and nowhere else.
-REPORTS = {"setup": "tpufab.workflows.setup:SetupReport",
+# tpufab.reports.Report (the step's class adds only its fields), printed, human or --json,
+# by tpufab.views.report and nowhere else.
+REPORTS = {"setup": "tpufab.steps.host.setup:SetupReport",
            "put": "tpufab.ssh.transfer:TransferReport",
            "get": "tpufab.ssh.transfer:TransferReport",
-           "profile": "tpufab.workflows.profiling:Captured",
-           "deploy": "tpufab.workflows.deploy:DeployReport",
-           "mount": "tpufab.workflows.mount:MountReport",
-           "umount": "tpufab.workflows.mount:MountReport",
-           "kill": "tpufab.workflows.killing:KillResult",
-           "autostop": "tpufab.workflows.autostop:AutostopReport",
-           "runs": "tpufab.jobs.history:RunsReport",
-           "status": "tpufab.workflows.status:PodStatus",
-           "check": "tpufab.workflows.check:CheckReport",
-           "top": "tpufab.workflows.top:TopFrame",
-           "stacks": "tpufab.workflows.stacks:StacksReport"}
+           "profile": "tpufab.steps.host.profiling:Captured",
+           "deploy": "tpufab.steps.code.deploy:DeployReport",
+           "mount": "tpufab.steps.host.mount:MountReport",
+           "umount": "tpufab.steps.host.mount:MountReport",
+           "kill": "tpufab.steps.host.killing:KillResult",
+           "autostop": "tpufab.steps.host.autostop:AutostopReport",
+           "runs": "tpufab.steps.runs.history:RunsReport",
+           "status": "tpufab.steps.health.status:PodStatus",
+           "check": "tpufab.steps.health.check:CheckReport",
+           "top": "tpufab.steps.health.top:TopFrame",
+           "stacks": "tpufab.steps.health.stacks:StacksReport"}
 # Worker verbs whose output is not a report of the step: the workers' own output (exec, run,
 # logs, babysit's followed run), a shell, live forwards.
 NO_REPORT = {"exec", "ssh", "forward", "run", "logs", "babysit"}
@@ -261,7 +261,7 @@ NO_REPORT = {"exec", "ssh", "forward", "run", "logs", "babysit"}
 REMAINING: set[str] = set()
 # Where classes still render themselves: REMAINING's reports and babysit's attempt record
 # (its state file, not a report).
-RENDER_THEMSELVES = {"jobs/babysit.py"}
+RENDER_THEMSELVES = {"flows/babysit.py"}
 # Records of the control plane and of accelerator shapes: no workers in them.
 NOT_WORKER_REPORTS = {"cloud/nodes.py", "cloud/lifecycle.py", "topology.py"}
 RENDERING = ("lines", "to_json", "table", "render", "summary")
@@ -282,24 +282,24 @@ def test_every_worker_verb_says_how_it_reports():
 
 @pytest.mark.parametrize("verb", sorted(REPORTS))
 def test_a_worker_verbs_report_is_the_one_type_and_renders_nothing_itself(verb):
-    from tpufab.results import Report
+    from tpufab.reports import Report
 
     cls = _report_class(REPORTS[verb])
     assert issubclass(cls, Report), f"`tpufab {verb}` reports a {cls.__name__}, not a Report"
     own = [name for klass in cls.__mro__ if klass not in Report.__mro__
            for name, value in vars(klass).items() if name in RENDERING and callable(value)]
-    assert not own, f"{cls.__name__} renders itself ({own}): tpufab.display.report does"
+    assert not own, f"{cls.__name__} renders itself ({own}): tpufab.views.report does"
 
 
 @pytest.mark.parametrize("verb", sorted(REPORTS))
 def test_a_report_with_a_layout_of_its_own_names_a_view_the_renderer_has(verb):
     """One way to a step's own layout: its report's ``view``, a key of display.report.VIEWS
     (whose function lives in a module of tpufab/display); no view: the generic table."""
-    from tpufab.display.report import VIEWS
+    from tpufab.views.report import VIEWS
 
     cls = _report_class(REPORTS[verb])
     assert cls.view == "" or cls.view in VIEWS, f"{cls.__name__}.view {cls.view!r} is not shown"
-    assert all(fn.__module__.startswith("tpufab.display.") for fn in VIEWS.values())
+    assert all(fn.__module__.startswith("tpufab.views.") for fn in VIEWS.values())
 
 
 def _printing_calls(fn) -> list[str]:

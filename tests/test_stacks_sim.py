@@ -418,8 +418,8 @@ STUCK_2 = ("MainThread", [("read", "io.py", 9), ("stuck_in_data_loader", "train.
 
 
 def test_fold_puts_the_odd_worker_first_marking_the_function_it_is_in():
-    from tpufab.display.stacks import render
-    from tpufab.workflows.stacks import fold_stacks
+    from tpufab.steps.health.stacks import fold_stacks
+    from tpufab.views.stacks import render
 
     answers = {w: answer(STUCK_2 if w == 2 else WAITING) for w in range(64)}
     answers[0] = answer(WAITING, ("barrier-server", [("accept", "socket.py", 294)]))
@@ -439,7 +439,7 @@ def test_fold_puts_the_odd_worker_first_marking_the_function_it_is_in():
 
 
 def test_fold_native_addresses_never_split_workers_and_ties_go_to_the_lowest_worker():
-    from tpufab.workflows.stacks import fold_stacks
+    from tpufab.steps.health.stacks import fold_stacks
 
     def native(address, line):
         return answer(("MainThread", [(address, "libc.so.6", 0), ("step", "train.py", line)]))
@@ -454,7 +454,7 @@ def test_fold_native_addresses_never_split_workers_and_ties_go_to_the_lowest_wor
 def test_a_progress_file_is_read_where_the_recipe_touches_it_quoted():
     """Relative: in the run's directory ($TPUFAB_RUN_DIR); ~/: the login user's home;
     absolute as given. Always one quoted shell word, never the user's text as shell."""
-    from tpufab.jobs.stall import ProgressFile, progress_probe_every
+    from tpufab.steps.start.stall import ProgressFile, progress_probe_every
 
     where = ProgressFile.where
     assert where("20261125-1-ab", "progress") == '"$HOME/.tpufab/runs"/20261125-1-ab/progress'

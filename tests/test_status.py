@@ -28,10 +28,10 @@ from helpers import (
     wait_for,
 )
 
-from tpufab.display import status as status_view
 from tpufab.remote import facts
 from tpufab.ssh.remote_files import read_answer
-from tpufab.workflows import status as st
+from tpufab.steps.health import status as st
+from tpufab.views import status as status_view
 
 GiB = 1 << 30
 
@@ -271,8 +271,8 @@ def node(sim, tmp_path_factory):
 @pytest.mark.sim
 def test_status_folds_agreeing_workers_and_singles_out_the_odd_one(sim, node, sim_admin, capsys,
                                                                   monkeypatch):
-    from tpufab.display.console import run
-    from tpufab.pod import connection as pods
+    from tpufab.hosts import connect as pods
+    from tpufab.term.console import run
     from tpufab.verbs.status import status as status_verb
 
     settings = node.settings
@@ -328,8 +328,8 @@ def test_status_folds_agreeing_workers_and_singles_out_the_odd_one(sim, node, si
 
 @pytest.mark.sim
 def test_status_shows_a_running_run_and_finished_ones(sim, node):
-    from tpufab.pod import connection as pods
-    from tpufab.workflows.deploy import run_script
+    from tpufab.hosts import connect as pods
+    from tpufab.steps.code.deploy import run_script
 
     settings = node.settings
     pod = pods.shared(settings)
@@ -362,7 +362,7 @@ def test_status_shows_a_running_run_and_finished_ones(sim, node):
 def test_status_of_a_preempted_node_shows_the_api_state(sim, sim_admin, tmp_path, capsys,
                                                         monkeypatch):
     from tpufab.cloud import lifecycle
-    from tpufab.display.console import run
+    from tpufab.term.console import run
     from tpufab.verbs.status import status as status_verb
 
     settings = sim_settings(sim, tmp_path, name=unique_name("stp"), type="v4-16")

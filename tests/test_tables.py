@@ -9,9 +9,9 @@ from rich.console import Console
 
 from tpufab.cloud import lifecycle
 from tpufab.cloud.nodes import Node, WorkerEndpoint
-from tpufab.display import status as status_view
-from tpufab.display import tables
-from tpufab.workflows import status as st
+from tpufab.steps.health import status as st
+from tpufab.term import tables
+from tpufab.views import status as status_view
 
 LONG = ("python3 -I -S /home/me/.cache/tpufab/remote/5d41402abc4b2a76b9719d911017c592/"
         "train.py --config configs/llama3-8b.yaml --steps 100000")

@@ -16,10 +16,10 @@ from tpufab.cloud.controlplane import queued_resource_body
 from tpufab.cloud.nodes import Node, QueuedResourceInfo, WorkerEndpoint, autostop_cell
 from tpufab.config import load_settings
 from tpufab.errors import ConfigError
-from tpufab.jobs import launch as launching
-from tpufab.jobs.runs import JobLayout, job_environment, skypilot_variables
-from tpufab.jobs.taskfile import FileCopy, Mount, load_task, parse_task, resolve_envs
-from tpufab.workflows import autostop
+from tpufab.flows import launch as launching
+from tpufab.flows.taskfile import FileCopy, Mount, load_task, parse_task, resolve_envs
+from tpufab.steps.host import autostop
+from tpufab.steps.runs.env import JobLayout, job_environment, skypilot_variables
 
 REPO = Path(__file__).resolve().parents[1]
 

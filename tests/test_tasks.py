@@ -49,7 +49,8 @@ def wrong_flags(sentence: str, verb: str = "launch") -> list[str]:
 
 def test_wrong_flags_finds_what_the_issue_found():
     """The advice issue 25 found under launch (--install, --driver, --wip) is caught."""
-    from tpufab.workflows import gitops, mount
+    from tpufab.steps.code import gitops
+    from tpufab.steps.host import mount
 
     assert wrong_flags("gcsfuse is not installed on worker 0: "
                        + mount.INSTALL_HINT["gcsfuse"] + ".") == ["--install", "--driver"]
@@ -75,9 +76,10 @@ def test_every_error_launch_can_raise_names_flags_launch_has():
     """Every sentence the launch steps can end in, in the words launch says it (its own
     errors, the task file's, create's, deploy's, a task's mount, the setup's)."""
     from tpufab.cloud import lifecycle
-    from tpufab.jobs import launch, taskfile
-    from tpufab.workflows import deploy, mount
-    from tpufab.workflows import setup as setting
+    from tpufab.flows import launch, taskfile
+    from tpufab.steps.code import deploy
+    from tpufab.steps.host import mount
+    from tpufab.steps.host import setup as setting
 
     sentences = [*_raised_texts(inspect.getsource(launch)),
                  *_raised_texts(inspect.getsource(taskfile)),
@@ -97,8 +99,8 @@ def test_every_error_launch_can_raise_names_flags_launch_has():
 def test_a_dirty_workdir_is_refused_with_advice_launch_can_follow(tmp_path):
     from tpufab.config import Settings
     from tpufab.errors import ConfigError
-    from tpufab.jobs import launch
-    from tpufab.jobs.taskfile import Task
+    from tpufab.flows import launch
+    from tpufab.flows.taskfile import Task
 
     for argv in (["init", "-q"], ["-c", "user.name=t", "-c", "user.email=t@t.invalid",
                                   "commit", "-qm", "x", "--allow-empty"]):
@@ -117,8 +119,8 @@ def test_the_setup_script_records_the_failed_line_and_command(tmp_path, source):
     (as SkyPilot runs it), a tpufab setup stops (errexit); both record line 2 and the
     command; a handled failure (`|| true`) is none."""
     from tpufab.config import Settings
-    from tpufab.jobs import launch
-    from tpufab.jobs.taskfile import Task
+    from tpufab.flows import launch
+    from tpufab.flows.taskfile import Task
 
     task = Task(source=source, setup="echo one\nls /no/such/dir\nfalse || true\necho last\n",
                 run="x")
@@ -141,7 +143,7 @@ def test_the_setup_script_records_the_failed_line_and_command(tmp_path, source):
 
 
 def _sky(resources: str):
-    from tpufab.jobs.taskfile import parse_task, parse_yaml
+    from tpufab.flows.taskfile import parse_task, parse_yaml
 
     return parse_task(parse_yaml(f"resources:\n  accelerators: tpu-v4-8\n{resources}run: x\n"),
                       "z.yaml")
@@ -156,7 +158,7 @@ def _sky(resources: str):
 ])
 def test_the_task_s_zone_is_the_plan_s(resources, zone):
     from tpufab.config import Settings
-    from tpufab.jobs import launch
+    from tpufab.flows import launch
 
     p = launch.plan(_sky(resources), settings=Settings(name="n", zone="us-central2-b",
                                                        project="p"))
@@ -181,7 +183,7 @@ def test_the_task_s_zone_is_the_plan_s(resources, zone):
 def test_a_zone_that_cannot_be_honoured_is_refused_in_one_sentence(resources, sentence):
     from tpufab.config import Settings
     from tpufab.errors import ConfigError
-    from tpufab.jobs import launch
+    from tpufab.flows import launch
 
     with pytest.raises(ConfigError) as err:
         launch.plan(_sky(resources), settings=Settings(name="n", zone="us-central2-b",
@@ -192,7 +194,7 @@ def test_a_zone_that_cannot_be_honoured_is_refused_in_one_sentence(resources, se
 
 def test_a_region_alone_takes_the_zone_setting_when_it_lies_in_it():
     from tpufab.config import Settings
-    from tpufab.jobs import launch
+    from tpufab.flows import launch
 
     p = launch.plan(_sky("  infra: gcp/us-east5\n"),
                     settings=Settings(name="n", zone="us-east5-a", project="p"))
@@ -204,9 +206,9 @@ def test_a_region_alone_takes_the_zone_setting_when_it_lies_in_it():
 
 def test_a_skypilot_task_s_scripts_link_and_enter_sky_workdir_and_map_gcpuser(tmp_path):
     from tpufab.config import Settings
-    from tpufab.jobs import launch
-    from tpufab.jobs.runs import Forwarded
-    from tpufab.jobs.taskfile import Task
+    from tpufab.flows import launch
+    from tpufab.flows.taskfile import Task
+    from tpufab.steps.runs.env import Forwarded
 
     task = Task(source="skypilot", workdir=".", setup="pwd", run="pwd")
     forwarded = Forwarded({"CKPT": "/home/gcpuser/sky_workdir/ckpt", "MODEL": "m"}, {})
@@ -232,8 +234,8 @@ def test_a_skypilot_task_s_scripts_link_and_enter_sky_workdir_and_map_gcpuser(tm
 
 
 def test_a_skypilot_task_name_becomes_a_node_name():
-    from tpufab.jobs.launch import node_name_of
-    from tpufab.jobs.taskfile import Task
+    from tpufab.flows.launch import node_name_of
+    from tpufab.flows.taskfile import Task
 
     assert node_name_of(Task(source="skypilot", name="tpuvm_mnist")) == "tpuvm-mnist"
     assert node_name_of(Task(source="skypilot", name="Llama3 Train")) == "llama3-train"

@@ -17,7 +17,7 @@ from helpers import in_worker, tpufab, wait_for
 # A verb as the CLI calls it (for flags the front doors do not declare yet).
 CALL = ("import json, sys\n"
         "from tpufab.verbs import jobs, workers, data, status\n"
-        "from tpufab.display.console import run\n"
+        "from tpufab.term.console import run\n"
         "family, verb = sys.argv[1].split('.')\n"
         "fn = getattr(globals()[family], verb)\n"
         "kw = json.loads(sys.argv[2])\n"
@@ -125,7 +125,7 @@ def test_waiting_for_a_port_gives_up_on_a_worker_that_froze_mid_probe(sim, pod4)
     import threading
 
     from tpufab import Pod
-    from tpufab.jobs import running
+    from tpufab.steps.runs import running
 
     settings = dataclasses.replace(pod4.settings, command_timeout=None)
     answer: list = []
@@ -272,7 +272,7 @@ def test_two_pods_sharing_connections_keep_their_own_timeouts(monkeypatch, tmp_p
     import socket
 
     from tpufab.config import Settings
-    from tpufab.pod import connection
+    from tpufab.hosts import connect as connection
     from tpufab.pod.api import Pod
     from tpufab.ssh.fanout import Fanout, Target
     from tpufab.ssh.hostkeys import KnownHosts

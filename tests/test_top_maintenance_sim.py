@@ -152,7 +152,7 @@ def test_top_bad_input_is_one_sentence(pod4):
 
 
 def test_near_equal_workers_fold_and_the_odd_ones_stand_out():
-    from tpufab.workflows.top import WorkerLoad, fold_rows
+    from tpufab.steps.health.top import WorkerLoad, fold_rows
 
     def idle(w, cpu):
         return WorkerLoad(w, True, cpu_percent=cpu / 2, core_percent=cpu, cores=2,

@@ -22,10 +22,10 @@ import pytest
 from harness import SimPod, needs_root
 from helpers import free_port, wait_for
 
-from tpufab.display.report import text
 from tpufab.errors import ConfigError, TpufabError
 from tpufab.ssh import forward as forwarding
 from tpufab.ssh import transfer
+from tpufab.views.report import text
 
 pytestmark = pytest.mark.sim
 
@@ -174,7 +174,7 @@ def test_a_full_disk_fails_naming_the_worker_and_leaves_nothing(pod, tmp_path):
 PUT_DRIVER = r"""
 import json, sys
 from tpufab.ssh import transfer
-from tpufab.display.console import run
+from tpufab.term.console import run
 from tpufab.ssh.fanout import Fanout, Target
 from tpufab.ssh.hostkeys import KnownHosts, alias
 spec = json.loads(sys.argv[1])
@@ -458,10 +458,10 @@ def test_get_into_a_full_local_disk_is_one_sentence(pod, tmp_path):
 def test_put_into_the_checkout_of_a_live_run_is_refused(pod, tmp_path):
     """As deploy: a run on w1 reads /root/checkout; put there is refused in one sentence naming
     the run, put elsewhere goes on, and once the run ends the same put works."""
-    from tpufab.jobs import running as jobs
     from tpufab.ssh.remote_files import RemoteFile
-    from tpufab.workflows import codelock
-    from tpufab.workflows.codelock import CodeBusy
+    from tpufab.steps.code import codelock
+    from tpufab.steps.code.codelock import CodeBusy
+    from tpufab.steps.runs import running as jobs
 
     pod.sh(1, "mkdir -p /root/checkout && rm -f /tmp/stop-put")
     recipe = RemoteFile("reads.sh", b"#!/bin/sh\nn=0\nwhile [ ! -e /tmp/stop-put ] && "
@@ -533,7 +533,7 @@ def test_a_tampered_setup_runner_or_setup_script_never_runs(pod):
     """The shell side of the seam: setup_runner.sh runs as the bytes that were hashed (sh -c),
     and the user's setup script it runs is a sealed in-memory copy of the checked bytes."""
     from tpufab.ssh.remote_files import RemoteFile
-    from tpufab.workflows.setup import run_setup
+    from tpufab.steps.host.setup import run_setup
 
     setup = b'echo "setup from $0"\n'
     result, _ = run_setup(pod.fanout, setup, workers=[2], force=True)

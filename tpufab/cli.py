@@ -12,7 +12,7 @@ from typing import Any
 
 import typer
 
-from tpufab.display.console import run as run_verb
+from tpufab.term.console import run as run_verb
 from tpufab.verbs import GROUP_HELP, all_verbs
 from tpufab.verbs.declare import Param, Verb, call_values
 
@@ -172,7 +172,7 @@ def build_app(only: str | None = None) -> typer.Typer:
             try:
                 keep_alive_seconds(keep_alive, "--keep-alive")
             except ConfigError as err:
-                from tpufab.display.console import report_error
+                from tpufab.term.console import report_error
 
                 raise typer.Exit(report_error(err, debug=debug)) from None
             os.environ["TPUFAB_KEEP_ALIVE"] = keep_alive  # the layer every verb reads

@@ -306,7 +306,7 @@ def layers(overrides: Mapping[str, Any] | None = None, *, cwd: Path | None = Non
 def _unknown_env(key: str) -> None:
     """A TPUFAB_* variable that is no setting: refused when it looks like a misspelt one (a
     zone silently left at its default creates a pod in the wrong place), else warned once."""
-    from tpufab.jobs.runs import RESERVED
+    from tpufab.steps.runs.env import RESERVED
 
     short = key[len(ENV_PREFIX):]
     if short in OTHER_ENV or short.startswith(OTHER_ENV_PREFIXES) or key in RESERVED:

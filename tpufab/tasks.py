@@ -42,7 +42,7 @@ class VerbTask(Task):
 
     def _call(self, c, **values: Any) -> None:
         from tpufab import config
-        from tpufab.display.console import run
+        from tpufab.term.console import run
 
         debug = values.pop("debug", False)
         values = {p.name: values[_key(p)] for p in self.declared_params if _key(p) in values}

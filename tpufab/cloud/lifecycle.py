@@ -73,7 +73,7 @@ def validate_project(project: str) -> str:
 def _console(console: Console | None) -> Console:
     if console is not None:
         return console
-    from tpufab.display.console import stdout
+    from tpufab.term.console import stdout
 
     return stdout()
 
@@ -125,7 +125,7 @@ def control_plane(settings: Settings, control: ControlPlane | None = None, *,
 
     if on_retry is None:
         def on_retry(exc: BaseException, attempt: int, delay: float) -> None:
-            from tpufab.display.console import stderr
+            from tpufab.term.console import stderr
 
             stderr().print(retry_note(exc, attempt, delay))
 
@@ -1243,9 +1243,9 @@ def _created(node: Node | QueuedResourceInfo) -> str:
 
 
 def nodes_table(nodes: list[Node], console: Console) -> RenderableType:
-    """The `tpufab list` table, fitted to ``console`` (tpufab.display.tables)."""
+    """The `tpufab list` table, fitted to ``console`` (tpufab.term.tables)."""
     from tpufab.cloud.nodes import AUTOSTOP_KEY, autostop_cell
-    from tpufab.display.tables import fitted
+    from tpufab.term.tables import fitted
 
     autostop = any(AUTOSTOP_KEY in node.metadata for node in nodes)
     planes = any(node.plane != "tpu" for node in nodes)  # ON: which control plane
@@ -1265,7 +1265,7 @@ def nodes_table(nodes: list[Node], console: Console) -> RenderableType:
 
 
 def queued_table(resources: list[QueuedResourceInfo], console: Console) -> RenderableType:
-    from tpufab.display.tables import fitted
+    from tpufab.term.tables import fitted
 
     return fitted(("QUEUED RESOURCE", "TYPE", "STATE", "TIER", "NODES", "CREATED"),
                   [(_escape(qr.name), qr.accelerator_type, _state_text(qr.state), qr.tier,

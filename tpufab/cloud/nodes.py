@@ -444,7 +444,7 @@ class MultisliceInfo:
 
 
 # The autostop policy tpufab's watchdog enforces, as the node's metadata carries it
-# (written by tpufab.workflows.autostop; shown by `tpufab list`).
+# (written by tpufab.steps.host.autostop; shown by `tpufab list`).
 AUTOSTOP_KEY = "tpufab-autostop"
 
 

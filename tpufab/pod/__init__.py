@@ -1,2 +1,1 @@
-"""The Pod: the Python API every verb is built on (api), and the connected node it opens
-(connection)."""
+"""The Pod: the Python API every verb is built on (api)."""

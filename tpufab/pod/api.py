@@ -24,7 +24,7 @@ from tpufab.config import Settings, load_settings
 from tpufab.errors import ConfigError
 
 if TYPE_CHECKING:
-    from tpufab.pod.connection import Pod as Connected
+    from tpufab.hosts.connect import Pod as Connected
     from tpufab.ssh.fanout import FanoutError as PodError
     from tpufab.ssh.fanout import GroupResult as PodResult
     from tpufab.ssh.fanout import OutputSink
@@ -54,7 +54,7 @@ def __getattr__(name: str) -> Any:
 
         return TransferError
     if name == "FoldingView":
-        from tpufab.jobs.running import FoldingView
+        from tpufab.steps.runs.running import FoldingView
 
         return FoldingView
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -112,7 +112,7 @@ class Pod:
     def connected(self) -> Connected:
         """The open pod (nodes, fan-out, slices): connects on first use."""
         if self._connected is None:
-            from tpufab.pod import connection as pod
+            from tpufab.hosts import connect as pod
 
             self._connected = pod.shared(self.settings)
         return self._connected
@@ -147,7 +147,7 @@ class Pod:
 
     def close(self) -> None:
         if self._connected is not None:
-            from tpufab.pod import connection as pod
+            from tpufab.hosts import connect as pod
 
             pod.forget(self.settings)
             self._connected = None
@@ -165,7 +165,7 @@ class Pod:
             return self.connected
         import copy
 
-        from tpufab.pod import connection as pod
+        from tpufab.hosts import connect as pod
 
         settings = copy.copy(self.settings)
         settings.connect_timeout = timeout
@@ -191,7 +191,7 @@ class Pod:
         ``{worker: result}`` (``.succeeded``, ``.failed``, ``.ok``).
 
         ``env``: ``{NAME: value}``, or `tpufab exec --env` specs (``"K=V"``, or ``"K"`` for
-        the local value of K); forwarded as `exec --env` does (tpufab.jobs.runs.forwarded_for:
+        the local value of K); forwarded as `exec --env` does (tpufab.steps.runs.env.forwarded_for:
         the ``env`` setting too, and values whose names are secrets (the ``secrets`` setting,
         or names like ``*TOKEN*``) travel on stdin and are masked). ``timeout``: seconds the
         command may run on each worker (default: the command_timeout setting). ``one_shot``:
@@ -200,8 +200,8 @@ class Pod:
         Raises PodError naming every failed worker (``.result`` holds every worker's) unless
         ``warn``.
         """
-        from tpufab.jobs.runs import forwarded_for
         from tpufab.quoting import Secret
+        from tpufab.steps.runs.env import forwarded_for
 
         if isinstance(env, Mapping):
             specs = [f"{k}={v.reveal() if isinstance(v, Secret) else v}" for k, v in env.items()]
@@ -223,14 +223,14 @@ class Pod:
               env: Mapping[str, str] | Sequence[str] | None = None,
               secret: Sequence[str] | None = None) -> Any:
         """Run a setup script on every worker once per script content: a SetupReport (a
-        ``tpufab.results.Report``: ``.by_worker`` {worker: outcome}, each with ``.status``
+        ``tpufab.reports.Report``: ``.by_worker`` {worker: outcome}, each with ``.status``
         ran/skipped/incomplete and ``.log`` on the worker). ``env`` and ``secret``
         as for ``run``: secrets (by name, or ``secret``) only on stdin and masked in the output
         and the worker's log; neither counts as content. Raises PodError if any worker
         failed, naming the log and, where known, the failed command."""
-        from tpufab.jobs.runs import forwarded_for
         from tpufab.quoting import Secret
-        from tpufab.workflows.setup import SetupReport, run_setup
+        from tpufab.steps.host.setup import SetupReport, run_setup
+        from tpufab.steps.runs.env import forwarded_for
 
         path = self.setup_script(script)
         if isinstance(env, Mapping):
@@ -266,7 +266,7 @@ class Pod:
         import subprocess
         import sys
 
-        from tpufab.pod import connection
+        from tpufab.hosts import connect as connection
         from tpufab.ssh.forward import parse_forward
 
         forwards = [parse_forward(spec) for spec in forward or ()]
@@ -298,8 +298,8 @@ class Pod:
         import os
 
         from tpufab.quoting import Secret
-        from tpufab.workflows import deploy as deploying
-        from tpufab.workflows import gitops
+        from tpufab.steps.code import deploy as deploying
+        from tpufab.steps.code import gitops
 
         root = gitops.repo_root(Path(cwd) if cwd else None)
         if not wip:
@@ -318,7 +318,7 @@ class Pod:
                    options: Iterable[str] | None = None) -> Any:
         """What ``mount`` would mount where (MountSpec: ``.url``, ``.at``, ``.driver``,
         ``.endpoint``), checked without connecting; raises ConfigError."""
-        from tpufab.workflows import mount as mounting
+        from tpufab.steps.host import mount as mounting
 
         return mounting.mount_spec(bucket, at=at, driver=driver or self.settings.mount_driver,
                                    options=mounting.driver_options(options),
@@ -333,7 +333,7 @@ class Pod:
         (``["--dir-cache-time 10s"]``), ``install`` a missing driver. ``timeout``: seconds
         each step on the workers may take (default 300; None: the command_timeout setting).
         Returns the per-worker MountReport; raises MountError naming every failed worker."""
-        from tpufab.workflows import mount as mounting
+        from tpufab.steps.host import mount as mounting
 
         spec = self.mount_spec(bucket, at=at, driver=driver, options=options)
         return mounting.apply_mount(self.connected.fanout, spec, install=install, sink=sink,
@@ -345,7 +345,7 @@ class Pod:
         umount`); ``lazy``: detach even if files are open there. ``timeout`` as for mount.
         Returns the per-worker MountReport; raises MountError (a bad ``at``: ConfigError,
         before connecting)."""
-        from tpufab.workflows import mount as mounting
+        from tpufab.steps.host import mount as mounting
 
         mounting.umount_args(at, lazy=lazy)
         return mounting.umount(self.connected.fanout, at, lazy=lazy,
@@ -410,7 +410,7 @@ class Pod:
         trace from the running JAX job (`tpufab profile`); returns where it was copied
         (``.local_dir``) and the files per worker (``.files``). Raises ConfigError for a
         bad duration (before connecting) or when no run is running."""
-        from tpufab.workflows import profiling
+        from tpufab.steps.host import profiling
 
         if seconds is None:
             seconds = profiling.parse_duration(duration)
@@ -432,7 +432,7 @@ class Pod:
         ``.wait()``). See docs/api.md for each parameter; ``deploy=False`` is the older
         spelling of ``no_deploy=True``. With ``local``, runs the recipe as ``workers``
         processes here and returns their LocalRunResult."""
-        from tpufab.jobs import starting
+        from tpufab.steps.start import starting
 
         started = starting.start_run(
             self, self.settings, recipe, args=args, extra=extra, env=env, secret=secret,
@@ -452,7 +452,7 @@ class Pod:
         worker (default: the command_timeout setting, else the grace period plus 34 s).
         Returns the kill result (a Report: ``.ok``, ``.rows``, ``.summary``, ``.workers``);
         raises ConfigError for a negative grace or a malformed run id."""
-        from tpufab.workflows import killing
+        from tpufab.steps.host import killing
 
         killing.check_options(run=run, grace=grace)
         return killing.kill(self.connected.fanout, self.select(workers), run=run, grace=grace,
@@ -472,8 +472,8 @@ class Pod:
         for the workers (default: the command_timeout setting, else 300; following has no
         limit unless given). ``progress(text, style)`` hears which run it is. Raises
         ConfigError for a malformed run id, RunError when there is no such run."""
-        from tpufab.jobs import history
-        from tpufab.jobs.runs import forwarded_for
+        from tpufab.steps.runs import history
+        from tpufab.steps.runs.env import forwarded_for
 
         try:
             secrets = list(forwarded_for(self.settings, None).secrets.values())
@@ -490,7 +490,7 @@ class Pod:
         worker's state; ``.unreachable``; ``.to_json()``; ``.check()`` raises RunError naming
         the workers that did not answer). ``timeout``: seconds for every worker to answer
         (default: the command_timeout setting, else 60)."""
-        from tpufab.jobs import history
+        from tpufab.steps.runs import history
 
         return history.list_runs(self.connected.fanout, self.select(workers),
                                  timeout=self._timeout(timeout, history.LIST_TIMEOUT))
@@ -508,10 +508,10 @@ class Pod:
         """`tpufab status`: the node's API state and every worker's facts, and worker 0's
         autostop view when one is armed. Returns a PodStatus (a Report: ``.rows`` every
         worker's facts, ``.folded`` the table's rows, ``.healthy``, ``.autostop``; shown by
-        tpufab.display.report.show). ``timeout``: seconds each
+        tpufab.views.report.show). ``timeout``: seconds each
         worker has to answer (default 60, as the verb; None: the ``command_timeout``
         setting). Raises ApiError when there is no such node."""
-        from tpufab.workflows import status
+        from tpufab.steps.health import status
 
         if timeout is None:
             timeout = self.settings.command_timeout
@@ -527,7 +527,7 @@ class Pod:
         ``.summary`` says it in words). Raises ConfigError (one sentence) before touching a worker when neither
         or both of (idle/ttl, cancel) are given, AutostopError naming the workers that
         failed."""
-        from tpufab.workflows import autostop
+        from tpufab.steps.host import autostop
 
         if timeout is None:
             timeout = self.settings.command_timeout
@@ -569,8 +569,8 @@ class Pod:
         saying why otherwise (ConfigError, one sentence, for a bad budget or code)."""
         import copy
 
-        from tpufab.jobs import babysit as babysitting
-        from tpufab.jobs.starting import recipe_args
+        from tpufab.flows import babysit as babysitting
+        from tpufab.steps.start.starting import recipe_args
 
         args = recipe_args(args)
         settings = copy.copy(self.settings)  # this call's timeouts, not the pod's
@@ -597,7 +597,7 @@ class Pod:
         every host (``timeout``: seconds it may take); a CheckReport (a Report: ``.rows`` one
         per check, ``.ok``, ``.problems``, ``.summary``). ``progress(message)`` hears the
         steps. Raises ConfigError for a timeout that is not above 0."""
-        from tpufab.workflows import check
+        from tpufab.steps.health import check
 
         check.refuse_timeout(timeout)  # before connecting
         # the timeout bounds connecting too: a frozen worker is named
@@ -619,7 +619,7 @@ class Pod:
         local logs (./.tpufab/runs/ID/stacks-TIME.txt and .json; ./.tpufab/stacks/ without a
         run): ``.saved``. ``timeout``: seconds each worker may take (default: the
         command_timeout setting, else 60). Raises ConfigError for a malformed run id."""
-        from tpufab.workflows import stacks
+        from tpufab.steps.health import stacks
 
         stacks.check_run(run)
         report = stacks.capture(self.connected.fanout, self.select(workers), run=run,
@@ -627,7 +627,7 @@ class Pod:
                                 timeout=self._timeout(timeout, stacks.TIMEOUT),
                                 progress=progress)
         if save and report.dumped and report.processes:
-            from tpufab.jobs import running as jobs
+            from tpufab.steps.runs import running as jobs
 
             settings = self.settings
             try:
@@ -652,7 +652,7 @@ class Pod:
         (KeyboardInterrupt, left to the caller) and the last is returned. ``timeout``: seconds
         each worker has to answer. ConfigError (one sentence) for an interval outside (0, 30]
         or ``every`` below 1 s, before connecting."""
-        from tpufab.workflows import top
+        from tpufab.steps.health import top
 
         top.check_every(every, interval)
         chosen = self.select(workers)
@@ -668,7 +668,7 @@ class Pod:
         background process keeping them between commands (tpufab.ssh.keeper); how many such
         processes were stopped. The next command connects again (and keeps them again unless
         keep_alive is 0)."""
-        from tpufab.pod import connection
+        from tpufab.hosts import connect as connection
 
         self.close()
         return connection.stop_keepers(self.settings)
@@ -683,9 +683,9 @@ class Pod:
         hosts joined at a time (0: all at once), each batch seen by the head before the next
         (for machines where many simultaneous joins miss Ray's 30 s wait). ``timeout``:
         seconds per step on the workers (default 300). Returns a RayUp (``.address``,
-        ``.already``, ``.started``; ``tpufab.display.ray.up_sentence`` says it); raises RayError saying where and
+        ``.already``, ``.started``; ``tpufab.views.ray.up_sentence`` says it); raises RayError saying where and
         why it could not."""
-        from tpufab.jobs import raycluster
+        from tpufab.steps.start import raycluster
 
         return raycluster.up(self, extra=list(options or ()),
                              timeout=self._timeout(timeout, raycluster.STEP_TIMEOUT),
@@ -696,8 +696,8 @@ class Pod:
         """`tpufab ray status`: whether Ray is up, the nodes the head sees (TPU resources,
         the head resource, slice labels), the hosts not joined and the jobs: a RayStatus, a
         Report whose rows are the hosts (``.up``, ``.healthy``, ``.missing``; printed by
-        ``tpufab.display.report.show``)."""
-        from tpufab.jobs import raycluster
+        ``tpufab.views.report.show``)."""
+        from tpufab.steps.start import raycluster
 
         return raycluster.status(self, timeout=self._timeout(timeout, 60.0))
 
@@ -710,7 +710,7 @@ class Pod:
         127.0.0.1), follow its logs (``out(line)``, secrets masked) until it ends. Returns a
         Submitted (``.job``, ``.status``, ``.exit_code``); raises RayError when Ray is not
         up."""
-        from tpufab.jobs import raycluster
+        from tpufab.steps.start import raycluster
 
         return raycluster.submit(self, self.settings, recipe, list(extra), env=env,
                                  secret=secret, no_deploy=no_deploy, direct=direct,
@@ -719,9 +719,9 @@ class Pod:
 
     def ray_down(self, *, grace: float = 10.0, timeout: float | None = None) -> Any:
         """`tpufab ray down`: `ray stop` on every host (then forced) until no Ray process is
-        left; a RayDown (``.answers`` per worker; ``tpufab.display.ray.down_sentence`` says
+        left; a RayDown (``.answers`` per worker; ``tpufab.views.ray.down_sentence`` says
         it); raises RayError naming hosts where Ray processes are left."""
-        from tpufab.jobs import raycluster
+        from tpufab.steps.start import raycluster
 
         return raycluster.down(self, grace=grace,
                                timeout=self._timeout(timeout, raycluster.STEP_TIMEOUT))
@@ -758,7 +758,7 @@ class Run:
         """How the followed run ended (``states`` from ``follow``), in one sentence when it
         ended well everywhere; else RunError naming the failed and lost workers, with the
         workers' exit status. ``kept``: where the local copy of the logs is, as shown."""
-        from tpufab.jobs import starting
+        from tpufab.steps.start import starting
 
         hint = (starting.shipped_note(self.plan, self.started)
                 if self.plan is not None and self.started else None)
@@ -767,7 +767,7 @@ class Run:
     def log_copy_dir(self) -> Path:
         """Where the local copy of this run's logs goes (~/.tpufab/runs/ID; older copies
         pruned to the keep_runs and keep_logs_gib settings); OSError when it cannot be made."""
-        from tpufab.jobs import running as jobs
+        from tpufab.steps.runs import running as jobs
 
         settings = self.pod.settings
         return jobs.local_log_dir(self.id, keep_runs=settings.keep_runs,
@@ -778,8 +778,8 @@ class Run:
         """Stream the run's log from every worker into ``sink`` (masked; a copy per worker in
         ``copy_dir``; ``on_end(worker, state)`` as each one ends) until it ends everywhere:
         {worker: state}; None when Ctrl-C stopped following (the run goes on)."""
-        from tpufab.jobs import running as jobs
         from tpufab.ssh.fanout import FanoutInterrupted
+        from tpufab.steps.runs import running as jobs
 
         follower = jobs.FollowSink(sink, secrets=self.secrets, copy_dir=copy_dir,
                                    on_end=on_end)
@@ -796,14 +796,14 @@ class Run:
 
     def wait(self, sink: OutputSink | None = None) -> dict:
         """Follow it to the end: {worker: state} (``.ok``, ``.exit_status``)."""
-        from tpufab.jobs import running as jobs
+        from tpufab.steps.runs import running as jobs
 
         return jobs.follow(self.pod.connected.fanout, self.id, self.workers,
                            jobs.FollowSink(sink or _Silent()))
 
     def logs(self) -> dict[int, str]:
         """Each worker's log so far."""
-        from tpufab.jobs import running as jobs
+        from tpufab.steps.runs import running as jobs
 
         logs, _states = jobs.fetch_logs(self.pod.connected.fanout, self.id, self.workers)
         try:
@@ -813,7 +813,7 @@ class Run:
                 output.close()
 
     def kill(self, grace: float = 5.0) -> dict:
-        from tpufab.jobs import running as jobs
+        from tpufab.steps.runs import running as jobs
 
         return jobs.stop(self.pod.connected.fanout, self.id, self.workers, grace=grace)
 
@@ -825,7 +825,7 @@ class Run:
         duration, one below the floor (10 s), an action other than wait or kill (or restart,
         with ``restart``: babysit's), a ``progress_file`` that is empty, has a ``..`` part or
         comes without ``stall``."""
-        from tpufab.jobs import stall as stalls
+        from tpufab.steps.start import stall as stalls
 
         seconds = stalls.check_stall(stall, action, restart=restart)
         if stalls.check_progress_file(progress_file) is not None and seconds is None:
@@ -837,13 +837,13 @@ class Run:
     def watch_stall(self, view: Any, *, seconds: float, action: str = "wait",
                     say: Any = None, show: Any = None,
                     progress_file: str | None = None) -> tuple[Any, Any]:
-        """``view`` wrapped in the stall watchdog (jobs/stall.py): after ``seconds`` with no
+        """``view`` wrapped in the stall watchdog (steps/start/stall.py): after ``seconds`` with no
         new line from any worker (with ``progress_file``: instead, without that file's mtime
         advancing on any worker; relative to the run's directory there, $TPUFAB_RUN_DIR),
         every worker's stacks (``Pod.stacks``, saved beside the logs), the folded summary
         through ``show(lines)``, then ``action``: wait, or kill the run. Returns (the view to
         follow with, the handler: ``.killed``, ``.verdict()``)."""
-        from tpufab.jobs import stall as stalls
+        from tpufab.steps.start import stall as stalls
 
         progress = None if progress_file is None else stalls.ProgressFile(
             self.pod.connected.fanout, self.id, self.workers, progress_file)
@@ -871,13 +871,13 @@ class Launched:
         """``ray=True``: submit the task's ``run`` as a Ray job on the head (Ray is up: the
         launch brought it up), follow it (``out(line)``; default: print) and return its exit
         code."""
-        from tpufab.jobs import launch as launching
+        from tpufab.flows import launch as launching
 
         return launching.ray_job(self.plan, self.pod, out=out, progress=self._progress)
 
     def down(self) -> None:
         """Save every run's logs locally, then delete the node (``--down``)."""
-        from tpufab.jobs import launch as launching
+        from tpufab.flows import launch as launching
 
         launching.down(self.plan, self._state.started, Pod.from_settings,
                        console=self._console, progress=self._progress)
@@ -901,8 +901,8 @@ def launch(task: str | Path, *, name: str | None = None, type: str | None = None
     ``setup_view(workers)`` (a context manager) gives the setup's sink. Raises ConfigError
     for a task or flags that do not make sense, StepFailed naming the step that failed."""
     from tpufab import durations
-    from tpufab.jobs import launch as launching
-    from tpufab.jobs.taskfile import load_task
+    from tpufab.flows import launch as launching
+    from tpufab.flows.taskfile import load_task
 
     idle_s = durations.parse_duration(idle, "--idle")
     retry_s = durations.parse_duration(retry_for, "--retry-for")
@@ -977,7 +977,7 @@ def delete(name: str | None = None, *, zone: str | None = None,
     (a no-op if there is none); ``yes=False`` asks first on a terminal. Returns whether
     something was deleted."""
     from tpufab.cloud import lifecycle
-    from tpufab.pod import connection as pods
+    from tpufab.hosts import connect as pods
 
     chosen = _settings(name, zone, project, {})
     pods.forget(chosen)
@@ -1046,7 +1046,7 @@ def forget_host_keys(node: str, *, zone: str | None = None, project: str | None 
                      **settings: Any) -> int:
     """`tpufab known-hosts forget`: drop the pinned host keys of ``node`` (a name, or the
     node id an error named); how many were removed."""
-    from tpufab.pod import connection
+    from tpufab.hosts import connect as connection
 
     return connection.forget_host_keys(_settings(None, zone, project, settings), node)
 
@@ -1056,7 +1056,7 @@ def make_zombies(pod: Pod, workers: str | Iterable[int] = "all") -> dict:
     """`tpufab sim zombie`: leave a crashed job's mess on the workers of a simulated pod (TPU
     holders, one ignoring SIGTERM, the libtpu lockfile held, a protected holder);
     {worker: report}, each ``.report`` (None if it failed) and ``.error``."""
-    from tpufab.workflows import killing
+    from tpufab.steps.host import killing
 
     return killing.make_zombies(pod.fanout, pod.select(workers),
                                 device_globs=pod.device_globs())
@@ -1064,7 +1064,7 @@ def make_zombies(pod: Pod, workers: str | Iterable[int] = "all") -> dict:
 
 def zombie_lines(reports: Mapping[int, Any]) -> list[str]:
     """What `make_zombies` left, one line per worker and process."""
-    from tpufab.workflows import killing
+    from tpufab.steps.host import killing
 
     return killing.zombie_lines(reports)
 
@@ -1072,6 +1072,6 @@ def zombie_lines(reports: Mapping[int, Any]) -> list[str]:
 def parse_bucket(text: str) -> tuple[str, str]:
     """``gs://bucket/some/prefix/`` (or ``bucket/some/prefix``) -> ("bucket", "some/prefix");
     ConfigError for what is not a bucket."""
-    from tpufab.workflows import mount
+    from tpufab.steps.host import mount
 
     return mount.parse_bucket(text)

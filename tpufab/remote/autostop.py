@@ -294,7 +294,7 @@ def token(config):
         return json.loads(response.read().decode())["access_token"]
 
 
-FIRED_LABEL = "tpufab-autostop-fired"   # <unix time>-<idle|ttl> (tpufab.workflows.autostop reads it)
+FIRED_LABEL = "tpufab-autostop-fired"   # <unix time>-<idle|ttl> (tpufab.steps.host.autostop reads it)
 DELETABLE = ("READY", "STOPPED", "PREEMPTED", "TERMINATED", "REPAIRING", "RESTARTING")
 
 

@@ -2,7 +2,7 @@
 
 A worker script runs alone (``python3 -I -S FILE``, or from stdin on a full disk), so it
 cannot import a sibling. It imports from here on one top-level line, ``from
-tpufab.remote.workerlib import a, b``: locally (tests, tpufab.workflows.status) that is a plain import;
+tpufab.remote.workerlib import a, b``: locally (tests, tpufab.steps.health.status) that is a plain import;
 ``RemoteFile.bundled`` puts this file's body in place of that line when it builds the bytes
 it ships, so the shipped script stands alone and its content hash covers this file too. A
 script may not define a top-level name this file defines (checked when it is bundled).

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Protocol
 
 from tpufab import nodeset, quoting
-from tpufab.display.terminal import Lines, colors_for, neutralise
 from tpufab.errors import TpufabError
 from tpufab.quoting import Secret
 from tpufab.ssh.transport import (
@@ -50,6 +49,7 @@ from tpufab.ssh.transport import (
     libssh2_transient,
     quiet_paramiko,
 )
+from tpufab.term.terminal import Lines, colors_for, neutralise
 
 if TYPE_CHECKING:
     from tpufab.ssh.jump import Jump
@@ -327,7 +327,7 @@ def _binary(stream: IO) -> _BytesTo:
 class LiveView:
     """Lines as they arrive, each prefixed ``w3 │``, colored per worker, never split mid-line.
 
-    Worker output is shown through :func:`tpufab.display.terminal.neutralise`: control sequences
+    Worker output is shown through :func:`tpufab.term.terminal.neutralise`: control sequences
     are made visible; the workers' own colours pass only with ``worker_colors``.
     """
 
@@ -1468,7 +1468,7 @@ class Fanout:
         command: the worker kills it (TERM, then KILL) and the result says "timed out".
         ``connect_timeout``: seconds each connection attempt (and an agent's channel) may take
         for this call (None: the fan-out's ``connect_timeout``); timeouts are per call, so two
-        callers sharing these connections never see each other's (tpufab.pod.connection).
+        callers sharing these connections never see each other's (tpufab.hosts.connect).
         Ctrl-C stops the command on every worker, then raises :class:`FanoutInterrupted`.
 
         ``one_shot``: the caller runs this one command and is done (``tpufab exec``). On a

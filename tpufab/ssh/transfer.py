@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpufab import nodeset
-from tpufab.display.report import text
 from tpufab.errors import ConfigError, TpufabError
-from tpufab.results import Column, Report
+from tpufab.reports import Column, Report
 from tpufab.ssh.fanout import FanoutInterrupted
 from tpufab.ssh.remote_files import (
     RemoteFile,
@@ -40,7 +39,8 @@ from tpufab.ssh.remote_files import (
     read_answer,
     run_with_files,
 )
-from tpufab.workflows.codelock import CodeBusy
+from tpufab.steps.code.codelock import CodeBusy
+from tpufab.views.report import text
 
 CHUNK = 1 << 18
 DEFAULT_CONCURRENCY = 16
@@ -99,7 +99,7 @@ TRANSFER_COLUMNS = (Column("MOVED", _moved),
 
 @dataclass(kw_only=True)
 class TransferReport(Report):
-    """One :class:`WorkerTransfer` per worker (``tpufab.results.Report``), shown as lines
+    """One :class:`WorkerTransfer` per worker (``tpufab.reports.Report``), shown as lines
     ``put: w[0-63]  3 files, 1.2 GiB, 4.1 s`` (the slowest worker's time), one per outcome."""
 
     columns: tuple[Column, ...] = TRANSFER_COLUMNS

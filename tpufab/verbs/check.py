@@ -21,7 +21,7 @@ def check(*, name: str | None = None, quick: bool = False, as_json: bool = False
 
     Exit code 0 when every check passed, 1 otherwise (one line per problem, with its fix).
     """
-    from tpufab.display.report import show
+    from tpufab.views.report import show
 
     settings = settings_from_flags(name=name, zone=zone, project=project,
                                    no_os_login=no_os_login, jump=jump)

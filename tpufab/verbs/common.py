@@ -71,11 +71,11 @@ WIDE_HELP = "Every value in full (long cells are shortened to fit the terminal).
 
 
 def print_table(columns: Sequence[str], lines: Iterable[Sequence[str]]) -> None:
-    """A table on stdout, fitted to the terminal (tpufab.display.tables); cells may quote
+    """A table on stdout, fitted to the terminal (tpufab.term.tables); cells may quote
     workers (a process's command line): shown as text, never markup."""
-    from tpufab.display.console import stdout
-    from tpufab.display.tables import fitted
-    from tpufab.display.terminal import neutralise_text
+    from tpufab.term.console import stdout
+    from tpufab.term.tables import fitted
+    from tpufab.term.terminal import neutralise_text
 
     console = stdout()
     console.print(fitted(columns, [[neutralise_text(c) if isinstance(c, str) else c for c in line]
@@ -96,16 +96,16 @@ def pod_for(settings: Settings) -> Any:
 
 def note(text: str, style: str | None = None) -> None:
     """tpufab's own words, on stderr (stdout stays the workers' output)."""
-    from tpufab.display.console import stderr
-    from tpufab.display.terminal import neutralise_text
+    from tpufab.term.console import stderr
+    from tpufab.term.terminal import neutralise_text
 
     stderr().print(neutralise_text(text), markup=False, style=style)
 
 
 def say(text: str) -> None:
     """A result line on stdout, printed as it is."""
-    from tpufab.display.console import stdout
-    from tpufab.display.terminal import neutralise_text
+    from tpufab.term.console import stdout
+    from tpufab.term.terminal import neutralise_text
 
     stdout().print(neutralise_text(text), markup=False)
 

@@ -26,7 +26,7 @@ def deploy(*, name: str | None = None, ref: str = "HEAD", remote: str = "origin"
     ``timeout``: seconds each step on the workers may take (default 600). One writer at a
     time: a deploy while a run reads the checkout, or while another deploy is under way, is
     refused with one sentence (docs/reliability.md)."""
-    from tpufab.display.progress import WorkerProgress
+    from tpufab.views.progress import WorkerProgress
 
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
                                    no_os_login=no_os_login,
@@ -34,7 +34,7 @@ def deploy(*, name: str | None = None, ref: str = "HEAD", remote: str = "origin"
     with WorkerProgress("deploy") as shown:  # the local checks come first, before any SSH
         report = pod.deploy(ref, remote=remote, dir=dir, direct=direct, wip=wip,
                             timeout=timeout, progress=progress, sink=shown)
-    from tpufab.display.report import show
+    from tpufab.views.report import show
 
     show(report)
 
@@ -53,7 +53,7 @@ def mount(*, bucket: str, name: str | None = None, at: str | None = None,
     """Mount a Cloud Storage bucket (or a prefix of it) on every worker, verified.
 
     ``timeout``: seconds each step on the workers may take (default 300)."""
-    from tpufab.display.progress import WorkerProgress
+    from tpufab.views.progress import WorkerProgress
 
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
                                       no_os_login=no_os_login, jump=jump, timeout=timeout))
@@ -61,7 +61,7 @@ def mount(*, bucket: str, name: str | None = None, at: str | None = None,
     with WorkerProgress(f"mount {spec.url}", len(pod.workers)) as shown:
         report = pod.mount(bucket, at=at, driver=driver, options=options, install=install,
                            timeout=timeout, sink=shown)
-    from tpufab.display.report import show
+    from tpufab.views.report import show
 
     show(report)
 
@@ -80,6 +80,6 @@ def umount(*, name: str | None = None, at: str | None = None, lazy: bool = False
                                    no_os_login=no_os_login,
                                       jump=jump, timeout=timeout))
     report = pod.umount(at, lazy=lazy, timeout=timeout)  # a bad --at: refused before connecting
-    from tpufab.display.report import show
+    from tpufab.views.report import show
 
     show(report)

@@ -28,9 +28,9 @@ def put(local: str, remote: str | None = None, *, name: str | None = None,
     """
     from pathlib import Path
 
-    from tpufab.display.progress import BytesProgress
-    from tpufab.display.report import show
     from tpufab.pod.api import TransferError
+    from tpufab.views.progress import BytesProgress
+    from tpufab.views.report import show
 
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, timeout=timeout,
                                       no_os_login=no_os_login, jump=jump))
@@ -52,9 +52,9 @@ def get(remote: str, local: str, *, name: str | None = None, worker: str = "all"
     """Copy a file or directory from every (selected) worker: LOCAL/w0/..., LOCAL/w1/...
 
     ``timeout``: seconds a worker may go without answering (default 300)."""
-    from tpufab.display.progress import BytesProgress
-    from tpufab.display.report import show
     from tpufab.pod.api import TransferError
+    from tpufab.views.progress import BytesProgress
+    from tpufab.views.report import show
 
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, timeout=timeout,
                                       no_os_login=no_os_login, jump=jump))
@@ -115,7 +115,7 @@ def profile(*, name: str | None = None, worker: str = "0", duration: str = "5s",
     """Capture a profiler trace from a running JAX job and bring it back under its local logs."""
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
                                    no_os_login=no_os_login, jump=jump))
-    from tpufab.display.report import show
+    from tpufab.views.report import show
 
     show(pod.profile(workers=worker, duration=duration, run=run, port=port,
                      progress=lambda text: note(text, "dim")))

@@ -7,8 +7,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from tpufab.display.terminal import relative_path
 from tpufab.errors import ConfigError, TpufabError
+from tpufab.term.terminal import relative_path
 from tpufab.verbs.common import note, pod_for, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
 
@@ -91,7 +91,7 @@ def run(recipe: str, extra: Sequence[str] = (), *, name: str | None = None, args
     except TpufabError as err:
         tails = getattr(err, "tails", None)      # --wait-port: the port never answered
         if tails is not None:
-            from tpufab.display.runlogs import print_folded
+            from tpufab.views.runlogs import print_folded
 
             print_folded(tails)
         raise
@@ -123,7 +123,7 @@ def _follow_run(run, on_interrupt: str | None, raw: bool = False, *,
                 color: bool = False, stall: float | None = None,
                 stall_action: str = "wait", stall_progress_file: str | None = None) -> int:
     from tpufab import nodeset
-    from tpufab.display.runlogs import follow_view
+    from tpufab.views.runlogs import follow_view
 
     workers = run.workers
     try:
@@ -175,7 +175,7 @@ def _watch_stall(run, view, seconds: float, action: str, progress_file: str | No
     import sys
 
     def show(lines):
-        from tpufab.display.terminal import neutralise_text
+        from tpufab.term.terminal import neutralise_text
 
         sys.stderr.write("".join(neutralise_text(line) + "\n" for line in lines))
         sys.stderr.flush()
@@ -239,7 +239,7 @@ def logs(*, run: str | None = None, follow: bool = False, worker: str = "all",
     --follow, no limit: following stops when the run ends, or after ``timeout`` if given).
     A worker that cannot be reached is named and makes logs fail.
     """
-    from tpufab.display.runlogs import follow_view
+    from tpufab.views.runlogs import follow_view
 
     settings = settings_from_flags(name=name, zone=zone, project=project,
                                    no_os_login=no_os_login,
@@ -268,8 +268,8 @@ def logs(*, run: str | None = None, follow: bool = False, worker: str = "all",
 
 
 def _print_logs(logs, *, raw: bool, color: bool, secrets: Sequence[str], out=None) -> None:
-    """Every worker's log, prefixed (raw) or folded (tpufab.display.runlogs)."""
-    from tpufab.display.runlogs import print_logs
+    """Every worker's log, prefixed (raw) or folded (tpufab.views.runlogs)."""
+    from tpufab.views.runlogs import print_logs
 
     print_logs(logs, raw=raw, color=color, secrets=secrets, out=out)
 
@@ -282,7 +282,7 @@ def runs(*, name: str | None = None, worker: str = "all", as_json: bool = False,
     """The runs the workers know, with each worker's state.
 
     ``timeout``: seconds for every worker to answer (default 60)."""
-    from tpufab.display.report import show
+    from tpufab.views.report import show
 
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
                                    no_os_login=no_os_login,
@@ -313,7 +313,7 @@ def kill(*, name: str | None = None, run: str | None = None, grace: float = 5.0,
                                       jump=jump, timeout=timeout))
     result = pod.kill(run=run, grace=grace, dry_run=dry_run, force=force, workers=worker,
                       timeout=timeout)
-    from tpufab.display.report import show
+    from tpufab.views.report import show
 
     show(result)
     result.check()
@@ -338,7 +338,7 @@ def stacks(*, run: str | None = None, native: bool = False, worker: str = "all",
     .json). A process py-spy cannot attach to is named with the reason and the fix.
 
     ``timeout``: seconds each worker may take (default 60)."""
-    from tpufab.display.report import show
+    from tpufab.views.report import show
 
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
                                       no_os_login=no_os_login, jump=jump, timeout=timeout))

@@ -46,8 +46,8 @@ def launch(task: str, *, name: str | None = None, type: str | None = None,
            stall: str | None = None, stall_action: str = "wait",
            stall_progress_file: str | None = None, ray: bool = False) -> int:
     """Create (or reuse) a pod, deploy, mount, set up and run TASK.yaml, and follow it."""
-    from tpufab.display.console import stderr
     from tpufab.pod import api
+    from tpufab.term.console import stderr
     from tpufab.verbs.jobs import INTERRUPT_CHOICES, check_stall_flags, follow_started
 
     if on_interrupt is not None and on_interrupt not in INTERRUPT_CHOICES:
@@ -88,8 +88,8 @@ def launch(task: str, *, name: str | None = None, type: str | None = None,
 @contextmanager
 def _setup_view(workers):
     """The setup's output, folded, with a progress line (as `tpufab setup` shows it)."""
-    from tpufab.display.progress import WorkerProgress
-    from tpufab.display.runlogs import follow_view, tee
+    from tpufab.views.progress import WorkerProgress
+    from tpufab.views.runlogs import follow_view, tee
 
     view = follow_view(workers)
     try:
@@ -112,7 +112,7 @@ def autostop(*, name: str | None = None, idle: str | None = None, ttl: str | Non
     TTL (counted on worker 0's clock); --cancel.
 
     ``timeout``: seconds every worker has to answer (default 60)."""
-    from tpufab.display.report import show
+    from tpufab.views.report import show
 
     settings = settings_from_flags(name=name, zone=zone, project=project, timeout=timeout,
                                    jump=jump)
@@ -124,8 +124,8 @@ def autostop(*, name: str | None = None, idle: str | None = None, ttl: str | Non
 def gc(*, yes: bool = False, all_zones: bool = False, zone: str | None = None,
        project: str | None = None) -> None:
     """Delete preempted/terminated/failed nodes and suspended/failed queued resources."""
-    from tpufab.display.console import stdout
     from tpufab.pod.api import gc as collect
+    from tpufab.term.console import stdout
 
     collect(zone=zone, project=project, all_zones=all_zones, yes=yes, console=stdout())
 
@@ -147,7 +147,7 @@ def ray_up(options: Sequence[str] = (), *, name: str | None = None,
     where Ray is up: a quick no-op; a host where Ray died is rejoined. See docs/ray.md."""
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, jump=jump,
                                       timeout=timeout))
-    from tpufab.display.ray import up_sentence
+    from tpufab.views.ray import up_sentence
 
     done = pod.ray_up(options=list(options or ()), timeout=timeout, progress=note,
                       join_batch=join_batch)
@@ -161,7 +161,7 @@ def ray_status(*, name: str | None = None, as_json: bool = False,
     """Ray on the pod: the nodes the head sees (TPU, head resource, slice labels), and jobs.
 
     Exits 0 when every host joined, 3 when Ray is not up or a host is missing."""
-    from tpufab.display.report import show
+    from tpufab.views.report import show
 
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, jump=jump,
                                       timeout=timeout))
@@ -207,7 +207,7 @@ def ray_down(*, name: str | None = None, grace: float = 10.0, timeout: float | N
              zone: str | None = None, project: str | None = None,
              jump: str | None = None) -> None:
     """Stop Ray on every host (ray stop, then forced); nothing is left holding the TPU."""
-    from tpufab.display.ray import down_sentence
+    from tpufab.views.ray import down_sentence
 
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, jump=jump,
                                       timeout=timeout))

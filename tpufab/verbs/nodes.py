@@ -101,9 +101,9 @@ def delete(*, name: str | None = None, yes: bool = False, zone: str | None = Non
 def list_(*, as_json: bool = False, wide: bool = False, zone: str | None = None,
           project: str | None = None) -> None:
     """List the TPU nodes in a zone."""
-    from tpufab.display import tables
-    from tpufab.display.console import stdout
     from tpufab.pod.api import list_pods
+    from tpufab.term import tables
+    from tpufab.term.console import stdout
 
     found = list_pods(zone=zone, project=project, waiting=not as_json)
     if as_json:
@@ -119,8 +119,8 @@ def describe(*, name: str | None = None, as_json: bool = False, zone: str | None
              project: str | None = None) -> None:
     """Show one TPU node: state, health, workers and their IPs (or the queued resource, or
     the Compute Engine multislice, of that name)."""
-    from tpufab.display.console import stdout
     from tpufab.pod import api
+    from tpufab.term.console import stdout
 
     item = api.describe(name, zone=zone, project=project)
     if as_json:
@@ -145,7 +145,7 @@ def types(*, as_json: bool = False) -> None:
         return
     from rich.table import Table
 
-    from tpufab.display.console import stdout
+    from tpufab.term.console import stdout
 
     table = Table(box=None, pad_edge=False, header_style="bold")
     for column in ("TYPE", "HOSTS", "CHIPS", "CHIPS/HOST", "DEFAULT RUNTIME", "DEVICE FILES",
@@ -172,8 +172,8 @@ def types(*, as_json: bool = False) -> None:
       options={"node": "Node name, or the node id an error named."})
 def known_hosts_forget(*, node: str, zone: str | None = None, project: str | None = None) -> None:
     """Forget a node's pinned host keys (after a rebuild you trust)."""
-    from tpufab.display.console import stdout
     from tpufab.pod.api import forget_host_keys
+    from tpufab.term.console import stdout
 
     settings = settings_from_flags(zone=zone, project=project)
     removed = forget_host_keys(node, zone=zone, project=project)

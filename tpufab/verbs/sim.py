@@ -13,8 +13,8 @@ from tpufab.verbs.declare import Opt, verb
 @verb(name="up", group="sim", options={"port": "API port."})
 def sim_up(*, port: int | None = None, state_dir: str | None = None) -> None:
     """Start the simulated pod in the background and print the lines to export."""
-    from tpufab.display.console import stdout
     from tpufab.sim import daemon
+    from tpufab.term.console import stdout
 
     info = daemon.up(state_dir=state_dir, port=port)
     already = " (it was already running)" if info.already_running else ""
@@ -24,7 +24,7 @@ def sim_up(*, port: int | None = None, state_dir: str | None = None) -> None:
 
 
 def _print_exports(info: Any) -> None:
-    from tpufab.display.console import stdout
+    from tpufab.term.console import stdout
 
     stdout().print("Point tpufab at it by pasting these lines into your shell:")
     # plain print: no wrapping or markup, so the lines copy and paste as they are
@@ -37,8 +37,8 @@ def _print_exports(info: Any) -> None:
 @verb(name="down", group="sim")
 def sim_down(*, state_dir: str | None = None) -> None:
     """Stop the simulated pod (its nodes are kept on disk)."""
-    from tpufab.display.console import stdout
     from tpufab.sim import daemon
+    from tpufab.term.console import stdout
 
     stdout().print(daemon.down(state_dir=state_dir), markup=False)
 
@@ -46,8 +46,8 @@ def sim_down(*, state_dir: str | None = None) -> None:
 @verb(name="status", group="sim")
 def sim_status(*, state_dir: str | None = None, as_json: bool = False) -> int:
     """Is the simulated pod up, and where."""
-    from tpufab.display.console import stdout
     from tpufab.sim import daemon
+    from tpufab.term.console import stdout
 
     status = daemon.status(state_dir=state_dir)
     if as_json:
@@ -124,8 +124,8 @@ def sim_preempt(*, name: str, notice: str | None = None) -> None:
     """Preempt a node: state PREEMPTED, workers stopped (with --notice, announced first)."""
     import time
 
-    from tpufab.display.console import stdout
     from tpufab.pod.api import valid_name as validate_name
+    from tpufab.term.console import stdout
 
     seconds = parse_seconds(notice)
     admin = sim_admin()
@@ -151,8 +151,8 @@ def sim_preempt(*, name: str, notice: str | None = None) -> None:
                "restore": "Make it reachable again."})
 def sim_unreachable(*, name: str, worker: int, restore: bool = False) -> None:
     """Make one worker unreachable over SSH (or reachable again)."""
-    from tpufab.display.console import stdout
     from tpufab.pod.api import valid_name as validate_name
+    from tpufab.term.console import stdout
 
     sim_admin().set_reachable(validate_name(name), worker, restore)
     state = "reachable again" if restore else (
@@ -167,7 +167,7 @@ def sim_unreachable(*, name: str, worker: int, restore: bool = False) -> None:
                "count": Opt("How many creates fail.", min=1)})
 def sim_fail_create(*, quota: bool = False, zone: str | None = None, count: int = 1) -> None:
     """Make the next create (or COUNT creates, in ZONE) fail with RESOURCE_EXHAUSTED."""
-    from tpufab.display.console import stdout
+    from tpufab.term.console import stdout
 
     if count < 1:
         raise ConfigError(f"--count must be 1 or more, not {count}.")
@@ -182,7 +182,7 @@ def sim_fail_create(*, quota: bool = False, zone: str | None = None, count: int 
       options={"count": Opt("How many calls fail.", min=1, required=True), "code": "503 or 429."})
 def sim_burst(*, count: int, code: int = 503) -> None:
     """Make the next COUNT API calls fail with 503 (or 429)."""
-    from tpufab.display.console import stdout
+    from tpufab.term.console import stdout
 
     if code not in (429, 503):
         raise ConfigError(f"--code must be 503 or 429, not {code}.")
@@ -220,10 +220,10 @@ def sim_zombie(*, name: str | None = None, worker: str = "all", zone: str | None
 def sim_bucket(*, name: str) -> None:
     """Create a bucket in the simulated pod's Cloud Storage (a no-op if it exists)."""
     from tpufab.config import load_settings
-    from tpufab.display.console import stdout
     from tpufab.pod.api import parse_bucket
     from tpufab.sim import daemon
     from tpufab.sim.admin import StorageClient
+    from tpufab.term.console import stdout
 
     bucket, prefix = parse_bucket(name)
     if prefix:
@@ -260,7 +260,7 @@ def sim_bucket(*, name: str) -> None:
 def sim_os_login(*, enable: bool = False, disable: bool = False, unset: bool = False,
                  role: str | None = None, account: str | None = None) -> None:
     """Show or change OS Login in the simulated pod's project (its metadata and roles)."""
-    from tpufab.display.console import stdout
+    from tpufab.term.console import stdout
 
     if enable + disable + unset > 1:
         raise ConfigError("Give one of --enable, --disable and --unset.")
@@ -289,9 +289,9 @@ def sim_os_login(*, enable: bool = False, disable: bool = False, unset: bool = F
 def sim_maintenance(*, name: str, in_: str | None = None, window: str = "1h",
                     clear: bool = False) -> None:
     """Announce an upcoming maintenance window on a node (the API's upcomingMaintenance)."""
-    from tpufab.display.console import stdout
     from tpufab.durations import parse_duration
     from tpufab.pod.api import valid_name as validate_name
+    from tpufab.term.console import stdout
 
     node = validate_name(name)
     if clear:
@@ -313,8 +313,8 @@ def sim_maintenance(*, name: str, in_: str | None = None, window: str = "1h",
 def sim_end_run(*, name: str) -> None:
     """End a flex-start slice's run now, as its --max-run-duration would (Compute Engine's
     instanceTerminationAction: DELETE deletes its VMs)."""
-    from tpufab.display.console import stdout
     from tpufab.pod.api import valid_name as validate_name
+    from tpufab.term.console import stdout
 
     got = sim_admin().end_run(validate_name(name))
     what = "deleted" if got.get("instanceTerminationAction") == "DELETE" else "stopped"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tpufab.display import tables
+from tpufab.term import tables
 from tpufab.verbs.common import WIDE_HELP, chosen_name_note, pod_for, progress, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
 from tpufab.verbs.jobs import RUN_OPTIONS
@@ -23,8 +23,8 @@ def status(*, name: str | None = None, as_json: bool = False, wide: bool = False
     Exit code 0 when the node is READY and every worker answered, 1 otherwise. ``timeout``:
     seconds a worker has to answer (default 60; connecting at most connect_timeout).
     """
-    from tpufab.display.console import stdout
-    from tpufab.display.report import show
+    from tpufab.term.console import stdout
+    from tpufab.views.report import show
 
     settings = settings_from_flags(name=name, zone=zone, project=project,
                                    no_os_login=no_os_login,
@@ -127,8 +127,8 @@ def top(*, once: bool = False, every: float = 3.0, interval: float = 1.0, worker
     One fan-out a frame; workers whose values agree share a row, the outliers get their own.
     Ctrl-C stops it. Exit code 0 when every worker answered (the last frame), 1 otherwise.
     """
-    from tpufab.display.report import show
-    from tpufab.display.top import follow
+    from tpufab.views.report import show
+    from tpufab.views.top import follow
 
     settings = settings_from_flags(name=name, zone=zone, project=project,
                                    no_os_login=no_os_login, jump=jump, timeout=timeout)

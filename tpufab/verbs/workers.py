@@ -73,9 +73,9 @@ def setup(*, name: str | None = None, script: str = "scripts/setup.sh", force: b
     such as WANDB_API_KEY, or --secret) reaches the script on stdin only and is masked in its
     output and log; neither counts as the script's content.
     """
-    from tpufab.display.progress import WorkerProgress
-    from tpufab.display.report import show
     from tpufab.pod.api import FoldingView, LiveView, Tee
+    from tpufab.views.progress import WorkerProgress
+    from tpufab.views.report import show
 
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
                                    no_os_login=no_os_login,
@@ -118,7 +118,7 @@ def disconnect(*, name: str | None = None, zone: str | None = None,
                project: str | None = None) -> None:
     """Close the pod's kept connections (the background process holding them between
     commands); the next command connects again."""
-    from tpufab.display.console import stdout
+    from tpufab.term.console import stdout
 
     settings = settings_from_flags(name=name, zone=zone, project=project)
     found = pod_for(settings)

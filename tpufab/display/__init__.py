@@ -1,1 +1,0 @@
-"""The terminal: consoles (stdout/stderr), text made safe to show, live progress."""

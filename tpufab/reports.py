@@ -1,0 +1,145 @@
+"""Per-worker outcomes: what a step's worker scripts answered, read in one place.
+
+A worker script ends with one JSON line (``workerlib.answer``); a step's per-worker row is a
+dataclass whose fields are named as that answer's keys (``worker``, ``ok``, ``error``,
+``message`` and the step's own). ``answer_row`` turns a transport outcome into such a row,
+and the transport's failures (no Python, a full disk, SSH) into the same row with ``ok``
+False, so deploy, mount and the code lease read their answers the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, TypeVar
+
+from tpufab.quoting import Secret
+from tpufab.ssh.remote_files import last_line, read_answer
+
+
+class Outcome(Protocol):
+    """One worker's result of a command (a ``fanout.WorkerResult``)."""
+
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    error: str | None
+
+
+class Workers(Protocol):
+    """The part of ``fanout.Fanout`` that the workflows use."""
+
+    @property
+    def workers(self) -> list[int]: ...
+
+    def run(self, command: str, *, workers: Sequence[int] | None = None,
+            env: Mapping[str, str] | None = None,
+            secrets: Mapping[str, Secret] | None = None) -> Mapping[int, Outcome]: ...
+
+    def put(self, data: bytes | Path, remote_path: str, *, workers: Sequence[int] | None = None,
+            check: bool = False) -> Mapping[int, Outcome]: ...
+
+
+Row = TypeVar("Row")
+
+
+def failure_of(outcome: Outcome) -> tuple[str, str]:
+    """(error code, message) for an outcome that carries no answer: the transport's words."""
+    reason = outcome.error or last_line(outcome.stderr) or f"exit status {outcome.exit_code}"
+    stderr = outcome.stderr or ""
+    if outcome.exit_code == 127 or "python3: not found" in stderr:
+        return "no_python", "python3 is not installed on this worker"
+    if "No space left" in stderr + (outcome.error or ""):
+        return "disk_full", reason
+    return "ssh", reason
+
+
+def answer_row(row_type: type[Row], worker: int, outcome: Outcome, **extra: Any) -> Row:
+    """The worker's answer (``read_answer``, with an ``ok``) as a ``row_type`` row; fields
+    the answer does not name keep their defaults, keys the row does not know are ignored.
+    ``extra`` fields are set either way (e.g. the time the transport measured)."""
+    data = read_answer(outcome.stdout)
+    names = {f.name for f in dataclasses.fields(row_type)}  # type: ignore[arg-type]
+    if data is not None and "ok" in data:
+        fields = {k: v for k, v in data.items() if k in names and k not in ("worker", "ok")}
+        return row_type(worker=worker, ok=bool(data["ok"]), **{**fields, **extra})
+    error, message = failure_of(outcome)
+    return row_type(worker=worker, ok=False, error=error, message=message, **extra)
+
+
+# ---------------------------------------------------------------------------------------------
+# The one per-worker report
+
+
+@dataclass(frozen=True)
+class Column:
+    """How a report's rows show, one column of them. Rows that agree on every ``cell`` fold
+    into one line under their workers (``w[0-3]``); a column with ``over`` is shown from the
+    folded rows (a time range, each worker's pid) and is no part of what they must agree on."""
+
+    header: str
+    cell: Callable[[Any], Any] | None = None
+    over: Callable[[list[Any]], str] | None = None
+
+
+@dataclass(kw_only=True)
+class Report:
+    """One step's outcome on every worker: its typed ``rows`` (a ``worker``, ``ok``, and on
+    failure ``error``/``message``; or, not ``per_worker``, the pod's own), how they show (``columns``: a table under WORKERS, or
+    ``lines`` of ``prefix who  cells``), one closing ``summary`` sentence on stdout and
+    ``notes`` on stderr. A step's report subclasses this to add the fields it knows (deploy's
+    commit, mount's mount point): they are the report's ``--json`` beside its rows. Rendered
+    by ``tpufab.views.report`` only (human and ``--json``); nothing renders itself."""
+
+    step: str
+    rows: list[Any] = field(default_factory=list)
+    columns: tuple[Column, ...] = ()
+    lines: bool = False           # bare lines, not a table under headers
+    prefix: str = ""              # before each line: "put: "
+    summary: str = ""
+    notes: list[str] = field(default_factory=list)
+    # False: the rows are the pod's (a run across the workers), each on its own line under
+    # the columns alone; the workers it concerns are in its cells
+    per_worker: bool = True
+
+    # A layout of the step's own (a module of tpufab.display, VIEWS in display.report); "":
+    # the rows as the table or lines above
+    view: ClassVar[str] = ""
+
+    SHAPE: ClassVar[tuple[str, ...]] = ("step", "rows", "columns", "lines", "prefix", "summary",
+                                        "notes", "per_worker")
+
+    @property
+    def ok(self) -> bool:
+        return all(getattr(r, "ok", True) for r in self.rows)
+
+    @property
+    def failed(self) -> list[Any]:
+        return [r for r in self.rows if not getattr(r, "ok", True)]
+
+    @property
+    def by_worker(self) -> dict[int, Any]:
+        """``{worker: row}`` (a step with one row per worker)."""
+        return {r.worker: r for r in self.rows}
+
+    def data(self) -> dict[str, Any]:
+        """The step's own fields (what a subclass adds), for --json; a field declared with
+        ``metadata={"json": False}`` (what the rows say already) is left out, in a row too."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in self.SHAPE and f.metadata.get("json", True)}
+
+
+def seconds_range(rows: Sequence[Any]) -> str:
+    """``0.41-0.52s`` over rows with ``seconds`` (one value when they agree; ``-`` for none)."""
+    times = sorted(r.seconds for r in rows if getattr(r, "seconds", None) is not None)
+    if not times:
+        return "-"
+    if len(times) == 1 or times[-1] - times[0] < 0.01:
+        return f"{times[-1]:.2f}s"
+    return f"{times[0]:.2f}-{times[-1]:.2f}s"
+
+
+def count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")

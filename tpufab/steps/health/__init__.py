@@ -1,0 +1,1 @@
+"""Is the pod well: status (every worker's facts), check, stacks (py-spy), top."""

@@ -1,0 +1,420 @@
+"""stacks: every worker's Python stacks in one fan-out, folded like `tpufab logs`.
+
+The worker side is ``tpufab/remote/stacks_worker.py`` (py-spy ``dump --json`` on a run's
+Python processes, or on the TPU's Python holders; one JSON answer per worker), run as root
+through ``sudo -n`` where the login user may (py-spy must attach to processes it did not
+start). Here: the command (pure), the fan-out, a second try where py-spy was missing (a
+``pip install py-spy`` in the workers' venv), and the fold (pure): a thread whose stack is the
+same on several workers is shown once under their folded label (``w[0-62]``); the workers
+whose stacks differ from the rest are shown first, each differing stack on its own with the
+frame where it leaves the others' stack marked.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+from tpufab import nodeset
+from tpufab.errors import ConfigError, TpufabError
+from tpufab.quoting import Command, Raw
+from tpufab.reports import Report
+from tpufab.ssh.remote_files import (
+    RemoteFile,
+    last_line,
+    python_command,
+    read_answer,
+    run_with_files,
+)
+from tpufab.topology import DEVICE_GLOBS
+
+STACKS_WORKER = "stacks_worker.py"
+TIMEOUT = 60.0            # seconds a worker has to dump every process
+INSTALL_TIMEOUT = 180.0   # a `pip install py-spy` where it is missing
+# The login user's venv (what setup makes), else the user's site; a fixed line (no input).
+INSTALL_PY_SPY = ('if [ -x "$HOME/.venv/bin/python" ]; then exec "$HOME/.venv/bin/python" -m pip '
+                  'install --quiet --disable-pip-version-check py-spy; else exec python3 -m pip '
+                  'install --user --quiet --disable-pip-version-check py-spy; fi')
+
+
+class StacksError(TpufabError):
+    """No stacks could be taken (no such run, nothing running, py-spy missing)."""
+
+
+# -- the command (pure) ---------------------------------------------------------------------------
+
+
+def stacks_command(*, run: str | None = None, native: bool = False,
+                   device_globs: Sequence[str] = DEVICE_GLOBS) -> Command:
+    # the login user's home (its runs, its venv's py-spy), also when sudo makes it root
+    args: list = [Raw('--home="$HOME"')]
+    args += ["--run", run] if run else ["--latest"]
+    if native:
+        args.append("--native")
+    for pattern in device_globs:
+        args += ["--devices-glob", pattern]
+    return python_command(RemoteFile.bundled(STACKS_WORKER), args, as_root=True)
+
+
+def check_run(run: str | None) -> None:
+    from tpufab.steps.runs.env import is_run_id
+
+    if run is not None and not is_run_id(run):
+        raise ConfigError(f"{run!r} is not a run id (they look like 20261122-104455-ab12); "
+                          "`tpufab runs` lists them.")
+
+
+# -- the fold (pure) --------------------------------------------------------------------------------
+
+
+def frame_text(frame: Mapping) -> str:
+    """``function (file:line)``; a native frame without a symbol is ``? (library)`` (its
+    address differs from process to process, so it never splits a fold)."""
+    name = str(frame.get("function") or "?")
+    where = str(frame.get("file") or "")
+    if name.startswith("0x"):
+        return f"? ({where})" if where else "?"
+    line = frame.get("line")
+    if line:
+        return f"{name} ({where}:{line})"
+    return f"{name} ({where})" if where else name
+
+
+_RECIPE_COPY = re.compile(r"\S*/\.tpufab/runs/[^/\s]+/recipe/")
+
+
+def short_command(command) -> str:
+    """A run's command as the user wrote it: the run's copy of the recipe
+    (``~/.tpufab/runs/ID/recipe/train.py``) named by its file name."""
+    return _RECIPE_COPY.sub("", str(command or ""))
+
+
+@dataclass(frozen=True)
+class StackKey:
+    """What makes two threads "the same stack": the process's command, the thread's name and
+    every frame (pids and thread ids differ from worker to worker and are left out)."""
+
+    command: str
+    thread: str
+    frames: tuple[str, ...]
+
+
+@dataclass
+class Folded:
+    """One stack and the workers where a thread has it (``pids``: worker -> pid)."""
+
+    key: StackKey
+    workers: list[int]
+    pids: dict[int, int]
+    odd: bool = False
+    differs_at: int | None = None     # index in frames of the first frame unlike the others'
+    others: str = ""                  # the others' label
+    others_frame: str = ""            # their frame at that depth
+
+    @property
+    def label(self) -> str:
+        return nodeset.fold(self.workers)
+
+
+@dataclass
+class Unattached:
+    """Processes py-spy could not read, with the same reason, on ``workers``."""
+
+    command: str
+    reason: str
+    fix: str
+    pids: dict[int, int]
+
+    @property
+    def workers(self) -> list[int]:
+        return sorted(self.pids)
+
+
+def fold_stacks(answers: Mapping[int, Mapping]) -> tuple[list[Folded], list[int]]:
+    """The stacks of every worker's answer folded: (entries in the order shown, odd workers).
+
+    Threads are compared by process command and thread name: where they have more than one
+    stack, the stack most workers share is the others' (ties: the one with the lowest
+    worker) and every other is odd, marked at the frame where it leaves that stack. Odd
+    stacks come first, then the rest, the most widespread first. A thread only some workers
+    have (a server thread on worker 0) is shown under its workers and makes none of them odd.
+    """
+    where: dict[StackKey, dict[int, int]] = {}
+    for w in sorted(answers):
+        for proc in answers[w].get("processes") or ():
+            for thread in proc.get("threads") or ():
+                key = StackKey(short_command(proc.get("command")),
+                               str(thread.get("name") or "(unnamed)"),
+                               tuple(frame_text(f) for f in thread.get("frames") or ()))
+                where.setdefault(key, {}).setdefault(w, int(proc.get("pid") or 0))
+    entries = [Folded(key, sorted(pids), dict(sorted(pids.items())))
+               for key, pids in where.items()]
+    threads: dict[tuple[str, str], list[Folded]] = {}
+    for entry in entries:
+        threads.setdefault((entry.key.command, entry.key.thread), []).append(entry)
+    odd: set[int] = set()
+    for same in threads.values():
+        if len(same) < 2:
+            continue
+        common = max(same, key=lambda e: (len(e.workers), -min(e.workers)))
+        for entry in same:
+            if entry is not common:
+                entry.odd = True
+                odd.update(entry.workers)
+                _mark(entry, [common])
+    entries.sort(key=lambda e: (not e.odd, 0 if e.odd else -len(e.workers), min(e.workers),
+                                e.key.command, e.key.thread))
+    return entries, sorted(odd)
+
+
+def _mark(entry: Folded, others: list[Folded]) -> None:
+    """Where ``entry`` leaves the most widespread of ``others``: its outermost frame that
+    the other stack does not have at the same depth (frames run innermost first)."""
+    if not others:
+        return
+    other = max(others, key=lambda e: (len(e.workers), -min(e.workers)))
+    mine, theirs = entry.key.frames, other.key.frames
+    # by function first: "main (x.py:50)" vs "main (x.py:48)" calls on into different
+    # functions, and the function it calls is the news; by the whole frame when only lines differ
+    shared = _shared_outer([_function(f) for f in mine], [_function(f) for f in theirs])
+    if shared == len(mine) or shared == len(theirs):
+        shared = _shared_outer(list(mine), list(theirs))
+    if shared == len(mine):
+        return
+    entry.differs_at = len(mine) - 1 - shared
+    entry.others = other.label
+    entry.others_frame = theirs[len(theirs) - 1 - shared] if shared < len(theirs) else \
+        "(returned here)"
+
+
+def _function(frame: str) -> str:
+    return frame.split(" (", 1)[0]
+
+
+def _shared_outer(mine: list[str], theirs: list[str]) -> int:
+    """How many outermost frames (the ends of the lists) the two stacks share."""
+    shared = 0
+    while shared < min(len(mine), len(theirs)) and mine[-1 - shared] == theirs[-1 - shared]:
+        shared += 1
+    return shared
+
+
+def unattached(answers: Mapping[int, Mapping]) -> list[Unattached]:
+    found: dict[tuple[str, str, str], Unattached] = {}
+    for w in sorted(answers):
+        for proc in answers[w].get("processes") or ():
+            if proc.get("threads") is not None:
+                continue
+            key = (short_command(proc.get("command")), str(proc.get("reason") or proc.get("error")),
+                   str(proc.get("fix") or ""))
+            found.setdefault(key, Unattached(*key, {})).pids[w] = int(proc.get("pid") or 0)
+    return list(found.values())
+
+
+# -- the report ------------------------------------------------------------------------------------
+
+
+@dataclass
+class WorkerStacks:
+    """One worker's row: what its stacks worker answered (``answer``; ``ok`` when it dumped
+    its processes), or why it answered nothing (``error``)."""
+
+    worker: int
+    ok: bool
+    answer: dict | None = None
+    error: str | None = None
+
+
+@dataclass
+class StacksReport(Report):
+    """Every chosen worker's row (``.answers`` what they answered, ``.errors`` why the others
+    did not), as a ``tpufab.reports.Report``; printed by tpufab.views.stacks (the view
+    ``stacks``), which also writes the saved text and JSON."""
+
+    workers: list[int]
+    native: bool = False
+    taken_at: float = field(default_factory=time.time)
+    install_errors: dict[int, str] = field(default_factory=dict)
+    saved: list[Path] = field(default_factory=list)
+    step: str = field(default="stacks", kw_only=True)
+
+    view: ClassVar[str] = "stacks"
+
+    @property
+    def answers(self) -> dict[int, dict]:
+        return {r.worker: r.answer for r in sorted(self.rows, key=lambda r: r.worker)
+                if r.answer is not None}
+
+    @property
+    def errors(self) -> dict[int, str]:
+        return {r.worker: r.error or "no answer"
+                for r in sorted(self.rows, key=lambda r: r.worker) if r.answer is None}
+
+    @property
+    def dumped(self) -> dict[int, dict]:
+        return {w: a for w, a in self.answers.items() if a.get("ok")}
+
+    @property
+    def run(self) -> str | None:
+        runs = {a.get("run") for a in self.dumped.values() if a.get("source") == "run"}
+        return runs.pop() if len(runs) == 1 else None
+
+    @property
+    def source(self) -> str:
+        sources = {a.get("source") for a in self.dumped.values()}
+        return "run" if "run" in sources else "tpu holders"
+
+    def fold(self) -> tuple[list[Folded], list[int]]:
+        return fold_stacks(self.dumped)
+
+    @property
+    def odd(self) -> list[int]:
+        return self.fold()[1]
+
+    @property
+    def unattached(self) -> list[Unattached]:
+        """The processes py-spy could not read, folded by reason."""
+        return unattached(self.dumped)
+
+    @property
+    def errors_by_reason(self) -> dict[str, list[int]]:
+        return _by_text(self.errors)
+
+    @property
+    def missing_py_spy(self) -> list[int]:
+        return sorted(w for w, a in self.answers.items() if a.get("missing_py_spy"))
+
+    @property
+    def processes(self) -> int:
+        return sum(len(a.get("processes") or ()) for a in self.dumped.values())
+
+    def nothing_text(self, workers: Iterable[int]) -> str:
+        """Why ``workers`` had nothing to dump, in words."""
+        states = {self.answers[w].get("run_state") for w in workers}
+        source = {self.answers[w].get("source") for w in workers}
+        run = {self.answers[w].get("run") for w in workers}
+        if source == {"run"} and len(run) == 1:
+            state = states.pop() if len(states) == 1 else None
+            return f"no Python process of run {run.pop()} is running" + \
+                (f" (it is {state} there)" if state and state != "running" else "")
+        return "no run is running and no Python process holds the TPU"
+
+    def save(self, folder: Path) -> list[Path]:
+        """``stacks-<time>.txt`` (the folded view) and ``.json`` (everything) in ``folder``
+        (private files, as the run's logs beside them), as tpufab.views.stacks writes them."""
+        from tpufab.steps.runs.running import open_private, private_dir
+        from tpufab.views import stacks as view
+
+        private_dir(folder)
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.taken_at))
+        text, data = folder / f"stacks-{stamp}.txt", folder / f"stacks-{stamp}.json"
+        self.saved = [text, data]
+        with open_private(text, "wb") as fh:
+            fh.write(("\n".join(view.lines(self)) + "\n").encode())
+        with open_private(data, "wb") as fh:
+            fh.write(json.dumps(view.to_json(self), indent=1, sort_keys=True).encode() + b"\n")
+        return self.saved
+
+    def check(self) -> StacksReport:
+        """This report, or StacksError in one sentence: no such run, py-spy missing and not
+        installable, nothing to dump anywhere, a worker that did not answer."""
+        asked_run = {a.get("error") for a in self.answers.values() if not a.get("ok")
+                     and not a.get("missing_py_spy")}
+        if self.missing_py_spy:
+            why = "; ".join(f"{nodeset.fold(ws)}: {text}" for text, ws in
+                            _by_text({w: self.install_errors.get(w, "not tried")
+                                      for w in self.missing_py_spy}).items())
+            raise StacksError(
+                f"py-spy is missing on {nodeset.fold(self.missing_py_spy)} and could not be "
+                f"installed there ({why}); install it (`tpufab setup` does, or `tpufab exec -- "
+                "~/.venv/bin/python -m pip install py-spy`) and run `tpufab stacks` again.")
+        no_run = sorted(w for w, a in self.answers.items()
+                        if str(a.get("error") or "").startswith("no run "))
+        if no_run and not self.dumped:
+            run = str(self.answers[no_run[0]].get("error"))[len("no run "):].split()[0]
+            raise StacksError(f"No run {run} on {nodeset.fold(no_run)}; `tpufab runs` lists "
+                              "the runs there.")
+        if self.errors:
+            detail = "; ".join(f"{nodeset.fold(ws)}: {why}"
+                               for why, ws in _by_text(self.errors).items())
+            raise StacksError(f"No stacks from {nodeset.fold(self.errors)} ({detail}); check "
+                              "them with `tpufab status` and run `tpufab stacks` again.")
+        if asked_run - {None} and not self.dumped:
+            raise StacksError("; ".join(sorted(str(e) for e in asked_run if e)) + ".")
+        if self.dumped and not self.processes:
+            raise StacksError(f"Nothing to dump on {nodeset.fold(self.dumped)}: "
+                              f"{self.nothing_text(self.dumped)}.")
+        missed = self.unattached
+        if missed:
+            count = sum(len(item.pids) for item in missed)
+            where = nodeset.fold({w for item in missed for w in item.workers})
+            raise StacksError(f"py-spy could not read {count} process{'es' if count > 1 else ''}"
+                              f" on {where} (why and the fix above); the stacks above miss "
+                              f"{'them' if count > 1 else 'it'}.")
+        return self
+
+
+def _by_text(reasons: Mapping[int, str]) -> dict[str, list[int]]:
+    found: dict[str, list[int]] = {}
+    for w, why in sorted(reasons.items()):
+        found.setdefault(why, []).append(w)
+    return found
+
+
+# -- the fan-out --------------------------------------------------------------------------------
+
+
+def capture(group, workers: Sequence[int], *, run: str | None = None, native: bool = False,
+            device_globs: Sequence[str] = DEVICE_GLOBS, timeout: float | None = None,
+            install: bool = True, progress=None) -> StacksReport:
+    """py-spy on every chosen worker at once; where py-spy is missing, one ``pip install
+    py-spy`` there (``install``) and one more try. ``timeout``: seconds a worker may take."""
+    check_run(run)
+    timeout = TIMEOUT if timeout is None else timeout
+    line = stacks_command(run=run, native=native, device_globs=device_globs)
+    files = [RemoteFile.bundled(STACKS_WORKER)]
+    report = StacksReport(list(workers), native=native)
+    _read(report, run_with_files(group, files, line, workers, timeout=timeout))
+    missing = report.missing_py_spy
+    if missing and install:
+        if progress is not None:
+            progress(f"py-spy is missing on {nodeset.fold(missing)}; installing it there ...",
+                     "dim")
+        installed = group.run(INSTALL_PY_SPY, workers=missing, timeout=INSTALL_TIMEOUT)
+        again = [w for w, r in installed.items() if r.ok]
+        for w, r in installed.items():
+            if not r.ok:
+                report.install_errors[w] = _pip_error(r)
+        if again:
+            _read(report, run_with_files(group, files, line, again, timeout=timeout))
+            for w in report.missing_py_spy:
+                report.install_errors.setdefault(w, "installed, but py-spy is still not found")
+    return report
+
+
+def _pip_error(result) -> str:
+    """pip's own error line (``error: externally-managed-environment``), else its last."""
+    if result.error:
+        return str(result.error)[:200]
+    lines = [line.strip() for line in (result.stderr or "").splitlines() if line.strip()]
+    errors = [line for line in lines if line.lower().startswith(("error", "ERROR"))]
+    return ((errors or lines or [f"pip exited {result.exit_code}"])[0])[:200]
+
+
+def _read(report: StacksReport, results: Mapping[int, object]) -> None:
+    """Each worker's answer (or why none) as its row, in place of any row it had."""
+    rows = {r.worker: r for r in report.rows}
+    for w, r in sorted(results.items()):
+        data = read_answer(getattr(r, "stdout", "")) if getattr(r, "ok", False) else None
+        if data is None:
+            error = getattr(r, "error", None) or last_line(getattr(r, "stderr", "")) \
+                or f"exit status {getattr(r, 'exit_code', '?')}"
+            rows[w] = WorkerStacks(w, False, error=str(error)[:200])
+        else:
+            rows[w] = WorkerStacks(w, bool(data.get("ok")), answer=data)
+    report.rows = [rows[w] for w in sorted(rows)]

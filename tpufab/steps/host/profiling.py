@@ -1,0 +1,159 @@
+"""profile: capture a trace from a running JAX job's profiler server, bring it back.
+
+Every run's environment names its profiler port (``TPUFAB_PROFILER_PORT``, see
+``runs.profiler_port``); recipes call ``jax.profiler.start_server`` on it. A capture runs
+``remote/profile_worker.py`` with the job's Python on each selected worker (what
+``python -m jax.collect_profile`` does, without the Perfetto upload), then ``transfer.get``
+copies the trace directory to ``.tpufab/runs/<run>/profiles/<stamp>/`` here.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tpufab import nodeset
+from tpufab.errors import ConfigError, TpufabError
+from tpufab.quoting import Raw, command
+from tpufab.reports import Column, Report
+from tpufab.ssh.remote_files import RemoteFile, read_answer, run_with_files, verified_args
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*$")
+
+
+def parse_duration(text: str | float) -> float:
+    """``5s`` / ``500ms`` / ``1m`` / ``2.5`` (seconds) -> seconds."""
+    match = _DURATION.match(str(text))
+    if not match:
+        raise ConfigError(f"--duration takes a time such as 5s, 500ms or 1m, not {text!r}.")
+    value = float(match[1]) * {"ms": 1e-3, "s": 1.0, "m": 60.0, None: 1.0}[match[2]]
+    if not 0.01 <= value <= 3600:
+        raise ConfigError(f"--duration {text} is out of range (10ms to 60m).")
+    return value
+
+
+@dataclass
+class WorkerTrace:
+    """What one worker's capture brought back: its trace files (name, size), or why not."""
+
+    worker: int
+    files: list[tuple[str, int]] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def _traces(row: WorkerTrace) -> str:
+    traces = [f for f in row.files if f[0].endswith(".xplane.pb")]
+    size = sum(s for _n, s in traces)
+    return (f"{len(traces)} trace file{'s' if len(traces) != 1 else ''} "
+            f"({size / 1024:.0f} KiB)")
+
+
+@dataclass(kw_only=True)
+class Captured(Report):
+    """Every worker's capture (``tpufab.reports.Report``): ``profile: w[0-3]  1 trace file
+    (12 KiB)``, then where the traces are and how to view them."""
+
+    step: str = "profile"
+    columns: tuple[Column, ...] = (Column("TRACES", _traces),)
+    lines: bool = True
+    prefix: str = "profile: "
+    run: str
+    local_dir: Path
+
+    @property
+    def files(self) -> dict[int, list[tuple[str, int]]]:
+        return {r.worker: r.files for r in self.rows if r.ok}
+
+    @property
+    def errors(self) -> dict[int, str]:
+        return {r.worker: r.error for r in self.failed}
+
+
+def _running_run(group, workers: Sequence[int], run: str | None) -> str:
+    from tpufab.steps.runs import running as jobs
+
+    statuses = jobs.statuses(group, workers)
+    if run is not None:
+        return run
+    running = [(e.get("started_at") or 0, e["run"]) for s in statuses.values() for e in s.runs
+               if e.get("state") == "running"]
+    if not running:
+        raise TpufabError(f"No run is running on {nodeset.fold(workers)}, so there is no "
+                          "profiler to ask; start one (e.g. `tpufab run recipes/serve_jax.sh "
+                          "--wait-port 9000`) or name it with --run.")
+    return max(running)[1]
+
+
+def capture_command(script: RemoteFile, port: int, seconds: float, logdir: str):
+    """Run the capture with the job's Python ($TPUFAB_PYTHON, ~/.venv, else python3)."""
+    return command(Raw('PY="${TPUFAB_PYTHON:-$HOME/.venv/bin/python}"; [ -x "$PY" ] || '
+                       'PY=python3; exec "$PY"'),
+                   *verified_args([script], ["--port", port, "--duration-ms",
+                                             int(seconds * 1000), "--logdir", logdir]))
+
+
+def capture(group, *, workers: Sequence[int], run: str | None = None, port: int | None = None,
+            seconds: float = 5.0, local_base: Path | None = None,
+            progress: Callable[[str], None] | None = None) -> Captured:
+    """Capture ``seconds`` of trace on each of ``workers`` and copy it under the run's logs."""
+    from tpufab.ssh import transfer
+    from tpufab.steps.runs import running as jobs
+    from tpufab.steps.runs.env import profiler_port
+
+    say = progress or (lambda text: None)
+    began = time.monotonic()
+    run_id = _running_run(group, workers, run)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    remote_dir = f".cache/tpufab/profiles/{run_id}/{stamp}"
+    script = RemoteFile.bundled("profile_worker.py")
+    say(f"Capturing {seconds:g} s of trace from run {run_id} on {nodeset.fold(workers)}...")
+
+    def one(worker: int):
+        line = capture_command(script, port or profiler_port(worker), seconds, remote_dir)
+        return worker, run_with_files(group, [script], line, [worker],
+                                      timeout=seconds + 120)[worker]
+
+    with ThreadPoolExecutor(max_workers=min(16, len(workers))) as pool:
+        results = dict(pool.map(one, workers))
+    local_dir = jobs.local_log_dir(run_id, local_base) / "profiles"
+    local_dir.mkdir(exist_ok=True)
+    where = local_dir / stamp if len(workers) == 1 else local_dir
+    rows: dict[int, WorkerTrace] = {}
+    good = []
+    for w, r in results.items():
+        answer = read_answer(r.stdout) if r.ok else None
+        if not answer or answer.get("error"):
+            rows[w] = WorkerTrace(w, error=(answer or {}).get("error") or jobs.failure_reason(r))
+        else:
+            good.append(w)
+    if good:
+        report = transfer.get(group, remote_dir, local_dir, workers=good)
+        for row in report.rows:
+            if row.error:
+                rows[row.worker] = WorkerTrace(row.worker, error=row.error)
+            else:
+                base = local_dir / stamp if len(workers) == 1 else \
+                    local_dir / nodeset.label(row.worker) / stamp
+                rows[row.worker] = WorkerTrace(row.worker, [
+                    (str(Path(p).relative_to(base)), Path(p).stat().st_size) for p in row.paths])
+    captured = Captured(run=run_id, local_dir=where, rows=sorted(rows.values(),
+                                                                 key=lambda r: r.worker))
+    if not captured.files:
+        raise TpufabError(f"No trace captured from run {run_id}: " + "; ".join(
+            f"{nodeset.fold([w])}: {e}" for w, e in captured.errors.items()) + ".")
+    captured.notes.append(f"Traces under {where} ({time.monotonic() - began:.1f} s). View them "
+                          f"with `xprof --logdir {where}` or TensorBoard's profile plugin.")
+    return captured
+
+
+def trace_files(folder: Path) -> list[Path]:
+    return sorted(folder.rglob("*.xplane.pb"))
+

@@ -1,0 +1,126 @@
+"""How `tpufab top` shows (the view ``top`` of tpufab.views.report.show): a frame as a
+header line, the folded table of the workers (CPU, memory, load, processes, TPU) and the TPU
+line; ``--json`` the frame as docs/status.md gives it. ``follow`` draws the live frames: one
+table redrawn in place, or one line of JSON a frame."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from tpufab.term.terminal import neutralise_text
+
+if TYPE_CHECKING:
+    from rich.console import Console, RenderableType
+    from rich.table import Table
+
+    from tpufab.steps.health.top import Row, TopFrame, WorkerLoad
+
+
+def load_json(load: WorkerLoad) -> dict[str, Any]:
+    return {"worker": load.worker, "reachable": load.reachable, "error": load.error,
+            "cpu_percent": load.cpu_percent, "core_percent": load.core_percent,
+            "cores": load.cores, "load": list(load.load),
+            "memory_total_bytes": load.memory_total,
+            "memory_available_bytes": load.memory_available,
+            "memory_percent": None if load.memory_percent is None
+            else round(load.memory_percent, 1),
+            "runs": list(load.runs), "busiest": list(load.busiest), "tpu": load.tpu}
+
+
+def row_json(row: Row) -> dict[str, Any]:
+    return {"workers": row.label, "indexes": row.workers, "state": row.state,
+            "cpu": row.cpu, "memory": row.memory, "load": row.load,
+            "processes": row.processes, "tpu": row.tpu, "outlier": row.odd}
+
+
+def to_json(frame: TopFrame) -> dict[str, Any]:
+    return {"name": frame.name, "taken_at": frame.taken_at, "seconds": round(frame.seconds, 3),
+            "interval": frame.interval, "tpu": frame.tpu_note,
+            "rows": [row_json(r) for r in frame.folded],
+            "workers": [load_json(w) for w in frame.loads.values()]}
+
+
+def table(frame: TopFrame) -> Table:
+    """The folded rows; the TPU column only when the workers' TPU lines differ."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    note = frame.tpu_note
+    columns = ["WORKERS", "STATE", "CPU", "MEMORY", "LOAD", "PROCESSES"]
+    if note is None:
+        columns.append("TPU")
+    t = Table(box=None, pad_edge=False, header_style="bold")
+    for column in columns:
+        t.add_column(column, overflow="fold")
+    for row in frame.folded:
+        cells = [row.label, row.state, row.cpu, row.memory, row.load, row.processes]
+        if note is None:
+            cells.append(row.tpu)
+        style = "red" if row.state == "unreachable" else ("yellow" if row.odd else None)
+        t.add_row(*(escape(neutralise_text(c)) for c in cells), style=style)
+    return t
+
+
+def renderable(frame: TopFrame, *, live: bool = False) -> RenderableType:
+    """The frame as one rich renderable (a header, the table, the TPU line)."""
+    from rich.console import Group
+    from rich.markup import escape
+    from rich.text import Text
+
+    when = time.strftime("%H:%M:%S", time.localtime(frame.taken_at))
+    head = (f"[bold]{escape(frame.name)}[/bold]: {len(frame.rows)} workers at {when} "
+            f"(sampled {frame.interval:g} s; frame {frame.seconds:.1f} s)")
+    parts: list[Any] = [head, table(frame)]
+    if frame.tpu_note:
+        parts.append(Text(frame.tpu_note, style="dim"))
+    if live:
+        parts.append(Text("Ctrl-C to stop.", style="dim"))
+    return Group(*parts)
+
+
+def show(frame: TopFrame, *, as_json: bool, console: Console, errors: Console) -> None:
+    """One frame on ``console`` (``errors``: unused, a frame has no notes)."""
+    from tpufab.term.console import print_json
+
+    if as_json:
+        print_json(to_json(frame), console)
+    else:
+        console.print(renderable(frame))
+
+
+def follow(watch: Callable[[Callable[[TopFrame], None]], Any], *, as_json: bool,
+           console: Console | None = None) -> TopFrame | None:
+    """The live view: ``watch(on_frame)`` takes frames until Ctrl-C; each is drawn as it
+    comes (``as_json``: one line of JSON a frame, else the table redrawn in place). Returns
+    the last frame (None: none came)."""
+    from tpufab.term.console import stdout
+
+    console = console or stdout()
+    last: list[TopFrame] = []
+    if as_json:
+        def on_frame(frame: TopFrame) -> None:
+            last[:] = [frame]
+            console.print(json.dumps(to_json(frame), separators=(",", ":")), markup=False,
+                          highlight=False, emoji=False, soft_wrap=True)
+            console.file.flush()
+
+        try:
+            watch(on_frame)
+        except KeyboardInterrupt:
+            pass
+        return last[0] if last else None
+    from rich.live import Live
+
+    with Live(console=console, auto_refresh=False, transient=False) as live:
+        def draw(frame: TopFrame) -> None:
+            last[:] = [frame]
+            live.update(renderable(frame, live=True), refresh=True)
+
+        try:
+            watch(draw)
+        except KeyboardInterrupt:
+            pass
+    return last[0] if last else None
