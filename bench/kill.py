@@ -7,7 +7,7 @@ of which ignores SIGTERM so it costs the whole grace period and a SIGKILL, the l
 held, and a protected tpu-runtime holder), then times `kill`:
 
 - "cold": a fresh process calling the verb, as `tpufab kill` does (interpreter start, imports,
-  TPU API lookup, one SSH connection and agent per worker, tpukill.py on every worker);
+  TPU API lookup, one SSH connection and agent per worker, kill_worker.py on every worker);
 - "warm": the library call on open connections.
 
 The target is grace + 2 s. Prints each round, the medians, and the slowest worker's own

@@ -663,7 +663,7 @@ def interrupted_when(argv: list[str], env: dict, ready, what: str, timeout: floa
         running.kill()
 
 
-# --- status: facts.py's answer as data ------------------------------------------------------
+# --- status: facts_worker.py's answer as data ------------------------------------------------------
 
 GiB = 1 << 30
 

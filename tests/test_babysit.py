@@ -275,7 +275,7 @@ def babysitter(pod2, tmp_path, monkeypatch, *, env=(), **options):
                               base_dir=tmp_path, **options), notes
 
 
-RUNNING = "recipe/recipe.sh"    # how the recipe shows in ps: launch.py runs its own copy
+RUNNING = "recipe/recipe.sh"    # how the recipe shows in ps: run_worker.py runs its own copy
 
 
 def no_recipe_left(pod2, node) -> None:

@@ -20,11 +20,11 @@ from harness import USER, SimPod, needs_root
 from helpers import free_port, git_daemon, sh
 
 from tpufab.errors import ConfigError
+from tpufab.reports import text
 from tpufab.ssh.remote_files import RemoteFile, python_command, verify_loader
 from tpufab.steps.code import deploy as deploy_mod
 from tpufab.steps.code.deploy import DeployError, deploy
 from tpufab.steps.code.gitops import GitError
-from tpufab.views.report import text
 
 
 def dead_url() -> str:
@@ -454,7 +454,7 @@ def test_a_script_from_stdin_needs_nothing_on_disk():
     path, `python3 -` reads the source from stdin, as root through sudo where asked."""
     from tpufab.steps.host.killing import kill_command
 
-    shipped = RemoteFile.bundled("tpukill.py")
+    shipped = RemoteFile.bundled("kill_worker.py")
     command = kill_command(grace=1, from_stdin=True)
     assert "exit 97" not in command and shipped.path not in command
     assert "then exec sudo -n python3 -I -S - --grace 1 " in command

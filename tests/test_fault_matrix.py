@@ -488,7 +488,7 @@ def disk_full(verb: Verb, pod: Pod, marker: str) -> Outcome:
 
 def test_kill_and_status_need_no_free_disk(pod):
     """The tool that frees a wedged TPU must not need free disk: w1's disk filled before
-    tpukill.py or facts.py were ever shipped there (so the disk-full cells, which may run after
+    kill_worker.py or facts_worker.py were ever shipped there (so the disk-full cells, which may run after
     other cells shipped them, do not depend on order). Both run from memory; status names the
     full disk."""
     pod.sh(HIT, FILL_DISK.format(user=POD_USER, forget='rm -rf "$dir/.cache/tpufab"'))

@@ -9,11 +9,11 @@ import shlex
 import pytest
 
 from tpufab.cloud.nodes import Node, WorkerEndpoint
-from tpufab.config import load_settings
+from tpufab.config import Jump, load_settings, parse_jump
 from tpufab.errors import ConfigError
 from tpufab.hosts.connect import check_reachable
 from tpufab.ssh.fanout import Target
-from tpufab.ssh.jump import Jump, parse_jump, proxy_command
+from tpufab.ssh.jump import proxy_command
 
 
 @pytest.mark.parametrize("text,user,host,port,alias", [

@@ -179,6 +179,7 @@ def test_a_worker_connection_closes_quietly_while_the_bastion_connection_dies(po
 
     import paramiko
 
+    from tpufab.config import parse_jump
     from tpufab.ssh import jump as jumps
 
     raised = []
@@ -188,7 +189,7 @@ def test_a_worker_connection_closes_quietly_while_the_bastion_connection_dies(po
     bastion.connect(pod["bastion"], username=POD_USER, look_for_keys=False, allow_agent=False,
                     pkey=paramiko.PKey.from_path(pod["home"] / "tpufab_ed25519"), timeout=10)
     try:
-        sock = jumps.open_channel(jumps.parse_jump(pod["jump"]), None, pod["ips"][0], 22, 10,
+        sock = jumps.open_channel(parse_jump(pod["jump"]), None, pod["ips"][0], 22, 10,
                                   connect=lambda *_: bastion)
         worker = paramiko.Transport(sock)
         worker.start_client(timeout=10)

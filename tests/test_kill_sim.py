@@ -10,6 +10,7 @@ import pytest
 from harness import connected_pod
 from helpers import call, on_workers, write_recipe
 
+from tpufab.reports import text as report_lines
 from tpufab.ssh.remote_files import RemoteFile, verify_loader
 from tpufab.steps.host.killing import (
     KillResult,
@@ -19,7 +20,6 @@ from tpufab.steps.host.killing import (
     summary,
     zombie_command,
 )
-from tpufab.views.report import text as report_lines
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -106,7 +106,7 @@ print("holding" if os.read(r, 1) else "failed")
 
 def test_kill_command_runs_tpukill_as_root_with_both_device_families():
     line = kill_command(run="20261122-104455-ab12", grace=3, dry_run=True, force=True)
-    tpukill = RemoteFile.bundled("tpukill.py")
+    tpukill = RemoteFile.bundled("kill_worker.py")
     checked = f"python3 -I -S -c {shlex.quote(verify_loader())} 1 {tpukill.sha256} {tpukill.path}"
     assert line.startswith('if [ "$(id -u)" != 0 ] && sudo -n true 2>/dev/null; then exec sudo '
                            f"-n {checked} ")

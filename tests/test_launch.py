@@ -1,4 +1,4 @@
-"""launch.py with real processes: detached runs, recorded exit codes, stop, tail, secrets."""
+"""run_worker.py with real processes: detached runs, recorded exit codes, stop, tail, secrets."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from helpers import WORKER_PYTHON, process_alive, shipped, wait_for
 
 from tpufab.ssh.remote_files import read_answer
 
-LAUNCH = shipped("launch.py")
+LAUNCH = shipped("run_worker.py")
 SECRET = "hf_s3cr3t-value-that-must-not-leak"
 
 

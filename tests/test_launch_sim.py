@@ -481,7 +481,7 @@ def test_pod_autostop_checks_its_arguments_as_the_verb_does_before_connecting(tm
         pod.autostop(idle="30m", cancel=True)
     with pytest.raises(ConfigError, match=r"^--ttl takes a duration such as 90s"):
         pod.autostop(ttl="soon")
-    assert pod._connected is None
+    assert pod._hosts is None
 
 
 def test_autostop_deletes_an_idle_pod_and_list_and_status_show_it_first(world, pod16):

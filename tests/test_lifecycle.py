@@ -517,7 +517,7 @@ def test_the_autostop_watchdog_re_reads_the_node_before_it_deletes_it(sim, make_
     import tpufab.remote
 
     spec = importlib.util.spec_from_file_location(
-        "autostop_worker", Path(tpufab.remote.__file__).parent / "autostop.py")
+        "autostop_worker", Path(tpufab.remote.__file__).parent / "autostop_worker.py")
     watchdog = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(watchdog)
     proto = make_node("v4-8")

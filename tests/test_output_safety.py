@@ -20,14 +20,16 @@ import pytest
 from helpers import WORKER_PYTHON, shipped
 
 from tpufab import quoting
-from tpufab.remote import facts, launch, workerlib
+from tpufab.remote import facts_worker as facts
+from tpufab.remote import run_worker as launch
+from tpufab.remote import workerlib
 from tpufab.ssh.fanout import LiveView, WorkerResult, print_gathered
 from tpufab.ssh.remote_files import read_answer
 from tpufab.steps.runs.env import fold_logs, fold_stream, render_folded
 from tpufab.steps.runs.running import FoldingView, WorkerState, fold_states, prune_local_runs
 from tpufab.term.terminal import Lines, lines_of, neutralise, neutralise_text
 
-LAUNCH = shipped("launch.py")
+LAUNCH = shipped("run_worker.py")
 HF = "hf_Vq3/x+y=z&w-must-not-leak"
 WANDB = "wandb-6f1e9a-must-not-leak"
 
@@ -182,7 +184,7 @@ def test_a_run_whose_supervisor_vanished_without_a_record_is_still_lost(tmp_path
 
 def test_a_run_that_left_a_process_behind_is_running_until_that_ends(tmp_path):
     """Recipe and supervisor gone, no end recorded, but a process of the run lives on (it
-    carries the run's TPUFAB_RUN_ID): launch.py (shipped) and facts.py both say running; once
+    carries the run's TPUFAB_RUN_ID): run_worker.py (shipped) and facts_worker.py both say running; once
     it is gone, lost."""
     name = f"stray-{os.getpid()}-{random.randrange(1 << 30):x}"
     rundir = fake_rundir(tmp_path, name)

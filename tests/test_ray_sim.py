@@ -273,7 +273,7 @@ def test_the_dashboard_s_forkserver_is_a_ray_process():
     """Ray 2.60's dashboard starts its modules through a multiprocessing forkserver, a
     ``python -c`` whose command line names Ray only in its module list: `ray down` must wait
     for it (and kill it if it stays), as for any other Ray process (CI once found one left)."""
-    from tpufab.remote import ray_node
+    from tpufab.remote import ray_worker as ray_node
 
     line = ("import time; time.sleep(60)  # from multiprocessing.forkserver import main; "
             "main(25, 27, ['ray', 'ray.dashboard.subprocesses.module'], **{'sys_path': []})")

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 from rich.console import Console
 
-from tpufab.reports import Column, Report, seconds_range
+from tpufab.reports import Column, Report, folded, seconds_range, text
 from tpufab.steps.host.killing import KillResult, WorkerReport
-from tpufab.views.report import folded, show, text
+from tpufab.views.report import show
 
 
 @dataclass
@@ -161,8 +161,8 @@ def test_top_follow_draws_each_frame_until_ctrl_c_and_returns_the_last():
 
 
 def test_ray_status_is_a_report_printed_by_its_view_and_ray_up_down_say_what_they_did():
+    from tpufab.reports import down_sentence, up_sentence
     from tpufab.steps.start.raycluster import Host, RayDown, RayStatus, RayUp
-    from tpufab.views.ray import down_sentence, up_sentence
 
     hosts = [Host(w, f"10.0.0.{w + 2}", "pod-a", w, "v4-16", "2x2x2", 4) for w in (0, 1)]
     head_node = {"ip": "10.0.0.2", "head": True, "labels": {"ray.io/tpu-slice-name": "pod-a",

@@ -131,7 +131,7 @@ def test_plan_gives_each_worker_its_rank_and_the_same_secrets():
     assert "HF_TOKEN" not in env and plan.secrets == {"HF_TOKEN": SECRET}
     line = start_command(plan)
     assert SECRET not in line
-    launch = RemoteFile.bundled("launch.py")
+    launch = RemoteFile.bundled("run_worker.py")
     assert line.startswith(" ".join(["exec", "python3", "-I", "-S", "-c",
                                      shlex.quote(verify_loader()), "2", launch.sha256,
                                      launch.path, recipe.sha256, recipe.path, "start"]))
@@ -243,7 +243,7 @@ class FakeResult:
         from tpufab.ssh.fanout import WorkerResult
 
         self.inner = WorkerResult(worker, exit_code)
-        self.inner.stderr_output.write(answered("state", status).encode())  # launch.py's
+        self.inner.stderr_output.write(answered("state", status).encode())  # run_worker.py's
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tpufab.flows.babysit import notices_in
-from tpufab.remote.launch import notice_of
+from tpufab.remote.run_worker import notice_of
 from tpufab.sim.guest import host_bounds, tpu_env
 from tpufab.sim.metadata import JsonLeaf, lookup, render
 

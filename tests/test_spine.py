@@ -27,7 +27,7 @@ ALIASES = {"worker": "workers"}
 
 # What a verb module may import: the Pod API and the front-door helpers.
 VERB_IMPORTS = ("tpufab.pod", "tpufab.verbs", "tpufab.views", "tpufab.term", "tpufab.config",
-                "tpufab.errors", "tpufab.nodeset", "tpufab.durations", "tpufab.topology",
+                "tpufab.errors", "tpufab.reports", "tpufab.nodeset", "tpufab.durations", "tpufab.topology",
                 "tpufab.current", "tpufab.__version__")
 VERB_IMPORTS_OF = {"sim.py": ("tpufab.sim",)}  # the simulated pod's own verbs drive it
 

@@ -418,8 +418,7 @@ STUCK_2 = ("MainThread", [("read", "io.py", 9), ("stuck_in_data_loader", "train.
 
 
 def test_fold_puts_the_odd_worker_first_marking_the_function_it_is_in():
-    from tpufab.steps.health.stacks import fold_stacks
-    from tpufab.views.stacks import render
+    from tpufab.steps.health.stacks import fold_stacks, render
 
     answers = {w: answer(STUCK_2 if w == 2 else WAITING) for w in range(64)}
     answers[0] = answer(WAITING, ("barrier-server", [("accept", "socket.py", 294)]))

@@ -1,4 +1,4 @@
-"""`status`: facts.py's output parsed as data, the folded table as data, and the whole verb on
+"""`status`: facts_worker.py's output parsed as data, the folded table as data, and the whole verb on
 a simulated v4-32 (a busy TPU on one worker, an unreachable one, a preempted node)."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from helpers import (
     wait_for,
 )
 
-from tpufab.remote import facts
+from tpufab.remote import facts_worker as facts
 from tpufab.ssh.remote_files import read_answer
 from tpufab.steps.health import status as st
 from tpufab.views import status as status_view
@@ -39,7 +39,7 @@ GiB = 1 << 30
 
 
 # ---------------------------------------------------------------------------------------------
-# facts.py's answer as data
+# facts_worker.py's answer as data
 
 
 def test_parse_facts_reads_every_field():
@@ -154,7 +154,7 @@ def test_facts_args_are_data():
 
 
 # ---------------------------------------------------------------------------------------------
-# facts.py's pieces on local files
+# facts_worker.py's pieces on local files
 
 
 def git(cwd: Path, *args: str) -> str:
@@ -246,7 +246,7 @@ def test_device_holders_scan_proc_fd(tmp_path):
 
 
 def test_facts_script_prints_one_json_line(tmp_path):
-    proc = subprocess.run([WORKER_PYTHON, "-I", "-S", str(shipped("facts.py")), "--run-dir",
+    proc = subprocess.run([WORKER_PYTHON, "-I", "-S", str(shipped("facts_worker.py")), "--run-dir",
                            str(tmp_path / "runs"), "--deploy-dir", str(tmp_path)],
                           capture_output=True, text=True, check=True)
     lines = proc.stdout.splitlines()
@@ -336,7 +336,7 @@ def test_status_shows_a_running_run_and_finished_ones(sim, node):
     pod.fanout.put(b"#!/bin/sh\nwhile [ ! -e \"$HOME/go-$1\" ]; do sleep 0.05; done\n",
                    "~/wait.sh", mode=0o755)
     run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-0a0a"
-    started = run_script(pod.fanout, "launch.py",
+    started = run_script(pod.fanout, "run_worker.py",
                          ["start", "--run", run_id, "--recipe", "~/wait.sh", "--", "x"],
                          pod.workers)
     assert all(r.exit_code == 0 for r in started.values()), started
@@ -439,12 +439,12 @@ def ending_run(tmp_path: Path, *, start_time: bool = True):
 
 @pytest.mark.parametrize("start_time", [True, False])
 def test_a_run_whose_supervisor_is_writing_its_end_is_not_lost(tmp_path, start_time):
-    from tpufab.remote import launch
+    from tpufab.remote import run_worker as launch
 
     rundir, supervisor = ending_run(tmp_path, start_time=start_time)
     try:
         assert facts.run_state(str(rundir))["state"] == "running"
-        if start_time:     # launch.py agrees
+        if start_time:     # run_worker.py agrees
             assert launch.run_status(str(rundir))["state"] == "running"
     finally:
         supervisor.stdin.close()

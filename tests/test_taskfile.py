@@ -473,7 +473,7 @@ def test_reservation_goes_into_the_queued_resource(tmp_path):
 
 def worker_side():
     spec = importlib.util.spec_from_file_location("autostop_worker",
-                                                  REPO / "tpufab" / "remote" / "autostop.py")
+                                                  REPO / "tpufab" / "remote" / "autostop_worker.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -97,7 +97,7 @@ def test_pod_status_honours_its_timeout_on_a_connection_already_open(sim, pod4):
 
     settings = dataclasses.replace(pod4.settings, command_timeout=None)
     with Pod.from_settings(settings) as pod:
-        assert pod.connected.workers == [0, 1, 2, 3]   # the connections are open now
+        assert pod.hosts.workers == [0, 1, 2, 3]   # the connections are open now
         assert pod.status(timeout=30).healthy
         pids = " ".join(in_worker(sim, pod4.node, 1, SSHD_ALL).split())
         in_worker(sim, pod4.node, 1, f"kill -STOP {pids}")
@@ -130,7 +130,7 @@ def test_waiting_for_a_port_gives_up_on_a_worker_that_froze_mid_probe(sim, pod4)
     settings = dataclasses.replace(pod4.settings, command_timeout=None)
     answer: list = []
     with Pod.from_settings(settings) as pod:
-        assert pod.connected.workers == [0, 1, 2, 3]
+        assert pod.hosts.workers == [0, 1, 2, 3]
         began = time.monotonic()
         waiting = threading.Thread(target=lambda: answer.append(running.wait_port(
             pod.fanout, "no-such-run", 9, worker=1, timeout=3, probe=2, slack=1)), daemon=True)
@@ -282,14 +282,14 @@ def test_two_pods_sharing_connections_keep_their_own_timeouts(monkeypatch, tmp_p
     fanout = Fanout([Target(0, "127.0.0.1", "user", port=port)], processes=1,
                     known_hosts=KnownHosts(tmp_path / "known_hosts"), connect_timeout=20.0,
                     connect_attempts=1)
-    opened = connection.Pod(settings=Settings(name="twin"), nodes=[], fanout=fanout)
+    opened = connection.Hosts(settings=Settings(name="twin"), nodes=[], fanout=fanout)
     monkeypatch.setattr(connection, "_OPEN", {})
     monkeypatch.setattr(connection, "connect", lambda settings, **kw: opened)
     try:
         fast = Pod.from_settings(Settings(name="twin", project="p", connect_timeout=0.6))
         slow = Pod.from_settings(Settings(name="twin", project="p", connect_timeout=2.5,
                                           command_timeout=30.0))
-        assert fast.connected.nodes is slow.connected.nodes  # one open pod, shared
+        assert fast.hosts.nodes is slow.hosts.nodes  # one open pod, shared
         started = time.monotonic()
         result = fast.run("true", warn=True)
         took = time.monotonic() - started

@@ -1,4 +1,4 @@
-"""tpukill.py against real processes, each scenario in a throwaway PID + mount namespace.
+"""kill_worker.py against real processes, each scenario in a throwaway PID + mount namespace.
 
 Every scenario runs this file as PID 1 of a fresh `unshare --pid --mount` namespace with a
 tmpfs on /tmp (fake device files, lockfiles, run records live there), so no host process is
@@ -22,7 +22,7 @@ from helpers import WORKER_PYTHON, process_alive, process_start_time, shipped_by
 from tpufab.ssh.remote_files import read_answer
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = ("launch.py", "tpukill.py", "zombie.py")
+SCRIPTS = ("run_worker.py", "kill_worker.py", "zombie_worker.py")
 REMOTE = Path("/tmp/tpufab-remote")   # inside a scenario's own /tmp
 DEV = "/tmp/dev"
 LOCK = "/tmp/libtpu_lockfile"
@@ -43,13 +43,13 @@ def _make_devices(accel=4, vfio=4):
 
 
 def _zombies(*flags):
-    out = subprocess.run([WORKER_PYTHON, str(REMOTE / "zombie.py"), *flags],
+    out = subprocess.run([WORKER_PYTHON, str(REMOTE / "zombie_worker.py"), *flags],
                          capture_output=True, text=True, timeout=30, check=True).stdout
     return read_answer(out)["zombies"]
 
 
 def _tpukill(*flags):
-    proc = subprocess.run([WORKER_PYTHON, str(REMOTE / "tpukill.py"), *GLOBS,
+    proc = subprocess.run([WORKER_PYTHON, str(REMOTE / "kill_worker.py"), *GLOBS,
                            "--run-dir", "/tmp/runs", *flags],
                           capture_output=True, text=True, timeout=60)
     return {"rc": proc.returncode, "report": read_answer(proc.stdout), "stderr": proc.stderr}
@@ -116,7 +116,7 @@ def scenario(name):
         recipe = Path("/tmp/recipe.sh")
         recipe.write_text("#!/bin/sh\nsleep 300 &\necho child $!\nwait\n")
         started = read_answer(subprocess.run(
-            [WORKER_PYTHON, str(REMOTE / "launch.py"), "start", "--run-dir", "/tmp/runs",
+            [WORKER_PYTHON, str(REMOTE / "run_worker.py"), "start", "--run-dir", "/tmp/runs",
              "--run", "real", "--recipe", str(recipe)],
             capture_output=True, text=True, timeout=30, check=True).stdout)
         log = Path("/tmp/runs/real/log")
@@ -126,7 +126,7 @@ def scenario(name):
         leaky = Path("/tmp/leaky.sh")
         leaky.write_text("#!/bin/sh\nsetsid sleep 300 </dev/null >/dev/null 2>&1 &\n"
                          "echo leak $!\n")
-        subprocess.run([WORKER_PYTHON, str(REMOTE / "launch.py"), "start", "--run-dir",
+        subprocess.run([WORKER_PYTHON, str(REMOTE / "run_worker.py"), "start", "--run-dir",
                         "/tmp/runs", "--run", "leaky", "--recipe", str(leaky)],
                        capture_output=True, text=True, timeout=30, check=True)
         _wait_for(lambda: Path("/tmp/runs/leaky/exit_code").exists(), "the leaky run to end")
@@ -281,7 +281,7 @@ def test_nothing_to_kill_is_a_clean_noop():
 
 
 def test_protection_rules():
-    from tpufab.remote import tpukill
+    from tpufab.remote import kill_worker as tpukill
     from tpufab.topology import DEVICE_GLOBS
 
     assert tpukill.DEVICE_GLOBS == DEVICE_GLOBS == ("/dev/accel*", "/dev/vfio/[0-9]*")

@@ -23,9 +23,9 @@ from harness import SimPod, needs_root
 from helpers import free_port, wait_for
 
 from tpufab.errors import ConfigError, TpufabError
+from tpufab.reports import text
 from tpufab.ssh import forward as forwarding
 from tpufab.ssh import transfer
-from tpufab.views.report import text
 
 pytestmark = pytest.mark.sim
 
@@ -458,9 +458,9 @@ def test_get_into_a_full_local_disk_is_one_sentence(pod, tmp_path):
 def test_put_into_the_checkout_of_a_live_run_is_refused(pod, tmp_path):
     """As deploy: a run on w1 reads /root/checkout; put there is refused in one sentence naming
     the run, put elsewhere goes on, and once the run ends the same put works."""
+    from tpufab.errors import CodeBusy
     from tpufab.ssh.remote_files import RemoteFile
     from tpufab.steps.code import codelock
-    from tpufab.steps.code.codelock import CodeBusy
     from tpufab.steps.runs import running as jobs
 
     pod.sh(1, "mkdir -p /root/checkout && rm -f /tmp/stop-put")

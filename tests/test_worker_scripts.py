@@ -21,21 +21,21 @@ LIB = REMOTE.joinpath(LIBRARY).read_bytes()
 # The cheapest thing each shipped script can do: (arguments, stdin, exit status, a line it says).
 NO_OP = {
     "agent.py": ([], b"", 0, None),                       # stdin closed: it says hello and ends
-    "autostop.py": (["--help"], None, 0, "usage: autostop.py"),
+    "autostop_worker.py": (["--help"], None, 0, "usage: autostop_worker.py"),
     "deploy_worker.py": (["--help"], None, 0, "usage: deploy_worker.py"),
-    "facts.py": (["--help"], None, 0, "usage: facts.py"),
+    "facts_worker.py": (["--help"], None, 0, "usage: facts_worker.py"),
     "files_worker.py": ([], b"", 2, "files_worker: unknown operation ''"),
-    "launch.py": (["--help"], None, 0, "usage: launch.py"),
+    "run_worker.py": (["--help"], None, 0, "usage: run_worker.py"),
     "masktee.py": ([], None, 2, "usage: masktee.py LOG [NAME ...]"),
     "mount_worker.py": (["--help"], None, 0, "usage: mount_worker.py"),
     "ports.py": ([], None, 2, "usage: ports.py wait PORT SECONDS [HOST]"),
     "profile_worker.py": (["--help"], None, 0, "usage: profile_worker.py"),
-    "ray_node.py": ([], None, 2, "ray_node.py: no command"),
-    "tpukill.py": (["--help"], None, 0, "usage: tpukill.py"),
+    "ray_worker.py": ([], None, 2, "ray_worker.py: no command"),
+    "kill_worker.py": (["--help"], None, 0, "usage: kill_worker.py"),
     "stacks_worker.py": (["--help"], None, 0, "usage: stacks_worker.py"),
     "verify.py": ([], None, 2, "usage: verify.py N SHA256 PATH"),
     "top_worker.py": (["--help"], None, 0, "usage: top_worker.py"),
-    "zombie.py": (["--help"], None, 0, "usage: zombie.py"),
+    "zombie_worker.py": (["--help"], None, 0, "usage: zombie_worker.py"),
 }
 
 
@@ -64,9 +64,9 @@ def test_the_shipped_script_runs_alone_in_isolated_mode(tmp_path, name):
 
 
 def test_a_shipped_script_runs_from_stdin_too(tmp_path):
-    """The full-disk path (``python3 -I -S -``, source on stdin): the bundled facts.py answers."""
+    """The full-disk path (``python3 -I -S -``, source on stdin): the bundled facts_worker.py answers."""
     done = subprocess.run([WORKER_PYTHON, "-I", "-S", "-", "--run-dir", str(tmp_path / "runs")],
-                          input=RemoteFile.bundled("facts.py").data, capture_output=True,
+                          input=RemoteFile.bundled("facts_worker.py").data, capture_output=True,
                           cwd=tmp_path, timeout=60, check=True)
     answer = read_answer(done.stdout)
     assert answer["runs"] == [] and answer["host"] == os.uname().nodename
@@ -106,15 +106,15 @@ def test_the_import_is_replaced_by_what_it_needs_and_no_more(tmp_path):
 
 
 def test_a_script_is_reshipped_when_what_it_inlines_changes_only():
-    before = RemoteFile("tpukill.py", bundle("tpukill.py", REMOTE.joinpath("tpukill.py")
+    before = RemoteFile("kill_worker.py", bundle("kill_worker.py", REMOTE.joinpath("kill_worker.py")
                                              .read_bytes(), LIB))
-    assert before.sha256 == RemoteFile.bundled("tpukill.py").sha256
+    assert before.sha256 == RemoteFile.bundled("kill_worker.py").sha256
     used = LIB.replace(b'EXITED = ("Z", "X", "x")', b'EXITED = ("Z", "X")')
     unused = LIB.replace(b"def mount_records(state_dir):", b"def mount_records(state_dir):  #")
     assert used != LIB and unused != LIB
-    source = REMOTE.joinpath("tpukill.py").read_bytes()
-    assert bundle("tpukill.py", source, used) != before.data
-    assert bundle("tpukill.py", source, unused) == before.data
+    source = REMOTE.joinpath("kill_worker.py").read_bytes()
+    assert bundle("kill_worker.py", source, used) != before.data
+    assert bundle("kill_worker.py", source, unused) == before.data
 
 
 def test_a_script_without_the_library_ships_as_it_is():
@@ -147,7 +147,7 @@ def test_a_script_that_cannot_stand_alone_is_refused_when_bundled(source, says):
 def test_a_library_statement_bundle_could_not_keep_by_name_is_refused():
     library = LIB + b"\ntry:\n    import fcntl\nexcept ImportError:\n    fcntl = None\n"
     with pytest.raises(BundleError, match=r"workerlib.py line \d+: only imports, assignments"):
-        bundle("tpukill.py", REMOTE.joinpath("tpukill.py").read_bytes(), library)
+        bundle("kill_worker.py", REMOTE.joinpath("kill_worker.py").read_bytes(), library)
 
 
 def test_the_same_import_in_a_script_and_the_library_is_no_clash():
@@ -157,7 +157,7 @@ def test_the_same_import_in_a_script_and_the_library_is_no_clash():
 
 def test_each_shipped_script_is_the_one_the_seam_ships():
     """The tests that run scripts by path (helpers.shipped) run these very bytes."""
-    for name in ("launch.py", "tpukill.py", "facts.py"):
+    for name in ("run_worker.py", "kill_worker.py", "facts_worker.py"):
         assert shipped(name).read_bytes() == RemoteFile.bundled(name).data
 
 

@@ -16,10 +16,11 @@ import dataclasses
 import difflib
 import getpass
 import os
+import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +130,14 @@ DEFAULT_REMOTE_USER = "tpufab"
 KEEP_ALIVE_OFF = ("0", "0s", "off", "no", "false", "")
 
 
+# Names a forwarded variable may not take: tpufab sets them per worker.
+RESERVED = ("TPUFAB_RUN_ID", "TPUFAB_RUN_DIR", "TPUFAB_WORKER_ID", "TPU_WORKER_ID",
+            "TPU_WORKER_HOSTNAMES", "TPU_NAME", "TPU_ACCELERATOR_TYPE", "TPU_TOPOLOGY",
+            "TPUFAB_NUM_WORKERS", "TPUFAB_WORKER_IPS", "TPUFAB_COORDINATOR",
+            "TPUFAB_SLICE_ID", "TPUFAB_NUM_SLICES", "TPUFAB_TASK", "TPUFAB_PROFILER_PORT",
+            "MASTER_ADDR", "WORLD_SIZE", "RANK", "NODE_RANK", "LOCAL_RANK")
+
+
 def keep_alive_seconds(value: object, source: str) -> float:
     """A keep_alive value (``5m``, ``90s``, ``0``) in seconds; a ConfigError naming ``source``."""
     from tpufab.durations import parse_duration
@@ -151,7 +160,7 @@ def _local_user() -> str:
 
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 # TPUFAB_* variables that are not settings: tpufab's own switches, the simulated pod's and the
-# setup scripts'; the job contract every recipe sees is runs.RESERVED (a recipe may call tpufab).
+# setup scripts'; the job contract every recipe sees is RESERVED (above; a recipe may call tpufab).
 OTHER_ENV = frozenset({
     "USER_CONFIG", "DEBUG", "GIT_TOKEN", "GIT_USERNAME", "PYTHON", "PIP_PYTHON", "VENV",
     "FRAMEWORK", "JAX_VERSION", "TORCH_VERSION", "INIT_TIMEOUT", "BABYSIT_RUN",
@@ -306,7 +315,6 @@ def layers(overrides: Mapping[str, Any] | None = None, *, cwd: Path | None = Non
 def _unknown_env(key: str) -> None:
     """A TPUFAB_* variable that is no setting: refused when it looks like a misspelt one (a
     zone silently left at its default creates a pod in the wrong place), else warned once."""
-    from tpufab.steps.runs.env import RESERVED
 
     short = key[len(ENV_PREFIX):]
     if short in OTHER_ENV or short.startswith(OTHER_ENV_PREFIXES) or key in RESERVED:
@@ -402,11 +410,52 @@ def load_settings(overrides: Mapping[str, Any] | None = None, *, cwd: Path | Non
     settings.sources = sources
     check_limits(settings, origin)
     if settings.jump:
-        from tpufab.ssh.jump import parse_jump
-
         parse_jump(settings.jump, origin.get("jump", "jump"))
     if settings.type:
         from tpufab.topology import parse_accelerator_type
 
         settings.type = parse_accelerator_type(settings.type).name
     return settings
+
+
+# -- the jump setting: a bastion (SSH jump host) as users name it, [user@]host[:port], parsed
+# into a plain, picklable description (the connections through it are tpufab.ssh.jump's) ------
+_JUMP_RE = re.compile(r"^(?:(?P<user>[A-Za-z0-9_][A-Za-z0-9_.-]{0,63})@)?"
+                      r"(?P<host>[A-Za-z0-9_.][A-Za-z0-9_.-]*|\[[0-9A-Fa-f:.]+\])(?::(?P<port>\d{1,5}))?$")
+
+@dataclass(frozen=True)
+class Jump:
+    """Where the bastion is and how to log in (no live objects: picklable). ``user`` is ""
+    until :meth:`for_user` fills it in: ``--jump HOST`` logs in as the user tpufab logs into
+    the workers as."""
+
+    user: str
+    host: str
+    port: int = 22
+    key_filename: str | None = None
+
+    def for_user(self, login_user: str) -> Jump:
+        """This jump with ``login_user`` where it names no user of its own."""
+        return self if self.user else replace(self, user=login_user)
+
+    @property
+    def key_alias(self) -> str:
+        """Its name in known_hosts, as OpenSSH writes it."""
+        return self.host if self.port == 22 else f"[{self.host}]:{self.port}"
+
+    def __str__(self) -> str:
+        return (f"{self.user}@" if self.user else "") + self.host + (
+            "" if self.port == 22 else f":{self.port}")
+
+
+def parse_jump(text: str, source: str = "jump", *, key_filename: str | None = None) -> Jump:
+    """``[user@]host[:port]`` -> Jump (user "" when not given), or a ConfigError naming
+    ``source`` and the fix."""
+    m = _JUMP_RE.match(str(text).strip())
+    port = int(m.group("port")) if m and m.group("port") else 22
+    if not m or not 0 < port < 65536:
+        raise ConfigError(f"{source}: jump must be the bastion as host, user@host or "
+                          "user@host:port (for example bastion.example.com, or "
+                          f"alice@bastion.example.com:2222), not {text!r}.")
+    return Jump(user=m.group("user") or "", host=m.group("host").strip("[]"), port=port,
+                key_filename=key_filename)

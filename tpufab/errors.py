@@ -34,6 +34,10 @@ class NotFound(ApiError):
     """The node or queued resource does not exist."""
 
 
+class CodeBusy(TpufabError):
+    """Another tpufab holds the pod's code, or a run reads it (tpufab.steps.code.codelock)."""
+
+
 class SimError(TpufabError):
     """The simulated pod could not do what was asked."""
 

@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar
 
+from tpufab import nodeset
+from tpufab.nodeset import fold
 from tpufab.quoting import Secret
-from tpufab.ssh.remote_files import last_line, read_answer
+from tpufab.remote.workerlib import last_line, read_answer
 
 
 class Outcome(Protocol):
@@ -143,3 +145,105 @@ def seconds_range(rows: Sequence[Any]) -> str:
 
 def count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+# -- the pure text of a report: what the one renderer (tpufab.views.report) shows, and a
+# failed step's per-worker details ------------------------------------------------------------
+WORKERS = "WORKERS"
+
+
+def failure(row: Any) -> str:
+    """``failed: disk_full: No space left on device`` (the row's error and message)."""
+    words = [str(w) for w in (getattr(row, "error", None), getattr(row, "message", None)) if w]
+    return "failed: " + (": ".join(dict.fromkeys(words)) or "no answer")
+
+
+def folded(report: Report) -> list[tuple[str, list[str], bool]]:
+    """``[(folded workers, cells, ok)]``: the rows that agree on every keyed cell (a failed
+    row: on its failure) as one, in the order of their first worker."""
+    if not report.per_worker:   # the pod's rows: each as it is, in its order
+        return [("", [_shown(c.cell(row) if c.cell else None) for c in report.columns], True)
+                for row in report.rows]
+    groups: dict[tuple, list[Any]] = {}
+    for row in sorted(report.rows, key=lambda r: r.worker):
+        if getattr(row, "ok", True):
+            key = ("ok", *(c.cell(row) if c.cell else None for c in report.columns))
+        else:
+            key = ("failed", failure(row))
+        groups.setdefault(key, []).append(row)
+    out = []
+    for key, rows in groups.items():
+        who = fold(r.worker for r in rows)
+        if key[0] == "failed":
+            cells = [key[1]] + ["-"] * (len(report.columns) - 1 if not report.lines else 0)
+        else:
+            cells = [c.over(rows) if c.over else _shown(c.cell(rows[0]) if c.cell else None)
+                     for c in report.columns]
+        out.append((who, cells, key[0] == "ok"))
+    return out
+
+
+def _shown(value: Any) -> str:
+    return "-" if value is None or value == "" else str(value)
+
+
+def text(report: Report) -> list[str]:
+    """The rows as plain lines (pure): ``prefix who  cells`` with the workers' column padded;
+    a table's cells are joined by two spaces, under no header."""
+    groups = folded(report)
+    width = max((len(who) for who, _, _ in groups), default=0)
+    sep = ", " if report.lines else "  "
+    lead = "" if not report.per_worker else "{who:<{width}}  "
+    return [f"{report.prefix}{lead.format(who=who, width=width)}"
+            f"{sep.join(cells) if ok else cells[0]}".rstrip() for who, cells, ok in groups]
+
+
+def to_json(report: Report) -> dict[str, Any]:
+    """The report as data: the step, ok, its own fields, summary, notes and every row."""
+    if not report.per_worker:
+        return {"step": report.step, "ok": report.ok, **_plain(report.data()),
+                "summary": report.summary, "notes": list(report.notes),
+                "rows": [_plain(row) for row in report.rows]}
+    rows = [{"worker": row.worker, "ok": getattr(row, "ok", True), **_plain(row)}
+            for row in sorted(report.rows, key=lambda r: r.worker)]
+    return {"step": report.step, "ok": report.ok, **_plain(report.data()),
+            "workers": fold(sorted({r.worker for r in report.rows})),
+            "summary": report.summary, "notes": list(report.notes), "rows": rows}
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON data: a dataclass as its fields (those not ``json: False``)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if f.metadata.get("json", True)}
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+# -- what ray up and ray down did, as a sentence (the verbs and the flows say them) ----------
+def up_sentence(done: Any, name: str) -> str:
+    """What `tpufab ray up` did on pod ``name`` (a RayUp of tpufab.steps.start.raycluster), and
+    what to do next."""
+    if done.already:
+        return (f"Ray is already up on {name}: head on {nodeset.label(done.head)} at "
+                f"{done.address}, all {done.hosts} hosts joined; nothing to do "
+                f"({done.seconds:.1f} s).")
+    how = "started" if len(done.started) == done.hosts else \
+        f"started on {nodeset.fold(done.started)} (the others were up)"
+    return (f"Ray is up on {name}: head on {nodeset.label(done.head)} at {done.address}, "
+            f"{done.hosts} hosts joined ({how}, {done.seconds:.1f} s). Jobs: `tpufab ray "
+            f"submit RECIPE`; dashboard: `tpufab forward {done.dashboard_port}`.")
+
+
+def down_sentence(done: Any, name: str) -> str:
+    """What `tpufab ray down` did on pod ``name`` (a RayDown)."""
+    had = [w for w, a in done.answers.items() if a.get("stopped")]
+    if not had:
+        return f"Ray was not running on {name}; nothing to stop."
+    forced = [w for w, a in done.answers.items() if a.get("forced")]
+    how = f" (forced on {nodeset.fold(forced)})" if forced else ""
+    return (f"Ray stopped on {nodeset.fold(had)} of {name}{how}; no Ray process is left "
+            "on any host.")

@@ -952,9 +952,10 @@ def _forget_pins(settings: Settings, gone: Doomed, console: Console) -> None:
             if s.id:
                 known.forget(s.id)
         if settings.jump:
+            from tpufab.config import parse_jump
             from tpufab.ssh import jump
 
-            bastion = jump.parse_jump(settings.jump)
+            bastion = parse_jump(settings.jump)
             if jump.forget_if_gone(bastion, known):
                 console.print(f"The jump host {_escape(bastion.key_alias)} went with it: "
                               f"forgot its pinned host key ({_escape(known.path)}); the next "

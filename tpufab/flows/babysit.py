@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 PREEMPTED_STATES = frozenset({"PREEMPTED", "TERMINATED"})
 QUEUED_LOST_STATES = frozenset({"SUSPENDED", "FAILED"})
 RESTART_VARIABLE = "TPUFAB_RESTART_COUNT"
-NOTICE_MARK = "tpufab: notice:"  # tpufab/remote/launch.py's log line for a relayed notice
+NOTICE_MARK = "tpufab: notice:"  # tpufab/remote/run_worker.py's log line for a relayed notice
 BABYSIT_VARIABLE = "TPUFAB_BABYSIT_RUN"      # the first attempt's run id, the same every time
 DEFAULT_POLL = 10.0
 DEFAULT_UNREACHABLE_GRACE = 300.0
@@ -934,10 +934,10 @@ class Babysitter:
         cancels the follow. The job's log is copied to ``attempt-<k>/job.log``."""
         import sys
 
+        from tpufab.reports import up_sentence
         from tpufab.steps.code.deploy import default_cwd
         from tpufab.steps.runs.running import open_private
         from tpufab.steps.start import raycluster
-        from tpufab.views.ray import up_sentence
 
         attempt_dir = self._attempt_dir(run_id, number)
         head = pod.workers[0]

@@ -574,8 +574,8 @@ def execute(p: LaunchPlan, launch: Launch, open_pod, *, zones: Sequence[str] | N
             state = autostop.arm(pod, p.settings, idle=p.idle)
             say(f"Autostop: {describe_autostop(state)}.")
     if p.ray:   # the run is the Ray job that `ray_job` submits and follows
+        from tpufab.reports import up_sentence
         from tpufab.steps.start import raycluster
-        from tpufab.views.ray import up_sentence
 
         with step("ray up"):
             ray = raycluster.up(pod, progress=say)

@@ -25,7 +25,11 @@ SSH_PORT = 22  # networkEndpoints[].port is the TPU runtime's port (8470), never
 
 
 @dataclass
-class Pod:
+class Hosts:
+    """A pod as connected hosts: its node(s), the fan-out over every worker's SSH connection, and
+    the global worker ids of each slice. What every step runs on (the Python API's tpufab.Pod
+    holds one)."""
+
     settings: Settings
     nodes: list[Node]
     fanout: Fanout
@@ -53,10 +57,10 @@ class Pod:
 
     @property
     def jump(self):
-        """The bastion the workers are reached through (a tpufab.ssh.jump.Jump), or None."""
+        """The bastion the workers are reached through (a tpufab.config.Jump), or None."""
         return next((t.jump for t in self.fanout.targets.values() if t.jump is not None), None)
 
-    def view(self, settings: Settings) -> Pod:
+    def view(self, settings: Settings) -> Hosts:
         """This open pod as the caller of ``settings`` sees it: the same nodes and warm
         connections, with its own settings and its own timeouts (a FanoutView passes them on
         every call). Nothing here changes what another caller sees."""
@@ -70,7 +74,7 @@ class Pod:
 
             jump.release(self.jump)
 
-    def __enter__(self) -> Pod:
+    def __enter__(self) -> Hosts:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -168,9 +172,10 @@ def open_jump(settings: Settings, known_hosts, console: Console, name: str, coun
     (``os_login``), a refused login says what OS Login needs rather than authorized_keys."""
     if not settings.jump:
         return None
+    from tpufab.config import parse_jump
     from tpufab.ssh import jump
 
-    bastion = jump.parse_jump(settings.jump, key_filename=str(settings.ssh_key_path))
+    bastion = parse_jump(settings.jump, key_filename=str(settings.ssh_key_path))
     bastion = bastion.for_user(login_user or settings.ssh_user)
     refused = None
     if os_login is not None and os_login.user:
@@ -205,7 +210,7 @@ def say_path(console: Console, name: str, count: int, bastion) -> None:
 
 
 def connect(settings: Settings, *, control: ControlPlane | None = None,
-            console: Console | None = None, nodes: list[Node] | None = None) -> Pod:
+            console: Console | None = None, nodes: list[Node] | None = None) -> Hosts:
     """Open the pod named by ``settings.name``: checks, SSH key, pinned host keys, Fanout
     (the pod's keeper's, without asking the cloud API, when it holds every connection)."""
     if control is None and nodes is None and settings.name and settings.project:
@@ -277,7 +282,7 @@ def connect(settings: Settings, *, control: ControlPlane | None = None,
     # later runs go to the pod's kept connections, if on; the keeper keeps what the API said
     keeper.attach(fanout, settings, {"nodes": nodes, "slices": slices,
                                      "settings": fingerprint(settings)}, pending)
-    return Pod(settings=settings, nodes=nodes, fanout=fanout, slices=slices)
+    return Hosts(settings=settings, nodes=nodes, fanout=fanout, slices=slices)
 
 
 def fingerprint(settings: Settings) -> tuple:
@@ -286,7 +291,7 @@ def fingerprint(settings: Settings) -> tuple:
             settings.jump, settings.os_login, str(settings.known_hosts_path))
 
 
-def warm(settings: Settings) -> Pod | None:
+def warm(settings: Settings) -> Hosts | None:
     """The pod as its keeper holds it (tpufab.ssh.keeper.lookup): no cloud API call, no
     cloud client import, no connection to a jump host (the keeper's own carries its
     connections; this process connects to the bastion only if it opens one of its own, for
@@ -333,7 +338,7 @@ class KeptControl:
         return read
 
 
-def kept_api(settings: Settings) -> tuple[Pod, KeptControl] | None:
+def kept_api(settings: Settings) -> tuple[Hosts, KeptControl] | None:
     """The pod as its keeper holds it, and a control plane asking the API through that
     keeper (`tpufab status`: fresh API state without loading the API's client here). None
     as for ``warm``. The pod is the one ``shared`` gives this process from now on; a caller
@@ -377,13 +382,13 @@ def _warm(settings: Settings):
         fanout.close()
         return None
     keeper.attach(fanout, settings, record)
-    return Pod(settings=settings, nodes=record["nodes"], fanout=fanout,
+    return Hosts(settings=settings, nodes=record["nodes"], fanout=fanout,
                slices=record["slices"]), path
 
 
 # One open pod per (project, zone, name) for the life of the process: `invoke deploy run`
 # runs both steps over the same warm connections.
-_OPEN: dict[tuple, Pod] = {}
+_OPEN: dict[tuple, Hosts] = {}
 
 
 def _key(settings: Settings) -> tuple:
@@ -391,9 +396,9 @@ def _key(settings: Settings) -> tuple:
             str(settings.ssh_key_path), settings.internal_ip, settings.jump, settings.os_login)
 
 
-def shared(settings: Settings, **kwargs) -> Pod:
+def shared(settings: Settings, **kwargs) -> Hosts:
     """``connect`` once per node for this process; later verbs reuse the open connections.
-    Each caller gets its own view (``Pod.view``): its settings and timeouts, never the ones
+    Each caller gets its own view (``Hosts.view``): its settings and timeouts, never the ones
     of the caller before it, and never changing the cached pod's."""
     import atexit
 
@@ -446,7 +451,7 @@ def forget_host_keys(settings: Settings, node: str) -> int:
         node_id = lifecycle.control_plane(settings).get_node(lifecycle.validate_name(node)).id
     return KnownHosts(settings.known_hosts_path).forget(node_id)
 
-def system_ssh(pod: Pod, worker: int, *, command=None, forwards=(), tty: bool = False,
+def system_ssh(pod: Hosts, worker: int, *, command=None, forwards=(), tty: bool = False,
                ) -> tuple[str, list[str]]:
     """(the system ssh binary, its argv) for a session on ``worker`` (`tpufab ssh`): tpufab's
     key, the host key pinned for that worker, the jump host as a ProxyCommand, ``-L``

@@ -24,7 +24,7 @@ from tpufab.config import Settings, load_settings
 from tpufab.errors import ConfigError
 
 if TYPE_CHECKING:
-    from tpufab.hosts.connect import Pod as Connected
+    from tpufab.hosts.connect import Hosts
     from tpufab.ssh.fanout import FanoutError as PodError
     from tpufab.ssh.fanout import GroupResult as PodResult
     from tpufab.ssh.fanout import OutputSink
@@ -78,13 +78,13 @@ class Pod:
     def __init__(self, name: str | None = None, *, zone: str | None = None,
                  project: str | None = None, **settings: Any):
         self.settings = _settings(name, zone, project, settings)
-        self._connected: Connected | None = None
+        self._hosts: Hosts | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Pod:
         """The pod ``settings.name`` names, with exactly these settings."""
         pod = cls.__new__(cls)
-        pod.settings, pod._connected = settings, None
+        pod.settings, pod._hosts = settings, None
         return pod
 
     @classmethod
@@ -109,48 +109,48 @@ class Pod:
 
     # -- connections ---------------------------------------------------------------------
     @property
-    def connected(self) -> Connected:
-        """The open pod (nodes, fan-out, slices): connects on first use."""
-        if self._connected is None:
+    def hosts(self) -> Hosts:
+        """The pod's connected hosts (nodes, fan-out, slices): connects on first use."""
+        if self._hosts is None:
             from tpufab.hosts import connect as pod
 
-            self._connected = pod.shared(self.settings)
-        return self._connected
+            self._hosts = pod.shared(self.settings)
+        return self._hosts
 
     @property
     def workers(self) -> list[int]:
-        return self.connected.workers
+        return self.hosts.workers
 
     @property
     def fanout(self) -> Any:
         """The fan-out over the workers' SSH connections (tpufab.ssh.fanout.Fanout)."""
-        return self.connected.fanout
+        return self.hosts.fanout
 
     @property
     def nodes(self) -> list:
-        return self.connected.nodes
+        return self.hosts.nodes
 
     @property
     def slices(self) -> list[list[int]]:
         """Global worker indexes per slice (one slice unless multislice)."""
-        return self.connected.slices
+        return self.hosts.slices
 
     def internal_ips(self) -> list[str]:
-        return self.connected.internal_ips()
+        return self.hosts.internal_ips()
 
     def device_globs(self) -> tuple[str, ...]:
-        return self.connected.device_globs()
+        return self.hosts.device_globs()
 
     def select(self, workers: str | Iterable[int] | None = "all") -> list[int]:
         """``"all"``, ``"0,3-5"``, ``"w[0-3]"`` or worker indexes -> the workers, checked."""
-        return self.connected.fanout.select(workers)
+        return self.hosts.fanout.select(workers)
 
     def close(self) -> None:
-        if self._connected is not None:
+        if self._hosts is not None:
             from tpufab.hosts import connect as pod
 
             pod.forget(self.settings)
-            self._connected = None
+            self._hosts = None
 
     def __enter__(self) -> Pod:
         return self
@@ -158,11 +158,11 @@ class Pod:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _connected_within(self, timeout: float | None) -> Connected:
+    def _connected_within(self, timeout: float | None) -> Hosts:
         """The open pod as one call sees it when ``timeout`` bounds its connecting too: a
         view with connect_timeout at most ``timeout`` (this Pod's settings stay as they are)."""
         if timeout is None or timeout >= self.settings.connect_timeout:
-            return self.connected
+            return self.hosts
         import copy
 
         from tpufab.hosts import connect as pod
@@ -170,8 +170,8 @@ class Pod:
         settings = copy.copy(self.settings)
         settings.connect_timeout = timeout
         view = pod.shared(settings)  # connects (within ``timeout``) if nothing is open yet
-        if self._connected is None:
-            self._connected = pod.shared(self.settings)
+        if self._hosts is None:
+            self._hosts = pod.shared(self.settings)
         return view
 
     # -- commands ------------------------------------------------------------------------
@@ -208,7 +208,7 @@ class Pod:
         else:
             specs = list(env or ())
         forwarded = forwarded_for(self.settings, specs, secret) if specs or secret else None
-        result = self.connected.fanout.run(
+        result = self.hosts.fanout.run(
             command, workers=self.select(workers),
             env=dict(forwarded.public) if forwarded else None,
             secrets={k: Secret(v) for k, v in forwarded.secrets.items()} if forwarded else None,
@@ -238,7 +238,7 @@ class Pod:
         else:
             specs = list(env or ())
         forwarded = forwarded_for(self.settings, specs, secret) if specs or secret else None
-        result, outcomes = run_setup(self.connected.fanout, path, workers=self.select(workers),
+        result, outcomes = run_setup(self.hosts.fanout, path, workers=self.select(workers),
                                      force=force, sink=sink, name=f"Setup {path.name}",
                                      timeout=self._command_timeout(timeout),
                                      env=dict(forwarded.public) if forwarded else None,
@@ -270,7 +270,7 @@ class Pod:
         from tpufab.ssh.forward import parse_forward
 
         forwards = [parse_forward(spec) for spec in forward or ()]
-        connected = self.connected
+        connected = self.hosts
         if isinstance(workers, int) or str(workers).isdigit():
             worker = int(workers)
         else:
@@ -308,7 +308,7 @@ class Pod:
         if not direct:
             gitops.remote_url(root, remote)
         token = os.environ.get(deploying.TOKEN_ENV)
-        return deploying.deploy(self.connected.fanout, ref=ref, remote=remote,
+        return deploying.deploy(self.hosts.fanout, ref=ref, remote=remote,
                                 dir=dir or self.settings.remote_dir, direct=direct, wip=wip,
                                 cwd=root, token=Secret(token) if token else None,
                                 progress=progress, sink=sink, lease=not self._leased,
@@ -336,7 +336,7 @@ class Pod:
         from tpufab.steps.host import mount as mounting
 
         spec = self.mount_spec(bucket, at=at, driver=driver, options=options)
-        return mounting.apply_mount(self.connected.fanout, spec, install=install, sink=sink,
+        return mounting.apply_mount(self.hosts.fanout, spec, install=install, sink=sink,
                                     timeout=self._command_timeout(timeout))
 
     def umount(self, at: str | None = None, *, lazy: bool = False,
@@ -348,7 +348,7 @@ class Pod:
         from tpufab.steps.host import mount as mounting
 
         mounting.umount_args(at, lazy=lazy)
-        return mounting.umount(self.connected.fanout, at, lazy=lazy,
+        return mounting.umount(self.hosts.fanout, at, lazy=lazy,
                                timeout=self._command_timeout(timeout))
 
     # -- files, ports, profiles ------------------------------------------------------------
@@ -371,7 +371,7 @@ class Pod:
         if relay is not None:
             no_relay = not relay
         peers = None if no_relay else dict(enumerate(self.internal_ips()))
-        return transfer.put(self.connected.fanout, local, remote, workers=self.select(workers),
+        return transfer.put(self.hosts.fanout, local, remote, workers=self.select(workers),
                             peers=peers, progress=progress,
                             timeout=self._command_timeout(timeout)).check()
 
@@ -385,7 +385,7 @@ class Pod:
 
         if not remote or not remote.strip():
             raise ConfigError("No remote path given: tpufab get REMOTE LOCAL.")
-        return transfer.get(self.connected.fanout, remote, local, workers=self.select(workers),
+        return transfer.get(self.hosts.fanout, remote, local, workers=self.select(workers),
                             progress=progress, timeout=self._command_timeout(timeout)).check()
 
     def forward(self, *ports: str, workers: int = 0, on_event: Any = None,
@@ -414,7 +414,7 @@ class Pod:
 
         if seconds is None:
             seconds = profiling.parse_duration(duration)
-        return profiling.capture(self.connected.fanout, workers=self.select(workers), run=run,
+        return profiling.capture(self.hosts.fanout, workers=self.select(workers), run=run,
                                  port=port, seconds=seconds, progress=progress)
 
     # -- jobs ----------------------------------------------------------------------------
@@ -455,9 +455,9 @@ class Pod:
         from tpufab.steps.host import killing
 
         killing.check_options(run=run, grace=grace)
-        return killing.kill(self.connected.fanout, self.select(workers), run=run, grace=grace,
+        return killing.kill(self.hosts.fanout, self.select(workers), run=run, grace=grace,
                             dry_run=dry_run, force=force,
-                            device_globs=self.connected.device_globs(),
+                            device_globs=self.hosts.device_globs(),
                             timeout=self._timeout(timeout, None))
 
     def logs(self, *, run: str | None = None, follow: bool = False,
@@ -479,7 +479,7 @@ class Pod:
             secrets = list(forwarded_for(self.settings, None).secrets.values())
         except ConfigError:
             secrets = []
-        return history.run_logs(self.connected.fanout, self.select(workers), run,
+        return history.run_logs(self.hosts.fanout, self.select(workers), run,
                                 timeout=self._timeout(timeout, history.LOGS_TIMEOUT),
                                 follow=follow, sink=sink, secrets=secrets, progress=progress,
                                 follow_timeout=float("inf") if timeout is None else timeout)
@@ -492,7 +492,7 @@ class Pod:
         (default: the command_timeout setting, else 60)."""
         from tpufab.steps.runs import history
 
-        return history.list_runs(self.connected.fanout, self.select(workers),
+        return history.list_runs(self.hosts.fanout, self.select(workers),
                                  timeout=self._timeout(timeout, history.LIST_TIMEOUT))
 
     def _timeout(self, timeout: float | None, default: float | None) -> float | None:
@@ -515,7 +515,7 @@ class Pod:
 
         if timeout is None:
             timeout = self.settings.command_timeout
-        return status.pod_status(self.settings, timeout=timeout, pod=self._connected)
+        return status.pod_status(self.settings, timeout=timeout, pod=self._hosts)
 
     def autostop(self, *, idle: float | str | None = None, ttl: float | str | None = None,
                  cancel: bool = False, timeout: float | None = 60.0) -> Any:
@@ -622,8 +622,8 @@ class Pod:
         from tpufab.steps.health import stacks
 
         stacks.check_run(run)
-        report = stacks.capture(self.connected.fanout, self.select(workers), run=run,
-                                native=native, device_globs=self.connected.device_globs(),
+        report = stacks.capture(self.hosts.fanout, self.select(workers), run=run,
+                                native=native, device_globs=self.hosts.device_globs(),
                                 timeout=self._timeout(timeout, stacks.TIMEOUT),
                                 progress=progress)
         if save and report.dumped and report.processes:
@@ -657,9 +657,9 @@ class Pod:
         top.check_every(every, interval)
         chosen = self.select(workers)
         if once or on_frame is None:
-            return top.frame(self.connected, workers=chosen, interval=interval,
+            return top.frame(self.hosts, workers=chosen, interval=interval,
                              timeout=timeout)
-        return top.watch(self.connected, on_frame=on_frame, every=every, interval=interval,
+        return top.watch(self.hosts, on_frame=on_frame, every=every, interval=interval,
                          workers=chosen, timeout=timeout)
 
     # --- issue 28: kept connections
@@ -683,7 +683,7 @@ class Pod:
         hosts joined at a time (0: all at once), each batch seen by the head before the next
         (for machines where many simultaneous joins miss Ray's 30 s wait). ``timeout``:
         seconds per step on the workers (default 300). Returns a RayUp (``.address``,
-        ``.already``, ``.started``; ``tpufab.views.ray.up_sentence`` says it); raises RayError saying where and
+        ``.already``, ``.started``; ``tpufab.reports.up_sentence`` says it); raises RayError saying where and
         why it could not."""
         from tpufab.steps.start import raycluster
 
@@ -719,7 +719,7 @@ class Pod:
 
     def ray_down(self, *, grace: float = 10.0, timeout: float | None = None) -> Any:
         """`tpufab ray down`: `ray stop` on every host (then forced) until no Ray process is
-        left; a RayDown (``.answers`` per worker; ``tpufab.views.ray.down_sentence`` says
+        left; a RayDown (``.answers`` per worker; ``tpufab.reports.down_sentence`` says
         it); raises RayError naming hosts where Ray processes are left."""
         from tpufab.steps.start import raycluster
 
@@ -784,7 +784,7 @@ class Run:
         follower = jobs.FollowSink(sink, secrets=self.secrets, copy_dir=copy_dir,
                                    on_end=on_end)
         try:
-            return jobs.follow(self.pod.connected.fanout, self.id, self.workers, follower,
+            return jobs.follow(self.pod.hosts.fanout, self.id, self.workers, follower,
                                timeout=timeout)
         except FanoutInterrupted:
             return None
@@ -798,14 +798,14 @@ class Run:
         """Follow it to the end: {worker: state} (``.ok``, ``.exit_status``)."""
         from tpufab.steps.runs import running as jobs
 
-        return jobs.follow(self.pod.connected.fanout, self.id, self.workers,
+        return jobs.follow(self.pod.hosts.fanout, self.id, self.workers,
                            jobs.FollowSink(sink or _Silent()))
 
     def logs(self) -> dict[int, str]:
         """Each worker's log so far."""
         from tpufab.steps.runs import running as jobs
 
-        logs, _states = jobs.fetch_logs(self.pod.connected.fanout, self.id, self.workers)
+        logs, _states = jobs.fetch_logs(self.pod.hosts.fanout, self.id, self.workers)
         try:
             return {w: output.read().decode("utf-8", "replace") for w, output in logs.items()}
         finally:
@@ -815,7 +815,7 @@ class Run:
     def kill(self, grace: float = 5.0) -> dict:
         from tpufab.steps.runs import running as jobs
 
-        return jobs.stop(self.pod.connected.fanout, self.id, self.workers, grace=grace)
+        return jobs.stop(self.pod.hosts.fanout, self.id, self.workers, grace=grace)
 
     # --- issue 27: stacks and stall
     @staticmethod
@@ -846,7 +846,7 @@ class Run:
         from tpufab.steps.start import stall as stalls
 
         progress = None if progress_file is None else stalls.ProgressFile(
-            self.pod.connected.fanout, self.id, self.workers, progress_file)
+            self.pod.hosts.fanout, self.id, self.workers, progress_file)
         handler = stalls.StallHandler(
             self.id, self.workers, seconds, action, say or (lambda *a: None),
             show or (lambda lines: None), progress=progress,

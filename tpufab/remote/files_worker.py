@@ -20,7 +20,7 @@ import time
 from tpufab.remote.workerlib import CarriedRunIds, answer, read_json, state_of_run
 
 CHUNK = 1 << 20
-RUN_DIR = "~/.tpufab/runs"   # launch.py's
+RUN_DIR = "~/.tpufab/runs"   # run_worker.py's
 
 
 def sha256_of(path):

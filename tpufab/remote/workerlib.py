@@ -19,7 +19,8 @@ import time
 DEVICE_GLOBS = ("/dev/accel*", "/dev/vfio/[0-9]*")   # both TPU device families
 COMMAND_CHARS = 200
 EXITED = ("Z", "X", "x")                             # /proc/<pid>/stat states of the dead
-SUPERVISOR_NAME = "tpufab-run"                       # the comm launch.py's supervisor takes
+MOUNTS_DIR = "~/.cache/tpufab/mounts"   # where tpufab records its mounts: a record and a log each
+SUPERVISOR_NAME = "tpufab-run"                       # the comm run_worker.py's supervisor takes
 END_RESERVED = 4096                                  # the bytes of a run's end.json
 # A secret's value is masked inside output only from this many characters on: a shorter one
 # ("1", "128", "abc") is a word that output holds anyway, and masking it garbles every line
@@ -58,6 +59,12 @@ def parse_answer(line):
     except ValueError:
         return None
     return (kind, payload) if kind and isinstance(payload, dict) else None
+
+
+def last_line(text):
+    """The last non-blank line of ``text`` (why a command failed, usually)."""
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1] if lines else ""
 
 
 def read_answers(text, kind=None):
@@ -341,7 +348,7 @@ def command_of(proc, argv=None, say_renamed=False):
 TASK_MARKER = b"TPUFAB_TASK="
 
 
-def tpufab_sessions(ignore=("autostop.py",)):
+def tpufab_sessions(ignore=("autostop_worker.py",)):
     """What tpufab (or a person over ssh) is doing on this worker now: [(pid, what)].
 
     A live fan-out agent (a kept connection: its loader is named ``tpufab-agent``), a one-shot
@@ -462,7 +469,7 @@ def scan_holders(watched):
     return holders, unreadable
 
 
-# -- tpufab runs (launch.py writes them; launch.py, facts.py and tpukill.py read them) -----------
+# -- tpufab runs (run_worker.py writes them; run_worker.py, facts_worker.py and kill_worker.py read them) -----------
 
 
 class EndRecord:
@@ -521,7 +528,7 @@ def read_end(rundir):
 
 
 def run_id_of(pid):
-    """The TPUFAB_RUN_ID a process carries (launch.py sets it for every run), or None."""
+    """The TPUFAB_RUN_ID a process carries (run_worker.py sets it for every run), or None."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as fh:
             env = fh.read()
@@ -571,7 +578,7 @@ class CarriedRunIds:
 
 
 def supervisor_alive(rundir):
-    """The run's supervisor still lives: verified by the start time launch.py records, or by
+    """The run's supervisor still lives: verified by the start time run_worker.py records, or by
     its name for runs recorded before it did."""
     pid = read_int(os.path.join(rundir, "supervisor"))
     if pid is None:
@@ -626,7 +633,7 @@ def _left_behind(name, carried):
 
 
 def _young(rundir):
-    """Made under 30 s ago and no supervisor recorded yet: launch.py is still starting it."""
+    """Made under 30 s ago and no supervisor recorded yet: run_worker.py is still starting it."""
     if read_int(os.path.join(rundir, "supervisor")) is not None:
         return False
     try:

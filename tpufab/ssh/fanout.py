@@ -52,7 +52,7 @@ from tpufab.ssh.transport import (
 from tpufab.term.terminal import Lines, colors_for, neutralise
 
 if TYPE_CHECKING:
-    from tpufab.ssh.jump import Jump
+    from tpufab.config import Jump
 
 HEADER = struct.Struct(">BII")
 DEFAULT_CONCURRENCY = 64

@@ -17,58 +17,17 @@ from __future__ import annotations
 import atexit
 import errno
 import os
-import re
 import threading
-from dataclasses import dataclass, replace
 from typing import Any
 
+from tpufab.config import Jump
 from tpufab.errors import ConfigError, TpufabError
 
-_JUMP_RE = re.compile(r"^(?:(?P<user>[A-Za-z0-9_][A-Za-z0-9_.-]{0,63})@)?"
-                      r"(?P<host>[A-Za-z0-9_.][A-Za-z0-9_.-]*|\[[0-9A-Fa-f:.]+\])(?::(?P<port>\d{1,5}))?$")
 KEEPALIVE = 30  # seconds: keeps NAT and firewall state of an idle bastion connection
 
 
 class JumpError(TpufabError):
     """The jump host could not be reached, logged into, or would not forward."""
-
-
-@dataclass(frozen=True)
-class Jump:
-    """Where the bastion is and how to log in (no live objects: picklable). ``user`` is ""
-    until :meth:`for_user` fills it in: ``--jump HOST`` logs in as the user tpufab logs into
-    the workers as."""
-
-    user: str
-    host: str
-    port: int = 22
-    key_filename: str | None = None
-
-    def for_user(self, login_user: str) -> Jump:
-        """This jump with ``login_user`` where it names no user of its own."""
-        return self if self.user else replace(self, user=login_user)
-
-    @property
-    def key_alias(self) -> str:
-        """Its name in known_hosts, as OpenSSH writes it."""
-        return self.host if self.port == 22 else f"[{self.host}]:{self.port}"
-
-    def __str__(self) -> str:
-        return (f"{self.user}@" if self.user else "") + self.host + (
-            "" if self.port == 22 else f":{self.port}")
-
-
-def parse_jump(text: str, source: str = "jump", *, key_filename: str | None = None) -> Jump:
-    """``[user@]host[:port]`` -> Jump (user "" when not given), or a ConfigError naming
-    ``source`` and the fix."""
-    m = _JUMP_RE.match(str(text).strip())
-    port = int(m.group("port")) if m and m.group("port") else 22
-    if not m or not 0 < port < 65536:
-        raise ConfigError(f"{source}: jump must be the bastion as host, user@host or "
-                          "user@host:port (for example bastion.example.com, or "
-                          f"alice@bastion.example.com:2222), not {text!r}.")
-    return Jump(user=m.group("user") or "", host=m.group("host").strip("[]"), port=port,
-                key_filename=key_filename)
 
 
 def pinned_notes(jump: Jump, known_hosts) -> list[str]:

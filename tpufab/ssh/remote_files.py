@@ -1,7 +1,7 @@
 """Worker-side scripts: the one seam. Ship by content hash, run, read the last JSON line.
 
-Every worker-side program (deploy_worker.py, mount_worker.py, facts.py, launch.py,
-tpukill.py, zombie.py, the setup runner and the user's setup script) goes through here:
+Every worker-side program (deploy_worker.py, mount_worker.py, facts_worker.py, run_worker.py,
+kill_worker.py, zombie_worker.py, the setup runner and the user's setup script) goes through here:
 ``run_script`` runs a shipped script and ``read_answer``/``last_line`` read what it answered.
 
 Files a command needs on the workers are shipped only where they are missing.
@@ -43,6 +43,7 @@ from pathlib import Path
 from tpufab.quoting import Command, Piece, Raw, Secret, command
 from tpufab.remote.workerlib import ANSWER as ANSWER  # the answer codec, one for both sides
 from tpufab.remote.workerlib import ANSWER_TAG as ANSWER_TAG
+from tpufab.remote.workerlib import last_line as last_line
 from tpufab.remote.workerlib import parse_answer as parse_answer
 from tpufab.remote.workerlib import read_answer as read_answer
 from tpufab.remote.workerlib import read_answers as read_answers
@@ -314,15 +315,7 @@ def python_command(script: RemoteFile, args: Sequence[Piece], *,
 
 # The one answer codec is shared with the worker side (tpufab/remote/workerlib.py): a script
 # writes ``answer(kind, payload)``; the host reads with read_answer / read_answers /
-# parse_answer (imported above, from there) and nowhere else. ``last_json``: the name the
-# one reader had before the codec, kept for code written against it (the same function).
-last_json = read_answer
-
-
-def last_line(text: str | None) -> str:
-    """The last non-blank line of ``text`` (why a command failed, usually)."""
-    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
-    return lines[-1] if lines else ""
+# parse_answer (imported above, from there) and nowhere else.
 
 
 # -- running ------------------------------------------------------------------------------------

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpufab import nodeset
-from tpufab.errors import ConfigError, TpufabError
-from tpufab.reports import Column, Report
+from tpufab.errors import CodeBusy, ConfigError, TpufabError
+from tpufab.reports import Column, Report, text
 from tpufab.ssh.fanout import FanoutInterrupted
 from tpufab.ssh.remote_files import (
     RemoteFile,
@@ -39,8 +39,6 @@ from tpufab.ssh.remote_files import (
     read_answer,
     run_with_files,
 )
-from tpufab.steps.code.codelock import CodeBusy
-from tpufab.views.report import text
 
 CHUNK = 1 << 18
 DEFAULT_CONCURRENCY = 16

@@ -147,7 +147,7 @@ def ray_up(options: Sequence[str] = (), *, name: str | None = None,
     where Ray is up: a quick no-op; a host where Ray died is rejoined. See docs/ray.md."""
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, jump=jump,
                                       timeout=timeout))
-    from tpufab.views.ray import up_sentence
+    from tpufab.reports import up_sentence
 
     done = pod.ray_up(options=list(options or ()), timeout=timeout, progress=note,
                       join_batch=join_batch)
@@ -207,7 +207,7 @@ def ray_down(*, name: str | None = None, grace: float = 10.0, timeout: float | N
              zone: str | None = None, project: str | None = None,
              jump: str | None = None) -> None:
     """Stop Ray on every host (ray stop, then forced); nothing is left holding the TPU."""
-    from tpufab.views.ray import down_sentence
+    from tpufab.reports import down_sentence
 
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, jump=jump,
                                       timeout=timeout))

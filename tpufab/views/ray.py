@@ -14,7 +14,7 @@ from tpufab.term.terminal import neutralise_text
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from tpufab.steps.start.raycluster import RayDown, RayStatus, RayUp
+    from tpufab.steps.start.raycluster import RayStatus
 
 
 def to_json(report: RayStatus) -> dict[str, Any]:
@@ -68,27 +68,3 @@ def show(report: RayStatus, *, as_json: bool, console: Console, errors: Console)
         return
     for line in lines(report):
         console.print(neutralise_text(line), markup=False)
-
-
-def up_sentence(done: RayUp, name: str) -> str:
-    """What `tpufab ray up` did on pod ``name``, and what to do next."""
-    if done.already:
-        return (f"Ray is already up on {name}: head on {nodeset.label(done.head)} at "
-                f"{done.address}, all {done.hosts} hosts joined; nothing to do "
-                f"({done.seconds:.1f} s).")
-    how = "started" if len(done.started) == done.hosts else \
-        f"started on {nodeset.fold(done.started)} (the others were up)"
-    return (f"Ray is up on {name}: head on {nodeset.label(done.head)} at {done.address}, "
-            f"{done.hosts} hosts joined ({how}, {done.seconds:.1f} s). Jobs: `tpufab ray "
-            f"submit RECIPE`; dashboard: `tpufab forward {done.dashboard_port}`.")
-
-
-def down_sentence(done: RayDown, name: str) -> str:
-    """What `tpufab ray down` did on pod ``name``."""
-    had = [w for w, a in done.answers.items() if a.get("stopped")]
-    if not had:
-        return f"Ray was not running on {name}; nothing to stop."
-    forced = [w for w, a in done.answers.items() if a.get("forced")]
-    how = f" (forced on {nodeset.fold(forced)})" if forced else ""
-    return (f"Ray stopped on {nodeset.fold(had)} of {name}{how}; no Ray process is left "
-            "on any host.")

@@ -11,6 +11,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from tpufab import nodeset
+from tpufab.steps.host.killing import PROTECTED_ADVICE
 from tpufab.term.terminal import neutralise_text
 
 if TYPE_CHECKING:
@@ -96,10 +97,6 @@ def full_disk_line(facts: Mapping[int, WorkerFacts]) -> str | None:
 
 
 # Said by `status` under a protected holder and by `kill` about it: the same words.
-PROTECTED_ADVICE = (" - protected ({name}): `tpufab kill` leaves it running; if it should not "
-                    "hold the TPU, stop it with `tpufab kill --force` (or its service)")
-
-
 def render(status: PodStatus, console: Console) -> None:
     """`tpufab status` for people: the nodes, the folded table, Ray, the TPU holders, what is
     wrong; then the autostop lines when one is armed, and whether connections are kept."""

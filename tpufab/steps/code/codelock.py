@@ -20,17 +20,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from tpufab import nodeset
-from tpufab.errors import TpufabError
+from tpufab.errors import CodeBusy
 from tpufab.reports import answer_row
 from tpufab.ssh.remote_files import run_script
 from tpufab.steps.runs import running as jobs
 
 # The lease's worker side is a subcommand of the deploy script (it checks out under it).
 SCRIPT = "deploy_worker.py"
-
-
-class CodeBusy(TpufabError):
-    """Another tpufab holds the pod's code, or a run reads it."""
 
 
 @dataclass

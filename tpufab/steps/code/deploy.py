@@ -20,11 +20,10 @@ from pathlib import Path
 from tpufab import nodeset
 from tpufab.errors import TpufabError
 from tpufab.quoting import Secret
-from tpufab.reports import Column, Outcome, Report, Workers, answer_row, count, seconds_range
+from tpufab.reports import Column, Outcome, Report, Workers, answer_row, count, seconds_range, text
 from tpufab.ssh.remote_files import RemoteFile, run_script
 from tpufab.steps.code import codelock, gitops
 from tpufab.steps.code.codelock import SCRIPT
-from tpufab.views.report import text
 
 TOKEN_ENV = "TPUFAB_GIT_TOKEN"  # read by the worker script's credential helper
 USERNAME_ENV = "TPUFAB_GIT_USERNAME"  # its username (default x-access-token)

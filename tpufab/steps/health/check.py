@@ -1,6 +1,6 @@
 """`tpufab check`: trust a pod before you spend it.
 
-One fan-out (``remote/facts.py``, the seam `status` uses) asks every worker at once for its
+One fan-out (``remote/facts_worker.py``, the seam `status` uses) asks every worker at once for its
 TPU device files and their holders, the Python and package versions a job would run with,
 the deployed commit, disk and memory headroom, its clock and whether its mounts answer. The
 answers are compared across workers (``quick_results``, pure): workers that agree fold into
@@ -535,7 +535,7 @@ def run_check(settings: Any, pod: Any, *, quick: bool = False, timeout: float = 
     if live:
         run, recipe, where = live[0]
         if not quick:
-            from tpufab.steps.code.codelock import CodeBusy
+            from tpufab.errors import CodeBusy
 
             raise CodeBusy(f"Run {run} ({recipe or 'a recipe'}) is running on {where}, and "
                            "the collective would start beside it on the same TPUs: wait for "

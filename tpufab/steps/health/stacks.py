@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from tpufab import nodeset
 from tpufab.errors import ConfigError, TpufabError
@@ -306,18 +306,17 @@ class StacksReport(Report):
 
     def save(self, folder: Path) -> list[Path]:
         """``stacks-<time>.txt`` (the folded view) and ``.json`` (everything) in ``folder``
-        (private files, as the run's logs beside them), as tpufab.views.stacks writes them."""
+        (private files, as the run's logs beside them): the lines and JSON below."""
         from tpufab.steps.runs.running import open_private, private_dir
-        from tpufab.views import stacks as view
 
         private_dir(folder)
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.taken_at))
         text, data = folder / f"stacks-{stamp}.txt", folder / f"stacks-{stamp}.json"
         self.saved = [text, data]
         with open_private(text, "wb") as fh:
-            fh.write(("\n".join(view.lines(self)) + "\n").encode())
+            fh.write(("\n".join(lines(self)) + "\n").encode())
         with open_private(data, "wb") as fh:
-            fh.write(json.dumps(view.to_json(self), indent=1, sort_keys=True).encode() + b"\n")
+            fh.write(json.dumps(to_json(self), indent=1, sort_keys=True).encode() + b"\n")
         return self.saved
 
     def check(self) -> StacksReport:
@@ -418,3 +417,87 @@ def _read(report: StacksReport, results: Mapping[int, object]) -> None:
         else:
             rows[w] = WorkerStacks(w, bool(data.get("ok")), answer=data)
     report.rows = [rows[w] for w in sorted(rows)]
+
+
+# -- the report's pure text: the folded stacks as lines and as JSON (tpufab.views.stacks shows
+# them; the saved copies and the stall watchdog's summary are the same) -------------------------
+MARK = "<-- differs"
+
+
+def _short(command: str, width: int = 70) -> str:
+    return command if len(command) <= width else command[:width - 3] + "..."
+
+
+def render(entries: Sequence[Folded], odd: Sequence[int], *, total: int) -> list[str]:
+    """The folded stacks as text lines (``total``: how many workers answered with stacks)."""
+    lines: list[str] = []
+    for entry in entries:
+        head = entry.label
+        if entry.odd:
+            head += " (differs)"
+        if len(entry.workers) == 1:
+            [pid] = entry.pids.values()
+            head += f" · pid {pid}"
+        head += f" · `{_short(entry.key.command)}` · thread {entry.key.thread}"
+        lines.append(head)
+        for i, frame in enumerate(entry.key.frames or ("(no Python frames)",)):
+            text = f"    {frame}"
+            if entry.differs_at == i:
+                text += f"   {MARK}: {entry.others} are in {entry.others_frame}"
+            lines.append(text)
+        lines.append("")
+    return lines
+
+
+def headline(report: StacksReport) -> str:
+    entries, odd = report.fold()
+    what = f"run {report.run}" if report.run else (
+        "the runs" if report.source == "run" else "the TPU's Python holders")
+    there = nodeset.fold(report.dumped) or "no worker"
+    text = (f"Stacks of {what} on {there}: {report.processes} process"
+            f"{'es' if report.processes != 1 else ''}, {len(entries)} distinct "
+            f"stack{'s' if len(entries) != 1 else ''}")
+    if odd:
+        text += f"; {nodeset.fold(odd)} differ{'s' if len(odd) == 1 else ''} (shown first)"
+    elif entries and len(report.dumped) > 1:
+        text += "; no worker differs"
+    return text + "."
+
+
+def lines(report: StacksReport) -> list[str]:
+    """The folded view: a headline, odd workers' stacks first, then the rest, then the
+    processes py-spy could not read and the workers with nothing to read (pure)."""
+    entries, odd = report.fold()
+    out = [headline(report), ""]
+    out += render(entries, odd, total=len(report.dumped))
+    for item in report.unattached:
+        pids = ", ".join(str(p) for p in item.pids.values())
+        out.append(f"{nodeset.fold(item.workers)} · pid {pids} `{_short(item.command)}`: "
+                   f"py-spy cannot attach: {item.reason}; fix: {item.fix}.")
+    idle = [w for w, a in report.dumped.items() if not a.get("processes")]
+    if idle:
+        out.append(f"{nodeset.fold(idle)}: {report.nothing_text(idle)}.")
+    for why, ws in report.errors_by_reason.items():
+        out.append(f"{nodeset.fold(ws)}: no stacks ({why}).")
+    return out
+
+
+def folded_json(entry: Folded) -> dict[str, Any]:
+    return {"workers": entry.workers, "label": entry.label, "odd": entry.odd,
+            "command": entry.key.command, "thread": entry.key.thread,
+            "frames": list(entry.key.frames), "pids": {str(w): p for w, p in entry.pids.items()},
+            "differs_at": entry.differs_at, "others": entry.others or None,
+            "others_frame": entry.others_frame or None}
+
+
+def to_json(report: StacksReport) -> dict[str, Any]:
+    entries, odd = report.fold()
+    return {"run": report.run, "source": report.source, "native": report.native,
+            "taken_at": report.taken_at, "odd_workers": odd,
+            "stacks": [folded_json(e) for e in entries],
+            "unattached": [{"workers": u.workers, "command": u.command, "reason": u.reason,
+                            "fix": u.fix, "pids": {str(w): p for w, p in u.pids.items()}}
+                           for u in report.unattached],
+            "workers": {str(w): a for w, a in report.answers.items()},
+            "errors": {str(w): e for w, e in report.errors.items()},
+            "saved": [str(p) for p in report.saved]}

@@ -3,7 +3,7 @@
 ``facts_args`` (what to ask), ``parse_facts`` (a worker's answer as a record),
 ``worker_cells`` and ``fold_rows`` (the table) are pure and tested as data; ``collect`` is the
 only step with side effects: the node's API state, then one round trip per worker running
-``remote/facts.py`` (shipped once per content hash). The PodStatus it returns is a
+``remote/facts_worker.py`` (shipped once per content hash). The PodStatus it returns is a
 ``tpufab.reports.Report``; tpufab.views.status prints it.
 """
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from tpufab.cloud.nodes import Node, QueuedResourceInfo
     from tpufab.config import Settings
 
-SCRIPT = "facts.py"
+SCRIPT = "facts_worker.py"
 GiB = 1 << 30
 LOW_DISK_FRACTION = 0.05       # less free than this (or LOW_DISK_BYTES) is flagged
 LOW_DISK_BYTES = 2 * GiB
@@ -51,7 +51,7 @@ class Holder:
 def protected_holder(names: object) -> str:
     """The name by which `tpufab kill` would leave this holder running ("" if it would not):
     the same rule (tpukill's PROTECTED_NAMES), so status and kill agree."""
-    from tpufab.remote.tpukill import protected_name
+    from tpufab.remote.kill_worker import protected_name
 
     if not isinstance(names, list):
         return ""
@@ -206,7 +206,7 @@ class WorkerFacts:
 def facts_args(*, deploy_dirs: Sequence[str] = (), run_dir: str | None = None,
                device_globs: Sequence[str] = (), max_runs: int | None = None,
                pythons: Sequence[str] = (), probe_mounts: float | None = None) -> list[str]:
-    """Arguments of ``facts.py`` (pure)."""
+    """Arguments of ``facts_worker.py`` (pure)."""
     args: list[str] = []
     for python in pythons:
         args += ["--python", python]
@@ -242,7 +242,7 @@ def _text(value: Any) -> str | None:
 
 
 def parse_facts(worker: int, outcome: Any) -> WorkerFacts:
-    """A worker's ``facts.py`` output (a fan-out result) as a record; never raises.
+    """A worker's ``facts_worker.py`` output (a fan-out result) as a record; never raises.
 
     ``outcome`` has ``exit_code``, ``stdout``, ``stderr`` and ``error`` (a WorkerResult).
     Anything that is not the expected JSON makes the worker unreachable-with-a-reason, and
@@ -576,7 +576,7 @@ def gather_facts(group: Any, *, workers: Iterable[int] | None = None,
                  pythons: Sequence[str] = (), probe_mounts: float | None = None,
                  device_globs: Sequence[str] = (),
                  timeout: float | None = None) -> dict[int, WorkerFacts]:
-    """One round trip per worker (the fan-out runs them all at once): facts.py's answer;
+    """One round trip per worker (the fan-out runs them all at once): facts_worker.py's answer;
     ``timeout``: seconds each worker has to answer (None: the fan-out's default)."""
     from tpufab.ssh.remote_files import run_script
 

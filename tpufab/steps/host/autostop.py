@@ -1,7 +1,7 @@
 """Autostop: a watchdog on the pod deletes it once idle, or at a TTL, without your laptop.
 
 ``arm`` writes each worker's config (a 0600 file, no secrets) and starts
-``tpufab/remote/autostop.py`` on every worker (shipped by hash, with ``facts.py``, which it
+``tpufab/remote/autostop_worker.py`` on every worker (shipped by hash, with ``facts_worker.py``, which it
 uses to see runs and TPU holders). Worker 0 leads: it asks the others over TCP on their
 internal addresses and deletes the node (or its queued resource) through the TPU API. The
 policy is also put in the node's metadata (``tpufab-autostop``) so ``tpufab list`` shows it
@@ -30,8 +30,8 @@ from tpufab.ssh.remote_files import (
     run_with_files,
 )
 
-SCRIPT = "autostop.py"
-FACTS = "facts.py"
+SCRIPT = "autostop_worker.py"
+FACTS = "facts_worker.py"
 CONFIG_FILE = "~/.tpufab/autostop-arm-{token}.json"   # one per arm: two at once never share it
 
 

@@ -1,7 +1,7 @@
 """kill: leave the TPU of every worker free, safely; and the simulated mess to practise on.
 
-The worker side is ``tpufab/remote/tpukill.py`` (one JSON report per worker) and, for the
-simulated pod, ``tpufab/remote/zombie.py``. Here: the commands (pure), the fan-out (apply:
+The worker side is ``tpufab/remote/kill_worker.py`` (one JSON report per worker) and, for the
+simulated pod, ``tpufab/remote/zombie_worker.py``. Here: the commands (pure), the fan-out (apply:
 one round trip per worker, both scripts shipped once per content hash and run as root, through
 ``sudo -n`` when the login user is not root), and the reports folded across workers (pure),
 so 64 identical workers read as one line each.
@@ -20,8 +20,8 @@ from tpufab.reports import Column, Report
 from tpufab.ssh.remote_files import RemoteFile, python_command, run_with_files
 from tpufab.topology import DEVICE_GLOBS
 
-TPUKILL = "tpukill.py"
-ZOMBIE = "zombie.py"
+TPUKILL = "kill_worker.py"
+ZOMBIE = "zombie_worker.py"
 SETTLE = 2.0          # how long tpukill waits for killed holders to let go of the devices
 COMMAND_SHOWN = 60
 
@@ -31,6 +31,11 @@ class KillError(TpufabError):
 
 
 # -- commands (pure) ----------------------------------------------------------------------------
+
+
+# What status and kill say of a protected TPU holder (tpufab.views.status shows it too).
+PROTECTED_ADVICE = (" - protected ({name}): `tpufab kill` leaves it running; if it should not "
+                    "hold the TPU, stop it with `tpufab kill --force` (or its service)")
 
 
 def kill_command(*, run: str | None = None, grace: float = 5.0, settle: float = SETTLE,
@@ -206,7 +211,7 @@ def kill(group, workers: Sequence[int], *, run: str | None = None, grace: float 
     files = [RemoteFile.bundled(TPUKILL)]
     if timeout is None:
         timeout = grace + 2 * SETTLE + 30
-    # the tool that frees a wedged TPU must not need free disk: where tpukill.py cannot be
+    # the tool that frees a wedged TPU must not need free disk: where kill_worker.py cannot be
     # shipped for lack of space, it runs from memory
     results = run_with_files(group, files, kill_command(**options), workers, timeout=timeout,
                              from_memory=kill_command(**options, from_stdin=True))
@@ -399,8 +404,6 @@ def summary(result: KillResult) -> str:
         by_names: dict[str, list[int]] = {}
         for w, names in held.items():
             by_names.setdefault(", ".join(names), []).append(w)
-        if by_names:
-            from tpufab.views.status import PROTECTED_ADVICE
         for names, ws in by_names.items():
             parts.append(f"TPU free on {nodeset.fold(ws)}: NO{PROTECTED_ADVICE.format(name=names)}.")
         if unverified:

@@ -21,9 +21,9 @@ from urllib.parse import urlparse
 from tpufab import nodeset
 from tpufab.errors import ConfigError, TpufabError
 from tpufab.quoting import Secret
-from tpufab.reports import Column, Outcome, Report, Workers, answer_row, count, seconds_range
+from tpufab.remote.workerlib import MOUNTS_DIR
+from tpufab.reports import Column, Outcome, Report, Workers, answer_row, count, seconds_range, text
 from tpufab.ssh.remote_files import run_script
-from tpufab.views.report import text
 
 SCRIPT = "mount_worker.py"
 DRIVERS = ("gcsfuse", "rclone")
@@ -257,7 +257,7 @@ def _slug(at: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", at.strip("/"))
 
 
-STATE_DIR = "~/.cache/tpufab/mounts"  # on each worker: one record and one log per mount point
+STATE_DIR = MOUNTS_DIR  # on each worker: one record and one log per mount point (workerlib)
 ALL_MOUNTS = "every tpufab mount"
 
 

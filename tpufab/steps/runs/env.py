@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import cached_property
 
+from tpufab.config import RESERVED
 from tpufab.errors import ConfigError
 from tpufab.nodeset import fold
 from tpufab.quoting import is_secret_name
@@ -37,12 +38,6 @@ DEFAULT_MASTER_PORT = 29500
 _RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{4}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
-# Names a forwarded variable may not take: tpufab sets them per worker.
-RESERVED = ("TPUFAB_RUN_ID", "TPUFAB_RUN_DIR", "TPUFAB_WORKER_ID", "TPU_WORKER_ID",
-            "TPU_WORKER_HOSTNAMES", "TPU_NAME", "TPU_ACCELERATOR_TYPE", "TPU_TOPOLOGY",
-            "TPUFAB_NUM_WORKERS", "TPUFAB_WORKER_IPS", "TPUFAB_COORDINATOR",
-            "TPUFAB_SLICE_ID", "TPUFAB_NUM_SLICES", "TPUFAB_TASK", "TPUFAB_PROFILER_PORT",
-            "MASTER_ADDR", "WORLD_SIZE", "RANK", "NODE_RANK", "LOCAL_RANK")
 # Forwarded on every run when set locally, as torchprime's `tp run` does (HF_TOKEN is a
 # secret by its name, so it travels on stdin only).
 ALWAYS_FORWARDED = ("HF_TOKEN", "XLA_IR_DEBUG", "XLA_HLO_DEBUG", "LIBTPU_INIT_ARGS")

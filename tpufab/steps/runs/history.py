@@ -100,7 +100,7 @@ class RunsReport(Report):
 
 
 def list_runs(group, workers: Sequence[int], *, timeout: float | None) -> RunsReport:
-    """``launch.py status`` on ``workers``, as one report."""
+    """``run_worker.py status`` on ``workers``, as one report."""
     return RunsReport(statuses=statuses(group, workers, timeout=timeout))
 
 

@@ -2,14 +2,14 @@
 
 The decisions are pure (``plan_run``, the command builders, the parsers, ``run_rows``, the
 folding of live logs); the apply steps talk to workers only through the fan-out group and
-the worker-side ``tpufab/remote/launch.py`` (shipped once per content hash, see
+the worker-side ``tpufab/remote/run_worker.py`` (shipped once per content hash, see
 ``tpufab.ssh.remote_files``).
 
 How a run starts, in three round trips at most: the connections are opened (free when they
 are warm); each worker gets its own non-secret environment (its rank and the job's layout) in a
-0600 file, all workers at once; then one fan-out runs ``launch.py start`` everywhere with
+0600 file, all workers at once; then one fan-out runs ``run_worker.py start`` everywhere with
 the secrets on stdin (never argv, never a file), so every worker starts the recipe in the same
-instant. ``launch.py`` detaches the recipe (own session, supervisor) and records it under
+instant. ``run_worker.py`` detaches the recipe (own session, supervisor) and records it under
 ``~/.tpufab/runs/<run-id>/``.
 """
 
@@ -55,7 +55,7 @@ from tpufab.term.terminal import neutralise_text
 if TYPE_CHECKING:
     from tpufab.ssh.fanout import Output
 
-LAUNCH = "launch.py"
+LAUNCH = "run_worker.py"
 ENV_FILE = ".tpufab/runs/.{run_id}.env.json"     # relative to the worker's home
 STOP_GRACE = 5.0
 # What the live fold may hold (queued, not yet shown, shown later under their workers): this
@@ -133,7 +133,7 @@ def plan_run(recipe: RemoteFile, *, slices: Sequence[Sequence[int]], ips: Sequen
 
 
 def start_command(plan: RunPlan) -> Command:
-    from tpufab.steps.host.mount import STATE_DIR as MOUNTS_DIR
+    from tpufab.remote.workerlib import MOUNTS_DIR
 
     args: list = ["start", "--run", plan.run_id, "--recipe", plan.recipe.path,
                   "--recipe-sha256", plan.recipe.sha256, "--env-file", plan.env_file(),
@@ -254,13 +254,13 @@ def _size(n) -> str:
 
 
 def state_from_status(worker: int, entry: Mapping) -> WorkerState:
-    """One run entry of ``launch.py status`` (or tail's closing line) as a WorkerState."""
+    """One run entry of ``run_worker.py status`` (or tail's closing line) as a WorkerState."""
     return WorkerState(worker, str(entry.get("state", "lost")), entry.get("exit_code"),
                        entry.get("signal"), info=dict(entry))
 
 
 def parse_tail(result) -> WorkerState:
-    """A ``launch.py tail`` result: its closing JSON status line on stderr says how it ended."""
+    """A ``run_worker.py tail`` result: its closing JSON status line on stderr says how it ended."""
     worker = result.worker
     if result.error:
         return WorkerState(worker, "unreachable", detail=result.error)
@@ -281,7 +281,7 @@ def fold_states(states: Iterable[WorkerState]) -> str:
 
 @dataclass(frozen=True)
 class WorkerRuns:
-    """``launch.py status`` of one worker: every run it has, or why it could not answer."""
+    """``run_worker.py status`` of one worker: every run it has, or why it could not answer."""
 
     worker: int
     runs: tuple[Mapping, ...] = ()
@@ -383,7 +383,7 @@ def unreachable_error(reasons: Mapping[int, str], what: str) -> RunError:
 
 
 def start(group, plan: RunPlan, *, timeout: float | None = None) -> dict[int, dict]:
-    """Start ``plan`` on every one of its workers at once; ``{worker: launch.py's report}``.
+    """Start ``plan`` on every one of its workers at once; ``{worker: run_worker.py's report}``.
 
     All or nothing: if any worker cannot start it, it is stopped on the others (a job that
     waits for a missing peer would only hang) and RunError names the workers and why.
@@ -429,7 +429,7 @@ def start(group, plan: RunPlan, *, timeout: float | None = None) -> dict[int, di
 
 def statuses(group, workers: Sequence[int], *,
              timeout: float | None = None) -> dict[int, WorkerRuns]:
-    """``launch.py status`` on every worker (unreachable ones say so instead of raising);
+    """``run_worker.py status`` on every worker (unreachable ones say so instead of raising);
     ``timeout``: seconds each worker has to answer (None: the fan-out's default)."""
     results = run_with_files(group, [launch_file()], status_command(), workers,
                              timeout=timeout)
@@ -489,7 +489,7 @@ def follow(group, run_id: str, workers: Sequence[int], sink,
     ``timeout`` seconds pass: no limit by default, whatever the fan-out's command timeout,
     since a training run may last days).
 
-    Only the followers (``launch.py tail --follow``) are stopped by Ctrl-C (FanoutInterrupted
+    Only the followers (``run_worker.py tail --follow``) are stopped by Ctrl-C (FanoutInterrupted
     propagates) or the timeout: the run itself never is.
     """
     results = run_with_files(group, [launch_file()], tail_command(run_id, follow=True),
@@ -678,7 +678,7 @@ class FollowSink:
 
     def done(self, result) -> None:
         if missing_files(result):
-            return      # the guard: launch.py is shipped and the follower starts again
+            return      # the guard: run_worker.py is shipped and the follower starts again
         self.view.done(result)
         if self.on_end is not None:
             self.on_end(result.worker, parse_tail(result))

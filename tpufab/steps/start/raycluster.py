@@ -7,7 +7,7 @@ host's index in its slice, ``TPU_ACCELERATOR_TYPE``, ``TPU_TOPOLOGY``), so every
 its slice's labels and worker 0 of each slice the ``TPU-<type>-head`` resource; the chips Ray
 counts from the host's own device files. Every Ray address is the host's internal IP;
 the dashboard (and with it the Job API) listens on 127.0.0.1 of the head only, reached
-through an SSH forward. The worker side is remote/ray_node.py. See docs/ray.md.
+through an SSH forward. The worker side is remote/ray_worker.py. See docs/ray.md.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ DASHBOARD_PORT = 8265    # the dashboard and Job API, on the head's 127.0.0.1 on
 STEP_TIMEOUT = 300.0     # seconds for one step on the workers (ray start installs Ray if missing)
 JOIN_TIMEOUT = 120.0     # seconds for the joined hosts to show up alive in the head's view
 CONFIG_PATH = ".cache/tpufab/ray/start.json"   # each host's part, 0600, read and removed
-SCRIPT = "ray_node.py"
+SCRIPT = "ray_worker.py"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 Progress = Callable[..., None]
@@ -81,7 +81,7 @@ def hosts(pod) -> list[Host]:
 
 
 def _run(pod, args: Sequence, workers: Sequence[int], timeout: float) -> dict[int, dict]:
-    """remote/ray_node.py ``args`` on ``workers``: {worker: its JSON answer}; a worker that did
+    """remote/ray_worker.py ``args`` on ``workers``: {worker: its JSON answer}; a worker that did
     not answer gets {"error": why}."""
     from tpufab.ssh.remote_files import read_answer, run_script
     from tpufab.steps.runs.running import failure_reason

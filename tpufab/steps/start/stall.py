@@ -229,17 +229,17 @@ class StallHandler:
         said = self.signal(silence)
         self.say(f"{said[0].upper()}{said[1:]} ({flag}): taking every worker's stacks ...",
                  "yellow")
+        from tpufab.steps.health.stacks import lines
         from tpufab.term.terminal import relative_path
-        from tpufab.views import stacks as view
 
         report: Any = self.take_stacks()
         self.odd = list(report.odd)
         if report.saved:
             self.saved = relative_path(report.saved[0])
         if report.dumped and report.processes:
-            self.show(view.lines(report))
+            self.show(lines(report))
         else:
-            for line in view.lines(report):
+            for line in lines(report):
                 self.say(line, "dim")
         where = f"; stacks saved to {self.saved}" if self.saved else ""
         odd = (f"{nodeset.fold(self.odd)} differ{'s' if len(self.odd) == 1 else ''} from the "

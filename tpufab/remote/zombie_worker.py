@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Leave the mess a crashed TPU job leaves behind (stdlib only; for the simulated pod).
 
-    zombie.py [--devices-glob GLOB ...] [--lockfile PATH ...] [--holders N]
+    zombie_worker.py [--devices-glob GLOB ...] [--lockfile PATH ...] [--holders N]
               [--ignore-term K] [--lock-holder [--lock-holder-name NAME]]
               [--protected-name NAME | --no-protected]
 

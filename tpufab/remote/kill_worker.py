@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """tpufab kill, worker side (stdlib only): leave every TPU on this host free, safely.
 
-    tpukill.py [--devices-glob GLOB ...] [--lockfile PATH ...] [--run-dir DIR] [--run ID]
+    kill_worker.py [--devices-glob GLOB ...] [--lockfile PATH ...] [--run-dir DIR] [--run ID]
                [--grace S] [--settle S] [--dry-run] [--force]
 
 1. tpufab runs (all, or --run ID): the recorded process group is signalled only after the

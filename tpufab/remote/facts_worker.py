@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """tpufab status, worker side (stdlib only, Python 3.6+): what this worker looks like now.
 
-    facts.py [--run-dir DIR] [--deploy-dir DIR ...] [--devices-glob GLOB ...]
+    facts_worker.py [--run-dir DIR] [--deploy-dir DIR ...] [--devices-glob GLOB ...]
              [--mount-state-dir DIR] [--setup-dir DIR] [--disk PATH ...] [--max-runs N]
              [--python PATH ...] [--probe-mounts SECONDS]
 
@@ -146,7 +146,7 @@ def device_holders(paths):
     return holders, unreadable
 
 
-# -- tpufab runs (records written by launch.py) ------------------------------------------
+# -- tpufab runs (records written by run_worker.py) ------------------------------------------
 
 
 def run_state(rundir, carried=None):
@@ -468,7 +468,7 @@ def gather(args):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="facts.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="facts_worker.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--run-dir", default="~/.tpufab/runs")
     parser.add_argument("--deploy-dir", action="append", default=[])
     parser.add_argument("--devices-glob", action="append", default=[])

@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
 """tpufab autostop, worker side (stdlib only, Python 3.6+): delete the pod when it idles.
 
-    autostop.py arm --config FILE --facts PATH   start (or replace) this worker's watchdog
+    autostop_worker.py arm --config FILE --facts PATH   start (or replace) this worker's watchdog
                  [--check-only]                  only check the config and the port
-    autostop.py cancel                           stop it and forget the config
-    autostop.py state                            the config, the leader's view, recent events
-    autostop.py daemon                           the watchdog itself (started by arm)
+    autostop_worker.py cancel                           stop it and forget the config
+    autostop_worker.py state                            the config, the leader's view, recent events
+    autostop_worker.py daemon                           the watchdog itself (started by arm)
 
 Every worker runs a watchdog. It answers, on its own internal address and the config's
 port, one JSON line saying whether this worker is busy (a tpufab run running or starting,
-or a process holding a TPU device file; both read by tpufab's ``facts.py``). The leader
+or a process holding a TPU device file; both read by tpufab's ``facts_worker.py``). The leader
 (worker 0) also asks every peer, every ``check_every`` seconds; a peer that does not answer
 counts as busy. Once nothing was busy for ``idle`` seconds, or at ``ttl_at``, the leader
 deletes the node (or its queued resource) through the TPU API: anonymously for a plain
@@ -512,7 +512,7 @@ def daemon(_args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="autostop.py")
+    parser = argparse.ArgumentParser(prog="autostop_worker.py")
     sub = parser.add_subparsers(dest="verb")
     sub.required = True   # (the keyword needs Python 3.7)
     p = sub.add_parser("arm")

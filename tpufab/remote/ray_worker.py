@@ -1,9 +1,9 @@
 """tpufab ray: Ray on one host of the pod (stdlib only; Ray itself runs in the job's Python).
 
-    python3 ray_node.py state
-    python3 ray_node.py start --config FILE [-- RAY START OPTIONS]
-    python3 ray_node.py stop [--grace S]
-    python3 ray_node.py cluster [--dashboard-port P]       (on the head: nodes and jobs)
+    python3 ray_worker.py state
+    python3 ray_worker.py start --config FILE [-- RAY START OPTIONS]
+    python3 ray_worker.py stop [--grace S]
+    python3 ray_worker.py cluster [--dashboard-port P]       (on the head: nodes and jobs)
 
 The job's Python is $TPUFAB_PYTHON, else ~/.venv/bin/python, else python3; Ray is installed
 into it with pip when missing ($TPUFAB_RAY_SPEC, default ``ray[default]``: the Job API lives
@@ -260,7 +260,7 @@ def main(argv):
         at = argv.index("--")
         argv, extra = argv[:at], argv[at + 1:]
     if not argv:
-        answer("answer", {"error": "ray_node.py: no command"})
+        answer("answer", {"error": "ray_worker.py: no command"})
         return 2
     command, rest = argv[0], argv[1:]
     if command == "state":
@@ -275,7 +275,7 @@ def main(argv):
             else 8265
         reply = cluster(port)
     else:
-        reply = {"error": f"ray_node.py: unknown command {command}"}
+        reply = {"error": f"ray_worker.py: unknown command {command}"}
     answer("answer", reply)
     return 1 if reply.get("error") else 0
 

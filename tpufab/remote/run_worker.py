@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """tpufab runs, worker side (stdlib only): start a recipe detached, report, follow, stop.
 
-    launch.py start  --run ID --recipe PATH [--recipe-sha256 HEX] [--cwd DIR] [--commit SHA]
+    run_worker.py start  --run ID --recipe PATH [--recipe-sha256 HEX] [--cwd DIR] [--commit SHA]
                      [--in-checkout PATH] [--env-file PATH] [--env-stdin] [--keep-env-file] [--mounts-dir DIR]
                      [--run-dir DIR] [-- ARGS]
-    launch.py status [--run ID ...] [--run-dir DIR]
-    launch.py tail   --run ID [--offset N] [--follow] [--run-dir DIR]
-    launch.py stop   --run ID [--grace S] [--run-dir DIR]
+    run_worker.py status [--run ID ...] [--run-dir DIR]
+    run_worker.py tail   --run ID [--offset N] [--follow] [--run-dir DIR]
+    run_worker.py stop   --run ID [--grace S] [--run-dir DIR]
 
 A run lives in <run-dir>/<run-id>/ (default ~/.tpufab/runs): `recipe/<name>` (the exact bytes
 given; what runs is the recipe's own file in the deployed checkout, `--in-checkout`, when it
@@ -509,7 +509,7 @@ def relay_notices(rundir, child, env):
 
 def run_status(rundir, carried=None):
     """One run's state (workerlib's ``state_of_run``: running, starting, exited with
-    exit_code, killed by signal, or lost) with what launch.py recorded about it."""
+    exit_code, killed by signal, or lost) with what run_worker.py recorded about it."""
     status = {"run": os.path.basename(rundir)}
     meta = read_text(os.path.join(rundir, "meta.json"))
     if meta:
