@@ -18,7 +18,13 @@ from typing import Any, ClassVar, Protocol, TypeVar
 from tpufab import nodeset
 from tpufab.nodeset import fold
 from tpufab.quoting import Secret
-from tpufab.remote.workerlib import last_line, read_answer
+from tpufab.remote.workerlib import read_answer
+
+
+def last_line(text: str | None) -> str:
+    """The last non-blank line of ``text`` (why a command failed, usually)."""
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1] if lines else ""
 
 
 class Outcome(Protocol):

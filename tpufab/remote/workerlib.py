@@ -61,12 +61,6 @@ def parse_answer(line):
     return (kind, payload) if kind and isinstance(payload, dict) else None
 
 
-def last_line(text):
-    """The last non-blank line of ``text`` (why a command failed, usually)."""
-    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
-    return lines[-1] if lines else ""
-
-
 def read_answers(text, kind=None):
     """Every answer in ``text`` (of ``kind``, if given), in order, as (kind, payload)."""
     if isinstance(text, bytes):

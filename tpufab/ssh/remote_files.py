@@ -2,7 +2,7 @@
 
 Every worker-side program (deploy_worker.py, mount_worker.py, facts_worker.py, run_worker.py,
 kill_worker.py, zombie_worker.py, the setup runner and the user's setup script) goes through here:
-``run_script`` runs a shipped script and ``read_answer``/``last_line`` read what it answered.
+``run_script`` runs a shipped script and ``read_answer`` reads what it answered.
 
 Files a command needs on the workers are shipped only where they are missing.
 
@@ -43,7 +43,6 @@ from pathlib import Path
 from tpufab.quoting import Command, Piece, Raw, Secret, command
 from tpufab.remote.workerlib import ANSWER as ANSWER  # the answer codec, one for both sides
 from tpufab.remote.workerlib import ANSWER_TAG as ANSWER_TAG
-from tpufab.remote.workerlib import last_line as last_line
 from tpufab.remote.workerlib import parse_answer as parse_answer
 from tpufab.remote.workerlib import read_answer as read_answer
 from tpufab.remote.workerlib import read_answers as read_answers

@@ -29,11 +29,10 @@ from pathlib import Path
 
 from tpufab import nodeset
 from tpufab.errors import CodeBusy, ConfigError, TpufabError
-from tpufab.reports import Column, Report, text
+from tpufab.reports import Column, Report, last_line, text
 from tpufab.ssh.fanout import FanoutInterrupted
 from tpufab.ssh.remote_files import (
     RemoteFile,
-    last_line,
     parse_answer,
     python_command,
     read_answer,

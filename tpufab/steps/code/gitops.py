@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpufab.errors import TpufabError
+from tpufab.reports import last_line
 
 WIP_REFS = "refs/tpufab/wip/"
 DIRECT_REF = "refs/tpufab/direct"
@@ -53,13 +54,13 @@ def git(root: Path, *args: str, env: dict[str, str] | None = None, check: bool =
                                       proc.stdout.decode(errors="replace"),
                                       proc.stderr.decode(errors="replace"))
     if check and out.returncode != 0:
-        raise GitError(f"git {' '.join(args[:2])} failed in {root}: {_last_line(out.stderr)}")
+        raise GitError(f"git {' '.join(args[:2])} failed in {root}: {_why(out.stderr)}")
     return out
 
 
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else "no output"
+def _why(text: str) -> str:
+    """Git's last line of output, or "no output"."""
+    return last_line(text) or "no output"
 
 
 def repo_root(cwd: Path | str | None = None) -> Path:
@@ -229,9 +230,9 @@ def push(root: Path, remote: str, commit: str, ref: str) -> str:
     if re.search(r"Could not read from remote|unable to connect|Connection refused|"
                  r"Could not resolve host|does not appear to be a git repository|not found",
                  text, re.I):
-        raise GitError(f"Cannot push to {remote} ({_last_line(text)}): check the remote's URL "
+        raise GitError(f"Cannot push to {remote} ({_why(text)}): check the remote's URL "
                        f"and your access, or deploy with --direct.")
-    raise GitError(f"git push to {remote} failed: {_last_line(text)}.")
+    raise GitError(f"git push to {remote} failed: {_why(text)}.")
 
 
 def bundle(root: Path, commit: str, path: Path, exclude: list[str] = ()) -> Path:
@@ -247,5 +248,5 @@ def bundle(root: Path, commit: str, path: Path, exclude: list[str] = ()) -> Path
         # the worker already has every object (e.g. commit is an ancestor of its HEAD)
         git(root, "bundle", "create", "--quiet", str(path), DIRECT_REF)
     elif proc.returncode != 0:
-        raise GitError(f"git bundle failed in {root}: {_last_line(proc.stderr)}.")
+        raise GitError(f"git bundle failed in {root}: {_why(proc.stderr)}.")
     return path

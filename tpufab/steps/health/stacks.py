@@ -23,10 +23,9 @@ from typing import Any, ClassVar
 from tpufab import nodeset
 from tpufab.errors import ConfigError, TpufabError
 from tpufab.quoting import Command, Raw
-from tpufab.reports import Report
+from tpufab.reports import Report, last_line
 from tpufab.ssh.remote_files import (
     RemoteFile,
-    last_line,
     python_command,
     read_answer,
     run_with_files,

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from tpufab import nodeset
 from tpufab.errors import ApiError, TpufabError
-from tpufab.reports import Report
-from tpufab.ssh.remote_files import last_line, read_answer
+from tpufab.reports import Report, last_line
+from tpufab.ssh.remote_files import read_answer
 
 if TYPE_CHECKING:
     from tpufab.cloud.controlplane import ControlPlane

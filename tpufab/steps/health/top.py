@@ -100,7 +100,8 @@ class WorkerLoad:
 
 def parse(worker: int, outcome: Any) -> WorkerLoad:
     """A worker's ``top_worker.py`` answer as a record; never raises."""
-    from tpufab.ssh.remote_files import last_line, read_answer
+    from tpufab.reports import last_line
+    from tpufab.ssh.remote_files import read_answer
 
     error = getattr(outcome, "error", None)
     if error:
