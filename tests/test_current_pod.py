@@ -11,7 +11,7 @@ import pytest
 
 from tpufab import current
 from tpufab.config import invoke_layer, load_settings
-from tpufab.verbs.nodes import default_name
+from tpufab.cloud.lifecycle import default_name
 
 BIN = Path(sys.executable).parent
 

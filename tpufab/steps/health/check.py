@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from tpufab import nodeset
+from tpufab.config import timeout_for
 from tpufab.errors import TpufabError
 from tpufab.reports import Report
 from tpufab.steps.health.status import WorkerFacts, human_bytes
@@ -511,7 +512,7 @@ def live_runs(facts: Mapping[int, WorkerFacts]) -> list[tuple[str, str | None, s
     return [(run, recipe, nodeset.fold(where)) for run, (recipe, where) in sorted(found.items())]
 
 
-def run_check(settings: Any, pod: Any, *, quick: bool = False, timeout: float = 120.0,
+def run_check(settings: Any, pod: Any, *, quick: bool = False, timeout: float | None = None,
               compare_commits: bool = True, deploy_dirs: Sequence[str] | None = None,
               progress: Any = None) -> CheckReport:
     """The quick checks in one fan-out, then (unless ``quick`` or they failed) the
@@ -519,6 +520,7 @@ def run_check(settings: Any, pod: Any, *, quick: bool = False, timeout: float = 
     with ``quick`` named as skipped because of it."""
     from tpufab.steps.health import status
 
+    timeout = timeout_for("check", timeout)
     started = time.monotonic()
     dirs = status.default_deploy_dirs(settings) if deploy_dirs is None else list(deploy_dirs)
     before = time.time()

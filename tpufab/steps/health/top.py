@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from tpufab import nodeset
+from tpufab.config import timeout_for
 from tpufab.errors import ConfigError
 from tpufab.reports import Report
 
@@ -223,14 +224,15 @@ class TopFrame(Report):
 
 
 def frame(pod: Any, *, workers: Iterable[int] | None = None, interval: float = 1.0,
-          timeout: float | None = 30.0) -> TopFrame:
-    """One frame: ``top_worker.py`` on every chosen worker at once (one fan-out)."""
+          timeout: float | None = None) -> TopFrame:
+    """One frame: ``top_worker.py`` on every chosen worker at once (one fan-out);
+    ``timeout``: TIMEOUTS["top"]."""
     from tpufab.ssh.remote_files import run_script
 
     chosen = list(workers if workers is not None else pod.workers)
     started = time.monotonic()
     outcomes = run_script(pod.fanout, SCRIPT, ["--interval", f"{interval:g}"], chosen,
-                          timeout=timeout)
+                          timeout=timeout_for("top", timeout))
     try:
         loads = {w: parse(w, outcomes[w]) for w in chosen}
     finally:
@@ -250,7 +252,7 @@ def check_every(every: float, interval: float) -> None:
 
 def watch(pod: Any, *, on_frame: Callable[[TopFrame], None], every: float = 3.0,
           interval: float = 1.0, workers: Iterable[int] | None = None,
-          timeout: float | None = 30.0, frames: int | None = None,
+          timeout: float | None = None, frames: int | None = None,
           sleep: Callable[[float], None] = time.sleep) -> TopFrame:
     """Frames every ``every`` seconds (counted from each frame's start) until Ctrl-C or
     ``frames`` of them; each goes to ``on_frame``. Returns the last."""

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tpufab import nodeset
+from tpufab.config import timeout_for
 from tpufab.errors import TpufabError
 from tpufab.quoting import Command, Raw
 from tpufab.reports import Column, Report
@@ -209,8 +210,7 @@ def kill(group, workers: Sequence[int], *, run: str | None = None, grace: float 
     options = {"run": run, "grace": grace, "dry_run": dry_run, "force": force,
                "device_globs": device_globs}
     files = [RemoteFile.bundled(TPUKILL)]
-    if timeout is None:
-        timeout = grace + 2 * SETTLE + 30
+    timeout = timeout_for("kill", timeout, plus=grace)  # 34 s: 2 * SETTLE, KILL and answers
     # the tool that frees a wedged TPU must not need free disk: where kill_worker.py cannot be
     # shipped for lack of space, it runs from memory
     results = run_with_files(group, files, kill_command(**options), workers, timeout=timeout,

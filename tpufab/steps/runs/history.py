@@ -23,9 +23,6 @@ from tpufab.steps.runs.running import (
     statuses,
 )
 
-LIST_TIMEOUT = 60.0     # `runs`: seconds for every worker to answer
-LOGS_TIMEOUT = 300.0    # plain `logs`: seconds for every worker's log
-
 
 def unreachable_states(found: dict[int, WorkerRuns]) -> list[WorkerState]:
     return [WorkerState(w, "unreachable", detail=s.error) for w, s in found.items()

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from tpufab import nodeset
+from tpufab.config import TIMEOUTS
 from tpufab.errors import TpufabError
 from tpufab.quoting import Command, mask, mask_bytes, secret_bytes
 from tpufab.ssh.remote_files import (
@@ -515,7 +516,8 @@ def stop(group, run_id: str, workers: Sequence[int],
 ROUND_SLACK = 5.0
 
 
-def wait_port(group, run_id: str, port: int, *, worker: int = 0, timeout: float = 600.0,
+def wait_port(group, run_id: str, port: int, *, worker: int = 0,
+              timeout: float = TIMEOUTS["run --wait-port"].seconds,
               probe: float = 5.0, slack: float = ROUND_SLACK) -> tuple[bool, str]:
     """Wait (at most ``timeout`` s) until ``port`` answers on ``worker`` while the run lives.
 
