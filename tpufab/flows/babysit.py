@@ -111,7 +111,6 @@ def state_exit_code(state: WorkerState) -> int | None:
     return None
 
 
-RECOVERY_REASONS = ("preempted", "maintenance", "host failure", "flex-start end")
 DEFAULT_MAINTENANCE_MARGIN = 600.0
 DEFAULT_MAINTENANCE_POLL = 60.0    # seconds between looks at upcomingMaintenance
 

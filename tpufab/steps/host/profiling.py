@@ -153,7 +153,3 @@ def capture(group, *, workers: Sequence[int], run: str | None = None, port: int 
                           f"with `xprof --logdir {where}` or TensorBoard's profile plugin.")
     return captured
 
-
-def trace_files(folder: Path) -> list[Path]:
-    return sorted(folder.rglob("*.xplane.pb"))
-
