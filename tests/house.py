@@ -171,6 +171,37 @@ def classes_over(lines: int) -> dict[str, int]:
     return out
 
 
+# Where an operation's timeouts are chosen: the layers above the engines (ssh/ and cloud/
+# have their own transport bounds).
+OPERATION_LAYERS = ("tpufab.verbs", "tpufab.pod", "tpufab.flows", "tpufab.steps")
+
+
+def timeout_defaults_outside_the_table() -> list[str]:
+    """Numbers written as a timeout's default in the operation layers: a parameter named
+    ``*timeout*`` whose default is a number, a module constant ``*TIMEOUT*`` = a number."""
+    found = []
+    for mod, path in modules().items():
+        if not mod.startswith(OPERATION_LAYERS):
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                args = node.args
+                pairs = list(zip(args.args[len(args.args) - len(args.defaults):], args.defaults,
+                                 strict=True))
+                pairs += [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True)
+                          if d is not None]
+                found += [f"{mod}:{node.lineno} {node.name}({a.arg}={ast.unparse(d)})"
+                          for a, d in pairs if "timeout" in a.arg
+                          and isinstance(d, ast.Constant) and isinstance(d.value, int | float)]
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and \
+                    isinstance(node.value.value, int | float):
+                found += [f"{mod}:{node.lineno} {t.id}" for t in node.targets
+                          if isinstance(t, ast.Name) and "TIMEOUT" in t.id]
+    return found
+
+
 def _type_checking_names(path: Path) -> dict:
     """The names a module imports under TYPE_CHECKING, imported (to read its annotations)."""
     import importlib

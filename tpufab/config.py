@@ -175,7 +175,7 @@ TIMEOUTS: dict[str, Timeout] = {
                           "that long)"),
     "get": Timeout(300.0, "each step, and each read or write of the copy (no progress for "
                           "that long)"),
-    "forward": Timeout(20.0, "waiting for the worker to answer when connecting",
+    "forward": Timeout(20.0, "the worker's answer when connecting",
                        commands=False),
     "check": Timeout(120.0, "the collective across every host; connecting too",
                      commands=False),
@@ -207,6 +207,16 @@ def timeout_for(name: str, given: float | None = None, setting: float | None = N
     if setting is not None and entry.commands:
         return float(setting)
     return math.inf if entry.seconds is None else entry.seconds + plus
+
+
+def timeouts_table() -> list[str]:
+    """TIMEOUTS as docs/reliability.md's Markdown table (tests/test_config.py compares)."""
+    rows = ["| timeout | default | what it bounds | `command_timeout` stands in |",
+            "|---|---|---|:-:|"]
+    for name, entry in TIMEOUTS.items():
+        rows.append(f"| `{name}` | {entry.text} | {entry.bounds} | "
+                    f"{'yes' if entry.commands else '-'} |")
+    return rows
 
 
 DEFAULT_REMOTE_USER = "tpufab"
