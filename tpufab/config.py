@@ -192,7 +192,10 @@ TIMEOUTS: dict[str, Timeout] = {
     "ray submit": Timeout(300.0, "each step before the job runs (deploy, submit); following "
                                  "its logs has no limit"),
     "ray down": Timeout(300.0, "each host's `ray stop`"),
+    # a verb on the workers that has no row of its own yet (docs/architecture.md, "Add a verb")
+    "worker verb": Timeout(300.0, "each step on the workers"),
 }
+GENERIC = "worker verb"
 
 
 def timeout_for(name: str, given: float | None = None, setting: float | None = None, *,

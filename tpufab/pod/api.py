@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tpufab.config import Settings, load_settings, timeout_for
+from tpufab.config import GENERIC, TIMEOUTS, Settings, load_settings, timeout_for
 from tpufab.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -165,10 +165,10 @@ class Pod:
         return view
 
     def _timeout(self, name: str, timeout: float | None, *, plus: float = 0.0) -> float:
-        """A method's ``timeout`` through the one resolver (tpufab.config.timeout_for): the
-        one given, else the command_timeout setting, else TIMEOUTS[name]; ``math.inf``: no
-        limit."""
-        return timeout_for(name, timeout, self.settings.command_timeout, plus=plus)
+        """``timeout`` through the one resolver (config.timeout_for): the one given, else the
+        command_timeout setting, else TIMEOUTS[name] (or its "worker verb" row)."""
+        return timeout_for(name if name in TIMEOUTS else GENERIC, timeout,
+                           self.settings.command_timeout, plus=plus)
 
     def _forwarded(self, env: Mapping[str, str] | Sequence[str] | None,
                    secret: Sequence[str] | None) -> tuple[dict | None, dict | None]:

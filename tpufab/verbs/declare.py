@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tpufab.config import TIMEOUTS
+from tpufab.config import GENERIC, TIMEOUTS
 
 if TYPE_CHECKING:
     from tpufab.config import Settings
@@ -126,7 +126,7 @@ class Param:
 
 def timeout_help(path: str) -> str:
     """The help of a verb's --timeout, from the timeout table (tpufab.config.TIMEOUTS)."""
-    entry = TIMEOUTS[path]
+    entry = TIMEOUTS.get(path) or TIMEOUTS[GENERIC]
     setting = "; the command_timeout setting when set" if entry.commands else ""
     return f"Seconds for {entry.bounds} (default: {entry.text}{setting})."
 
@@ -173,7 +173,7 @@ class Verb:
             positional = (empty and not opt.required) or rest or opt.argument
             flag = opt.flag or "--" + p.name.rstrip("_").replace("_", "-")
             text = opt.help
-            if p.name == "timeout" and self.pod_method and self.path in TIMEOUTS:
+            if p.name == "timeout" and self.pod_method:
                 text = timeout_help(self.path)
             out.append(Param(
                 name=p.name, kind=kind, help=text, flag=flag, short=opt.short,
@@ -273,7 +273,7 @@ def _door(v: Verb) -> Callable[..., Any]:
         parameters.append(inspect.Parameter(p.name, kind, default=default))
     parameters.sort(key=lambda q: q.kind)
     signature = inspect.Signature(parameters)
-    entry = TIMEOUTS.get(v.path)
+    entry = TIMEOUTS.get(v.path) or TIMEOUTS[GENERIC]
     assert v.body is not None and v.pod_method is not None
     body, method = v.body, v.pod_method
 
