@@ -31,6 +31,7 @@ invoke.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import types
@@ -185,6 +186,12 @@ class Verb:
         return sorted(out, key=lambda q: not q.positional)
 
 
+@functools.cache
+def _hint(module: str, annotation: str) -> Any:
+    """A Pod parameter's annotation (a string: postponed annotations), evaluated once."""
+    return eval(annotation, vars(sys.modules[module]))
+
+
 def _declared(v: Verb) -> list[tuple[inspect.Parameter, Any]]:
     """(parameter, type hint) of every flag of ``v``: its own signature's, or for a verb on a
     pod its Pod method's (hooks and the verb's api_only names left out), its view flags and
@@ -195,12 +202,12 @@ def _declared(v: Verb) -> list[tuple[inspect.Parameter, Any]]:
     from tpufab.pod.api import Pod
 
     method = getattr(Pod, v.pod_method)
-    names = vars(sys.modules[method.__module__])
     out = []
     for p in list(inspect.signature(method).parameters.values())[1:]:   # self
         if p.name in HOOKS or p.name in v.api_only:
             continue
-        hint = eval(p.annotation, names) if isinstance(p.annotation, str) else p.annotation
+        hint = _hint(method.__module__, p.annotation) if isinstance(p.annotation, str) \
+            else p.annotation
         out.append((p, hint))
     assert v.body is not None
     hints = typing.get_type_hints(v.body)
@@ -257,43 +264,49 @@ class Call:
         return fn(*(args.pop(spread[0]) or ()) if spread else (), **args)
 
 
-def _door(v: Verb) -> Callable[..., Any]:
+class Door:
     """The verb as both front doors call it: every flag a keyword (the positional ones in
     order too); CONNECTION's flags make the Settings and the Pod, the view flags go to the
-    verb's body, the rest are the Pod method's keywords (``Call``)."""
-    from tpufab.pod.api import Pod
-    from tpufab.verbs.common import check_timeout, settings_from_flags
+    verb's body, the rest are the Pod method's keywords (``Call``). Its signature is read
+    from the Pod method on first use (`tpufab topology` builds no other verb's)."""
 
-    positional = {q.name for q in v.params() if q.positional}
-    parameters = []
-    for p, _hint in _declared(v):
-        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if p.name in positional else \
-            inspect.Parameter.KEYWORD_ONLY
-        default = () if p.kind is inspect.Parameter.VAR_POSITIONAL else p.default
-        parameters.append(inspect.Parameter(p.name, kind, default=default))
-    parameters.sort(key=lambda q: q.kind)
-    signature = inspect.Signature(parameters)
-    entry = TIMEOUTS.get(v.path) or TIMEOUTS[GENERIC]
-    assert v.body is not None and v.pod_method is not None
-    body, method = v.body, v.pod_method
+    def __init__(self, declared: Verb):
+        self.declared = declared
+        body = declared.body
+        self.__name__, self.__qualname__ = body.__name__, body.__qualname__
+        self.__module__, self.__doc__ = body.__module__, body.__doc__
 
-    def door(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
+    @functools.cached_property
+    def __signature__(self) -> inspect.Signature:
+        v = self.declared
+        positional = {q.name for q in v.params() if q.positional}
+        parameters = []
+        for p, _hint in _declared(v):
+            kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if p.name in positional else \
+                inspect.Parameter.KEYWORD_ONLY
+            default = () if p.kind is inspect.Parameter.VAR_POSITIONAL else p.default
+            parameters.append(inspect.Parameter(p.name, kind, default=default))
+        parameters.sort(key=lambda q: q.kind)
+        return inspect.Signature(parameters)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from tpufab.pod.api import Pod
+        from tpufab.verbs.common import check_timeout, settings_from_flags
+
+        v = self.declared
+        bound = self.__signature__.bind(*args, **kwargs)
         bound.apply_defaults()
         values = dict(bound.arguments)
         connection = {k: values.pop(k) for k in CONNECTION}
         view = {k: values.pop(k) for k in v.view}
         timeout = check_timeout(values["timeout"]) if "timeout" in values else None
-        # the timeout's road: where it bounds commands, it also bounds connecting and every
-        # command of the call (the Pod's Settings)
-        road = timeout if entry is not None and entry.commands else None
+        # the timeout's road: where its row bounds commands, it also bounds connecting and
+        # every command of the call (the Pod's Settings)
+        entry = TIMEOUTS.get(v.path) or TIMEOUTS[GENERIC]
+        road = timeout if entry.commands else None
         pod = Pod.from_settings(settings_from_flags(**connection, timeout=road))
-        return body(Call(pod, method, values), **view)
-
-    door.__signature__ = signature  # type: ignore[attr-defined]
-    for attr in ("__name__", "__qualname__", "__module__", "__doc__"):
-        setattr(door, attr, getattr(body, attr))
-    return door
+        assert v.body is not None and v.pod_method is not None
+        return v.body(Call(pod, v.pod_method, values), **view)
 
 
 def verb(*, name: str | None = None, group: str | None = None,
@@ -320,7 +333,7 @@ def verb(*, name: str | None = None, group: str | None = None,
         if pod_method is not None:
             from dataclasses import replace
 
-            declared = replace(declared, fn=_door(declared))
+            declared = replace(declared, fn=Door(declared))
         DECLARED.append(declared)
         return declared.fn
 
