@@ -271,7 +271,7 @@ def report_classes() -> dict[str, str]:
 
 def report_naming_schemes() -> set[str]:
     """The naming styles of the report classes: the last word of each name ("Report" for
-    ``DeployReport``, "Result" for ``KillResult``, "Captured" ...)."""
+    ``DeployReport``, "Result" for a ``KillResult``, "Captured" ...)."""
     import re
 
     return {re.findall(r"[A-Z][a-z]*", name)[-1] for name in report_classes()}

@@ -40,16 +40,16 @@ if TYPE_CHECKING:
     from tpufab.steps.code.deploy import DeployReport
     from tpufab.steps.health.check import CheckReport
     from tpufab.steps.health.stacks import StacksReport
-    from tpufab.steps.health.status import PodStatus
-    from tpufab.steps.health.top import TopFrame
+    from tpufab.steps.health.status import StatusReport
+    from tpufab.steps.health.top import TopReport
     from tpufab.steps.host.autostop import AutostopReport
-    from tpufab.steps.host.killing import KillResult
+    from tpufab.steps.host.killing import KillReport
     from tpufab.steps.host.mount import MountReport, MountSpec
-    from tpufab.steps.host.profiling import Captured
+    from tpufab.steps.host.profiling import ProfileReport
     from tpufab.steps.host.setup import SetupReport
     from tpufab.steps.runs.history import LogsReport, RunsReport
     from tpufab.steps.start.localrun import LocalRunResult
-    from tpufab.steps.start.raycluster import RayDown, RayStatus, RayUp, Submitted
+    from tpufab.steps.start.raycluster import RayDown, RayStatusReport, RayUp, Submitted
 
 Progress = Callable[..., None]          # progress(text, style=None): a step's notes
 
@@ -387,7 +387,7 @@ class Pod:
     def profile(self, *, workers: str | Iterable[int] = "0", duration: str | float = "5s",
                 run: str | None = None, port: int | None = None,
                 seconds: float | None = None,
-                progress: Callable[[str], None] | None = None) -> Captured:
+                progress: Callable[[str], None] | None = None) -> ProfileReport:
         """Capture ``duration`` (``"5s"``, ``"500ms"``, ``"1m"``; or ``seconds``) of profiler
         trace from the running JAX job (`tpufab profile`): ``.local_dir``, ``.files`` per
         worker. Raises ConfigError for a bad duration (before connecting) or no run running."""
@@ -428,10 +428,10 @@ class Pod:
 
     def kill(self, *, run: str | None = None, grace: float = 5.0, dry_run: bool = False,
              force: bool = False, workers: str | Iterable[int] = "all",
-             timeout: float | None = None) -> KillResult:
+             timeout: float | None = None) -> KillReport:
         """Free the TPU on every worker: stop runs (only ``run``, if given) and stale
         holders, then remove the lockfile. ``timeout``: TIMEOUTS["kill"] (the grace period
-        plus 34 s). Returns the KillResult (``.ok``, ``.rows``, ``.summary``); raises
+        plus 34 s). Returns the KillReport (``.ok``, ``.rows``, ``.summary``); raises
         ConfigError for a negative grace or a malformed run id."""
         from tpufab.steps.host import killing
 
@@ -476,9 +476,9 @@ class Pod:
                                  timeout=self._timeout("runs", timeout))
 
     # -- health: status, check, babysit, autostop --------------------------------------------
-    def status(self, *, timeout: float | None = None) -> PodStatus:
+    def status(self, *, timeout: float | None = None) -> StatusReport:
         """`tpufab status`: the node's API state and every worker's facts, and worker 0's
-        autostop view when one is armed: a PodStatus (``.rows`` every worker's facts,
+        autostop view when one is armed: a StatusReport (``.rows`` every worker's facts,
         ``.folded`` the table's rows, ``.healthy``, ``.autostop``). ``timeout``:
         TIMEOUTS["status"]. Raises ApiError when there is no such node."""
         from tpufab.steps.health import status
@@ -578,10 +578,10 @@ class Pod:
 
     def top(self, *, once: bool = False, every: float = 3.0, interval: float = 1.0,
             workers: str | Iterable[int] = "all", timeout: float | None = None,
-            on_frame: Callable[[TopFrame], None] | None = None) -> TopFrame:
+            on_frame: Callable[[TopReport], None] | None = None) -> TopReport:
         """`tpufab top`: every worker's CPU, memory, load, run processes and TPU use, sampled
         over ``interval`` seconds in one fan-out a frame, folded where workers agree (a
-        TopFrame). ``once``: one frame, returned; otherwise a frame every ``every`` seconds
+        TopReport). ``once``: one frame, returned; otherwise a frame every ``every`` seconds
         goes to ``on_frame(frame)`` until Ctrl-C (KeyboardInterrupt, left to the caller) and
         the last is returned. ``timeout``: TIMEOUTS["top"]. ConfigError (one sentence) for an
         interval outside (0, 30] or ``every`` below 1 s, before connecting."""
@@ -621,9 +621,9 @@ class Pod:
                              progress=progress or raycluster.silent,
                              join_batch=join_batch)
 
-    def ray_status(self, *, timeout: float | None = None) -> RayStatus:
+    def ray_status(self, *, timeout: float | None = None) -> RayStatusReport:
         """`tpufab ray status`: whether Ray is up, the nodes the head sees (TPU resources,
-        the head resource, slice labels), the hosts not joined and the jobs: a RayStatus, a
+        the head resource, slice labels), the hosts not joined and the jobs: a RayStatusReport, a
         Report whose rows are the hosts (``.up``, ``.healthy``, ``.missing``; printed by
         ``tpufab.views.report.show``)."""
         from tpufab.steps.start import raycluster

@@ -3,7 +3,7 @@
 ``facts_args`` (what to ask), ``parse_facts`` (a worker's answer as a record),
 ``worker_cells`` and ``fold_rows`` (the table) are pure and tested as data; ``collect`` is the
 only step with side effects: the node's API state, then one round trip per worker running
-``remote/facts_worker.py`` (shipped once per content hash). The PodStatus it returns is a
+``remote/facts_worker.py`` (shipped once per content hash). The StatusReport it returns is a
 ``tpufab.reports.Report``; tpufab.views.status prints it.
 """
 
@@ -467,7 +467,7 @@ def fold_rows(facts: Mapping[int, WorkerFacts]) -> list[Row]:
 
 
 @dataclass
-class PodStatus(Report):
+class StatusReport(Report):
     """`tpufab status`: the node(s) as the API sees them and every worker's facts (``rows``:
     a WorkerFacts per worker, ``.workers`` by index; ``.folded``: the table's rows, workers
     that agree folded). Printed by tpufab.views.status (the view ``status``)."""
@@ -511,6 +511,9 @@ class PodStatus(Report):
     @property
     def ray(self) -> RayView | None:
         return ray_view(self.workers)
+
+
+PodStatus = StatusReport   # the 0.1 name (docs/api.md), until 0.2
 
 
 def find_nodes(control: ControlPlane, name: str) -> tuple[list[Node], QueuedResourceInfo | None]:
@@ -590,7 +593,7 @@ def gather_facts(group: Any, *, workers: Iterable[int] | None = None,
 
 def collect(settings: Settings, *, control: ControlPlane | None = None, pod: Any = None,
             deploy_dirs: Sequence[str] | None = None,
-            timeout: float | None = None) -> PodStatus:
+            timeout: float | None = None) -> StatusReport:
     """The node's API state, then (if its workers should be up) every worker's facts
     (``timeout``: seconds each worker has to answer)."""
     from tpufab.cloud import lifecycle
@@ -616,12 +619,12 @@ def collect(settings: Settings, *, control: ControlPlane | None = None, pod: Any
                        "; see `tpufab list`.")
     fill_upcoming_maintenance(control, nodes)
     if not nodes:
-        return PodStatus(name, nodes, qr, note=f"Queued resource {name} has no nodes yet "
+        return StatusReport(name, nodes, qr, note=f"Queued resource {name} has no nodes yet "
                          f"({qr.state if qr else '?'}).")
     not_ready = [n for n in nodes if not n.ready]
     if not_ready:
         count = sum(len(n.workers) for n in nodes) or sum(n.hosts for n in nodes)
-        return PodStatus(name, nodes, qr, note="; ".join(
+        return StatusReport(name, nodes, qr, note="; ".join(
             f"TPU node {n.name} is {n.state}" for n in not_ready) + ": its workers were not asked.",
             rows=[WorkerFacts(w, False, error=f"node {_node_of(nodes, w).state}")
                   for w in range(count)])
@@ -631,11 +634,11 @@ def collect(settings: Settings, *, control: ControlPlane | None = None, pod: Any
         pod = pods.shared(settings, control=control, nodes=nodes)
     dirs = default_deploy_dirs(settings) if deploy_dirs is None else list(deploy_dirs)
     facts = gather_facts(pod.fanout, deploy_dirs=dirs, timeout=timeout)
-    return PodStatus(name, nodes, qr, rows=[facts[w] for w in sorted(facts)])
+    return StatusReport(name, nodes, qr, rows=[facts[w] for w in sorted(facts)])
 
 
 def pod_status(settings: Settings, *, timeout: float | None = None, pod: Any = None,
-               deploy_dirs: Sequence[str] | None = None) -> PodStatus:
+               deploy_dirs: Sequence[str] | None = None) -> StatusReport:
     """`tpufab status` (and ``Pod.status``): ``collect``, then worker 0's autostop view when
     the node says one is armed or the worker has events (``.autostop``)."""
     from tpufab.hosts import connect as pods

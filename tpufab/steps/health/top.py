@@ -192,7 +192,7 @@ def fold_rows(loads: Mapping[int, WorkerLoad]) -> list[Row]:
 
 
 @dataclass
-class TopFrame(Report):
+class TopReport(Report):
     """One frame: a ``tpufab.reports.Report`` whose rows are every worker's load (``ok``: it
     answered; ``.loads`` by index, ``.folded`` the table's rows), when it was taken and what it
     cost. Printed by tpufab.views.top (the view ``top``)."""
@@ -224,7 +224,7 @@ class TopFrame(Report):
 
 
 def frame(pod: Any, *, workers: Iterable[int] | None = None, interval: float = 1.0,
-          timeout: float | None = None) -> TopFrame:
+          timeout: float | None = None) -> TopReport:
     """One frame: ``top_worker.py`` on every chosen worker at once (one fan-out);
     ``timeout``: TIMEOUTS["top"]."""
     from tpufab.ssh.remote_files import run_script
@@ -239,7 +239,7 @@ def frame(pod: Any, *, workers: Iterable[int] | None = None, interval: float = 1
         close = getattr(outcomes, "close", None)
         if close is not None:
             close()
-    return TopFrame(pod.name, time.time(), time.monotonic() - started, interval,
+    return TopReport(pod.name, time.time(), time.monotonic() - started, interval,
                     rows=[loads[w] for w in chosen])
 
 
@@ -250,10 +250,10 @@ def check_every(every: float, interval: float) -> None:
         raise ConfigError(f"--every must be at least {MIN_EVERY:g} second, not {every:g}.")
 
 
-def watch(pod: Any, *, on_frame: Callable[[TopFrame], None], every: float = 3.0,
+def watch(pod: Any, *, on_frame: Callable[[TopReport], None], every: float = 3.0,
           interval: float = 1.0, workers: Iterable[int] | None = None,
           timeout: float | None = None, frames: int | None = None,
-          sleep: Callable[[float], None] = time.sleep) -> TopFrame:
+          sleep: Callable[[float], None] = time.sleep) -> TopReport:
     """Frames every ``every`` seconds (counted from each frame's start) until Ctrl-C or
     ``frames`` of them; each goes to ``on_frame``. Returns the last."""
     from tpufab.ssh.fanout import FanoutInterrupted

@@ -125,7 +125,7 @@ KILL_COLUMNS = (Column("WHAT", lambda e: e.text, over=_with_pids),)
 
 
 @dataclass
-class KillResult(Report):
+class KillReport(Report):
     """Every worker's tpukill report (``workers``), as a ``tpufab.reports.Report``: one row
     per process, run or lockfile (folded across workers, one pid or each worker's), then the
     summary (killed, protected survivors, device free, lockfiles)."""
@@ -168,11 +168,14 @@ class KillResult(Report):
         return not self.unreachable and not self.busy and not self.unverified \
             and not self.held_by_protected
 
-    def check(self) -> KillResult:
+    def check(self) -> KillReport:
         """This result, or KillError with its summary when the TPU is not free everywhere."""
         if not self.ok:
             raise KillError(summary(self))
         return self
+
+
+KillResult = KillReport   # the 0.1 name (docs/api.md), until 0.2
 
 
 def parse_report(result) -> WorkerReport:
@@ -204,7 +207,7 @@ def check_options(*, run: str | None, grace: float) -> None:
 
 def kill(group, workers: Sequence[int], *, run: str | None = None, grace: float = 5.0,
          dry_run: bool = False, force: bool = False,
-         device_globs: Sequence[str] = DEVICE_GLOBS, timeout: float | None = None) -> KillResult:
+         device_globs: Sequence[str] = DEVICE_GLOBS, timeout: float | None = None) -> KillReport:
     """Run tpukill on every worker at once (one shared grace period per worker)."""
     check_options(run=run, grace=grace)
     options = {"run": run, "grace": grace, "dry_run": dry_run, "force": force,
@@ -215,7 +218,7 @@ def kill(group, workers: Sequence[int], *, run: str | None = None, grace: float 
     # shipped for lack of space, it runs from memory
     results = run_with_files(group, files, kill_command(**options), workers, timeout=timeout,
                              from_memory=kill_command(**options, from_stdin=True))
-    return KillResult({w: parse_report(r) for w, r in sorted(results.items())}, dry_run, grace)
+    return KillReport({w: parse_report(r) for w, r in sorted(results.items())}, dry_run, grace)
 
 
 def make_zombies(group, workers: Sequence[int], *, holders: int = 2, ignore_term: int = 1,
@@ -300,7 +303,7 @@ def _signal_note(entry: Mapping, grace: float) -> str:
     return ""
 
 
-def kill_entries(result: KillResult) -> list[KillLine]:
+def kill_entries(result: KillReport) -> list[KillLine]:
     """The lines of every worker's report, in worker order (pure)."""
     entries: list[KillLine] = []
     for w, report in result.reports.items():
@@ -358,7 +361,7 @@ def _first_worker(label: str) -> int:
     return int(match.group()) if match else 0
 
 
-def summary(result: KillResult) -> str:
+def summary(result: KillReport) -> str:
     """One or a few sentences: killed, protected survivors, device free, lockfiles."""
     reports = result.reports
     everyone = sorted(result.workers)

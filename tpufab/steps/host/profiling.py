@@ -57,7 +57,7 @@ def _traces(row: WorkerTrace) -> str:
 
 
 @dataclass(kw_only=True)
-class Captured(Report):
+class ProfileReport(Report):
     """Every worker's capture (``tpufab.reports.Report``): ``profile: w[0-3]  1 trace file
     (12 KiB)``, then where the traces are and how to view them."""
 
@@ -75,6 +75,9 @@ class Captured(Report):
     @property
     def errors(self) -> dict[int, str]:
         return {r.worker: r.error for r in self.failed}
+
+
+Captured = ProfileReport   # the 0.1 name (docs/api.md), until 0.2
 
 
 def _running_run(group, workers: Sequence[int], run: str | None) -> str:
@@ -102,7 +105,7 @@ def capture_command(script: RemoteFile, port: int, seconds: float, logdir: str):
 
 def capture(group, *, workers: Sequence[int], run: str | None = None, port: int | None = None,
             seconds: float = 5.0, local_base: Path | None = None,
-            progress: Callable[[str], None] | None = None) -> Captured:
+            progress: Callable[[str], None] | None = None) -> ProfileReport:
     """Capture ``seconds`` of trace on each of ``workers`` and copy it under the run's logs."""
     from tpufab.ssh import transfer
     from tpufab.steps.runs import running as jobs
@@ -144,7 +147,7 @@ def capture(group, *, workers: Sequence[int], run: str | None = None, port: int 
                     local_dir / nodeset.label(row.worker) / stamp
                 rows[row.worker] = WorkerTrace(row.worker, [
                     (str(Path(p).relative_to(base)), Path(p).stat().st_size) for p in row.paths])
-    captured = Captured(run=run_id, local_dir=where, rows=sorted(rows.values(),
+    captured = ProfileReport(run=run_id, local_dir=where, rows=sorted(rows.values(),
                                                                  key=lambda r: r.worker))
     if not captured.files:
         raise TpufabError(f"No trace captured from run {run_id}: " + "; ".join(

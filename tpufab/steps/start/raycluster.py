@@ -251,7 +251,7 @@ def _wait_joined(pod, head: int, ips: dict[str, int], timeout: float) -> list[di
 
 
 @dataclass(kw_only=True)
-class RayStatus(Report):
+class RayStatusReport(Report):
     """`tpufab ray status`: a row per host (its ``Host``), what each said of its Ray
     processes (``states``), the nodes the head sees and the jobs; printed by
     tpufab/views/ray.py (the view ``ray``)."""
@@ -290,12 +290,12 @@ class RayStatus(Report):
         return self.healthy
 
 
-def status(pod, *, timeout: float | None = None) -> RayStatus:
+def status(pod, *, timeout: float | None = None) -> RayStatusReport:
     timeout = timeout_for("ray status", timeout)
     every = hosts(pod)
     head = every[0]
     states = _run(pod, ["state"], [h.worker for h in every], timeout)
-    report = RayStatus(name=pod.name, address=f"{head.ip}:{GCS_PORT}", head=head.worker,
+    report = RayStatusReport(name=pod.name, address=f"{head.ip}:{GCS_PORT}", head=head.worker,
                        rows=every, states=states)
     if states[head.worker].get("head"):
         answer = _run(pod, ["cluster", "--dashboard-port", DASHBOARD_PORT], [head.worker],
