@@ -121,11 +121,11 @@ def test_runs_are_the_pods_own_rows_under_their_columns_and_json():
 
 
 def test_a_report_with_a_view_is_printed_by_its_view_human_and_json():
-    from tpufab.steps.health.top import TopReport, WorkerLoad
+    from tpufab.steps.health.top import TopReport, TopRow
 
     frame = TopReport("demo", 1000.0, 1.5, 1.0,
-                     rows=[WorkerLoad(0, True), WorkerLoad(1, True),
-                           WorkerLoad(2, False, error="connection refused")])
+                     rows=[TopRow(0, True), TopRow(1, True),
+                           TopRow(2, False, error="connection refused")])
     assert not frame.ok and [r.label for r in frame.folded] == ["w[0-1]", "w2"]
     out, err = shown(frame)
     lines = out.splitlines()
@@ -139,10 +139,10 @@ def test_a_report_with_a_view_is_printed_by_its_view_human_and_json():
 
 
 def test_top_follow_draws_each_frame_until_ctrl_c_and_returns_the_last():
-    from tpufab.steps.health.top import TopReport, WorkerLoad
+    from tpufab.steps.health.top import TopReport, TopRow
     from tpufab.views.top import follow
 
-    frames = [TopReport("demo", 1000.0 + n, 1.0, 1.0, rows=[WorkerLoad(0, True)])
+    frames = [TopReport("demo", 1000.0 + n, 1.0, 1.0, rows=[TopRow(0, True)])
               for n in range(3)]
 
     def watch(on_frame):

@@ -29,7 +29,7 @@ class RunsOn(Protocol):
     def stacks(self, *, run: str | None = None, workers: Any = "all") -> StacksReport: ...
 
 
-class _Silent:
+class _NoView:
     """A view that shows nothing (the logs stay on the workers)."""
 
     def lines(self, worker: int, stream: str, data: bytes) -> None:
@@ -102,7 +102,7 @@ class Run:
         from tpufab.steps.runs import running as jobs
 
         return jobs.follow(self.pod.hosts.fanout, self.id, self.workers,
-                           jobs.FollowSink(sink or _Silent()))
+                           jobs.FollowSink(sink or _NoView()))
 
     def logs(self) -> dict[int, str]:
         """Each worker's log so far."""

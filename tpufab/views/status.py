@@ -17,7 +17,7 @@ from tpufab.term.terminal import neutralise_text
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
 
-    from tpufab.steps.health.status import Row, StatusReport, WorkerFacts
+    from tpufab.steps.health.status import StatusFolded, StatusReport, StatusRow
 
 
 def _escape(text: object) -> str:
@@ -61,7 +61,7 @@ def table(status: StatusReport, console: Console) -> RenderableType:
                 for row in rows])
 
 
-def holder_lines(facts: Mapping[int, WorkerFacts], shown: int = 8) -> list[str]:
+def holder_lines(facts: Mapping[int, StatusRow], shown: int = 8) -> list[str]:
     """``python3 train.py: w[0-3] (w0 pid 812, w1 pid 9, ...)``: one line per command (pure)."""
     by_command: dict[str, dict[int, set[int]]] = {}
     protected: dict[str, str] = {}
@@ -82,7 +82,7 @@ def holder_lines(facts: Mapping[int, WorkerFacts], shown: int = 8) -> list[str]:
     return lines
 
 
-def full_disk_line(facts: Mapping[int, WorkerFacts]) -> str | None:
+def full_disk_line(facts: Mapping[int, StatusRow]) -> str | None:
     """One sentence naming the workers whose disk is full (home or /tmp), or None (pure)."""
     full: dict[int, list[str]] = {}
     for w, f in sorted(facts.items()):
@@ -189,7 +189,7 @@ def _event_value(key: str, value: Any) -> Any:
 # --json
 
 
-def facts_json(facts: WorkerFacts) -> dict[str, Any]:
+def facts_json(facts: StatusRow) -> dict[str, Any]:
     """Every fact of one worker, each device with ``busy``."""
     data = asdict(facts)
     for device in data["devices"]:
@@ -197,7 +197,7 @@ def facts_json(facts: WorkerFacts) -> dict[str, Any]:
     return data
 
 
-def row_json(row: Row) -> dict[str, Any]:
+def row_json(row: StatusFolded) -> dict[str, Any]:
     """One folded row of the table, its workers also as indices (``worker_ids``)."""
     return {"workers": row.label, "worker_ids": list(row.workers), "state": row.state,
             "tpu": row.tpu, "runs": row.runs, "commit": row.commit, "mounts": row.mounts,

@@ -16,10 +16,10 @@ if TYPE_CHECKING:
     from rich.console import Console, RenderableType
     from rich.table import Table
 
-    from tpufab.steps.health.top import Row, TopReport, WorkerLoad
+    from tpufab.steps.health.top import TopFolded, TopReport, TopRow
 
 
-def load_json(load: WorkerLoad) -> dict[str, Any]:
+def load_json(load: TopRow) -> dict[str, Any]:
     return {"worker": load.worker, "reachable": load.reachable, "error": load.error,
             "cpu_percent": load.cpu_percent, "core_percent": load.core_percent,
             "cores": load.cores, "load": list(load.load),
@@ -30,7 +30,7 @@ def load_json(load: WorkerLoad) -> dict[str, Any]:
             "runs": list(load.runs), "busiest": list(load.busiest), "tpu": load.tpu}
 
 
-def row_json(row: Row) -> dict[str, Any]:
+def row_json(row: TopFolded) -> dict[str, Any]:
     return {"workers": row.label, "indexes": row.workers, "state": row.state,
             "cpu": row.cpu, "memory": row.memory, "load": row.load,
             "processes": row.processes, "tpu": row.tpu, "outlier": row.odd}

@@ -36,7 +36,7 @@ class DeployError(TpufabError):
 # --- records --------------------------------------------------------------------------------
 
 @dataclass
-class WorkerDeploy:
+class DeployRow:
     worker: int
     ok: bool
     commit: str | None = None
@@ -89,9 +89,9 @@ def deploy_summary(report: DeployReport) -> str:
             f"{how}: {outcome} ({report.seconds:.1f}s).")
 
 
-def parse_outcome(worker: int, outcome: Outcome) -> WorkerDeploy:
+def parse_outcome(worker: int, outcome: Outcome) -> DeployRow:
     """A worker script's JSON line (or the transport's failure) as a row."""
-    return answer_row(WorkerDeploy, worker, outcome)
+    return answer_row(DeployRow, worker, outcome)
 
 
 ERROR_SENTENCES = {
@@ -118,7 +118,7 @@ ERROR_SENTENCES = {
 }
 
 
-def failure_sentence(rows: Sequence[WorkerDeploy], *, source: str, dir: str,
+def failure_sentence(rows: Sequence[DeployRow], *, source: str, dir: str,
                      commit: str) -> str:
     """One sentence for the most common failure kind, naming its workers."""
     failed = [r for r in rows if not r.ok]
@@ -237,7 +237,7 @@ def deploy(group: Workers, *, ref: str = "HEAD", remote: str = "origin", dir: st
 def _apply(group: Workers, root: Path, resolved: gitops.Resolved, report: DeployReport,
            workers: list[int], *, remote: str, direct: bool, worker_url: str | None,
            token: str | Secret | None, say: Callable[[str], None], start: float,
-           sink=None, lost: Mapping[int, WorkerDeploy] | None = None,
+           sink=None, lost: Mapping[int, DeployRow] | None = None,
            timeout: float | None = None) -> None:
     """Push (or bundle), check out on every worker, verify: the part the lease covers.
 
@@ -306,14 +306,14 @@ def _deploy_direct(group: Workers, root: Path, resolved: gitops.Resolved, target
     then check out from the bundle."""
     probes = run_script(group, SCRIPT, ["status", "--dir", target_dir], workers,
                         timeout=timeout)
-    rows: dict[int, WorkerDeploy] = {}
+    rows: dict[int, DeployRow] = {}
     heads: dict[int, str | None] = {}
     for w in workers:
         row = parse_outcome(w, probes[w])
         if not row.ok:
             rows[w] = row
         elif row.commit == resolved.commit:
-            rows[w] = WorkerDeploy(w, True, row.commit, row.commit, "noop", 0.0)
+            rows[w] = DeployRow(w, True, row.commit, row.commit, "noop", 0.0)
         else:
             heads[w] = row.commit
     by_head: dict[str | None, list[int]] = {}

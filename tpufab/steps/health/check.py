@@ -23,7 +23,7 @@ from tpufab import nodeset
 from tpufab.config import timeout_for
 from tpufab.errors import TpufabError
 from tpufab.reports import Report
-from tpufab.steps.health.status import WorkerFacts, human_bytes
+from tpufab.steps.health.status import StatusRow, human_bytes
 
 PYTHONS = ("~/.venv/bin/python", "python3")          # what the recipes run with, in order
 PACKAGES = ("python", "jax", "jaxlib", "libtpu", "libtpu-nightly", "torch", "torch_xla")
@@ -115,7 +115,7 @@ def _group(pairs: Sequence[tuple[int, Any]]) -> dict[Any, list[int]]:
     return out
 
 
-def check_reachable(facts: Mapping[int, WorkerFacts]) -> Result:
+def check_reachable(facts: Mapping[int, StatusRow]) -> Result:
     down = [(w, f.error or "no answer") for w, f in sorted(facts.items()) if not f.reachable]
     up = [w for w, f in facts.items() if f.reachable]
     problems = [Problem("reachable", tuple(ws), f"unreachable ({why})",
@@ -126,7 +126,7 @@ def check_reachable(facts: Mapping[int, WorkerFacts]) -> Result:
     return Result("reachable", f"{nodeset.fold(up) or 'none'} answered", problems)
 
 
-def check_tpu(facts: Mapping[int, WorkerFacts],
+def check_tpu(facts: Mapping[int, StatusRow],
               expected: Mapping[int, Sequence[str]]) -> Result:
     problems: list[Problem] = []
     missing: list[tuple[int, str]] = []
@@ -169,7 +169,7 @@ def _short(command: str, width: int = 60) -> str:
     return command if len(command) <= width else command[:width - 3] + "..."
 
 
-def check_versions(facts: Mapping[int, WorkerFacts]) -> Result:
+def check_versions(facts: Mapping[int, StatusRow]) -> Result:
     reachable = {w: f for w, f in sorted(facts.items()) if f.reachable}
     problems: list[Problem] = []
     unread = [(w, str(f.packages.get("error"))) for w, f in reachable.items()
@@ -202,7 +202,7 @@ def check_versions(facts: Mapping[int, WorkerFacts]) -> Result:
                   data={"packages": {str(w): f.packages for w, f in read.items()}})
 
 
-def check_commit(facts: Mapping[int, WorkerFacts], *, enabled: bool = True) -> Result:
+def check_commit(facts: Mapping[int, StatusRow], *, enabled: bool = True) -> Result:
     if not enabled:
         return Result("commit", "skipped: run deploys one commit to every worker first",
                       skipped=True)
@@ -228,7 +228,7 @@ def check_commit(facts: Mapping[int, WorkerFacts], *, enabled: bool = True) -> R
     return Result("commit", f"{len(groups)} different commits", problems)
 
 
-def check_headroom(facts: Mapping[int, WorkerFacts]) -> list[Result]:
+def check_headroom(facts: Mapping[int, StatusRow]) -> list[Result]:
     reachable = {w: f for w, f in sorted(facts.items()) if f.reachable}
     disk_low = [(w, "; ".join(f"{d.path} has {human_bytes(d.free_bytes)} free of "
                               f"{human_bytes(d.total_bytes)}" for d in f.disk if d.low))
@@ -267,7 +267,7 @@ def clock_skew(worker_time: float | None, before: float, after: float) -> float 
     return 0.0
 
 
-def check_clock(facts: Mapping[int, WorkerFacts], before: float, after: float,
+def check_clock(facts: Mapping[int, StatusRow], before: float, after: float,
                 limit: float = CLOCK_SKEW_SECONDS) -> Result:
     skews = {w: clock_skew(f.time, before, after) for w, f in sorted(facts.items())
              if f.reachable}
@@ -286,7 +286,7 @@ def check_clock(facts: Mapping[int, WorkerFacts], before: float, after: float,
                   data={"skew_seconds": {str(w): s for w, s in skews.items()}})
 
 
-def check_mounts(facts: Mapping[int, WorkerFacts]) -> Result:
+def check_mounts(facts: Mapping[int, StatusRow]) -> Result:
     reachable = {w: f for w, f in sorted(facts.items()) if f.reachable}
     problems: list[Problem] = []
     failing = [(w, (p.at, p.error or "no answer")) for w, f in reachable.items()
@@ -312,7 +312,7 @@ def check_mounts(facts: Mapping[int, WorkerFacts]) -> Result:
                   if not problems else f"{len(where)} mount(s)", problems)
 
 
-def check_ray(facts: Mapping[int, WorkerFacts]) -> Result | None:
+def check_ray(facts: Mapping[int, StatusRow]) -> Result | None:
     """Ray up with every worker joined to its head (from the raylets the facts found); None
     where no worker runs Ray at all."""
     from tpufab.steps.health.status import ray_view
@@ -333,7 +333,7 @@ def check_ray(facts: Mapping[int, WorkerFacts]) -> Result | None:
                   [Problem("ray", tuple(where), text, "start Ray again with `tpufab ray up`")])
 
 
-def quick_results(facts: Mapping[int, WorkerFacts], *, expected_devices: Mapping[int,
+def quick_results(facts: Mapping[int, StatusRow], *, expected_devices: Mapping[int,
                   Sequence[str]], before: float, after: float,
                   compare_commits: bool = True) -> list[Result]:
     """Every quick check, from the facts the workers sent (pure)."""
@@ -503,7 +503,7 @@ def expected_device_files(nodes: Sequence[Any]) -> dict[int, tuple[str, ...]]:
     return out
 
 
-def live_runs(facts: Mapping[int, WorkerFacts]) -> list[tuple[str, str | None, str]]:
+def live_runs(facts: Mapping[int, StatusRow]) -> list[tuple[str, str | None, str]]:
     """(run, recipe, its workers folded) for each run running or starting (pure)."""
     found: dict[str, tuple[str | None, list[int]]] = {}
     for w, f in sorted(facts.items()):

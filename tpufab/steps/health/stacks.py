@@ -220,7 +220,7 @@ def unattached(answers: Mapping[int, Mapping]) -> list[Unattached]:
 
 
 @dataclass
-class WorkerStacks:
+class StacksRow:
     """One worker's row: what its stacks worker answered (``answer``; ``ok`` when it dumped
     its processes), or why it answered nothing (``error``)."""
 
@@ -429,9 +429,9 @@ def _read(report: StacksReport, results: Mapping[int, object]) -> None:
         if data is None:
             error = getattr(r, "error", None) or last_line(getattr(r, "stderr", "")) \
                 or f"exit status {getattr(r, 'exit_code', '?')}"
-            rows[w] = WorkerStacks(w, False, error=str(error)[:200])
+            rows[w] = StacksRow(w, False, error=str(error)[:200])
         else:
-            rows[w] = WorkerStacks(w, bool(data.get("ok")), answer=data)
+            rows[w] = StacksRow(w, bool(data.get("ok")), answer=data)
     report.rows = [rows[w] for w in sorted(rows)]
 
 

@@ -29,7 +29,7 @@ MIN_EVERY = 1.0          # s between frames, at least
 
 
 @dataclass
-class WorkerLoad:
+class TopRow:
     """One worker's answer (or why there is none): its row of a frame."""
 
     worker: int
@@ -99,18 +99,18 @@ class WorkerLoad:
                 None if tpu.get("available") else tpu.get("why"))
 
 
-def parse(worker: int, outcome: Any) -> WorkerLoad:
+def parse(worker: int, outcome: Any) -> TopRow:
     """A worker's ``top_worker.py`` answer as a record; never raises."""
     from tpufab.ssh.remote_files import last_line, read_answer
 
     error = getattr(outcome, "error", None)
     if error:
-        return WorkerLoad(worker, False, error=str(error))
+        return TopRow(worker, False, error=str(error))
     data = read_answer(getattr(outcome, "stdout", ""))
     if not isinstance(data, dict):
         reason = last_line(getattr(outcome, "stderr", "")) or \
             f"exit status {getattr(outcome, 'exit_code', None)}"
-        return WorkerLoad(worker, False, error=f"no answer: {reason}")
+        return TopRow(worker, False, error=f"no answer: {reason}")
 
     def number(value: Any, default: float = 0.0) -> float:
         try:
@@ -127,7 +127,7 @@ def parse(worker: int, outcome: Any) -> WorkerLoad:
     own = sum(number(b.get("cpu_percent")) for b in busiest)
     own = max(own, sum(number(r.get("cpu_percent")) for r in runs))
     total = number(data.get("processes_cpu_percent"), own)
-    return WorkerLoad(worker, True, cpu_percent=round(min(100.0, total / cores), 1),
+    return TopRow(worker, True, cpu_percent=round(min(100.0, total / cores), 1),
                       core_percent=round(total, 1), cores=cores, load=tuple(number(x) for x in load[:3]),
                       memory_total=memory.get("total_bytes"),
                       memory_available=memory.get("available_bytes"), runs=runs,
@@ -136,7 +136,7 @@ def parse(worker: int, outcome: Any) -> WorkerLoad:
 
 
 @dataclass
-class Row:
+class TopFolded:
     """Workers that agree, and what they show."""
 
     workers: list[int]
@@ -160,10 +160,10 @@ def _span(values: Sequence[float], fmt: str, suffix: str = "") -> str:
     return f"{low}{suffix}" if low == high else f"{low}-{high}{suffix}"
 
 
-def fold_rows(loads: Mapping[int, WorkerLoad]) -> list[Row]:
+def fold_rows(loads: Mapping[int, TopRow]) -> list[TopFolded]:
     """Workers grouped by their bucketed values; the largest group first, then the outliers
     (each group's own values shown as spans, so nothing is rounded away)."""
-    groups: dict[tuple, list[WorkerLoad]] = {}
+    groups: dict[tuple, list[TopRow]] = {}
     for w in sorted(loads):
         groups.setdefault(loads[w].key(), []).append(loads[w])
     ordered = sorted(groups.values(), key=lambda g: (-len(g), g[0].worker))
@@ -172,7 +172,7 @@ def fold_rows(loads: Mapping[int, WorkerLoad]) -> list[Row]:
         first = members[0]
         odd = i > 0 and len(ordered) > 1
         if not first.reachable:
-            rows.append(Row([m.worker for m in members], "unreachable", "-", "-", "-",
+            rows.append(TopFolded([m.worker for m in members], "unreachable", "-", "-", "-",
                             first.error or "", "", odd))
             continue
         memory = [m.memory_percent for m in members if m.memory_percent is not None]
@@ -183,7 +183,7 @@ def fold_rows(loads: Mapping[int, WorkerLoad]) -> list[Row]:
             top = [m.busiest[0] for m in members]
             procs = (procs + "; " if procs else "") + \
                 f"{first.top_process} {_span([float(t.get('cpu_percent') or 0) for t in top], '{:.0f}', '%')}"
-        rows.append(Row([m.worker for m in members], first.state,
+        rows.append(TopFolded([m.worker for m in members], first.state,
                         _span([m.cpu_percent for m in members], "{:.0f}", "%"),
                         _span(memory, "{:.0f}", "%"),
                         _span([m.load[0] for m in members if m.load], "{:.2f}"),
@@ -206,11 +206,11 @@ class TopReport(Report):
     view: ClassVar[str] = "top"
 
     @property
-    def loads(self) -> dict[int, WorkerLoad]:
+    def loads(self) -> dict[int, TopRow]:
         return {w.worker: w for w in sorted(self.rows, key=lambda w: w.worker)}
 
     @property
-    def folded(self) -> list[Row]:
+    def folded(self) -> list[TopFolded]:
         return fold_rows(self.loads)
 
     @property

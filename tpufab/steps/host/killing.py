@@ -105,7 +105,7 @@ class WorkerReport:
 
 
 @dataclass(frozen=True)
-class KillLine:
+class KillRow:
     """One line of a kill's report: a process (``{pid}`` stands for its pid), a run, a
     lockfile, a note; or (``ok`` False) why the worker could not be checked."""
 
@@ -116,7 +116,7 @@ class KillLine:
     message: str | None = None
 
 
-def _with_pids(lines: list[KillLine]) -> str:
+def _with_pids(lines: list[KillRow]) -> str:
     pids = [e.pid for e in lines if e.pid is not None]
     return lines[0].text.replace("{pid}", _pids(pids) if pids else "")
 
@@ -303,31 +303,31 @@ def _signal_note(entry: Mapping, grace: float) -> str:
     return ""
 
 
-def kill_entries(result: KillReport) -> list[KillLine]:
+def kill_entries(result: KillReport) -> list[KillRow]:
     """The lines of every worker's report, in worker order (pure)."""
-    entries: list[KillLine] = []
+    entries: list[KillRow] = []
     for w, report in result.reports.items():
         for run in report.get("runs", ()):
             state = run.get("state")
             if state in ("not running", "ended") and not run.get("stragglers"):
                 continue
-            entries.append(KillLine(w, f"run        {run.get('run')}: {state}", None))
+            entries.append(KillRow(w, f"run        {run.get('run')}: {state}", None))
         verb = "would kill" if result.dry_run else "killed"
         for e in report.get("would_kill" if result.dry_run else "killed", ()):
             note = _signal_note(e, result.grace)
-            entries.append(KillLine(w, f"{verb:<10} {{pid}} {e.get('name')} `{_short(e.get('command', ''))}`"
+            entries.append(KillRow(w, f"{verb:<10} {{pid}} {e.get('name')} `{_short(e.get('command', ''))}`"
                                f" ({_reason(e.get('reason', ''))}){'; ' + note if note else ''}",
                             e.get("pid")))
         for e in report.get("failed", ()):
-            entries.append(KillLine(w, f"NOT KILLED {{pid}} {e.get('name')} `{_short(e.get('command', ''))}`"
+            entries.append(KillRow(w, f"NOT KILLED {{pid}} {e.get('name')} `{_short(e.get('command', ''))}`"
                                f": {e.get('error', 'still alive')}", e.get("pid")))
         for e in report.get("protected", ()):
-            entries.append(KillLine(w, f"protected  {{pid}} {e.get('name')} holds "
+            entries.append(KillRow(w, f"protected  {{pid}} {e.get('name')} holds "
                                f"{fold_paths(e.get('holds', ()))} ({e.get('why')}; left running)",
                             e.get("pid")))
         for e in report.get("holders_left", ()):
             parent = f" (its parent: {e['parent']} pid {e['ppid']})" if e.get("parent") else ""
-            entries.append(KillLine(w, f"BUSY       {{pid}} {e.get('name')} still holds "
+            entries.append(KillRow(w, f"BUSY       {{pid}} {e.get('name')} still holds "
                                f"{fold_paths(e.get('holds', ()))}{parent}", e.get("pid")))
         for lock in report.get("lockfiles", ()):
             action = lock.get("action")
@@ -335,14 +335,14 @@ def kill_entries(result: KillReport) -> list[KillLine]:
                 continue
             held = lock.get("held_by")
             by = f" (held by pid {', '.join(str(p) for p in held)})" if held and "keep" in action else ""
-            entries.append(KillLine(w, f"lockfile   {lock.get('path')} {action}{by}", None))
+            entries.append(KillRow(w, f"lockfile   {lock.get('path')} {action}{by}", None))
         if report.get("noop") and not report.get("protected") and not report.get("holders_left"):
-            entries.append(KillLine(w, "nothing to kill", None))
+            entries.append(KillRow(w, "nothing to kill", None))
         if report.get("unreadable_processes"):
-            entries.append(KillLine(w, f"note       {report['unreadable_processes']} processes of other "
+            entries.append(KillRow(w, f"note       {report['unreadable_processes']} processes of other "
                                "users could not be inspected (not root)", None))
     for w, error in result.unreachable.items():
-        entries.append(KillLine(w, ok=False, message=error))
+        entries.append(KillRow(w, ok=False, message=error))
     return sorted(entries, key=lambda e: e.worker)
 
 

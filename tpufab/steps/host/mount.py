@@ -272,7 +272,7 @@ def state_path(at: str) -> str:
 # --- reports --------------------------------------------------------------------------------
 
 @dataclass
-class WorkerMount:
+class MountRow:
     worker: int
     ok: bool
     action: str | None = None     # mounted | noop | unmounted
@@ -326,8 +326,8 @@ def umount_summary(report: MountReport, at: str | None) -> str:
             else f"{report.at} was not mounted on any of the {len(report.rows)} workers") + "."
 
 
-def parse_outcome(worker: int, outcome: Outcome) -> WorkerMount:
-    return answer_row(WorkerMount, worker, outcome, seconds=getattr(outcome, "duration", None))
+def parse_outcome(worker: int, outcome: Outcome) -> MountRow:
+    return answer_row(MountRow, worker, outcome, seconds=getattr(outcome, "duration", None))
 
 
 MOUNT_SENTENCES = {
@@ -375,9 +375,9 @@ UMOUNT_SENTENCES = {
 }
 
 
-def _sentence(rows: Sequence[WorkerMount], table: Mapping[str, str], **facts: str) -> str:
+def _sentence(rows: Sequence[MountRow], table: Mapping[str, str], **facts: str) -> str:
     failed = [r for r in rows if not r.ok]
-    kinds: dict[str, list[WorkerMount]] = {}
+    kinds: dict[str, list[MountRow]] = {}
     for row in failed:
         kinds.setdefault(row.error if row.error in table else "driver_failed", []).append(row)
     kind, members = max(kinds.items(), key=lambda kv: len(kv[1]))

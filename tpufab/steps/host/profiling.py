@@ -37,7 +37,7 @@ def parse_duration(text: str | float) -> float:
 
 
 @dataclass
-class WorkerTrace:
+class ProfileRow:
     """What one worker's capture brought back: its trace files (name, size), or why not."""
 
     worker: int
@@ -49,7 +49,7 @@ class WorkerTrace:
         return self.error is None
 
 
-def _traces(row: WorkerTrace) -> str:
+def _traces(row: ProfileRow) -> str:
     traces = [f for f in row.files if f[0].endswith(".xplane.pb")]
     size = sum(s for _n, s in traces)
     return (f"{len(traces)} trace file{'s' if len(traces) != 1 else ''} "
@@ -129,23 +129,23 @@ def capture(group, *, workers: Sequence[int], run: str | None = None, port: int 
     local_dir = jobs.local_log_dir(run_id, local_base) / "profiles"
     local_dir.mkdir(exist_ok=True)
     where = local_dir / stamp if len(workers) == 1 else local_dir
-    rows: dict[int, WorkerTrace] = {}
+    rows: dict[int, ProfileRow] = {}
     good = []
     for w, r in results.items():
         answer = read_answer(r.stdout) if r.ok else None
         if not answer or answer.get("error"):
-            rows[w] = WorkerTrace(w, error=(answer or {}).get("error") or jobs.failure_reason(r))
+            rows[w] = ProfileRow(w, error=(answer or {}).get("error") or jobs.failure_reason(r))
         else:
             good.append(w)
     if good:
         report = transfer.get(group, remote_dir, local_dir, workers=good)
         for row in report.rows:
             if row.error:
-                rows[row.worker] = WorkerTrace(row.worker, error=row.error)
+                rows[row.worker] = ProfileRow(row.worker, error=row.error)
             else:
                 base = local_dir / stamp if len(workers) == 1 else \
                     local_dir / nodeset.label(row.worker) / stamp
-                rows[row.worker] = WorkerTrace(row.worker, [
+                rows[row.worker] = ProfileRow(row.worker, [
                     (str(Path(p).relative_to(base)), Path(p).stat().st_size) for p in row.paths])
     captured = ProfileReport(run=run_id, local_dir=where, rows=sorted(rows.values(),
                                                                  key=lambda r: r.worker))
