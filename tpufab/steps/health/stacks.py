@@ -384,7 +384,7 @@ def save_beside_logs(report: StacksReport, *, keep_runs: int, keep_gib: float) -
         pass
 
 
-def capture(group, workers: Sequence[int], *, run: str | None = None, native: bool = False,
+def capture(fanout, workers: Sequence[int], *, run: str | None = None, native: bool = False,
             device_globs: Sequence[str] = DEVICE_GLOBS, timeout: float | None = None,
             install: bool = True, progress=None) -> StacksReport:
     """py-spy on every chosen worker at once; where py-spy is missing, one ``pip install
@@ -394,19 +394,19 @@ def capture(group, workers: Sequence[int], *, run: str | None = None, native: bo
     line = stacks_command(run=run, native=native, device_globs=device_globs)
     files = [RemoteFile.bundled(STACKS_WORKER)]
     report = StacksReport(list(workers), native=native)
-    _read(report, run_with_files(group, files, line, workers, timeout=timeout))
+    _read(report, run_with_files(fanout, files, line, workers, timeout=timeout))
     missing = report.missing_py_spy
     if missing and install:
         if progress is not None:
             progress(f"py-spy is missing on {nodeset.fold(missing)}; installing it there ...",
                      "dim")
-        installed = group.run(INSTALL_PY_SPY, workers=missing, timeout=timeout_for("stacks: install py-spy"))
+        installed = fanout.run(INSTALL_PY_SPY, workers=missing, timeout=timeout_for("stacks: install py-spy"))
         again = [w for w, r in installed.items() if r.ok]
         for w, r in installed.items():
             if not r.ok:
                 report.install_errors[w] = _pip_error(r)
         if again:
-            _read(report, run_with_files(group, files, line, again, timeout=timeout))
+            _read(report, run_with_files(fanout, files, line, again, timeout=timeout))
             for w in report.missing_py_spy:
                 report.install_errors.setdefault(w, "installed, but py-spy is still not found")
     return report

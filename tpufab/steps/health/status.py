@@ -574,7 +574,7 @@ def default_deploy_dirs(settings: Settings) -> list[str]:
     return list(dict.fromkeys(dirs))
 
 
-def gather_facts(group: Any, *, workers: Iterable[int] | None = None,
+def gather_facts(fanout: Any, *, workers: Iterable[int] | None = None,
                  deploy_dirs: Sequence[str] = (), max_runs: int | None = None,
                  pythons: Sequence[str] = (), probe_mounts: float | None = None,
                  device_globs: Sequence[str] = (),
@@ -583,10 +583,10 @@ def gather_facts(group: Any, *, workers: Iterable[int] | None = None,
     ``timeout``: seconds each worker has to answer (None: the fan-out's default)."""
     from tpufab.ssh.remote_files import run_script
 
-    chosen = list(workers if workers is not None else group.workers)
+    chosen = list(workers if workers is not None else fanout.workers)
     args = facts_args(deploy_dirs=deploy_dirs, max_runs=max_runs, pythons=pythons,
                       probe_mounts=probe_mounts, device_globs=device_globs)
-    outcomes = run_script(group, SCRIPT, args, chosen, from_memory=True,  # a full disk too
+    outcomes = run_script(fanout, SCRIPT, args, chosen, from_memory=True,  # a full disk too
                           timeout=timeout)
     return {w: parse_facts(w, outcomes[w]) for w in chosen}
 

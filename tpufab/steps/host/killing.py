@@ -205,7 +205,7 @@ def check_options(*, run: str | None, grace: float) -> None:
 # -- the apply steps ------------------------------------------------------------------------------
 
 
-def kill(group, workers: Sequence[int], *, run: str | None = None, grace: float = 5.0,
+def kill(fanout, workers: Sequence[int], *, run: str | None = None, grace: float = 5.0,
          dry_run: bool = False, force: bool = False,
          device_globs: Sequence[str] = DEVICE_GLOBS, timeout: float | None = None) -> KillReport:
     """Run tpukill on every worker at once (one shared grace period per worker)."""
@@ -216,19 +216,19 @@ def kill(group, workers: Sequence[int], *, run: str | None = None, grace: float 
     timeout = timeout_for("kill", timeout, plus=grace)  # 34 s: 2 * SETTLE, KILL and answers
     # the tool that frees a wedged TPU must not need free disk: where kill_worker.py cannot be
     # shipped for lack of space, it runs from memory
-    results = run_with_files(group, files, kill_command(**options), workers, timeout=timeout,
+    results = run_with_files(fanout, files, kill_command(**options), workers, timeout=timeout,
                              from_memory=kill_command(**options, from_stdin=True))
     return KillReport({w: parse_report(r) for w, r in sorted(results.items())}, dry_run, grace)
 
 
-def make_zombies(group, workers: Sequence[int], *, holders: int = 2, ignore_term: int = 1,
+def make_zombies(fanout, workers: Sequence[int], *, holders: int = 2, ignore_term: int = 1,
                  lock_holder: bool = False,
                  device_globs: Sequence[str] = DEVICE_GLOBS) -> dict[int, WorkerReport]:
     """Leave a crashed job's mess on ``workers`` (simulated pod): TPU holders, some ignoring
     SIGTERM, the libtpu lockfile held, and a protected ``tpu-runtime`` holder."""
     line = zombie_command(holders=holders, ignore_term=ignore_term, lock_holder=lock_holder,
                           device_globs=device_globs)
-    results = run_with_files(group, [RemoteFile.bundled(ZOMBIE)], line, workers, timeout=60)
+    results = run_with_files(fanout, [RemoteFile.bundled(ZOMBIE)], line, workers, timeout=60)
     return {w: parse_report(r) for w, r in sorted(results.items())}
 
 

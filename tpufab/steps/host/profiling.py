@@ -80,10 +80,10 @@ class ProfileReport(Report):
 Captured = ProfileReport   # the 0.1 name (docs/api.md), until 0.2
 
 
-def _running_run(group, workers: Sequence[int], run: str | None) -> str:
+def _running_run(fanout, workers: Sequence[int], run: str | None) -> str:
     from tpufab.steps.runs import running as jobs
 
-    statuses = jobs.statuses(group, workers)
+    statuses = jobs.statuses(fanout, workers)
     if run is not None:
         return run
     running = [(e.get("started_at") or 0, e["run"]) for s in statuses.values() for e in s.runs
@@ -103,7 +103,7 @@ def capture_command(script: RemoteFile, port: int, seconds: float, logdir: str):
                                              int(seconds * 1000), "--logdir", logdir]))
 
 
-def capture(group, *, workers: Sequence[int], run: str | None = None, port: int | None = None,
+def capture(fanout, *, workers: Sequence[int], run: str | None = None, port: int | None = None,
             seconds: float = 5.0, local_base: Path | None = None,
             progress: Callable[[str], None] | None = None) -> ProfileReport:
     """Capture ``seconds`` of trace on each of ``workers`` and copy it under the run's logs."""
@@ -113,7 +113,7 @@ def capture(group, *, workers: Sequence[int], run: str | None = None, port: int 
 
     say = progress or (lambda text: None)
     began = time.monotonic()
-    run_id = _running_run(group, workers, run)
+    run_id = _running_run(fanout, workers, run)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     remote_dir = f".cache/tpufab/profiles/{run_id}/{stamp}"
     script = RemoteFile.bundled("profile_worker.py")
@@ -121,7 +121,7 @@ def capture(group, *, workers: Sequence[int], run: str | None = None, port: int 
 
     def one(worker: int):
         line = capture_command(script, port or profiler_port(worker), seconds, remote_dir)
-        return worker, run_with_files(group, [script], line, [worker],
+        return worker, run_with_files(fanout, [script], line, [worker],
                                       timeout=seconds + 120)[worker]
 
     with ThreadPoolExecutor(max_workers=min(16, len(workers))) as pool:
@@ -138,7 +138,7 @@ def capture(group, *, workers: Sequence[int], run: str | None = None, port: int 
         else:
             good.append(w)
     if good:
-        report = transfer.get(group, remote_dir, local_dir, workers=good)
+        report = transfer.get(fanout, remote_dir, local_dir, workers=good)
         for row in report.rows:
             if row.error:
                 rows[row.worker] = ProfileRow(row.worker, error=row.error)
