@@ -285,3 +285,15 @@ def test_only_the_renderer_and_the_named_leftovers_render_reports():
                             and [a.arg for a in item.args.args] == ["self"]:
                         offenders.append(f"{rel}: {node.name}.{item.name}")
     assert not offenders, offenders
+
+
+def test_no_section_is_headed_by_an_issue_number():
+    """A section says what it holds (`# -- kept connections, Ray`), not the issue it came
+    from (`# --- issue 27: ...`): the history is git's."""
+    import re
+
+    headed = [f"{path.relative_to(PACKAGE.parent)}:{n}"
+              for path in sorted(PACKAGE.rglob("*.py"))
+              for n, line in enumerate(path.read_text().splitlines(), 1)
+              if re.match(r"\s*#\s*-+\s*issue \d+", line)]
+    assert not headed, headed

@@ -282,7 +282,7 @@ def sim_os_login(*, enable: bool = False, disable: bool = False, unset: bool = F
                    f"{roles or 'every account is admin (the default)'}.", markup=False)
 
 
-# --- issue 27: budgets, maintenance, top
+# -- maintenance windows and the end of a Compute Engine run
 @verb(name="maintenance", group="sim",
       options={"name": "Node.",
                "in_": Opt("When the window starts (30s, 2h, 1d).", flag="--in",

@@ -463,7 +463,7 @@ class _Collect:
         return b"".join(self.out.get(worker, [])).decode("utf-8", "replace")
 
 
-def run_collective(pod: Any, promise: Promise, *, timeout: float) -> Result:
+def run_collective(hosts: Any, promise: Promise, *, timeout: float) -> Result:
     """Start the collective on every worker (tpufab's run machinery), wait, judge it."""
     from tpufab.ssh.remote_files import RemoteFile
     from tpufab.steps.runs import running as jobs
@@ -471,18 +471,18 @@ def run_collective(pod: Any, promise: Promise, *, timeout: float) -> Result:
 
     bundled = RemoteFile.bundled(COLLECTIVE)
     program = RemoteFile(bundled.name, bundled.data, 0o755)
-    plan = jobs.plan_run(program, slices=pod.slices, ips=pod.internal_ips(),
+    plan = jobs.plan_run(program, slices=hosts.slices, ips=hosts.internal_ips(),
                          args=collective_args(promise, timeout=timeout),
                          forwarded=Forwarded({"TPUFAB_INIT_TIMEOUT": f"{int(timeout)}"}, {}),
-                         tpu=jobs.slice_facts(pod.nodes))
+                         tpu=jobs.slice_facts(hosts.nodes))
     try:
-        jobs.start(pod.fanout, plan)
+        jobs.start(hosts.fanout, plan)
     except jobs.RunError as err:
         return Result("collective", "could not start", [Problem(
             "collective", (), f"the collective could not start: {err}",
             "see `tpufab status`")], data={"run": plan.run_id})
     view = _Collect()
-    states = jobs.follow(pod.fanout, plan.run_id, plan.workers, jobs.FollowSink(view))
+    states = jobs.follow(hosts.fanout, plan.run_id, plan.workers, jobs.FollowSink(view))
     answers = {w: parse_collective(view.text(w)) for w in plan.workers}
     ended = {w: s.label for w, s in states.items()}
     return judge_collective(answers, ended, promise, plan.run_id)

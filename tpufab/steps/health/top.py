@@ -223,15 +223,15 @@ class TopReport(Report):
         return None
 
 
-def frame(pod: Any, *, workers: Iterable[int] | None = None, interval: float = 1.0,
+def frame(hosts: Any, *, workers: Iterable[int] | None = None, interval: float = 1.0,
           timeout: float | None = None) -> TopReport:
     """One frame: ``top_worker.py`` on every chosen worker at once (one fan-out);
     ``timeout``: TIMEOUTS["top"]."""
     from tpufab.ssh.remote_files import run_script
 
-    chosen = list(workers if workers is not None else pod.workers)
+    chosen = list(workers if workers is not None else hosts.workers)
     started = time.monotonic()
-    outcomes = run_script(pod.fanout, SCRIPT, ["--interval", f"{interval:g}"], chosen,
+    outcomes = run_script(hosts.fanout, SCRIPT, ["--interval", f"{interval:g}"], chosen,
                           timeout=timeout_for("top", timeout))
     try:
         loads = {w: parse(w, outcomes[w]) for w in chosen}
@@ -239,7 +239,7 @@ def frame(pod: Any, *, workers: Iterable[int] | None = None, interval: float = 1
         close = getattr(outcomes, "close", None)
         if close is not None:
             close()
-    return TopReport(pod.name, time.time(), time.monotonic() - started, interval,
+    return TopReport(hosts.name, time.time(), time.monotonic() - started, interval,
                     rows=[loads[w] for w in chosen])
 
 
@@ -250,7 +250,7 @@ def check_every(every: float, interval: float) -> None:
         raise ConfigError(f"--every must be at least {MIN_EVERY:g} second, not {every:g}.")
 
 
-def watch(pod: Any, *, on_frame: Callable[[TopReport], None], every: float = 3.0,
+def watch(hosts: Any, *, on_frame: Callable[[TopReport], None], every: float = 3.0,
           interval: float = 1.0, workers: Iterable[int] | None = None,
           timeout: float | None = None, frames: int | None = None,
           sleep: Callable[[float], None] = time.sleep) -> TopReport:
@@ -263,7 +263,7 @@ def watch(pod: Any, *, on_frame: Callable[[TopReport], None], every: float = 3.0
     while True:
         began = time.monotonic()
         try:
-            last = frame(pod, workers=chosen, interval=interval, timeout=timeout)
+            last = frame(hosts, workers=chosen, interval=interval, timeout=timeout)
         except FanoutInterrupted:   # Ctrl-C during a frame: as during the pause between
             raise KeyboardInterrupt from None
         on_frame(last)
