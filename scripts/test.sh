@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh
-echo "==> ruff"
+echo "==> ruff (lint; indentation and whitespace: pyproject.toml)"
 .venv/bin/ruff check tpufab tests tasks.py bench
 if [ $# -gt 0 ]; then
     echo "==> pytest $*"

@@ -693,7 +693,7 @@ def outcome(stdout: str = "", *, exit_code: int | None = 0, stderr: str = "",
 
 
 def facts_of(worker: int, **changes):
-    """status.parse_facts of SAMPLE with `changes` (a WorkerFacts)."""
+    """status.parse_facts of SAMPLE with `changes` (a StatusRow)."""
     from tpufab.steps.health import status as st
 
     return st.parse_facts(worker, outcome(answered({**json.loads(json.dumps(SAMPLE)),

@@ -109,7 +109,7 @@ def test_node_spec_keeps_no_external_ips_metadata_and_network():
 
 
 def test_restore_reads_setup_commit_and_mounts_from_the_first_worker_that_answered():
-    from tpufab.steps.health.status import WorkerFacts
+    from tpufab.steps.health.status import StatusRow
 
     first = facts_of(1, setup=[{"hash": "a" * 16, "done": True, "mtime": 1.0},
                                {"hash": "b" * 16, "done": True, "mtime": 2.0},
@@ -118,11 +118,11 @@ def test_restore_reads_setup_commit_and_mounts_from_the_first_worker_that_answer
                               "url": "gs://d/p"},
                              {"at": "/mnt/x", "fstype": "fuse.sshfs", "source": "h:/x"},
                              {"at": "/mnt/e", "fstype": "fuse.gcsfuse", "source": "e"}])
-    found = bs.Restore.from_facts({0: WorkerFacts(0, False, error="refused"), 1: first})
+    found = bs.Restore.from_facts({0: StatusRow(0, False, error="refused"), 1: first})
     assert found.setup_hash == "b" * 16
     assert found.commit == "a" * 40 and found.deploy_dir == "/home/u/proj"
     assert found.mounts == [bs.MountPoint("gs://d/p", "/mnt/d", "rclone")]
-    assert bs.Restore.from_facts({0: WorkerFacts(0, False)}) == bs.Restore()
+    assert bs.Restore.from_facts({0: StatusRow(0, False)}) == bs.Restore()
     assert bs.Restore().describe() == "nothing"
 
 

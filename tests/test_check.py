@@ -33,7 +33,7 @@ from tpufab.steps.health.status import (
     Holder,
     MountFact,
     MountProbe,
-    WorkerFacts,
+    StatusRow,
 )
 from tpufab.views.check import report_lines
 
@@ -62,8 +62,8 @@ PACKAGES = {"python": "3.11.2", "executable": "/root/.venv/bin/python", "jax": "
 # judging (pure)
 
 
-def healthy(w: int, **changes) -> WorkerFacts:
-    facts = WorkerFacts(w, True, host=f"h{w}", devices=tuple(Device(p) for p in ACCEL),
+def healthy(w: int, **changes) -> StatusRow:
+    facts = StatusRow(w, True, host=f"h{w}", devices=tuple(Device(p) for p in ACCEL),
                         deploys=(Deployed("/root/proj", True, "c0ffee" * 6 + "abcd"),),
                         disk=(Disk("/root", 50 << 30, 100 << 30),), memory_total=64 << 30,
                         memory_available=60 << 30, python="3.11.2", time=1000.0,
@@ -116,7 +116,7 @@ def test_each_odd_worker_is_named_with_its_fix():
 
 def test_unreachable_missing_devices_and_low_disk():
     facts = {w: healthy(w) for w in range(4)}
-    facts[3] = WorkerFacts(3, False, error="connection refused")
+    facts[3] = StatusRow(3, False, error="connection refused")
     facts[2] = healthy(2, devices=tuple(Device(p) for p in ACCEL[:3]),
                        disk=(Disk("/root", 1 << 30, 100 << 30),))
     lines = [p.line() for p in judge(facts).problems]

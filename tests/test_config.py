@@ -92,3 +92,51 @@ def test_ssh_transport_is_one_of_three_words(tmp_path):
     with pytest.raises(ConfigError, match="TPUFAB_SSH_TRANSPORT: ssh_transport must be one of "
                                           "auto, libssh2, paramiko, not 'openssh'"):
         load_settings(cwd=tmp_path, env={"TPUFAB_SSH_TRANSPORT": "openssh"})
+
+
+# --- the timeout table (docs/reliability.md, "Timeouts") -----------------------------------
+
+def test_one_resolver_reads_the_timeout_table():
+    """given > the command_timeout setting (where the row bounds commands) > the row."""
+    import math
+
+    from tpufab.config import TIMEOUTS, timeout_for
+
+    assert timeout_for("status") == TIMEOUTS["status"].seconds == 60.0
+    assert timeout_for("status", 5) == 5.0 and timeout_for("status", None, 7) == 7.0
+    assert timeout_for("status", 5, 7) == 5.0
+    assert timeout_for("exec") == math.inf and timeout_for("exec", None, 3) == 3.0
+    assert timeout_for("check", None, 3) == 120.0      # the collective's: not a command's
+    assert timeout_for("kill", plus=5.0) == 39.0       # the grace period plus 34 s
+    assert timeout_for("logs --follow") == math.inf
+
+
+def test_every_verb_on_a_pod_with_a_timeout_has_its_row_and_says_it_in_its_help():
+    from tpufab.config import TIMEOUTS
+    from tpufab.verbs import all_verbs
+
+    for v in all_verbs():
+        timeout = next((p for p in v.params() if p.name == "timeout"), None)
+        if v.pod_method and timeout is not None:
+            assert v.path in TIMEOUTS, v.path
+            assert TIMEOUTS[v.path].text in timeout.help and TIMEOUTS[v.path].bounds \
+                in timeout.help, (v.path, timeout.help)
+            assert timeout.default is None, v.path   # None: not given, the table decides
+
+
+def test_no_timeout_default_is_written_outside_the_table():
+    """No number as a timeout's default in the verbs, the Pod, the flows or the steps: a
+    parameter ``*timeout*`` or a module constant ``*TIMEOUT*`` reads TIMEOUTS instead."""
+    from house import timeout_defaults_outside_the_table
+
+    assert timeout_defaults_outside_the_table() == []
+
+
+def test_docs_list_the_timeout_table_as_it_is():
+    from pathlib import Path
+
+    from tpufab.config import timeouts_table
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "reliability.md").read_text()
+    assert "\n".join(timeouts_table()) in docs, "regenerate docs/reliability.md's table: " \
+        "python -c 'from tpufab.config import timeouts_table; print(*timeouts_table(), sep=chr(10))'"

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tpufab import current
+from tpufab.cloud.lifecycle import default_name
 from tpufab.config import invoke_layer, load_settings
-from tpufab.verbs.nodes import default_name
 
 BIN = Path(sys.executable).parent
 

@@ -428,8 +428,8 @@ def test_worker_dir_in_the_way(repo: Path, pod: SimPod):
 
 
 def test_failure_sentence_and_fold():
-    rows = [deploy_mod.WorkerDeploy(w, False, error="unreachable", message="x") for w in (0, 1, 2, 5)]
-    rows.append(deploy_mod.WorkerDeploy(6, False, error="disk_full", message="y"))
+    rows = [deploy_mod.DeployRow(w, False, error="unreachable", message="x") for w in (0, 1, 2, 5)]
+    rows.append(deploy_mod.DeployRow(6, False, error="disk_full", message="y"))
     text = deploy_mod.failure_sentence(rows, source="git://r", dir="~/p", commit="a" * 40)
     assert text.startswith("Workers w[0-2,5] cannot reach the remote git://r")
     assert text.endswith("(1 more failed otherwise; see below.)")

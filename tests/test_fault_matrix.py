@@ -59,8 +59,9 @@ pytestmark = pytest.mark.sim
 CONNECT = 3.0          # TPUFAB_CONNECT_TIMEOUT in a cell with a worker fault
 TIMEOUT = 10.0         # --timeout (where the verb has it) and TPUFAB_COMMAND_TIMEOUT there
 LIMIT = TIMEOUT + 30   # "never waits past its timeout": a bound with room for a busy machine
-HUNG_TIMEOUT = 6.0     # the timeouts in a hung-command cell, whose verb waits them out on w1
-                       # (the healthy w0's part takes ~1 s): 13 cells, a minute of CI
+# the timeouts in a hung-command cell, whose verb waits them out on w1 (the healthy w0's part
+# takes ~1 s): 13 cells, a minute of CI
+HUNG_TIMEOUT = 6.0
 HIT = 1                # the worker every worker fault hits
 SECOND_WAITS = 25      # twice-at-once: the longest the first is held while the second runs
 LEAK_WAIT = 20         # how long what a verb started may take to go away once the fault is gone

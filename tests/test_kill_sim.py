@@ -13,7 +13,7 @@ from helpers import call, on_workers, write_recipe
 from tpufab.reports import text as report_lines
 from tpufab.ssh.remote_files import RemoteFile, verify_loader
 from tpufab.steps.host.killing import (
-    KillResult,
+    KillReport,
     WorkerReport,
     fold_paths,
     kill_command,
@@ -145,7 +145,7 @@ def test_reports_of_many_workers_fold_into_a_few_lines():
     workers = {w: WorkerReport(w, report(100 + w)) for w in range(3)}
     workers[3] = WorkerReport(3, report(0, killed=False))
     workers[4] = WorkerReport(4, error="connection refused")
-    result = KillResult(workers, grace=5)
+    result = KillReport(workers, grace=5)
     lines = report_lines(result)
     assert lines == [
         "w[0-2]  killed     pids 100,101,102 python3 `python3 train.py` (holds "
@@ -172,7 +172,7 @@ def test_a_device_still_held_makes_the_result_fail():
     busy["device_free"] = False
     busy["holders_left"] = [{"pid": 9, "name": "python3", "command": "x",
                              "holds": ["/dev/accel1"], "ppid": 5, "parent": "healthagent"}]
-    result = KillResult({0: WorkerReport(0, busy), 1: WorkerReport(1, report(0, killed=False))})
+    result = KillReport({0: WorkerReport(0, busy), 1: WorkerReport(1, report(0, killed=False))})
     assert result.busy == [0] and not result.ok
     assert "w0 BUSY pid 9 python3 still holds /dev/accel1 (its parent: healthagent pid 5)" in [
         " ".join(line.split()) for line in report_lines(result)]
@@ -289,13 +289,13 @@ def test_without_root_free_is_unknown_and_kill_fails():
     seen = report(0, killed=False)
     seen["protected"] = []
     seen["unreadable_processes"] = 5
-    result = KillResult({0: WorkerReport(0, seen)})
+    result = KillReport({0: WorkerReport(0, seen)})
     assert result.unverified == [0] and not result.ok
     assert "w0 note 5 processes of other users could not be inspected (not root)" in [
         " ".join(line.split()) for line in report_lines(result)]
     assert "TPU free on w0: unknown" in summary(result)
     seen["dry_run"] = True
-    assert KillResult({0: WorkerReport(0, seen)}, dry_run=True).ok
+    assert KillReport({0: WorkerReport(0, seen)}, dry_run=True).ok
 
 
 @pytest.mark.sim

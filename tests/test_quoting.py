@@ -22,7 +22,6 @@ from tpufab.quoting import (
     render,
     reveal_env,
     secret_values,
-    shell,
     split_secrets,
     with_env,
 )
@@ -146,7 +145,3 @@ def test_only_values_long_enough_to_be_secrets_are_masked_in_output(value, maske
     assert (value not in shown) is masked
     if not masked:
         assert shown == line                                # not garbled: "step *** loss 2.***"
-
-
-def test_shell_marks_user_text_as_is():
-    assert shell("echo 'a'; ls") == "echo 'a'; ls"

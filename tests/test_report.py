@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from rich.console import Console
 
 from tpufab.reports import Column, Report, folded, seconds_range, text
-from tpufab.steps.host.killing import KillResult, WorkerReport
+from tpufab.steps.host.killing import KillReport, WorkerReport
 from tpufab.views.report import show
 
 
@@ -87,7 +87,7 @@ def test_kill_rows_fold_each_workers_pid_into_one_line():
     answer = {"dry_run": False, "device_free": True, "killed": [
         {"pid": 0, "name": "python3", "command": "python3 train.py", "reason": "holds /dev/accel0"}],
         "lockfiles": [], "protected": [], "holders_left": [], "failed": [], "runs": []}
-    result = KillResult({w: WorkerReport(w, {**answer, "killed": [
+    result = KillReport({w: WorkerReport(w, {**answer, "killed": [
         {**answer["killed"][0], "pid": 100 + w}]}) for w in range(3)})
     assert text(result) == ["w[0-2]  killed     pids 100,101,102 python3 `python3 train.py` "
                             "(holds /dev/accel0)"]
@@ -121,11 +121,11 @@ def test_runs_are_the_pods_own_rows_under_their_columns_and_json():
 
 
 def test_a_report_with_a_view_is_printed_by_its_view_human_and_json():
-    from tpufab.steps.health.top import TopFrame, WorkerLoad
+    from tpufab.steps.health.top import TopReport, TopRow
 
-    frame = TopFrame("demo", 1000.0, 1.5, 1.0,
-                     rows=[WorkerLoad(0, True), WorkerLoad(1, True),
-                           WorkerLoad(2, False, error="connection refused")])
+    frame = TopReport("demo", 1000.0, 1.5, 1.0,
+                     rows=[TopRow(0, True), TopRow(1, True),
+                           TopRow(2, False, error="connection refused")])
     assert not frame.ok and [r.label for r in frame.folded] == ["w[0-1]", "w2"]
     out, err = shown(frame)
     lines = out.splitlines()
@@ -139,10 +139,10 @@ def test_a_report_with_a_view_is_printed_by_its_view_human_and_json():
 
 
 def test_top_follow_draws_each_frame_until_ctrl_c_and_returns_the_last():
-    from tpufab.steps.health.top import TopFrame, WorkerLoad
+    from tpufab.steps.health.top import TopReport, TopRow
     from tpufab.views.top import follow
 
-    frames = [TopFrame("demo", 1000.0 + n, 1.0, 1.0, rows=[WorkerLoad(0, True)])
+    frames = [TopReport("demo", 1000.0 + n, 1.0, 1.0, rows=[TopRow(0, True)])
               for n in range(3)]
 
     def watch(on_frame):
@@ -162,14 +162,14 @@ def test_top_follow_draws_each_frame_until_ctrl_c_and_returns_the_last():
 
 def test_ray_status_is_a_report_printed_by_its_view_and_ray_up_down_say_what_they_did():
     from tpufab.reports import down_sentence, up_sentence
-    from tpufab.steps.start.raycluster import Host, RayDown, RayStatus, RayUp
+    from tpufab.steps.start.raycluster import Host, RayDown, RayStatusReport, RayUp
 
     hosts = [Host(w, f"10.0.0.{w + 2}", "pod-a", w, "v4-16", "2x2x2", 4) for w in (0, 1)]
     head_node = {"ip": "10.0.0.2", "head": True, "labels": {"ray.io/tpu-slice-name": "pod-a",
                  "ray.io/tpu-worker-id": "0", "ray.io/tpu-pod-type": "v4-16",
                  "ray.io/tpu-topology": "2x2x2"},
                  "resources": {"TPU": 4.0, "CPU": 8.0, "TPU-v4-16-head": 1.0}}
-    status = RayStatus(name="pod", address="10.0.0.2:6379", head=0, rows=hosts,
+    status = RayStatusReport(name="pod", address="10.0.0.2:6379", head=0, rows=hosts,
                        states={0: {"head": True}, 1: {}}, nodes=[head_node],
                        jobs=[{"id": "raysubmit_1", "status": "RUNNING", "entrypoint": "x.py"}])
     assert status.hosts == hosts and status.missing == [1] and not status.ok
@@ -184,7 +184,7 @@ def test_ray_status_is_a_report_printed_by_its_view_and_ray_up_down_say_what_the
     data = json.loads(shown(status, as_json=True)[0])
     assert data == {"up": True, "address": "10.0.0.2:6379", "head": 0, "missing": [1],
                     "nodes": [head_node], "jobs": status.jobs, "error": None}   # docs/ray.md
-    down = RayStatus(name="pod", address="10.0.0.2:6379", head=0, rows=hosts,
+    down = RayStatusReport(name="pod", address="10.0.0.2:6379", head=0, rows=hosts,
                      states={0: {}, 1: {"processes": [123]}})
     assert shown(down)[0].splitlines() == [
         "Ray is not running on pod (Ray processes are left on w1: `tpufab ray down` stops "

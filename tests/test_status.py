@@ -103,7 +103,7 @@ def test_sixty_four_workers_fold_into_three_rows():
     idle = [{"path": f"/dev/vfio/{i}", "holders": []} for i in range(4)]
     workers = {w: facts_of(w, devices=idle, uptime_s=7200.0 + w) for w in range(64)}
     workers[17] = facts_of(17, uptime_s=7217.0)   # the odd one out: a process holds the TPU
-    workers[63] = st.WorkerFacts(63, False, error="connection refused")
+    workers[63] = st.StatusRow(63, False, error="connection refused")
     rows = st.fold_rows(workers)
     assert [r.label for r in rows] == ["w[0-16,18-62]", "w17", "w63"]
     assert rows[0].tpu == "4 free" and rows[0].state == "up 2h00m..2h01m"

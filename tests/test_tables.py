@@ -25,12 +25,12 @@ def printed(renderable_of, width: int, *, wide: bool = False) -> list[str]:
     return console.file.getvalue().splitlines()
 
 
-def busy_status() -> st.PodStatus:
+def busy_status() -> st.StatusReport:
     busy = [{"path": "/dev/accel0", "holders": [{"pid": 812, "command": LONG}]},
             {"path": "/dev/accel1", "holders": []}]
     workers = {w: facts_of(w) for w in range(4)}
     workers[2] = facts_of(2, devices=busy)
-    return st.PodStatus(name="pod", rows=list(workers.values()))
+    return st.StatusReport(name="pod", rows=list(workers.values()))
 
 
 def test_a_busy_workers_long_holder_stays_on_its_row():

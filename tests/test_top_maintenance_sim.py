@@ -152,20 +152,20 @@ def test_top_bad_input_is_one_sentence(pod4):
 
 
 def test_near_equal_workers_fold_and_the_odd_ones_stand_out():
-    from tpufab.steps.health.top import WorkerLoad, fold_rows
+    from tpufab.steps.health.top import TopRow, fold_rows
 
     def idle(w, cpu):
-        return WorkerLoad(w, True, cpu_percent=cpu / 2, core_percent=cpu, cores=2,
+        return TopRow(w, True, cpu_percent=cpu / 2, core_percent=cpu, cores=2,
                           load=(0.5,), memory_total=100, memory_available=88,
                           tpu={"available": False, "why": "simulated: x"})
 
     loads = {w: idle(w, 1.0 + (w % 5) * 0.5) for w in range(64)}
     assert [(r.label, r.state, r.cpu) for r in fold_rows(loads)] == [("w[0-63]", "idle", "0-2%")]
-    loads[7] = WorkerLoad(7, True, cpu_percent=48.0, core_percent=96.0, cores=2, load=(0.5,),
+    loads[7] = TopRow(7, True, cpu_percent=48.0, core_percent=96.0, cores=2, load=(0.5,),
                           memory_total=100, memory_available=88,
                           busiest=({"command": "python3 train.py", "cpu_percent": 96.0},),
                           tpu={"available": False, "why": "simulated: x"})
-    loads[9] = WorkerLoad(9, False, error="connection refused")
+    loads[9] = TopRow(9, False, error="connection refused")
     rows = fold_rows(loads)
     assert [(r.label, r.state, r.odd) for r in rows] == [
         ("w[0-6,8,10-63]", "idle", False), ("w7", "busy", True), ("w9", "unreachable", True)]

@@ -274,9 +274,9 @@ def test_bad_forward_specs_are_one_sentence(spec):
 
 
 def test_transfer_summary_folds_agreeing_workers():
-    rows = {w: transfer.WorkerTransfer(w, files=3, bytes=int(1.2 * (1 << 30)), seconds=3.9 + w / 100)
+    rows = {w: transfer.TransferRow(w, files=3, bytes=int(1.2 * (1 << 30)), seconds=3.9 + w / 100)
             for w in range(64)}
-    rows[7] = transfer.WorkerTransfer(7, error="no space left on w7 under /data (0 B free)")
+    rows[7] = transfer.TransferRow(7, error="no space left on w7 under /data (0 B free)")
     report = transfer.TransferReport(step="put", rows=list(rows.values()))
     # the one renderer: workers padded to one column, failures named per worker
     assert text(report) == ["put: w[0-6,8-63]  3 files, 1.2 GiB, 4.5 s",

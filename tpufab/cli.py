@@ -13,7 +13,7 @@ from typing import Any
 import typer
 
 from tpufab.term.console import run as run_verb
-from tpufab.verbs import GROUP_HELP, all_verbs
+from tpufab.verbs import all_verbs, group_help
 from tpufab.verbs.declare import Param, Verb, call_values
 
 _state = {"debug": False}
@@ -184,7 +184,7 @@ def build_app(only: str | None = None) -> typer.Typer:
         target = app
         if v.group:
             if v.group not in groups:
-                groups[v.group] = typer.Typer(help=GROUP_HELP.get(v.group), **settings)
+                groups[v.group] = typer.Typer(help=group_help(v.group), **settings)
                 app.add_typer(groups[v.group], name=v.group)
             target = groups[v.group]
         target.command(v.name, help=v.help)(_command(v))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import getpass
+import math
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -56,8 +57,8 @@ class Settings:
     flex_start: bool = False            # Compute Engine FLEX_START (with max_run_duration)
     max_run_duration: str | None = None  # e.g. "8h": how long a flex-start slice may run
     flex_start_renew: bool = False      # babysit: a new flex-start request when one ends
-    mig_short_wait: float = 300.0       # create: how long a MIG may stay short of VMs that
-                                        # Compute Engine reports it could not create
+    # create: how long a MIG may stay short of VMs that Compute Engine reports it could not create
+    mig_short_wait: float = 300.0
     api_timeout: float = 60.0           # seconds per API call
     api_retries: int = 8                # attempts for transient API failures (429/503/...)
     api_retry_seconds: float = 120.0    # give up retrying after this long
@@ -124,6 +125,101 @@ class Settings:
                 f"No {key.replace('_', ' ')} given: pass {flag}, set {ENV_PREFIX}{key.upper()}, "
                 f"or put `{key}: ...` in tpufab.yaml.")
         return value
+
+
+@dataclass(frozen=True)
+class Timeout:
+    """One row of the timeout table: the default in seconds (None: no limit) and what it
+    bounds. ``commands``: it bounds commands on the workers, so the ``command_timeout``
+    setting stands in for it when no timeout is given, and a verb's --timeout also bounds
+    connecting (the call's connect_timeout, if shorter) and every command of the call."""
+
+    seconds: float | None
+    bounds: str
+    commands: bool = True
+    plus: str = ""          # a parameter added to the default (kill: the grace period)
+
+    @property
+    def text(self) -> str:
+        """The default as docs/reliability.md's table says it: "600 s", "none", "grace + 34 s"."""
+        if self.seconds is None:
+            return "none"
+        return f"{self.plus} + {self.seconds:g} s" if self.plus else f"{self.seconds:g} s"
+
+
+# Every timeout default of tpufab in one table (as invoke's Config.global_defaults holds
+# timeouts.command), read by one resolver, ``timeout_for``: the verbs' --timeout, the Pod
+# methods' ``timeout=`` and the steps' own bounds. docs/reliability.md's table is generated
+# from it (tests/test_config.py checks).
+TIMEOUTS: dict[str, Timeout] = {
+    "exec": Timeout(None, "the command on each worker"),
+    "setup": Timeout(None, "shipping and running the script (installs take long)"),
+    "deploy": Timeout(600.0, "each step: lease, push/bundle, checkout, verification"),
+    "mount": Timeout(300.0, "each step, installing the driver included"),
+    "umount": Timeout(300.0, "each step"),
+    "run": Timeout(600.0, "deploy and start; following the logs afterwards has no limit"),
+    "run --wait-port": Timeout(600.0, "waiting for the port (`--wait-timeout`) before the "
+                                      "logs are shown", commands=False),
+    "run --stall-progress-file": Timeout(30.0, "each look at the progress file's mtime",
+                                         commands=False),
+    "logs": Timeout(300.0, "fetching the logs so far"),
+    "logs --follow": Timeout(None, "following; with --timeout S, following stops after S "
+                                   "(exit 124, the run untouched)", commands=False),
+    "runs": Timeout(60.0, "every worker's answer"),
+    "status": Timeout(60.0, "every worker's answer"),
+    "kill": Timeout(34.0, "TERM, the grace, KILL and the lockfile's settle time",
+                    plus="grace"),
+    "babysit": Timeout(600.0, "each step (setup, deploy, start, a check); never following "
+                              "the recipe"),
+    "put": Timeout(300.0, "each step, and each read or write of the copy (no progress for "
+                          "that long)"),
+    "get": Timeout(300.0, "each step, and each read or write of the copy (no progress for "
+                          "that long)"),
+    "forward": Timeout(20.0, "the worker's answer when connecting",
+                       commands=False),
+    "check": Timeout(120.0, "the collective across every host; connecting too",
+                     commands=False),
+    "top": Timeout(30.0, "every worker's answer, each frame"),
+    "stacks": Timeout(60.0, "each worker's py-spy dump"),
+    "stacks: install py-spy": Timeout(180.0, "a `pip install py-spy` where it is missing",
+                                      commands=False),
+    "autostop": Timeout(60.0, "every worker's answer to arming or cancelling"),
+    "ray up": Timeout(300.0, "each step on the workers (`ray start` installs Ray if "
+                             "missing)"),
+    "ray up: joined": Timeout(120.0, "the joined hosts showing up alive in the head's view",
+                              commands=False),
+    "ray status": Timeout(60.0, "every host's answer"),
+    "ray submit": Timeout(300.0, "each step before the job runs (deploy, submit); following "
+                                 "its logs has no limit"),
+    "ray down": Timeout(300.0, "each host's `ray stop`"),
+    # a verb on the workers that has no row of its own yet (docs/architecture.md, "Add a verb")
+    "worker verb": Timeout(300.0, "each step on the workers"),
+}
+GENERIC = "worker verb"
+
+
+def timeout_for(name: str, given: float | None = None, setting: float | None = None, *,
+                plus: float = 0.0) -> float:
+    """The one resolver of the timeout table (invoke's ``_unify_kwargs_with_config``): the
+    timeout ``given`` (a flag or keyword; None: not given), else the ``command_timeout``
+    ``setting`` where TIMEOUTS[name] bounds commands, else the table's default (``plus``
+    added: kill's grace period). ``math.inf``: no limit."""
+    entry = TIMEOUTS[name]
+    if given is not None:
+        return float(given)
+    if setting is not None and entry.commands:
+        return float(setting)
+    return math.inf if entry.seconds is None else entry.seconds + plus
+
+
+def timeouts_table() -> list[str]:
+    """TIMEOUTS as docs/reliability.md's Markdown table (tests/test_config.py compares)."""
+    rows = ["| timeout | default | what it bounds | `command_timeout` stands in |",
+            "|---|---|---|:-:|"]
+    for name, entry in TIMEOUTS.items():
+        rows.append(f"| `{name}` | {entry.text} | {entry.bounds} | "
+                    f"{'yes' if entry.commands else '-'} |")
+    return rows
 
 
 DEFAULT_REMOTE_USER = "tpufab"

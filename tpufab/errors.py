@@ -11,6 +11,9 @@ class TpufabError(Exception):
     """
 
     exit_code = 1
+    # The per-worker report of the step that failed, where it has one (a failed put's
+    # TransferReport): the verb shows it before the sentence.
+    report: object = None
 
     def __init__(self, message: str, *, details: str | None = None, exit_code: int | None = None):
         super().__init__(message)

@@ -85,11 +85,6 @@ def command(*pieces: Piece) -> Command:
     return Command(" ".join(quote(piece) for piece in pieces))
 
 
-def shell(text: str) -> Command:
-    """Mark a whole user-written shell command line (``tpufab exec "CMD"``) as intended."""
-    return Command(Raw(text))
-
-
 def check_env_name(name: str) -> str:
     if not _ENV_NAME.match(name):
         raise ConfigError(

@@ -112,7 +112,7 @@ class Report:
     # the columns alone; the workers it concerns are in its cells
     per_worker: bool = True
 
-    # A layout of the step's own (a module of tpufab.display, VIEWS in display.report); "":
+    # A layout of the step's own: its module's name in tpufab/views (views.report.view_of); "":
     # the rows as the table or lines above
     view: ClassVar[str] = ""
 

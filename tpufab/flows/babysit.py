@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from tpufab.cloud.controlplane import ControlPlane
     from tpufab.cloud.nodes import Node, QueuedResourceInfo
     from tpufab.config import Settings
-    from tpufab.steps.health.status import WorkerFacts
+    from tpufab.steps.health.status import StatusRow
     from tpufab.steps.runs.running import WorkerState
 
 PREEMPTED_STATES = frozenset({"PREEMPTED", "TERMINATED"})
@@ -111,7 +111,6 @@ def state_exit_code(state: WorkerState) -> int | None:
     return None
 
 
-RECOVERY_REASONS = ("preempted", "maintenance", "host failure", "flex-start end")
 DEFAULT_MAINTENANCE_MARGIN = 600.0
 DEFAULT_MAINTENANCE_POLL = 60.0    # seconds between looks at upcomingMaintenance
 
@@ -274,7 +273,7 @@ class Restore:
     mounts: list[MountPoint] = field(default_factory=list)
 
     @classmethod
-    def from_facts(cls, facts: Mapping[int, WorkerFacts]) -> Restore:
+    def from_facts(cls, facts: Mapping[int, StatusRow]) -> Restore:
         """What worker 0 (or the first that answered) has: setup, commit, mounts."""
         answered = [facts[w] for w in sorted(facts) if facts[w].reachable]
         if not answered:
@@ -1297,7 +1296,7 @@ def restore_setup(pod, r: Restore, *, sink=None, env: Mapping[str, str] | None =
                   secrets: Mapping[str, str] | None = None,
                   timeout: float | None = None, force: bool = False) -> dict:
     """Run ``r.setup_script`` on every worker (once per content unless ``force``; ``env`` and
-    ``secrets``, the latter on stdin only, do not count as content); {worker: SetupOutcome}."""
+    ``secrets``, the latter on stdin only, do not count as content); {worker: SetupRow}."""
     from tpufab.steps.host.setup import run_setup
 
     result, outcomes = run_setup(pod.fanout, r.setup_script, sink=sink, env=env,

@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 
 RUN_SCRIPT = "task-run.sh"
 GCPUSER_HOME = "/home/gcpuser"   # SkyPilot's login user's home on its VMs
-SETUP_SCRIPT = "task-setup.sh"
 
 
 class StepFailed(TpufabError):

@@ -65,7 +65,7 @@ class LocalFile:
 
 
 @dataclass
-class WorkerTransfer:
+class TransferRow:
     """What one worker got (put) or gave (get)."""
 
     worker: int
@@ -81,7 +81,7 @@ class WorkerTransfer:
         return self.error is None
 
 
-def _moved(row: WorkerTransfer) -> str:
+def _moved(row: TransferRow) -> str:
     """``3 files, 1 already there, 1.2 GiB``."""
     parts = [_count(row.files, "file")]
     if row.skipped:
@@ -96,7 +96,7 @@ TRANSFER_COLUMNS = (Column("MOVED", _moved),
 
 @dataclass(kw_only=True)
 class TransferReport(Report):
-    """One :class:`WorkerTransfer` per worker (``tpufab.reports.Report``), shown as lines
+    """One :class:`TransferRow` per worker (``tpufab.reports.Report``), shown as lines
     ``put: w[0-63]  3 files, 1.2 GiB, 4.1 s`` (the slowest worker's time), one per outcome."""
 
     columns: tuple[Column, ...] = TRANSFER_COLUMNS
@@ -319,7 +319,7 @@ def put(fanout, local: str | os.PathLike[str], remote: str | None = None, *, wor
     chosen = fanout.select(workers)
     progress = progress or Progress()
     started = time.perf_counter()
-    rows = {w: WorkerTransfer(w) for w in chosen}
+    rows = {w: TransferRow(w) for w in chosen}
     request = {"dest": remote or ".", "name": name, "is_dir": is_dir, "dirs": dirs,
                "files": [{"rel": f.rel, "size": f.size, "mode": f.mode, "sha256": f.sha256}
                          for f in files], "home_here": str(Path.home())}
@@ -356,7 +356,7 @@ def put(fanout, local: str | os.PathLike[str], remote: str | None = None, *, wor
             else:
                 fallback = relayed
             for w in fallback:
-                rows[w] = WorkerTransfer(w, skipped=rows[w].skipped)
+                rows[w] = TransferRow(w, skipped=rows[w].skipped)
             _upload_all(fanout, fallback, token, rows, progress, concurrency)
     except (KeyboardInterrupt, FanoutInterrupted):
         _cleanup(fanout, todo, token)
@@ -400,7 +400,7 @@ def _put_error(worker: int, answer: dict) -> str:
 
 
 def _upload_all(fanout, plans: Mapping[int, _PutPlan], token: str,
-                rows: dict[int, WorkerTransfer], progress: Progress, concurrency: int) -> None:
+                rows: dict[int, TransferRow], progress: Progress, concurrency: int) -> None:
     if not plans:
         return
     stop = threading.Event()
@@ -447,7 +447,7 @@ def _sftp(fanout, worker: int):
     return sftp
 
 
-def _upload(fanout, plan: _PutPlan, token: str, row: WorkerTransfer, progress: Progress,
+def _upload(fanout, plan: _PutPlan, token: str, row: TransferRow, progress: Progress,
             stop: threading.Event) -> None:
     sftp = _sftp(fanout, plan.worker)
     entries = []
@@ -496,7 +496,7 @@ def _upload_error(fanout, plan: _PutPlan, token: str, err: Exception) -> str:
 
 def _relay(fanout, seed_plan: _PutPlan, files: Sequence[LocalFile],
            relayed: Mapping[int, _PutPlan], seed_address: str, token: str,
-           rows: dict[int, WorkerTransfer], progress: Progress) -> dict[int, _PutPlan]:
+           rows: dict[int, TransferRow], progress: Progress) -> dict[int, _PutPlan]:
     """The seed serves every file to the relayed workers; returns those that must fall back."""
     index = {f.rel: i for i, f in enumerate(files)}
     secret = secrets.token_hex(16)
@@ -607,7 +607,7 @@ def get(fanout, remote: str, local: str | os.PathLike[str], *, workers=None,
         fanout = _Timed(fanout, timeout)
     chosen = fanout.select(workers)
     progress = progress or Progress()
-    rows = {w: WorkerTransfer(w) for w in chosen}
+    rows = {w: TransferRow(w) for w in chosen}
     listings = _call(fanout, "list", {w: {"path": remote} for w in chosen})
     base = Path(local).expanduser()
     umask = _umask()
@@ -815,7 +815,7 @@ def _local_error(err: OSError) -> str:
     return f"{err.strerror or err}: {err.filename}" if err.filename else str(err)
 
 
-def _download(fanout, plan: _GetPlan, token: str, row: WorkerTransfer, progress: Progress,
+def _download(fanout, plan: _GetPlan, token: str, row: TransferRow, progress: Progress,
               stop: threading.Event) -> None:
     for folder in plan.dirs:
         folder.mkdir(parents=True, exist_ok=True)

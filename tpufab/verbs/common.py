@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from tpufab.config import Settings, load_settings
@@ -68,18 +68,6 @@ def print_json(data: Any) -> None:
 
 
 WIDE_HELP = "Every value in full (long cells are shortened to fit the terminal)."
-
-
-def print_table(columns: Sequence[str], lines: Iterable[Sequence[str]]) -> None:
-    """A table on stdout, fitted to the terminal (tpufab.term.tables); cells may quote
-    workers (a process's command line): shown as text, never markup."""
-    from tpufab.term.console import stdout
-    from tpufab.term.tables import fitted
-    from tpufab.term.terminal import neutralise_text
-
-    console = stdout()
-    console.print(fitted(columns, [[neutralise_text(c) if isinstance(c, str) else c for c in line]
-                                   for line in lines], console, markup=False))
 
 
 def count(n: int, noun: str) -> str:

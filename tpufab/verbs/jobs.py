@@ -7,10 +7,13 @@ import sys
 import time
 from collections.abc import Sequence
 
+from tpufab.config import TIMEOUTS
 from tpufab.errors import ConfigError, TpufabError
 from tpufab.term.terminal import relative_path
-from tpufab.verbs.common import note, pod_for, settings_from_flags
-from tpufab.verbs.declare import Opt, verb
+from tpufab.verbs.common import note
+from tpufab.verbs.declare import Call, Opt, verb
+
+PLACE = 7   # where this family's verbs show in `tpufab --help`
 
 INTERRUPT_CHOICES = ("kill", "detach")   # --on-interrupt: what Ctrl-C while following does
 
@@ -32,7 +35,8 @@ RUN_OPTIONS = {
     "check": "Run the quick checks of `tpufab check` first; refuse to start on a problem.",
     "wait_port": Opt("Return once this port answers on worker 0 (the run goes on).",
                      min=1),
-    "wait_timeout": Opt("With --wait-port: seconds to wait before showing the logs.", min=1),
+    "wait_timeout": Opt("With --wait-port: seconds to wait before showing the logs (default: "
+                        f"{TIMEOUTS['run --wait-port'].text}).", min=1),
     "stall": Opt("No new output line from any worker for this long (e.g. 15m; at least 10s): "
                  "take every worker's stacks, print them folded, then --stall-action.",
                  metavar="DURATION"),
@@ -43,19 +47,9 @@ RUN_OPTIONS = {
 }
 
 
-@verb(options=RUN_OPTIONS, pod_method="start",
-      view=("detach", "on_interrupt", "raw", "color", "stall", "stall_action",
-            "stall_progress_file"))
-def run(recipe: str, extra: Sequence[str] = (), *, name: str | None = None, args: str = "",
-        detach: bool = False, no_deploy: bool = False, direct: bool = False,
-        wip: bool = False, env: Sequence[str] | None = None,
-        secret: Sequence[str] | None = None, local: bool = False,
-        workers: int | None = None, on_interrupt: str | None = None, spmd: bool = False,
-        raw: bool = False, check: bool = False, wait_port: int | None = None,
-        wait_timeout: float = 600.0, color: bool = False, timeout: float | None = None,
-        zone: str | None = None,
-        project: str | None = None,
-        no_os_login: bool = False, jump: str | None = None, stall: str | None = None,
+@verb(options=RUN_OPTIONS, pod_method="start", api_only=("deploy",))
+def run(call: Call, *, detach: bool = False, on_interrupt: str | None = None,
+        raw: bool = False, color: bool = False, stall: str | None = None,
         stall_action: str = "wait", stall_progress_file: str | None = None) -> int:
     """Run a recipe on every worker at once (deploying first) and follow its logs.
 
@@ -71,23 +65,16 @@ def run(recipe: str, extra: Sequence[str] = (), *, name: str | None = None, args
     --wait-timeout, show the logs and fail.
 
     ``timeout``: seconds each step before the recipe starts may take on the workers (deploy,
-    start; default 600); following the logs afterwards has no limit. One job at a time: a
-    run while another one runs on the pod is refused with one sentence.
+    start); following the logs afterwards has no limit. One job at a time: a run while
+    another one runs on the pod is refused with one sentence.
     """
     if on_interrupt is not None and on_interrupt not in INTERRUPT_CHOICES:
         raise ConfigError(f"--on-interrupt takes kill or detach, not {on_interrupt!r}.")
+    local, wait_port = call.args["local"], call.args["wait_port"]
     stall_seconds = check_stall_flags(stall, stall_action, detach=detach, local=local,
                                       wait_port=wait_port, progress_file=stall_progress_file)
-    settings = settings_from_flags(name=name, zone=zone, project=project,
-                                   no_os_login=no_os_login,
-                                   jump=jump, timeout=timeout)
-    pod = pod_for(settings)
     try:
-        run_ = pod.start(recipe, args, extra, env=env, secret=secret, no_deploy=no_deploy,
-                            direct=direct,
-                            wip=wip, local=local, workers=workers, spmd=spmd, check=check,
-                            wait_port=wait_port, wait_timeout=wait_timeout, timeout=timeout,
-                            progress=note)
+        run_ = call(progress=note)
     except TpufabError as err:
         tails = getattr(err, "tails", None)      # --wait-port: the port never answered
         if tails is not None:
@@ -160,7 +147,7 @@ def _follow_run(run, on_interrupt: str | None, raw: bool = False, *,
 def check_stall_flags(stall: str | None, action: str, *, detach: bool, local: bool,
                       wait_port: int | None, progress_file: str | None = None) -> float | None:
     """--stall in seconds, checked before anything starts (one sentence when it cannot be)."""
-    from tpufab.pod.api import Run
+    from tpufab.pod.run import Run
 
     seconds = Run.check_stall(stall, action, progress_file=progress_file)
     if seconds is not None and (detach or local or wait_port is not None):
@@ -225,31 +212,25 @@ def _interrupted(run, on_interrupt: str | None) -> int:
     return 130
 
 
-@verb(options={"run": "Run id (default: the latest).", "follow": Opt("Keep following.", short="-f"),
-                 "raw": "Every line, prefixed by its worker."},
-      pod_method="logs", view=("raw", "color"))
-def logs(*, run: str | None = None, follow: bool = False, worker: str = "all",
-         raw: bool = False, color: bool = False, timeout: float | None = None,
-         name: str | None = None, zone: str | None = None, project: str | None = None,
-        no_os_login: bool = False,
-         jump: str | None = None) -> int:
+@verb(options={"run": "Run id (default: the latest).",
+               "follow": Opt("Keep following.", short="-f"),
+               "raw": "Every line, prefixed by its worker."},
+      pod_method="logs")
+def logs(call: Call, *, raw: bool = False, color: bool = False) -> int:
     """A run's logs: worker 0's lines once, plus only the lines where others differ.
 
-    ``timeout``: seconds to wait for the workers (default 300 for the logs so far; with
-    --follow, no limit: following stops when the run ends, or after ``timeout`` if given).
-    A worker that cannot be reached is named and makes logs fail.
+    ``timeout``: seconds to wait for the workers (for the logs so far; with --follow, no
+    limit: following stops when the run ends, or after ``timeout`` if given). A worker that
+    cannot be reached is named and makes logs fail.
     """
     from tpufab.views.runlogs import follow_view
 
-    settings = settings_from_flags(name=name, zone=zone, project=project,
-                                   no_os_login=no_os_login,
-                                   jump=jump, timeout=timeout)
-    pod = pod_for(settings)
+    follow = call.args["follow"]
     # The workers masked the run's secrets as they wrote the log; the ones this machine
     # would forward are masked again (a log written by an older tpufab): Pod.logs does.
-    report = pod.logs(run=run, follow=follow, workers=worker, timeout=timeout, progress=note,
-                      sink=(lambda workers: follow_view(workers, raw=raw, color=color))
-                      if follow else None)
+    report = call(progress=note, sink=(lambda workers: follow_view(workers, raw=raw,
+                                                                   color=color))
+                  if follow else None)
     if follow:
         if report.interrupted:
             note(f"Stopped following; run {report.run_id} keeps running.")
@@ -274,20 +255,14 @@ def _print_logs(logs, *, raw: bool, color: bool, secrets: Sequence[str], out=Non
     print_logs(logs, raw=raw, color=color, secrets=secrets, out=out)
 
 
-@verb(pod_method="runs", view=("as_json",))
-def runs(*, name: str | None = None, worker: str = "all", as_json: bool = False,
-         timeout: float | None = None, zone: str | None = None,
-         project: str | None = None,
-        no_os_login: bool = False, jump: str | None = None) -> int:
+@verb(pod_method="runs")
+def runs(call: Call, *, as_json: bool = False) -> int:
     """The runs the workers know, with each worker's state.
 
-    ``timeout``: seconds for every worker to answer (default 60)."""
+    ``timeout``: seconds for every worker to answer."""
     from tpufab.views.report import show
 
-    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
-                                   no_os_login=no_os_login,
-                                      jump=jump, timeout=timeout))
-    report = pod.runs(workers=worker, timeout=timeout)
+    report = call()
     show(report, as_json=as_json)
     if not as_json:   # --json says who did not answer in its data, and exits 0
         report.check()
@@ -295,39 +270,27 @@ def runs(*, name: str | None = None, worker: str = "all", as_json: bool = False,
 
 
 @verb(options={"run": "Only this run.", "grace": Opt("Seconds between TERM and KILL.", min=0),
-                 "dry_run": "Only report.", "force": "Also stop protected holders."},
+               "dry_run": "Only report.", "force": "Also stop protected holders."},
       pod_method="kill")
-def kill(*, name: str | None = None, run: str | None = None, grace: float = 5.0,
-         dry_run: bool = False, force: bool = False, worker: str = "all",
-         timeout: float | None = None, zone: str | None = None,
-         project: str | None = None,
-        no_os_login: bool = False, jump: str | None = None) -> int:
+def kill(call: Call) -> int:
     """Free the TPU everywhere: stop runs and stale holders, then remove the lockfile.
 
-    ``timeout``: seconds the kill may take on each worker (default: the grace period plus
+    ``timeout``: seconds the kill may take on each worker (by default the grace period plus
     34 s, enough for TERM, the grace, KILL and the lockfile's settle time). A protected
     process (tpu-runtime, ...) still holding a device is named, with what to do about it
     (the same words `status` uses), and kill fails until it is gone."""
-    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
-                                   no_os_login=no_os_login,
-                                      jump=jump, timeout=timeout))
-    result = pod.kill(run=run, grace=grace, dry_run=dry_run, force=force, workers=worker,
-                      timeout=timeout)
     from tpufab.views.report import show
 
+    result = call()
     show(result)
     result.check()
     return 0
 
 
-# --- issue 27: stacks
 @verb(options={"run": "Run id (default: the latest, while it runs; else the TPU's holders).",
                "native": "Also the C/C++ frames (py-spy --native; slower)."},
-      pod_method="stacks", view=("as_json",))
-def stacks(*, run: str | None = None, native: bool = False, worker: str = "all",
-           as_json: bool = False, timeout: float | None = None, name: str | None = None,
-           zone: str | None = None, project: str | None = None, no_os_login: bool = False,
-           jump: str | None = None) -> int:
+      pod_method="stacks", api_only=("save",))
+def stacks(call: Call, *, as_json: bool = False) -> int:
     """Every worker's Python stacks (py-spy dump), folded: the workers that differ first.
 
     Against the run's Python processes (default: the latest run while it runs; otherwise every
@@ -337,13 +300,10 @@ def stacks(*, run: str | None = None, native: bool = False, worker: str = "all",
     others' stack marked. Saved beside the run's logs (.tpufab/runs/ID/stacks-TIME.txt and
     .json). A process py-spy cannot attach to is named with the reason and the fix.
 
-    ``timeout``: seconds each worker may take (default 60)."""
+    ``timeout``: seconds each worker may take."""
     from tpufab.views.report import show
 
-    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project,
-                                      no_os_login=no_os_login, jump=jump, timeout=timeout))
-    report = pod.stacks(run=run, native=native, workers=worker, timeout=timeout,
-                        progress=note)
+    report = call(progress=note)
     show(report, as_json=as_json)
     report.check()
     return 0

@@ -6,10 +6,11 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 
 from tpufab.errors import ConfigError
-from tpufab.verbs.common import note, pod_for, say, settings_from_flags
-from tpufab.verbs.declare import Opt, verb
+from tpufab.verbs.common import note, say
+from tpufab.verbs.declare import Call, Opt, verb
 
-AUTOSTOP_TIMEOUT = 60.0   # seconds for every worker to answer arming or cancelling
+PLACE = 2   # where this family's verbs show in `tpufab --help`
+GROUPS = {"ray": "Ray on the pod: up, status, submit, down (docs/ray.md)."}
 
 
 @verb(options={
@@ -46,7 +47,7 @@ def launch(task: str, *, name: str | None = None, type: str | None = None,
            stall: str | None = None, stall_action: str = "wait",
            stall_progress_file: str | None = None, ray: bool = False) -> int:
     """Create (or reuse) a pod, deploy, mount, set up and run TASK.yaml, and follow it."""
-    from tpufab.pod import api
+    from tpufab.pod.launched import launch as launching
     from tpufab.term.console import stderr
     from tpufab.verbs.jobs import INTERRUPT_CHOICES, check_stall_flags, follow_started
 
@@ -57,12 +58,11 @@ def launch(task: str, *, name: str | None = None, type: str | None = None,
                           "the run to Ray: give one or the other.")
     stall_seconds = check_stall_flags(stall, stall_action, detach=detach, local=False,
                                       wait_port=None, progress_file=stall_progress_file)
-    launched = api.launch(task, name=name, type=type, zone=zone, project=project, spot=spot,
-                          version=version, env=env, secret=secret, down=down, detach=detach,
-                          idle=idle,
-                          dry_run=dry_run, direct=direct, zones=zones, retry_for=retry_for,
-                          console=stderr(), progress=note, setup_view=_setup_view,
-                          force_setup=force_setup, ray=ray)
+    launched = launching(task, name=name, type=type, zone=zone, project=project, spot=spot,
+                         version=version, env=env, secret=secret, down=down, detach=detach,
+                         idle=idle, dry_run=dry_run, direct=direct, zones=zones,
+                         retry_for=retry_for, console=stderr(), progress=note,
+                         setup_view=_setup_view, force_setup=force_setup, ray=ray)
     plan = launched.plan
     if dry_run:
         kind = "SkyPilot task" if plan.task.source == "skypilot" else "task"
@@ -101,22 +101,17 @@ def _setup_view(workers):
 
 @verb(pod_method="autostop", options={
     "idle": Opt("Delete the pod after this long idle: no run, no TPU holder, no tpufab "
-                "session (30m, 2h).",
-                metavar="DURATION"),
+                "session (30m, 2h).", metavar="DURATION"),
     "ttl": Opt("Delete the pod this long from now, busy or not (8h).", metavar="DURATION"),
     "cancel": "Remove the watchdog."})
-def autostop(*, name: str | None = None, idle: str | None = None, ttl: str | None = None,
-             cancel: bool = False, timeout: float = AUTOSTOP_TIMEOUT, zone: str | None = None,
-             project: str | None = None, jump: str | None = None) -> None:
+def autostop(call: Call) -> None:
     """Delete the pod once idle (no run, TPU holder or tpufab session on any worker) or at a
     TTL (counted on worker 0's clock); --cancel.
 
-    ``timeout``: seconds every worker has to answer (default 60)."""
+    ``timeout``: seconds every worker has to answer."""
     from tpufab.views.report import show
 
-    settings = settings_from_flags(name=name, zone=zone, project=project, timeout=timeout,
-                                   jump=jump)
-    show(pod_for(settings).autostop(idle=idle, ttl=ttl, cancel=cancel, timeout=timeout))
+    show(call())
 
 
 @verb(options={"yes": Opt("Do not ask for confirmation.", short="-y"),
@@ -124,48 +119,36 @@ def autostop(*, name: str | None = None, idle: str | None = None, ttl: str | Non
 def gc(*, yes: bool = False, all_zones: bool = False, zone: str | None = None,
        project: str | None = None) -> None:
     """Delete preempted/terminated/failed nodes and suspended/failed queued resources."""
-    from tpufab.pod.api import gc as collect
+    from tpufab.pod.pods import gc as collect
     from tpufab.term.console import stdout
 
     collect(zone=zone, project=project, all_zones=all_zones, yes=yes, console=stdout())
 
-
-# --- issue 29: Ray on the pod -------------------------------------------------------------
 
 @verb(name="up", group="ray", pod_method="ray_up",
       options={"options": Opt("More `ray start` options for every host, after -- (e.g. -- "
                               "--num-cpus=8).", rest=True, metavar="RAY_START_OPTIONS..."),
                "join_batch": Opt("Join this many hosts at a time, each batch seen by the head "
                                  "before the next (default 0: all at once).", metavar="N")})
-def ray_up(options: Sequence[str] = (), *, name: str | None = None,
-           timeout: float | None = None, zone: str | None = None,
-           project: str | None = None, jump: str | None = None, join_batch: int = 0) -> None:
+def ray_up(call: Call) -> None:
     """Start Ray on the pod: the head on worker 0, every other host joined; prints the address.
 
     Each host gets the TPU environment Ray labels its node from (TPU_NAME, TPU_WORKER_ID,
     TPU_ACCELERATOR_TYPE, TPU_TOPOLOGY); Ray is installed where it is missing. Again on a pod
     where Ray is up: a quick no-op; a host where Ray died is rejoined. See docs/ray.md."""
-    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, jump=jump,
-                                      timeout=timeout))
     from tpufab.reports import up_sentence
 
-    done = pod.ray_up(options=list(options or ()), timeout=timeout, progress=note,
-                      join_batch=join_batch)
-    say(up_sentence(done, pod.name))
+    say(up_sentence(call(progress=note), call.pod.name))
 
 
-@verb(name="status", group="ray", pod_method="ray_status", view=("as_json",))
-def ray_status(*, name: str | None = None, as_json: bool = False,
-               timeout: float | None = None, zone: str | None = None,
-               project: str | None = None, jump: str | None = None) -> int:
+@verb(name="status", group="ray", pod_method="ray_status")
+def ray_status(call: Call, *, as_json: bool = False) -> int:
     """Ray on the pod: the nodes the head sees (TPU, head resource, slice labels), and jobs.
 
     Exits 0 when every host joined, 3 when Ray is not up or a host is missing."""
     from tpufab.views.report import show
 
-    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, jump=jump,
-                                      timeout=timeout))
-    report = pod.ray_status(timeout=timeout)
+    report = call()
     show(report, as_json=as_json)
     return 0 if report.healthy else 3
 
@@ -177,22 +160,14 @@ def ray_status(*, name: str | None = None, as_json: bool = False,
                             "a dash).", rest=True, metavar="ARGS..."),
                "no_deploy": "Skip deploying the current commit.",
                "direct": "Deploy straight to the workers over SSH."})
-def ray_submit(recipe: str, extra: Sequence[str] = (), *, name: str | None = None,
-               env: Sequence[str] | None = None, secret: Sequence[str] | None = None,
-               no_deploy: bool = False, direct: bool = False, timeout: float | None = None,
-               zone: str | None = None, project: str | None = None,
-               jump: str | None = None) -> int:
+def ray_submit(call: Call) -> int:
     """Run a recipe as a Ray job from this commit and follow its logs; exits with its status.
 
     Deploys the commit as `tpufab run` does, submits through Ray's Job API over a port
     forwarded to the head's 127.0.0.1 (the dashboard is never exposed), prints the job's
     output on stdout with secrets masked. `--env` values reach every Ray worker of the job;
     `--secret` values only the job's entrypoint (from a 0600 file, never Ray's job record)."""
-    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, jump=jump,
-                                      timeout=timeout))
-    done = pod.ray_submit(recipe, list(extra or ()), env=env, secret=secret,
-                          no_deploy=no_deploy, direct=direct, timeout=timeout,
-                          out=lambda line: print(line, flush=True), progress=note)
+    done = call(out=lambda line: print(line, flush=True), progress=note)
     text = (f"Ray job {done.job} {done.status.lower()}: exit {done.exit_code} "
             f"({done.seconds:.1f} s).")
     note(text if done.exit_code == 0 else f"{text} {done.message}".strip(),
@@ -203,12 +178,8 @@ def ray_submit(recipe: str, extra: Sequence[str] = (), *, name: str | None = Non
 @verb(name="down", group="ray", pod_method="ray_down",
       options={"grace": Opt("Seconds Ray's processes get to stop before they are killed.",
                             min=0)})
-def ray_down(*, name: str | None = None, grace: float = 10.0, timeout: float | None = None,
-             zone: str | None = None, project: str | None = None,
-             jump: str | None = None) -> None:
+def ray_down(call: Call) -> None:
     """Stop Ray on every host (ray stop, then forced); nothing is left holding the TPU."""
     from tpufab.reports import down_sentence
 
-    pod = pod_for(settings_from_flags(name=name, zone=zone, project=project, jump=jump,
-                                      timeout=timeout))
-    say(down_sentence(pod.ray_down(grace=grace, timeout=timeout), pod.name))
+    say(down_sentence(call(), call.pod.name))

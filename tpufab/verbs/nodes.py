@@ -8,6 +8,9 @@ from tpufab.errors import ConfigError
 from tpufab.verbs.common import WIDE_HELP, count, note, print_json, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
 
+PLACE = 3   # where this family's verbs show in `tpufab --help`
+GROUPS = {"known-hosts": "tpufab's pinned worker host keys."}
+
 
 @verb(options={"type": Opt("Accelerator type: v4-32, v6e-8, tpu-v6e-8 ...", short="-t",
                            aliases=("--accelerator-type",)),
@@ -47,7 +50,8 @@ def create(*, name: str | None = None, type: str | None = None, zone: str | None
     instance, or a workload policy, an instance template and a managed instance group.
     """
     from tpufab import current, durations
-    from tpufab.pod.api import create_node
+    from tpufab.cloud.lifecycle import default_name
+    from tpufab.pod.pods import create_node
 
     zone_list = [z.strip() for z in (zones or "").split(",") if z.strip()]
     if zone_list and zone and zone_list[0] != zone:
@@ -76,23 +80,16 @@ def create(*, name: str | None = None, type: str | None = None, zone: str | None
     note(moved, "dim" if before is None or before.name == settings.name else None)
 
 
-def default_name(user: str, accelerator_type: str) -> str:
-    """`<user>-<type>` as a valid node name: `alice-v4-512`; `tpu-v6e-8` for odd user names."""
-    from tpufab.pod import api
-
-    return api.default_name(user, accelerator_type)
-
-
 @verb(options={"yes": Opt("Do not ask for confirmation.", short="-y")})
 def delete(*, name: str | None = None, yes: bool = False, zone: str | None = None,
            project: str | None = None) -> None:
     """Delete a TPU node (or its queued resource)."""
     from tpufab import current
-    from tpufab.pod import api
+    from tpufab.pod import pods
 
     settings = settings_from_flags(name=name, zone=zone, project=project)
     # False: said no, or left a node recreated under the name alone
-    deleted = api.delete(settings.name, zone=settings.zone, project=settings.project, yes=yes)
+    deleted = pods.delete(settings.name, zone=settings.zone, project=settings.project, yes=yes)
     if deleted and current.forget(settings.name):
         note(f"{settings.name} was this project's current pod; there is none now.", "dim")
 
@@ -101,7 +98,7 @@ def delete(*, name: str | None = None, yes: bool = False, zone: str | None = Non
 def list_(*, as_json: bool = False, wide: bool = False, zone: str | None = None,
           project: str | None = None) -> None:
     """List the TPU nodes in a zone."""
-    from tpufab.pod.api import list_pods
+    from tpufab.pod.pods import list_pods
     from tpufab.term import tables
     from tpufab.term.console import stdout
 
@@ -119,14 +116,15 @@ def describe(*, name: str | None = None, as_json: bool = False, zone: str | None
              project: str | None = None) -> None:
     """Show one TPU node: state, health, workers and their IPs (or the queued resource, or
     the Compute Engine multislice, of that name)."""
-    from tpufab.pod import api
+    from tpufab.cloud.lifecycle import render_details
+    from tpufab.pod.pods import describe as described
     from tpufab.term.console import stdout
 
-    item = api.describe(name, zone=zone, project=project)
+    item = described(name, zone=zone, project=project)
     if as_json:
         print_json(item.to_json())
         return
-    api.render_details(item, stdout())
+    render_details(item, stdout())
 
 
 @verb()
@@ -172,7 +170,7 @@ def types(*, as_json: bool = False) -> None:
       options={"node": "Node name, or the node id an error named."})
 def known_hosts_forget(*, node: str, zone: str | None = None, project: str | None = None) -> None:
     """Forget a node's pinned host keys (after a rebuild you trust)."""
-    from tpufab.pod.api import forget_host_keys
+    from tpufab.pod.pods import forget_host_keys
     from tpufab.term.console import stdout
 
     settings = settings_from_flags(zone=zone, project=project)

@@ -8,6 +8,8 @@ from tpufab.errors import ConfigError
 from tpufab.verbs.common import print_json, say, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
 
+PLACE = 1   # where this family's verbs show in `tpufab --help`
+
 FRAMEWORKS = {"jax": "jax_hello.sh", "torch": "torch_xla_hello.sh"}
 
 
@@ -66,7 +68,8 @@ def use(*, pod: str | None = None, zone: str | None = None, project: str | None 
         check: bool = True) -> None:
     """Choose this project's current pod: the node verbs use when no --name is given."""
     from tpufab import current
-    from tpufab.pod import api
+    from tpufab.cloud.lifecycle import validate_name
+    from tpufab.pod.pods import describe
 
     if pod is None:
         found = current.read()
@@ -76,12 +79,12 @@ def use(*, pod: str | None = None, zone: str | None = None, project: str | None 
         else:
             say(f"{found.name}: {found.reason()}.")
         return
-    name = api.valid_name(pod)
+    name = validate_name(pod)
     settings = settings_from_flags(name=name, zone=zone, project=project)
     where = ""
     if check:
         # one sentence if there is no such node
-        item = api.describe(name, zone=settings.zone, project=settings.project)
+        item = describe(name, zone=settings.zone, project=settings.project)
         plane = getattr(item, "plane_text", None)
         where = f" ({'Cloud TPU API' if plane == 'TPU API' else plane})" if plane else ""
         slices = getattr(item, "slices", None)   # a Compute Engine multislice
@@ -117,7 +120,7 @@ def versions() -> dict[str, str | None]:
     return found
 
 
-@verb(view=("as_json",))
+@verb()
 def version(*, as_json: bool = False) -> None:
     """tpufab's version, Python's and those of the libraries it runs on (for bug reports)."""
     found = versions()

@@ -9,6 +9,9 @@ from tpufab.errors import ConfigError
 from tpufab.verbs.common import pod_for, print_json, say, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
 
+PLACE = 10   # where this family's verbs show in `tpufab --help`
+GROUPS = {"sim": "The simulated TPU pod: a local TPU API with real SSH workers."}
+
 
 @verb(name="up", group="sim", options={"port": "API port."})
 def sim_up(*, port: int | None = None, state_dir: str | None = None) -> None:
@@ -124,7 +127,7 @@ def sim_preempt(*, name: str, notice: str | None = None) -> None:
     """Preempt a node: state PREEMPTED, workers stopped (with --notice, announced first)."""
     import time
 
-    from tpufab.pod.api import valid_name as validate_name
+    from tpufab.cloud.lifecycle import validate_name
     from tpufab.term.console import stdout
 
     seconds = parse_seconds(notice)
@@ -151,7 +154,7 @@ def sim_preempt(*, name: str, notice: str | None = None) -> None:
                "restore": "Make it reachable again."})
 def sim_unreachable(*, name: str, worker: int, restore: bool = False) -> None:
     """Make one worker unreachable over SSH (or reachable again)."""
-    from tpufab.pod.api import valid_name as validate_name
+    from tpufab.cloud.lifecycle import validate_name
     from tpufab.term.console import stdout
 
     sim_admin().set_reachable(validate_name(name), worker, restore)
@@ -197,11 +200,11 @@ def sim_zombie(*, name: str | None = None, worker: str = "all", zone: str | None
     and a protected system process."""
     from tpufab import nodeset
     from tpufab.errors import SimError
-    from tpufab.pod.api import make_zombies, zombie_lines
+    from tpufab.steps.host.killing import make_zombies, zombie_lines
 
     pod = pod_for(settings_from_flags(name=name, zone=zone, project=project))
     chosen = pod.select(worker)
-    reports = make_zombies(pod, chosen)
+    reports = make_zombies(pod.fanout, chosen, device_globs=pod.device_globs())
     for line in zombie_lines(reports):
         say(line)
     failed = [w for w, r in reports.items() if r.report is None or any(
@@ -220,9 +223,9 @@ def sim_zombie(*, name: str | None = None, worker: str = "all", zone: str | None
 def sim_bucket(*, name: str) -> None:
     """Create a bucket in the simulated pod's Cloud Storage (a no-op if it exists)."""
     from tpufab.config import load_settings
-    from tpufab.pod.api import parse_bucket
     from tpufab.sim import daemon
     from tpufab.sim.admin import StorageClient
+    from tpufab.steps.host.mount import parse_bucket
     from tpufab.term.console import stdout
 
     bucket, prefix = parse_bucket(name)
@@ -279,7 +282,7 @@ def sim_os_login(*, enable: bool = False, disable: bool = False, unset: bool = F
                    f"{roles or 'every account is admin (the default)'}.", markup=False)
 
 
-# --- issue 27: budgets, maintenance, top
+# -- maintenance windows and the end of a Compute Engine run
 @verb(name="maintenance", group="sim",
       options={"name": "Node.",
                "in_": Opt("When the window starts (30s, 2h, 1d).", flag="--in",
@@ -289,8 +292,8 @@ def sim_os_login(*, enable: bool = False, disable: bool = False, unset: bool = F
 def sim_maintenance(*, name: str, in_: str | None = None, window: str = "1h",
                     clear: bool = False) -> None:
     """Announce an upcoming maintenance window on a node (the API's upcomingMaintenance)."""
+    from tpufab.cloud.lifecycle import validate_name
     from tpufab.durations import parse_duration
-    from tpufab.pod.api import valid_name as validate_name
     from tpufab.term.console import stdout
 
     node = validate_name(name)
@@ -313,7 +316,7 @@ def sim_maintenance(*, name: str, in_: str | None = None, window: str = "1h",
 def sim_end_run(*, name: str) -> None:
     """End a flex-start slice's run now, as its --max-run-duration would (Compute Engine's
     instanceTerminationAction: DELETE deletes its VMs)."""
-    from tpufab.pod.api import valid_name as validate_name
+    from tpufab.cloud.lifecycle import validate_name
     from tpufab.term.console import stdout
 
     got = sim_admin().end_run(validate_name(name))

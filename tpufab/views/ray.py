@@ -14,16 +14,16 @@ from tpufab.term.terminal import neutralise_text
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from tpufab.steps.start.raycluster import RayStatus
+    from tpufab.steps.start.raycluster import RayStatusReport
 
 
-def to_json(report: RayStatus) -> dict[str, Any]:
+def to_json(report: RayStatusReport) -> dict[str, Any]:
     return {"up": report.up, "address": report.address if report.up else None,
             "head": report.head, "missing": report.missing, "nodes": report.nodes,
             "jobs": report.jobs, "error": report.error}
 
 
-def lines(report: RayStatus) -> list[str]:
+def lines(report: RayStatusReport) -> list[str]:
     if not report.up:
         running = [w for w, s in report.states.items() if s.get("processes")]
         extra = (f" (Ray processes are left on {nodeset.fold(running)}: `tpufab ray down` "
@@ -59,7 +59,7 @@ def lines(report: RayStatus) -> list[str]:
     return out
 
 
-def show(report: RayStatus, *, as_json: bool, console: Console, errors: Console) -> None:
+def show(report: RayStatusReport, *, as_json: bool, console: Console, errors: Console) -> None:
     """The lines on ``console``; or the JSON."""
     from tpufab.term.console import print_json
 

@@ -7,26 +7,27 @@ the notes on stderr. ``--json`` is the same report as data: the step, ``ok``, th
 fields, the summary, the notes and every row in full (``folded``, ``text`` and ``to_json``
 are the pure text of a report, tpufab.reports). A step whose output has a layout of its own
 (status's node lines above its table, check's lines and problems, top's frame, the
-folded stacks, `ray status`'s nodes and jobs) names it as its report's ``view``: that module of
-tpufab.views prints it, human and ``--json`` (``VIEWS``), and ``show`` reaches it all the same.
+folded stacks, `ray status`'s nodes and jobs) names it as its report's ``view``: the module of
+tpufab.views of that name prints it, human and ``--json`` (its ``show``), and ``show`` here
+reaches it all the same.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tpufab.reports import WORKERS, Report, folded, text, to_json
-from tpufab.views import check, ray, stacks, status, top
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-# A report's ``view`` -> the module function that prints it: show(report, as_json=, console=,
-# errors=)
-VIEWS: dict[str, Callable[..., None]] = {"status": status.show, "check": check.show,
-                                         "top": top.show, "stacks": stacks.show,
-                                         "ray": ray.show}
+
+def view_of(name: str) -> Callable[..., None]:
+    """The function that prints a report whose ``view`` is ``name``: ``show(report,
+    as_json=, console=, errors=)`` of the module tpufab.views.<name>."""
+    return importlib.import_module(f"{__package__}.{name}").show
 
 
 def show(report: Report, *, as_json: bool = False, console: Console | None = None,
@@ -36,16 +37,14 @@ def show(report: Report, *, as_json: bool = False, console: Console | None = Non
     ``console``/``errors``: other consoles than tpufab's stdout and stderr (tests).
 
     The one way to a layout of a step's own: a report whose class sets ``view`` (status, check,
-    top, stacks) is
-    printed, human and ``as_json``, by ``VIEWS[view]``, the function of that name's module
-    under tpufab/views (tpufab/views/status.py, check.py, top.py, stacks.py), given the same
-    consoles. A stream of reports (top's live frames) is drawn by its view's ``follow``."""
+    top, stacks, ray) is printed, human and ``as_json``, by the ``show`` of that name's module
+    under tpufab/views (tpufab/views/status.py, check.py, ...), given the same consoles. A stream of reports (top's live frames) is drawn by its view's ``follow``."""
     from tpufab.term.console import print_json, stderr, stdout
     from tpufab.term.terminal import neutralise_text
 
     console = console or stdout()
     if report.view:
-        VIEWS[report.view](report, as_json=as_json, console=console, errors=errors or stderr())
+        view_of(report.view)(report, as_json=as_json, console=console, errors=errors or stderr())
         return
     if as_json:
         print_json(to_json(report), console)

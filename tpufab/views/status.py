@@ -1,6 +1,6 @@
 """How `tpufab status` shows (the view ``status`` of tpufab.views.report.show): the node
 lines, the folded table of the workers, Ray, the TPU holders and what is wrong; ``--json`` is
-the whole PodStatus in the shape docs/status.md gives (the nodes, the folded rows and every
+the whole StatusReport in the shape docs/status.md gives (the nodes, the folded rows and every
 worker's facts). Text from a worker or the API is shown as text (``_escape``)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tpufab.term.terminal import neutralise_text
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
 
-    from tpufab.steps.health.status import PodStatus, Row, WorkerFacts
+    from tpufab.steps.health.status import StatusFolded, StatusReport, StatusRow
 
 
 def _escape(text: object) -> str:
@@ -27,7 +27,7 @@ def _escape(text: object) -> str:
     return escape(neutralise_text(str(text)))
 
 
-def node_lines(status: PodStatus) -> list[str]:
+def node_lines(status: StatusReport) -> list[str]:
     """One line per node: type, API state and health, tier, runtime, zone."""
     from tpufab.cloud.lifecycle import _state_text
 
@@ -47,7 +47,7 @@ def node_lines(status: PodStatus) -> list[str]:
     return lines
 
 
-def table(status: PodStatus, console: Console) -> RenderableType:
+def table(status: StatusReport, console: Console) -> RenderableType:
     """One line per folded row, fitted to ``console`` (tpufab.term.tables)."""
     from tpufab.term.tables import fitted
 
@@ -61,7 +61,7 @@ def table(status: PodStatus, console: Console) -> RenderableType:
                 for row in rows])
 
 
-def holder_lines(facts: Mapping[int, WorkerFacts], shown: int = 8) -> list[str]:
+def holder_lines(facts: Mapping[int, StatusRow], shown: int = 8) -> list[str]:
     """``python3 train.py: w[0-3] (w0 pid 812, w1 pid 9, ...)``: one line per command (pure)."""
     by_command: dict[str, dict[int, set[int]]] = {}
     protected: dict[str, str] = {}
@@ -82,7 +82,7 @@ def holder_lines(facts: Mapping[int, WorkerFacts], shown: int = 8) -> list[str]:
     return lines
 
 
-def full_disk_line(facts: Mapping[int, WorkerFacts]) -> str | None:
+def full_disk_line(facts: Mapping[int, StatusRow]) -> str | None:
     """One sentence naming the workers whose disk is full (home or /tmp), or None (pure)."""
     full: dict[int, list[str]] = {}
     for w, f in sorted(facts.items()):
@@ -97,7 +97,7 @@ def full_disk_line(facts: Mapping[int, WorkerFacts]) -> str | None:
 
 
 # Said by `status` under a protected holder and by `kill` about it: the same words.
-def render(status: PodStatus, console: Console) -> None:
+def render(status: StatusReport, console: Console) -> None:
     """`tpufab status` for people: the nodes, the folded table, Ray, the TPU holders, what is
     wrong; then the autostop lines when one is armed, and whether connections are kept."""
     for line in node_lines(status):
@@ -189,7 +189,7 @@ def _event_value(key: str, value: Any) -> Any:
 # --json
 
 
-def facts_json(facts: WorkerFacts) -> dict[str, Any]:
+def facts_json(facts: StatusRow) -> dict[str, Any]:
     """Every fact of one worker, each device with ``busy``."""
     data = asdict(facts)
     for device in data["devices"]:
@@ -197,14 +197,14 @@ def facts_json(facts: WorkerFacts) -> dict[str, Any]:
     return data
 
 
-def row_json(row: Row) -> dict[str, Any]:
+def row_json(row: StatusFolded) -> dict[str, Any]:
     """One folded row of the table, its workers also as indices (``worker_ids``)."""
     return {"workers": row.label, "worker_ids": list(row.workers), "state": row.state,
             "tpu": row.tpu, "runs": row.runs, "commit": row.commit, "mounts": row.mounts,
             "disk": row.disk, "memory": row.memory, "ok": row.ok}
 
 
-def to_json(status: PodStatus) -> dict[str, Any]:
+def to_json(status: StatusReport) -> dict[str, Any]:
     """The documented shape (docs/status.md): nodes, queued resource, health, the folded rows,
     maintenance, Ray, every worker's facts and worker 0's autostop view."""
     ray = status.ray
@@ -221,7 +221,7 @@ def to_json(status: PodStatus) -> dict[str, Any]:
             "autostop": status.autostop}
 
 
-def show(status: PodStatus, *, as_json: bool, console: Console, errors: Console) -> None:
+def show(status: StatusReport, *, as_json: bool, console: Console, errors: Console) -> None:
     """`tpufab status`'s output on ``console`` (``errors``: unused, status has no notes)."""
     from tpufab.term.console import print_json
 

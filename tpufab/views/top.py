@@ -16,10 +16,10 @@ if TYPE_CHECKING:
     from rich.console import Console, RenderableType
     from rich.table import Table
 
-    from tpufab.steps.health.top import Row, TopFrame, WorkerLoad
+    from tpufab.steps.health.top import TopFolded, TopReport, TopRow
 
 
-def load_json(load: WorkerLoad) -> dict[str, Any]:
+def load_json(load: TopRow) -> dict[str, Any]:
     return {"worker": load.worker, "reachable": load.reachable, "error": load.error,
             "cpu_percent": load.cpu_percent, "core_percent": load.core_percent,
             "cores": load.cores, "load": list(load.load),
@@ -30,20 +30,20 @@ def load_json(load: WorkerLoad) -> dict[str, Any]:
             "runs": list(load.runs), "busiest": list(load.busiest), "tpu": load.tpu}
 
 
-def row_json(row: Row) -> dict[str, Any]:
+def row_json(row: TopFolded) -> dict[str, Any]:
     return {"workers": row.label, "indexes": row.workers, "state": row.state,
             "cpu": row.cpu, "memory": row.memory, "load": row.load,
             "processes": row.processes, "tpu": row.tpu, "outlier": row.odd}
 
 
-def to_json(frame: TopFrame) -> dict[str, Any]:
+def to_json(frame: TopReport) -> dict[str, Any]:
     return {"name": frame.name, "taken_at": frame.taken_at, "seconds": round(frame.seconds, 3),
             "interval": frame.interval, "tpu": frame.tpu_note,
             "rows": [row_json(r) for r in frame.folded],
             "workers": [load_json(w) for w in frame.loads.values()]}
 
 
-def table(frame: TopFrame) -> Table:
+def table(frame: TopReport) -> Table:
     """The folded rows; the TPU column only when the workers' TPU lines differ."""
     from rich.markup import escape
     from rich.table import Table
@@ -64,7 +64,7 @@ def table(frame: TopFrame) -> Table:
     return t
 
 
-def renderable(frame: TopFrame, *, live: bool = False) -> RenderableType:
+def renderable(frame: TopReport, *, live: bool = False) -> RenderableType:
     """The frame as one rich renderable (a header, the table, the TPU line)."""
     from rich.console import Group
     from rich.markup import escape
@@ -81,7 +81,7 @@ def renderable(frame: TopFrame, *, live: bool = False) -> RenderableType:
     return Group(*parts)
 
 
-def show(frame: TopFrame, *, as_json: bool, console: Console, errors: Console) -> None:
+def show(frame: TopReport, *, as_json: bool, console: Console, errors: Console) -> None:
     """One frame on ``console`` (``errors``: unused, a frame has no notes)."""
     from tpufab.term.console import print_json
 
@@ -91,17 +91,17 @@ def show(frame: TopFrame, *, as_json: bool, console: Console, errors: Console) -
         console.print(renderable(frame))
 
 
-def follow(watch: Callable[[Callable[[TopFrame], None]], Any], *, as_json: bool,
-           console: Console | None = None) -> TopFrame | None:
+def follow(watch: Callable[[Callable[[TopReport], None]], Any], *, as_json: bool,
+           console: Console | None = None) -> TopReport | None:
     """The live view: ``watch(on_frame)`` takes frames until Ctrl-C; each is drawn as it
     comes (``as_json``: one line of JSON a frame, else the table redrawn in place). Returns
     the last frame (None: none came)."""
     from tpufab.term.console import stdout
 
     console = console or stdout()
-    last: list[TopFrame] = []
+    last: list[TopReport] = []
     if as_json:
-        def on_frame(frame: TopFrame) -> None:
+        def on_frame(frame: TopReport) -> None:
             last[:] = [frame]
             console.print(json.dumps(to_json(frame), separators=(",", ":")), markup=False,
                           highlight=False, emoji=False, soft_wrap=True)
@@ -115,7 +115,7 @@ def follow(watch: Callable[[Callable[[TopFrame], None]], Any], *, as_json: bool,
     from rich.live import Live
 
     with Live(console=console, auto_refresh=False, transient=False) as live:
-        def draw(frame: TopFrame) -> None:
+        def draw(frame: TopReport) -> None:
             last[:] = [frame]
             live.update(renderable(frame, live=True), refresh=True)
 

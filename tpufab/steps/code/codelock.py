@@ -75,7 +75,7 @@ def _owner() -> str:
 
 
 @contextmanager
-def hold(group, workers: Sequence[int], *, purpose: str,
+def hold(fanout, workers: Sequence[int], *, purpose: str,
          timeout: float | None = None) -> Iterator[Lease]:
     """The pod's code lease on ``workers`` for the block, or CodeBusy naming who has it
     (``timeout``: seconds each worker has to answer; None: the fan-out's)."""
@@ -86,7 +86,7 @@ def hold(group, workers: Sequence[int], *, purpose: str,
     for batch in (workers[:1], workers[1:]):
         if not batch:
             continue
-        outcomes = run_script(group, SCRIPT, args, batch, timeout=timeout)
+        outcomes = run_script(fanout, SCRIPT, args, batch, timeout=timeout)
         for w in batch:
             rows[w] = answer_row(LeaseAnswer, w, outcomes[w])
             homes[w] = rows[w].home or "~"
@@ -108,7 +108,7 @@ def hold(group, workers: Sequence[int], *, purpose: str,
     finally:
         if held:
             try:
-                run_script(group, SCRIPT, ["release", "--token", token], held,
+                run_script(fanout, SCRIPT, ["release", "--token", token], held,
                            timeout=timeout)
             except Exception:  # noqa: BLE001 - the lease dies with our connection anyway
                 pass
@@ -122,11 +122,11 @@ class LiveRun:
     cwds: tuple[str, ...]
 
 
-def live_runs(group, workers: Sequence[int], *,
+def live_runs(fanout, workers: Sequence[int], *,
               timeout: float | None = None) -> list[LiveRun]:
     """Runs that are running (or starting) on any of ``workers``."""
     found: dict[str, dict] = {}
-    for w, status in jobs.statuses(group, list(workers), timeout=timeout).items():
+    for w, status in jobs.statuses(fanout, list(workers), timeout=timeout).items():
         for entry in status.runs:
             if entry.get("state") in ("running", "starting"):
                 info = found.setdefault(str(entry.get("run")), {
@@ -138,7 +138,7 @@ def live_runs(group, workers: Sequence[int], *,
                     tuple(sorted(info["cwds"]))) for run, info in sorted(found.items())]
 
 
-def refuse_a_second_run(group, workers: Sequence[int], lease: Lease | None = None, *,
+def refuse_a_second_run(fanout, workers: Sequence[int], lease: Lease | None = None, *,
                         timeout: float | None = None) -> None:
     """A pod runs one job at a time: on a TPU the second would fail with "TPU in use".
 
@@ -147,7 +147,7 @@ def refuse_a_second_run(group, workers: Sequence[int], lease: Lease | None = Non
     if lease is not None and lease.lost:
         raise jobs.unreachable_error({w: r.outcome for w, r in lease.lost.items()},
                                     f"start {lease.purpose or 'the run'}")
-    running = live_runs(group, workers, timeout=timeout)
+    running = live_runs(fanout, workers, timeout=timeout)
     if running:
         r = running[0]
         raise CodeBusy(f"Run {r.run} ({r.recipe or 'a recipe'}) is still running on "
@@ -156,9 +156,9 @@ def refuse_a_second_run(group, workers: Sequence[int], lease: Lease | None = Non
                        f"--follow`) or stop it (`tpufab kill --run {r.run}`), then run again.")
 
 
-def refuse_deploy_under_a_run(group, workers: Sequence[int], lease: Lease, dir: str) -> None:
+def refuse_deploy_under_a_run(fanout, workers: Sequence[int], lease: Lease, dir: str) -> None:
     """Deploying into a checkout a live run reads would swap its code under it."""
-    for r in live_runs(group, workers):
+    for r in live_runs(fanout, workers):
         inside = [w for w in r.workers if any(
             cwd == lease.expand(w, dir) or cwd.startswith(lease.expand(w, dir) + "/")
             for cwd in r.cwds)]

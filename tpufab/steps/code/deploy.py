@@ -36,7 +36,7 @@ class DeployError(TpufabError):
 # --- records --------------------------------------------------------------------------------
 
 @dataclass
-class WorkerDeploy:
+class DeployRow:
     worker: int
     ok: bool
     commit: str | None = None
@@ -89,9 +89,9 @@ def deploy_summary(report: DeployReport) -> str:
             f"{how}: {outcome} ({report.seconds:.1f}s).")
 
 
-def parse_outcome(worker: int, outcome: Outcome) -> WorkerDeploy:
+def parse_outcome(worker: int, outcome: Outcome) -> DeployRow:
     """A worker script's JSON line (or the transport's failure) as a row."""
-    return answer_row(WorkerDeploy, worker, outcome)
+    return answer_row(DeployRow, worker, outcome)
 
 
 ERROR_SENTENCES = {
@@ -118,7 +118,7 @@ ERROR_SENTENCES = {
 }
 
 
-def failure_sentence(rows: Sequence[WorkerDeploy], *, source: str, dir: str,
+def failure_sentence(rows: Sequence[DeployRow], *, source: str, dir: str,
                      commit: str) -> str:
     """One sentence for the most common failure kind, naming its workers."""
     failed = [r for r in rows if not r.ok]
@@ -183,13 +183,13 @@ def worker_command(*, dir: str, source: str, commit: str, fetch_ref: str | None,
     return args
 
 
-def deploy(group: Workers, *, ref: str = "HEAD", remote: str = "origin", dir: str | None = None,
+def deploy(fanout: Workers, *, ref: str = "HEAD", remote: str = "origin", dir: str | None = None,
            direct: bool = False, wip: bool = False, cwd: Path | str | None = None,
            worker_url: str | None = None, token: str | Secret | None = None,
            progress: Callable[[str], None] | None = None, sink=None,
            lease: bool = True, timeout: float | None = None) -> DeployReport:
     """Deploy ``ref`` (or a ``wip`` snapshot) of the repository at ``cwd`` to every worker of
-    ``group`` and verify they all report the same commit.
+    ``fanout`` and verify they all report the same commit.
 
     ``lease``: hold the pod's code lease (``codelock``) from the push to the verification,
     and refuse while a live run reads the target checkout; pass False when the caller holds
@@ -214,30 +214,30 @@ def deploy(group: Workers, *, ref: str = "HEAD", remote: str = "origin", dir: st
     report = DeployReport(commit=resolved.commit, dir=target_dir,
                           wip_ref=resolved.push_ref if resolved.wip else None,
                           branch=resolved.branch, remote=None if direct else remote)
-    workers = list(group.workers)
+    workers = list(fanout.workers)
     if lease:
-        with codelock.hold(group, workers, purpose=f"deploy {resolved.commit[:12]}",
+        with codelock.hold(fanout, workers, purpose=f"deploy {resolved.commit[:12]}",
                            timeout=timeout) as held:
             # a worker the lease could not reach is reported as failed and left out of the
             # later steps (each would wait on it again); the others deploy
             reached = held.reached(workers)
             lost = {w: parse_outcome(w, r) for w, r in held.lost.items()}
-            codelock.refuse_deploy_under_a_run(group, reached, held, target_dir)
-            _apply(group, root, resolved, report, reached, remote=remote, direct=direct,
+            codelock.refuse_deploy_under_a_run(fanout, reached, held, target_dir)
+            _apply(fanout, root, resolved, report, reached, remote=remote, direct=direct,
                    worker_url=worker_url, token=token, say=say, start=start, sink=sink,
                    lost=lost, timeout=timeout)
     else:
-        _apply(group, root, resolved, report, workers, remote=remote, direct=direct,
+        _apply(fanout, root, resolved, report, workers, remote=remote, direct=direct,
                worker_url=worker_url, token=token, say=say, start=start, sink=sink,
                timeout=timeout)
     report.summary = deploy_summary(report)
     return report
 
 
-def _apply(group: Workers, root: Path, resolved: gitops.Resolved, report: DeployReport,
+def _apply(fanout: Workers, root: Path, resolved: gitops.Resolved, report: DeployReport,
            workers: list[int], *, remote: str, direct: bool, worker_url: str | None,
            token: str | Secret | None, say: Callable[[str], None], start: float,
-           sink=None, lost: Mapping[int, WorkerDeploy] | None = None,
+           sink=None, lost: Mapping[int, DeployRow] | None = None,
            timeout: float | None = None) -> None:
     """Push (or bundle), check out on every worker, verify: the part the lease covers.
 
@@ -249,7 +249,7 @@ def _apply(group: Workers, root: Path, resolved: gitops.Resolved, report: Deploy
         report.rows = []
     elif direct:
         source = "your machine (direct)"
-        _deploy_direct(group, root, resolved, target_dir, workers, report, say, sink,
+        _deploy_direct(fanout, root, resolved, target_dir, workers, report, say, sink,
                        timeout=timeout)
     else:
         url = gitops.remote_url(root, remote)
@@ -260,7 +260,7 @@ def _apply(group: Workers, root: Path, resolved: gitops.Resolved, report: Deploy
                               fetch_ref=resolved.push_ref, branch=resolved.branch,
                               origin=source)
         say(f"checking out {resolved.commit[:12]} on {len(workers)} workers")
-        outcomes = run_script(group, SCRIPT, args, workers, secrets=secrets, sink=sink,
+        outcomes = run_script(fanout, SCRIPT, args, workers, secrets=secrets, sink=sink,
                               timeout=timeout)
         report.rows = [parse_outcome(w, outcomes[w]) for w in workers]
     report.rows = sorted([*report.rows, *(lost or {}).values()], key=lambda r: r.worker)
@@ -298,22 +298,22 @@ def worker_credentials(url: str, token: str | Secret | None
     return clean, secrets or None
 
 
-def _deploy_direct(group: Workers, root: Path, resolved: gitops.Resolved, target_dir: str,
+def _deploy_direct(fanout: Workers, root: Path, resolved: gitops.Resolved, target_dir: str,
                    workers: list[int], report: DeployReport,
                    say: Callable[[str], None], sink=None, *,
                    timeout: float | None = None) -> None:
     """Probe each worker's HEAD, ship one bundle per distinct HEAD (only the missing objects),
     then check out from the bundle."""
-    probes = run_script(group, SCRIPT, ["status", "--dir", target_dir], workers,
+    probes = run_script(fanout, SCRIPT, ["status", "--dir", target_dir], workers,
                         timeout=timeout)
-    rows: dict[int, WorkerDeploy] = {}
+    rows: dict[int, DeployRow] = {}
     heads: dict[int, str | None] = {}
     for w in workers:
         row = parse_outcome(w, probes[w])
         if not row.ok:
             rows[w] = row
         elif row.commit == resolved.commit:
-            rows[w] = WorkerDeploy(w, True, row.commit, row.commit, "noop", 0.0)
+            rows[w] = DeployRow(w, True, row.commit, row.commit, "noop", 0.0)
         else:
             heads[w] = row.commit
     by_head: dict[str | None, list[int]] = {}
@@ -327,7 +327,7 @@ def _deploy_direct(group: Workers, root: Path, resolved: gitops.Resolved, target
             script_dir = Path(RemoteFile.bundled(SCRIPT).path).parent
             remote = f"{script_dir}/{resolved.commit[:16]}-{n}.bundle"
             say(f"sending {local.stat().st_size} bytes to {nodeset.fold(ids)}")
-            put = group.put(local, remote, workers=ids, check=False)
+            put = fanout.put(local, remote, workers=ids, check=False)
             sent = []
             for w in ids:
                 if put[w].error or put[w].exit_code not in (0, None):
@@ -339,6 +339,6 @@ def _deploy_direct(group: Workers, root: Path, resolved: gitops.Resolved, target
             args = worker_command(dir=target_dir, source=remote, commit=resolved.commit,
                                   fetch_ref=gitops.DIRECT_REF, branch=resolved.branch,
                                   remove_source=True)
-            outcomes = run_script(group, SCRIPT, args, sent, sink=sink, timeout=timeout)
+            outcomes = run_script(fanout, SCRIPT, args, sent, sink=sink, timeout=timeout)
             rows.update({w: parse_outcome(w, outcomes[w]) for w in sent})
     report.rows = [rows[w] for w in workers]

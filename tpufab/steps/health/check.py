@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from tpufab import nodeset
+from tpufab.config import timeout_for
 from tpufab.errors import TpufabError
 from tpufab.reports import Report
-from tpufab.steps.health.status import WorkerFacts, human_bytes
+from tpufab.steps.health.status import StatusRow, human_bytes
 
 PYTHONS = ("~/.venv/bin/python", "python3")          # what the recipes run with, in order
 PACKAGES = ("python", "jax", "jaxlib", "libtpu", "libtpu-nightly", "torch", "torch_xla")
@@ -114,7 +115,7 @@ def _group(pairs: Sequence[tuple[int, Any]]) -> dict[Any, list[int]]:
     return out
 
 
-def check_reachable(facts: Mapping[int, WorkerFacts]) -> Result:
+def check_reachable(facts: Mapping[int, StatusRow]) -> Result:
     down = [(w, f.error or "no answer") for w, f in sorted(facts.items()) if not f.reachable]
     up = [w for w, f in facts.items() if f.reachable]
     problems = [Problem("reachable", tuple(ws), f"unreachable ({why})",
@@ -125,7 +126,7 @@ def check_reachable(facts: Mapping[int, WorkerFacts]) -> Result:
     return Result("reachable", f"{nodeset.fold(up) or 'none'} answered", problems)
 
 
-def check_tpu(facts: Mapping[int, WorkerFacts],
+def check_tpu(facts: Mapping[int, StatusRow],
               expected: Mapping[int, Sequence[str]]) -> Result:
     problems: list[Problem] = []
     missing: list[tuple[int, str]] = []
@@ -168,7 +169,7 @@ def _short(command: str, width: int = 60) -> str:
     return command if len(command) <= width else command[:width - 3] + "..."
 
 
-def check_versions(facts: Mapping[int, WorkerFacts]) -> Result:
+def check_versions(facts: Mapping[int, StatusRow]) -> Result:
     reachable = {w: f for w, f in sorted(facts.items()) if f.reachable}
     problems: list[Problem] = []
     unread = [(w, str(f.packages.get("error"))) for w, f in reachable.items()
@@ -201,7 +202,7 @@ def check_versions(facts: Mapping[int, WorkerFacts]) -> Result:
                   data={"packages": {str(w): f.packages for w, f in read.items()}})
 
 
-def check_commit(facts: Mapping[int, WorkerFacts], *, enabled: bool = True) -> Result:
+def check_commit(facts: Mapping[int, StatusRow], *, enabled: bool = True) -> Result:
     if not enabled:
         return Result("commit", "skipped: run deploys one commit to every worker first",
                       skipped=True)
@@ -227,7 +228,7 @@ def check_commit(facts: Mapping[int, WorkerFacts], *, enabled: bool = True) -> R
     return Result("commit", f"{len(groups)} different commits", problems)
 
 
-def check_headroom(facts: Mapping[int, WorkerFacts]) -> list[Result]:
+def check_headroom(facts: Mapping[int, StatusRow]) -> list[Result]:
     reachable = {w: f for w, f in sorted(facts.items()) if f.reachable}
     disk_low = [(w, "; ".join(f"{d.path} has {human_bytes(d.free_bytes)} free of "
                               f"{human_bytes(d.total_bytes)}" for d in f.disk if d.low))
@@ -266,7 +267,7 @@ def clock_skew(worker_time: float | None, before: float, after: float) -> float 
     return 0.0
 
 
-def check_clock(facts: Mapping[int, WorkerFacts], before: float, after: float,
+def check_clock(facts: Mapping[int, StatusRow], before: float, after: float,
                 limit: float = CLOCK_SKEW_SECONDS) -> Result:
     skews = {w: clock_skew(f.time, before, after) for w, f in sorted(facts.items())
              if f.reachable}
@@ -285,7 +286,7 @@ def check_clock(facts: Mapping[int, WorkerFacts], before: float, after: float,
                   data={"skew_seconds": {str(w): s for w, s in skews.items()}})
 
 
-def check_mounts(facts: Mapping[int, WorkerFacts]) -> Result:
+def check_mounts(facts: Mapping[int, StatusRow]) -> Result:
     reachable = {w: f for w, f in sorted(facts.items()) if f.reachable}
     problems: list[Problem] = []
     failing = [(w, (p.at, p.error or "no answer")) for w, f in reachable.items()
@@ -311,7 +312,7 @@ def check_mounts(facts: Mapping[int, WorkerFacts]) -> Result:
                   if not problems else f"{len(where)} mount(s)", problems)
 
 
-def check_ray(facts: Mapping[int, WorkerFacts]) -> Result | None:
+def check_ray(facts: Mapping[int, StatusRow]) -> Result | None:
     """Ray up with every worker joined to its head (from the raylets the facts found); None
     where no worker runs Ray at all."""
     from tpufab.steps.health.status import ray_view
@@ -332,7 +333,7 @@ def check_ray(facts: Mapping[int, WorkerFacts]) -> Result | None:
                   [Problem("ray", tuple(where), text, "start Ray again with `tpufab ray up`")])
 
 
-def quick_results(facts: Mapping[int, WorkerFacts], *, expected_devices: Mapping[int,
+def quick_results(facts: Mapping[int, StatusRow], *, expected_devices: Mapping[int,
                   Sequence[str]], before: float, after: float,
                   compare_commits: bool = True) -> list[Result]:
     """Every quick check, from the facts the workers sent (pure)."""
@@ -462,7 +463,7 @@ class _Collect:
         return b"".join(self.out.get(worker, [])).decode("utf-8", "replace")
 
 
-def run_collective(pod: Any, promise: Promise, *, timeout: float) -> Result:
+def run_collective(hosts: Any, promise: Promise, *, timeout: float) -> Result:
     """Start the collective on every worker (tpufab's run machinery), wait, judge it."""
     from tpufab.ssh.remote_files import RemoteFile
     from tpufab.steps.runs import running as jobs
@@ -470,18 +471,18 @@ def run_collective(pod: Any, promise: Promise, *, timeout: float) -> Result:
 
     bundled = RemoteFile.bundled(COLLECTIVE)
     program = RemoteFile(bundled.name, bundled.data, 0o755)
-    plan = jobs.plan_run(program, slices=pod.slices, ips=pod.internal_ips(),
+    plan = jobs.plan_run(program, slices=hosts.slices, ips=hosts.internal_ips(),
                          args=collective_args(promise, timeout=timeout),
                          forwarded=Forwarded({"TPUFAB_INIT_TIMEOUT": f"{int(timeout)}"}, {}),
-                         tpu=jobs.slice_facts(pod.nodes))
+                         tpu=jobs.slice_facts(hosts.nodes))
     try:
-        jobs.start(pod.fanout, plan)
+        jobs.start(hosts.fanout, plan)
     except jobs.RunError as err:
         return Result("collective", "could not start", [Problem(
             "collective", (), f"the collective could not start: {err}",
             "see `tpufab status`")], data={"run": plan.run_id})
     view = _Collect()
-    states = jobs.follow(pod.fanout, plan.run_id, plan.workers, jobs.FollowSink(view))
+    states = jobs.follow(hosts.fanout, plan.run_id, plan.workers, jobs.FollowSink(view))
     answers = {w: parse_collective(view.text(w)) for w in plan.workers}
     ended = {w: s.label for w, s in states.items()}
     return judge_collective(answers, ended, promise, plan.run_id)
@@ -502,7 +503,7 @@ def expected_device_files(nodes: Sequence[Any]) -> dict[int, tuple[str, ...]]:
     return out
 
 
-def live_runs(facts: Mapping[int, WorkerFacts]) -> list[tuple[str, str | None, str]]:
+def live_runs(facts: Mapping[int, StatusRow]) -> list[tuple[str, str | None, str]]:
     """(run, recipe, its workers folded) for each run running or starting (pure)."""
     found: dict[str, tuple[str | None, list[int]]] = {}
     for w, f in sorted(facts.items()):
@@ -511,7 +512,7 @@ def live_runs(facts: Mapping[int, WorkerFacts]) -> list[tuple[str, str | None, s
     return [(run, recipe, nodeset.fold(where)) for run, (recipe, where) in sorted(found.items())]
 
 
-def run_check(settings: Any, pod: Any, *, quick: bool = False, timeout: float = 120.0,
+def run_check(settings: Any, pod: Any, *, quick: bool = False, timeout: float | None = None,
               compare_commits: bool = True, deploy_dirs: Sequence[str] | None = None,
               progress: Any = None) -> CheckReport:
     """The quick checks in one fan-out, then (unless ``quick`` or they failed) the
@@ -519,6 +520,7 @@ def run_check(settings: Any, pod: Any, *, quick: bool = False, timeout: float = 
     with ``quick`` named as skipped because of it."""
     from tpufab.steps.health import status
 
+    timeout = timeout_for("check", timeout)
     started = time.monotonic()
     dirs = status.default_deploy_dirs(settings) if deploy_dirs is None else list(deploy_dirs)
     before = time.time()

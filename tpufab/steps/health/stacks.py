@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from tpufab import nodeset
+from tpufab.config import TIMEOUTS, timeout_for
 from tpufab.errors import ConfigError, TpufabError
 from tpufab.quoting import Command, Raw
 from tpufab.reports import Report, last_line
@@ -33,8 +34,7 @@ from tpufab.ssh.remote_files import (
 from tpufab.topology import DEVICE_GLOBS
 
 STACKS_WORKER = "stacks_worker.py"
-TIMEOUT = 60.0            # seconds a worker has to dump every process
-INSTALL_TIMEOUT = 180.0   # a `pip install py-spy` where it is missing
+TIMEOUT = TIMEOUTS["stacks"].seconds   # seconds a worker has to dump every process
 # The login user's venv (what setup makes), else the user's site; a fixed line (no input).
 INSTALL_PY_SPY = ('if [ -x "$HOME/.venv/bin/python" ]; then exec "$HOME/.venv/bin/python" -m pip '
                   'install --quiet --disable-pip-version-check py-spy; else exec python3 -m pip '
@@ -219,7 +219,7 @@ def unattached(answers: Mapping[int, Mapping]) -> list[Unattached]:
 
 
 @dataclass
-class WorkerStacks:
+class StacksRow:
     """One worker's row: what its stacks worker answered (``answer``; ``ok`` when it dumped
     its processes), or why it answered nothing (``error``)."""
 
@@ -367,29 +367,45 @@ def _by_text(reasons: Mapping[int, str]) -> dict[str, list[int]]:
 # -- the fan-out --------------------------------------------------------------------------------
 
 
-def capture(group, workers: Sequence[int], *, run: str | None = None, native: bool = False,
+def save_beside_logs(report: StacksReport, *, keep_runs: int, keep_gib: float) -> None:
+    """The folded text and the JSON of what was dumped beside the run's local logs
+    (./.tpufab/runs/ID/stacks-TIME.txt and .json; ./.tpufab/stacks/ without a run):
+    ``report.saved``; nothing where that cannot be written."""
+    from tpufab.steps.runs import running as jobs
+
+    if not (report.dumped and report.processes):
+        return
+    try:
+        folder = jobs.local_log_dir(report.run, keep_runs=keep_runs, keep_gib=keep_gib) \
+            if report.run else jobs.private_dir(Path.cwd() / ".tpufab" / "stacks")
+        report.save(folder)
+    except OSError:
+        pass
+
+
+def capture(fanout, workers: Sequence[int], *, run: str | None = None, native: bool = False,
             device_globs: Sequence[str] = DEVICE_GLOBS, timeout: float | None = None,
             install: bool = True, progress=None) -> StacksReport:
     """py-spy on every chosen worker at once; where py-spy is missing, one ``pip install
     py-spy`` there (``install``) and one more try. ``timeout``: seconds a worker may take."""
     check_run(run)
-    timeout = TIMEOUT if timeout is None else timeout
+    timeout = timeout_for("stacks", timeout)
     line = stacks_command(run=run, native=native, device_globs=device_globs)
     files = [RemoteFile.bundled(STACKS_WORKER)]
     report = StacksReport(list(workers), native=native)
-    _read(report, run_with_files(group, files, line, workers, timeout=timeout))
+    _read(report, run_with_files(fanout, files, line, workers, timeout=timeout))
     missing = report.missing_py_spy
     if missing and install:
         if progress is not None:
             progress(f"py-spy is missing on {nodeset.fold(missing)}; installing it there ...",
                      "dim")
-        installed = group.run(INSTALL_PY_SPY, workers=missing, timeout=INSTALL_TIMEOUT)
+        installed = fanout.run(INSTALL_PY_SPY, workers=missing, timeout=timeout_for("stacks: install py-spy"))
         again = [w for w, r in installed.items() if r.ok]
         for w, r in installed.items():
             if not r.ok:
                 report.install_errors[w] = _pip_error(r)
         if again:
-            _read(report, run_with_files(group, files, line, again, timeout=timeout))
+            _read(report, run_with_files(fanout, files, line, again, timeout=timeout))
             for w in report.missing_py_spy:
                 report.install_errors.setdefault(w, "installed, but py-spy is still not found")
     return report
@@ -412,9 +428,9 @@ def _read(report: StacksReport, results: Mapping[int, object]) -> None:
         if data is None:
             error = getattr(r, "error", None) or last_line(getattr(r, "stderr", "")) \
                 or f"exit status {getattr(r, 'exit_code', '?')}"
-            rows[w] = WorkerStacks(w, False, error=str(error)[:200])
+            rows[w] = StacksRow(w, False, error=str(error)[:200])
         else:
-            rows[w] = WorkerStacks(w, bool(data.get("ok")), answer=data)
+            rows[w] = StacksRow(w, bool(data.get("ok")), answer=data)
     report.rows = [rows[w] for w in sorted(rows)]
 
 

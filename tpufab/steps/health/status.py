@@ -3,7 +3,7 @@
 ``facts_args`` (what to ask), ``parse_facts`` (a worker's answer as a record),
 ``worker_cells`` and ``fold_rows`` (the table) are pure and tested as data; ``collect`` is the
 only step with side effects: the node's API state, then one round trip per worker running
-``remote/facts_worker.py`` (shipped once per content hash). The PodStatus it returns is a
+``remote/facts_worker.py`` (shipped once per content hash). The StatusReport it returns is a
 ``tpufab.reports.Report``; tpufab.views.status prints it.
 """
 
@@ -147,7 +147,7 @@ class Disk:
 
 
 @dataclass
-class WorkerFacts:
+class StatusRow:
     """What one worker said (or why it said nothing): `status`'s row for it (``ok``: it
     answered; else ``error`` says why not)."""
 
@@ -241,7 +241,7 @@ def _text(value: Any) -> str | None:
     return None if value is None else str(value)
 
 
-def parse_facts(worker: int, outcome: Any) -> WorkerFacts:
+def parse_facts(worker: int, outcome: Any) -> StatusRow:
     """A worker's ``facts_worker.py`` output (a fan-out result) as a record; never raises.
 
     ``outcome`` has ``exit_code``, ``stdout``, ``stderr`` and ``error`` (a WorkerResult).
@@ -250,14 +250,14 @@ def parse_facts(worker: int, outcome: Any) -> WorkerFacts:
     """
     error = getattr(outcome, "error", None)
     if error:
-        return WorkerFacts(worker, False, error=str(error))
+        return StatusRow(worker, False, error=str(error))
     data = read_answer(getattr(outcome, "stdout", ""))
     if data is None:
         code = getattr(outcome, "exit_code", None)
         reason = last_line(getattr(outcome, "stderr", "")) or f"exit status {code}"
         if code == 127 or "python3: not found" in reason:
             reason = "python3 is not installed on this worker"
-        return WorkerFacts(worker, False, error=f"no facts: {reason}")
+        return StatusRow(worker, False, error=f"no facts: {reason}")
 
     def items(key: str) -> list[dict]:
         value = data.get(key)
@@ -290,7 +290,7 @@ def parse_facts(worker: int, outcome: Any) -> WorkerFacts:
     probes = tuple(MountProbe(str(p["at"]), bool(p.get("ok")), _text(p.get("error")),
                               _float(p.get("seconds")))
                    for p in items("mount_probes") if p.get("at"))
-    return WorkerFacts(
+    return StatusRow(
         worker, True, host=_text(data.get("host")), uptime_s=_float(data.get("uptime_s")),
         boot_id=_text(data.get("boot_id")), devices=tuple(devices),
         unreadable_processes=_int(data.get("unreadable_processes"), 0) or 0, runs=runs,
@@ -340,7 +340,7 @@ def _short(command: str, width: int = 40) -> str:
     return command if len(command) <= width else command[:width - 3] + "..."
 
 
-def tpu_cell(f: WorkerFacts) -> str:
+def tpu_cell(f: StatusRow) -> str:
     if not f.devices:
         return "no TPU devices"
     busy = f.busy_devices
@@ -355,7 +355,7 @@ def tpu_cell(f: WorkerFacts) -> str:
     return f"{len(busy)}/{len(f.devices)} busy: {shown}{unread}"
 
 
-def runs_cell(f: WorkerFacts) -> str:
+def runs_cell(f: StatusRow) -> str:
     if not f.runs:
         return "-"
     parts = [f"running {r.run} ({r.recipe or '?'})" for r in f.running]
@@ -369,7 +369,7 @@ def runs_cell(f: WorkerFacts) -> str:
     return "; ".join(parts)
 
 
-def commit_cell(f: WorkerFacts) -> str:
+def commit_cell(f: StatusRow) -> str:
     if f.commit:
         return f.commit[:12]
     if any(d.exists for d in f.deploys):
@@ -377,11 +377,11 @@ def commit_cell(f: WorkerFacts) -> str:
     return "-"
 
 
-def mounts_cell(f: WorkerFacts) -> str:
+def mounts_cell(f: StatusRow) -> str:
     return ", ".join(f"{m.at} {m.what}" for m in f.mounts) or "-"
 
 
-def worker_cells(f: WorkerFacts) -> tuple[str, ...]:
+def worker_cells(f: StatusRow) -> tuple[str, ...]:
     """The cells that must agree for workers to share a row (pure)."""
     if not f.reachable:
         return ("unreachable", f.error or "?", "", "", "", "", "")
@@ -391,7 +391,7 @@ def worker_cells(f: WorkerFacts) -> tuple[str, ...]:
 
 
 @dataclass
-class Row:
+class StatusFolded:
     """Workers that agree, and what they agree on."""
 
     workers: list[int]
@@ -409,10 +409,10 @@ class Row:
         return nodeset.fold(self.workers)
 
 
-def _boot_clusters(members: list[WorkerFacts]) -> list[list[WorkerFacts]]:
+def _boot_clusters(members: list[StatusRow]) -> list[list[StatusRow]]:
     """Split workers whose uptimes are far apart (one rebooted) into separate groups."""
     known = sorted((f for f in members if f.uptime_s is not None), key=lambda f: f.uptime_s)
-    clusters: list[list[WorkerFacts]] = []
+    clusters: list[list[StatusRow]] = []
     for f in known:
         if clusters:
             prev = clusters[-1][-1].uptime_s or 0.0
@@ -427,17 +427,17 @@ def _boot_clusters(members: list[WorkerFacts]) -> list[list[WorkerFacts]]:
     return clusters
 
 
-def fold_rows(facts: Mapping[int, WorkerFacts]) -> list[Row]:
+def fold_rows(facts: Mapping[int, StatusRow]) -> list[StatusFolded]:
     """Workers that agree on everything that matters share one row (``w[0-62]``); the odd one
     out gets its own. Numbers that drift between healthy workers (uptime, disk, memory) are not
     compared, only flagged when low or far apart, and shown as ranges."""
-    groups: dict[tuple[str, ...], list[WorkerFacts]] = {}
+    groups: dict[tuple[str, ...], list[StatusRow]] = {}
     for w in sorted(facts):
         groups.setdefault(worker_cells(facts[w]), []).append(facts[w])
     rows = []
     for cells, members in groups.items():
         if cells[0] == "unreachable":
-            rows.append(Row([f.worker for f in members], f"unreachable: {cells[1]}", "-", "-",
+            rows.append(StatusFolded([f.worker for f in members], f"unreachable: {cells[1]}", "-", "-",
                             "-", "-", "-", "-", ok=False))
             continue
         for cluster in _boot_clusters(members):
@@ -456,7 +456,7 @@ def fold_rows(facts: Mapping[int, WorkerFacts]) -> list[Row]:
                       if mem else "?")
             if cells[6]:
                 memory += " LOW"
-            rows.append(Row([f.worker for f in cluster], state, cells[1], cells[2], cells[3],
+            rows.append(StatusFolded([f.worker for f in cluster], state, cells[1], cells[2], cells[3],
                             cells[4], disk, memory, ok=not (cells[5] or cells[6])))
     rows.sort(key=lambda r: r.workers[0])
     return rows
@@ -467,9 +467,9 @@ def fold_rows(facts: Mapping[int, WorkerFacts]) -> list[Row]:
 
 
 @dataclass
-class PodStatus(Report):
+class StatusReport(Report):
     """`tpufab status`: the node(s) as the API sees them and every worker's facts (``rows``:
-    a WorkerFacts per worker, ``.workers`` by index; ``.folded``: the table's rows, workers
+    a StatusRow per worker, ``.workers`` by index; ``.folded``: the table's rows, workers
     that agree folded). Printed by tpufab.views.status (the view ``status``)."""
 
     name: str
@@ -483,11 +483,11 @@ class PodStatus(Report):
     view: ClassVar[str] = "status"
 
     @property
-    def workers(self) -> dict[int, WorkerFacts]:
+    def workers(self) -> dict[int, StatusRow]:
         return {f.worker: f for f in sorted(self.rows, key=lambda f: f.worker)}
 
     @property
-    def folded(self) -> list[Row]:
+    def folded(self) -> list[StatusFolded]:
         return fold_rows(self.workers)
 
     @property
@@ -511,6 +511,9 @@ class PodStatus(Report):
     @property
     def ray(self) -> RayView | None:
         return ray_view(self.workers)
+
+
+PodStatus = StatusReport   # the 0.1 name (docs/api.md), until 0.2
 
 
 def find_nodes(control: ControlPlane, name: str) -> tuple[list[Node], QueuedResourceInfo | None]:
@@ -538,7 +541,7 @@ def fill_upcoming_maintenance(control: ControlPlane, nodes: Sequence[Node]) -> N
                 node.upcoming_maintenance = None
 
 
-def notice_groups(facts: Mapping[int, WorkerFacts]) -> list[tuple[list[int], str]]:
+def notice_groups(facts: Mapping[int, StatusRow]) -> list[tuple[list[int], str]]:
     """[(workers, notice)] for the metadata notices in force, workers folded per notice."""
     by_notice: dict[str, list[int]] = {}
     for w in sorted(facts):
@@ -547,7 +550,7 @@ def notice_groups(facts: Mapping[int, WorkerFacts]) -> list[tuple[list[int], str
     return [(ws, n) for n, ws in by_notice.items()]
 
 
-def maintenance_lines(nodes: Sequence[Node], facts: Mapping[int, WorkerFacts]) -> list[str]:
+def maintenance_lines(nodes: Sequence[Node], facts: Mapping[int, StatusRow]) -> list[str]:
     """Plain text: each node's upcoming maintenance window, then the notices the workers'
     metadata servers hold (what `status` and `check` print)."""
     from tpufab import nodeset
@@ -571,26 +574,26 @@ def default_deploy_dirs(settings: Settings) -> list[str]:
     return list(dict.fromkeys(dirs))
 
 
-def gather_facts(group: Any, *, workers: Iterable[int] | None = None,
+def gather_facts(fanout: Any, *, workers: Iterable[int] | None = None,
                  deploy_dirs: Sequence[str] = (), max_runs: int | None = None,
                  pythons: Sequence[str] = (), probe_mounts: float | None = None,
                  device_globs: Sequence[str] = (),
-                 timeout: float | None = None) -> dict[int, WorkerFacts]:
+                 timeout: float | None = None) -> dict[int, StatusRow]:
     """One round trip per worker (the fan-out runs them all at once): facts_worker.py's answer;
     ``timeout``: seconds each worker has to answer (None: the fan-out's default)."""
     from tpufab.ssh.remote_files import run_script
 
-    chosen = list(workers if workers is not None else group.workers)
+    chosen = list(workers if workers is not None else fanout.workers)
     args = facts_args(deploy_dirs=deploy_dirs, max_runs=max_runs, pythons=pythons,
                       probe_mounts=probe_mounts, device_globs=device_globs)
-    outcomes = run_script(group, SCRIPT, args, chosen, from_memory=True,  # a full disk too
+    outcomes = run_script(fanout, SCRIPT, args, chosen, from_memory=True,  # a full disk too
                           timeout=timeout)
     return {w: parse_facts(w, outcomes[w]) for w in chosen}
 
 
 def collect(settings: Settings, *, control: ControlPlane | None = None, pod: Any = None,
             deploy_dirs: Sequence[str] | None = None,
-            timeout: float | None = None) -> PodStatus:
+            timeout: float | None = None) -> StatusReport:
     """The node's API state, then (if its workers should be up) every worker's facts
     (``timeout``: seconds each worker has to answer)."""
     from tpufab.cloud import lifecycle
@@ -616,14 +619,14 @@ def collect(settings: Settings, *, control: ControlPlane | None = None, pod: Any
                        "; see `tpufab list`.")
     fill_upcoming_maintenance(control, nodes)
     if not nodes:
-        return PodStatus(name, nodes, qr, note=f"Queued resource {name} has no nodes yet "
+        return StatusReport(name, nodes, qr, note=f"Queued resource {name} has no nodes yet "
                          f"({qr.state if qr else '?'}).")
     not_ready = [n for n in nodes if not n.ready]
     if not_ready:
         count = sum(len(n.workers) for n in nodes) or sum(n.hosts for n in nodes)
-        return PodStatus(name, nodes, qr, note="; ".join(
+        return StatusReport(name, nodes, qr, note="; ".join(
             f"TPU node {n.name} is {n.state}" for n in not_ready) + ": its workers were not asked.",
-            rows=[WorkerFacts(w, False, error=f"node {_node_of(nodes, w).state}")
+            rows=[StatusRow(w, False, error=f"node {_node_of(nodes, w).state}")
                   for w in range(count)])
     if pod is None:
         if kept is not None and not pods.same_nodes(kept.nodes, nodes):
@@ -631,11 +634,11 @@ def collect(settings: Settings, *, control: ControlPlane | None = None, pod: Any
         pod = pods.shared(settings, control=control, nodes=nodes)
     dirs = default_deploy_dirs(settings) if deploy_dirs is None else list(deploy_dirs)
     facts = gather_facts(pod.fanout, deploy_dirs=dirs, timeout=timeout)
-    return PodStatus(name, nodes, qr, rows=[facts[w] for w in sorted(facts)])
+    return StatusReport(name, nodes, qr, rows=[facts[w] for w in sorted(facts)])
 
 
 def pod_status(settings: Settings, *, timeout: float | None = None, pod: Any = None,
-               deploy_dirs: Sequence[str] | None = None) -> PodStatus:
+               deploy_dirs: Sequence[str] | None = None) -> StatusReport:
     """`tpufab status` (and ``Pod.status``): ``collect``, then worker 0's autostop view when
     the node says one is armed or the worker has events (``.autostop``)."""
     from tpufab.hosts import connect as pods
@@ -693,7 +696,7 @@ class RayView:
                 f"joined ({nodeset.fold(self.missing)} missing); `tpufab ray up` rejoins them.")
 
 
-def ray_view(facts: Mapping[int, WorkerFacts]) -> RayView | None:
+def ray_view(facts: Mapping[int, StatusRow]) -> RayView | None:
     """Whether Ray is up and joined on every worker, from the facts; None when no worker runs
     any Ray daemon (Ray is not used there: nothing to say) (pure)."""
     where = {w: f.ray for w, f in sorted(facts.items()) if f.ray}

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from tpufab import nodeset
+from tpufab.config import timeout_for
 from tpufab.errors import ConfigError
 from tpufab.reports import Report
 
@@ -28,7 +29,7 @@ MIN_EVERY = 1.0          # s between frames, at least
 
 
 @dataclass
-class WorkerLoad:
+class TopRow:
     """One worker's answer (or why there is none): its row of a frame."""
 
     worker: int
@@ -98,19 +99,19 @@ class WorkerLoad:
                 None if tpu.get("available") else tpu.get("why"))
 
 
-def parse(worker: int, outcome: Any) -> WorkerLoad:
+def parse(worker: int, outcome: Any) -> TopRow:
     """A worker's ``top_worker.py`` answer as a record; never raises."""
     from tpufab.reports import last_line
     from tpufab.ssh.remote_files import read_answer
 
     error = getattr(outcome, "error", None)
     if error:
-        return WorkerLoad(worker, False, error=str(error))
+        return TopRow(worker, False, error=str(error))
     data = read_answer(getattr(outcome, "stdout", ""))
     if not isinstance(data, dict):
         reason = last_line(getattr(outcome, "stderr", "")) or \
             f"exit status {getattr(outcome, 'exit_code', None)}"
-        return WorkerLoad(worker, False, error=f"no answer: {reason}")
+        return TopRow(worker, False, error=f"no answer: {reason}")
 
     def number(value: Any, default: float = 0.0) -> float:
         try:
@@ -127,7 +128,7 @@ def parse(worker: int, outcome: Any) -> WorkerLoad:
     own = sum(number(b.get("cpu_percent")) for b in busiest)
     own = max(own, sum(number(r.get("cpu_percent")) for r in runs))
     total = number(data.get("processes_cpu_percent"), own)
-    return WorkerLoad(worker, True, cpu_percent=round(min(100.0, total / cores), 1),
+    return TopRow(worker, True, cpu_percent=round(min(100.0, total / cores), 1),
                       core_percent=round(total, 1), cores=cores, load=tuple(number(x) for x in load[:3]),
                       memory_total=memory.get("total_bytes"),
                       memory_available=memory.get("available_bytes"), runs=runs,
@@ -136,7 +137,7 @@ def parse(worker: int, outcome: Any) -> WorkerLoad:
 
 
 @dataclass
-class Row:
+class TopFolded:
     """Workers that agree, and what they show."""
 
     workers: list[int]
@@ -160,10 +161,10 @@ def _span(values: Sequence[float], fmt: str, suffix: str = "") -> str:
     return f"{low}{suffix}" if low == high else f"{low}-{high}{suffix}"
 
 
-def fold_rows(loads: Mapping[int, WorkerLoad]) -> list[Row]:
+def fold_rows(loads: Mapping[int, TopRow]) -> list[TopFolded]:
     """Workers grouped by their bucketed values; the largest group first, then the outliers
     (each group's own values shown as spans, so nothing is rounded away)."""
-    groups: dict[tuple, list[WorkerLoad]] = {}
+    groups: dict[tuple, list[TopRow]] = {}
     for w in sorted(loads):
         groups.setdefault(loads[w].key(), []).append(loads[w])
     ordered = sorted(groups.values(), key=lambda g: (-len(g), g[0].worker))
@@ -172,7 +173,7 @@ def fold_rows(loads: Mapping[int, WorkerLoad]) -> list[Row]:
         first = members[0]
         odd = i > 0 and len(ordered) > 1
         if not first.reachable:
-            rows.append(Row([m.worker for m in members], "unreachable", "-", "-", "-",
+            rows.append(TopFolded([m.worker for m in members], "unreachable", "-", "-", "-",
                             first.error or "", "", odd))
             continue
         memory = [m.memory_percent for m in members if m.memory_percent is not None]
@@ -183,7 +184,7 @@ def fold_rows(loads: Mapping[int, WorkerLoad]) -> list[Row]:
             top = [m.busiest[0] for m in members]
             procs = (procs + "; " if procs else "") + \
                 f"{first.top_process} {_span([float(t.get('cpu_percent') or 0) for t in top], '{:.0f}', '%')}"
-        rows.append(Row([m.worker for m in members], first.state,
+        rows.append(TopFolded([m.worker for m in members], first.state,
                         _span([m.cpu_percent for m in members], "{:.0f}", "%"),
                         _span(memory, "{:.0f}", "%"),
                         _span([m.load[0] for m in members if m.load], "{:.2f}"),
@@ -192,7 +193,7 @@ def fold_rows(loads: Mapping[int, WorkerLoad]) -> list[Row]:
 
 
 @dataclass
-class TopFrame(Report):
+class TopReport(Report):
     """One frame: a ``tpufab.reports.Report`` whose rows are every worker's load (``ok``: it
     answered; ``.loads`` by index, ``.folded`` the table's rows), when it was taken and what it
     cost. Printed by tpufab.views.top (the view ``top``)."""
@@ -206,11 +207,11 @@ class TopFrame(Report):
     view: ClassVar[str] = "top"
 
     @property
-    def loads(self) -> dict[int, WorkerLoad]:
+    def loads(self) -> dict[int, TopRow]:
         return {w.worker: w for w in sorted(self.rows, key=lambda w: w.worker)}
 
     @property
-    def folded(self) -> list[Row]:
+    def folded(self) -> list[TopFolded]:
         return fold_rows(self.loads)
 
     @property
@@ -223,22 +224,23 @@ class TopFrame(Report):
         return None
 
 
-def frame(pod: Any, *, workers: Iterable[int] | None = None, interval: float = 1.0,
-          timeout: float | None = 30.0) -> TopFrame:
-    """One frame: ``top_worker.py`` on every chosen worker at once (one fan-out)."""
+def frame(hosts: Any, *, workers: Iterable[int] | None = None, interval: float = 1.0,
+          timeout: float | None = None) -> TopReport:
+    """One frame: ``top_worker.py`` on every chosen worker at once (one fan-out);
+    ``timeout``: TIMEOUTS["top"]."""
     from tpufab.ssh.remote_files import run_script
 
-    chosen = list(workers if workers is not None else pod.workers)
+    chosen = list(workers if workers is not None else hosts.workers)
     started = time.monotonic()
-    outcomes = run_script(pod.fanout, SCRIPT, ["--interval", f"{interval:g}"], chosen,
-                          timeout=timeout)
+    outcomes = run_script(hosts.fanout, SCRIPT, ["--interval", f"{interval:g}"], chosen,
+                          timeout=timeout_for("top", timeout))
     try:
         loads = {w: parse(w, outcomes[w]) for w in chosen}
     finally:
         close = getattr(outcomes, "close", None)
         if close is not None:
             close()
-    return TopFrame(pod.name, time.time(), time.monotonic() - started, interval,
+    return TopReport(hosts.name, time.time(), time.monotonic() - started, interval,
                     rows=[loads[w] for w in chosen])
 
 
@@ -249,10 +251,10 @@ def check_every(every: float, interval: float) -> None:
         raise ConfigError(f"--every must be at least {MIN_EVERY:g} second, not {every:g}.")
 
 
-def watch(pod: Any, *, on_frame: Callable[[TopFrame], None], every: float = 3.0,
+def watch(hosts: Any, *, on_frame: Callable[[TopReport], None], every: float = 3.0,
           interval: float = 1.0, workers: Iterable[int] | None = None,
-          timeout: float | None = 30.0, frames: int | None = None,
-          sleep: Callable[[float], None] = time.sleep) -> TopFrame:
+          timeout: float | None = None, frames: int | None = None,
+          sleep: Callable[[float], None] = time.sleep) -> TopReport:
     """Frames every ``every`` seconds (counted from each frame's start) until Ctrl-C or
     ``frames`` of them; each goes to ``on_frame``. Returns the last."""
     from tpufab.ssh.fanout import FanoutInterrupted
@@ -262,7 +264,7 @@ def watch(pod: Any, *, on_frame: Callable[[TopFrame], None], every: float = 3.0,
     while True:
         began = time.monotonic()
         try:
-            last = frame(pod, workers=chosen, interval=interval, timeout=timeout)
+            last = frame(hosts, workers=chosen, interval=interval, timeout=timeout)
         except FanoutInterrupted:   # Ctrl-C during a frame: as during the pause between
             raise KeyboardInterrupt from None
         on_frame(last)

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tpufab import nodeset
+from tpufab.config import timeout_for
 from tpufab.errors import TpufabError
 from tpufab.quoting import Command, Raw
 from tpufab.reports import Column, Report
@@ -104,7 +105,7 @@ class WorkerReport:
 
 
 @dataclass(frozen=True)
-class KillLine:
+class KillRow:
     """One line of a kill's report: a process (``{pid}`` stands for its pid), a run, a
     lockfile, a note; or (``ok`` False) why the worker could not be checked."""
 
@@ -115,7 +116,7 @@ class KillLine:
     message: str | None = None
 
 
-def _with_pids(lines: list[KillLine]) -> str:
+def _with_pids(lines: list[KillRow]) -> str:
     pids = [e.pid for e in lines if e.pid is not None]
     return lines[0].text.replace("{pid}", _pids(pids) if pids else "")
 
@@ -124,7 +125,7 @@ KILL_COLUMNS = (Column("WHAT", lambda e: e.text, over=_with_pids),)
 
 
 @dataclass
-class KillResult(Report):
+class KillReport(Report):
     """Every worker's tpukill report (``workers``), as a ``tpufab.reports.Report``: one row
     per process, run or lockfile (folded across workers, one pid or each worker's), then the
     summary (killed, protected survivors, device free, lockfiles)."""
@@ -167,11 +168,14 @@ class KillResult(Report):
         return not self.unreachable and not self.busy and not self.unverified \
             and not self.held_by_protected
 
-    def check(self) -> KillResult:
+    def check(self) -> KillReport:
         """This result, or KillError with its summary when the TPU is not free everywhere."""
         if not self.ok:
             raise KillError(summary(self))
         return self
+
+
+KillResult = KillReport   # the 0.1 name (docs/api.md), until 0.2
 
 
 def parse_report(result) -> WorkerReport:
@@ -201,31 +205,30 @@ def check_options(*, run: str | None, grace: float) -> None:
 # -- the apply steps ------------------------------------------------------------------------------
 
 
-def kill(group, workers: Sequence[int], *, run: str | None = None, grace: float = 5.0,
+def kill(fanout, workers: Sequence[int], *, run: str | None = None, grace: float = 5.0,
          dry_run: bool = False, force: bool = False,
-         device_globs: Sequence[str] = DEVICE_GLOBS, timeout: float | None = None) -> KillResult:
+         device_globs: Sequence[str] = DEVICE_GLOBS, timeout: float | None = None) -> KillReport:
     """Run tpukill on every worker at once (one shared grace period per worker)."""
     check_options(run=run, grace=grace)
     options = {"run": run, "grace": grace, "dry_run": dry_run, "force": force,
                "device_globs": device_globs}
     files = [RemoteFile.bundled(TPUKILL)]
-    if timeout is None:
-        timeout = grace + 2 * SETTLE + 30
+    timeout = timeout_for("kill", timeout, plus=grace)  # 34 s: 2 * SETTLE, KILL and answers
     # the tool that frees a wedged TPU must not need free disk: where kill_worker.py cannot be
     # shipped for lack of space, it runs from memory
-    results = run_with_files(group, files, kill_command(**options), workers, timeout=timeout,
+    results = run_with_files(fanout, files, kill_command(**options), workers, timeout=timeout,
                              from_memory=kill_command(**options, from_stdin=True))
-    return KillResult({w: parse_report(r) for w, r in sorted(results.items())}, dry_run, grace)
+    return KillReport({w: parse_report(r) for w, r in sorted(results.items())}, dry_run, grace)
 
 
-def make_zombies(group, workers: Sequence[int], *, holders: int = 2, ignore_term: int = 1,
+def make_zombies(fanout, workers: Sequence[int], *, holders: int = 2, ignore_term: int = 1,
                  lock_holder: bool = False,
                  device_globs: Sequence[str] = DEVICE_GLOBS) -> dict[int, WorkerReport]:
     """Leave a crashed job's mess on ``workers`` (simulated pod): TPU holders, some ignoring
     SIGTERM, the libtpu lockfile held, and a protected ``tpu-runtime`` holder."""
     line = zombie_command(holders=holders, ignore_term=ignore_term, lock_holder=lock_holder,
                           device_globs=device_globs)
-    results = run_with_files(group, [RemoteFile.bundled(ZOMBIE)], line, workers, timeout=60)
+    results = run_with_files(fanout, [RemoteFile.bundled(ZOMBIE)], line, workers, timeout=60)
     return {w: parse_report(r) for w, r in sorted(results.items())}
 
 
@@ -300,31 +303,31 @@ def _signal_note(entry: Mapping, grace: float) -> str:
     return ""
 
 
-def kill_entries(result: KillResult) -> list[KillLine]:
+def kill_entries(result: KillReport) -> list[KillRow]:
     """The lines of every worker's report, in worker order (pure)."""
-    entries: list[KillLine] = []
+    entries: list[KillRow] = []
     for w, report in result.reports.items():
         for run in report.get("runs", ()):
             state = run.get("state")
             if state in ("not running", "ended") and not run.get("stragglers"):
                 continue
-            entries.append(KillLine(w, f"run        {run.get('run')}: {state}", None))
+            entries.append(KillRow(w, f"run        {run.get('run')}: {state}", None))
         verb = "would kill" if result.dry_run else "killed"
         for e in report.get("would_kill" if result.dry_run else "killed", ()):
             note = _signal_note(e, result.grace)
-            entries.append(KillLine(w, f"{verb:<10} {{pid}} {e.get('name')} `{_short(e.get('command', ''))}`"
+            entries.append(KillRow(w, f"{verb:<10} {{pid}} {e.get('name')} `{_short(e.get('command', ''))}`"
                                f" ({_reason(e.get('reason', ''))}){'; ' + note if note else ''}",
                             e.get("pid")))
         for e in report.get("failed", ()):
-            entries.append(KillLine(w, f"NOT KILLED {{pid}} {e.get('name')} `{_short(e.get('command', ''))}`"
+            entries.append(KillRow(w, f"NOT KILLED {{pid}} {e.get('name')} `{_short(e.get('command', ''))}`"
                                f": {e.get('error', 'still alive')}", e.get("pid")))
         for e in report.get("protected", ()):
-            entries.append(KillLine(w, f"protected  {{pid}} {e.get('name')} holds "
+            entries.append(KillRow(w, f"protected  {{pid}} {e.get('name')} holds "
                                f"{fold_paths(e.get('holds', ()))} ({e.get('why')}; left running)",
                             e.get("pid")))
         for e in report.get("holders_left", ()):
             parent = f" (its parent: {e['parent']} pid {e['ppid']})" if e.get("parent") else ""
-            entries.append(KillLine(w, f"BUSY       {{pid}} {e.get('name')} still holds "
+            entries.append(KillRow(w, f"BUSY       {{pid}} {e.get('name')} still holds "
                                f"{fold_paths(e.get('holds', ()))}{parent}", e.get("pid")))
         for lock in report.get("lockfiles", ()):
             action = lock.get("action")
@@ -332,14 +335,14 @@ def kill_entries(result: KillResult) -> list[KillLine]:
                 continue
             held = lock.get("held_by")
             by = f" (held by pid {', '.join(str(p) for p in held)})" if held and "keep" in action else ""
-            entries.append(KillLine(w, f"lockfile   {lock.get('path')} {action}{by}", None))
+            entries.append(KillRow(w, f"lockfile   {lock.get('path')} {action}{by}", None))
         if report.get("noop") and not report.get("protected") and not report.get("holders_left"):
-            entries.append(KillLine(w, "nothing to kill", None))
+            entries.append(KillRow(w, "nothing to kill", None))
         if report.get("unreadable_processes"):
-            entries.append(KillLine(w, f"note       {report['unreadable_processes']} processes of other "
+            entries.append(KillRow(w, f"note       {report['unreadable_processes']} processes of other "
                                "users could not be inspected (not root)", None))
     for w, error in result.unreachable.items():
-        entries.append(KillLine(w, ok=False, message=error))
+        entries.append(KillRow(w, ok=False, message=error))
     return sorted(entries, key=lambda e: e.worker)
 
 
@@ -358,7 +361,7 @@ def _first_worker(label: str) -> int:
     return int(match.group()) if match else 0
 
 
-def summary(result: KillResult) -> str:
+def summary(result: KillReport) -> str:
     """One or a few sentences: killed, protected survivors, device free, lockfiles."""
     reports = result.reports
     everyone = sorted(result.workers)

@@ -272,7 +272,7 @@ def state_path(at: str) -> str:
 # --- reports --------------------------------------------------------------------------------
 
 @dataclass
-class WorkerMount:
+class MountRow:
     worker: int
     ok: bool
     action: str | None = None     # mounted | noop | unmounted
@@ -326,8 +326,8 @@ def umount_summary(report: MountReport, at: str | None) -> str:
             else f"{report.at} was not mounted on any of the {len(report.rows)} workers") + "."
 
 
-def parse_outcome(worker: int, outcome: Outcome) -> WorkerMount:
-    return answer_row(WorkerMount, worker, outcome, seconds=getattr(outcome, "duration", None))
+def parse_outcome(worker: int, outcome: Outcome) -> MountRow:
+    return answer_row(MountRow, worker, outcome, seconds=getattr(outcome, "duration", None))
 
 
 MOUNT_SENTENCES = {
@@ -375,9 +375,9 @@ UMOUNT_SENTENCES = {
 }
 
 
-def _sentence(rows: Sequence[WorkerMount], table: Mapping[str, str], **facts: str) -> str:
+def _sentence(rows: Sequence[MountRow], table: Mapping[str, str], **facts: str) -> str:
     failed = [r for r in rows if not r.ok]
-    kinds: dict[str, list[WorkerMount]] = {}
+    kinds: dict[str, list[MountRow]] = {}
     for row in failed:
         kinds.setdefault(row.error if row.error in table else "driver_failed", []).append(row)
     kind, members = max(kinds.items(), key=lambda kv: len(kv[1]))
@@ -401,14 +401,14 @@ def create_hint(spec: MountSpec) -> str:
 
 # --- the operations -------------------------------------------------------------------------
 
-def mount(group: Workers, source: str, *, at: str | None = None, driver: str = "gcsfuse",
+def mount(fanout: Workers, source: str, *, at: str | None = None, driver: str = "gcsfuse",
           options: Sequence[str] = (), install: bool = False,
           rclone_config: Mapping[str, str | Secret] | None = None, implicit_dirs: bool = True,
           file_mode: str | int | None = None, dir_mode: str | int | None = None,
           cache_dir: str | None = None, allow_other: bool = False,
           read_only: bool = False, endpoint: str | None = None,
           for_task: bool = False) -> MountReport:
-    """Mount ``gs://BUCKET[/PREFIX]`` at ``at`` on every worker of ``group``; a worker that
+    """Mount ``gs://BUCKET[/PREFIX]`` at ``at`` on every worker of ``fanout``; a worker that
     already has it mounted is a verified no-op. Raises MountError naming every failure.
 
     ``endpoint``: a GCS-compatible endpoint instead of Google's (see ``json_api_url``).
@@ -421,15 +421,15 @@ def mount(group: Workers, source: str, *, at: str | None = None, driver: str = "
                       implicit_dirs=implicit_dirs, file_mode=file_mode, dir_mode=dir_mode,
                       cache_dir=cache_dir, allow_other=allow_other, read_only=read_only,
                       endpoint=endpoint)
-    return apply_mount(group, spec, install=install, rclone_config=rclone_config,
+    return apply_mount(fanout, spec, install=install, rclone_config=rclone_config,
                        for_task=for_task)
 
 
-def apply_mount(group: Workers, spec: MountSpec, *, install: bool = False,
+def apply_mount(fanout: Workers, spec: MountSpec, *, install: bool = False,
                 rclone_config: Mapping[str, str | Secret] | None = None,
                 sink=None, timeout: float | None = None,
                 for_task: bool = False) -> MountReport:
-    """Mount ``spec`` on every worker of ``group``; ``timeout``: seconds each step on a worker
+    """Mount ``spec`` on every worker of ``fanout``; ``timeout``: seconds each step on a worker
     may take (None: the fan-out's command_timeout). Raises MountError naming every failure."""
     start = time.monotonic()
     env: dict[str, str] = {}
@@ -437,9 +437,9 @@ def apply_mount(group: Workers, spec: MountSpec, *, install: bool = False,
     if spec.driver == "rclone":
         env, secrets = rclone_env({**rclone_endpoint_config(spec.endpoint),
                                    **(rclone_config or {})})
-    workers = list(group.workers)
+    workers = list(fanout.workers)
     args = worker_args(spec, install=install, log_file=log_path(spec))
-    outcomes = run_script(group, SCRIPT, args, workers, secrets=secrets or None, env=env or None,
+    outcomes = run_script(fanout, SCRIPT, args, workers, secrets=secrets or None, env=env or None,
                           sink=sink, timeout=timeout)
     report = MountReport(at=spec.at, source=spec.url,
                          rows=[parse_outcome(w, outcomes[w]) for w in workers])
@@ -468,15 +468,15 @@ def umount_args(at: str | None, *, lazy: bool = False) -> list[str]:
     return ["umount", *where, *(["--lazy"] if lazy else [])]
 
 
-def umount(group: Workers, at: str | None, *, lazy: bool = False,
+def umount(fanout: Workers, at: str | None, *, lazy: bool = False,
            timeout: float | None = None) -> MountReport:
     """Unmount ``at`` on every worker (lazily only if asked); not mounted is a no-op.
     ``at=None`` unmounts every mount point tpufab mounted there (and still mounted).
     ``timeout``: seconds each step on a worker may take (None: the fan-out's default)."""
     args = umount_args(at, lazy=lazy)
     start = time.monotonic()
-    workers = list(group.workers)
-    outcomes = run_script(group, SCRIPT, args, workers, timeout=timeout)
+    workers = list(fanout.workers)
+    outcomes = run_script(fanout, SCRIPT, args, workers, timeout=timeout)
     report = MountReport(step="umount", at=at or ALL_MOUNTS,
                          columns=UMOUNT_COLUMNS if at else UMOUNT_ALL_COLUMNS,
                          rows=[parse_outcome(w, outcomes[w]) for w in workers])

@@ -37,7 +37,7 @@ def parse_duration(text: str | float) -> float:
 
 
 @dataclass
-class WorkerTrace:
+class ProfileRow:
     """What one worker's capture brought back: its trace files (name, size), or why not."""
 
     worker: int
@@ -49,7 +49,7 @@ class WorkerTrace:
         return self.error is None
 
 
-def _traces(row: WorkerTrace) -> str:
+def _traces(row: ProfileRow) -> str:
     traces = [f for f in row.files if f[0].endswith(".xplane.pb")]
     size = sum(s for _n, s in traces)
     return (f"{len(traces)} trace file{'s' if len(traces) != 1 else ''} "
@@ -57,7 +57,7 @@ def _traces(row: WorkerTrace) -> str:
 
 
 @dataclass(kw_only=True)
-class Captured(Report):
+class ProfileReport(Report):
     """Every worker's capture (``tpufab.reports.Report``): ``profile: w[0-3]  1 trace file
     (12 KiB)``, then where the traces are and how to view them."""
 
@@ -77,10 +77,13 @@ class Captured(Report):
         return {r.worker: r.error for r in self.failed}
 
 
-def _running_run(group, workers: Sequence[int], run: str | None) -> str:
+Captured = ProfileReport   # the 0.1 name (docs/api.md), until 0.2
+
+
+def _running_run(fanout, workers: Sequence[int], run: str | None) -> str:
     from tpufab.steps.runs import running as jobs
 
-    statuses = jobs.statuses(group, workers)
+    statuses = jobs.statuses(fanout, workers)
     if run is not None:
         return run
     running = [(e.get("started_at") or 0, e["run"]) for s in statuses.values() for e in s.runs
@@ -100,9 +103,9 @@ def capture_command(script: RemoteFile, port: int, seconds: float, logdir: str):
                                              int(seconds * 1000), "--logdir", logdir]))
 
 
-def capture(group, *, workers: Sequence[int], run: str | None = None, port: int | None = None,
+def capture(fanout, *, workers: Sequence[int], run: str | None = None, port: int | None = None,
             seconds: float = 5.0, local_base: Path | None = None,
-            progress: Callable[[str], None] | None = None) -> Captured:
+            progress: Callable[[str], None] | None = None) -> ProfileReport:
     """Capture ``seconds`` of trace on each of ``workers`` and copy it under the run's logs."""
     from tpufab.ssh import transfer
     from tpufab.steps.runs import running as jobs
@@ -110,7 +113,7 @@ def capture(group, *, workers: Sequence[int], run: str | None = None, port: int 
 
     say = progress or (lambda text: None)
     began = time.monotonic()
-    run_id = _running_run(group, workers, run)
+    run_id = _running_run(fanout, workers, run)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     remote_dir = f".cache/tpufab/profiles/{run_id}/{stamp}"
     script = RemoteFile.bundled("profile_worker.py")
@@ -118,7 +121,7 @@ def capture(group, *, workers: Sequence[int], run: str | None = None, port: int 
 
     def one(worker: int):
         line = capture_command(script, port or profiler_port(worker), seconds, remote_dir)
-        return worker, run_with_files(group, [script], line, [worker],
+        return worker, run_with_files(fanout, [script], line, [worker],
                                       timeout=seconds + 120)[worker]
 
     with ThreadPoolExecutor(max_workers=min(16, len(workers))) as pool:
@@ -126,25 +129,25 @@ def capture(group, *, workers: Sequence[int], run: str | None = None, port: int 
     local_dir = jobs.local_log_dir(run_id, local_base) / "profiles"
     local_dir.mkdir(exist_ok=True)
     where = local_dir / stamp if len(workers) == 1 else local_dir
-    rows: dict[int, WorkerTrace] = {}
+    rows: dict[int, ProfileRow] = {}
     good = []
     for w, r in results.items():
         answer = read_answer(r.stdout) if r.ok else None
         if not answer or answer.get("error"):
-            rows[w] = WorkerTrace(w, error=(answer or {}).get("error") or jobs.failure_reason(r))
+            rows[w] = ProfileRow(w, error=(answer or {}).get("error") or jobs.failure_reason(r))
         else:
             good.append(w)
     if good:
-        report = transfer.get(group, remote_dir, local_dir, workers=good)
+        report = transfer.get(fanout, remote_dir, local_dir, workers=good)
         for row in report.rows:
             if row.error:
-                rows[row.worker] = WorkerTrace(row.worker, error=row.error)
+                rows[row.worker] = ProfileRow(row.worker, error=row.error)
             else:
                 base = local_dir / stamp if len(workers) == 1 else \
                     local_dir / nodeset.label(row.worker) / stamp
-                rows[row.worker] = WorkerTrace(row.worker, [
+                rows[row.worker] = ProfileRow(row.worker, [
                     (str(Path(p).relative_to(base)), Path(p).stat().st_size) for p in row.paths])
-    captured = Captured(run=run_id, local_dir=where, rows=sorted(rows.values(),
+    captured = ProfileReport(run=run_id, local_dir=where, rows=sorted(rows.values(),
                                                                  key=lambda r: r.worker))
     if not captured.files:
         raise TpufabError(f"No trace captured from run {run_id}: " + "; ".join(
@@ -152,8 +155,4 @@ def capture(group, *, workers: Sequence[int], run: str | None = None, port: int 
     captured.notes.append(f"Traces under {where} ({time.monotonic() - began:.1f} s). View them "
                           f"with `xprof --logdir {where}` or TensorBoard's profile plugin.")
     return captured
-
-
-def trace_files(folder: Path) -> list[Path]:
-    return sorted(folder.rglob("*.xplane.pb"))
 

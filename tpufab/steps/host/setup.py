@@ -30,7 +30,7 @@ from tpufab.ssh.fanout import Fanout, FanoutError, GroupResult, OutputSink, Work
 
 
 @dataclass(frozen=True)
-class SetupOutcome:
+class SetupRow:
     worker: int
     status: str  # "ran", "skipped", "incomplete" (exit 0, a command failed) or "failed"
     exit_code: int | None
@@ -50,6 +50,9 @@ class SetupOutcome:
     @property
     def ok(self) -> bool:
         return self.status != "failed"
+
+
+SetupOutcome = SetupRow   # the 0.1 name (docs/api.md), until 0.2
 
 
 @dataclass(kw_only=True)
@@ -87,8 +90,8 @@ def local_setup_dir(digest: str, base: Path | None = None) -> Path:
     return path
 
 
-def copy_logs(fanout: Fanout, outcomes: Mapping[int, SetupOutcome], digest: str,
-              base: Path | None = None) -> dict[int, SetupOutcome]:
+def copy_logs(fanout: Fanout, outcomes: Mapping[int, SetupRow], digest: str,
+              base: Path | None = None) -> dict[int, SetupRow]:
     """Copy the logs of the failed and incomplete workers here; the outcomes with ``saved``."""
     from dataclasses import replace
 
@@ -119,7 +122,7 @@ def _shown(path: Path) -> Path:
         return path
 
 
-def failure_sentence(outcomes: Mapping[int, SetupOutcome], name: str) -> str:
+def failure_sentence(outcomes: Mapping[int, SetupRow], name: str) -> str:
     """One sentence for the failed (or incomplete) workers: where, what, which log."""
     from tpufab.nodeset import fold
 
@@ -164,10 +167,10 @@ def run_setup(fanout: Fanout, script: bytes | str | os.PathLike[str], *, workers
               timeout: float | None = None, env: Mapping[str, str] | None = None,
               secrets: Mapping[str, str | Secret] | None = None,
               name: str = "setup", save_to: Path | None = None,
-              ) -> tuple[GroupResult, dict[int, SetupOutcome]]:
+              ) -> tuple[GroupResult, dict[int, SetupRow]]:
     """Run a setup script on every selected worker unless it already ran this exact content.
 
-    Returns ``(GroupResult, {worker: SetupOutcome})``; raises :class:`SetupFailed` (a
+    Returns ``(GroupResult, {worker: SetupRow})``; raises :class:`SetupFailed` (a
     ``PodError`` of the API) naming ``name``, the failed command and the log if any worker
     fails; an ``incomplete`` worker (exit 0, a command failed) is returned, its log copied.
     ``save_to``: the folder holding ``.tpufab`` (default: here).
@@ -196,7 +199,7 @@ def run_setup(fanout: Fanout, script: bytes | str | os.PathLike[str], *, workers
         info = (read_answer(r.stdout) or {}) if r.error is None else {}
         status = info.get("status", "failed") if r.ok else "failed"
         failed = info.get("failed") if isinstance(info.get("failed"), dict) else None
-        outcomes[worker] = SetupOutcome(worker, status, r.exit_code, info.get("log"), failed)
+        outcomes[worker] = SetupRow(worker, status, r.exit_code, info.get("log"), failed)
     result.command = f"setup {digest}"
     script_failed = [w for w, r in result.items() if r.error is None and outcomes[w].log
                      and outcomes[w].status == "failed"]

@@ -23,9 +23,6 @@ from tpufab.steps.runs.running import (
     statuses,
 )
 
-LIST_TIMEOUT = 60.0     # `runs`: seconds for every worker to answer
-LOGS_TIMEOUT = 300.0    # plain `logs`: seconds for every worker's log
-
 
 def unreachable_states(found: dict[int, WorkerRuns]) -> list[WorkerState]:
     return [WorkerState(w, "unreachable", detail=s.error) for w, s in found.items()
@@ -99,19 +96,19 @@ class RunsReport(Report):
         return self
 
 
-def list_runs(group, workers: Sequence[int], *, timeout: float | None) -> RunsReport:
+def list_runs(fanout, workers: Sequence[int], *, timeout: float | None) -> RunsReport:
     """``run_worker.py status`` on ``workers``, as one report."""
-    return RunsReport(statuses=statuses(group, workers, timeout=timeout))
+    return RunsReport(statuses=statuses(fanout, workers, timeout=timeout))
 
 
-def find_run(group, chosen: Sequence[int], run: str | None, *,
+def find_run(fanout, chosen: Sequence[int], run: str | None, *,
              timeout: float | None) -> tuple[str, dict[int, WorkerRuns], list[int]]:
     """(run id, statuses, workers that have it) of ``run``, or of the latest run any chosen
     worker knows; RunError in one sentence when there is none."""
     if run is not None and not is_run_id(run):
         raise ConfigError(f"{run!r} is not a run id (they look like 20261122-104455-ab12); "
                           "`tpufab runs` lists them.")
-    found = statuses(group, chosen, timeout=timeout)
+    found = statuses(fanout, chosen, timeout=timeout)
     reachable = [w for w, s in found.items() if s.error is None]
     if not reachable:
         raise RunError(f"No worker answered ({fold_states(unreachable_states(found))}).")
@@ -195,7 +192,7 @@ class LogsReport:
         return self
 
 
-def run_logs(group, chosen: Sequence[int], run: str | None, *, timeout: float | None,
+def run_logs(fanout, chosen: Sequence[int], run: str | None, *, timeout: float | None,
              follow: bool = False, follow_timeout: float = float("inf"), sink=None,
              secrets: Sequence[str] = (), progress=None) -> LogsReport:
     """The logs of ``run`` (default: the latest) on the chosen workers that have it: fetched
@@ -205,7 +202,7 @@ def run_logs(group, chosen: Sequence[int], run: str | None, *, timeout: float | 
     from tpufab.ssh.fanout import FanoutInterrupted
     from tpufab.steps.runs import running
 
-    run_id, found, have = find_run(group, chosen, run, timeout=timeout)
+    run_id, found, have = find_run(fanout, chosen, run, timeout=timeout)
     rows = {r.run: r for r in run_rows({w: found[w] for w in chosen})}
     report = LogsReport(run_id, rows[run_id], have,
                         [w for w in chosen if w not in have and found[w].error is None],
@@ -217,13 +214,13 @@ def run_logs(group, chosen: Sequence[int], run: str | None, *, timeout: float | 
             progress(f"({nodeset.fold(report.absent)} "
                      f"{'has' if len(report.absent) == 1 else 'have'} no record of it.)", "dim")
     if not follow:
-        report.logs, report.states = fetch_logs(group, run_id, have, timeout=timeout)
+        report.logs, report.states = fetch_logs(fanout, run_id, have, timeout=timeout)
         return report
     if callable(sink) and not hasattr(sink, "lines"):
         sink = sink(have)
     follower = running.FollowSink(sink if sink is not None else _Silent(), secrets=secrets)
     try:
-        report.states = running.follow(group, run_id, have, follower, timeout=follow_timeout)
+        report.states = running.follow(fanout, run_id, have, follower, timeout=follow_timeout)
     except FanoutInterrupted:
         report.interrupted = True
     finally:

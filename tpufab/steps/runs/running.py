@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from tpufab import nodeset
+from tpufab.config import TIMEOUTS
 from tpufab.errors import TpufabError
 from tpufab.quoting import Command, mask, mask_bytes, secret_bytes
 from tpufab.ssh.remote_files import (
@@ -361,9 +362,9 @@ def latest_run(statuses: Mapping[int, WorkerRuns]) -> str | None:
 # -- talking to workers -----------------------------------------------------------------------------
 
 
-def open_workers(group, workers: Sequence[int], what: str) -> None:
+def open_workers(fanout, workers: Sequence[int], what: str) -> None:
     """Connect now, so a worker that cannot be reached stops ``what`` before anything starts."""
-    opened = group.open(workers)
+    opened = fanout.open(workers)
     failed = [r for r in opened.values() if not r.ok]
     if failed:
         raise unreachable_error({r.worker: r.outcome for r in failed}, what)
@@ -382,7 +383,7 @@ def unreachable_error(reasons: Mapping[int, str], what: str) -> RunError:
                     "check `tpufab describe` and try again.")
 
 
-def start(group, plan: RunPlan, *, timeout: float | None = None) -> dict[int, dict]:
+def start(fanout, plan: RunPlan, *, timeout: float | None = None) -> dict[int, dict]:
     """Start ``plan`` on every one of its workers at once; ``{worker: run_worker.py's report}``.
 
     All or nothing: if any worker cannot start it, it is stopped on the others (a job that
@@ -392,15 +393,15 @@ def start(group, plan: RunPlan, *, timeout: float | None = None) -> dict[int, di
     from tpufab.ssh.remote_files import put_each
 
     workers = plan.workers
-    open_workers(group, workers, f"start run {plan.run_id}")
+    open_workers(fanout, workers, f"start run {plan.run_id}")
     contents = {w: json.dumps(plan.environments[w].public).encode() for w in workers}
-    puts = put_each(group, contents, plan.env_file(), mode=0o600)
+    puts = put_each(fanout, contents, plan.env_file(), mode=0o600)
     failed = {w: r.outcome for w, r in puts.items() if not r.ok}
     started: dict[int, dict] = {}
     if not failed:
         secrets = plan.secrets
         stdin = json.dumps(secrets).encode() if secrets else None
-        results = run_with_files(group, [launch_file(), plan.recipe], start_command(plan),
+        results = run_with_files(fanout, [launch_file(), plan.recipe], start_command(plan),
                                  workers, stdin=stdin, timeout=timeout)
         for w, r in results.items():
             data = read_answer(r.stdout) if r.ok else None
@@ -410,11 +411,11 @@ def start(group, plan: RunPlan, *, timeout: float | None = None) -> dict[int, di
                 failed[w] = failure_reason(r)
     if failed:
         if started:
-            group.run(stop_command(plan.run_id, 2.0), workers=sorted(started), timeout=timeout)
+            fanout.run(stop_command(plan.run_id, 2.0), workers=sorted(started), timeout=timeout)
         # where the env file was written and the start failed (a worker whose put failed
         # has none, and may not answer: asking it again would cost its timeout again)
         leftover = [w for w in workers if w not in started and puts[w].ok]
-        group.run(["rm", "-f", plan.env_file()], workers=leftover, timeout=timeout)
+        fanout.run(["rm", "-f", plan.env_file()], workers=leftover, timeout=timeout)
         reasons = {}
         for w, why in failed.items():
             reasons.setdefault(why, []).append(w)
@@ -427,16 +428,16 @@ def start(group, plan: RunPlan, *, timeout: float | None = None) -> dict[int, di
     return started
 
 
-def statuses(group, workers: Sequence[int], *,
+def statuses(fanout, workers: Sequence[int], *,
              timeout: float | None = None) -> dict[int, WorkerRuns]:
     """``run_worker.py status`` on every worker (unreachable ones say so instead of raising);
     ``timeout``: seconds each worker has to answer (None: the fan-out's default)."""
-    results = run_with_files(group, [launch_file()], status_command(), workers,
+    results = run_with_files(fanout, [launch_file()], status_command(), workers,
                              timeout=timeout)
     return {w: parse_status(r) for w, r in sorted(results.items())}
 
 
-def fetch_logs(group, run_id: str, workers: Sequence[int], *,
+def fetch_logs(fanout, run_id: str, workers: Sequence[int], *,
                timeout: float | None = None) -> tuple[dict[int, Output],
                                                       dict[int, WorkerState]]:
     """Each worker's whole log so far, and how the run stands there.
@@ -444,7 +445,7 @@ def fetch_logs(group, run_id: str, workers: Sequence[int], *,
     The logs are the fan-out's spooled outputs (in memory up to a small cap, then in a temp
     file): read them with ``.chunks()`` (or ``terminal.lines_of``) and ``close()`` them.
     """
-    results = run_with_files(group, [launch_file()], tail_command(run_id), workers,
+    results = run_with_files(fanout, [launch_file()], tail_command(run_id), workers,
                              timeout=timeout)
     logs, states = {}, {}
     for w, r in sorted(results.items()):
@@ -457,7 +458,7 @@ def fetch_logs(group, run_id: str, workers: Sequence[int], *,
     return logs, states
 
 
-def save_logs(group, run_id: str, workers: Sequence[int], into: Path,
+def save_logs(fanout, run_id: str, workers: Sequence[int], into: Path,
               secrets: Iterable[str] = ()) -> list[int]:
     """Each worker's whole log into ``into/w<N>.log``, masked line by line as it streams from
     the spooled output (a copy already there that is longer, made while following, stays);
@@ -465,7 +466,7 @@ def save_logs(group, run_id: str, workers: Sequence[int], into: Path,
     from tpufab.term.terminal import lines_of
 
     masked = secret_bytes(list(secrets))
-    logs, _ = fetch_logs(group, run_id, workers)
+    logs, _ = fetch_logs(fanout, run_id, workers)
     private_dir(into)
     try:
         for w, output in logs.items():
@@ -483,7 +484,7 @@ def save_logs(group, run_id: str, workers: Sequence[int], into: Path,
     return sorted(logs)
 
 
-def follow(group, run_id: str, workers: Sequence[int], sink,
+def follow(fanout, run_id: str, workers: Sequence[int], sink,
            timeout: float = float("inf")) -> dict[int, WorkerState]:
     """Stream the run's log from every worker into ``sink`` until it ends everywhere (or
     ``timeout`` seconds pass: no limit by default, whatever the fan-out's command timeout,
@@ -492,15 +493,15 @@ def follow(group, run_id: str, workers: Sequence[int], sink,
     Only the followers (``run_worker.py tail --follow``) are stopped by Ctrl-C (FanoutInterrupted
     propagates) or the timeout: the run itself never is.
     """
-    results = run_with_files(group, [launch_file()], tail_command(run_id, follow=True),
+    results = run_with_files(fanout, [launch_file()], tail_command(run_id, follow=True),
                              workers, sink=sink, timeout=timeout)
     return {w: parse_tail(r) for w, r in sorted(results.items())}
 
 
-def stop(group, run_id: str, workers: Sequence[int],
+def stop(fanout, run_id: str, workers: Sequence[int],
          grace: float = STOP_GRACE) -> dict[int, dict]:
     """Stop the run on ``workers`` (TERM its process group, KILL after ``grace``)."""
-    results = run_with_files(group, [launch_file()], stop_command(run_id, grace), workers,
+    results = run_with_files(fanout, [launch_file()], stop_command(run_id, grace), workers,
                              timeout=grace + 30)
     out = {}
     for w, r in sorted(results.items()):
@@ -515,7 +516,8 @@ def stop(group, run_id: str, workers: Sequence[int],
 ROUND_SLACK = 5.0
 
 
-def wait_port(group, run_id: str, port: int, *, worker: int = 0, timeout: float = 600.0,
+def wait_port(fanout, run_id: str, port: int, *, worker: int = 0,
+              timeout: float = TIMEOUTS["run --wait-port"].seconds,
               probe: float = 5.0, slack: float = ROUND_SLACK) -> tuple[bool, str]:
     """Wait (at most ``timeout`` s) until ``port`` answers on ``worker`` while the run lives.
 
@@ -532,10 +534,10 @@ def wait_port(group, run_id: str, port: int, *, worker: int = 0, timeout: float 
         return timeout - (time.monotonic() - began)
 
     def within(run: float):
-        """``group`` with the command bounded by ``run`` s, and connecting by what is left of
+        """``fanout`` with the command bounded by ``run`` s, and connecting by what is left of
         the wait (a loaded worker may be slow to let us in while there is time) plus slack."""
-        return group.bound(connect_timeout=min(group.connect_timeout, max(0.0, left()) + slack),
-                           command_timeout=run)
+        return fanout.bound(connect_timeout=min(fanout.connect_timeout, max(0.0, left()) + slack),
+                            command_timeout=run)
 
     while True:
         trying = max(0.1, min(probe, left()))

@@ -24,13 +24,12 @@ from pathlib import Path
 from typing import ClassVar
 
 from tpufab import nodeset
+from tpufab.config import timeout_for
 from tpufab.errors import ConfigError, TpufabError
 from tpufab.reports import Report
 
 GCS_PORT = 6379          # the head's GCS (Ray's default)
 DASHBOARD_PORT = 8265    # the dashboard and Job API, on the head's 127.0.0.1 only
-STEP_TIMEOUT = 300.0     # seconds for one step on the workers (ray start installs Ray if missing)
-JOIN_TIMEOUT = 120.0     # seconds for the joined hosts to show up alive in the head's view
 CONFIG_PATH = ".cache/tpufab/ray/start.json"   # each host's part, 0600, read and removed
 SCRIPT = "ray_worker.py"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -142,7 +141,7 @@ def up(pod, *, extra: Sequence[str] = (), timeout: float | None = None,
                           f"not {join_batch}.")
     from tpufab.ssh.remote_files import put_each
 
-    timeout = STEP_TIMEOUT if timeout is None else timeout
+    timeout = timeout_for("ray up", timeout)
     began = time.monotonic()
     every = hosts(pod)
     by_worker = {h.worker: h for h in every}
@@ -228,7 +227,8 @@ def _alive(pod, head: int, timeout: float) -> list[dict]:
 def _wait_joined(pod, head: int, ips: dict[str, int], timeout: float) -> list[dict]:
     """Until every host's IP (``{ip: worker}``) is an alive node in the head's view
     (bounded)."""
-    deadline = time.monotonic() + min(timeout, JOIN_TIMEOUT)
+    bound = min(timeout, timeout_for("ray up: joined"))
+    deadline = time.monotonic() + bound
     while True:
         try:
             nodes = _alive(pod, head, timeout)
@@ -242,7 +242,7 @@ def _wait_joined(pod, head: int, ips: dict[str, int], timeout: float) -> list[di
         if time.monotonic() >= deadline:
             raise RayError(f"Ray started, but the head does not see "
                            f"{nodeset.fold(ips[ip] for ip in missing)} after "
-                           f"{min(timeout, JOIN_TIMEOUT):g} s; `tpufab ray status` shows what it "
+                           f"{bound:g} s; `tpufab ray status` shows what it "
                            "sees, `tpufab ray up` again rejoins the missing hosts.")
         time.sleep(1.0)
 
@@ -251,7 +251,7 @@ def _wait_joined(pod, head: int, ips: dict[str, int], timeout: float) -> list[di
 
 
 @dataclass(kw_only=True)
-class RayStatus(Report):
+class RayStatusReport(Report):
     """`tpufab ray status`: a row per host (its ``Host``), what each said of its Ray
     processes (``states``), the nodes the head sees and the jobs; printed by
     tpufab/views/ray.py (the view ``ray``)."""
@@ -290,12 +290,12 @@ class RayStatus(Report):
         return self.healthy
 
 
-def status(pod, *, timeout: float | None = None) -> RayStatus:
-    timeout = 60.0 if timeout is None else timeout
+def status(pod, *, timeout: float | None = None) -> RayStatusReport:
+    timeout = timeout_for("ray status", timeout)
     every = hosts(pod)
     head = every[0]
     states = _run(pod, ["state"], [h.worker for h in every], timeout)
-    report = RayStatus(name=pod.name, address=f"{head.ip}:{GCS_PORT}", head=head.worker,
+    report = RayStatusReport(name=pod.name, address=f"{head.ip}:{GCS_PORT}", head=head.worker,
                        rows=every, states=states)
     if states[head.worker].get("head"):
         answer = _run(pod, ["cluster", "--dashboard-port", DASHBOARD_PORT], [head.worker],
@@ -319,7 +319,7 @@ class RayDown:
 def down(pod, *, grace: float = 10.0, timeout: float | None = None) -> RayDown:
     """`ray stop` on every host (then --force, then SIGKILL what is left). Raises RayError
     naming the hosts where Ray processes are left."""
-    timeout = STEP_TIMEOUT if timeout is None else timeout
+    timeout = timeout_for("ray down", timeout)
     answers = _run(pod, ["stop", "--grace", grace], pod.workers, timeout)
     bad = {w: a["error"] for w, a in answers.items() if a.get("error")}
     bad.update({w: "left " + ", ".join(a["left"]) for w, a in answers.items() if a.get("left")})
@@ -467,7 +467,7 @@ def submit(pod, settings, recipe, args: Sequence[str] = (), *,
     from tpufab.steps.runs.env import forwarded_for
     from tpufab.steps.start.starting import check_recipe
 
-    timeout = STEP_TIMEOUT if timeout is None else timeout
+    timeout = timeout_for("ray submit", timeout)
     if isinstance(recipe, RemoteFile):
         path, script = Path(recipe.path), recipe
     else:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tpufab import nodeset
+from tpufab.config import timeout_for
 from tpufab.durations import human_duration, parse_duration
 from tpufab.errors import ConfigError, TpufabError, shown
 
@@ -86,11 +87,11 @@ class ProgressFile:
     that appears counts; a worker that does not answer, or has no file, does not)."""
 
     def __init__(self, fanout, run_id: str, workers: Sequence[int], path: str, *,
-                 timeout: float = 30.0):
+                 timeout: float | None = None):
         self.fanout = fanout
         self.workers = list(workers)
         self.path = path
-        self.timeout = timeout
+        self.timeout = timeout_for("run --stall-progress-file", timeout)
         self.seen: dict[int, str] = {}
         self.command = f"stat -c %Y -- {self.where(run_id, path)} 2>/dev/null || true"
 

@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpufab import nodeset
+from tpufab.config import TIMEOUTS
 from tpufab.errors import ConfigError, TpufabError, shown
 from tpufab.steps.runs.running import RunError, RunPlan
 
-RUN_TIMEOUT = 600.0     # seconds per step before the recipe starts (deploy, start); following
-                        # the logs afterwards has no limit: a training run may last days
-WAIT_TIMEOUT = 600.0    # --wait-port: seconds to wait for the port before showing the logs
+# seconds per step before the recipe starts (deploy, start); following the logs afterwards
+# has no limit: a training run may last days; and --wait-port's wait (tpufab.config.TIMEOUTS)
+RUN_TIMEOUT = TIMEOUTS["run"].seconds
+WAIT_TIMEOUT = TIMEOUTS["run --wait-port"].seconds
 
 Progress = Callable[..., None]   # progress(text, style=None): tpufab's notes as steps happen
 

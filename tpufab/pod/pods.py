@@ -1,0 +1,103 @@
+"""Pods as cloud resources: what the node verbs (create, delete, gc, list, describe,
+known-hosts forget) call; each reaches the cloud only through the control plane seam
+(tpufab.cloud.lifecycle, docs/control-plane.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from tpufab.config import Settings, load_settings
+from tpufab.pod.api import Pod
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from tpufab.cloud.lifecycle import Garbage, Listing
+    from tpufab.cloud.nodes import MultisliceInfo, Node, QueuedResourceInfo
+
+
+def _settings(name: str | None, zone: str | None, project: str | None,
+              overrides: Mapping[str, Any]) -> Settings:
+    return load_settings({"name": name, "zone": zone, "project": project, **overrides})
+
+
+def create(name: str | None = None, *, type: str | None = None, zone: str | None = None,
+           project: str | None = None, queued: bool = False, num_slices: int = 1,
+           **settings: Any) -> Pod:
+    """Create a TPU VM node (idempotent for an existing READY node of the same type), wait
+    until it is READY, and return it as a Pod."""
+    from tpufab.cloud import lifecycle
+
+    chosen = _settings(name, zone, project, {"type": type, **settings})
+    lifecycle.create(chosen, queued=queued, num_slices=num_slices)
+    return Pod(chosen.name, zone=chosen.zone, project=chosen.project, **settings)
+
+
+def create_node(settings: Settings, *, queued: bool = False, num_slices: int = 1,
+                async_: bool = False, zones: Sequence[str] | None = None,
+                retry_for: float | None = None, reservation: str | None = None,
+                topology: str | None = None, console: Console | None = None) -> list[Node]:
+    """`tpufab create` with exactly these settings (name, type, tier, labels ...): create the
+    node (or queued resource), trying ``zones`` in order on a stockout and retrying for
+    ``retry_for`` seconds, and wait until READY (unless ``async_``). Returns the nodes;
+    raises ApiError (quota, stockout, bad request) or ConfigError in one sentence."""
+    from tpufab.cloud import lifecycle
+
+    return lifecycle.create(settings, queued=queued, num_slices=num_slices, async_=async_,
+                            zones=zones, retry_for=retry_for, reservation=reservation,
+                            topology=topology, console=console)
+
+
+def gc(*, zone: str | None = None, project: str | None = None, all_zones: bool = False,
+       yes: bool = True, console: Console | None = None, **settings: Any) -> list[Garbage]:
+    """`tpufab gc`: delete preempted, terminated and failed nodes and suspended and failed
+    queued resources (in the zone, or every zone); ``yes=False`` asks first (on a terminal),
+    ``console`` hears what is found and deleted. Returns what was deleted."""
+    from tpufab.cloud import lifecycle
+
+    return lifecycle.gc(_settings(None, zone, project, settings), yes=yes, all_zones=all_zones,
+                        console=console)
+
+
+def delete(name: str | None = None, *, zone: str | None = None,
+           project: str | None = None, yes: bool = True, console: Console | None = None) -> bool:
+    """`tpufab delete`: delete a TPU node (or its queued resource) and wait until it is gone
+    (a no-op if there is none); ``yes=False`` asks first on a terminal. Returns whether
+    something was deleted."""
+    from tpufab.cloud import lifecycle
+    from tpufab.hosts import connect
+
+    chosen = _settings(name, zone, project, {})
+    connect.forget(chosen)
+    connect.stop_keepers(chosen)  # its kept connections go with it
+    return lifecycle.delete(chosen, yes=yes, console=console)
+
+
+def list_pods(*, zone: str | None = None, project: str | None = None, waiting: bool = True,
+              **settings: Any) -> Listing:
+    """`tpufab list`: the zone's TPU nodes (``.nodes``) and, with ``waiting``, its queued
+    resources that have no nodes yet (``.waiting``); ``.to_json()``, ``.render(console)``."""
+    from tpufab.cloud import lifecycle
+
+    return lifecycle.listing(_settings(None, zone, project, settings), waiting=waiting)
+
+
+def describe(name: str | None = None, *, zone: str | None = None, project: str | None = None,
+             **settings: Any) -> Node | QueuedResourceInfo | MultisliceInfo:
+    """`tpufab describe`: the node called ``name`` (a Node: state, health, workers and their
+    IPs), or the queued resource of that name if no node has it, or the Compute Engine
+    multislice of that name (a MultisliceInfo: ``.slices``); ``.to_json()``. Raises ApiError
+    when there is none, ConfigError when the name is both a node and a multislice."""
+    from tpufab.cloud import lifecycle
+
+    return lifecycle.describe(_settings(name, zone, project, settings))
+
+
+def forget_host_keys(node: str, *, zone: str | None = None, project: str | None = None,
+                     **settings: Any) -> int:
+    """`tpufab known-hosts forget`: drop the pinned host keys of ``node`` (a name, or the
+    node id an error named); how many were removed."""
+    from tpufab.hosts import connect
+
+    return connect.forget_host_keys(_settings(None, zone, project, settings), node)
