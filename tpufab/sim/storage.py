@@ -23,7 +23,7 @@ import threading
 from functools import cache, partial
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlparse
+from urllib.parse import parse_qs, quote, unquote, urlparse
 
 from tpufab.errors import SimError
 from tpufab.sim.gcs import StorageClient
@@ -35,7 +35,8 @@ PRECONDITIONS = ("ifGenerationMatch", "ifGenerationNotMatch", "ifMetagenerationM
 NOT_MET = "At least one of the pre-conditions you specified did not hold."
 _API = r"(?:/storage/v1)?"
 # (method, path pattern, kind): the requests whose object (or bucket) tpufab's layer looks at
-ROUTES = [
+# (kind None: passed through as they are)
+ROUTES: list[tuple[str, re.Pattern, str | None]] = [
     ("POST", re.compile(rf"^{_API}/b$"), "bucket-create"),
     ("GET", re.compile(rf"^{_API}/b/(?P<b>[^/]+)/iam/testPermissions$"), "permissions"),
     ("GET", re.compile(rf"^{_API}/b/(?P<b>[^/]+)$"), "bucket-get"),
@@ -43,6 +44,7 @@ ROUTES = [
     ("POST", re.compile(rf"^{_API}/b/(?P<b>[^/]+)/o/(?P<o>.+)/compose$"), "write"),
     ("POST", re.compile(rf"^{_API}/b/[^/]+/o/.+/(?:copyTo|rewriteTo)/b/(?P<b>[^/]+)/o/(?P<o>.+)$"),
      "write"),
+    ("GET", re.compile(rf"^{_API}/b/[^/]+/o/.+/acl$"), None),      # the emulator's own
     ("GET", re.compile(rf"^{_API}/b/(?P<b>[^/]+)/o/(?P<o>.+)$"), "read"),
     ("DELETE", re.compile(rf"^{_API}/b/(?P<b>[^/]+)/o/(?P<o>.+)$"), "delete"),
     ("PATCH", re.compile(rf"^{_API}/b/(?P<b>[^/]+)/o/(?P<o>.+)$"), "update"),
@@ -65,6 +67,8 @@ def route(method: str, path: str) -> tuple[str, str | None, str | None] | None:
     for verb, pattern, kind in ROUTES:
         if verb == method:
             match = pattern.match(path)
+            if match and kind is None:
+                return None
             if match:
                 found = match.groupdict()
                 name = found.get("o")
@@ -210,6 +214,11 @@ def _handler_class() -> type:
             if status == 304:
                 self._answer(304, b"")
                 return True
+            if kind in ("read", "delete", "update") and obj is None and name is not None:
+                what = f"No such object: {bucket}/{name}" if bucket in storage.buckets else \
+                    "The specified bucket does not exist."
+                self._answer(404, error_body(404, "notFound", what))
+                return True
             if kind == "permissions":
                 if bucket not in storage.buckets:
                     return False                    # the emulator's 404
@@ -237,6 +246,15 @@ def _handler_class() -> type:
                 if uniform is not None:      # the old name of the same switch, as GCS shows it
                     made["iamConfiguration"]["bucketPolicyOnly"] = dict(uniform)
                 storage.create_bucket(bucket, made)
+                self._json(made)
+                return True
+            if kind == "write" and query.get("uploadType") == ["media"] and name:
+                if bucket not in storage.buckets:
+                    return False                    # the emulator's 404
+                # the emulator parses a media upload of JSON as JSON and fails on it: stored here
+                made = object_resource(self.server.server_address, bucket, name, body,
+                                       self.headers.get("Content-Type"), obj)
+                storage.create_file(bucket, name, body, made)
                 self._json(made)
                 return True
             if kind == "read" and obj is not None and (
@@ -306,6 +324,34 @@ def _handler_class() -> type:
             pass
 
     return Handler
+
+
+def object_resource(address: tuple, bucket: str, name: str, data: bytes,
+                    content_type: str | None, previous: dict | None) -> dict:
+    """An object's resource as GCS answers an upload: a new generation (above the one it
+    replaces), metageneration 1, size, hashes."""
+    import hashlib
+    import time
+    from datetime import datetime, timezone
+
+    import google_crc32c
+
+    generation = time.time_ns()
+    if previous is not None:
+        generation = max(generation, int(previous["generation"]) + 1)
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    md5 = base64.b64encode(hashlib.md5(data).digest()).decode()
+    host, port = address[:2]
+    return {"kind": "storage#object", "id": f"{bucket}/{name}/{generation}",
+            "selfLink": f"/storage/v1/b/{bucket}/o/{quote(name, safe='')}", "name": name,
+            "bucket": bucket, "generation": str(generation), "metageneration": "1",
+            "contentType": content_type or "application/octet-stream", "timeCreated": now,
+            "updated": now, "storageClass": "STANDARD", "timeStorageClassUpdated": now,
+            "size": str(len(data)), "md5Hash": md5, "etag": md5,
+            "crc32c": base64.b64encode(google_crc32c.Checksum(data).digest()).decode(),
+            "mediaLink": f"http://{host}:{port}/download/storage/v1/b/{bucket}/o/"
+                         f"{quote(name, safe='')}?generation={generation}&alt=media",
+            "acl": []}
 
 
 def _upload_name(body: bytes, headers: Any) -> str | None:
