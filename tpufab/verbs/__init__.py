@@ -24,6 +24,7 @@ FAMILIES = ("project", "launch", "nodes", "workers", "files", "data", "jobs", "s
 GROUP_HELP = {
     "sim": "The simulated TPU pod: a local TPU API with real SSH workers.",
     "known-hosts": "tpufab's pinned worker host keys.",
+    "jobs": "Supervised jobs, read from the supervisor's bucket (`tpufab jobs`: list them).",
 }
 
 

@@ -100,6 +100,8 @@ class Verb:
     # tests/test_spine.py checks it).
     pod_method: str | None = None
     view: tuple[str, ...] = ()
+    # The verb a group runs when given no subcommand (`tpufab jobs` is `tpufab jobs list`).
+    default: bool = False
 
     @property
     def path(self) -> str:
@@ -158,20 +160,24 @@ DECLARED: list[Verb] = []
 
 def verb(*, name: str | None = None, group: str | None = None,
          options: dict[str, Opt | str] | None = None, pod_method: str | None = None,
-         view: Sequence[str] = ()) -> Callable:
+         view: Sequence[str] = (), default: bool = False) -> Callable:
     """Declare the decorated function as a verb of both front doors.
 
     A verb on the workers names its ``pod_method`` (the one tpufab.Pod method it calls) and
-    its ``view`` flags (those that only change what is printed: --json, --raw, ...)."""
+    its ``view`` flags (those that only change what is printed: --json, --raw, ...). A
+    ``default`` verb of a group also runs for the group's name alone (options only)."""
 
     def declare(fn: Callable) -> Callable:
         opts = {k: Opt(v) if isinstance(v, str) else v for k, v in (options or {}).items()}
         doc = inspect.cleandoc(fn.__doc__ or "")
         if not doc:
             raise TypeError(f"verb {fn.__name__} needs a docstring: its first line is its help")
-        DECLARED.append(Verb(fn=fn, name=name or fn.__name__.rstrip("_").replace("_", "-"),
-                             group=group, help=doc, options=opts, pod_method=pod_method,
-                             view=tuple(view)))
+        declared = Verb(fn=fn, name=name or fn.__name__.rstrip("_").replace("_", "-"),
+                        group=group, help=doc, options=opts, pod_method=pod_method,
+                        view=tuple(view), default=default)
+        if default and (group is None or any(p.positional for p in declared.params())):
+            raise TypeError(f"{declared.path}: a group's default verb takes options only")
+        DECLARED.append(declared)
         return fn
 
     return declare
