@@ -14,7 +14,7 @@ import pytest
 from helpers import wait_for
 
 from tpufab.flows.supervisor import state as st
-from tpufab.flows.supervisor.lease import Lease, LeaseLost, granted
+from tpufab.flows.supervisor.lease import Lease, LeaseLost, granted, take_job
 
 AT = "2026-12-01T22:00:00Z"
 TTL, MARGIN = 60.0, 10.0
@@ -60,18 +60,12 @@ def lease(records, job, holder, clock=None, **kw) -> Lease:
                  margin=kw.get("margin", MARGIN), clock=clock or Clock())
 
 
-def own(records, job, holding: Lease) -> st.JobState:
-    """What a supervisor does right after taking the lease: write its token as the owner."""
-    owner = st.Owner(holding.holder, holding.token)
-    return records.update(job, lambda s: st.take_ownership(s, owner, AT),
-                          fence=lambda s: holding.check())
-
-
 def test_a_job_is_taken_by_one_supervisor_until_its_lease_runs_out(records, job):
     clock_a, clock_b = Clock(), Clock()
     a, b = lease(records, job, "sup-a", clock_a), lease(records, job, "sup-b", clock_b)
     assert a.take() and a.valid()
     assert not b.take()                                    # held
+    assert take_job(records, b) is None
     clock_b.at += TTL + MARGIN - 1
     assert not b.take()                                    # expired, but within the margin
     clock_a.at += TTL / 3
@@ -108,14 +102,12 @@ def test_release_frees_the_job_at_once_but_never_takes_anothers_lease(records, j
 def test_a_stale_holder_can_never_write_over_the_new_holders_state(records, job):
     clock_a = Clock()
     a = lease(records, job, "sup-a", clock_a)
-    assert a.take()
-    own(records, job, a)
+    assert take_job(records, a).owner.holder == "sup-a"
     planned = records.update(job, lambda s: st.plan_attempt(s, "r1", "first", AT), fence=a.fence)
     assert planned.current.run_id == "r1"
     # sup-a stalls (a paused VM): its lease runs out and sup-b takes the job over
     b = lease(records, job, "sup-b", Clock(clock_a.at + TTL + MARGIN + 1))
-    assert b.take()
-    taken = own(records, job, b)
+    taken = take_job(records, b)
     assert taken.owner.holder == "sup-b"
     assert st.on_takeover(taken) == st.Resume("resume", taken.current)   # r1 itself, again
     # sup-a wakes, its clock not yet past the expiry: its lease looks valid to it ...
@@ -130,7 +122,7 @@ def test_a_stale_holder_can_never_write_over_the_new_holders_state(records, job)
 def test_a_lease_kept_by_its_thread_and_lost_to_a_taker_calls_back_once(records, job):
     lost = threading.Event()
     calls = []
-    a = Lease(records.store, records.bucket, job, "sup-a", ttl=1.5, margin=0.2)
+    a = Lease(records.store, records.bucket, job, "sup-a", ttl=3.0, margin=0.5)
     assert a.take()
 
     def on_lost():
@@ -142,7 +134,7 @@ def test_a_lease_kept_by_its_thread_and_lost_to_a_taker_calls_back_once(records,
         wait_for(lambda: a.record.expires_at > first, timeout=10, what="a renewal")
         assert a.valid()
         # a taker whose clock is far ahead takes it: the next renewal fails
-        b = Lease(records.store, records.bucket, job, "sup-b", ttl=1.5, margin=0.2,
+        b = Lease(records.store, records.bucket, job, "sup-b", ttl=3.0, margin=0.5,
                   clock=lambda: time.time() + 100)
         assert b.take()
         assert lost.wait(timeout=10)
@@ -157,7 +149,7 @@ CHILD = r"""
 import sys, time
 from tpufab.cloud.storage import Storage
 from tpufab.flows.supervisor import state as st
-from tpufab.flows.supervisor.lease import Lease, LeaseLost
+from tpufab.flows.supervisor.lease import Lease, LeaseLost, take_job
 
 endpoint, bucket, job, mode, holder = sys.argv[1:6]
 records = st.Records(Storage(endpoint), bucket)
@@ -178,9 +170,7 @@ if mode == "take-then-hang":             # killed after taking, before writing o
     print("TOOK" if lease.take() else "LOST", flush=True)
     sys.stdin.readline()
 elif mode == "update-paused":              # read, then wait (killed, or let go late)
-    assert lease.take()
-    owner = st.Owner(holder, lease.token)
-    records.update(job, lambda s: st.take_ownership(s, owner, "t"), fence=lambda s: lease.check())
+    assert take_job(records, lease) is not None
 
     def change(state):
         print("READ", flush=True)
@@ -272,8 +262,7 @@ def test_a_taker_killed_before_writing_its_ownership_blocks_nobody_past_the_expi
     now = time.time()
     assert not lease(records, job, "sup-next", Clock(now)).take()     # its lease still runs
     after = lease(records, job, "sup-next", Clock(now + TTL + MARGIN + 1))
-    assert after.take()
-    state = own(records, job, after)
+    state = take_job(records, after)
     assert state.owner.holder == "sup-next" and st.on_takeover(state) == st.Resume("first")
 
 
@@ -288,8 +277,7 @@ def test_a_writer_killed_between_reading_and_writing_leaves_the_record_whole(
     writer.kill()
     assert records.state(job) == before         # nothing half-written
     taker = lease(records, job, "sup-next", Clock(time.time() + TTL + MARGIN + 1))
-    assert taker.take()
-    own(records, job, taker)
+    assert take_job(records, taker).owner.token == taker.token
     done = records.update(job, lambda s: st.plan_attempt(s, "r-next", "first", AT),
                           fence=taker.fence)
     assert [a.run_id for a in done.attempts] == ["r-next"]
@@ -307,8 +295,7 @@ def test_a_writer_paused_between_reading_and_writing_is_fenced_when_it_wakes(
     writer.say()
     writer.expect("READ")
     taker = lease(records, job, "sup-next", Clock(time.time() + TTL + MARGIN + 1))
-    assert taker.take()
-    own(records, job, taker)
+    assert take_job(records, taker).owner.token == taker.token
     records.update(job, lambda s: st.plan_attempt(s, "r-next", "first", AT), fence=taker.fence)
     writer.say()                                # wake up and write
     assert writer.answer() == "FENCED"

@@ -36,7 +36,7 @@ from tpufab.errors import TpufabError
 
 if TYPE_CHECKING:
     from tpufab.cloud.storage import Storage
-    from tpufab.flows.supervisor.state import JobState
+    from tpufab.flows.supervisor.state import JobState, Records
 
 DEFAULT_TTL = 60.0          # seconds a lease lasts unless renewed
 DEFAULT_MARGIN = 10.0       # seconds of clock skew allowed each way
@@ -209,6 +209,19 @@ class Lease:
         """A thread renewing the lease every ttl/3 until released (``with lease.kept():``);
         ``on_lost`` is called once if it is lost."""
         return Keeper(self, on_lost)
+
+
+def take_job(records: Records, lease: Lease) -> JobState | None:
+    """Take ``lease``'s job if it is free, then write the lease's token into the job's state
+    as its owner (fenced on the lease being valid): from then on no state write of an older
+    holder lands. The state as taken, or None when another supervisor holds the job."""
+    from tpufab.flows.supervisor.state import Owner, take_ownership
+
+    if not lease.take():
+        return None
+    owner = Owner(lease.holder, lease.token)
+    return records.update(lease.job, lambda s: take_ownership(s, owner, records.now()),
+                          fence=lambda s: lease.check())
 
 
 class Keeper:
