@@ -11,6 +11,7 @@ from email.message import Message
 from urllib.error import HTTPError
 
 import pytest
+from helpers import storage_emulator
 
 from tpufab.cloud.controlplane import RetryPolicy
 from tpufab.cloud.storage import (
@@ -24,14 +25,10 @@ from tpufab.cloud.storage import (
 )
 from tpufab.errors import ConfigError
 
-pytest.importorskip("gcp_storage_emulator", reason="pip install gcp-storage-emulator")
-
 
 @pytest.fixture(scope="module")
 def gcs():
-    from tpufab.sim.storage import StorageEmulator
-
-    with StorageEmulator() as emulator:
+    with storage_emulator() as emulator:
         yield emulator
 
 

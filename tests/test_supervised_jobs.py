@@ -16,6 +16,7 @@ from helpers import (
     no_traceback,
     ok,
     one_sentence,
+    storage_emulator,
     tpufab,
     wait_for,
 )
@@ -25,15 +26,11 @@ from tpufab.flows.supervisor import state as st
 from tpufab.flows.supervisor.lease import granted
 
 AT = "2026-12-01T22:00:00Z"
-BUCKET = "jobs-proj-tpufab"
 
 
 @pytest.fixture(scope="module")
 def gcs():
-    pytest.importorskip("gcp_storage_emulator", reason="pip install gcp-storage-emulator")
-    from tpufab.sim.storage import StorageEmulator
-
-    with StorageEmulator() as emulator:
+    with storage_emulator() as emulator:
         yield emulator
 
 

@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from helpers import wait_for
+from helpers import storage_emulator, wait_for
 
 from tpufab.flows.supervisor import state as st
 from tpufab.flows.supervisor.lease import Lease, LeaseLost, granted, take_job
@@ -22,11 +22,7 @@ TTL, MARGIN = 60.0, 10.0
 
 @pytest.fixture(scope="module")
 def gcs():
-    pytest.importorskip("gcp_storage_emulator", reason="pip install gcp-storage-emulator")
-    from tpufab.sim.storage import StorageEmulator
-
-    with StorageEmulator() as emulator:
-        emulator.create_bucket("sup-lease")
+    with storage_emulator("sup-lease") as emulator:
         yield emulator
 
 

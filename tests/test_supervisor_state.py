@@ -9,6 +9,7 @@ import threading
 from dataclasses import replace
 
 import pytest
+from helpers import storage_emulator
 
 from tpufab.config import load_settings
 from tpufab.errors import ConfigError
@@ -229,11 +230,7 @@ def test_a_spec_refuses_a_secret_value_and_a_url_with_credentials():
 
 @pytest.fixture(scope="module")
 def gcs():
-    pytest.importorskip("gcp_storage_emulator", reason="pip install gcp-storage-emulator")
-    from tpufab.sim.storage import StorageEmulator
-
-    with StorageEmulator() as emulator:
-        emulator.create_bucket("sup-records")
+    with storage_emulator("sup-records") as emulator:
         yield emulator
 
 

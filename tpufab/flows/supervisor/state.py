@@ -172,6 +172,13 @@ def check_supervisor_name(name: str) -> str:
 # -- the spec ---------------------------------------------------------------------------------
 
 
+def _readable(data: Mapping[str, Any], kind: str, version: int) -> None:
+    if data.get("version") != version:
+        raise TpufabError(f"Job {data.get('job')}'s {kind} is version {data.get('version')}, "
+                          f"which this tpufab ({kind} version {version}) cannot read; "
+                          "upgrade tpufab.")
+
+
 @dataclass(frozen=True)
 class PodRef:
     """The pod a job runs on."""
@@ -249,10 +256,7 @@ class JobSpec:
 
     @classmethod
     def from_record(cls, data: Mapping[str, Any]) -> JobSpec:
-        if data.get("version") != SPEC_VERSION:
-            raise TpufabError(f"Job {data.get('job')}'s spec is version {data.get('version')}, "
-                              f"which this tpufab (spec version {SPEC_VERSION}) cannot read; "
-                              "upgrade tpufab.")
+        _readable(data, "spec", SPEC_VERSION)
         return cls(job=data["job"], pod=PodRef(**data["pod"]), recipe=data["recipe"],
                    code=Code(**data["code"]), args=tuple(data.get("args") or ()),
                    options=dict(data.get("options") or {}), env=dict(data.get("env") or {}),
@@ -379,10 +383,7 @@ class JobState:
 
     @classmethod
     def from_record(cls, data: Mapping[str, Any]) -> JobState:
-        if data.get("version") != STATE_VERSION:
-            raise TpufabError(f"Job {data.get('job')}'s state is version {data.get('version')}, "
-                              f"which this tpufab (state version {STATE_VERSION}) cannot read; "
-                              "upgrade tpufab.")
+        _readable(data, "state", STATE_VERSION)
         owner = data.get("owner")
         return cls(job=data["job"], state=data.get("state", "queued"),
                    attempts=tuple(Attempt(**{**a, "workers": tuple(a.get("workers") or ())})
