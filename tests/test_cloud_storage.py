@@ -59,6 +59,17 @@ def test_a_bucket_is_made_with_uniform_access_and_no_public_access(gcs, store):
     assert store.bucket("t-never-made") is None
 
 
+def test_a_bucket_that_may_not_be_created_is_the_refusal_with_its_role(gcs, store):
+    gcs.deny_permission("storage.buckets.create")
+    try:
+        with pytest.raises(StorageError, match="refused to create bucket gs://t-refused .*"
+                                               "storage.buckets.create.*roles/storage.admin"):
+            store.ensure_bucket("t-refused", project="p")
+    finally:
+        gcs.allow_permission("storage.buckets.create")
+    assert store.bucket("t-refused") is None
+
+
 def test_bucket_names_are_checked_before_any_call():
     assert check_bucket_name("my-project-tpufab") == "my-project-tpufab"
     for bad in ("UPPER", "a", "-dash", "has space", "a..b", "x" * 64):

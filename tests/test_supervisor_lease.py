@@ -75,6 +75,15 @@ def test_a_job_is_taken_by_one_supervisor_until_its_lease_runs_out(records, job)
         a.check()
 
 
+def test_a_job_taken_only_halfway_is_given_back(records):
+    """take_job takes the lease, then writes the owner; if that write fails (here: the job
+    has no state), the lease is released rather than left to run out."""
+    missing = "job-20991231-000000-0000"
+    with pytest.raises(st.UnknownJob):
+        take_job(records, lease(records, missing, "sup-a"))
+    assert records.store.stat(records.bucket, st.lease_name(missing)) is None
+
+
 def test_a_holder_stops_acting_a_margin_before_its_lease_runs_out(records, job):
     clock = Clock()
     a = lease(records, job, "sup-a", clock)

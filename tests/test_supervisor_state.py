@@ -99,6 +99,8 @@ def test_what_a_supervisor_does_first_with_a_job_it_takes_over(job, action, atte
 @pytest.mark.parametrize(("job", "holder", "action"), [
     (replace(job_with(), state="cancelled"), None, "ended"),
     (job_with(RUNNING, cancel_requested=True), "sup-a", "asked"),
+    (job_with(RUNNING, cancel_requested=True), None, "asked"),
+    (job_with(ended(1, "first"), cancel_requested=True), None, "cancel-now"),   # nothing runs
     (job_with(RUNNING), "sup-a", "ask-holder"),
     (job_with(), "sup-a", "ask-holder"),
     (job_with(), None, "cancel-now"),

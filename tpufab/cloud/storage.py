@@ -196,10 +196,13 @@ class Storage:
         try:
             return self.create_bucket(name, project=project, location=location,
                                       labels=labels), True
-        except StorageError:
-            found = self.bucket(name)     # made meanwhile (another tpufab): ours to use
+        except StorageError as refused:
+            try:
+                found = self.bucket(name)     # made meanwhile (another tpufab): ours to use
+            except StorageError:
+                found = None
             if found is None:
-                raise
+                raise refused from None
             return found, False
 
     def test_permissions(self, bucket: str, permissions: Sequence[str]) -> set[str]:

@@ -220,8 +220,12 @@ def take_job(records: Records, lease: Lease) -> JobState | None:
     if not lease.take():
         return None
     owner = Owner(lease.holder, lease.token)
-    return records.update(lease.job, lambda s: take_ownership(s, owner, records.now()),
-                          fence=lambda s: lease.check())
+    try:
+        return records.update(lease.job, lambda s: take_ownership(s, owner, records.now()),
+                              fence=lambda s: lease.check())
+    except BaseException:
+        lease.release()                  # not half-taken: free for the next one at once
+        raise
 
 
 class Keeper:

@@ -500,18 +500,20 @@ class CancelPlan:
 
 
 def cancel_plan(state: JobState, holder: str | None) -> CancelPlan:
-    """- over: nothing to do;  already asked: nothing more;
-    - nothing can be running (no attempt, or the last one ended) and no holder: cancelled now;
+    """- over: nothing to do;
+    - nothing can be running (no attempt, or the last one ended) and no holder: cancelled now
+      (no run starts without a planned attempt, and none is planned once cancel is asked);
+    - already asked: nothing more;
     - a holder: ask it (it stops the run on the pod, then marks the job cancelled);
     - no holder but a run may be going: mark it, for the next supervisor to stop."""
     if state.terminal:
         return CancelPlan("ended")
+    if holder is None and _live(state) is None:
+        return CancelPlan("cancel-now")
     if state.cancel_requested:
         return CancelPlan("asked", holder, _live(state))
     if holder is not None:
         return CancelPlan("ask-holder", holder, _live(state))
-    if _live(state) is None:
-        return CancelPlan("cancel-now")
     return CancelPlan("mark", None, _live(state))
 
 
