@@ -74,6 +74,19 @@ def wait_for(condition: Callable[[], Any], timeout: float = 30.0, interval: floa
         time.sleep(interval)
 
 
+@contextlib.contextmanager
+def storage_emulator(*buckets: str) -> Iterator[Any]:
+    """The simulated Cloud Storage in this process, in memory, with ``buckets`` made (no pod,
+    no root); skips the test without gcp-storage-emulator."""
+    pytest.importorskip("gcp_storage_emulator", reason="pip install gcp-storage-emulator")
+    from tpufab.sim.storage import StorageEmulator
+
+    with StorageEmulator() as emulator:
+        for bucket in buckets:
+            emulator.create_bucket(bucket)
+        yield emulator
+
+
 class InThread:
     """``call()`` in a daemon thread (a babysitter, say), its return value or the exception
     it raised kept in ``outcome`` ("value" or "error") for the test to read."""

@@ -184,11 +184,33 @@ def build_app(only: str | None = None) -> typer.Typer:
         target = app
         if v.group:
             if v.group not in groups:
-                groups[v.group] = typer.Typer(help=group_help(v.group), **settings)
+                default = next((d for d in all_verbs() if d.group == v.group and d.default),
+                               None)
+                own = settings if default is None else {
+                    **settings, "no_args_is_help": False, "invoke_without_command": True}
+                groups[v.group] = typer.Typer(help=group_help(v.group), **own)
+                if default is not None:
+                    groups[v.group].callback()(_default_command(default))
                 app.add_typer(groups[v.group], name=v.group)
             target = groups[v.group]
         target.command(v.name, help=v.help)(_command(v))
     return app
+
+
+def _default_command(v: Verb):
+    """A group's callback that runs its default verb when no subcommand is given."""
+    command = _command(v)
+
+    def callback(ctx: typer.Context, **values: Any) -> None:
+        if ctx.invoked_subcommand is None:
+            command(**values)
+
+    context = inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                annotation=typer.Context)
+    callback.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [context, *command.__signature__.parameters.values()])
+    callback.__doc__ = group_help(v.group or "") or v.help
+    return callback
 
 
 VALUED = ("--keep-alive",)   # the options before the verb that take a value

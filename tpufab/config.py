@@ -94,6 +94,11 @@ class Settings:
     # autostop (the watchdog on the workers)
     autostop_port: int = 8479            # where each worker's watchdog answers its peers
     autostop_check: float = 30.0         # seconds between the leader's checks
+    # the supervisor (docs/supervisor.md): jobs kept going off the laptop, their state in a bucket
+    supervisor_bucket: str | None = None       # default: <project>-tpufab
+    supervisor_name: str = "tpufab-supervisor"  # its Compute Engine VM
+    supervisor_machine_type: str = "e2-small"
+    supervisor_idle: str = "1h"                # it deletes itself after this long with no live job
 
     def source_of(self, key: str) -> str:
         """Where ``key``'s value came from: "command line", "environment", a file ..."""

@@ -92,7 +92,7 @@ def _build() -> tuple[Collection, dict[str, Task]]:
             if v.group not in groups:
                 groups[v.group] = Collection(v.group)
                 ns.add_collection(groups[v.group])
-            groups[v.group].add_task(t)
+            groups[v.group].add_task(t, default=v.default)
         else:
             ns.add_task(t)
             top[v.fn.__name__] = t

@@ -111,6 +111,8 @@ def state_exit_code(state: WorkerState) -> int | None:
     return None
 
 
+# The restarts the platform causes (the preemption budget's; tpufab.flows.supervisor counts them)
+RECOVERY_REASONS = ("preempted", "maintenance", "host failure", "flex-start end")
 DEFAULT_MAINTENANCE_MARGIN = 600.0
 DEFAULT_MAINTENANCE_POLL = 60.0    # seconds between looks at upcomingMaintenance
 

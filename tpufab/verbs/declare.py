@@ -146,6 +146,8 @@ class Verb:
     view: tuple[str, ...] = ()
     body: Callable[..., Any] | None = None   # a pod verb's own function: (call, **view)
     api_only: tuple[str, ...] = ()           # Pod keywords that are not flags (0.1 spellings)
+    # The verb a group runs when given no subcommand (`tpufab jobs` is `tpufab jobs list`).
+    default: bool = False
 
     @property
     def path(self) -> str:
@@ -311,13 +313,14 @@ class Door:
 
 def verb(*, name: str | None = None, group: str | None = None,
          options: dict[str, Opt | str] | None = None, pod_method: str | None = None,
-         api_only: Sequence[str] = ()) -> Callable:
+         api_only: Sequence[str] = (), default: bool = False) -> Callable:
     """Declare the decorated function as a verb of both front doors.
 
     A verb on the workers names its ``pod_method`` (the one tpufab.Pod method it calls):
     its flags are that method's parameters (but the HOOKS and ``api_only``), the decorated
     function's keyword-only ones (its view flags) and CONNECTION; the function takes the
-    `Call` and its view flags. `@verb` returns the verb as the front doors call it."""
+    `Call` and its view flags. `@verb` returns the verb as the front doors call it. A
+    ``default`` verb of a group also runs for the group's name alone (options only)."""
 
     def declare(fn: Callable) -> Callable:
         opts = {k: Opt(v) if isinstance(v, str) else v for k, v in (options or {}).items()}
@@ -329,7 +332,10 @@ def verb(*, name: str | None = None, group: str | None = None,
             if p.kind is inspect.Parameter.KEYWORD_ONLY)
         declared = Verb(fn=fn, name=name or fn.__name__.rstrip("_").replace("_", "-"),
                         group=group, help=doc, options=opts, pod_method=pod_method, view=view,
-                        body=fn if pod_method else None, api_only=tuple(api_only))
+                        body=fn if pod_method else None, api_only=tuple(api_only),
+                        default=default)
+        if default and (group is None or any(p.positional for p in declared.params())):
+            raise TypeError(f"{declared.path}: a group's default verb takes options only")
         if pod_method is not None:
             from dataclasses import replace
 

@@ -14,6 +14,7 @@ from tpufab.verbs.common import note
 from tpufab.verbs.declare import Call, Opt, verb
 
 PLACE = 7   # where this family's verbs show in `tpufab --help`
+GROUPS = {"jobs": "Supervised jobs, read from the supervisor's bucket (`tpufab jobs`: list them)."}
 
 INTERRUPT_CHOICES = ("kill", "detach")   # --on-interrupt: what Ctrl-C while following does
 
@@ -306,4 +307,86 @@ def stacks(call: Call, *, as_json: bool = False) -> int:
     report = call(progress=note)
     show(report, as_json=as_json)
     report.check()
+    return 0
+
+
+# -- supervised jobs (docs/supervisor.md): `tpufab jobs` (list), `jobs logs JOB`,
+# `jobs cancel JOB`. Each reads the supervisor's bucket alone, so each works while the
+# supervisor VM is down.
+SUPERVISED_OPTIONS = {
+    "job": Opt("The job: its id (job-20261201-221000-ab12), or the unique beginning or end of "
+               "one (ab12).", metavar="JOB"),
+    "bucket": Opt("The supervisor's bucket (default: the supervisor_bucket setting, else "
+                  "<project>-tpufab).", metavar="BUCKET"),
+    "follow": Opt("Keep following, attempt after attempt, until the job is over.",
+                  short="-f"),
+    "raw": "Every line, prefixed by its worker (default: folded, as `tpufab logs`).",
+}
+
+
+@verb(name="list", group="jobs", default=True, options=SUPERVISED_OPTIONS)
+def jobs_list(*, as_json: bool = False, project: str | None = None,
+              bucket: str | None = None) -> int:
+    """Every supervised job: state, attempts, preemptions, errors, supervisor, last event.
+
+    `tpufab jobs` alone is the same. --json gives, per job: id, pod, zone, project, recipe,
+    args, state, attempts, preemptions and errors (restarts counted against each budget),
+    restarts by kind, cancel_requested, supervisor (who holds it now, or null), last_event
+    and runs (each attempt's run id, reason, phase, outcome, exit)."""
+    from tpufab.pod.supervised import jobs
+    from tpufab.views.supervised import show_jobs
+
+    show_jobs(jobs(project=project, bucket=bucket), as_json=as_json)
+    return 0
+
+
+@verb(name="logs", group="jobs", options=SUPERVISED_OPTIONS)
+def jobs_logs(job: str, *, follow: bool = False, raw: bool = False,
+              project: str | None = None, bucket: str | None = None) -> int:
+    """A supervised job's output, every attempt in turn, folded across workers as `tpufab logs`.
+
+    Each attempt starts with a line on stderr (its number, run id, why it started, how it
+    ended). With --follow it goes on as the supervisor uploads more, into the next attempts,
+    until the job is over: exit 0 when it finished, 1 when it failed or was cancelled, 130 on
+    Ctrl-C (the job goes on)."""
+    from tpufab.pod.supervised import job_logs
+    from tpufab.views.runlogs import follow_view, print_logs
+    from tpufab.views.supervised import attempt_header
+
+    def header(number: int, attempt) -> None:
+        note(attempt_header(number, attempt), "bold")
+
+    if not follow:
+        found = job_logs(job, project=project, bucket=bucket)
+        if not found.attempts:
+            note(f"Job {found.job} has no output yet ({found.state.state}).")
+        for part in found.attempts:
+            header(part.number, part.attempt)
+            print_logs(part.logs, raw=raw, color=False, secrets=found.secrets)
+        return 0
+    try:
+        found = job_logs(job, follow=True, project=project, bucket=bucket, on_attempt=header,
+                         sink=lambda workers: follow_view(workers, raw=raw))
+    except KeyboardInterrupt:
+        note(f"Stopped following job {job}; it goes on under its supervisor.")
+        return 130
+    state = found.state
+    note(f"Job {found.job} {state.state}.")
+    if state.state == "finished":
+        return 0
+    last = state.current
+    return last.exit if last is not None and last.exit and state.state == "failed" else 1
+
+
+@verb(name="cancel", group="jobs", options=SUPERVISED_OPTIONS)
+def jobs_cancel(job: str, *, project: str | None = None, bucket: str | None = None) -> int:
+    """Stop a supervised job; its record stays in the bucket.
+
+    If a supervisor holds the job, it stops the run on the pod and marks the job cancelled.
+    If none does, a job with nothing running is cancelled at once; one whose run may still
+    be going is marked, for the next supervisor to stop (and the sentence says how to stop
+    the run yourself now)."""
+    from tpufab.pod.supervised import cancel_job
+
+    note(cancel_job(job, project=project, bucket=bucket).summary())
     return 0
