@@ -138,6 +138,22 @@ class Pod:
     def internal_ips(self) -> list[str]:
         return self.hosts.internal_ips()
 
+    def connections(self, *, workers: str | Iterable[int] = "all", config: Any = None) -> list:
+        """One ``fabric.Connection`` per worker, in worker order, made as tpufab connects
+        (address, login user, key, pinned host key, jump host as gateway); ``config``: a
+        fabric.Config for their run/sudo settings. Needs `pip install 'tpufab[fabric]'`."""
+        from tpufab.pod import fabric
+
+        return fabric.connections(self, workers, config=config)
+
+    def group(self, *, workers: str | Iterable[int] = "all") -> Any:
+        """Fabric's Group API (run, sudo, put, get, local; GroupResult keyed by worker,
+        GroupException naming the failed workers) on tpufab's fan-out and its connections.
+        Needs `pip install 'tpufab[fabric]'`."""
+        from tpufab.pod import fabric
+
+        return fabric.group(self, workers)
+
     def device_globs(self) -> tuple[str, ...]:
         return self.hosts.device_globs()
 
@@ -957,6 +973,7 @@ def create(name: str | None = None, *, type: str | None = None, zone: str | None
 
     chosen = _settings(name, zone, project, {"type": type, **settings})
     lifecycle.create(chosen, queued=queued, num_slices=num_slices)
+    _keep_ssh_config(chosen)
     return Pod(chosen.name, zone=chosen.zone, project=chosen.project, **settings)
 
 
@@ -982,7 +999,17 @@ def delete(name: str | None = None, *, zone: str | None = None,
     chosen = _settings(name, zone, project, {})
     pods.forget(chosen)
     pods.stop_keepers(chosen)  # its kept connections go with it
-    return lifecycle.delete(chosen, yes=yes, console=console)
+    deleted = lifecycle.delete(chosen, yes=yes, console=console)
+    if deleted:
+        _keep_ssh_config(chosen, console, gone=True)
+    return deleted
+
+
+def _keep_ssh_config(settings: Settings, console: Any = None, *, gone: bool = False) -> None:
+    """A created or deleted pod's entries in ~/.ssh/config follow it (`tpufab config-ssh`)."""
+    from tpufab.steps.host.sshconfig import keep_current
+
+    keep_current(settings, console, gone=gone)
 
 
 # -- the cloud: what the node verbs (create, delete, list, describe, ...) call -----------------
@@ -996,9 +1023,12 @@ def create_node(settings: Settings, *, queued: bool = False, num_slices: int = 1
     raises ApiError (quota, stockout, bad request) or ConfigError in one sentence."""
     from tpufab.cloud import lifecycle
 
-    return lifecycle.create(settings, queued=queued, num_slices=num_slices, async_=async_,
-                            zones=zones, retry_for=retry_for, reservation=reservation,
-                            topology=topology, console=console)
+    nodes = lifecycle.create(settings, queued=queued, num_slices=num_slices, async_=async_,
+                             zones=zones, retry_for=retry_for, reservation=reservation,
+                             topology=topology, console=console)
+    if not async_:
+        _keep_ssh_config(settings, console)
+    return nodes
 
 
 def list_pods(*, zone: str | None = None, project: str | None = None, waiting: bool = True,
