@@ -237,7 +237,8 @@ def rewrite(layout: Layout, changes: Mapping[str, PodEntries | None], *,
             drop: Iterable[str] = (), remove_all: bool = False) -> str:
     """The file's new text: ``changes`` {pod: its entries, or None to take them out}, the
     pods in ``drop`` taken out too; ``remove_all`` takes the whole section out. The user's
-    lines are kept exactly; a section left without pods goes, markers and all."""
+    lines are kept exactly; a section left without pods goes, markers and all, with the
+    blank line that set it off."""
     pods = {} if remove_all else {n: p for n, p in layout.pods.items() if n not in set(drop)}
     for name, entries in changes.items():
         if entries is None:
@@ -251,7 +252,12 @@ def rewrite(layout: Layout, changes: Mapping[str, PodEntries | None], *,
         before, after = before[:at], before[at:]
         if before and not before[-1].endswith(("\n", "\r")):
             before[-1] += "\n"
-    if not pods:
+    if not pods:  # the section goes, and the blank line it was set off with
+        if layout.present and after and not after[0].strip() and \
+                (not before or not before[-1].strip()):
+            after = after[1:]
+        elif layout.present and not after and before and not before[-1].strip():
+            before = before[:-1]
         return "".join(before + after)
     section = [BEGIN]
     for name in sorted(pods):

@@ -107,6 +107,9 @@ class Worker(int):
     def __repr__(self) -> str:
         return f"<Worker w{int(self)} {self.user}@{self.host}>"
 
+    def __str__(self) -> str:
+        return str(int(self))
+
 
 class WorkerUnreachable(ConnectionError):
     """A worker that never ran the command (not reached, refused, its connection lost): a
@@ -204,7 +207,7 @@ def _classes():
                 why = f"exit {value.result.exited}"
             else:
                 why = getattr(value, "error", None) or str(value)
-            groups.setdefault(why, []).append(w)
+            groups.setdefault(why, []).append(int(w))
         said = "; ".join(f"{nodeset.fold(ws)} {why}" for why, ws in
                          sorted(groups.items(), key=lambda kv: kv[1][0]))
         return PodGroupException(results, f"{what} failed on {len(failed)} of {len(results)} "
@@ -405,6 +408,8 @@ def _classes():
                 raise failed_on(f"get {remote}", results)
             return results
 
+    PodGroupException.__qualname__ = "PodGroupException"
+    PodGroup.__qualname__ = "PodGroup"
     return _Classes(PodGroup, PodGroupException)
 
 
