@@ -208,3 +208,15 @@ def test_paramiko_reads_the_blocks_as_written():
     found = SSHConfig.from_text(text).lookup("pod")
     assert found["hostname"] == "10.0.0.1" and found["user"] == "tpufab"
     assert found["identityfile"] == ["/k/tpufab_ed25519"]
+
+
+def test_without_fabric_installed_connections_and_group_are_one_sentence(monkeypatch):
+    import sys
+
+    from tpufab import Pod
+
+    monkeypatch.setitem(sys.modules, "fabric", None)   # as if it were not installed
+    pod = Pod("some-pod")
+    for call in (pod.connections, pod.group):
+        with pytest.raises(ConfigError, match=r"pip install 'tpufab\[fabric\]'"):
+            call()
