@@ -295,8 +295,10 @@ def _classes():
                 out.flush()
             env = dict(kwargs.get("env") or {})
             timeout = kwargs.get("timeout")
+            # one_shot: a cold connection runs it on a plain exec channel, as `tpufab exec`
+            # does (no agent to start); a later call starts the agent where it needs one
             done = self.pod.run(line, workers=self.workers, env=env or None, warn=True,
-                                timeout=timeout, sink=sink, secret=secret)
+                                timeout=timeout, sink=sink, secret=secret, one_shot=True)
             results = GroupResult()
             try:
                 for w, r in done.items():
