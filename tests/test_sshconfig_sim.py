@@ -181,16 +181,24 @@ def test_a_file_tpufab_cannot_write_into_is_one_sentence(plain, tmp_path):
                  "begin marker has no end marker")
 
 
-def test_a_pod_that_is_not_ready_is_one_sentence(plain, sim_admin):
+def test_a_pod_that_is_not_ready_is_one_sentence_and_gc_takes_its_entries(plain, sim_admin):
     other = unique_name("scfg4")
     env, home = plain["env"], plain["home"]
+    config = config_of(env)
+    ok(tpufab("config-ssh", "--yes", "--name", plain["name"], env=env, cwd=home))
     ok(tpufab("create", "--name", other, "--type", "v4-8", env=env, cwd=home))
     try:
+        assert f"Host {other} {other}-w0" in config.read_text()
         sim_admin.preempt(other)
         one_sentence(tpufab("config-ssh", "--yes", "--name", other, env=env, cwd=home),
                      f"TPU node {other} was preempted")
+        collected = tpufab("gc", "--yes", env=env, cwd=home)
+        assert f"Removed {other}'s SSH entries from {config}" in ok(collected) + collected.stderr
+        assert f"Host {other}" not in config.read_text()
     finally:
         tpufab("delete", "--name", other, "--yes", env=env, cwd=home)
+    ok(tpufab("config-ssh", "--remove", env=env, cwd=home))
+    assert config.read_text() == OWN
 
 
 def test_through_a_jump_host(sim, tmp_path):

@@ -982,10 +982,15 @@ def gc(*, zone: str | None = None, project: str | None = None, all_zones: bool =
     """`tpufab gc`: delete preempted, terminated and failed nodes and suspended and failed
     queued resources (in the zone, or every zone); ``yes=False`` asks first (on a terminal),
     ``console`` hears what is found and deleted. Returns what was deleted."""
+    from dataclasses import replace
+
     from tpufab.cloud import lifecycle
 
-    return lifecycle.gc(_settings(None, zone, project, settings), yes=yes, all_zones=all_zones,
-                        console=console)
+    chosen = _settings(None, zone, project, settings)
+    deleted = lifecycle.gc(chosen, yes=yes, all_zones=all_zones, console=console)
+    for gone in deleted:
+        _keep_ssh_config(replace(chosen, name=gone.name, zone=gone.zone), console, gone=True)
+    return deleted
 
 
 def delete(name: str | None = None, *, zone: str | None = None,
