@@ -220,3 +220,35 @@ def test_without_fabric_installed_connections_and_group_are_one_sentence(monkeyp
     for call in (pod.connections, pod.group):
         with pytest.raises(ConfigError, match=r"pip install 'tpufab\[fabric\]'"):
             call()
+
+
+def test_the_hooks_of_delete_follow_the_section_and_never_fail_the_delete(monkeypatch,
+                                                                          tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from tpufab.config import load_settings
+    from tpufab.steps.host.sshconfig import keep_current
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = tmp_path / ".ssh" / "config"
+    settings = load_settings({"name": "pod", "state_dir": str(tmp_path / "state")},
+                             env={}, cwd=tmp_path)
+    said = io.StringIO()
+    console = Console(file=said, width=1000)
+    keep_current(settings, console, gone=True)           # no file: nothing, silently
+    assert not config.exists() and said.getvalue() == ""
+    files.write_config(config, files.rewrite(files.parse(USER_TEXT),
+                                             {"pod": entries(), "other": entries("other")}))
+    settings.ssh_config = "off"
+    keep_current(settings, console, gone=True)           # off: the file is config-ssh's alone
+    assert "Host pod pod-w0" in config.read_text()
+    settings.ssh_config = "auto"
+    keep_current(settings, console, gone=True)
+    assert "Host pod " not in config.read_text() and "Host other other-w0" in config.read_text()
+    assert f"Removed pod's SSH entries from {config}." in said.getvalue()
+    config.write_text(config.read_text() + f"{files.BEGIN}\n")   # broken by hand
+    keep_current(load_settings({"name": "other", "state_dir": str(tmp_path / "state")},
+                               env={}, cwd=tmp_path), console, gone=True)
+    assert "Did not update" in said.getvalue() and "begin marker more than once" in said.getvalue()

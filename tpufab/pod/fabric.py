@@ -383,7 +383,10 @@ def _classes():
                 raise ConfigError("get() needs the remote path to copy.")
             local = "{worker}/" if local is None else str(local)
             name = os.path.basename(remote.rstrip("/"))
-            staging = Path(tempfile.mkdtemp(prefix=".tpufab-get-", dir="."))
+            try:  # beside where the files go (a rename), else wherever temporary files go
+                staging = Path(tempfile.mkdtemp(prefix=".tpufab-get-", dir="."))
+            except OSError:
+                staging = Path(tempfile.mkdtemp(prefix="tpufab-get-"))
             results = GroupResult()
             try:
                 report = transfer.get(self.pod.fanout, remote, staging, workers=self.workers)

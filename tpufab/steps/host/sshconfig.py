@@ -102,8 +102,10 @@ def _apply(settings: Settings, path: Path, result: SshConfigResult,
         if text != original:
             files.write_config(path, text)
     result.removed += gone
-    result.written += [e for e in changes.values() if e is not None]
-    result.notes += notes(path, result.written)
+    written = [e for e in changes.values() if e is not None]
+    result.written += written
+    if written:
+        result.notes += notes(path, written)
 
 
 def pod_entries(settings: Settings, console: Any = None, **connect_kwargs: Any
