@@ -19,6 +19,7 @@ import pytest
 from helpers import OS_LOGIN_USER as OSL_USER
 from helpers import (
     POD_USER,
+    Running,
     cli_env,
     create_node,
     ok,
@@ -26,6 +27,7 @@ from helpers import (
     os_login_on,
     tpufab,
     unique_name,
+    wait_for,
 )
 
 from tpufab.hosts import sshconfig as files
@@ -196,6 +198,48 @@ def test_a_pod_that_is_not_ready_is_one_sentence_and_gc_takes_its_entries(plain,
         assert f"Removed {other}'s SSH entries from {config}" in ok(collected) + collected.stderr
         assert f"Host {other}" not in config.read_text()
     finally:
+        tpufab("delete", "--name", other, "--yes", env=env, cwd=home)
+    ok(tpufab("config-ssh", "--remove", env=env, cwd=home))
+    assert config.read_text() == OWN
+
+
+LOOPS_ONCE = """#!/bin/sh
+echo "attempt $TPUFAB_RESTART_COUNT on $(hostname)"
+if [ "$TPUFAB_RESTART_COUNT" = 0 ]; then while true; do sleep 0.2; done; fi
+"""
+
+
+def test_babysits_recreate_updates_the_entries(plain, sim_admin, tmp_path):
+    """A preempted node that babysit deletes and creates again: new IPs, a new node id and
+    new host keys, and its entries follow."""
+    env, home = plain["env"], plain["home"]
+    config = config_of(env)
+    other = unique_name("scfgb")
+    ok(tpufab("config-ssh", "--yes", "--name", plain["name"], env=env, cwd=home))
+    ok(tpufab("create", "--name", other, "--type", "v4-8", env=env, cwd=home))
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "loop.sh").write_text(LOOPS_ONCE)
+    (project / "loop.sh").chmod(0o755)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t.invalid"]
+    for argv in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-qm", "loop"]):
+        subprocess.run([*git, *argv], cwd=project, check=True, capture_output=True)
+    before = pod_block(config.read_text(), other)
+    sitter = Running([str(Path(sys.executable).parent / "tpufab"), "babysit", "loop.sh",
+                      "--name", other, "--direct", "--max-restarts", "1"],
+                     env, cwd=project)
+    try:
+        wait_for(lambda: sitter.saw("attempt 0 on"), 120, what="attempt 0 to run")
+        sim_admin.preempt(other)
+        done = sitter.wait(300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"Updated {other}'s SSH entries in {config}" in done.stdout + done.stderr
+        after = pod_block(config.read_text(), other)
+        alias = [line for line in after.splitlines() if "HostKeyAlias" in line]
+        assert alias and alias[0] not in before     # the new node's pin
+        assert ssh(config, other, "true").returncode == 0
+    finally:
+        sitter.kill()
         tpufab("delete", "--name", other, "--yes", env=env, cwd=home)
     ok(tpufab("config-ssh", "--remove", env=env, cwd=home))
     assert config.read_text() == OWN
