@@ -33,7 +33,7 @@ fi
 # sudo and python3-requests are for the simulated workers, which use the host's /usr: TPU VM
 # users have passwordless sudo, and JAX's pod discovery (metadata server) imports requests.
 DEBIAN_PACKAGES=(openssh-server openssh-client fuse3 git rclone clustershell pssh psmisc sudo
-                 python3-requests procps iproute2 lsof util-linux openssl)
+                 python3-requests procps iproute2 lsof util-linux openssl rsync)
 
 need_apt=()
 for pkg in "${DEBIAN_PACKAGES[@]}"; do

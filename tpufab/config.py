@@ -75,6 +75,7 @@ class Settings:
     connect_timeout: float = 20.0
     command_timeout: float | None = None
     keep_alive: str = "5m"               # how long a pod's connections stay open after a command (tpufab.ssh.keeper); 0: not kept
+    ssh_config: str = "auto"             # create/delete keep a pod's entries in ~/.ssh/config once `tpufab config-ssh` wrote them; off: never
     # OS Login (tpufab.cloud.oslogin): auto = as the node's (else the project's) enable-oslogin says
     os_login: str = "auto"               # or true / false (--no-os-login)
     os_login_account: str | None = None  # your Google account's email; default: from credentials
@@ -103,6 +104,18 @@ class Settings:
     def source_of(self, key: str) -> str:
         """Where ``key``'s value came from: "command line", "environment", a file ..."""
         return getattr(self, "sources", {}).get(key, "default")
+
+    def bounded(self, timeout: float | None) -> Settings:
+        """These settings for one call that ``timeout`` seconds bound (None: as they are):
+        every command on the workers at most that long, connecting at most that or
+        connect_timeout, whichever is shorter. A copy: these stay as they are."""
+        if timeout is None:
+            return self
+        out = dataclasses.replace(self)
+        out.sources = getattr(self, "sources", {})
+        out.connect_timeout = min(self.connect_timeout, timeout)
+        out.command_timeout = timeout
+        return out
 
     @property
     def ssh_key_path(self) -> Path:
@@ -449,7 +462,8 @@ LIMITS = {
 }
 # Settings that take one of a few words; booleans are accepted for the true/false ones.
 CHOICES = {"os_login": ("auto", "true", "false"),
-           "ssh_transport": ("auto", "libssh2", "paramiko")}
+           "ssh_transport": ("auto", "libssh2", "paramiko"),
+           "ssh_config": ("auto", "off")}
 URL_SETTINGS = {"api_endpoint": "http://127.0.0.1:8475 (the simulated pod) or "
                                 "https://tpu.googleapis.com",
                 "storage_endpoint": "http://127.0.0.1:PORT (the simulated pod's) or "
@@ -467,6 +481,8 @@ def check_limits(settings: Settings, origin: Mapping[str, str]) -> None:
         value = str(getattr(settings, name)).strip().lower()
         value = {"1": "true", "yes": "true", "on": "true", "0": "false", "no": "false",
                  "off": "false"}.get(value, value)
+        if "off" in words:  # a choice spelt off (YAML reads a bare off as false)
+            value = {"false": "off"}.get(value, value)
         if value not in words:
             raise ConfigError(f"{origin.get(name, name)}: {name} must be one of "
                               f"{', '.join(words)}, not {getattr(settings, name)!r}.")

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from tpufab import nodeset
 from tpufab.errors import ApiError, ConfigError, TpufabError, shown
+from tpufab.steps.host.sshconfig import keep_current
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -828,6 +829,7 @@ class Babysitter:
                 lifecycle.create(wanted, queued=self.spec.queued,
                                  num_slices=self.spec.num_slices, console=self.console,
                                  control=self.control)
+                keep_current(wanted, self.console)  # new IPs and host keys in ~/.ssh/config
                 break
             except ApiError as err:
                 if attempt == self.create_attempts:

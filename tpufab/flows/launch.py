@@ -26,6 +26,7 @@ from tpufab.flows.babysit import MountPoint, Restore, setup_hash
 from tpufab.flows.taskfile import Task, resolve_envs
 from tpufab.quoting import quote
 from tpufab.ssh.remote_files import RemoteFile
+from tpufab.steps.host.sshconfig import keep_current
 from tpufab.steps.runs.env import (
     ALWAYS_FORWARDED,
     Forwarded,
@@ -438,8 +439,10 @@ def provision(p: LaunchPlan, *, console=None, control=None, zones: Sequence[str]
         problem = existing_spec_problem(existing, p)
         if problem:
             raise ConfigError(problem)
-    return lifecycle.create(p.settings, console=console, control=control, zones=zones,
-                            retry_for=retry_for)
+    nodes = lifecycle.create(p.settings, console=console, control=control, zones=zones,
+                             retry_for=retry_for)
+    keep_current(p.settings, console)  # its entries in ~/.ssh/config, once config-ssh made them
+    return nodes
 
 
 def put_file(pod, remote: str, local: Path) -> None:
@@ -613,7 +616,8 @@ def down(p: LaunchPlan, started: Sequence[tuple], open_pod, *, console=None,
             say(f"Could not save every log of run {run_id} ({err}); deleting the node "
                 "anyway (--down).", "yellow")
     pods.forget(p.settings)
-    lifecycle.delete(p.settings, yes=True, console=console)
+    if lifecycle.delete(p.settings, yes=True, console=console):
+        keep_current(p.settings, console, gone=True)
     current.forget(p.settings.name)
 
 

@@ -451,6 +451,24 @@ def forget_host_keys(settings: Settings, node: str) -> int:
         node_id = lifecycle.control_plane(settings).get_node(lifecycle.validate_name(node)).id
     return KnownHosts(settings.known_hosts_path).forget(node_id)
 
+def ssh_session(hosts: Hosts, worker: int, *, command=None, forwards=(), replace: bool = False,
+                before_exec=None) -> int:
+    """The system ssh to ``worker`` (`tpufab ssh`, ``Pod.ssh``): its exit status, or with
+    ``replace`` this process becomes it (``before_exec()`` first: close what is open)."""
+    import os
+    import subprocess
+    import sys
+
+    binary, argv = system_ssh(hosts, worker, command=command, forwards=forwards,
+                              tty=sys.stdin.isatty())
+    sys.stdout.flush()
+    if replace:
+        if before_exec is not None:
+            before_exec()
+        os.execv(binary, argv)
+    return subprocess.call(argv, executable=binary)
+
+
 def system_ssh(pod: Hosts, worker: int, *, command=None, forwards=(), tty: bool = False,
                ) -> tuple[str, list[str]]:
     """(the system ssh binary, its argv) for a session on ``worker`` (`tpufab ssh`): tpufab's

@@ -28,6 +28,9 @@ from tpufab.config import GENERIC, TIMEOUTS, Settings, load_settings, timeout_fo
 from tpufab.errors import ConfigError
 
 if TYPE_CHECKING:
+    from fabric import Config as FabricConfig
+    from fabric import Connection, Group
+
     from tpufab.cloud.nodes import Node
     from tpufab.flows.babysit import BabysitResult
     from tpufab.hosts.connect import Hosts
@@ -127,6 +130,21 @@ class Pod:
 
     def internal_ips(self) -> list[str]:
         return self.hosts.internal_ips()
+
+    def connections(self, *, workers: str | Iterable[int] = "all",
+                    config: FabricConfig | None = None) -> list[Connection]:
+        """A ``fabric.Connection`` per worker, made as tpufab connects (address, user, key,
+        pinned host key, the jump host as gateway); needs `pip install 'tpufab[fabric]'`."""
+        from tpufab.pod import fabric
+
+        return fabric.connections(self, workers, config=config)
+
+    def group(self, *, workers: str | Iterable[int] = "all") -> Group:
+        """Fabric's Group API (run, sudo, put, get, local; GroupResult, GroupException) on
+        tpufab's fan-out; needs `pip install 'tpufab[fabric]'`."""
+        from tpufab.pod import fabric
+
+        return fabric.group(self, workers)
 
     def device_globs(self) -> tuple[str, ...]:
         return self.hosts.device_globs()
@@ -243,30 +261,19 @@ class Pod:
         jump host; ``command`` (an argv) or else an interactive shell; ``forward``: ``-L``
         port forwards (``PORT``, ``LOCAL:REMOTE``, ``LOCAL:HOST:REMOTE``, on 127.0.0.1).
         Returns ssh's exit status; ``replace``: become ssh (os.execv), as `tpufab ssh` does."""
-        import os
-        import subprocess
-        import sys
-
-        from tpufab.hosts import connect as connection
+        from tpufab.hosts import connect
         from tpufab.ssh.forward import parse_forward
 
         forwards = [parse_forward(spec) for spec in forward or ()]
-        connected = self.hosts
         if isinstance(workers, int) or str(workers).isdigit():
             worker = int(workers)
-        else:
-            chosen = self.select(workers)
-            if len(chosen) != 1:
-                raise ConfigError(f"ssh goes to one worker, not {len(chosen)}; pass one index, "
-                                  "e.g. --worker 0.")
+        elif len(chosen := self.select(workers)) == 1:
             worker = chosen[0]
-        binary, argv = connection.system_ssh(connected, worker, command=command,
-                                             forwards=forwards, tty=sys.stdin.isatty())
-        sys.stdout.flush()
-        if replace:
-            self.close()
-            os.execv(binary, argv)
-        return subprocess.call(argv, executable=binary)
+        else:
+            raise ConfigError(f"ssh goes to one worker, not {len(chosen)}; pass one index, "
+                              "e.g. --worker 0.")
+        return connect.ssh_session(self.hosts, worker, command=command, forwards=forwards,
+                                   replace=replace, before_exec=self.close)
 
     def deploy(self, ref: str = "HEAD", *, remote: str = "origin", dir: str | None = None,
                direct: bool = False, wip: bool = False, timeout: float | None = None,
@@ -518,16 +525,12 @@ class Pod:
         the BabysitResult (``.exit_code``, ``.attempts``, ``.restart_counts``) when the
         recipe finished on every worker; raises BabysitError saying why otherwise
         (ConfigError, one sentence, for a bad budget or code)."""
-        import copy
-
         from tpufab.flows import babysit as babysitting
         from tpufab.steps.start.starting import recipe_args
 
         args = recipe_args(args)
         timeout = self._timeout("babysit", timeout)
-        settings = copy.copy(self.settings)  # this call's timeouts, not the pod's
-        settings.command_timeout = timeout
-        settings.connect_timeout = min(settings.connect_timeout, timeout)
+        settings = self.settings.bounded(timeout)   # this call's timeouts, not the pod's
         options = {} if poll is None else {"poll": poll}
         return babysitting.babysit(
             settings, recipe, args=list(args), max_restarts=max_restarts,

@@ -31,6 +31,7 @@ def create(name: str | None = None, *, type: str | None = None, zone: str | None
 
     chosen = _settings(name, zone, project, {"type": type, **settings})
     lifecycle.create(chosen, queued=queued, num_slices=num_slices)
+    _keep_ssh_config(chosen)
     return Pod(chosen.name, zone=chosen.zone, project=chosen.project, **settings)
 
 
@@ -44,9 +45,12 @@ def create_node(settings: Settings, *, queued: bool = False, num_slices: int = 1
     raises ApiError (quota, stockout, bad request) or ConfigError in one sentence."""
     from tpufab.cloud import lifecycle
 
-    return lifecycle.create(settings, queued=queued, num_slices=num_slices, async_=async_,
-                            zones=zones, retry_for=retry_for, reservation=reservation,
-                            topology=topology, console=console)
+    nodes = lifecycle.create(settings, queued=queued, num_slices=num_slices, async_=async_,
+                             zones=zones, retry_for=retry_for, reservation=reservation,
+                             topology=topology, console=console)
+    if not async_:
+        _keep_ssh_config(settings, console)
+    return nodes
 
 
 def gc(*, zone: str | None = None, project: str | None = None, all_zones: bool = False,
@@ -54,10 +58,15 @@ def gc(*, zone: str | None = None, project: str | None = None, all_zones: bool =
     """`tpufab gc`: delete preempted, terminated and failed nodes and suspended and failed
     queued resources (in the zone, or every zone); ``yes=False`` asks first (on a terminal),
     ``console`` hears what is found and deleted. Returns what was deleted."""
+    from dataclasses import replace
+
     from tpufab.cloud import lifecycle
 
-    return lifecycle.gc(_settings(None, zone, project, settings), yes=yes, all_zones=all_zones,
-                        console=console)
+    chosen = _settings(None, zone, project, settings)
+    deleted = lifecycle.gc(chosen, yes=yes, all_zones=all_zones, console=console)
+    for gone in deleted:
+        _keep_ssh_config(replace(chosen, name=gone.name, zone=gone.zone), console, gone=True)
+    return deleted
 
 
 def delete(name: str | None = None, *, zone: str | None = None,
@@ -71,7 +80,18 @@ def delete(name: str | None = None, *, zone: str | None = None,
     chosen = _settings(name, zone, project, {})
     connect.forget(chosen)
     connect.stop_keepers(chosen)  # its kept connections go with it
-    return lifecycle.delete(chosen, yes=yes, console=console)
+    deleted = lifecycle.delete(chosen, yes=yes, console=console)
+    if deleted:
+        _keep_ssh_config(chosen, console, gone=True)
+    return deleted
+
+
+def _keep_ssh_config(settings: Settings, console: Console | None = None, *,
+                     gone: bool = False) -> None:
+    """A created or deleted pod's entries in ~/.ssh/config follow it (`tpufab config-ssh`)."""
+    from tpufab.steps.host.sshconfig import keep_current
+
+    keep_current(settings, console, gone=gone)
 
 
 def list_pods(*, zone: str | None = None, project: str | None = None, waiting: bool = True,

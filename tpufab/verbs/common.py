@@ -57,10 +57,7 @@ def settings_from_flags(*, type: str | None = None, accelerator_type: str | None
     timeout = check_timeout(timeout)
     settings = load_settings(overrides)
     settings.labels = {**settings.labels, **parse_labels(labels)}
-    if timeout is not None:
-        settings.connect_timeout = min(settings.connect_timeout, timeout)
-        settings.command_timeout = timeout
-    return settings
+    return settings.bounded(timeout)
 
 
 def print_json(data: Any) -> None:

@@ -1,11 +1,12 @@
-"""Node lifecycle verbs: create, delete, list, describe, types, known-hosts forget."""
+"""Node lifecycle verbs: create, delete, list, describe, types, known-hosts forget, and
+config-ssh (every worker in ~/.ssh/config, for the SSH tools a user already has)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 from tpufab.errors import ConfigError
-from tpufab.verbs.common import WIDE_HELP, count, note, print_json, settings_from_flags
+from tpufab.verbs.common import WIDE_HELP, count, note, print_json, say, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
 
 PLACE = 3   # where this family's verbs show in `tpufab --help`
@@ -178,6 +179,64 @@ def known_hosts_forget(*, node: str, zone: str | None = None, project: str | Non
     stdout().print(f"Forgot {count(removed, 'pinned host key')} of node {node} "
                    f"({settings.known_hosts_path}); the next connection pins the keys again.",
                    markup=False)
+
+
+@verb(name="config-ssh",
+      options={"name": Opt("Only this pod (default: every READY pod in the zone).",
+                           short="-n"),
+               "remove": "Take the entries out (of --name's pod, else all of tpufab's).",
+               "yes": Opt("Do not ask before adding tpufab's section to ~/.ssh/config.",
+                          short="-y")})
+def config_ssh(*, name: str | None = None, remove: bool = False, yes: bool = False,
+               zone: str | None = None, project: str | None = None,
+               no_os_login: bool = False, jump: str | None = None) -> None:
+    """Write a Host entry per worker into ~/.ssh/config: `ssh POD`, `ssh POD-w3`, `scp f
+    POD-w3:`, `rsync -a d/ POD-w0:d/`, VS Code Remote-SSH and `fab -H POD-w0,POD-w1` reach
+    the workers as tpufab does (its key, the pinned host keys, the OS Login user, --jump).
+
+    The entries go between tpufab's own marker lines, in the file itself (paramiko, so
+    Fabric, ignores Include); your own entries are never touched. It asks the first time
+    (--yes where there is no terminal). create, delete and a recreate keep them current
+    (the ssh_config setting: auto, or off).
+    """
+    import sys
+
+    from tpufab.errors import ConfigError
+    from tpufab.pod.sshconfig import config_ssh as configure
+    from tpufab.term.console import stderr
+
+    settings = settings_from_flags(zone=zone, project=project, no_os_login=no_os_login,
+                                   jump=jump)
+
+    def confirm(question: str) -> bool:
+        if not sys.stdin or not sys.stdin.isatty():
+            raise ConfigError("config-ssh writes into ~/.ssh/config and asks first, but stdin "
+                              "is not a terminal: pass --yes to write without asking.")
+        from rich.prompt import Confirm
+
+        return Confirm.ask(question, console=stderr(), default=False)
+
+    result = configure(settings, name=name, remove=remove, confirm=None if yes else confirm,
+                       console=stderr())
+    if result.declined:
+        note("Not written.")
+        return
+    for pod, why in result.skipped:
+        note(f"Skipped {pod}: {why}", "yellow")
+    for pods in result.written:
+        aliases = [a for e in pods.workers for a in e.names]
+        shown = " ".join(aliases) if len(aliases) <= 6 else \
+            f"{' '.join(aliases[:3])} ... {aliases[-1]}"
+        say(f"{pods.name}: {shown} ({len(pods.workers)} worker"
+            f"{'s' if len(pods.workers) != 1 else ''}"
+            f"{', through ' + pods.jump.names[0] if pods.jump else ''}) in {result.path}.")
+    for pod in result.removed:
+        say(f"Removed {pod}'s entries from {result.path}.")
+    if remove and not result.removed:
+        say(f"No tpufab entries{' for ' + name if name else ''} in {result.path}; nothing to "
+            "remove.")
+    for line in result.notes:
+        note(line, "yellow")
 
 
 @verb(options={"type": "Accelerator type: v4-512, v6e-8, tpu-v5p-128 ...",
