@@ -4,12 +4,13 @@ run; a stall judged after the queued output; a profile of every worker."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from harness import connected_pod
-from helpers import wait_for
+from helpers import tpufab, wait_for
 
 pytestmark = pytest.mark.sim
 DATA = Path(__file__).parent / "data"
@@ -71,3 +72,27 @@ def test_tpu_info_unmodified_reads_the_simulated_metrics(pod4):
         assert "HLO Execution Timing" in timing.stdout, timing.stdout + timing.stderr
     finally:
         release_chips(pod4, [1])
+
+
+def test_top_tpu_shows_the_job_holding_the_chips_and_the_idle_host_first(pod4):
+    hold_chips(pod4, [0, 1, 2])
+    try:
+        got = tpufab("top", "--tpu", "--once", "--json", env=pod4.env, cwd=pod4.base)
+        assert got.returncode == 0, got.stdout + got.stderr
+        frame = json.loads(got.stdout)
+        rows = frame["tpu_rows"]
+        assert [r["workers"] for r in rows] == ["w3", "w[0-2]"], rows  # the outlier first
+        assert rows[0]["kind"] == "idle" and "no process holds the TPU" in rows[0]["text"]
+        busy = rows[1]
+        assert busy["kind"] == "busy" and busy["text"].startswith("4 chips  duty "), busy
+        assert "/32 GiB" in busy["text"] and busy["duty_cycle_percent"] > 20, busy
+        chips = {w["worker"]: w["tpu"]["chips"] for w in frame["workers"]}
+        assert [len(chips[w]) for w in range(3)] == [4, 4, 4] and chips[3] == []
+        assert all(c["hbm_used_bytes"] >= 16 << 20 for w in range(3) for c in chips[w])
+        human = tpufab("top", "--tpu", "--once", env=pod4.env, cwd=pod4.base)
+        assert human.returncode == 0, human.stderr
+        lines = [x for x in human.stdout.splitlines() if x.startswith("w")]
+        assert lines[0].split()[0] == "w3" and "idle: no process holds the TPU" in lines[0]
+        assert lines[1].split()[0] == "w[0-2]" and "4 chips" in lines[1], human.stdout
+    finally:
+        release_chips(pod4, [0, 1, 2])

@@ -111,15 +111,16 @@ def babysit(recipe: str, *, name: str | None = None, max_restarts: int = 3, args
 
 
 # --- issue 27: budgets, maintenance, top
-@verb(pod_method="top", view=("as_json",),
+@verb(pod_method="top", view=("as_json", "tpu"),
       options={"once": "Print one frame and exit (for scripts).",
+               "tpu": "Show the TPU rows: per host, per chip (libtpu's metrics), folded.",
                "every": Opt("Seconds between frames (at least 1).", metavar="SECONDS"),
                "interval": Opt("Seconds each frame samples /proc over (at most 30).",
                                metavar="SECONDS"),
                "as_json": Opt("Print JSON (with --once one object; else one line a frame).",
                               flag="--json")})
 def top(*, once: bool = False, every: float = 3.0, interval: float = 1.0, worker: str = "all",
-        as_json: bool = False, timeout: float = 30.0, name: str | None = None,
+        as_json: bool = False, tpu: bool = False, timeout: float = 30.0, name: str | None = None,
         zone: str | None = None, project: str | None = None, no_os_login: bool = False,
         jump: str | None = None) -> int:
     """Every worker's CPU, memory, load, run processes and TPU use, live, folded.
@@ -136,9 +137,9 @@ def top(*, once: bool = False, every: float = 3.0, interval: float = 1.0, worker
     if once:
         frame = pod.top(once=True, every=every, interval=interval, workers=worker,
                         timeout=timeout)
-        show(frame, as_json=as_json)
+        show(frame, as_json=as_json, tpu=tpu)
         return 0 if frame.ok else 1
     last = follow(lambda on_frame: pod.top(every=every, interval=interval, workers=worker,
                                            timeout=timeout, on_frame=on_frame),
-                  as_json=as_json)
+                  as_json=as_json, tpu=tpu)
     return 0 if last is None or last.ok else 1

@@ -14,7 +14,7 @@ tpufab.views prints it, human and ``--json`` (``VIEWS``), and ``show`` reaches i
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tpufab.reports import WORKERS, Report, folded, text, to_json
 from tpufab.views import check, ray, stacks, status, top
@@ -30,7 +30,7 @@ VIEWS: dict[str, Callable[..., None]] = {"status": status.show, "check": check.s
 
 
 def show(report: Report, *, as_json: bool = False, console: Console | None = None,
-         errors: Console | None = None) -> None:
+         errors: Console | None = None, **view_options: Any) -> None:
     """Print ``report``: its rows folded (a table under WORKERS, or lines), its summary on
     stdout and its notes on stderr; or, ``as_json``, the whole of it as JSON on stdout.
     ``console``/``errors``: other consoles than tpufab's stdout and stderr (tests).
@@ -39,13 +39,15 @@ def show(report: Report, *, as_json: bool = False, console: Console | None = Non
     top, stacks) is
     printed, human and ``as_json``, by ``VIEWS[view]``, the function of that name's module
     under tpufab/views (tpufab/views/status.py, check.py, top.py, stacks.py), given the same
-    consoles. A stream of reports (top's live frames) is drawn by its view's ``follow``."""
+    consoles (and ``view_options``: top's ``tpu``). A stream of reports (top's live frames) is
+    drawn by its view's ``follow``."""
     from tpufab.term.console import print_json, stderr, stdout
     from tpufab.term.terminal import neutralise_text
 
     console = console or stdout()
     if report.view:
-        VIEWS[report.view](report, as_json=as_json, console=console, errors=errors or stderr())
+        VIEWS[report.view](report, as_json=as_json, console=console, errors=errors or stderr(),
+                           **view_options)
         return
     if as_json:
         print_json(to_json(report), console)
