@@ -43,6 +43,19 @@ RAY
     chmod 755 "$venv/bin/ray.new"
     mv "$venv/bin/ray.new" "$venv/bin/ray"
 fi
+# Google's tpu-info (libtpu's runtime metrics), when scripts/sim-wheels.sh put it there, with the
+# command `pip install tpu-info` would have made.
+if [ -d "$share/tpu-info" ]; then
+    paths=$(printf '%s\n%s' "$paths" "$share/tpu-info")
+    cat > "$venv/bin/tpu-info.new" <<TPUINFO
+#!$venv/bin/python
+import sys
+from tpu_info.cli import print_chip_info
+sys.exit(print_chip_info())
+TPUINFO
+    chmod 755 "$venv/bin/tpu-info.new"
+    mv "$venv/bin/tpu-info.new" "$venv/bin/tpu-info"
+fi
 if [ "$(cat "$pth" 2>/dev/null)" != "$paths" ]; then
     printf '%s\n' "$paths" > "$pth"
 fi

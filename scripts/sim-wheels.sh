@@ -5,6 +5,8 @@
 #   (default spec: the jax version of the project's .venv, else the latest jax)
 # Also installs py-spy (a static binary in a wheel: site/bin/py-spy, ~6 MB) for `tpufab stacks`
 # and the stall watchdog (TPUFAB_SIM_TOOLS="" leaves it out).
+# Also puts tpu-info (TPUFAB_SIM_TPU_INFO_SPEC, default tpu-info==0.14.2) in
+# $TPUFAB_SIM_DIR/share/tpu-info, which setup-sim.sh adds to the workers' venv with the command.
 # Also puts xprof (its trace client only, --no-deps, ~30 MB) in $TPUFAB_SIM_DIR/share/xprof
 # for `tpufab profile`; setup-sim.sh adds it to the workers' venv when it is there.
 # Installs jax + jaxlib (CPU wheels for the workers' /usr/bin/python3) into
@@ -36,6 +38,7 @@ ray=0
 ray_spec=${TPUFAB_SIM_RAY_SPEC:-ray[default]}
 force=0
 xprof_spec=${TPUFAB_SIM_XPROF_SPEC:-xprof}
+tpu_info_spec=${TPUFAB_SIM_TPU_INFO_SPEC-tpu-info==0.14.2}   # "" leaves it out
 while [ $# -gt 0 ]; do
     case $1 in
         --sim-dir) sim_dir=$2; shift 2 ;;
@@ -123,6 +126,32 @@ install_xprof() {
     echo "sim-wheels: $dir has $want_x"
 }
 install_xprof
+
+# Google's tpu-info (and what it imports: grpcio, protobuf, rich, ...) for `tpufab top` and for
+# users on a worker, as `pip install tpu-info` would give them: its own folder and stamp.
+# setup-sim.sh puts it on the workers' venv path and writes ~/.venv/bin/tpu-info. Best effort.
+install_tpu_info() {
+    [ -n "$tpu_info_spec" ] || return 0
+    local dir=$sim_dir/share/tpu-info want_t="$tpu_info_spec python$pyver" tmp_t
+    if [ "$(cat "$dir/.tpufab-spec" 2>/dev/null)" = "$want_t" ]; then
+        return 0
+    fi
+    tmp_t=$(mktemp -d "$sim_dir/share/.tpu-info.XXXXXX")
+    if ! "$pip_python" -m pip install --quiet --disable-pip-version-check \
+            --no-warn-script-location --target "$tmp_t" --python-version "$pyver" \
+            --only-binary=:all: "$tpu_info_spec"; then
+        rm -rf "$tmp_t"
+        echo "sim-wheels: could not install $tpu_info_spec; tpu-info is not on the workers" >&2
+        return 0
+    fi
+    rm -rf "$tmp_t/bin"     # pip's scripts name the host's python; setup-sim.sh writes the worker's
+    printf '%s\n' "$want_t" > "$tmp_t/.tpufab-spec"
+    chmod -R a+rX "$tmp_t"
+    rm -rf "$dir"
+    mv "$tmp_t" "$dir"
+    echo "sim-wheels: $dir has $want_t"
+}
+install_tpu_info
 
 # Ray for `tpufab ray`: its own folder and stamp (the site's stays what it was).
 install_ray() {

@@ -288,6 +288,8 @@ def build_shared_site(share_dirs: list[Path], *, torch: bool = False, ray: bool 
     _link_into_shares(site, share_dirs)
     if ray:
         _link_into_shares(cache / "share" / "ray", share_dirs)
+    if (cache / "share" / "tpu-info" / ".tpufab-spec").exists():  # tpu-info, best effort
+        _link_into_shares(cache / "share" / "tpu-info", share_dirs)
     return site
 
 

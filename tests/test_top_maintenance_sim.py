@@ -123,8 +123,7 @@ def test_top_once_folds_the_idle_workers_and_shows_the_busy_one(pod4, tmp_path):
         assert "while True: pass" in busy["processes"]
         w2 = next(w for w in frame["workers"] if w["worker"] == 2)
         assert w2["busiest"][0]["pid"] == int(pid) and w2["core_percent"] >= 10
-        assert frame["tpu"] == ("TPU use: not available (simulated: the TPU device files are "
-                                "placeholders)")
+        assert frame["tpu"] == "TPU use: idle: no process holds the TPU"   # docs/tpu.md
 
         tables = []
 
@@ -136,7 +135,7 @@ def test_top_once_folds_the_idle_workers_and_shows_the_busy_one(pod4, tmp_path):
             return [r[:2] for r in rows] == [["w[0-1,3]", "idle"], ["w2", "busy"]]
 
         wait_for(shown_as_table, 90, what="the table to fold w[0-1,3] and show w2 busy")
-        assert "TPU use: not available (simulated" in tables[-1]
+        assert "TPU use: idle: no process holds the TPU" in tables[-1]
         assert "WORKERS" in tables[-1] and "CPU" in tables[-1]
     finally:
         in_worker(pod4.sim, pod4.node, 2, f"kill {pid}", check=False)

@@ -11,24 +11,38 @@ Samples /proc twice, ``--interval`` apart (default 1 s), and prints one JSON obj
      "memory": {"total_bytes", "available_bytes"},
      "runs": [{"run", "processes", "cpu_percent", "rss_bytes"}],     tpufab runs alive here
      "busiest": [{"pid", "command", "cpu_percent", "rss_bytes", "run"?}],  the top N processes
-     "tpu": {"available": bool, "source"?, "duty_cycle_percent"?, "hbm_used_bytes"?,
-             "hbm_total_bytes"?, "why"?}}
+     "tpu": {"available": bool, "devices", "holders": [{"pid", "command", "devices"}],
+             "chips": [{"chip", "duty_cycle_percent", "hbm_used_bytes", "hbm_total_bytes",
+                        "idle_seconds"?, "programs"?, "programs_seconds"?}],
+             "idle"?: true (no process holds the TPU), "code"?, "why"?}}
 
 A run's processes are those in the process group or session of the recipe tpufab started
-(``<run-dir>/<id>/pid``). TPU use comes from Google's ``tpu-info`` CLI (libtpu's runtime
-metrics: duty cycle and HBM), where it is installed and the TPU device files are real; on the
-simulated pod the device files are placeholders, and that is said, not guessed at.
+(``<run-dir>/<id>/pid``). TPU use comes from libtpu's runtime metrics service (gRPC on
+localhost:8431, what Google's ``tpu-info`` reads), asked while /proc is sampled, through
+grpcio: this script runs itself again (``--tpu-only``) under a Python that has it (the
+``tpu-info`` command's, or ~/.venv's; workerlib.grpc_python). Who holds the device files comes
+from /proc/*/fd.
 """
 
 import argparse
 import os
-import re
-import shutil
 import subprocess
 import sys
 import time
 
-from tpufab.remote.workerlib import DEVICE_GLOBS, answer, argv_of, expand_globs, read_end
+from tpufab.remote.workerlib import (
+    DEVICE_GLOBS,
+    TpuMetrics,
+    Watched,
+    answer,
+    argv_of,
+    expand_globs,
+    grpc_python,
+    have_grpc,
+    read_answer,
+    read_end,
+    scan_holders,
+)
 
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -96,60 +110,67 @@ def memory():
     return {"total_bytes": info.get("MemTotal"), "available_bytes": info.get("MemAvailable")}
 
 
-def tpu_info_command():
-    found = shutil.which("tpu-info")
-    if found:
-        return found
-    for path in ("~/.local/bin/tpu-info", "~/.venv/bin/tpu-info"):
-        path = os.path.expanduser(path)
-        if os.access(path, os.X_OK):
-            return path
-    return None
-
-
-GIB = re.compile(r"([\d.]+)\s*GiB\s*/\s*([\d.]+)\s*GiB")
-PERCENT = re.compile(r"\|\s*\d+\s*\|\s*([\d.]+)%\s*\|")
-
-
-def tpu_use():
-    """What this worker can say about its TPU's use, honestly."""
-    import stat
-
+def tpu_holders():
+    """{pid: sorted device paths} of the processes holding this worker's TPU device files."""
     devices = expand_globs(DEVICE_GLOBS)
+    holders, _ = scan_holders(Watched(devices))
+    return devices, {pid: sorted(paths) for pid, paths in holders.items()}
+
+
+def start_tpu_metrics():
+    """libtpu's metrics, asked for in the background (a Popen, or the answer at once)."""
+    if have_grpc():
+        return tpu_metrics_here()
+    python = grpc_python()
+    if python is None:
+        return {"available": False, "code": "NO_CLIENT",
+                "why": "no gRPC client on this worker to read libtpu's metrics service "
+                       "(pip install tpu-info)"}
+    try:
+        return subprocess.Popen([python, os.path.abspath(__file__), "--tpu-only"],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    except OSError as err:
+        return {"available": False, "code": "NO_CLIENT", "why": f"cannot start {python}: {err}"}
+
+
+def tpu_metrics_here():
+    try:
+        client = TpuMetrics()
+    except Exception as err:  # noqa: BLE001 - a broken grpcio is said, not raised
+        return {"available": False, "code": "NO_CLIENT", "why": f"grpc: {err}"}
+    try:
+        return client.read()
+    except Exception as err:  # noqa: BLE001 - garbage from the service is said per host
+        return {"available": False, "code": "GARBAGE", "why": f"{type(err).__name__}: {err}"}
+    finally:
+        client.close()
+
+
+def finish_tpu(started, devices, holders):
+    """The worker's "tpu" answer: holders, and the metrics service's chips or why not."""
+    if isinstance(started, dict):
+        found = started
+    else:
+        try:
+            out, _ = started.communicate(timeout=TPU_INFO_SECONDS)
+            found = read_answer(out.decode("utf-8", "replace"), kind="tpu") or {
+                "available": False, "code": "GARBAGE", "why": "the metrics client answered nothing"}
+        except subprocess.TimeoutExpired:
+            started.kill()
+            started.communicate()
+            found = {"available": False, "code": "TIMEOUT",
+                     "why": f"the metrics service did not answer within {TPU_INFO_SECONDS:g} s"}
     if not devices:
         return {"available": False, "why": "no TPU device files on this worker"}
-    real = []
-    for path in devices:
-        try:
-            if stat.S_ISCHR(os.stat(path).st_mode):
-                real.append(path)
-        except OSError:
-            pass
-    if not real:
-        return {"available": False, "why": "simulated: the TPU device files are placeholders"}
-    command = tpu_info_command()
-    if command is None:
-        return {"available": False, "why": "tpu-info is not installed (pip install tpu-info)"}
-    try:
-        done = subprocess.run([command, "--metric", "duty_cycle_percent", "--metric",
-                               "hbm_usage"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              timeout=TPU_INFO_SECONDS)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return {"available": False, "why": f"tpu-info did not answer ({err.__class__.__name__})"}
-    text = done.stdout.decode("utf-8", "replace")
-    duty = [float(x) for x in PERCENT.findall(text)]
-    hbm = [(float(a), float(b)) for a, b in GIB.findall(text)]
-    if not duty and not hbm:
-        last = [line.strip() for line in text.splitlines() if line.strip()]
-        why = last[-1][:160] if last else f"exit status {done.returncode}"
-        return {"available": False, "source": "tpu-info", "why": f"tpu-info: {why}"}
-    out = {"available": True, "source": "tpu-info"}
-    if duty:
-        out["duty_cycle_percent"] = round(sum(duty) / len(duty), 1)
-    if hbm:
-        out["hbm_used_bytes"] = int(sum(a for a, _ in hbm) * (1 << 30))
-        out["hbm_total_bytes"] = int(sum(b for _, b in hbm) * (1 << 30))
-    return out
+    found = dict(found)
+    found["devices"] = len(devices)
+    found.setdefault("chips", [])
+    found["holders"] = [{"pid": pid, "command": command_text(pid, "?", 40), "devices": paths}
+                        for pid, paths in sorted(holders.items())]
+    if not found.get("available") and not holders:
+        found["idle"] = True
+        found["why"] = "no process holds the TPU"
+    return found
 
 
 def command_text(pid, comm, width=60):
@@ -209,9 +230,15 @@ def main(argv=None):
     parser.add_argument("--interval", type=float, default=1.0)
     parser.add_argument("--run-dir", default="~/.tpufab/runs")
     parser.add_argument("--top", type=int, default=3)
+    parser.add_argument("--tpu-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.tpu_only:  # in a Python that has grpcio (start_tpu_metrics)
+        answer("tpu", tpu_metrics_here())
+        return 0
+    devices, holders = tpu_holders()
+    started = start_tpu_metrics() if devices else {}
     found = sample(max(0.1, min(args.interval, 30.0)), args.run_dir, max(0, args.top))
-    found["tpu"] = tpu_use()
+    found["tpu"] = finish_tpu(started, devices, holders)
     answer("answer", found)
     return 0
 

@@ -634,3 +634,206 @@ def _young(rundir):
         return time.time() - os.path.getmtime(rundir) < 30
     except OSError:
         return False
+
+
+# -- libtpu's runtime metrics (top_worker.py, steps_worker.py read them) ------------------------
+# The service tpu-info reads: gRPC on localhost:8431 (local credentials: plain HTTP/2 on a
+# loopback connection), served by libtpu in the process that holds the chips. gRPC comes from
+# grpcio: this Python's, else the Python of the `tpu-info` command (which has it by
+# construction), else ~/.venv's; the messages are decoded here (no protobuf package).
+
+TPU_METRICS_ADDR = "localhost:8431"
+TPU_METRIC_SERVICE = "/tpu.monitoring.runtime.RuntimeMetricService/GetRuntimeMetric"
+TPU_METRIC_NAMES = {
+    "hbm_total": "tpu.runtime.hbm.memory.total.bytes",
+    "hbm_used": "tpu.runtime.hbm.memory.usage.bytes",
+    "duty": "tpu.runtime.tensorcore.dutycycle.percent",
+    "idle": "tpu.runtime.tensorcore.idle_duration.seconds",
+    "programs": "hlo.execution.timing.distribution.microseconds",
+    "collectives": "megascale.collective_end_to_end_latencies.microsecond.cumulative.distribution",
+}
+
+
+def pb_fields(data):
+    """A protobuf message's fields: {number: [value, ...]} (varints as int, 64-bit values as
+    8 bytes, length-delimited ones as bytes); ValueError when it is no protobuf message."""
+    fields = {}
+    i, n = 0, len(data)
+    while i < n:
+        key, i = pb_varint(data, i)
+        number, kind = key >> 3, key & 7
+        if number == 0:
+            raise ValueError("field number 0")
+        if kind == 0:
+            value, i = pb_varint(data, i)
+        elif kind == 1:
+            value, i = data[i:i + 8], i + 8
+        elif kind == 2:
+            size, i = pb_varint(data, i)
+            value, i = data[i:i + size], i + size
+        elif kind == 5:
+            value, i = data[i:i + 4], i + 4
+        else:
+            raise ValueError(f"wire type {kind}")
+        if i > n:
+            raise ValueError(f"truncated field {number}")
+        fields.setdefault(number, []).append(value)
+    return fields
+
+
+def pb_varint(data, i):
+    shift = value = 0
+    while True:
+        if i >= len(data) or shift > 63:
+            raise ValueError("truncated varint")
+        byte = data[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, i
+        shift += 7
+
+
+def pb_double(raw):
+    import struct
+    return struct.unpack("<d", raw)[0] if isinstance(raw, bytes) and len(raw) == 8 else 0.0
+
+
+def pb_int(raw):
+    if not isinstance(raw, int):
+        return 0
+    return raw - (1 << 64) if raw >= 1 << 63 else raw
+
+
+def pb_first(fields, number, default=None):
+    values = fields.get(number)
+    return values[-1] if values else default
+
+
+def metric_device(metric):
+    """A Metric's device: ``attribute.value.int_attr``, or the ``device_ordinal`` of its
+    key-value list (libtpu labels the HLO metrics so)."""
+    attr = pb_fields(pb_first(metric, 1, b""))
+    value = pb_fields(pb_first(attr, 2, b""))
+    if 3 in value:
+        return pb_int(pb_first(value, 3))
+    for item in pb_fields(pb_first(value, 6, b"")).get(1, []):
+        entry = pb_fields(item)
+        if pb_first(entry, 1, b"") == b"device_ordinal":
+            inner = pb_fields(pb_first(entry, 2, b""))
+            text = pb_first(inner, 1)
+            if isinstance(text, bytes) and text.strip().isdigit():
+                return int(text)
+            if 3 in inner:
+                return pb_int(pb_first(inner, 3))
+    return None
+
+
+def parse_metric_response(data):
+    """MetricResponse bytes -> {device: value}: a gauge's number, or a distribution's
+    (count, mean) (ValueError when it is not one)."""
+    metric = pb_fields(pb_first(pb_fields(data), 1, b""))
+    found = {}
+    for raw in metric.get(3, []):
+        m = pb_fields(raw)
+        device = metric_device(m)
+        if device is None:
+            continue
+        if 3 in m:
+            gauge = pb_fields(pb_first(m, 3))
+            found[device] = pb_double(pb_first(gauge, 1)) if 1 in gauge else \
+                float(pb_int(pb_first(gauge, 2, 0)))
+        elif 5 in m:
+            dist = pb_fields(pb_first(m, 5))
+            found[device] = (pb_int(pb_first(dist, 1, 0)), pb_double(pb_first(dist, 2)))
+    return found
+
+
+class TpuMetrics:
+    """A channel to libtpu's metrics service; ``read()`` asks for every metric tpufab shows
+    and returns one dict (``available``, ``chips``, or ``why``). Needs ``import grpc``."""
+
+    def __init__(self, addr=TPU_METRICS_ADDR, timeout=3.0):
+        import grpc
+        self.grpc = grpc
+        self.timeout = timeout
+        creds = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+        self.channel = grpc.secure_channel(addr, creds)
+        self.call = self.channel.unary_unary(TPU_METRIC_SERVICE)
+
+    def ask(self, name):
+        request = b"\x0a" + bytes([len(name)]) + name.encode()
+        return parse_metric_response(self.call(request, timeout=self.timeout))
+
+    def read(self):
+        grpc = self.grpc
+        got = {}
+        for key, name in TPU_METRIC_NAMES.items():
+            try:
+                got[key] = self.ask(name)
+            except grpc.RpcError as err:
+                if key in ("hbm_total", "hbm_used", "duty"):  # the ones tpu-info needs too
+                    detail = (err.details() or "").strip()[:160]
+                    return {"available": False, "code": err.code().name,
+                            "why": "{}{}".format(err.code().name, ": " + detail if detail else "")}
+            except ValueError as err:
+                return {"available": False, "code": "GARBAGE",
+                        "why": f"the metrics service answered no metrics message ({err})"}
+        chips = []
+        totals, used, duty = got.get("hbm_total", {}), got.get("hbm_used", {}), got.get("duty", {})
+        per_chip = max(1, len(totals) // max(1, len(duty))) if duty else 1
+        for chip in sorted(duty) or sorted(totals):
+            devices = [chip * per_chip + k for k in range(per_chip)]
+            entry = {"chip": chip, "duty_cycle_percent": round(duty.get(chip, 0.0), 2),
+                     "hbm_used_bytes": int(sum(used.get(d, 0) for d in devices)),
+                     "hbm_total_bytes": int(sum(totals.get(d, 0) for d in devices))}
+            idle = [got.get("idle", {}).get(d) for d in devices]
+            if all(x is not None for x in idle):
+                entry["idle_seconds"] = round(min(idle), 3)
+            for key in ("programs", "collectives"):
+                dist = [got.get(key, {}).get(d) for d in devices]
+                if dist and all(isinstance(x, tuple) for x in dist):
+                    entry[key] = sum(c for c, _ in dist)
+                    entry[key + "_seconds"] = round(sum(c * m for c, m in dist) / 1e6, 6)
+            chips.append(entry)
+        return {"available": True, "source": f"libtpu metrics service ({TPU_METRICS_ADDR})",
+                "chips": chips}
+
+    def close(self):
+        self.channel.close()
+
+
+def grpc_python():
+    """An interpreter that can import grpc, other than this one: the `tpu-info` command's
+    (its shebang), else ~/.venv's; None if there is none."""
+    import shutil
+    import subprocess
+    candidates = []
+    for found in (shutil.which("tpu-info"), os.path.expanduser("~/.local/bin/tpu-info"),
+                  os.path.expanduser("~/.venv/bin/tpu-info")):
+        try:
+            with open(found or "", "rb") as fh:
+                first = fh.readline().decode("utf-8", "replace")
+        except OSError:
+            continue
+        if first.startswith("#!") and first[2:].split():
+            candidates.append(first[2:].split()[0])
+    candidates.append(os.path.expanduser("~/.venv/bin/python3"))
+    for python in candidates:
+        if not os.access(python, os.X_OK):  # (a venv's python is this one's binary, with
+            continue                          # the venv's site: it counts)
+        try:
+            if subprocess.run([python, "-c", "import grpc"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, timeout=20).returncode == 0:
+                return python
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+    return None
+
+
+def have_grpc():
+    try:
+        import grpc  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -114,6 +114,11 @@ class SimAdmin:
         return self._call("POST", f"{self.node_name(node)}:setReachable",
                           {"worker": worker, "reachable": reachable})
 
+    def set_slow(self, node: str, worker: int, share: float) -> dict[str, Any]:
+        """Stop a worker's processes for ``share`` of every short period (0: no more)."""
+        return self._call("POST", f"{self.node_name(node)}:setSlow",
+                          {"worker": worker, "share": share})
+
     def kill_sshd(self, node: str, worker: int) -> dict[str, Any]:
         """SIGKILL a worker's sshd and its sessions; the worker starts a new listener."""
         return self._call("POST", f"{self.node_name(node)}:killSshd", {"worker": worker})

@@ -1071,6 +1071,7 @@ class Emulator:
                                                                     or 0)),
                       "setReachable": lambda: self._set_reachable(name, body),
                       "killSshd": lambda: self._kill_sshd(name, body),
+                      "setSlow": lambda: self._set_slow(name, body),
                       "scheduleMaintenance": lambda: self.guest.schedule_maintenance(
                           name, body),
                       "endRun": lambda: self.compute.end_run(name)}.get(verb)
@@ -1249,6 +1250,16 @@ class Emulator:
         reachable = bool(body.get("reachable", False))
         self.workers.set_reachable(node_id, worker, reachable)
         return {"node": name, "worker": worker, "reachable": reachable}
+
+    def _set_slow(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        from tpufab.sim import slow
+
+        node_id, worker = self._worker_of(name, body)
+        share = float(body.get("share") or 0.0)
+        if not 0 <= share <= slow.MAX_SHARE:
+            raise ApiFailure("INVALID_ARGUMENT", f"share {share} is outside 0-{slow.MAX_SHARE}.")
+        slow.set_slow(self.workers, node_id, worker, share)
+        return {"node": name, "worker": worker, "share": share}
 
     def _kill_sshd(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         node_id, worker = self._worker_of(name, body)

@@ -243,9 +243,13 @@ def build_pci(host_links, chips):
         path = f"{PCI_DEVICES}/0000:f{i // 32:x}:{i % 32:02x}.0"
         os.mkdir(path)
         # class 0x1200: processing accelerator (gloo and lspci read it for every device)
+        # subsystem_device tells v2 from v3; iommu_group names the chip's /dev/vfio/N (what
+        # tpu-info reads for every Google device)
         for field, value in (("vendor", chip["vendor"]), ("device", chip["device"]),
+                             ("subsystem_device", chip.get("subsystem", "0x0000")),
                              ("class", "0x120000")):
             write_file(f"{path}/{field}", (value + "\n").encode(), 0o444)
+        os.symlink(f"../../../kernel/iommu_groups/{i}", f"{path}/iommu_group")
 
 
 class Sshd:

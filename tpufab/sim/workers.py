@@ -42,6 +42,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from tpufab.errors import SimError
+from tpufab.sim import tpumetrics
 
 INIT_SCRIPT = Path(__file__).with_name("worker_init.py")
 # sshd's AuthorizedKeysCommand where OS Login is on (the guest's google_authorized_keys)
@@ -194,7 +195,9 @@ def sshd_config_text(spec: WorkerSpec, *, os_login: bool = False) -> str:
 def hosts_text(spec: WorkerSpec, node_specs: Iterable[WorkerSpec]) -> str:
     """/etc/hosts: the worker's own name first, then its node's other workers, then the
     metadata server."""
-    lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
+    # localhost is the worker's own address: the network namespace is shared, and what a TPU VM
+    # serves on localhost (libtpu's metrics on :8431, sim/tpumetrics.py) is per worker.
+    lines = [f"{spec.ip}\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
              f"{spec.ip}\t{spec.hostname}"]
     lines += [f"{s.ip}\t{s.hostname}" for s in node_specs if s.index != spec.index]
     # The worker's metadata server (169.254.169.254 on GCE) answers on its own address, port 80.
@@ -564,6 +567,7 @@ class WorkerPool:
             if not to_start:
                 return
             failures = _Launcher.call(self._boot_all, node_id, to_start, tools, sshd_at)
+        tpumetrics.serve(self)  # each worker's localhost:8431, as libtpu's (sim/tpumetrics.py)
         if failures:  # the failed ones are gone already; the others keep running
             details = "\n".join(f"w{i}: {why}" for i, why in sorted(failures.items()))
             raise SimError(f"Worker(s) {fold_workers(failures)} of node {node_id} failed to start; "

@@ -164,6 +164,21 @@ def sim_unreachable(*, name: str, worker: int, restore: bool = False) -> None:
     stdout().print(f"Worker {worker} of {name} is {state}.")
 
 
+@verb(name="slow", group="sim",
+      options={"name": "Node.", "worker": Opt("Worker index.", short="-w", required=True),
+               "by": "Share of time its processes are stopped: 15% (0 undoes it)."})
+def sim_slow(*, name: str, worker: int, by: str) -> None:
+    """Make one worker's processes really slower (stopped for that share of every 0.1 s)."""
+    from tpufab.pod.api import valid_name as validate_name
+    from tpufab.sim.slow import parse_share
+    from tpufab.term.console import stdout
+
+    share = parse_share(by)
+    sim_admin().set_slow(validate_name(name), worker, share)
+    stdout().print(f"Worker {worker} of {name} is slowed by {share:.0%}." if share else
+                   f"Worker {worker} of {name} runs at full speed again.")
+
+
 @verb(name="fail-create", group="sim",
       options={"quota": "Quota exceeded, not stockout.",
                "zone": "Only creates in this zone (default: any zone).",

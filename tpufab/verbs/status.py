@@ -78,12 +78,13 @@ def babysit(call: Call) -> int:
 
 @verb(pod_method="top",
       options={"once": "Print one frame and exit (for scripts).",
+               "tpu": "Show the TPU rows: per host, per chip (libtpu's metrics), folded.",
                "every": Opt("Seconds between frames (at least 1).", metavar="SECONDS"),
                "interval": Opt("Seconds each frame samples /proc over (at most 30).",
                                metavar="SECONDS"),
                "as_json": Opt("Print JSON (with --once one object; else one line a frame).",
                               flag="--json")})
-def top(call: Call, *, as_json: bool = False) -> int:
+def top(call: Call, *, as_json: bool = False, tpu: bool = False) -> int:
     """Every worker's CPU, memory, load, run processes and TPU use, live, folded.
 
     One fan-out a frame; workers whose values agree share a row, the outliers get their own.
@@ -94,7 +95,7 @@ def top(call: Call, *, as_json: bool = False) -> int:
 
     if call.args["once"]:
         frame = call()
-        show(frame, as_json=as_json)
+        show(frame, as_json=as_json, tpu=tpu)
         return 0 if frame.ok else 1
-    last = follow(lambda on_frame: call(on_frame=on_frame), as_json=as_json)
+    last = follow(lambda on_frame: call(on_frame=on_frame), as_json=as_json, tpu=tpu)
     return 0 if last is None or last.ok else 1

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tpufab.reports import WORKERS, Report, folded, text, to_json
 
@@ -31,20 +31,22 @@ def view_of(name: str) -> Callable[..., None]:
 
 
 def show(report: Report, *, as_json: bool = False, console: Console | None = None,
-         errors: Console | None = None) -> None:
+         errors: Console | None = None, **view_options: Any) -> None:
     """Print ``report``: its rows folded (a table under WORKERS, or lines), its summary on
     stdout and its notes on stderr; or, ``as_json``, the whole of it as JSON on stdout.
     ``console``/``errors``: other consoles than tpufab's stdout and stderr (tests).
 
     The one way to a layout of a step's own: a report whose class sets ``view`` (status, check,
     top, stacks, ray) is printed, human and ``as_json``, by the ``show`` of that name's module
-    under tpufab/views (tpufab/views/status.py, check.py, ...), given the same consoles. A stream of reports (top's live frames) is drawn by its view's ``follow``."""
+    under tpufab/views (tpufab/views/status.py, check.py, ...), given the same consoles (and
+    ``view_options``: top's ``tpu``). A stream of reports (top's live frames) is drawn by its view's ``follow``."""
     from tpufab.term.console import print_json, stderr, stdout
     from tpufab.term.terminal import neutralise_text
 
     console = console or stdout()
     if report.view:
-        view_of(report.view)(report, as_json=as_json, console=console, errors=errors or stderr())
+        view_of(report.view)(report, as_json=as_json, console=console, errors=errors or stderr(),
+                             **view_options)
         return
     if as_json:
         print_json(to_json(report), console)

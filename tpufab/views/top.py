@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from rich.console import Console, RenderableType
     from rich.table import Table
 
-    from tpufab.steps.health.top import TopFolded, TopReport, TopRow
+    from tpufab.steps.health.top import TopFolded, TopReport, TopRow, TpuRow
 
 
 def load_json(load: TopRow) -> dict[str, Any]:
@@ -36,11 +36,33 @@ def row_json(row: TopFolded) -> dict[str, Any]:
             "processes": row.processes, "tpu": row.tpu, "outlier": row.odd}
 
 
+def tpu_row_json(row: TpuRow) -> dict[str, Any]:
+    return {"workers": row.label, "indexes": row.workers, "kind": row.kind, "text": row.text,
+            "duty_cycle_percent": None if row.duty is None else round(row.duty, 1),
+            "outlier": row.odd, "mark": row.mark or None}
+
+
 def to_json(frame: TopReport) -> dict[str, Any]:
     return {"name": frame.name, "taken_at": frame.taken_at, "seconds": round(frame.seconds, 3),
             "interval": frame.interval, "tpu": frame.tpu_note,
             "rows": [row_json(r) for r in frame.folded],
+            "tpu_rows": [tpu_row_json(r) for r in frame.tpu_rows],
             "workers": [load_json(w) for w in frame.loads.values()]}
+
+
+def tpu_table(frame: TopReport) -> Table:
+    """The TPU rows (``--tpu``): per host, folded, the outliers first."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    t = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("WORKERS", "TPU", ""):
+        t.add_column(column, overflow="fold")
+    for row in frame.tpu_rows:
+        style = "red" if row.kind == "unreachable" else ("yellow" if row.odd else None)
+        t.add_row(*(escape(neutralise_text(c)) for c in (row.label, row.text, row.mark)),
+                  style=style)
+    return t
 
 
 def table(frame: TopReport) -> Table:
@@ -64,7 +86,7 @@ def table(frame: TopReport) -> Table:
     return t
 
 
-def renderable(frame: TopReport, *, live: bool = False) -> RenderableType:
+def renderable(frame: TopReport, *, live: bool = False, tpu: bool = False) -> RenderableType:
     """The frame as one rich renderable (a header, the table, the TPU line)."""
     from rich.console import Group
     from rich.markup import escape
@@ -73,26 +95,28 @@ def renderable(frame: TopReport, *, live: bool = False) -> RenderableType:
     when = time.strftime("%H:%M:%S", time.localtime(frame.taken_at))
     head = (f"[bold]{escape(frame.name)}[/bold]: {len(frame.rows)} workers at {when} "
             f"(sampled {frame.interval:g} s; frame {frame.seconds:.1f} s)")
-    parts: list[Any] = [head, table(frame)]
-    if frame.tpu_note:
+    parts: list[Any] = [head, tpu_table(frame) if tpu else table(frame)]
+    if frame.tpu_note and not tpu:
         parts.append(Text(frame.tpu_note, style="dim"))
     if live:
         parts.append(Text("Ctrl-C to stop.", style="dim"))
     return Group(*parts)
 
 
-def show(frame: TopReport, *, as_json: bool, console: Console, errors: Console) -> None:
-    """One frame on ``console`` (``errors``: unused, a frame has no notes)."""
+def show(frame: TopReport, *, as_json: bool, console: Console, errors: Console,
+         tpu: bool = False) -> None:
+    """One frame on ``console`` (``errors``: unused, a frame has no notes; ``tpu``: the TPU
+    rows instead of the load table)."""
     from tpufab.term.console import print_json
 
     if as_json:
         print_json(to_json(frame), console)
     else:
-        console.print(renderable(frame))
+        console.print(renderable(frame, tpu=tpu))
 
 
 def follow(watch: Callable[[Callable[[TopReport], None]], Any], *, as_json: bool,
-           console: Console | None = None) -> TopReport | None:
+           console: Console | None = None, tpu: bool = False) -> TopReport | None:
     """The live view: ``watch(on_frame)`` takes frames until Ctrl-C; each is drawn as it
     comes (``as_json``: one line of JSON a frame, else the table redrawn in place). Returns
     the last frame (None: none came)."""
@@ -117,7 +141,7 @@ def follow(watch: Callable[[Callable[[TopReport], None]], Any], *, as_json: bool
     with Live(console=console, auto_refresh=False, transient=False) as live:
         def draw(frame: TopReport) -> None:
             last[:] = [frame]
-            live.update(renderable(frame, live=True), refresh=True)
+            live.update(renderable(frame, live=True, tpu=tpu), refresh=True)
 
         try:
             watch(draw)

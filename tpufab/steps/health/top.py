@@ -26,6 +26,111 @@ IDLE_BELOW = 10.0        # % of ONE core: below it a worker is idle (robust on a
 BUSY_BUCKET = 20.0       # % CPU: busy workers fold when in the same bucket of this width
 MEMORY_BUCKET = 10.0     # % memory used
 MIN_EVERY = 1.0          # s between frames, at least
+DUTY_BUCKET = 10.0       # % duty cycle: TPU rows fold within buckets of this width
+GIB = 1 << 30
+
+
+def _gib(value: float) -> str:
+    if value < GIB:
+        return f"{value / GIB:.2f}"
+    return f"{value / GIB:.1f}" if value < 10 * GIB else f"{value / GIB:.0f}"
+
+
+def tpu_summary(loads: Sequence[TopRow]) -> str:
+    """``4 chips  duty 97-99%  HBM 14.1-14.3/16 GiB`` over the chips of ``loads`` (spans)."""
+    chips = [c for w in loads for c in w.chips]
+    if not chips:
+        return ""
+    counts = sorted({len(w.chips) for w in loads})
+    duty = [float(c.get("duty_cycle_percent") or 0) for c in chips]
+    used = [float(c.get("hbm_used_bytes") or 0) for c in chips]
+    total = max(float(c.get("hbm_total_bytes") or 0) for c in chips)
+    low, high = _gib(min(used)), _gib(max(used))
+    hbm = low if low == high else f"{low}-{high}"
+    number = "-".join(str(n) for n in (counts[0], counts[-1]) if n is not None) \
+        if counts[0] != counts[-1] else str(counts[0])
+    return (f"{number} chip{'s' if counts[-1] != 1 else ''}  "
+            f"duty {_span(duty, '{:.0f}', '%')}  HBM {hbm}/{_gib(total)} GiB")
+
+
+@dataclass
+class TpuRow:
+    """Workers whose TPUs agree (kind, chips, duty within DUTY_BUCKET), and what they show."""
+
+    workers: list[int]
+    kind: str
+    text: str
+    duty: float | None = None
+    odd: bool = False
+    mark: str = ""           # "<- lowest" / "<- highest": the outlier's duty against the rest
+
+    @property
+    def label(self) -> str:
+        return nodeset.fold(self.workers)
+
+
+def _by_duty(groups: dict[tuple, list[TopRow]]) -> dict[tuple, list[TopRow]]:
+    """Busy hosts with the same chips regrouped by duty cycle: sorted, a new group wherever
+    a host's duty is more than DUTY_BUCKET above its group's lowest (so 89% and 96% share a
+    row, and 41% stands out, wherever the bucket edges fall)."""
+    out: dict[tuple, list[TopRow]] = {}
+    busy: dict[tuple, list[TopRow]] = {}
+    for key, members in groups.items():
+        if key[0] == "busy":
+            busy.setdefault(key[:2], []).extend(members)
+        else:
+            out[key] = members
+    for key, members in busy.items():
+        members.sort(key=lambda m: (m.duty_percent or 0.0, m.worker))
+        cluster: list[TopRow] = []
+        for m in [*members, None]:
+            if cluster and (m is None or (m.duty_percent or 0.0) -
+                            (cluster[0].duty_percent or 0.0) > DUTY_BUCKET):
+                out[(*key, cluster[0].worker)] = sorted(cluster, key=lambda c: c.worker)
+                cluster = []
+            if m is not None:
+                cluster.append(m)
+    return out
+
+
+def fold_tpu(loads: Mapping[int, TopRow]) -> list[TpuRow]:
+    """Every worker's TPU, folded; the outlier rows first (fewest workers, lowest duty), the
+    largest group last, so the host that differs is the first line read."""
+    groups: dict[tuple, list[TopRow]] = {}
+    for w in sorted(loads):
+        load = loads[w]
+        key = ("unreachable", load.error) if not load.reachable else load.tpu_key()
+        groups.setdefault(key, []).append(load)
+    groups = _by_duty(groups)
+    if not groups:
+        return []
+    largest = max(groups.values(), key=lambda g: (len(g), -g[0].worker))
+    busy = [w.duty_percent for g in groups.values() for w in g if w.tpu_kind == "busy"
+            and w.duty_percent is not None]
+    rows = []
+    for members in groups.values():
+        first = members[0]
+        if not first.reachable:
+            rows.append(TpuRow([m.worker for m in members], "unreachable",
+                               f"worker unreachable ({first.error})"))
+            continue
+        kind = first.tpu_kind
+        text = tpu_summary(members) if kind == "busy" else first.tpu_text
+        duty = None
+        if kind == "busy":
+            values = [m.duty_percent or 0.0 for m in members]
+            duty = sum(values) / len(values)
+        rows.append(TpuRow([m.worker for m in members], kind, text, duty,
+                           odd=members is not largest and len(groups) > 1))
+    if len(busy) > 1:
+        for row in rows:
+            if row.odd and row.duty is not None:
+                if row.duty <= min(busy) + 1e-9:
+                    row.mark = "<- lowest"
+                elif row.duty >= max(busy) - 1e-9:
+                    row.mark = "<- highest"
+    return sorted(rows, key=lambda r: (not r.odd, len(r.workers),
+                                       r.duty if r.duty is not None else -1, r.workers[0]))
 
 
 @dataclass
@@ -71,19 +176,42 @@ class TopRow:
         return str(self.busiest[0].get("command") or "?")
 
     @property
-    def tpu_text(self) -> str:
+    def chips(self) -> list[dict]:
+        return [c for c in (self.tpu or {}).get("chips") or () if isinstance(c, dict)]
+
+    @property
+    def tpu_kind(self) -> str:
+        """busy (metrics answered), idle (no holder), unreachable (holder, no metrics),
+        none (no device files), or "" (nothing said)."""
         t = self.tpu or {}
         if not t:
             return ""
-        if not t.get("available"):
+        if t.get("available") and self.chips:
+            return "busy"
+        if t.get("idle"):
+            return "idle"
+        if not t.get("devices"):
+            return "none"
+        return "unreachable"
+
+    @property
+    def duty_percent(self) -> float | None:
+        duty = [float(c.get("duty_cycle_percent") or 0) for c in self.chips]
+        return sum(duty) / len(duty) if duty else None
+
+    @property
+    def tpu_text(self) -> str:
+        t = self.tpu or {}
+        kind = self.tpu_kind
+        if kind == "busy":
+            return tpu_summary([self])
+        if kind == "idle":
+            return "idle: no process holds the TPU"
+        if kind == "unreachable":
+            return f"metrics service not reachable ({t.get('why') or 'no answer'})"
+        if kind == "none":
             return f"not available ({t.get('why') or 'unknown'})"
-        parts = []
-        if t.get("duty_cycle_percent") is not None:
-            parts.append(f"duty {t['duty_cycle_percent']:.0f}%")
-        if t.get("hbm_total_bytes"):
-            parts.append(f"HBM {t['hbm_used_bytes'] / (1 << 30):.1f}/"
-                         f"{t['hbm_total_bytes'] / (1 << 30):.0f} GiB")
-        return ", ".join(parts) or "available"
+        return ""
 
     def key(self) -> tuple:
         """What must agree for two workers to share a row (bucketed values)."""
@@ -91,12 +219,16 @@ class TopRow:
             return ("unreachable", self.error)
         cpu = "idle" if self.core_percent < IDLE_BELOW else int(self.cpu_percent // BUSY_BUCKET)
         memory = self.memory_percent
-        tpu = self.tpu or {}
-        duty = tpu.get("duty_cycle_percent")
         return (self.state, cpu, None if memory is None else int(memory // MEMORY_BUCKET),
-                self.top_process, bool(tpu.get("available")),
-                None if duty is None else int(duty // BUSY_BUCKET),
-                None if tpu.get("available") else tpu.get("why"))
+                self.top_process, *self.tpu_key())
+
+    def tpu_key(self) -> tuple:
+        """What must agree for two workers to share a TPU row."""
+        kind = self.tpu_kind
+        if kind != "busy":
+            return (kind, None, None, self.tpu_text if kind != "idle" else None)
+        duty = self.duty_percent or 0.0
+        return (kind, len(self.chips), int(duty // DUTY_BUCKET), None)
 
 
 def parse(worker: int, outcome: Any) -> TopRow:
@@ -213,6 +345,10 @@ class TopReport(Report):
     @property
     def folded(self) -> list[TopFolded]:
         return fold_rows(self.loads)
+
+    @property
+    def tpu_rows(self) -> list[TpuRow]:
+        return fold_tpu(self.loads)
 
     @property
     def tpu_note(self) -> str | None:

@@ -1,0 +1,98 @@
+"""Issue 42 on a simulated v4-32 (4 workers): libtpu's runtime metrics served on every worker
+(sim/tpumetrics.py) and read by the real tpu-info, by `top --tpu`; stragglers named during a
+run; a stall judged after the queued output; a profile of every worker."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from harness import connected_pod
+from helpers import tpufab, wait_for
+
+pytestmark = pytest.mark.sim
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="module")
+def pod4(sim, tmp_path_factory):
+    with connected_pod(sim, tmp_path_factory, "tpu", "v4-32", site="jax", setup=True) as pod:
+        yield pod
+
+
+def on(pod, worker: int, command: str, timeout: float = 60):
+    got = pod.pod.fanout.run(command, workers=[worker], timeout=timeout)
+    try:
+        r = got[worker]
+        return SimpleNamespace(ok=r.ok, stdout=r.stdout, stderr=r.stderr)
+    finally:
+        got.close()
+
+
+def hold_chips(pod, workers, seconds: float = 120):
+    """Start holds_tpu.py (in the background) on ``workers``; wait until it holds the chips."""
+    script = (DATA / "holds_tpu.py").read_text()
+    for w in workers:
+        r = on(pod, w, f"cat > /tmp/holds_tpu.py <<'EOF'\n{script}EOF\n"
+                       f"setsid python3 /tmp/holds_tpu.py {seconds} >/tmp/holds.log 2>&1 "
+                       "</dev/null & echo started")
+        assert r.ok, r.stderr
+
+    def holding():
+        return all("holding 4 chips" in on(pod, w, "cat /tmp/holds.log").stdout for w in workers)
+    assert wait_for(holding, 30), "the holder never held the chips"
+
+
+def release_chips(pod, workers):
+    for w in workers:
+        on(pod, w, "pkill -f holds_tpu.py || true")
+
+
+def test_tpu_info_unmodified_reads_the_simulated_metrics(pod4):
+    hold_chips(pod4, [1])
+    try:
+        busy = on(pod4, 1, "COLUMNS=200 ~/.venv/bin/tpu-info")
+        assert busy.ok, busy.stdout + busy.stderr
+        out = busy.stdout
+        assert "TPU Runtime Utilization" in out, out
+        table = out.split("TPU Runtime Utilization", 1)[1]
+        rows = [line for line in table.splitlines() if "GiB /" in line]
+        assert len(rows) == 4, out          # 4 chips, each with HBM used / 32 GiB and a duty
+        assert all("32.00 GiB" in r for r in rows), rows
+        duties = [float(r.rsplit("|", 2)[-2].strip().rstrip("%")) for r in rows]
+        assert all(d > 20 for d in duties), rows
+        assert "/dev/accel0" in out or "TPU v4 chip" in out, out
+        idle = on(pod4, 2, "COLUMNS=200 ~/.venv/bin/tpu-info")
+        assert idle.ok, idle.stdout + idle.stderr
+        assert "Libtpu metrics unavailable" in idle.stdout, idle.stdout
+        timing = on(pod4, 1, "COLUMNS=200 ~/.venv/bin/tpu-info --metric hlo_exec_timing "
+                             "--metric tensorcore_idle_duration")
+        assert "HLO Execution Timing" in timing.stdout, timing.stdout + timing.stderr
+    finally:
+        release_chips(pod4, [1])
+
+
+def test_top_tpu_shows_the_job_holding_the_chips_and_the_idle_host_first(pod4):
+    hold_chips(pod4, [0, 1, 2])
+    try:
+        got = tpufab("top", "--tpu", "--once", "--json", env=pod4.env, cwd=pod4.base)
+        assert got.returncode == 0, got.stdout + got.stderr
+        frame = json.loads(got.stdout)
+        rows = frame["tpu_rows"]
+        assert [r["workers"] for r in rows] == ["w3", "w[0-2]"], rows  # the outlier first
+        assert rows[0]["kind"] == "idle" and "no process holds the TPU" in rows[0]["text"]
+        busy = rows[1]
+        assert busy["kind"] == "busy" and busy["text"].startswith("4 chips  duty "), busy
+        assert "/32 GiB" in busy["text"] and busy["duty_cycle_percent"] > 20, busy
+        chips = {w["worker"]: w["tpu"]["chips"] for w in frame["workers"]}
+        assert [len(chips[w]) for w in range(3)] == [4, 4, 4] and chips[3] == []
+        assert all(c["hbm_used_bytes"] >= 16 << 20 for w in range(3) for c in chips[w])
+        human = tpufab("top", "--tpu", "--once", env=pod4.env, cwd=pod4.base)
+        assert human.returncode == 0, human.stderr
+        lines = [x for x in human.stdout.splitlines() if x.startswith("w")]
+        assert lines[0].split()[0] == "w3" and "idle: no process holds the TPU" in lines[0]
+        assert lines[1].split()[0] == "w[0-2]" and "4 chips" in lines[1], human.stdout
+    finally:
+        release_chips(pod4, [0, 1, 2])

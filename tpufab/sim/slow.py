@@ -1,0 +1,94 @@
+"""`tpufab sim slow NAME --worker N --by 15%`: one simulated worker's processes really slower.
+
+Not a flag a recipe reads, and not a CPU cap (a busy 2-core machine never reaches one): every
+PERIOD the worker's processes (everything in its PID namespace but its PID 1) are stopped with
+SIGSTOP for that share of the period and continued with SIGCONT, so whatever the worker runs
+takes 1/(1 - share) as long in wall time, as on a host with a slower chip or a throttled CPU.
+``--by 0`` ends it (the processes are continued). The list of processes is refreshed every
+second, so what starts later is slowed too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from tpufab.errors import ConfigError
+
+PERIOD = 0.1      # seconds: short against a step, long against a scheduler tick
+MAX_SHARE = 0.9   # more is a hung worker: `tpufab sim unreachable`, or SIGSTOP yourself
+REFRESH = 1.0     # seconds between two looks at the worker's processes
+
+
+def parse_share(text: str | float) -> float:
+    """``15%``, ``15`` or ``0.15``... as a share of time (0-0.9), or ConfigError in one sentence."""
+    raw = str(text).strip()
+    try:
+        value = float(raw.rstrip("%"))
+    except ValueError:
+        raise ConfigError(f"--by takes a percentage such as 15%, not {raw!r}.") from None
+    share = value / 100 if raw.endswith("%") or value > 1 else value
+    if not 0 <= share <= MAX_SHARE:
+        raise ConfigError(f"--by {raw} is outside 0%-{MAX_SHARE:.0%}: a worker stopped for all "
+                          "of its time is a hung one, not a slow one (`tpufab sim unreachable` "
+                          "rehearses that).")
+    return share
+
+
+class Slowdown:
+    """The thread that stops and continues one worker's processes."""
+
+    def __init__(self, pool: Any, node_id: str, index: int, share: float):
+        self.pool, self.node_id, self.index, self.share = pool, node_id, index, share
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"tpufab-slow-w{index}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _pids(self) -> list[int]:
+        return self.pool.pids(self.node_id, self.index)[1:]  # PID 1 keeps running
+
+    def _signal(self, pids: list[int], sig: int) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+    def _run(self) -> None:
+        pids, looked = self._pids(), time.monotonic()
+        try:
+            while not self.stop.is_set():
+                if time.monotonic() - looked >= REFRESH:
+                    pids, looked = self._pids(), time.monotonic()
+                began = time.monotonic()
+                self._signal(pids, signal.SIGSTOP)
+                time.sleep(self.share * PERIOD)
+                self._signal(pids, signal.SIGCONT)
+                self.stop.wait(max(0.0, PERIOD - (time.monotonic() - began)))
+        finally:
+            self._signal(self._pids(), signal.SIGCONT)
+
+
+_slowed: dict[tuple[int, str, int], Slowdown] = {}
+_lock = threading.Lock()
+
+
+def set_slow(pool: Any, node_id: str, index: int, share: float) -> None:
+    """Slow worker ``index`` of ``node_id`` by ``share`` (0: not any more)."""
+    key = (id(pool), node_id, index)
+    with _lock:
+        old = _slowed.pop(key, None)
+        if old is not None:
+            old.stop.set()
+            old.thread.join(5)
+        if share > 0:
+            pool._require_init(node_id, index)
+            _slowed[key] = Slowdown(pool, node_id, index, share)
+
+
+def slowed(pool: Any, node_id: str) -> dict[int, float]:
+    with _lock:
+        return {i: s.share for (p, n, i), s in _slowed.items() if p == id(pool) and n == node_id}
