@@ -890,7 +890,8 @@ def launch(task: str | Path, *, name: str | None = None, type: str | None = None
            detach: bool = False, idle: str | float | None = None, dry_run: bool = False,
            direct: bool = False, zones: str | Sequence[str] | None = None,
            retry_for: str | float | None = None, console: Any = None, progress: Any = None,
-           setup_view: Any = None, force_setup: bool = False, ray: bool = False) -> Launched:
+           setup_view: Any = None, force_setup: bool = False, ray: bool = False,
+           allow_file: Sequence[str] | None = None) -> Launched:
     """`tpufab launch` up to the start of the run (``ray``: up to Ray brought up on the pod;
     ``Launched.ray_job()`` then submits the task's run as a Ray job and follows it): create (or reuse) the pod of TASK.yaml
     (tpufab's schema or a SkyPilot task), arm autostop after ``idle``, deploy, mount, put,
@@ -898,7 +899,8 @@ def launch(task: str | Path, *, name: str | None = None, type: str | None = None
     Returns Launched (``.plan``, ``.pod``, ``.run``); with
     ``dry_run``, only the plan. ``zones`` are tried in order on a stockout, for
     ``retry_for``; ``progress(text, style)`` hears each step, ``console`` the creation,
-    ``setup_view(workers)`` (a context manager) gives the setup's sink. Raises ConfigError
+    ``setup_view(workers)`` (a context manager) gives the setup's sink; ``allow_file``: the
+    private or credential files of the task that may be copied (by name). Raises ConfigError
     for a task or flags that do not make sense, StepFailed naming the step that failed."""
     from tpufab import durations
     from tpufab.flows import launch as launching
@@ -929,7 +931,8 @@ def launch(task: str | Path, *, name: str | None = None, type: str | None = None
                           type=type, zone=zone or (zone_list[0] if zone_list else None),
                           spot=spot, version=version, env=env or (), secret=secret or (),
                           down=down, detach=detach, idle=idle_s, direct=direct,
-                          force_setup=force_setup, find_node=find_node, ray=ray)
+                          force_setup=force_setup, find_node=find_node, ray=ray,
+                          allow_files=allow_file or ())
     state = launching.Launch(plan)
     if dry_run:
         return Launched(state)
