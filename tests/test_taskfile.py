@@ -712,3 +712,27 @@ def test_a_workdir_whose_commit_holds_a_credential_is_deployed_only_when_named(l
                                     str(laptop.home / ".config/gcloud"),
                                     str(laptop.home / ".tpufab")])
     assert p.root == laptop.home
+
+
+@pytest.mark.parametrize("text", [
+    "resources: {accelerators: tpu-v4-8}\nworkdir: .\nsecrets: {WANDB_API_KEY: wandb-inline-1}"
+    "\nrun: x\n",
+    "type: v4-8\nworkdir: .\nenvs: {HF_TOKEN: hf_inline_value_1}\nrun: x\n"])
+def test_a_secret_whose_value_the_deployed_task_file_holds_is_refused(checkout, tmp_path, text):
+    """issue 37, Low 14: launch deploys the committed checkout, task file and all, so an
+    inline `secrets:` value (or an HF_TOKEN: value) sat in clear on every worker."""
+    path = checkout / "task.yaml"
+    path.write_text(text)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "add", "task.yaml"], cwd=checkout, check=True)
+    subprocess.run([*git, "commit", "-qm", "task"], cwd=checkout, check=True)
+    name = "WANDB_API_KEY" if "WANDB" in text else "HF_TOKEN"
+    with pytest.raises(ConfigError) as err:
+        launching.plan(load_task(path), settings=settings(tmp_path), name="n", cwd=checkout)
+    assert f"gives the value of the secret {name} itself" in str(err.value)
+    assert f"`{name}:`" in str(err.value) and f"--env {name}=VALUE" in str(err.value)
+    assert "inline" not in str(err.value)               # the value itself is never said
+    # the same task file outside the deployed repository (or git-ignored) is not deployed
+    outside = tmp_path / "task.yaml"
+    outside.write_text(text)
+    launching.plan(load_task(outside), settings=settings(tmp_path), name="n", cwd=checkout)

@@ -249,6 +249,7 @@ def plan(task: Task, *, settings: Settings, name: str | None = None, type: str |
         except gitops.GitError as err:     # its advice names `deploy --wip`; launch has none
             raise ConfigError(str(err).split(": commit them")[0] + ": commit them first "
                               "(launch deploys the checkout's HEAD).") from None
+        deployed_secrets(task, root)
         tracked = tracked_credentials(root, spec, allowed)
         if tracked:
             raise ConfigError(
@@ -335,6 +336,27 @@ def _private_why(real: Path) -> str | None:
     if not mode & stat.S_IROTH:
         return f"only its owner may read it (mode {stat.S_IMODE(mode):04o})"
     return None
+
+
+def deployed_secrets(task: Task, root: Path) -> None:
+    """A task file in the repository launch deploys, giving a secret's value itself, would
+    put that value in clear in the checkout on every worker: one sentence naming it."""
+    from tpufab.steps.code import gitops
+
+    if not task.inline_secrets:
+        return
+    try:
+        rel = Path(task.path).resolve().relative_to(root.resolve())
+    except (OSError, ValueError):
+        return                                   # not deployed with the checkout
+    if not gitops.git(root, "ls-files", "--", rel.as_posix(), check=False).stdout.strip():
+        return                                   # git-ignored: not deployed either
+    name = task.inline_secrets[0]
+    raise ConfigError(
+        f"{task.path} gives the value of the secret {name} itself, and launch deploys that "
+        f"file with {root} to every worker, where the value would sit in clear: leave it "
+        f"empty in the file (`{name}:`) and pass it with --env {name}=VALUE, or export "
+        f"{name} before launching (tpufab sends it on stdin and masks it).")
 
 
 def tracked_credentials(root: Path, settings: Settings | None,
