@@ -166,6 +166,9 @@ def _envs(value: Any, key: str, path: str) -> dict[str, str | None]:
             out[name] = "true" if v else "false"
         else:
             out[name] = _text(v, f"{key}.{name}", path)
+            if "\0" in (out[name] or ""):
+                raise ConfigError(f"{path}: {key}.{name} holds a NUL byte, which no "
+                                  "environment variable can carry; remove it.")
     return out
 
 

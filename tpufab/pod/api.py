@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tpufab.config import Settings, load_settings
+from tpufab.config import Settings, load_settings, parse_zones
 from tpufab.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -908,10 +908,7 @@ def launch(task: str | Path, *, name: str | None = None, type: str | None = None
 
     idle_s = durations.parse_duration(idle, "--idle")
     retry_s = durations.parse_duration(retry_for, "--retry-for")
-    if isinstance(zones, str) or zones is None:
-        zone_list = [z.strip() for z in (zones or "").split(",") if z.strip()]
-    else:
-        zone_list = [str(z).strip() for z in zones if str(z).strip()]
+    zone_list = parse_zones(zones)
     if zone_list and zone and zone_list[0] != zone:
         raise ConfigError("--zone and --zones disagree; give the zones to try in order with "
                           "--zones only.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from tpufab.config import parse_zones
 from tpufab.errors import ConfigError
 from tpufab.verbs.common import WIDE_HELP, count, note, print_json, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
@@ -49,7 +50,7 @@ def create(*, name: str | None = None, type: str | None = None, zone: str | None
     from tpufab import current, durations
     from tpufab.pod.api import create_node
 
-    zone_list = [z.strip() for z in (zones or "").split(",") if z.strip()]
+    zone_list = parse_zones(zones)
     if zone_list and zone and zone_list[0] != zone:
         raise ConfigError("--zone and --zones disagree; give the zones to try in order with "
                           "--zones only.")

@@ -24,6 +24,7 @@ SCRIPT = "top_worker.py"
 IDLE_BELOW = 10.0        # % of ONE core: below it a worker is idle (robust on a busy host)
 BUSY_BUCKET = 20.0       # % CPU: busy workers fold when in the same bucket of this width
 MEMORY_BUCKET = 10.0     # % memory used
+MAX_EVERY = 3600.0     # seconds between frames: more is no live view
 MIN_EVERY = 1.0          # s between frames, at least
 
 
@@ -242,10 +243,11 @@ def frame(pod: Any, *, workers: Iterable[int] | None = None, interval: float = 1
 
 
 def check_every(every: float, interval: float) -> None:
-    if interval <= 0 or interval > 30:
+    if not 0 < interval <= 30:       # (NaN too)
         raise ConfigError(f"--interval must be above 0 and at most 30 seconds, not {interval:g}.")
-    if every < MIN_EVERY:
-        raise ConfigError(f"--every must be at least {MIN_EVERY:g} second, not {every:g}.")
+    if not MIN_EVERY <= every <= MAX_EVERY:
+        raise ConfigError(f"--every must be at least {MIN_EVERY:g} second and at most "
+                          f"{MAX_EVERY:g} (an hour), not {every:g}.")
 
 
 def watch(pod: Any, *, on_frame: Callable[[TopFrame], None], every: float = 3.0,
