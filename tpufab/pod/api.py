@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpufab.config import Settings, load_settings, parse_zones
-from tpufab.errors import ConfigError
+from tpufab.errors import ConfigError, TpufabError
 
 if TYPE_CHECKING:
     from tpufab.hosts.connect import Pod as Connected
@@ -572,6 +572,10 @@ class Pod:
         from tpufab.flows import babysit as babysitting
         from tpufab.steps.start.starting import recipe_args
 
+        if ray_options and not ray:
+            raise ConfigError("--ray-options are `ray start` options for babysit --ray, and "
+                              "this babysit runs the recipe itself: add --ray, or drop "
+                              "--ray-options.")
         args = recipe_args(args)
         settings = copy.copy(self.settings)  # this call's timeouts, not the pod's
         if timeout is not None:
@@ -668,10 +672,22 @@ class Pod:
         background process keeping them between commands (tpufab.ssh.keeper); how many such
         processes were stopped. The next command connects again (and keeps them again unless
         keep_alive is 0)."""
+        from tpufab.cloud import lifecycle
+        from tpufab.errors import NotFound
         from tpufab.hosts import connect as connection
 
         self.close()
-        return connection.stop_keepers(self.settings)
+        stopped = connection.stop_keepers(self.settings)
+        if not stopped:   # nothing was kept: say so only of a pod that exists
+            try:
+                lifecycle.describe(self.settings)
+            except NotFound as err:
+                raise NotFound(f"{str(err).rstrip('.').split(';')[0]}; there are no "
+                               "connections to it to close (`tpufab list` shows the pods).",
+                               exit_code=err.exit_code) from None
+            except TpufabError:
+                pass      # the API unreachable: nothing was kept either way
+        return stopped
 
     # --- issue 29: Ray
     def ray_up(self, *, options: Sequence[str] | None = None, timeout: float | None = None,

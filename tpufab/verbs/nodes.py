@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tpufab.config import parse_zones
+from tpufab.config import load_settings, parse_zones
 from tpufab.errors import ConfigError
 from tpufab.verbs.common import WIDE_HELP, count, note, print_json, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
@@ -73,6 +73,13 @@ def create(*, name: str | None = None, type: str | None = None, zone: str | None
     before = current.read()
     path = current.remember(settings.name, zone=settings.zone, project=settings.project,
                             set_by="create")
+    later = load_settings()      # the pod a later command without --name goes to
+    if later.name and later.name != settings.name:
+        note(f"Created {settings.name} and remembered it as this project's current pod, but "
+             f"{later.source_of('name')} names {later.name}, which wins over the current pod: "
+             f"later commands without --name go to {later.name}; pass --name "
+             f"{settings.name} to them, or remove that name.", "yellow")
+        return
     moved = current.became(settings.name, before, path)
     note(moved, "dim" if before is None or before.name == settings.name else None)
 
