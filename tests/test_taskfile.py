@@ -494,6 +494,34 @@ def test_watchdog_decides_idle_and_ttl(config, now, idle_since, expected):
     assert worker_side().decide(config, now, idle_since) == expected
 
 
+def test_a_watchdog_answers_only_a_peer_that_knows_the_pods_token():
+    """issue 37, the siblings of Ray's open listener: each worker's watchdog listens on its
+    internal IP, and answered anyone who connected with what keeps the pod busy (runs,
+    commands). It now answers only a question carrying the arm's peer token."""
+    import socket
+    import threading
+
+    side = worker_side()
+    config = {"peer_token": "a" * 32}
+    for sent, answered in (("a" * 32, True), ("b" * 32, False), ("", False)):
+        ours, theirs = socket.socketpair()
+        with ours, theirs:
+            box: dict = {}
+
+            def serve(conn=theirs, into=box):
+                into["ok"] = side.answer_peer(conn, config, lambda: ["run R (train.py)"])
+
+            thread = threading.Thread(target=serve)
+            thread.start()
+            ours.sendall(f"{sent}\n".encode())
+            thread.join(10)
+            ours.settimeout(2)
+            theirs.close()
+            data = ours.recv(4096)
+        assert box["ok"] is answered
+        assert (b"train.py" in data) is answered, (sent, data)
+
+
 @pytest.mark.parametrize(("change", "sentence"), [
     ({"port": 70000}, "the autostop port must be between 1 and 65535, not 70000"),
     ({"port": "x"}, "the autostop port 'x' is not a number"),
@@ -525,6 +553,8 @@ def test_worker_configs_lead_from_worker_0_and_pick_the_auth():
     assert configs[0]["peers"] == ["10.0.0.1", "10.0.0.2"] and "peers" not in configs[1]
     assert [c["listen"] for c in configs.values()] == ["10.0.0.1", "10.0.0.2"]
     assert {c["auth"] for c in configs.values()} == {"metadata"}
+    [token] = {c["peer_token"] for c in configs.values()}       # one per arm, every worker
+    assert len(token) == 32
     sim = autostop.worker_configs(pol, ips=["127.16.1.1"], endpoint="http://127.0.0.1:1",
                                   project="p", zone="z", node="n", queued_resource="q",
                                   port=1, check_every=1)
