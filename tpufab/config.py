@@ -375,14 +375,12 @@ LIMITS = {
     "os_login_ttl": (0, True, "seconds tpufab's key stays registered with OS Login"),
     "keep_runs": (0, False, "local run log copies kept"),
     "keep_logs_gib": (0, False, "GiB of local run log copies kept"),
-    "autostop_port": (1, False, "the watchdog's port"),
-    "autostop_check": (0, True, "seconds between the watchdog's checks"),
-}
+}   # (autostop_port and autostop_check: tpufab.steps.host.autostop.check_settings)
 # ... and the largest (a port is a port; no wait needs a year).
-UPPER = {"autostop_port": 65535, "concurrency": 100_000, "connect_timeout": 86400 * 7,
+UPPER = {"concurrency": 100_000, "connect_timeout": 86400 * 7,
          "command_timeout": 86400 * 366, "api_timeout": 86400, "wait_timeout": 86400 * 31,
          "api_retry_seconds": 86400 * 7, "mig_short_wait": 86400 * 31,
-         "os_login_ttl": 86400 * 366, "autostop_check": 86400}
+         "os_login_ttl": 86400 * 366}
 # Google Cloud labels: keys start with a lower-case letter; keys and values hold lower-case
 # letters, digits, _ and -, at most 63 characters (values may be empty).
 _LABEL_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
