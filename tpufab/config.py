@@ -184,6 +184,10 @@ def _scalar(value: Any) -> bool:
     return isinstance(value, str | int | float) and not isinstance(value, bool)
 
 
+# Text settings whose words include true/false (YAML reads `off`, `no`, `true` as bools)
+TAKES_BOOL_WORDS = frozenset({"os_login", "keep_alive"})
+
+
 def _coerce(name: str, value: Any, source: str) -> Any:
     """Turn a file or env value into the field's type, with a clear sentence on failure: a
     value of another type (a mapping for a zone, a number for a list, a fraction for a whole
@@ -194,6 +198,8 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     if value is None:
         return None
     try:
+        if kind == "str" and isinstance(value, bool) and name in TAKES_BOOL_WORDS:
+            return str(value).lower()        # YAML's `os_login: true`, `keep_alive: off`
         if kind != "bool" and isinstance(value, bool):
             raise ValueError
         if kind in ("str", "int", "float") and not _scalar(value):
