@@ -75,8 +75,10 @@ def create(*, name: str | None = None, type: str | None = None, zone: str | None
                             set_by="create")
     later = load_settings()      # the pod a later command without --name goes to
     if later.name and later.name != settings.name:
+        where = {"environment": "TPUFAB_NAME"}.get(later.source_of("name"),
+                                                   later.source_of("name"))
         note(f"Created {settings.name} and remembered it as this project's current pod, but "
-             f"{later.source_of('name')} names {later.name}, which wins over the current pod: "
+             f"{where} names {later.name}, which wins over the current pod: "
              f"later commands without --name go to {later.name}; pass --name "
              f"{settings.name} to them, or remove that name.", "yellow")
         return
