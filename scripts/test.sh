@@ -12,6 +12,18 @@
 # ignored; tests/conftest.py puts it back, so the suite's Ctrl-C tests work under this script.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# A clean environment, whatever the calling shell holds: no TPUFAB_* settings (the simulated
+# pod's lines the README has a user export) but the suite's own TPUFAB_TEST_*, and no other
+# virtualenv active (its python3 first on PATH, its Python for `run --local`).
+while read -r name; do
+    case $name in TPUFAB_TEST_*) ;; TPUFAB_*) unset "$name" ;; esac
+done < <(compgen -e)
+if [ -n "${VIRTUAL_ENV:-}" ]; then
+    PATH=$(printf '%s' "$PATH" | tr ':' '\n' | grep -vxF "${VIRTUAL_ENV%/}/bin" | paste -sd: -)
+    unset VIRTUAL_ENV
+fi
+unset PYTHONHOME CONDA_PREFIX PIP_REQUIRE_VIRTUALENV
+export PATH
 ./scripts/bootstrap.sh
 echo "==> ruff (lint; indentation and whitespace: pyproject.toml)"
 .venv/bin/ruff check tpufab tests tasks.py bench

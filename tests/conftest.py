@@ -23,6 +23,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,23 @@ from hypothesis import settings
 # measures the machine. Example counts stay bounded per test.
 settings.register_profile("tpufab", deadline=None)
 settings.load_profile("tpufab")
+
+# The suite starts from a clean environment, whatever the caller's shell holds (issue 37, 16):
+# no TPUFAB_* setting (the simulated pod's lines a user pasted, as the README says to) but the
+# suite's own TPUFAB_TEST_*, and no other active virtualenv (`run --local` takes the active
+# one's Python, which need not have JAX): the venv running the suite is the one in PATH.
+# scripts/test.sh does the same before it starts anything.
+for _name in [n for n in os.environ if n.startswith("TPUFAB_")
+              and not n.startswith("TPUFAB_TEST_")]:
+    del os.environ[_name]
+_foreign_venv = os.environ.pop("VIRTUAL_ENV", None)
+_own_bin = os.path.dirname(sys.executable)
+os.environ["PATH"] = os.pathsep.join(
+    [_own_bin] + [p for p in os.environ.get("PATH", "").split(os.pathsep)
+                  if p and p != _own_bin and not (_foreign_venv and p.rstrip("/") == os.path.join(
+                      _foreign_venv, "bin"))])
+for _name in ("PYTHONHOME", "CONDA_PREFIX", "PIP_REQUIRE_VIRTUALENV"):
+    os.environ.pop(_name, None)
 
 # Kept connections (tpufab.ssh.keeper) are off in every test's environment: no test changes
 # behaviour or leaves a background process behind; tests/test_keeper_sim.py turns them on.

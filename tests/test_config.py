@@ -59,12 +59,32 @@ def test_env_types_are_coerced(tmp_path):
     ("- a\n- b\n", "must hold a mapping"),
     ("type: v4-7\n", "did you mean v4-8"),
     ("project: [unclosed\n", "not valid YAML"),
+    # issue 37, 15: a value of the wrong type is refused, never str()-ed
+    ("zone: {a: 1}\n", "zone must be text, not a mapping"),
+    ("name: [a, b]\n", "name must be text, not a list"),
+    ("secrets: 7\n", "secrets must be a,b,c (or a list), not 7"),
+    ("secrets: [{a: 1}]\n", "secrets must be a,b,c (or a list), not a list"),
+    ("keep_runs: -1\n", "keep_runs (local run log copies kept) must be at least 0, not -1"),
+    ("concurrency: 2.5\n", "concurrency must be a whole number, not 2.5"),
+    ("concurrency: true\n", "concurrency must be a whole number, not True"),
+    ("connect_timeout: .nan\n", "connect_timeout must be a finite number"),
+    ("labels: {team: {a: 1}}\n", "labels must be key=value,key2=value2 (or a mapping)"),
+    ("labels: {team: a=b}\n", "the value of label team, 'a=b', is not one Google Cloud takes"),
+    ("zone: us-central2-b; rm -rf ~\n", "is not a zone name"),
+    ("wait_timeout: 1e12\n", "wait_timeout must be at most"),
 ])
 def test_bad_files_get_one_sentence(tmp_path, content, needle):
     (tmp_path / "tpufab.yaml").write_text(content)
     with pytest.raises(ConfigError) as info:
         load_settings(cwd=tmp_path, env={})
     assert needle in str(info.value)
+
+
+def test_yaml_s_own_booleans_still_mean_the_words_where_a_setting_takes_them(tmp_path):
+    (tmp_path / "tpufab.yaml").write_text("os_login: true\nkeep_alive: off\nproject: 12345\n")
+    s = load_settings(cwd=tmp_path, env={})
+    assert (s.os_login, s.keep_alive, s.project) == ("true", "false", "12345")
+    assert s.keep_alive_seconds == 0
 
 
 def test_require_names_every_way_to_set_it(tmp_path):

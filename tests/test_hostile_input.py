@@ -446,3 +446,78 @@ def test_special_files_through_the_cli_are_one_sentence(pod2, tmp_path):
         f"get failed on 1 of 1 workers: w0: refused: {device} exists here and is a character "
         "device, which get never writes through or replaces"), result.stderr
     assert stat.S_ISCHR(device.lstat().st_mode)
+
+
+# ---------------------------------------------------------------------------------------------
+# the fourth hostile try's bad inputs (issue 37, 15): each one sentence, nothing done
+
+ROUND_FOUR = [
+    # (argv, tpufab.yaml or None, a task file or None, what the sentence says)
+    (["autostop", "--ttl", "99999999999d"], None, None, "--ttl must be at most"),
+    (["create", "--name", "r4-flex", "--type", "tpu7x-8", "--flex-start",
+      "--max-run-duration", "99999d"], None, None, "--max-run-duration must be at most"),
+    (["top", "--every", "1e308"], None, None, "--every must be at least 1 second and at most"),
+    (["stacks", "--timeout", "inf"], None, None, "--timeout takes a number of seconds above 0"),
+    (["gc", "--zone", f"$({TOUCH})"], None, None, "is not a zone name"),
+    (["gc", "--zone", "us-central2-b; rm -rf ~"], None, None, "is not a zone name"),
+    (["disconnect", "--name", "r4-no-such-node"], None, None,
+     "No node named 'r4-no-such-node'"),
+    (["describe", "--name", "x"], "zone: {a: 1}\n", None, "zone must be text, not a mapping"),
+    (["describe", "--name", "x"], "secrets: 7\n", None, "secrets must be a,b,c (or a list)"),
+    (["describe", "--name", "x"], "keep_runs: -1\n", None,
+     "keep_runs (local run log copies kept) must be at least 0"),
+    (["describe", "--name", "x"], "concurrency: 2.5\n", None,
+     "concurrency must be a whole number"),
+    (["describe", "--name", "x"], "connect_timeout: .inf\n", None,
+     "connect_timeout must be a finite number"),
+    (["babysit", "r4.sh", "--ray-options", "--num-cpus=8"], None, None,
+     "--ray-options are `ray start` options for babysit --ray"),
+    (["create", "--name", "r4-label", "--type", "v4-8", "--label", "team=a=b"], None, None,
+     "the value of label team, 'a=b'"),
+    (["create", "--name", "r4-zones", "--type", "v4-8", "--zones", ","], None, None,
+     "--zones names no zone"),
+    (["launch", "task.yaml", "--dry-run", "--name", "r4"], None,
+     'type: v4-8\nrun: x\nenvs: {A: "a\\0b"}\n', "envs.A holds a NUL byte"),
+    (["launch", "task.yaml", "--dry-run", "--name", "r4"], None,
+     "resources: {accelerators: tpu-v4-8}\nrun: x\nfile_mounts: {~/z: /dev/zero}\n",
+     "/dev/zero (for ~/z) is a character device here, not a regular file"),
+]
+
+
+@pytest.mark.parametrize(("argv", "config", "task", "sentence"), ROUND_FOUR,
+                         ids=[" ".join(c[0])[:40] + (" +yaml" if c[1] else "")
+                              for c in ROUND_FOUR])
+def test_the_fourth_tries_bad_inputs_are_one_sentence_each(pod2, tmp_path, argv, config, task,
+                                                           sentence):
+    if config is not None:
+        (tmp_path / "tpufab.yaml").write_text(config)
+    if task is not None:
+        (tmp_path / "task.yaml").write_text(task)
+    (tmp_path / "r4.sh").write_text("echo hi\n")
+    env = {k: v for k, v in pod2.env.items() if k != "TPUFAB_NAME" or argv[0] in (
+        "autostop", "top", "stacks", "babysit")}
+    result = tpufab(*argv, env=env, cwd=tmp_path, timeout=120)
+    one_sentence(result, sentence)
+    assert "r4-flex" not in result.stdout and "created" not in result.stdout.lower()
+    no_canary_here()
+
+
+def test_create_says_when_the_project_file_s_name_wins_over_the_new_current_pod(pod2, tmp_path):
+    """`name: A` in tpufab.yaml, `create --name B`: create said B was the current pod while
+    every later command went to A. It now says which pod later commands go to, and why."""
+    from helpers import unique_name
+
+    other = unique_name("r4b")
+    (tmp_path / "tpufab.yaml").write_text(f"name: {pod2.name}\n")
+    env = {k: v for k, v in pod2.env.items() if k != "TPUFAB_NAME"}
+    try:
+        made = tpufab("create", "--name", other, "--type", "v4-8", env=env, cwd=tmp_path,
+                      timeout=300)
+        assert made.returncode == 0, made.stderr
+        assert (f"Created {other} and remembered it as this project's current pod, but "
+                f"{tmp_path / 'tpufab.yaml'} names {pod2.name}, which wins over the current "
+                f"pod: later commands without --name go to {pod2.name}") in made.stderr, \
+            made.stderr
+        assert f"{other} is this project's current pod" not in made.stderr
+    finally:
+        tpufab("delete", "--name", other, "--yes", env=env, cwd=tmp_path, timeout=300)

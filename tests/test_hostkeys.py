@@ -57,3 +57,24 @@ def test_a_migs_vms_are_pinned_by_instance_id_and_forgotten_with_their_group(tmp
     assert "tpufab known-hosts forget 77" in str(err.value)
     assert hosts.forget("77") == 2  # the group's VMs go with it; node 777's stays
     assert hosts.lookup(alias("777", 0)) == [tuple(key(3).split())]
+
+
+def test_a_key_that_differs_from_the_apis_says_so(tmp_path):
+    """issue 37, 15: a fresh laptop pins the keys the API publishes, then meets a worker
+    whose key differs: the sentence named "the one pinned in known_hosts", which this
+    laptop never pinned by hand. It now says where the key came from (the line keeps it)."""
+    path = tmp_path / "known_hosts"
+    hosts = KnownHosts(path)
+    hosts.pin("9", {0: key(1)})
+    offered_type, offered = key(2).split()
+    with pytest.raises(HostKeyChanged) as err:
+        KnownHosts(path).verify_blob(alias("9", 0), offered_type, offered)
+    assert "differs from the one the cloud API published for it (its guest attributes), " \
+        f"pinned in {path} " in str(err.value)
+    # a key pinned on first use is the one pinned in the file, as before
+    hosts.verify_blob(alias("9", 1), *key(3).split())
+    with pytest.raises(HostKeyChanged, match=f"differs from the one pinned in {path} "):
+        hosts.verify_blob(alias("9", 1), *key(4).split())
+    hosts.forget_alias(alias("9", 1))        # a rewrite keeps how the others were learned
+    with pytest.raises(HostKeyChanged, match="the cloud API published"):
+        KnownHosts(path).verify_blob(alias("9", 0), offered_type, offered)

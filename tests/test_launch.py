@@ -233,6 +233,28 @@ def test_status_lists_runs_and_reports_lost_runs(runs):
     assert [(r["run"], r["state"]) for r in listed] == [("a", "exited"), ("b", "lost")]
 
 
+def test_a_stray_directory_among_the_runs_blocks_nothing(runs):
+    """issue 37, Low 14: a directory under ~/.tpufab/runs that no run made (a `meta.json` that
+    is not JSON, a name no run has) broke `run_worker.py status` on the worker, so every `run`
+    was refused there ("could not check w0") and `kill --run NAME` refused the name."""
+    from tpufab.errors import ConfigError
+    from tpufab.steps.host.killing import check_options
+
+    runs.start("a", "exit 0\n")
+    wait_for(lambda: runs.status("a")["state"] == "exited", what="run a")
+    (runs.dir / "junk").mkdir()
+    (runs.dir / "junk" / "meta.json").write_text("{garbage")
+    (runs.dir / "my dir").mkdir()
+    (runs.dir / ".tmp").mkdir()
+    listed = read_answer(runs.launch("status").stdout)["runs"]
+    assert [r["run"] for r in listed] == ["a", "junk"], listed
+    junk = next(r for r in listed if r["run"] == "junk")
+    assert junk["state"] in ("starting", "lost") and junk.get("recipe") is None
+    check_options(run="junk", grace=1)          # a name `tpufab runs` lists is killable
+    with pytest.raises(ConfigError, match="is not a run id"):
+        check_options(run="../x", grace=1)
+
+
 def test_start_refuses_bad_input(runs, tmp_path):
     recipe = tmp_path / "x.sh"
     recipe.write_text("#!/bin/sh\n")

@@ -170,12 +170,99 @@ def test_ray_up_starts_one_cluster_whose_nodes_carry_the_tpu_and_slice_labels(ra
     assert "Ray: up, head w0, 2/2 hosts joined." in pod_status(ray_pod)
 
 
+CANARY = "/tmp/tpufab-ray-canary"
+
+
+def ray_listeners(sim, pod) -> list[tuple[str, int, str]]:
+    """(address, port, process) of every TCP socket the pod's Ray processes listen on (the
+    simulated workers share this machine's network namespace, so `ss` here sees them all;
+    a Ray process carries the slice's TPU_NAME in its environment)."""
+    name = pod.env["TPUFAB_NAME"]
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        fields = line.split()
+        local, procs = fields[3], " ".join(fields[5:])
+        pids = [int(p) for p in re.findall(r"pid=(\d+)", procs)]
+        try:
+            ours = any(f"\0TPU_NAME={name}\0".encode() in
+                       b"\0" + Path(f"/proc/{pid}/environ").read_bytes() for pid in pids)
+        except OSError:
+            continue
+        if ours:
+            address, _, port = local.rpartition(":")
+            found.append((address.strip("[]").removeprefix("::ffff:"), int(port),
+                          (re.findall(r'\("([^"]+)"', procs) or ["?"])[0]))
+    return found
+
+
+def post_without_token(host: str, port: int, path: str) -> int | str:
+    """An unauthenticated POST asking the listener to run a job that touches the canary (the
+    ShadowRay request): its HTTP status, or why there was none."""
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"entrypoint": f"touch {CANARY}", "submission_id": f"x{port}"}).encode()
+    request = urllib.request.Request(f"http://{host}:{port}{path}", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
+    except Exception as err:        # not HTTP (gRPC), reset, timed out: no job either way
+        return type(err).__name__
+
+
+def test_no_ray_listener_runs_anything_without_the_clusters_token(sim, ray_pod):
+    """ShadowRay (CVE-2023-48022): every host's dashboard agent listens on the host's
+    internal IP, and its job API ran a shell command for any POST. Now every Ray listener of
+    the cluster, on any address, wants the cluster's token (Ray's token authentication): a
+    POST of a job to each is refused and nothing runs; joining the GCS without the token is
+    refused; and Ray's session directory (every job's log) is private on every host."""
+    ips = ray_pod.pod.internal_ips()
+    listeners = ray_listeners(sim, ray_pod)
+    assert len(listeners) >= 8 and any(port == 52365 for _, port, _ in listeners), listeners
+    answers = {}
+    for address, port, proc in listeners:
+        hosts = ips if address in ("*", "0.0.0.0", "") else [address]
+        for host in hosts:
+            for path in ("/api/job_agent/jobs/", "/api/jobs/"):
+                answers[(host, port, proc, path)] = post_without_token(host, port, path)
+    accepted = {k: v for k, v in answers.items() if isinstance(v, int) and 200 <= v < 300}
+    assert not accepted, accepted
+    # the job APIs of the dashboard (127.0.0.1:8265) and each agent answer 401, not a job
+    assert answers[("127.0.0.1", 8265, next(p for a, port, p in listeners if port == 8265),
+                    "/api/jobs/")] == 401, answers
+    assert {v for (h, port, _, path), v in answers.items()
+            if port == 52365 and h in ips and path == "/api/job_agent/jobs/"} == {401}, answers
+    # a driver without the token cannot join (the login user's own finds ~/.ray/auth_token)
+    join = (f"HOME=/root RAY_AUTH_MODE= timeout 120 /home/tpufab/.venv/bin/python -c "
+            f"\"import ray; ray.init(address='{ips[0]}:6379'); "
+            f"ray.get(ray.remote(lambda: open('{CANARY}', 'w').close()).remote())\" 2>&1 "
+            "| tail -3; echo rc=$?")
+    print(in_worker(sim, ray_pod.pod.node, 1, join, check=False))
+    for w in (0, 1):
+        assert in_worker(sim, ray_pod.pod.node, w, f"test -e {CANARY} && echo y || true"
+                         ).strip() == "", f"a request without the token ran on w{w}"
+        mode = in_worker(sim, ray_pod.pod.node, w,
+                         "stat -c %a \"$(readlink -f /tmp/ray/session_latest)\"").strip()
+        assert mode == "700", (w, mode)
+        token = in_worker(sim, ray_pod.pod.node, w,
+                          "stat -c '%a %U' /home/tpufab/.ray/auth_token").strip()
+        assert token == "600 tpufab", (w, token)
+
+
 def test_ray_up_again_is_a_no_op_and_rejoins_a_host_where_ray_died(sim, ray_pod):
     name = ray_pod.env["TPUFAB_NAME"]
     raylet = in_worker(sim, ray_pod.pod.node, 1, "pgrep -x raylet").split()
     assert len(raylet) == 1, raylet
     out = ray_up(ray_pod)
     assert f"Ray is already up on {name}:" in out and "nothing to do" in out, out
+    # options for `ray start` on a running cluster are not dropped silently
+    other = tpufab("ray", "up", "--", "--num-cpus=2", env=ray_pod.env, timeout=300)
+    one_sentence(other, "with the `ray start` options --num-cpus=1 "
+                 "--object-store-memory=80000000", "--num-cpus=2", "`tpufab ray down`")
 
     in_worker(sim, ray_pod.pod.node, 1, f"kill -9 {raylet[0]}")  # the host's raylet dies
     wait_for(lambda: not in_worker(sim, ray_pod.pod.node, 1, "pgrep -x raylet", check=False),
@@ -209,7 +296,7 @@ def test_a_ray_program_runs_one_task_per_host_with_its_worker_id(ray_pod):
     assert re.search(r"Ray job tpufab-\S+ succeeded: exit 0", result.stderr), result.stderr
 
 
-def test_ray_submit_follows_the_logs_masks_secrets_and_exits_with_the_jobs_status(ray_pod):
+def test_ray_submit_follows_the_logs_masks_secrets_and_exits_with_the_jobs_status(sim, ray_pod):
     recipe = ray_pod.base / "recipes" / "exit.py"
     extra = {"HF_TOKEN": SECRET, "PLAIN": "visible-value"}
     good = tpufab("ray", "submit", str(recipe), "--no-deploy", "--env", "HF_TOKEN",
@@ -224,9 +311,14 @@ def test_ray_submit_follows_the_logs_masks_secrets_and_exits_with_the_jobs_statu
     assert bad.returncode == 3, bad.stdout + bad.stderr
     assert "job says hello" in bad.stdout, bad.stdout
     assert re.search(r"Ray job tpufab-\S+ failed: exit 3", bad.stderr), bad.stderr
-    # the job's record in Ray never held the secret
+    # the job's record in Ray never held the secret, nor Ray's logs on the head (the job's
+    # output is masked before Ray writes it), which only the login user may read
     jobs = json.dumps(status_json(ray_pod)["jobs"])
     assert SECRET not in jobs and len(status_json(ray_pod)["jobs"]) >= 3, jobs
+    logs = in_worker(sim, ray_pod.pod.node, 0, "grep -rl 'token is' /tmp/ray/session_latest/"
+                     "logs/ || true")
+    assert "job-driver" in logs, logs
+    assert in_worker(sim, ray_pod.pod.node, 0, f"grep -rl {SECRET} /tmp/ray/ || true") == ""
 
 
 def test_ray_submit_deploys_the_commit_and_runs_the_job_in_it(ray_pod, tmp_path):

@@ -193,7 +193,14 @@ def test_ray_status_is_a_report_printed_by_its_view_and_ray_up_down_say_what_the
     assert up_sentence(up, "pod") == (
         "Ray is up on pod: head on w0 at 10.0.0.2:6379, 2 hosts joined (started on w1 (the "
         "others were up), 3.0 s). Jobs: `tpufab ray submit RECIPE`; dashboard: `tpufab "
-        "forward 8265`.")
+        "forward 8265` (its token: `~/.ray/auth_token` on the head).")
+    # a Ray without token authentication is named: its job API is open (issue 37, High 1)
+    old = RayUp(address="10.0.0.2:6379", head=0, hosts=2, already=True, seconds=1.0,
+                open_hosts=[0, 1])
+    assert up_sentence(old, "pod").endswith(
+        "nothing to do (1.0 s). Warning: Ray on w[0-1] has no token authentication (Ray 2.52 "
+        "and later have it): anyone who can reach those hosts can run commands through Ray; "
+        "install a newer Ray (`TPUFAB_RAY_SPEC`).")
     assert down_sentence(RayDown({0: {"stopped": True}, 1: {"stopped": True, "forced": True}}),
                          "pod") == ("Ray stopped on w[0-1] of pod (forced on w1); no Ray "
                                     "process is left on any host.")

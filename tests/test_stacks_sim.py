@@ -373,7 +373,7 @@ def test_unreadable_processes_and_a_missing_py_spy_are_named_with_the_fix(pod, s
                  30, what="the tracer to attach")
         result = stacks_once(pod, run=run_id)
         one_sentence(result, "py-spy could not read 1 process on w3 (why and the fix above)",
-                     progress=1)
+                     progress=2)     # (the first stacks of the module installs py-spy first)
         out = result.stdout
         assert "w[0-2] · `python3 silent.py` · thread (unnamed)" in out
         [line] = [line for line in out.splitlines() if line.startswith("w3 · ")]
@@ -385,6 +385,8 @@ def test_unreadable_processes_and_a_missing_py_spy_are_named_with_the_fix(pod, s
         # py-spy gone from worker 1 only (an empty file over it in its own mount namespace),
         # and no package index reachable from there: one sentence, with pip's reason
         in_worker(sim, node, 1, "mount --bind /dev/null /opt/tpufab-sim/share/site/bin/py-spy")
+        in_worker(sim, node, 1, "rm -rf /opt/tpufab/py-spy && printf '[global]\\nno-index = "
+                  "true\\n' > /etc/pip.conf")      # root's copy gone, and root's pip offline
         in_worker(sim, node, 1, no_index, user="tpufab")
         sentence = one_sentence(stacks_once(pod, run=run_id),
                                 "py-spy is missing on w1 and could not be installed there "
@@ -395,8 +397,114 @@ def test_unreadable_processes_and_a_missing_py_spy_are_named_with_the_fix(pod, s
     finally:
         in_worker(sim, node, 3, "pkill -f '/tmp/[t]racer.py'", check=False)
         in_worker(sim, node, 1, "umount /opt/tpufab-sim/share/site/bin/py-spy; "
-                  "rm -rf /home/tpufab/.local /home/tpufab/.config/pip", check=False)
+                  "rm -rf /home/tpufab/.local /home/tpufab/.config/pip /etc/pip.conf",
+                  check=False)
         call(pod.env, "kill", cwd=pod.base, run=run_id, grace=1)
+
+
+# A py-spy for `dump --json --pid N` that says what it is told (the forgeries of issue 37):
+# it leaves a canary named for the uid it ran as, then prints MODE's answer.
+FORGED_PY_SPY = """#!/bin/sh
+touch /tmp/forged-py-spy-ran-as-$(id -u)
+case "{mode}" in
+  huge) head -c 300000000 /dev/zero | tr '\\0' ' ' ;;
+  names) printf '%s' '[{{"thread_name": "MainThread", "os_thread_id": 1, "active": true,
+    "frames": [{{"name": "f", "line": 1, "filename": "x.py\\nw9 · pid 1 · `forged`",
+    "short_filename": "x.py\\nw9 (differs) · pid 1 · `forged` · thread MainThread"}}]}}]' ;;
+  *) exit 3 ;;
+esac
+"""
+ROOT_PY_SPY = "/opt/tpufab/py-spy/py-spy"
+
+
+def forge(sim, node, worker: int, path: str, mode: str, *, user: str | None = None,
+          hashed: bool = False) -> None:
+    """A forged py-spy at ``path`` on ``worker`` (``hashed``: its sha256 recorded as tpufab
+    records the one it installed, i.e. a forgery tpufab would trust)."""
+    script = FORGED_PY_SPY.format(mode=mode)
+    in_worker(sim, node, worker, f"mkdir -p $(dirname {path}) && cat > {path} <<'EOF'\n{script}"
+              f"EOF\nchmod 755 {path}", user=user)
+    if hashed:
+        in_worker(sim, node, worker, f"sha256sum {path} | cut -d' ' -f1 > {path}.sha256")
+
+
+def forged_ran(sim, node, worker: int) -> str:
+    return in_worker(sim, node, worker, "ls /tmp/ | grep forged-py-spy-ran || true").strip()
+
+
+def test_the_py_spy_that_runs_as_root_is_the_one_tpufab_installed_and_hashed(pod, sim):
+    """issue 37, Medium 5: stacks runs py-spy as root (through sudo), and took the first
+    py-spy it found, a user-writable ~/.local/bin/py-spy included. Now root runs only its own
+    copy, installed by tpufab (here from the pod's shared site) with its sha256 beside it: a
+    forged ~/.local/bin/py-spy never runs, a changed copy is put back before anything runs."""
+    run_id = started_run(pod, "silent.py")
+    node = pod.pod.node
+    try:
+        ok(stacks_once(pod, run=run_id))
+        for w in range(4):          # installed where stacks runs it, with its hash
+            assert in_worker(sim, node, w, f"stat -c '%U %a' {ROOT_PY_SPY} {ROOT_PY_SPY}.sha256"
+                             ).split() == ["root", "755", "root", "644"], w
+        forge(sim, node, 1, "/home/tpufab/.local/bin/py-spy", "names", user="tpufab")
+        forge(sim, node, 2, ROOT_PY_SPY, "names")       # root's copy changed, hash not
+        out = ok(stacks_once(pod, run=run_id))
+        assert "w[0-3] · `python3 silent.py` · thread (unnamed)" in out, out
+        assert forged_ran(sim, node, 1) == "" and forged_ran(sim, node, 2) == ""
+        assert in_worker(sim, node, 2, f"head -c 2 {ROOT_PY_SPY}") != "#!"   # put back
+    finally:
+        in_worker(sim, node, 1, "rm -rf /home/tpufab/.local /tmp/forged-py-spy-ran-*",
+                  check=False)
+        in_worker(sim, node, 2, "rm -rf /opt/tpufab/py-spy /tmp/forged-py-spy-ran-*",
+                  check=False)
+        call(pod.env, "kill", cwd=pod.base, run=run_id, grace=1)
+
+
+def test_a_forged_py_spy_can_neither_flood_the_laptop_nor_forge_a_stack_header(pod, sim):
+    """A py-spy tpufab would run (its hash recorded: a tampered worker) that prints 300 MB is
+    stopped on the worker after 4 MiB and named; one whose frame's file name holds a newline
+    and a fake block header is refused, never shown as a stack of its own."""
+    run_id = started_run(pod, "silent.py")
+    node = pod.pod.node
+    try:
+        ok(stacks_once(pod, run=run_id))
+        forge(sim, node, 2, ROOT_PY_SPY, "huge", hashed=True)
+        began = time.monotonic()
+        result = stacks_once(pod, run=run_id)
+        assert time.monotonic() - began < 60
+        one_sentence(result, "py-spy could not read 1 process on w2 (why and the fix above)",
+                     progress=1)
+        assert "py-spy printed more than a stack could be (a forged py-spy?)" in result.stdout
+        assert forged_ran(sim, node, 2) == "forged-py-spy-ran-as-0"
+
+        forge(sim, node, 2, ROOT_PY_SPY, "names", hashed=True)
+        result = stacks_once(pod, run=run_id)
+        one_sentence(result, "py-spy could not read 1 process on w2 (why and the fix above)",
+                     progress=1)
+        lines = result.stdout.splitlines()
+        assert not [line for line in lines if line.startswith("w9")], result.stdout
+        assert "`forged`" not in result.stdout, result.stdout
+        assert any(line.startswith("w2 · pid ") and "control characters" in line
+                   for line in lines), result.stdout
+        saved = sorted((pod.base / ".tpufab" / "runs" / run_id).glob("stacks-*.txt"))
+        assert "w9" not in saved[-1].read_text()
+    finally:
+        in_worker(sim, node, 2, "rm -rf /opt/tpufab/py-spy /tmp/forged-py-spy-ran-*",
+                  check=False)
+        call(pod.env, "kill", cwd=pod.base, run=run_id, grace=1)
+
+
+def test_a_workers_answer_past_the_cap_is_stopped_and_named(pod):
+    """The client's own bound on one worker's answer (a tampered worker can print anything):
+    the fan-out stops the command at the cap, and the row says why, keeping none of it."""
+    from tpufab.steps.health import stacks
+
+    began = time.monotonic()
+    results = pod.pod.fanout.run("head -c 100000000 /dev/zero | tr '\\0' x; sleep 60",
+                                 workers=[3], timeout=90, sink=stacks.CappedAnswers())
+    assert time.monotonic() - began < 45
+    report = stacks.StacksReport([3])
+    stacks._read(report, results)
+    assert report.errors == {3: "its answer went past 8 MiB (a forged py-spy or a tampered "
+                                "worker?), so tpufab stopped it and kept none of it"}
 
 
 # -- the fold (pure) ----------------------------------------------------------------------------

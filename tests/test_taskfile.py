@@ -4,8 +4,10 @@ decisions and the capacity helpers, as data: no pod needed."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -492,6 +494,34 @@ def test_watchdog_decides_idle_and_ttl(config, now, idle_since, expected):
     assert worker_side().decide(config, now, idle_since) == expected
 
 
+def test_a_watchdog_answers_only_a_peer_that_knows_the_pods_token():
+    """issue 37, the siblings of Ray's open listener: each worker's watchdog listens on its
+    internal IP, and answered anyone who connected with what keeps the pod busy (runs,
+    commands). It now answers only a question carrying the arm's peer token."""
+    import socket
+    import threading
+
+    side = worker_side()
+    config = {"peer_token": "a" * 32}
+    for sent, answered in (("a" * 32, True), ("b" * 32, False), ("", False)):
+        ours, theirs = socket.socketpair()
+        with ours, theirs:
+            box: dict = {}
+
+            def serve(conn=theirs, into=box):
+                into["ok"] = side.answer_peer(conn, config, lambda: ["run R (train.py)"])
+
+            thread = threading.Thread(target=serve)
+            thread.start()
+            ours.sendall(f"{sent}\n".encode())
+            thread.join(10)
+            ours.settimeout(2)
+            theirs.close()
+            data = ours.recv(4096)
+        assert box["ok"] is answered
+        assert (b"train.py" in data) is answered, (sent, data)
+
+
 @pytest.mark.parametrize(("change", "sentence"), [
     ({"port": 70000}, "the autostop port must be between 1 and 65535, not 70000"),
     ({"port": "x"}, "the autostop port 'x' is not a number"),
@@ -523,6 +553,8 @@ def test_worker_configs_lead_from_worker_0_and_pick_the_auth():
     assert configs[0]["peers"] == ["10.0.0.1", "10.0.0.2"] and "peers" not in configs[1]
     assert [c["listen"] for c in configs.values()] == ["10.0.0.1", "10.0.0.2"]
     assert {c["auth"] for c in configs.values()} == {"metadata"}
+    [token] = {c["peer_token"] for c in configs.values()}       # one per arm, every worker
+    assert len(token) == 32
     sim = autostop.worker_configs(pol, ips=["127.16.1.1"], endpoint="http://127.0.0.1:1",
                                   project="p", zone="z", node="n", queued_resource="q",
                                   port=1, check_every=1)
@@ -558,3 +590,179 @@ def test_watchdog_gets_a_token_from_the_metadata_server():
     finally:
         server.shutdown()
     assert seen == [("/computeMetadata/v1/instance/service-accounts/default/token", "Google")]
+
+
+# ---------------------------------------------------------------------------------------------
+# the files a task copies from this machine (issue 37, High 3)
+
+
+def files_task(local: str, key: str = "file_mounts") -> str:
+    """A SkyPilot task (``file_mounts``) or tpufab's (``files``) copying ``local``."""
+    kind = "resources: {accelerators: tpu-v4-8}" if key == "file_mounts" else "type: v4-8"
+    return f"{kind}\nrun: x\n{key}:\n  ~/dest: {local!r}\n"
+
+
+@pytest.fixture
+def laptop(tmp_path, monkeypatch):
+    """A home directory with credential stores and a project beside them."""
+    home = tmp_path / "home"
+    for store in (".ssh", ".tpufab", ".config/gcloud", ".aws"):
+        (home / store).mkdir(parents=True)
+        (home / store / "cred").write_text("secret\n")
+        (home / store / "cred").chmod(0o644)       # readable: refused as a store, not a mode
+    monkeypatch.setenv("HOME", str(home))
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "cfg.json").write_text("{}\n")
+    return SimpleNamespace(home=home, project=project, tmp=tmp_path)
+
+
+def plan_files(laptop, local: str, key: str = "file_mounts", **kw):
+    return launching.plan(task(files_task(local, key)), settings=settings(laptop.tmp),
+                          name="n", cwd=laptop.project, **kw)
+
+
+@pytest.mark.parametrize(("local", "key"), [
+    ("~/.ssh/cred", "file_mounts"), ("~/.tpufab/cred", "file_mounts"),
+    ("~/.config/gcloud/cred", "file_mounts"), ("~/.aws/cred", "files"),
+    ("../home/.ssh/cred", "files")])
+def test_a_file_in_a_credential_store_is_copied_only_when_named(laptop, local, key):
+    with pytest.raises(ConfigError) as err:
+        plan_files(laptop, local, key)
+    text = str(err.value)
+    real = (laptop.project / Path(local).expanduser()).resolve()
+    assert text.startswith("t.yaml: ") and "\n" not in text
+    assert "where credentials live" in text and f"--allow-file {real}" in text
+    assert "a task file comes from other people" in text
+    p = plan_files(laptop, local, key, allow_files=[str(real)])
+    assert p.files == (("~/dest", real),)
+    assert any(f"put {real} at ~/dest (allowed by --allow-file)" in s for s in p.steps)
+
+
+def test_tpufab_s_own_key_is_a_credential_wherever_it_lives(laptop):
+    key = laptop.tmp / "keys" / "mine"
+    key.parent.mkdir()
+    key.write_text("PRIVATE KEY\n")
+    key.chmod(0o644)
+    base = settings(laptop.tmp, ssh_key=str(key))
+    with pytest.raises(ConfigError, match=f"lies in {key}, where credentials live"):
+        launching.plan(task(files_task(str(key))), settings=base, name="n", cwd=laptop.project)
+
+
+def test_a_symlink_out_of_the_task_directory_is_resolved_and_shown(laptop):
+    outside = laptop.tmp / "outside.txt"
+    outside.write_text("data\n")
+    (laptop.project / "link.txt").symlink_to(outside)
+    p = plan_files(laptop, "link.txt")
+    assert p.files == (("~/dest", outside),)
+    assert any(f"put {outside} (the task names {laptop.project / 'link.txt'}, a symlink to "
+               f"it) at ~/dest" in s for s in p.steps), p.steps
+    # a symlink into a credential store is refused by where it leads
+    (laptop.project / "innocent.txt").symlink_to(laptop.home / ".ssh" / "cred")
+    with pytest.raises(ConfigError, match=r"innocent.txt \(for ~/dest\), a symlink to "
+                       r".*/home/.ssh/cred, lies in ~/.ssh"):
+        plan_files(laptop, "innocent.txt")
+
+
+def test_a_file_others_cannot_read_is_copied_only_when_named(laptop):
+    private = laptop.tmp / "root-only"
+    private.write_text("only me\n")
+    private.chmod(0o600)
+    with pytest.raises(ConfigError, match=r"only its owner may read it \(mode 0600\); a task "
+                       "file comes from other people"):
+        plan_files(laptop, "../root-only")
+    p = plan_files(laptop, "../root-only", allow_files=[str(private)])
+    assert p.files == (("~/dest", private),)
+
+
+@pytest.mark.parametrize(("local", "sentence"), [
+    ("/dev/null", "/dev/null (for ~/dest) is a character device here, not a regular file; "
+                  "launch copies regular files only."),
+    ("nope.txt", "nope.txt (for ~/dest) does not exist here."),
+    ("dangling", "does not exist here (", ),
+])
+def test_a_source_that_is_no_regular_file_is_named_as_what_it_is(laptop, local, sentence):
+    (laptop.project / "dangling").symlink_to(laptop.tmp / "gone")
+    with pytest.raises(ConfigError, match=re.escape(sentence)):
+        plan_files(laptop, local)
+
+
+def test_allow_file_must_name_a_file_the_task_copies(laptop):
+    with pytest.raises(ConfigError, match="--allow-file .*/elsewhere names no file that t.yaml "
+                       "copies"):
+        plan_files(laptop, "cfg.json", allow_files=[str(laptop.tmp / "elsewhere")])
+    p = plan_files(laptop, "cfg.json")      # an ordinary file of the project needs no flag
+    assert p.files == (("~/dest", laptop.project / "cfg.json"),)
+
+
+def test_launch_dry_run_shows_where_a_symlinked_file_leads(laptop):
+    """`launch --dry-run` (how a user looks at a task before trusting it) shows the file
+    resolved and the symlink's target; a credential is refused in one sentence there too."""
+    import os
+    import sys
+
+    outside = laptop.tmp / "outside.txt"
+    outside.write_text("data\n")
+    (laptop.project / "link.txt").symlink_to(outside)
+    (laptop.project / "t.yaml").write_text(files_task("link.txt"))
+    (laptop.project / "k.yaml").write_text(files_task("~/.ssh/cred"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
+    env.update(HOME=str(laptop.home), TPUFAB_USER_CONFIG=str(laptop.tmp / "none.yaml"),
+               TPUFAB_PROJECT="p", COLUMNS="300")
+    cmd = [str(Path(sys.executable).parent / "tpufab"), "launch", "--dry-run", "--name", "n"]
+    shown = subprocess.run([*cmd, "t.yaml"], env=env, cwd=laptop.project, capture_output=True,
+                           text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert shown.returncode == 0, shown.stderr
+    assert (f"put {outside} (the task names {laptop.project / 'link.txt'}, a symlink to it) "
+            "at ~/dest") in shown.stdout + shown.stderr
+    refused = subprocess.run([*cmd, "k.yaml"], env=env, cwd=laptop.project, capture_output=True,
+                             text=True, timeout=120, stdin=subprocess.DEVNULL)
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert refused.returncode == 2 and len(lines) == 1 and "--allow-file" in lines[0], \
+        refused.stderr
+    allowed = subprocess.run([*cmd, "k.yaml", "--allow-file", str(laptop.home / ".ssh/cred")],
+                             env=env, cwd=laptop.project, capture_output=True, text=True,
+                             timeout=120, stdin=subprocess.DEVNULL)
+    assert allowed.returncode == 0, allowed.stderr
+
+
+def test_a_workdir_whose_commit_holds_a_credential_is_deployed_only_when_named(laptop):
+    """The other files a task sends: a workdir of the home directory's dotfiles repository
+    would deploy ~/.ssh to every worker."""
+    for argv in (["init", "-q"], ["add", "-A"],
+                 ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"]):
+        subprocess.run(["git", *argv], cwd=laptop.home, check=True)
+    text = "resources: {accelerators: tpu-v4-8}\nworkdir: ~/\nrun: x\n"
+    cred = laptop.home / ".aws" / "cred"      # the first in git's order
+    with pytest.raises(ConfigError, match=f"whose commit holds {cred} .*--allow-file {cred}"
+                       " if you mean to"):
+        launching.plan(task(text), settings=settings(laptop.tmp), name="n", cwd=laptop.project)
+    p = launching.plan(task(text), settings=settings(laptop.tmp), name="n", cwd=laptop.project,
+                       allow_files=[str(laptop.home / ".ssh"), str(laptop.home / ".aws"),
+                                    str(laptop.home / ".config/gcloud"),
+                                    str(laptop.home / ".tpufab")])
+    assert p.root == laptop.home
+
+
+@pytest.mark.parametrize("text", [
+    "resources: {accelerators: tpu-v4-8}\nworkdir: .\nsecrets: {WANDB_API_KEY: wandb-inline-1}"
+    "\nrun: x\n",
+    "type: v4-8\nworkdir: .\nenvs: {HF_TOKEN: hf_inline_value_1}\nrun: x\n"])
+def test_a_secret_whose_value_the_deployed_task_file_holds_is_refused(checkout, tmp_path, text):
+    """issue 37, Low 14: launch deploys the committed checkout, task file and all, so an
+    inline `secrets:` value (or an HF_TOKEN: value) sat in clear on every worker."""
+    path = checkout / "task.yaml"
+    path.write_text(text)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "add", "task.yaml"], cwd=checkout, check=True)
+    subprocess.run([*git, "commit", "-qm", "task"], cwd=checkout, check=True)
+    name = "WANDB_API_KEY" if "WANDB" in text else "HF_TOKEN"
+    with pytest.raises(ConfigError) as err:
+        launching.plan(load_task(path), settings=settings(tmp_path), name="n", cwd=checkout)
+    assert f"gives the value of the secret {name} itself" in str(err.value)
+    assert f"`{name}:`" in str(err.value) and f"--env {name}=VALUE" in str(err.value)
+    assert "inline" not in str(err.value)               # the value itself is never said
+    # the same task file outside the deployed repository (or git-ignored) is not deployed
+    outside = tmp_path / "task.yaml"
+    outside.write_text(text)
+    launching.plan(load_task(outside), settings=settings(tmp_path), name="n", cwd=checkout)

@@ -18,7 +18,7 @@ import getpass
 import math
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
@@ -293,12 +293,39 @@ def _kind(name: str) -> str:
     return "str"
 
 
+def _given(value: Any) -> str:
+    """A value of the wrong type, in a few words (a file's mapping is not repeated whole)."""
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, list | tuple):
+        return "a list"
+    return repr(value)
+
+
+def _scalar(value: Any) -> bool:
+    return isinstance(value, str | int | float) and not isinstance(value, bool)
+
+
+# Text settings whose words include true/false (YAML reads `off`, `no`, `true` as bools)
+TAKES_BOOL_WORDS = frozenset({"os_login", "keep_alive"})
+
+
 def _coerce(name: str, value: Any, source: str) -> Any:
-    """Turn a file or env value into the field's type, with a clear sentence on failure."""
+    """Turn a file or env value into the field's type, with a clear sentence on failure: a
+    value of another type (a mapping for a zone, a number for a list, a fraction for a whole
+    number, a bool for a number, inf or nan) is refused, never ``str()``-ed."""
+    import math
+
     kind = _kind(name)
     if value is None:
         return None
     try:
+        if kind == "str" and isinstance(value, bool) and name in TAKES_BOOL_WORDS:
+            return str(value).lower()        # YAML's `os_login: true`, `keep_alive: off`
+        if kind != "bool" and isinstance(value, bool):
+            raise ValueError
+        if kind in ("str", "int", "float") and not _scalar(value):
+            raise ValueError
         if kind == "bool":
             if isinstance(value, bool):
                 return value
@@ -309,12 +336,21 @@ def _coerce(name: str, value: Any, source: str) -> Any:
                 return False
             raise ValueError
         if kind == "int":
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
             return int(value)
         if kind == "float":
-            return float(value)
+            number = float(value)
+            if not math.isfinite(number):
+                raise ValueError
+            return number
         if kind == "dict":
             if isinstance(value, Mapping):
-                return {str(k): str(v) for k, v in value.items()}
+                if not all(_scalar(k) and (_scalar(v) or v is None) for k, v in value.items()):
+                    raise ValueError
+                return {str(k): "" if v is None else str(v) for k, v in value.items()}
+            if not _scalar(value):
+                raise ValueError
             pairs = [p for p in str(value).split(",") if p.strip()]
             out = {}
             for pair in pairs:
@@ -325,13 +361,18 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             return out
         if kind == "list":
             if isinstance(value, list | tuple):
+                if not all(_scalar(v) for v in value):
+                    raise ValueError
                 return [str(v) for v in value]
+            if not isinstance(value, str):
+                raise ValueError
             return [p.strip() for p in str(value).split(",") if p.strip()]
         return str(value)
-    except (TypeError, ValueError):
-        example = {"bool": "true or false", "int": "a whole number", "float": "a number",
-                   "dict": "key=value,key2=value2", "list": "a,b,c"}.get(kind, "text")
-        raise ConfigError(f"{source}: {name} must be {example}, not {value!r}.") from None
+    except (TypeError, ValueError, OverflowError):
+        example = {"bool": "true or false", "int": "a whole number",
+                   "float": "a finite number", "dict": "key=value,key2=value2 (or a mapping)",
+                   "list": "a,b,c (or a list)"}.get(kind, "text")
+        raise ConfigError(f"{source}: {name} must be {example}, not {_given(value)}.") from None
 
 
 def _canonical_key(key: str, source: str) -> str:
@@ -459,7 +500,58 @@ LIMITS = {
     "wait_timeout": (0, True, "seconds to wait for a node"),
     "mig_short_wait": (0, False, "seconds to wait for the VMs a MIG could not create"),
     "os_login_ttl": (0, True, "seconds tpufab's key stays registered with OS Login"),
-}
+    "keep_runs": (0, False, "local run log copies kept"),
+    "keep_logs_gib": (0, False, "GiB of local run log copies kept"),
+}   # (autostop_port and autostop_check: tpufab.steps.host.autostop.check_settings)
+# ... and the largest (a port is a port; no wait needs a year).
+UPPER = {"concurrency": 100_000, "connect_timeout": 86400 * 7,
+         "command_timeout": 86400 * 366, "api_timeout": 86400, "wait_timeout": 86400 * 31,
+         "api_retry_seconds": 86400 * 7, "mig_short_wait": 86400 * 31,
+         "os_login_ttl": 86400 * 366}
+# Google Cloud labels: keys start with a lower-case letter; keys and values hold lower-case
+# letters, digits, _ and -, at most 63 characters (values may be empty).
+_LABEL_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+_LABEL_VALUE = re.compile(r"^[a-z0-9_-]{0,63}$")
+
+
+_ZONE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
+def check_zone(zone: str, where: str) -> str:
+    """A zone's name (lower-case letters, digits and -: us-central2-b), or one sentence naming
+    ``where`` it came from (shell text or a typo never reaches the API)."""
+    if not _ZONE.match(zone or ""):
+        raise ConfigError(f"{where}: {zone!r} is not a zone name (such as us-central2-b: "
+                          "lower-case letters, digits and -).")
+    return zone
+
+
+def parse_zones(text: str | Sequence[str] | None, flag: str = "--zones") -> list[str]:
+    """``--zones us-east5-a,us-east5-b`` -> the zones in order, each checked; a value that
+    names none (``,``) is refused rather than read as "no --zones"."""
+    if text is None:
+        return []
+    items = text.split(",") if isinstance(text, str) else [str(z) for z in text]
+    zones = [z.strip() for z in items if z.strip()]
+    if not zones and (text if isinstance(text, str) else list(text)):
+        raise ConfigError(f"{flag} names no zone ({text!r}); give the zones to try in order, "
+                          "such as us-east5-a,us-east5-b.")
+    for zone in zones:
+        check_zone(zone, flag)
+    return zones
+
+
+def check_labels(labels: Mapping[str, str], where: str) -> None:
+    """Labels Google Cloud takes, or one sentence naming ``where`` they came from."""
+    for key, value in labels.items():
+        if not _LABEL_KEY.match(key):
+            raise ConfigError(f"{where}: label key {key!r} is not one Google Cloud takes (a "
+                              "lower-case letter, then lower-case letters, digits, _ or -; at "
+                              "most 63).")
+        if not _LABEL_VALUE.match(value):
+            raise ConfigError(f"{where}: the value of label {key}, {value!r}, is not one "
+                              "Google Cloud takes (lower-case letters, digits, _ or -; at most "
+                              "63; no = or ,).")
 # Settings that take one of a few words; booleans are accepted for the true/false ones.
 CHOICES = {"os_login": ("auto", "true", "false"),
            "ssh_transport": ("auto", "libssh2", "paramiko"),
@@ -494,6 +586,13 @@ def check_limits(settings: Settings, origin: Mapping[str, str]) -> None:
         bound = f"more than {low:g}" if exclusive else f"at least {low:g}"
         raise ConfigError(f"{origin.get(name, name)}: {name} ({what}) must be {bound}, "
                           f"not {value:g}.")
+    for name, high in UPPER.items():
+        value = getattr(settings, name)
+        if value is not None and value > high:
+            raise ConfigError(f"{origin.get(name, name)}: {name} must be at most {high:g}, "
+                              f"not {value:g}.")
+    check_labels(settings.labels, origin.get("labels", "labels"))
+    check_zone(settings.zone, origin.get("zone", "zone"))
     keep_alive_seconds(settings.keep_alive, origin.get("keep_alive", "keep_alive"))
     for name, example in URL_SETTINGS.items():
         value = getattr(settings, name)

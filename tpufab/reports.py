@@ -232,16 +232,22 @@ def _plain(value: Any) -> Any:
 # -- what ray up and ray down did, as a sentence (the verbs and the flows say them) ----------
 def up_sentence(done: Any, name: str) -> str:
     """What `tpufab ray up` did on pod ``name`` (a RayUp of tpufab.steps.start.raycluster), and
-    what to do next."""
+    what to do next (and, where the Ray installed has no token authentication, that its job
+    API is open to whoever reaches the host)."""
+    warning = (f" Warning: Ray on {nodeset.fold(done.open_hosts)} has no token authentication "
+               "(Ray 2.52 and later have it): anyone who can reach those hosts can run "
+               "commands through Ray; install a newer Ray (`TPUFAB_RAY_SPEC`).") \
+        if done.open_hosts else ""
     if done.already:
         return (f"Ray is already up on {name}: head on {nodeset.label(done.head)} at "
                 f"{done.address}, all {done.hosts} hosts joined; nothing to do "
-                f"({done.seconds:.1f} s).")
+                f"({done.seconds:.1f} s).{warning}")
     how = "started" if len(done.started) == done.hosts else \
         f"started on {nodeset.fold(done.started)} (the others were up)"
     return (f"Ray is up on {name}: head on {nodeset.label(done.head)} at {done.address}, "
             f"{done.hosts} hosts joined ({how}, {done.seconds:.1f} s). Jobs: `tpufab ray "
-            f"submit RECIPE`; dashboard: `tpufab forward {done.dashboard_port}`.")
+            f"submit RECIPE`; dashboard: `tpufab forward {done.dashboard_port}` (its token: "
+            f"`~/.ray/auth_token` on the head).{warning}")
 
 
 def down_sentence(done: Any, name: str) -> str:

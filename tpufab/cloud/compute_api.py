@@ -108,8 +108,8 @@ def parse_run_duration(value: Any) -> int:
     """``"8h"``, ``"90m"``, ``28800`` -> seconds; one sentence otherwise."""
     from tpufab.durations import parse_duration
 
-    seconds = parse_duration(str(value), "--max-run-duration") if isinstance(value, str) \
-        else float(value)
+    seconds = parse_duration(value if isinstance(value, str) else float(value),
+                             "--max-run-duration")
     if not seconds or seconds <= 0:
         raise ConfigError("--max-run-duration must be a positive duration such as 8h.")
     return int(seconds)

@@ -559,6 +559,10 @@ class Babysitter:
         if ray and self.stall is not None:
             raise ConfigError("--stall watches the output of a recipe tpufab runs, and --ray "
                               "hands the recipe to Ray: give one or the other.")
+        if ray_options and not ray:
+            raise ConfigError("--ray-options are `ray start` options for babysit --ray, and "
+                              "this babysit runs the recipe itself: add --ray, or drop "
+                              "--ray-options.")
         self.ray = ray
         self.ray_options = list(ray_options)
         self.name = lifecycle.validate_name(settings.name)

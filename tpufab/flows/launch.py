@@ -68,6 +68,9 @@ class LaunchPlan:
     force_setup: bool = False                 # run the setup even where it is done
     name_note: str | None = None              # which pod a task without a name runs on
     ray: bool = False                         # run `run` as a Ray job (Ray brought up first)
+    links: Mapping[Path, str] = field(default_factory=dict)   # a file's path as the task wrote
+    #                                           it, where a symlink led elsewhere (shown)
+    allowed: tuple[Path, ...] = ()            # files --allow-file named (private ones copied)
 
     @property
     def tier(self) -> str:
@@ -156,14 +159,17 @@ def plan(task: Task, *, settings: Settings, name: str | None = None, type: str |
          local_env: Mapping[str, str] | None = None,
          cwd: Path | None = None, down: bool = False, detach: bool = False,
          idle: float | None = None, direct: bool = False,
-         force_setup: bool = False, find_node=None, ray: bool = False) -> LaunchPlan:
+         force_setup: bool = False, find_node=None, ray: bool = False,
+         allow_files: Iterable[str] = ()) -> LaunchPlan:
     """Everything launch will do, decided before anything is touched.
 
     Flags win, then the task, then the settings (tpufab.yaml, TPUFAB_*): the node is
     ``--name``, else the task's ``name`` (a SkyPilot task's name made a valid node name),
     else the ``name`` setting (this project's current pod), said in ``name_note``. A task
     that names no type runs on the READY node of that name as it is (``find_node(name)``,
-    a read: SkyPilot's ``sky exec``), its type and tier taken from it.
+    a read: SkyPilot's ``sky exec``), its type and tier taken from it. Each file the task
+    copies is resolved here (symlinks followed; ``local_source``): a credential store or a
+    file others cannot read is copied only when ``allow_files`` names it.
     """
     from tpufab.cloud import lifecycle
     from tpufab.steps.code import gitops
@@ -225,6 +231,7 @@ def plan(task: Task, *, settings: Settings, name: str | None = None, type: str |
     forwarded = forwarded_environment([*configured, *specs, *extra], local_env,
                                       [*spec.secrets, *task.secret_envs, *secret_names])
 
+    allowed = {_resolved(cwd, a) for a in allow_files}
     root = commit = branch = deploy_dir = run_cwd = None
     if task.workdir:
         workdir = (cwd / Path(task.workdir).expanduser()).resolve()
@@ -242,6 +249,14 @@ def plan(task: Task, *, settings: Settings, name: str | None = None, type: str |
         except gitops.GitError as err:     # its advice names `deploy --wip`; launch has none
             raise ConfigError(str(err).split(": commit them")[0] + ": commit them first "
                               "(launch deploys the checkout's HEAD).") from None
+        deployed_secrets(task, root)
+        tracked = tracked_credentials(root, spec, allowed)
+        if tracked:
+            raise ConfigError(
+                f"{task.path}: workdir {task.workdir} deploys {root}, whose commit holds "
+                f"{tracked[0]} (in a credential store); a task file comes from other people, "
+                f"so launch deploys such a file only when you name it: pass --allow-file "
+                f"{tracked[0]} if you mean to, or remove it from the repository.")
         resolved = gitops.resolve(root, "HEAD")
         commit, branch = resolved.commit, resolved.branch
         from tpufab.steps.code import deploy
@@ -261,23 +276,163 @@ def plan(task: Task, *, settings: Settings, name: str | None = None, type: str |
         checked = mounting.mount_spec(m.source, at=m.at, driver=driver, options=m.options,
                                       endpoint=spec.storage_endpoint)
         mounts.append(MountPoint(checked.url, checked.at, driver, tuple(m.options)))
-    files = []
+    files, links = [], {}
     for f in task.files:
-        local = (cwd / Path(f.local).expanduser())
-        if local.is_dir():
-            raise ConfigError(f"{task.path}: {f.local} (for {f.remote}) is a directory; launch "
-                              "copies single files: put the directory in the workdir (it is "
-                              "deployed with git) or in a bucket mount.")
-        if not local.is_file():
-            raise ConfigError(f"{task.path}: {f.local} (for {f.remote}) does not exist here.")
-        if not (f.remote.startswith("/") or f.remote.startswith("~")):
-            raise ConfigError(f"{task.path}: {f.remote} must be an absolute path on the workers "
-                              "(or start with ~/).")
+        local, link = local_source(task.path, f, cwd, settings=spec, allowed=allowed)
         files.append((f.remote, local))
+        if link is not None:
+            links[local] = link
+    used = {local for _, local in files} | set(tracked_credentials(root, spec, ()) if root
+                                                 else ())
+    unused = sorted(str(a) for a in allowed if not any(a == u or a in u.parents for u in used))
+    if unused:
+        raise ConfigError(f"--allow-file {unused[0]} names no file that {task.path} copies "
+                          "(it copies " + (", ".join(sorted({str(f) for _, f in files}))
+                                           or "none") + "); name the file as the plan shows it.")
     result = LaunchPlan(task, spec, tuple(specs), forwarded, root, commit, branch, deploy_dir,
                         run_cwd, tuple(mounts), tuple(files), down, detach, idle, direct,
-                        force_setup=force_setup, name_note=name_note, ray=ray)
+                        force_setup=force_setup, name_note=name_note, ray=ray,
+                        links=links, allowed=tuple(sorted(allowed)))
     return replace(result, steps=tuple(describe_steps(result)))
+
+# Where credentials live on this machine: a task file comes from other people, and a file
+# under one of these (or one only you can read) reaches the pod only when you name it.
+CREDENTIAL_STORES = ("~/.ssh", "~/.tpufab", "~/.config/gcloud", "~/.aws", "~/.azure",
+                     "~/.kube", "~/.docker", "~/.gnupg", "~/.password-store", "~/.netrc",
+                     "~/.git-credentials", "~/.config/gh", "~/.config/git/credentials",
+                     "~/.pypirc", "~/.boto", "~/.npmrc", "~/.cache/huggingface/token",
+                     "~/.huggingface", "~/.config/rclone", "/etc/shadow", "/etc/gshadow",
+                     "/etc/ssh", "/etc/sudoers", "/etc/sudoers.d")
+
+
+def _resolved(cwd: Path, path: str | Path) -> Path:
+    """``path`` as this machine finds it: ~ expanded, relative to ``cwd``, symlinks followed
+    (as far as they exist)."""
+    return (cwd / Path(path).expanduser()).resolve()
+
+
+def _credential_store(real: Path, settings: Settings | None) -> str | None:
+    """The credential store ``real`` lies in (as written, ``~/.ssh``), or None."""
+    stores = list(CREDENTIAL_STORES)
+    if settings is not None and settings.ssh_key:
+        stores.append(settings.ssh_key)           # tpufab's own key, wherever it is
+        stores.append(settings.ssh_key + ".pub")
+    for store in stores:
+        where = Path(store).expanduser()
+        try:
+            where = where.resolve()
+        except OSError:
+            continue
+        if real == where or where in real.parents:
+            return store
+    return None
+
+
+def _private_why(real: Path) -> str | None:
+    """Why others on this machine may not read ``real`` (its mode), or None when they may."""
+    import stat
+
+    mode = real.stat().st_mode
+    if not mode & stat.S_IROTH:
+        return f"only its owner may read it (mode {stat.S_IMODE(mode):04o})"
+    return None
+
+
+def deployed_secrets(task: Task, root: Path) -> None:
+    """A task file in the repository launch deploys, giving a secret's value itself, would
+    put that value in clear in the checkout on every worker: one sentence naming it."""
+    from tpufab.steps.code import gitops
+
+    if not task.inline_secrets:
+        return
+    try:
+        rel = Path(task.path).resolve().relative_to(root.resolve())
+    except (OSError, ValueError):
+        return                                   # not deployed with the checkout
+    if not gitops.git(root, "ls-files", "--", rel.as_posix(), check=False).stdout.strip():
+        return                                   # git-ignored: not deployed either
+    name = task.inline_secrets[0]
+    raise ConfigError(
+        f"{task.path} gives the value of the secret {name} itself, and launch deploys that "
+        f"file with {root} to every worker, where the value would sit in clear: leave it "
+        f"empty in the file (`{name}:`) and pass it with --env {name}=VALUE, or export "
+        f"{name} before launching (tpufab sends it on stdin and masks it).")
+
+
+def tracked_credentials(root: Path, settings: Settings | None,
+                        allowed: Iterable[Path]) -> list[Path]:
+    """Files of ``root``'s commit that lie in a credential store (a workdir whose repository
+    is the home directory's dotfiles, say), but those ``allowed`` names."""
+    from tpufab.steps.code import gitops
+
+    allowed = set(allowed)
+    stores = [Path(s).expanduser() for s in CREDENTIAL_STORES] + (
+        [Path(settings.ssh_key).expanduser()] if settings is not None and settings.ssh_key
+        else [])
+    inside = []
+    for store in stores:
+        try:
+            rel = store.resolve().relative_to(root.resolve())
+        except (OSError, ValueError):
+            continue
+        inside.append(rel.as_posix())
+    if not inside:
+        return []
+    listed = gitops.git(root, "ls-tree", "-r", "-z", "--name-only", "HEAD", "--", *inside,
+                        check=False).stdout
+    found = [root / name for name in listed.split("\0") if name]
+    return [f for f in found if not any(a == f or a in f.parents for a in allowed)]
+
+
+def local_source(task_path: str, f, cwd: Path, *, settings: Settings | None = None,
+                 allowed: Iterable[Path] = ()) -> tuple[Path, str | None]:
+    """A file a task copies (``f``: a FileCopy) as this machine resolves it: (the real file,
+    the path the task wrote where a symlink led elsewhere, else None). One sentence for a
+    directory, a missing file, a device or FIFO, and (unless ``allowed`` names it) a file in a
+    credential store or one others cannot read."""
+    import stat
+
+    given = cwd / Path(f.local).expanduser()
+    if "\0" in f.local:
+        raise ConfigError(f"{task_path}: the file for {f.remote} has a NUL byte in its name; "
+                          "name a file of this machine.")
+    if not (f.remote.startswith("/") or f.remote.startswith("~")):
+        raise ConfigError(f"{task_path}: {f.remote} must be an absolute path on the workers "
+                          "(or start with ~/).")
+    try:
+        real = given.resolve(strict=True)
+        mode = real.stat().st_mode
+    except FileNotFoundError:
+        raise ConfigError(f"{task_path}: {f.local} (for {f.remote}) does not exist here"
+                          + (f" ({given} is a symlink to {given.resolve()}, which does not)"
+                             if given.is_symlink() else "") + ".") from None
+    except (OSError, RuntimeError) as err:
+        why = getattr(err, "strerror", None) or "a symlink loop"
+        raise ConfigError(f"{task_path}: {f.local} (for {f.remote}) cannot be read here "
+                          f"({why}).") from None
+    if stat.S_ISDIR(mode):
+        raise ConfigError(f"{task_path}: {f.local} (for {f.remote}) is a directory; launch "
+                          "copies single files: put the directory in the workdir (it is "
+                          "deployed with git) or in a bucket mount.")
+    if not stat.S_ISREG(mode):
+        kind = ("a character device" if stat.S_ISCHR(mode) else "a block device"
+                if stat.S_ISBLK(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket"
+                if stat.S_ISSOCK(mode) else "not a regular file")
+        raise ConfigError(f"{task_path}: {f.local} (for {f.remote}) is {kind} here, not a "
+                          "regular file; launch copies regular files only.")
+    link = str(given) if real != Path(os.path.normpath(given.absolute())) else None
+    if real not in set(allowed):
+        store = _credential_store(real, settings)
+        private = None if store else _private_why(real)
+        if store or private:
+            what = (f"lies in {store}, where credentials live" if store else private)
+            shown = f"{f.local} (for {f.remote})" + (f", a symlink to {real}," if link else
+                                                     f", {real},")
+            raise ConfigError(
+                f"{task_path}: {shown} {what}; a task file comes from other people, so launch "
+                f"copies such a file to the pod only when you name it: pass --allow-file "
+                f"{real} if you mean to.")
+    return real, link
 
 
 def node_name_of(task: Task) -> str | None:
@@ -340,7 +495,9 @@ def describe_steps(p: LaunchPlan) -> list[str]:
     for m in p.mounts:
         steps.append(f"mount {m.url} at {m.at} ({m.driver})")
     for remote, local in p.files:
-        steps.append(f"put {local} at {remote}")
+        via = f" (the task names {p.links[local]}, a symlink to it)" if local in p.links else ""
+        why = " (allowed by --allow-file)" if local in p.allowed else ""
+        steps.append(f"put {local}{via} at {remote}{why}")
     where = "~/sky_workdir" if p.sky_workdir else (p.run_cwd or "~")
     if p.task.setup:
         steps.append(f"setup ({_lines(p.task.setup)}, "

@@ -77,6 +77,7 @@ class Task:
     labels: Mapping[str, str] = field(default_factory=dict)
     envs: Mapping[str, str | None] = field(default_factory=dict)   # None: must be given
     secret_envs: tuple[str, ...] = ()             # SkyPilot `secrets:` names
+    inline_secrets: tuple[str, ...] = ()          # secrets whose value the file itself holds
     setup: str | None = None
     run: str | None = None
     workdir: str | None = None
@@ -165,7 +166,21 @@ def _envs(value: Any, key: str, path: str) -> dict[str, str | None]:
             out[name] = "true" if v else "false"
         else:
             out[name] = _text(v, f"{key}.{name}", path)
+            if "\0" in (out[name] or ""):
+                raise ConfigError(f"{path}: {key}.{name} holds a NUL byte, which no "
+                                  "environment variable can carry; remove it.")
     return out
+
+
+def inline_secrets(envs: Mapping[str, str | None], secrets: Iterable[str]) -> tuple[str, ...]:
+    """The secrets a task file gives a value of its own: every ``secrets:`` entry, and an env
+    whose name is a secret's (``HF_TOKEN``, ``DB_PASS``; tpufab.quoting.is_secret_name), with
+    a value in the file."""
+    from tpufab.quoting import is_secret_name
+
+    secrets = set(secrets)
+    return tuple(sorted(name for name, value in envs.items() if value is not None
+                        and (name in secrets or is_secret_name(name))))
 
 
 def _gs(source: str, at: str, path: str) -> str:
@@ -226,6 +241,7 @@ def parse_tpufab(data: Mapping, path: str = "task.yaml") -> Task:
         spot=_bool(data.get("spot"), "spot", path),
         runtime_version=_text(data.get("runtime_version"), "runtime_version", path),
         envs=_envs(data.get("envs"), "envs", path),
+        inline_secrets=inline_secrets(_envs(data.get("envs"), "envs", path), ()),
         setup=_script(data.get("setup"), "setup", path),
         run=_script(data.get("run"), "run", path),
         workdir=_text(data.get("workdir"), "workdir", path),
@@ -376,6 +392,7 @@ def parse_skypilot(data: Mapping, path: str = "task.yaml") -> Task:
                               "resources.accelerator_args.runtime_version", path),
         labels=labels,
         envs=envs, secret_envs=tuple(secrets),
+        inline_secrets=inline_secrets(envs, secrets),
         setup=_script(data.get("setup"), "setup", path), run=_script(data.get("run"), "run", path),
         workdir=_text(data.get("workdir"), "workdir", path), mounts=mounts, files=files)
 

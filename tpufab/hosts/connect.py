@@ -425,6 +425,25 @@ def stop_keepers(settings: Settings) -> int:
     return keeper.stop(settings.project, settings.zone, settings.name)
 
 
+def disconnect(settings: Settings) -> int:
+    """Stop the pod's keepers (`tpufab disconnect`): how many; NotFound in one sentence when
+    none ran because the pod does not exist (the API unreachable: nothing was kept either way)."""
+    from tpufab.cloud import lifecycle
+    from tpufab.errors import NotFound
+
+    stopped = stop_keepers(settings)
+    if not stopped:   # nothing was kept: say so only of a pod that exists
+        try:
+            lifecycle.describe(settings)
+        except NotFound as err:
+            raise NotFound(f"{str(err).rstrip('.').split(';')[0]}; there are no "
+                           "connections to it to close (`tpufab list` shows the pods).",
+                           exit_code=err.exit_code) from None
+        except TpufabError:
+            pass
+    return stopped
+
+
 def kept(settings: Settings) -> str | None:
     """One line: whether the pod's connections are kept between commands (None: keep_alive
     is 0)."""

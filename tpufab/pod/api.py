@@ -133,15 +133,13 @@ class Pod:
 
     def connections(self, *, workers: str | Iterable[int] = "all",
                     config: FabricConfig | None = None) -> list[Connection]:
-        """A ``fabric.Connection`` per worker, made as tpufab connects (address, user, key,
-        pinned host key, the jump host as gateway); needs `pip install 'tpufab[fabric]'`."""
+        """A ``fabric.Connection`` per worker, made as tpufab connects (docs/api.md)."""
         from tpufab.pod import fabric
 
         return fabric.connections(self, workers, config=config)
 
     def group(self, *, workers: str | Iterable[int] = "all") -> Group:
-        """Fabric's Group API (run, sudo, put, get, local; GroupResult, GroupException) on
-        tpufab's fan-out; needs `pip install 'tpufab[fabric]'`."""
+        """Fabric's Group API on tpufab's fan-out (docs/api.md; `pip install tpufab[fabric]`)."""
         from tpufab.pod import fabric
 
         return fabric.group(self, workers)
@@ -528,6 +526,10 @@ class Pod:
         from tpufab.flows import babysit as babysitting
         from tpufab.steps.start.starting import recipe_args
 
+        if ray_options and not ray:
+            raise ConfigError("--ray-options are `ray start` options for babysit --ray, and "
+                              "this babysit runs the recipe itself: add --ray, or drop "
+                              "--ray-options.")
         args = recipe_args(args)
         timeout = self._timeout("babysit", timeout)
         settings = self.settings.bounded(timeout)   # this call's timeouts, not the pod's
@@ -601,13 +603,12 @@ class Pod:
 
     # -- kept connections, Ray -------------------------------------------------------------
     def disconnect(self) -> int:
-        """`tpufab disconnect`: close this process's connections to the pod and stop the
-        background process keeping them between commands (tpufab.ssh.keeper); how many such
-        processes were stopped."""
-        from tpufab.hosts import connect as connection
+        """`tpufab disconnect`: close the pod's connections here and stop the keeper holding
+        them between commands (tpufab.ssh.keeper); how many keepers were stopped."""
+        from tpufab.hosts import connect
 
         self.close()
-        return connection.stop_keepers(self.settings)
+        return connect.disconnect(self.settings)
 
     def ray_up(self, *, options: Sequence[str] | None = None, timeout: float | None = None,
                progress: Progress | None = None, join_batch: int = 0) -> RayUp:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tpufab.config import load_settings
+from tpufab.config import load_settings, parse_zones
 from tpufab.errors import ConfigError
 from tpufab.pod.api import Pod
 from tpufab.pod.run import Run
@@ -60,7 +60,8 @@ def launch(task: str | Path, *, name: str | None = None, type: str | None = None
            retry_for: str | float | None = None, console: Console | None = None,
            progress: Callable[..., None] | None = None,
            setup_view: Callable[[list[int]], AbstractContextManager[OutputSink]] | None = None,
-           force_setup: bool = False, ray: bool = False) -> Launched:
+           force_setup: bool = False, ray: bool = False,
+           allow_file: Sequence[str] | None = None) -> Launched:
     """`tpufab launch` up to the start of the run (``ray``: up to Ray brought up on the pod;
     ``Launched.ray_job()`` then submits the task's run as a Ray job and follows it): create
     (or reuse) the pod of TASK.yaml (tpufab's schema or a SkyPilot task), arm autostop after
@@ -68,7 +69,8 @@ def launch(task: str | Path, *, name: str | None = None, type: str | None = None
     as done), start the run. Returns Launched (``.plan``, ``.pod``, ``.run``); with
     ``dry_run``, only the plan. ``zones`` are tried in order on a stockout, for
     ``retry_for``; ``progress(text, style)`` hears each step, ``console`` the creation,
-    ``setup_view(workers)`` (a context manager) gives the setup's sink. Raises ConfigError
+    ``setup_view(workers)`` (a context manager) gives the setup's sink; ``allow_file``: the
+    private or credential files of the task that may be copied (by name). Raises ConfigError
     for a task or flags that do not make sense, StepFailed naming the step that failed."""
     from tpufab import durations
     from tpufab.flows import launch as launching
@@ -76,10 +78,7 @@ def launch(task: str | Path, *, name: str | None = None, type: str | None = None
 
     idle_s = durations.parse_duration(idle, "--idle")
     retry_s = durations.parse_duration(retry_for, "--retry-for")
-    if isinstance(zones, str) or zones is None:
-        zone_list = [z.strip() for z in (zones or "").split(",") if z.strip()]
-    else:
-        zone_list = [str(z).strip() for z in zones if str(z).strip()]
+    zone_list = parse_zones(zones)
     if zone_list and zone and zone_list[0] != zone:
         raise ConfigError("--zone and --zones disagree; give the zones to try in order with "
                           "--zones only.")
@@ -99,7 +98,8 @@ def launch(task: str | Path, *, name: str | None = None, type: str | None = None
                           type=type, zone=zone or (zone_list[0] if zone_list else None),
                           spot=spot, version=version, env=env or (), secret=secret or (),
                           down=down, detach=detach, idle=idle_s, direct=direct,
-                          force_setup=force_setup, find_node=find_node, ray=ray)
+                          force_setup=force_setup, find_node=find_node, ray=ray,
+                          allow_files=allow_file or ())
     state = launching.Launch(plan)
     if dry_run:
         return Launched(state)

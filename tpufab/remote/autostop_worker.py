@@ -270,9 +270,35 @@ def local_activity(facts):
     return reasons
 
 
-def ask_peer(ip, port, timeout):
+def answer_peer(conn, config, busy):
+    """One peer's question on ``conn``: the pod's peer token first (a line), else no answer
+    (a co-tenant reaching the port learns nothing of the pod's jobs)."""
+    import hmac
+
+    conn.settimeout(1.0)
+    line = b""
+    try:
+        while not line.endswith(b"\n") and len(line) < 256:
+            chunk = conn.recv(256)
+            if not chunk:
+                break
+            line += chunk
+    except OSError:
+        return False
+    expected = str(config.get("peer_token") or "").encode()
+    if not expected or not hmac.compare_digest(line.strip(), expected):
+        return False
+    try:
+        conn.sendall((json.dumps({"busy": busy()}) + "\n").encode())
+    except OSError:
+        return False
+    return True
+
+
+def ask_peer(ip, port, timeout, peer_token=""):
     with socket.create_connection((ip, port), timeout=timeout) as conn:
         conn.settimeout(timeout)
+        conn.sendall(f"{peer_token}\n".encode())
         data = b""
         while not data.endswith(b"\n"):
             chunk = conn.recv(4096)
@@ -470,10 +496,7 @@ def daemon(_args):
             conn = None
         if conn is not None:
             with conn:
-                try:
-                    conn.sendall((json.dumps({"busy": local_activity(facts)}) + "\n").encode())
-                except OSError:
-                    pass
+                answer_peer(conn, config, lambda: local_activity(facts))
         if not leader or time.monotonic() - last_check < every:
             continue
         last_check = time.monotonic()
@@ -483,7 +506,8 @@ def daemon(_args):
             if index == 0:
                 continue
             try:
-                answer = ask_peer(ip, int(config["port"]), min(5.0, every))
+                answer = ask_peer(ip, int(config["port"]), min(5.0, every),
+                                  config.get("peer_token") or "")
                 busy += [f"w{index}: {r}" for r in answer.get("busy") or []]
             except (OSError, ValueError) as err:
                 busy.append(f"w{index}: no answer ({type(err).__name__})")

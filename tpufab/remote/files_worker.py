@@ -246,6 +246,7 @@ def serve(request):
     Exits once every expected client has said ``TOKEN BYE`` or nothing happened for
     ``idle`` seconds. Bound to this worker's internal address; the token came on stdin.
     """
+    import hmac
     import socket
     import threading
 
@@ -272,7 +273,7 @@ def serve(request):
                 reader = conn.makefile("rb")
                 for line in reader:
                     tok, _, what = line.strip().partition(b" ")
-                    if tok != token or what == b"BYE":
+                    if not hmac.compare_digest(tok, token) or what == b"BYE":
                         return
                     with open(paths[int(what)], "rb") as fh:
                         size = os.fstat(fh.fileno()).st_size

@@ -3,7 +3,7 @@
 per content hash). The setup runner's output goes through it, so a setup log on a worker never
 holds a secret (issue 23, finding 6).
 
-    masktee.py LOG [NAME ...]
+    masktee.py LOG [NAME ...]      (LOG "-": no log, stdout only: a Ray job's output)
 
 NAME: environment variables whose values are secrets (the names travel in argv, the values
 only in this process's environment, sent on the fan-out agent's stdin). LOG is created 0600
@@ -27,9 +27,10 @@ def main(argv):
     masker = Masker([form.encode() for form in secret_forms(values)])
     log = None
     try:
-        fd = os.open(argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.fchmod(fd, 0o600)
-        log = os.fdopen(fd, "wb")
+        if argv[1] != "-":
+            fd = os.open(argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.fchmod(fd, 0o600)
+            log = os.fdopen(fd, "wb")
     except OSError as err:
         sys.stderr.write(f"tpufab: cannot write the setup log {argv[1]}: {err.strerror}\n")
     out = sys.stdout.buffer

@@ -4,14 +4,22 @@
     python3 ray_worker.py start --config FILE [-- RAY START OPTIONS]
     python3 ray_worker.py stop [--grace S]
     python3 ray_worker.py cluster [--dashboard-port P]       (on the head: nodes and jobs)
+    python3 ray_worker.py token                              (on the head: the cluster's token)
 
 The job's Python is $TPUFAB_PYTHON, else ~/.venv/bin/python, else python3; Ray is installed
 into it with pip when missing ($TPUFAB_RAY_SPEC, default ``ray[default]``: the Job API lives
 in the dashboard). ``start`` reads its host's part of the cluster from FILE (written 0600 by
 tpufab, one per host): {"head": bool, "address": "IP:PORT", "node_ip": IP, "port": P,
-"dashboard_port": P, "env": {TPU_NAME, TPU_WORKER_ID, TPU_ACCELERATOR_TYPE, TPU_TOPOLOGY}}
-and runs ``ray start`` with that environment, so Ray's TPU accelerator manager labels the
-node from tpufab's values. Each command prints one JSON line last.
+"dashboard_port": P, "token": T, "options": [...], "env": {TPU_NAME, TPU_WORKER_ID,
+TPU_ACCELERATOR_TYPE, TPU_TOPOLOGY}} and runs ``ray start`` with that environment, so Ray's
+TPU accelerator manager labels the node from tpufab's values.
+
+Ray's own token authentication (Ray 2.52 and later) guards every listener Ray opens: the
+token goes to ``~/.ray/auth_token`` (0600 in a 0700 directory: where Ray, and any ``ray``
+command or ``ray.init()`` of the login user, finds it) and Ray starts with
+``RAY_AUTH_MODE=token``; an older Ray starts without it and says so (``"auth": false``). The
+node's session directory (Ray's logs, the jobs' output among them) is made 0700 once Ray is
+up. Each command prints one JSON line last.
 """
 
 import json
@@ -31,6 +39,11 @@ RAY_BINARIES = ("raylet", "gcs_server", "plasma_store")
 # which can outlive the dashboard a moment)
 RAY_SCRIPTS = ("/ray/dashboard/", "/ray/_private/", "/ray/autoscaler/", "ray.util.client.server",
                "/ray/core/src/", "ray.dashboard.")
+TOKEN_PATH = "~/.ray/auth_token"               # Ray's default place for its token
+STARTED_PATH = "~/.cache/tpufab/ray/started.json"   # the options this host's Ray started with
+RAY_TEMP = "/tmp/ray"                          # Ray's default temp directory (its sessions)
+# Where Ray's token authentication lives (Ray 2.52 and later): its presence, not a version
+AUTH_MODULE = os.path.join("_private", "authentication", "authentication_token_setup.py")
 
 
 def python():
@@ -104,6 +117,25 @@ def option(line, name):
     return None
 
 
+def environ_of(pid):
+    """{NAME: value} of ``pid``'s environment (empty when unreadable)."""
+    out = {}
+    for item in read(f"/proc/{pid}/environ", binary=True).split(b"\0"):
+        name, sep, value = item.partition(b"=")
+        if sep:
+            out[name.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
+    return out
+
+
+def started_options():
+    try:
+        with open(os.path.expanduser(STARTED_PATH)) as fh:
+            options = json.load(fh).get("options")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return [str(o) for o in options] if isinstance(options, list) else None
+
+
 def state():
     procs = ray_processes()
     raylets = [(pid, line) for pid, (kind, line) in procs.items() if kind == "raylet"]
@@ -112,11 +144,16 @@ def state():
     for pid in heads + [pid for pid, _ in raylets]:
         gcs = option(read(f"/proc/{pid}/cmdline", binary=True).replace(b"\0", b" ").decode(
             "utf-8", "replace"), "--gcs-address") or gcs
+    daemons = heads + [pid for pid, _ in raylets]
+    auth = bool(daemons) and all(environ_of(pid).get("RAY_AUTH_MODE") == "token"
+                                 for pid in daemons)
     return {"raylet": raylets[0][0] if raylets else None, "head": bool(heads),
             "gcs_address": gcs, "node_ip": (option(raylets[0][1], "--node_ip_address")
                                           or option(raylets[0][1], "--node-ip-address"))
             if raylets else None, "processes": len(procs),
-            "kinds": sorted({kind for kind, _ in procs.values()})}
+            "kinds": sorted({kind for kind, _ in procs.values()}), "auth": auth,
+            "auth_supported": has_token_auth(python()) if daemons and not auth else auth,
+            "options": started_options() if daemons else None}
 
 
 def ensure_ray(py):
@@ -157,6 +194,45 @@ def why_failed(text, code):
     return " / ".join(ln[:240] for ln in picked) or f"exit {code}"
 
 
+def has_token_auth(py):
+    """This Python's Ray has token authentication (its module is there; Ray is not
+    imported)."""
+    probe = subprocess.run([py, "-c", "import importlib.util as u, sys; s = "
+                            "u.find_spec('ray'); sys.stdout.write(list("
+                            "s.submodule_search_locations)[0] if s else '')"],
+                           capture_output=True, text=True)
+    where = probe.stdout.strip()
+    return bool(where) and os.path.isfile(os.path.join(where, AUTH_MODULE))
+
+
+def private_file(path, data):
+    """``data`` at ``path`` (~ expanded), 0600 in a 0700 directory, replaced atomically."""
+    path = os.path.expanduser(path)
+    folder = os.path.dirname(path)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    os.chmod(folder, 0o700)
+    temp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(data)
+    os.replace(temp, path)
+
+
+def private_session():
+    """Ray's session directory on this host made 0700 (Ray creates it 0777: its logs hold
+    every job's output); None, or why it could not be."""
+    latest = os.path.join(RAY_TEMP, "session_latest")
+    try:
+        session = os.path.realpath(latest)
+        info = os.lstat(session)
+        if info.st_uid != os.getuid():
+            return f"{session} belongs to uid {info.st_uid}, not this user"
+        os.chmod(session, 0o700)
+    except OSError as err:
+        return f"{latest}: {err.strerror}"
+    return None
+
+
 def start(config_path, extra):
     with open(os.path.expanduser(config_path)) as fh:
         config = json.load(fh)
@@ -165,6 +241,14 @@ def start(config_path, extra):
     env = dict(os.environ)
     env.update({k: str(v) for k, v in config["env"].items()})
     env["RAY_USAGE_STATS_ENABLED"] = "0"
+    auth = bool(config.get("token")) and has_token_auth(py)
+    if auth:   # every listener of this node wants the token; the login user's Ray finds it
+        private_file(TOKEN_PATH, config["token"])
+        env["RAY_AUTH_MODE"] = "token"
+        env.pop("RAY_AUTH_TOKEN", None)
+        env.pop("RAY_AUTH_TOKEN_PATH", None)
+    else:
+        env["RAY_AUTH_MODE"] = "disabled"
     args = ["start", f"--node-ip-address={config['node_ip']}", "--disable-usage-stats"]
     if config["head"]:
         args += ["--head", f"--port={config['port']}", "--include-dashboard=true",
@@ -184,8 +268,11 @@ def start(config_path, extra):
     if done.returncode != 0:
         return {"error": "ray start failed: " + why_failed(done.stderr + "\n" + done.stdout,
                                                           done.returncode)}
+    private_file(STARTED_PATH, json.dumps({"options": list(extra)}))
+    session = private_session()
     return {"started": True, "seconds": round(time.monotonic() - started, 2),
-            **state()}
+            **state(), "auth": auth, "session_private": session is None,
+            "session_error": session}
 
 
 def stop(grace):
@@ -233,8 +320,13 @@ def cluster(port):
     dashboard's HTTP API on 127.0.0.1."""
     import urllib.request
 
+    token = read(os.path.expanduser(TOKEN_PATH)).strip()
+
     def get(path):
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=20) as resp:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
+        if token:
+            request.add_header("Authorization", f"Bearer {token}")
+        with urllib.request.urlopen(request, timeout=20) as resp:
             return json.loads(resp.read().decode())
 
     try:
@@ -270,6 +362,9 @@ def main(argv):
     elif command == "stop":
         grace = float(rest[rest.index("--grace") + 1]) if "--grace" in rest else 10.0
         reply = stop(grace)
+    elif command == "token":
+        token = read(os.path.expanduser(TOKEN_PATH)).strip()
+        reply = {"token": token} if token else {"token": None}
     elif command == "cluster":
         port = int(rest[rest.index("--dashboard-port") + 1]) if "--dashboard-port" in rest \
             else 8265

@@ -512,8 +512,11 @@ def run_status(rundir, carried=None):
     exit_code, killed by signal, or lost) with what run_worker.py recorded about it."""
     status = {"run": os.path.basename(rundir)}
     meta = read_text(os.path.join(rundir, "meta.json"))
-    if meta:
-        info = json.loads(meta)
+    try:
+        info = json.loads(meta) if meta else {}
+    except ValueError:      # not run_worker.py's (a stray directory): a run without its record
+        info = {}
+    if isinstance(info, dict):
         for key in ("commit", "recipe", "recipe_sha256", "started_at", "args", "cwd"):
             status[key] = info.get(key)
     status["pid"] = read_int(os.path.join(rundir, "pid"))
@@ -538,8 +541,9 @@ def status(args):
             if not os.path.isdir(run_path(args.run_dir, name)):
                 raise UsageError(f"no run {name} on this worker")
     else:
-        try:
-            names = sorted(n for n in os.listdir(base) if os.path.isdir(os.path.join(base, n)))
+        try:   # (a directory no run could have made, `.tmp`, `my dir`, is not a run)
+            names = sorted(n for n in os.listdir(base) if RUN_ID.match(n)
+                           and os.path.isdir(os.path.join(base, n)))
         except OSError:
             names = []
     carried = CarriedRunIds()   # one /proc scan at most, for every run that needs it

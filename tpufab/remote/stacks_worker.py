@@ -10,10 +10,21 @@ newest run recorded on this worker when it is still running, else (and with neit
 process holding a TPU device file or a libtpu lockfile (as `kill` finds them). Only Python
 processes are dumped; the run's supervisor (tpufab-run) never is.
 
-Each one gets `py-spy dump --json` (with --native, `--native` too), py-spy found on PATH, in
-the login user's ~/.venv/bin or ~/.local/bin, or in the simulated pod's shared site. A process
-py-spy cannot attach to is reported with the reason (kernel.yama.ptrace_scope, another user's
-process, a tracer already attached, a container without CAP_SYS_PTRACE) and the fix.
+Each one gets `py-spy dump --json` (with --native, `--native` too). Run as root (through
+`sudo -n`, to attach to processes it did not start), it runs only the py-spy tpufab installed
+there: /opt/tpufab/py-spy/py-spy, root's, matching the sha256 recorded beside it when it was
+installed (`--install`: copied from a root-owned py-spy, the simulated pod's shared site, else
+`pip install --target` as root); a py-spy the login user can change (~/.local/bin, the venv,
+PATH) never runs as root. As the login user (no sudo), its own py-spy: PATH, ~/.venv/bin,
+~/.local/bin, the shared site. A process py-spy cannot attach to is reported with the reason
+(kernel.yama.ptrace_scope, another user's process, a tracer already attached, a container
+without CAP_SYS_PTRACE) and the fix.
+
+What py-spy prints is bounded (MAX_DUMP bytes a process, MAX_THREADS threads, MAX_FRAMES frames
+a thread, MAX_TEXT characters a name) and the whole answer too (MAX_ANSWER): a py-spy that
+prints without end is stopped and named.
+
+    stacks_worker.py --install --home DIR      (py-spy where this worker runs it; one answer)
 
 Prints one JSON object: {"ok", "error"?, "missing_py_spy"?, "run", "run_state", "source"
 ("run" | "tpu holders"), "py_spy", "ptrace_scope", "euid", "processes": [{"pid", "command",
@@ -47,13 +58,132 @@ from tpufab.remote.workerlib import (
 
 DEFAULT_LOCKFILES = ("/tmp/libtpu_lockfile", "/tmp/libtpu.so_lockfile")
 SIM_SITE_BIN = "/opt/tpufab-sim/share/site/bin"
+ROOT_DIR = "/opt/tpufab/py-spy"                  # root's py-spy, installed by tpufab
+ROOT_PY_SPY = ROOT_DIR + "/py-spy"
+ROOT_HASH = ROOT_DIR + "/py-spy.sha256"
+# root-owned places a py-spy may be copied from (never one the login user can change)
+ROOT_SOURCES = (SIM_SITE_BIN + "/py-spy", "/usr/local/bin/py-spy", "/usr/bin/py-spy")
+MAX_DUMP = 4 << 20         # bytes of py-spy's output for one process
+MAX_ANSWER = 6 << 20       # bytes of frames, names and commands in the whole answer
+MAX_THREADS = 1024
+MAX_FRAMES = 512
+MAX_TEXT = 1024            # characters of a name, a file, a command
 DUMP_TIMEOUT = 20.0
 DUMP_TRIES = 3             # a read that raced the process is tried again
 RETRY_PAUSE = 0.2          # seconds, times the try
 
 
+def sha256_of(path):
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def root_only(path):
+    """``path`` and every directory above it belong to root and no one else may write them
+    (what only root can have put there)."""
+    import stat
+
+    path = os.path.abspath(path)
+    while True:
+        try:
+            info = os.lstat(path)
+        except OSError:
+            return False
+        if info.st_uid != 0 or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or \
+                stat.S_ISLNK(info.st_mode):
+            return False
+        if path == "/":
+            return True
+        path = os.path.dirname(path)
+
+
+def trusted_py_spy():
+    """Root's py-spy: (path, None), or (None, why not)."""
+    if not os.path.isfile(ROOT_PY_SPY):
+        return None, f"tpufab has not installed py-spy in {ROOT_DIR} yet"
+    if not (root_only(ROOT_PY_SPY) and root_only(ROOT_HASH)):
+        return None, f"{ROOT_PY_SPY} is not root's alone"
+    try:
+        with open(ROOT_HASH) as fh:
+            recorded = fh.read().split()[0]
+        actual = sha256_of(ROOT_PY_SPY)
+    except (OSError, IndexError):
+        return None, f"{ROOT_HASH} cannot be read"
+    if actual != recorded:
+        return None, (f"{ROOT_PY_SPY} is not the py-spy tpufab installed (its sha256 differs "
+                      "from the one recorded then)")
+    return ROOT_PY_SPY, None
+
+
+def install_root_py_spy():
+    """py-spy in ROOT_DIR with its sha256 beside it (as root): copied from a root-owned
+    py-spy, else pip-installed there. The answer: {"ok", "py_spy", "from", "error"?}."""
+    import shutil
+    import tempfile
+
+    os.makedirs(ROOT_DIR, mode=0o755, exist_ok=True)
+    for folder in (os.path.dirname(ROOT_DIR), ROOT_DIR):
+        os.chown(folder, 0, 0)
+        os.chmod(folder, 0o755)
+    work = tempfile.mkdtemp(dir=ROOT_DIR, prefix=".install-")
+    try:
+        source = next((c for c in ROOT_SOURCES if os.path.isfile(c) and os.access(c, os.X_OK)
+                       and root_only(c) and os.path.getsize(c) > 0), None)
+        new = os.path.join(work, "py-spy")
+        if source is not None:
+            shutil.copyfile(source, new)
+        else:
+            pip = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet",
+                                  "--disable-pip-version-check", "--no-warn-script-location",
+                                  "--target", os.path.join(work, "t"), "py-spy"],
+                                 capture_output=True, text=True, timeout=600)
+            built = os.path.join(work, "t", "bin", "py-spy")
+            if pip.returncode != 0 or not os.path.isfile(built):
+                lines = [ln.strip() for ln in (pip.stderr or pip.stdout).splitlines()
+                         if ln.strip()]
+                errors = [ln for ln in lines if ln.lower().startswith("error")]
+                return {"ok": False, "error": ((errors or lines or
+                                                [f"pip exited {pip.returncode}"])[0])[:200]}
+            shutil.copyfile(built, new)
+            source = "pip install py-spy"
+        os.chmod(new, 0o755)
+        digest = sha256_of(new)
+        with open(os.path.join(work, "py-spy.sha256"), "w") as fh:
+            fh.write(f"{digest}  py-spy\n")
+        os.chmod(os.path.join(work, "py-spy.sha256"), 0o644)
+        os.replace(new, ROOT_PY_SPY)
+        os.replace(os.path.join(work, "py-spy.sha256"), ROOT_HASH)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"ok": True, "py_spy": ROOT_PY_SPY, "from": source}
+
+
+def install_user_py_spy(home):
+    """py-spy in the login user's venv (else ``pip install --user``): for a stacks worker
+    that runs as that user (no sudo)."""
+    venv = os.path.join(home, ".venv", "bin", "python")
+    argv = ([venv, "-m", "pip", "install"] if os.access(venv, os.X_OK) else
+            ["python3", "-m", "pip", "install", "--user"])
+    pip = subprocess.run(argv + ["--quiet", "--disable-pip-version-check", "py-spy"],
+                         capture_output=True, text=True, timeout=600)
+    if pip.returncode != 0:
+        lines = [ln.strip() for ln in (pip.stderr or pip.stdout).splitlines() if ln.strip()]
+        errors = [ln for ln in lines if ln.lower().startswith("error")]
+        return {"ok": False,
+                "error": ((errors or lines or [f"pip exited {pip.returncode}"])[0])[:200]}
+    return {"ok": True, "py_spy": find_py_spy(home)}
+
+
 def find_py_spy(home):
-    """py-spy's path, or None: PATH, the login user's venv and ~/.local, the sim's site."""
+    """py-spy's path, or None. As root only root's (``trusted_py_spy``); as the login user:
+    PATH, the login user's venv and ~/.local, the sim's site."""
+    if os.geteuid() == 0:
+        return trusted_py_spy()[0]
     for folder in os.environ.get("PATH", "").split(os.pathsep) + [
             os.path.join(home, ".venv", "bin"), os.path.join(home, ".local", "bin"),
             SIM_SITE_BIN, "/usr/local/bin"]:
@@ -176,7 +306,7 @@ def dump(py_spy, pid, native, scope, timeout, tries=DUMP_TRIES):
     for attempt in range(1, tries + 1):
         left = deadline - time.monotonic()
         try:
-            done = subprocess.run(argv, capture_output=True, timeout=max(left, 0.5), env=env)
+            done = bounded_run(argv, timeout=max(left, 0.5), env=env)
         except subprocess.TimeoutExpired:
             return {"error": f"py-spy took over {timeout:g} s",
                     "reason": "the process did not let py-spy read it in time",
@@ -184,13 +314,18 @@ def dump(py_spy, pid, native, scope, timeout, tries=DUMP_TRIES):
         except OSError as err:
             return {"error": str(err), "reason": f"py-spy could not start ({err})",
                     "fix": "reinstall py-spy on the worker (`tpufab setup`)"}
+        if done.returncode is None:
+            return {"error": f"py-spy printed more than {MAX_DUMP >> 20} MiB for one process",
+                    "reason": "py-spy printed more than a stack could be (a forged py-spy?)",
+                    "fix": f"check {py_spy} on the worker"}
         if done.returncode == 0:
             try:
                 threads = json.loads(done.stdout.decode("utf-8", "replace"))
             except ValueError:
                 threads = None
             if isinstance(threads, list):
-                return {"threads": [thread_of(t) for t in threads]}
+                return {"threads": [thread_of(t) for t in threads[:MAX_THREADS]
+                                    if isinstance(t, dict)]}
         error = py_spy_error(done.stderr, done.returncode)
         if attempt == tries or deadline - time.monotonic() < 1.0 or not transient(pid, error):
             break
@@ -201,15 +336,66 @@ def dump(py_spy, pid, native, scope, timeout, tries=DUMP_TRIES):
     return {"error": error, "reason": reason, "fix": fix}
 
 
+class Done:
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def bounded_run(argv, *, timeout, env, limit=MAX_DUMP):
+    """``subprocess.run(argv, capture_output=True)`` that keeps at most ``limit`` bytes of
+    stdout (and 64 KiB of stderr): past that the process is killed and the answer's
+    ``returncode`` is None. Raises TimeoutExpired past ``timeout``."""
+    import select
+
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            stdin=subprocess.DEVNULL)
+    out, err = bytearray(), bytearray()
+    streams = {proc.stdout.fileno(): (out, limit), proc.stderr.fileno(): (err, 64 << 10)}
+    deadline = time.monotonic() + timeout
+    try:
+        while streams:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(argv, timeout)
+            ready, _, _ = select.select(list(streams), [], [], left)
+            for fd in ready:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    del streams[fd]
+                    continue
+                buf, cap = streams[fd]
+                if len(buf) + len(chunk) > cap:
+                    if buf is out:
+                        return Done(None, bytes(out), bytes(err))
+                    chunk = chunk[:max(0, cap - len(buf))]
+                buf += chunk
+        proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        return Done(proc.returncode, bytes(out), bytes(err))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
+def text(value):
+    return str(value if value is not None else "")[:MAX_TEXT]
+
+
 def thread_of(entry):
     frames = []
-    for frame in entry.get("frames") or ():
-        frames.append({"function": str(frame.get("name") or "?"),
-                       "file": str(frame.get("short_filename") or frame.get("filename") or ""),
-                       "path": str(frame.get("filename") or ""),
-                       "line": frame.get("line")})
-    return {"name": entry.get("thread_name") or "", "id": entry.get("os_thread_id")
-            or entry.get("thread_id"), "active": bool(entry.get("active")),
+    for frame in (entry.get("frames") or ())[:MAX_FRAMES]:
+        if not isinstance(frame, dict):
+            continue
+        line = frame.get("line")
+        frames.append({"function": text(frame.get("name") or "?"),
+                       "file": text(frame.get("short_filename") or frame.get("filename") or ""),
+                       "path": text(frame.get("filename") or ""),
+                       "line": line if isinstance(line, int) else None})
+    ident = entry.get("os_thread_id") or entry.get("thread_id")
+    return {"name": text(entry.get("thread_name") or ""),
+            "id": ident if isinstance(ident, int) else None, "active": bool(entry.get("active")),
             "gil": bool(entry.get("owns_gil")), "frames": frames}
 
 
@@ -247,7 +433,10 @@ def main(argv=None):
     parser.add_argument("--devices-glob", action="append", dest="devices_globs", default=[])
     parser.add_argument("--lockfile", action="append", dest="lockfiles")
     parser.add_argument("--timeout", type=float, default=DUMP_TIMEOUT)
+    parser.add_argument("--install", action="store_true")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.install:
+        return install_root_py_spy() if os.geteuid() == 0 else install_user_py_spy(args.home)
 
     run_dir = os.path.join(args.home, ".tpufab", "runs")
     answer = {"ok": True, "run": None, "run_state": None, "source": "tpu holders",
@@ -274,18 +463,28 @@ def main(argv=None):
     answer["py_spy"] = py_spy
     if pids and py_spy is None:
         answer.update(ok=False, missing_py_spy=True,
-                      error="py-spy is not installed (looked on PATH, in ~/.venv/bin, "
-                            f"~/.local/bin and {SIM_SITE_BIN})")
+                      error=trusted_py_spy()[1] if os.geteuid() == 0 else
+                      "py-spy is not installed (looked on PATH, in ~/.venv/bin, "
+                      f"~/.local/bin and {SIM_SITE_BIN})")
         return answer
     scope = answer["ptrace_scope"]
     started = time.monotonic()
+    budget = MAX_ANSWER
     for pid in pids:
         proc = proc_stat(pid)
         if proc is None or proc.exited:
             continue
-        entry = {"pid": pid, "command": command_of(proc)}
+        entry = {"pid": pid, "command": text(command_of(proc))}
         left = max(2.0, args.timeout - (time.monotonic() - started))
         entry.update(dump(py_spy, pid, args.native, scope, left))
+        size = len(json.dumps(entry))
+        if size > budget:
+            entry = {"pid": pid, "command": entry["command"],
+                     "error": f"its stacks would take the answer past {MAX_ANSWER >> 20} MiB",
+                     "reason": "its stacks are larger than tpufab reads from one worker",
+                     "fix": f"look at it on the worker: `sudo py-spy dump --pid {pid}`"}
+            size = len(json.dumps(entry))
+        budget -= size
         answer["processes"].append(entry)
     return answer
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # paramiko loads with the first handshake, not with the pins 
     import paramiko  # through kept connections never needs it: tpufab.ssh.keeper)
 
 DEFAULT_PATH = "~/.tpufab/known_hosts"
+FROM_API = "from-cloud-api"    # the comment of a line whose key the API published
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
@@ -87,29 +88,41 @@ class KnownHosts:
             return [], {}
         entries: list[tuple[str, str, str]] = []
         index: dict[str, list[tuple[str, str]]] = {}
+        origins: dict[str, str] = {}
         for line in text.splitlines():
             parts = line.split()
             if len(parts) >= 3 and not line.startswith("#"):
                 entries.append((parts[0], parts[1], parts[2]))
                 index.setdefault(parts[0], []).append((parts[1], parts[2]))
+                if len(parts) >= 4 and parts[3] == FROM_API:
+                    origins[parts[0]] = FROM_API
         with self._cache_guard:  # stat before read: a change meanwhile shows as a new version
             self._cached = (version, entries, index)
+            self._origins = origins
         return entries, index
+
+    def _origin(self, host_alias: str) -> str | None:
+        """How the key pinned for ``host_alias`` was learned: FROM_API, or None (first use)."""
+        self._parsed()
+        return getattr(self, "_origins", {}).get(host_alias)
 
     def _read(self) -> list[tuple[str, str, str]]:
         return list(self._parsed()[0])
 
-    def _update(self, change) -> None:
-        """Apply ``change(entries) -> entries`` under a thread lock and an flock."""
+    def _update(self, change, learned: Mapping[str, str] | None = None) -> None:
+        """Apply ``change(entries) -> entries`` under a thread lock and an flock
+        (``learned``: alias -> how its new key was learned, kept as the line's comment)."""
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         with self._lock, open(self.path.with_suffix(".lock"), "a") as lock_file:
             fcntl.flock(lock_file, fcntl.LOCK_EX)
             entries = self._read()
+            origins = {**getattr(self, "_origins", {}), **(learned or {})}
             updated = change(entries)
             if updated is None or updated == entries:
                 return
             tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}")
-            tmp.write_text("".join(f"{a} {t} {k}\n" for a, t, k in updated))
+            tmp.write_text("".join(f"{a} {t} {k}" + (f" {origins[a]}" if a in origins else "")
+                                   + "\n" for a, t, k in updated))
             os.chmod(tmp, 0o600)
             os.replace(tmp, self.path)
 
@@ -137,7 +150,7 @@ class KnownHosts:
             new = [(n, t, k) for n, (t, k) in wanted.items() if (n, t) not in current]
             return entries + new if new else None
 
-        self._update(change)
+        self._update(change, learned={name: FROM_API for name in wanted})
 
     def forget(self, node_id: str) -> int:
         """Drop every key pinned for ``node_id`` (its workers' and its VMs'); returns how
@@ -212,8 +225,11 @@ class KnownHosts:
         if "-vm" in host_alias and not worker.isdigit():
             node, _, vm = host_alias.removeprefix("tpufab-").rpartition("-vm")
             who = f"VM {vm} of node {node}"
+        pinned = (f"the one the cloud API published for it (its guest attributes), pinned "
+                  f"in {self.path}") if self._origin(host_alias) == FROM_API else \
+            f"the one pinned in {self.path}"
         return HostKeyChanged(
-            f"The {ktype} host key of {who} differs from the one pinned in {self.path} "
+            f"The {ktype} host key of {who} differs from {pinned} "
             "(someone may be intercepting the connection, or the worker was rebuilt under the "
             f"same node id); if the change is expected, run `{self.forget_hint.format(node=node or host_alias)}` "
             f"or delete the lines starting with {host_alias.rpartition('-w')[0] or host_alias} from {self.path}."

@@ -6,7 +6,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from tpufab.config import Settings, load_settings
+from tpufab.config import Settings, check_labels, load_settings
 from tpufab.errors import ConfigError
 
 
@@ -21,6 +21,7 @@ def parse_labels(labels: Iterable[str] | None) -> dict[str, str]:
             if not sep or not key.strip():
                 raise ConfigError(f"--label takes key=value, not {pair.strip()!r}.")
             out[key.strip()] = value.strip()
+    check_labels(out, "--label")
     return out
 
 
@@ -32,10 +33,14 @@ def check_timeout(timeout: float | None, flag: str = "--timeout") -> float | Non
         value = float(timeout)
     except (TypeError, ValueError):
         value = float("nan")
-    if not value > 0:  # also NaN
-        raise ConfigError(f"{flag} takes a number of seconds above 0, not {timeout}; leave it "
-                          "out for the verb's default (docs/reliability.md lists them).")
+    if not 0 < value <= MAX_TIMEOUT:  # also NaN and inf
+        raise ConfigError(f"{flag} takes a number of seconds above 0 and at most "
+                          f"{MAX_TIMEOUT:g} (a week), not {timeout}; leave it out for the "
+                          "verb's default (docs/reliability.md lists them).")
     return value
+
+
+MAX_TIMEOUT = 7 * 86400.0       # a --timeout past a week is a typo (inf, 1e308)
 
 
 def settings_from_flags(*, type: str | None = None, accelerator_type: str | None = None,

@@ -36,7 +36,10 @@ GROUPS = {"ray": "Ray on the pod: up, status, submit, down (docs/ray.md)."}
                                "advancing (relative to $TPUFAB_RUN_DIR, or absolute).",
                                metavar="PATH"),
     "ray": "Run the task's run once, as a Ray job on the pod's Ray cluster (brought up "
-           "first), and follow it."})
+           "first), and follow it.",
+    "allow_file": Opt("Copy this file the task names although it is private or in a "
+                      "credential store (~/.ssh, ~/.tpufab, ~/.config/gcloud, ...); once per "
+                      "file, as the plan shows it.", metavar="PATH")})
 def launch(task: str, *, name: str | None = None, type: str | None = None,
            zone: str | None = None, project: str | None = None, spot: bool = False,
            version: str | None = None, env: Sequence[str] | None = None,
@@ -45,7 +48,8 @@ def launch(task: str, *, name: str | None = None, type: str | None = None,
            direct: bool = False, zones: str | None = None, retry_for: str | None = None,
            on_interrupt: str | None = None, force_setup: bool = False,
            stall: str | None = None, stall_action: str = "wait",
-           stall_progress_file: str | None = None, ray: bool = False) -> int:
+           stall_progress_file: str | None = None, ray: bool = False,
+           allow_file: Sequence[str] | None = None) -> int:
     """Create (or reuse) a pod, deploy, mount, set up and run TASK.yaml, and follow it."""
     from tpufab.pod.launched import launch as launching
     from tpufab.term.console import stderr
@@ -62,7 +66,8 @@ def launch(task: str, *, name: str | None = None, type: str | None = None,
                          version=version, env=env, secret=secret, down=down, detach=detach,
                          idle=idle, dry_run=dry_run, direct=direct, zones=zones,
                          retry_for=retry_for, console=stderr(), progress=note,
-                         setup_view=_setup_view, force_setup=force_setup, ray=ray)
+                         setup_view=_setup_view, force_setup=force_setup, ray=ray,
+                         allow_file=allow_file)
     plan = launched.plan
     if dry_run:
         kind = "SkyPilot task" if plan.task.source == "skypilot" else "task"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from tpufab.config import load_settings, parse_zones
 from tpufab.errors import ConfigError
 from tpufab.verbs.common import WIDE_HELP, count, note, print_json, say, settings_from_flags
 from tpufab.verbs.declare import Opt, verb
@@ -54,7 +55,7 @@ def create(*, name: str | None = None, type: str | None = None, zone: str | None
     from tpufab.cloud.lifecycle import default_name
     from tpufab.pod.pods import create_node
 
-    zone_list = [z.strip() for z in (zones or "").split(",") if z.strip()]
+    zone_list = parse_zones(zones)
     if zone_list and zone and zone_list[0] != zone:
         raise ConfigError("--zone and --zones disagree; give the zones to try in order with "
                           "--zones only.")
@@ -77,6 +78,15 @@ def create(*, name: str | None = None, type: str | None = None, zone: str | None
     before = current.read()
     path = current.remember(settings.name, zone=settings.zone, project=settings.project,
                             set_by="create")
+    later = load_settings()      # the pod a later command without --name goes to
+    if later.name and later.name != settings.name:
+        where = {"environment": "TPUFAB_NAME"}.get(later.source_of("name"),
+                                                   later.source_of("name"))
+        note(f"Created {settings.name} and remembered it as this project's current pod, but "
+             f"{where} names {later.name}, which wins over the current pod: "
+             f"later commands without --name go to {later.name}; pass --name "
+             f"{settings.name} to them, or remove that name.", "yellow")
+        return
     moved = current.became(settings.name, before, path)
     note(moved, "dim" if before is None or before.name == settings.name else None)
 

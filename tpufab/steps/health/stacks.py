@@ -35,10 +35,13 @@ from tpufab.topology import DEVICE_GLOBS
 
 STACKS_WORKER = "stacks_worker.py"
 TIMEOUT = TIMEOUTS["stacks"].seconds   # seconds a worker has to dump every process
-# The login user's venv (what setup makes), else the user's site; a fixed line (no input).
-INSTALL_PY_SPY = ('if [ -x "$HOME/.venv/bin/python" ]; then exec "$HOME/.venv/bin/python" -m pip '
-                  'install --quiet --disable-pip-version-check py-spy; else exec python3 -m pip '
-                  'install --user --quiet --disable-pip-version-check py-spy; fi')
+# What tpufab reads of one worker's answer: the worker keeps its own under 6 MiB
+# (stacks_worker.MAX_ANSWER); past this a worker (or its py-spy) is not what it claims, and
+# is stopped rather than read on. The saved text and JSON of a capture are bounded by it too.
+MAX_ANSWER_BYTES = 8 << 20
+# A name py-spy reports (a frame's function or file, a thread's name) holding one of these
+# could forge the lines around it (a newline makes a block header of its own): refused.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 class StacksError(TpufabError):
@@ -49,9 +52,14 @@ class StacksError(TpufabError):
 
 
 def stacks_command(*, run: str | None = None, native: bool = False,
-                   device_globs: Sequence[str] = DEVICE_GLOBS) -> Command:
+                   device_globs: Sequence[str] = DEVICE_GLOBS, install: bool = False) -> Command:
+    """The stacks worker's command line (``install``: put py-spy where it runs it: root's,
+    hashed, when it runs as root)."""
     # the login user's home (its runs, its venv's py-spy), also when sudo makes it root
     args: list = [Raw('--home="$HOME"')]
+    if install:
+        return python_command(RemoteFile.bundled(STACKS_WORKER), [*args, "--install"],
+                              as_root=True)
     args += ["--run", run] if run else ["--latest"]
     if native:
         args.append("--native")
@@ -312,8 +320,12 @@ class StacksReport(Report):
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.taken_at))
         text, data = folder / f"stacks-{stamp}.txt", folder / f"stacks-{stamp}.json"
         self.saved = [text, data]
+        limit = MAX_ANSWER_BYTES * max(1, len(self.rows))    # what was read, at most
+        body = ("\n".join(lines(self)) + "\n").encode()
+        if len(body) > limit:
+            body = body[:limit] + f"\n(cut at {limit >> 20} MiB)\n".encode()
         with open_private(text, "wb") as fh:
-            fh.write(("\n".join(lines(self)) + "\n").encode())
+            fh.write(body)
         with open_private(data, "wb") as fh:
             fh.write(json.dumps(to_json(self), indent=1, sort_keys=True).encode() + b"\n")
         return self.saved
@@ -393,22 +405,93 @@ def capture(fanout, workers: Sequence[int], *, run: str | None = None, native: b
     line = stacks_command(run=run, native=native, device_globs=device_globs)
     files = [RemoteFile.bundled(STACKS_WORKER)]
     report = StacksReport(list(workers), native=native)
-    _read(report, run_with_files(fanout, files, line, workers, timeout=timeout))
+    _read(report, run_with_files(fanout, files, line, workers, timeout=timeout,
+                                 sink=CappedAnswers()))
     missing = report.missing_py_spy
     if missing and install:
         if progress is not None:
             progress(f"py-spy is missing on {nodeset.fold(missing)}; installing it there ...",
                      "dim")
-        installed = fanout.run(INSTALL_PY_SPY, workers=missing, timeout=timeout_for("stacks: install py-spy"))
-        again = [w for w, r in installed.items() if r.ok]
+        installed = run_with_files(fanout, files, stacks_command(install=True), missing,
+                                   timeout=timeout_for("stacks: install py-spy"), sink=CappedAnswers())
+        again = []
         for w, r in installed.items():
-            if not r.ok:
-                report.install_errors[w] = _pip_error(r)
+            answer = read_answer(getattr(r, "stdout", "") or "") if getattr(r, "ok", False) \
+                else None
+            if answer is not None and answer.get("ok"):
+                again.append(w)
+            else:
+                report.install_errors[w] = str((answer or {}).get("error") or _pip_error(r))
         if again:
-            _read(report, run_with_files(fanout, files, line, again, timeout=timeout))
+            _read(report, run_with_files(fanout, files, line, again, timeout=timeout,
+                                         sink=CappedAnswers()))
             for w in report.missing_py_spy:
                 report.install_errors.setdefault(w, "installed, but py-spy is still not found")
     return report
+
+
+class AnswerTooLarge(Exception):
+    """A worker's answer went past MAX_ANSWER_BYTES (its command is stopped)."""
+
+
+class CappedAnswers:
+    """A fan-out sink that stops a worker's command once its output passes
+    ``MAX_ANSWER_BYTES`` (the fan-out then stops it and names the sink's error)."""
+
+    exact = True
+
+    def __init__(self, limit: int = MAX_ANSWER_BYTES):
+        self.limit = limit
+        self.seen: dict[int, int] = {}
+
+    def lines(self, worker: int, stream: str, data: bytes) -> None:
+        self.seen[worker] = self.seen.get(worker, 0) + len(data)
+        if self.seen[worker] > self.limit:
+            raise AnswerTooLarge(f"more than {self.limit >> 20} MiB")
+
+    def done(self, result) -> None:
+        pass
+
+
+def refuse_control_characters(answer: dict) -> dict:
+    """A worker's answer with every process whose stacks name a thread, function or file
+    holding a control character (a newline would forge a header of the folded view), or are
+    not the shape py-spy's are, replaced by a process py-spy could not read, saying why; a
+    command holding one is shown escaped."""
+    for proc in answer.get("processes") or ():
+        if not isinstance(proc, dict):
+            continue
+        command = str(proc.get("command") or "")
+        proc["command"] = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", command)
+        threads = proc.get("threads")
+        if threads is None:
+            continue
+        if _stack_names(threads) is None:
+            proc.pop("threads")
+            proc["error"] = ("py-spy's answer names a thread, function or file with control "
+                             "characters")
+            proc["reason"] = ("its stacks hold names with control characters (a newline, an "
+                              "escape) or are not py-spy's shape, which tpufab does not show: a "
+                              "forged py-spy or a hostile process")
+            proc["fix"] = f"look at it on the worker: `sudo py-spy dump --pid {proc.get('pid')}`"
+    return answer
+
+
+def _stack_names(threads) -> list[str] | None:
+    """Every name in ``threads`` (py-spy's shape), or None when one holds a control
+    character or the shape is not py-spy's."""
+    if not isinstance(threads, list):
+        return None
+    names = []
+    for thread in threads:
+        if not isinstance(thread, dict) or not isinstance(thread.get("frames") or [], list):
+            return None
+        names.append(str(thread.get("name") or ""))
+        for frame in thread.get("frames") or ():
+            if not isinstance(frame, dict):
+                return None
+            names += [str(frame.get("function") or ""), str(frame.get("file") or "")]
+    return None if any(_CONTROL.search(n) for n in names) else names
 
 
 def _pip_error(result) -> str:
@@ -428,9 +511,13 @@ def _read(report: StacksReport, results: Mapping[int, object]) -> None:
         if data is None:
             error = getattr(r, "error", None) or last_line(getattr(r, "stderr", "")) \
                 or f"exit status {getattr(r, 'exit_code', '?')}"
+            if "AnswerTooLarge" in str(error):
+                error = (f"its answer went past {MAX_ANSWER_BYTES >> 20} MiB (a forged py-spy "
+                         "or a tampered worker?), so tpufab stopped it and kept none of it")
             rows[w] = StacksRow(w, False, error=str(error)[:200])
         else:
-            rows[w] = StacksRow(w, bool(data.get("ok")), answer=data)
+            rows[w] = StacksRow(w, bool(data.get("ok")), answer=refuse_control_characters(
+                data))
     report.rows = [rows[w] for w in sorted(rows)]
 
 

@@ -25,6 +25,7 @@ SCRIPT = "top_worker.py"
 IDLE_BELOW = 10.0        # % of ONE core: below it a worker is idle (robust on a busy host)
 BUSY_BUCKET = 20.0       # % CPU: busy workers fold when in the same bucket of this width
 MEMORY_BUCKET = 10.0     # % memory used
+MAX_EVERY = 3600.0     # seconds between frames: more is no live view
 MIN_EVERY = 1.0          # s between frames, at least
 DUTY_BUCKET = 10.0       # % duty cycle: TPU rows fold within buckets of this width
 GIB = 1 << 30
@@ -381,10 +382,11 @@ def frame(hosts: Any, *, workers: Iterable[int] | None = None, interval: float =
 
 
 def check_every(every: float, interval: float) -> None:
-    if interval <= 0 or interval > 30:
+    if not 0 < interval <= 30:       # (NaN too)
         raise ConfigError(f"--interval must be above 0 and at most 30 seconds, not {interval:g}.")
-    if every < MIN_EVERY:
-        raise ConfigError(f"--every must be at least {MIN_EVERY:g} second, not {every:g}.")
+    if not MIN_EVERY <= every <= MAX_EVERY:
+        raise ConfigError(f"--every must be at least {MIN_EVERY:g} second and at most "
+                          f"{MAX_EVERY:g} (an hour), not {every:g}.")
 
 
 def watch(hosts: Any, *, on_frame: Callable[[TopReport], None], every: float = 3.0,

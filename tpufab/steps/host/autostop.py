@@ -77,11 +77,15 @@ def check_settings(settings) -> None:
 def worker_configs(pol: Mapping[str, Any], *, ips: Sequence[str], endpoint: str, project: str,
                    zone: str, node: str, queued_resource: str | None, port: int,
                    check_every: float, metadata_host: str | None = None) -> dict[int, dict]:
-    """Each worker's watchdog config; worker 0 leads and knows every peer's address."""
+    """Each worker's watchdog config; worker 0 leads and knows every peer's address. A peer
+    answers only a question that carries ``peer_token`` (one per arm, in each worker's 0600
+    config): its port is on the internal IP, reachable by others in the VPC."""
+    import secrets
+
     auth = "anonymous" if endpoint.startswith("http://") else "metadata"
     base = {**pol, "endpoint": endpoint, "project": project, "zone": zone, "node": node,
             "queued_resource": queued_resource, "port": port, "check_every": check_every,
-            "auth": auth}
+            "auth": auth, "peer_token": secrets.token_hex(16)}
     if metadata_host:
         base["metadata_host"] = metadata_host
     out = {}

@@ -197,9 +197,14 @@ def check_options(*, run: str | None, grace: float) -> None:
 
     if grace < 0:
         raise ConfigError(f"--grace must be 0 or more seconds, not {grace:g}.")
-    if run is not None and not is_run_id(run):
+    # a run id, or any name a run directory on a worker may have (what `tpufab runs` lists,
+    # a stray ~/.tpufab/runs/NAME included): remote/run_worker.py's RUN_ID
+    if run is not None and not (is_run_id(run) or _RUN_NAME.match(run)):
         raise ConfigError(f"{run!r} is not a run id (they look like 20261122-104455-ab12); "
                           "`tpufab runs` lists them.")
+
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 # -- the apply steps ------------------------------------------------------------------------------

@@ -7,12 +7,16 @@ host's index in its slice, ``TPU_ACCELERATOR_TYPE``, ``TPU_TOPOLOGY``), so every
 its slice's labels and worker 0 of each slice the ``TPU-<type>-head`` resource; the chips Ray
 counts from the host's own device files. Every Ray address is the host's internal IP;
 the dashboard (and with it the Job API) listens on 127.0.0.1 of the head only, reached
-through an SSH forward. The worker side is remote/ray_worker.py. See docs/ray.md.
+through an SSH forward. Every listener Ray opens wants the cluster's token (Ray's own token
+authentication, Ray 2.52+): ``up`` makes one per cluster and gives it to each host in its
+0600 start file. The worker side is remote/ray_worker.py. See docs/ray.md ("Who can reach
+Ray").
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import shlex
 import threading
 import time
@@ -113,6 +117,7 @@ class RayUp:
     already: bool = False              # Ray was up everywhere: nothing done
     seconds: float = 0.0
     nodes: list[dict] = field(default_factory=list)     # the head's view afterwards
+    open_hosts: list[int] = field(default_factory=list)  # Ray without token auth (too old)
 
     @property
     def dashboard_port(self) -> int:
@@ -151,15 +156,30 @@ def up(pod, *, extra: Sequence[str] = (), timeout: float | None = None,
     errors = {w: s["error"] for w, s in states.items() if s.get("error")}
     if errors:
         raise _fail("Could not look for Ray", errors, "check the workers with `tpufab status`.")
-    head_up = states[head.worker].get("head") and states[head.worker].get("raylet")
+    head_state = states[head.worker]
+    head_up = head_state.get("head") and head_state.get("raylet")
+    if head_up and not head_state.get("auth") and head_state.get("auth_supported"):
+        progress(f"Ray on {nodeset.label(head.worker)} runs without token authentication "
+                 "(anyone who reaches a host could run commands through it); starting it "
+                 "again with a token...", "yellow")
+        head_up = False
+    extra = list(extra)
+    if head_up and extra and head_state.get("options") not in (None, extra):
+        raise RayError(
+            f"Ray is up on {pod.name} with the `ray start` options "
+            f"{' '.join(head_state['options']) or '(none)'}, and {' '.join(extra)} would "
+            "apply only to the hosts started now: `tpufab ray down`, then `tpufab ray up -- "
+            f"{' '.join(extra)}` starts every host with them.")
 
     def joined(w: int) -> bool:
         return bool(states[w].get("raylet")) and states[w].get("gcs_address") == address
 
     if head_up and all(joined(w) for w in by_worker):
         return RayUp(address, head.worker, len(every), already=True,
-                     seconds=time.monotonic() - began, nodes=_alive(pod, head.worker, timeout))
+                     seconds=time.monotonic() - began, nodes=_alive(pod, head.worker, timeout),
+                     open_hosts=sorted(w for w, st in states.items() if not st.get("auth")))
     to_start = [w for w in by_worker if not head_up or not joined(w)]
+    token = _token(pod, head.worker, timeout) if head_up else secrets.token_hex(32)
     # Ray left over from an older cluster (a dead head, another address) goes first.
     stale = [w for w in to_start if states[w].get("processes")]
     if stale:
@@ -173,9 +193,12 @@ def up(pod, *, extra: Sequence[str] = (), timeout: float | None = None,
 
     def config(h: Host) -> bytes:
         return json.dumps({"head": h.worker == head.worker, "address": address,
-                           "node_ip": h.ip, "port": GCS_PORT,
-                           "dashboard_port": DASHBOARD_PORT, "env": h.env()}).encode()
+                           "node_ip": h.ip, "port": GCS_PORT, "token": token,
+                           "options": extra, "dashboard_port": DASHBOARD_PORT,
+                           "env": h.env()}).encode()
 
+    open_hosts: list[int] = [w for w in by_worker if w not in to_start
+                             and not states[w].get("auth")]
     batches = join_batches(head.worker, to_start, head_up=bool(head_up), size=join_batch)
     ips = {h.ip: h.worker for h in every}
     for number, batch in enumerate(batches):
@@ -201,6 +224,8 @@ def up(pod, *, extra: Sequence[str] = (), timeout: float | None = None,
         if bad:
             raise _fail("Ray did not start", bad, "see the reason; `tpufab ray down` clears a "
                         "half-started cluster.")
+        open_hosts.extend(w for w, st in started.items() if not st.get("error")
+                          and not st.get("auth"))
         done = [float(s.get("seconds") or 0) for s in started.values() if not s.get("error")]
         if done:
             progress(f"Ray started on {what} (`ray start`: {max(done):.1f} s; "
@@ -213,7 +238,13 @@ def up(pod, *, extra: Sequence[str] = (), timeout: float | None = None,
                          timeout)
     nodes = _wait_joined(pod, head.worker, ips, timeout)
     return RayUp(address, head.worker, len(every), started=sorted(to_start),
-                 seconds=time.monotonic() - began, nodes=nodes)
+                 seconds=time.monotonic() - began, nodes=nodes,
+                 open_hosts=sorted(set(open_hosts)))
+
+
+def _token(pod, head: int, timeout: float) -> str | None:
+    """The running cluster's token, from the head (None: it runs without one)."""
+    return _run(pod, ["token"], [head], timeout)[head].get("token") or None
 
 
 def _alive(pod, head: int, timeout: float) -> list[dict]:
@@ -369,9 +400,13 @@ def _shell_dir(path: str) -> str:
 
 
 def entrypoint(recipe_path: str, *, is_python: bool, args: Sequence[str], cwd: str | None,
-               secrets_file: str | None) -> str:
+               secrets_file: str | None, secret_names: Sequence[str] = (),
+               masktee: str | None = None, masktee_sha256: str | None = None) -> str:
     """The job's shell command: into the deployed commit, the secrets from their 0600 file
-    (then removed), the recipe with the job's Python (or as its own executable)."""
+    (then removed), the recipe with the job's Python (or as its own executable). With
+    secrets, the recipe's output goes through ``masktee`` (remote/masktee.py, checked
+    against its sha256 first) before Ray's job log sees a byte of it, as `run` masks at
+    capture, and the job exits with the recipe's status."""
     parts = []
     if cwd:   # as `run`: a directory missing there (not deployed) means the home directory
         parts.append(f"cd {_shell_dir(cwd)} 2>/dev/null || {{ echo {shlex.quote(cwd)}' does "
@@ -383,22 +418,37 @@ def entrypoint(recipe_path: str, *, is_python: bool, args: Sequence[str], cwd: s
     run = [_shell_dir(recipe_path), *map(shlex.quote, args)]
     if is_python:
         parts.append('PY="${TPUFAB_PYTHON:-$HOME/.venv/bin/python}"; [ -x "$PY" ] || PY=python3')
-        parts.append('exec "$PY" ' + " ".join(run))
+        command = '"$PY" ' + " ".join(run)
     else:
-        parts.append("exec " + " ".join(run))
+        command = " ".join(run)
+    if not (secrets_file and secret_names and masktee):
+        parts.append("exec " + command)
+        return "; ".join(parts)
+    tee, rc = _shell_dir(masktee), '"$HOME"/.cache/tpufab/ray/rc.$$'
+    names = " ".join(shlex.quote(n) for n in secret_names)
+    if masktee_sha256:     # the bytes that mask are the bytes tpufab shipped
+        parts.append(f"echo {masktee_sha256}'  '{tee} | sha256sum -c --status || {{ echo "
+                     "'tpufab: the masking script on the head was changed; run `tpufab ray "
+                     "submit` again' >&2; exit 97; }")
+    parts.append(f"{{ {command} 2>&1; echo $? > {rc}; }} | python3 -I -S {tee} - {names}")
+    parts.append(f"code=$(cat {rc} 2>/dev/null || echo 1); rm -f {rc}; exit $code")
     return "; ".join(parts)
 
 
 class JobApi:
     """Ray's Job API (the dashboard's REST routes) over a local port forwarded to the head."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, token: str | None = None):
         self.url = url.rstrip("/")
+        self.token = token       # Ray's token authentication: the cluster's token
 
     def _call(self, method: str, path: str, body: dict | None = None) -> dict | list:
         data = json.dumps(body).encode() if body is not None else None
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
         request = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
+                                         headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=60) as resp:
                 return json.loads(resp.read().decode() or "{}")
@@ -483,9 +533,11 @@ def submit(pod, settings, recipe, args: Sequence[str] = (), *,
     if cwd is None:
         cwd = _deploy(pod, settings, no_deploy=no_deploy, direct=direct, timeout=timeout,
                       progress=progress)
-    failed = ship(pod.fanout, [script], [head])
+    masktee = RemoteFile.bundled("masktee.py")
+    failed = ship(pod.fanout, [script, masktee], [head])
     if failed:
         raise RayError(f"Could not put {path.name} on {nodeset.label(head)}.")
+    token = _token(pod, head, timeout)
     job = job_id or f"tpufab-{time.strftime('%Y%m%d-%H%M%S')}-{tokens.token_hex(3)}"
     secret_values = {k: str(v) for k, v in forwarded.secrets.items()}
     secrets_file = None
@@ -496,7 +548,8 @@ def submit(pod, settings, recipe, args: Sequence[str] = (), *,
         if not puts[head].ok:
             raise RayError(f"Could not put the job's secrets on {nodeset.label(head)}.")
     command = entrypoint(script.path, is_python=path.suffix == ".py", args=list(args), cwd=cwd,
-                         secrets_file=secrets_file)
+                         secrets_file=secrets_file, secret_names=sorted(secret_values),
+                         masktee=masktee.path, masktee_sha256=masktee.sha256)
     masks = sorted((v for v in secret_values.values() if v), key=len, reverse=True)
 
     def masked(text: str) -> str:
@@ -509,7 +562,7 @@ def submit(pod, settings, recipe, args: Sequence[str] = (), *,
                                 worker=head)
     try:
         port = tunnel.listeners[0][1].getsockname()[1]
-        api = JobApi(f"http://127.0.0.1:{port}")
+        api = JobApi(f"http://127.0.0.1:{port}", token)
         began = time.monotonic()
         public = {**{k: str(v) for k, v in forwarded.public.items()}, **(extra_env or {})}
         job = api.submit(command, job, public)
