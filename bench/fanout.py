@@ -134,7 +134,8 @@ def _rss_mib() -> dict:
 
 
 def _fanout(root: Path, count: int, **kwargs):
-    from tpufab.ssh.fanout import Fanout, Target
+    from tpufab.ssh.connections import Target
+    from tpufab.ssh.fanout import Fanout
     from tpufab.ssh.hostkeys import KnownHosts, alias
 
     pod = _pod(root, count)

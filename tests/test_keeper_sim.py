@@ -230,7 +230,7 @@ def test_the_first_command_s_keeper_starts_while_it_asks_the_api_and_none_is_lef
 
 @pytest.mark.sim
 def test_a_keeper_started_ahead_and_never_told_its_socket_exits(kept, monkeypatch):
-    from tpufab.ssh import keeper
+    from tpufab.ssh.keeper import client as keeper
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", kept["XDG_RUNTIME_DIR"])
     ahead = keeper.prestart()

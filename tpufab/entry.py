@@ -25,7 +25,7 @@ import signal
 import socket
 import sys
 
-from tpufab.ssh.sockets import SUPPORTED, peer, resident_path, serving, socket_dir, unsafe
+from tpufab.ssh.keeper.sockets import SUPPORTED, peer, resident_path, serving, socket_dir, unsafe
 
 CONNECT_WAIT = 1.0      # s: the server's "ready" (else the command runs here)
 FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGWINCH",
@@ -207,7 +207,7 @@ SOCKET_MAX = 100      # bytes: sun_path holds 108
 def _leave_resident() -> None:
     """A command that kept a pod's connections (tpufab.ssh.keeper) leaves the resident command
     server for the next one, unless one serves already; it detaches itself."""
-    keeper = sys.modules.get("tpufab.ssh.keeper")
+    keeper = sys.modules.get("tpufab.ssh.keeper.client")
     kept = getattr(keeper, "KEPT", None)
     if not kept or os.environ.get("TPUFAB_RESIDENT", "1") == "0":
         return

@@ -159,9 +159,9 @@ class Server:
             for pidfd, (_pid, other) in self.children.items():
                 os.close(pidfd)
                 other.close()
-            from tpufab.ssh.keeper import _HELD
+            from tpufab.ssh.keeper.server import HELD
 
-            for lock in _HELD:   # the socket's lock is the server's, not its children's
+            for lock in HELD:   # the socket's lock is the server's, not its children's
                 lock.close()
             signal.signal(signal.SIGINT, signal.default_int_handler)
             for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGCHLD):
@@ -190,7 +190,7 @@ class Server:
 
 
 def _peer_uid(conn: socket.socket) -> int:
-    from tpufab.ssh.sockets import peer
+    from tpufab.ssh.keeper.sockets import peer
 
     return peer(conn)[1]
 
@@ -291,7 +291,7 @@ def _run() -> int:
 
 
 def main(argv: list[str]) -> int:
-    from tpufab.ssh.keeper import detach, listen
+    from tpufab.ssh.keeper.server import detach, listen
 
     detach()
     path, keep_alive = Path(argv[0]), float(argv[1])

@@ -25,9 +25,9 @@ from tpufab.errors import ConfigError
 
 if TYPE_CHECKING:
     from tpufab.hosts.connect import Hosts
-    from tpufab.ssh.fanout import FanoutError as PodError
-    from tpufab.ssh.fanout import GroupResult as PodResult
-    from tpufab.ssh.fanout import OutputSink
+    from tpufab.ssh.results import FanoutError as PodError
+    from tpufab.ssh.results import GroupResult as PodResult
+    from tpufab.ssh.results import OutputSink
 
 __all__ = ["Pod", "PodError", "PodResult", "Run", "create", "delete", "gc", "launch"]
 
@@ -37,18 +37,13 @@ def __getattr__(name: str) -> Any:
     stays instant); they ARE the fan-out's GroupResult and FanoutError: one result type, one
     exception carrying every worker's result (Fabric's GroupResult and GroupException)."""
     if name == "PodResult":
-        from tpufab.ssh.fanout import GroupResult
+        from tpufab.ssh.results import GroupResult
 
         return GroupResult
     if name == "PodError":
-        from tpufab.ssh.fanout import FanoutError
+        from tpufab.ssh.results import FanoutError
 
         return FanoutError
-    # the views a caller hands to run/setup as ``sink=`` (the verbs' live and gathered views)
-    if name in ("LiveView", "Tee", "print_gathered"):
-        from tpufab.ssh import fanout
-
-        return getattr(fanout, name)
     if name == "TransferError":  # a failed put/get: ``.report`` has every worker's row
         from tpufab.ssh.transfer import TransferError
 
@@ -778,7 +773,7 @@ class Run:
         """Stream the run's log from every worker into ``sink`` (masked; a copy per worker in
         ``copy_dir``; ``on_end(worker, state)`` as each one ends) until it ends everywhere:
         {worker: state}; None when Ctrl-C stopped following (the run goes on)."""
-        from tpufab.ssh.fanout import FanoutInterrupted
+        from tpufab.ssh.results import FanoutInterrupted
         from tpufab.steps.runs import running as jobs
 
         follower = jobs.FollowSink(sink, secrets=self.secrets, copy_dir=copy_dir,

@@ -30,7 +30,6 @@ from pathlib import Path
 from tpufab import nodeset
 from tpufab.errors import CodeBusy, ConfigError, TpufabError
 from tpufab.reports import Column, Report, text
-from tpufab.ssh.fanout import FanoutInterrupted
 from tpufab.ssh.remote_files import (
     RemoteFile,
     last_line,
@@ -39,6 +38,7 @@ from tpufab.ssh.remote_files import (
     read_answer,
     run_with_files,
 )
+from tpufab.ssh.results import FanoutInterrupted
 
 CHUNK = 1 << 18
 DEFAULT_CONCURRENCY = 16
@@ -244,7 +244,7 @@ def _call(fanout, op: str, requests: Mapping[int, dict], *, on_line=None,
         body, workers = item
         kwargs = {"stdin": body.encode(), "timeout": timeout}
         if on_line is not None:
-            from tpufab.ssh.fanout import LineCallback
+            from tpufab.ssh.results import LineCallback
 
             kwargs["sink"] = LineCallback(on_line)
         return run_with_files(fanout, [script], line, workers, **kwargs)

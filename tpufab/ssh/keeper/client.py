@@ -1,58 +1,11 @@
-"""Kept connections: one background process per pod holds its SSH connections between commands.
-
-Like OpenSSH's ControlPersist. The first command to a pod starts a *keeper*
-(``python -m tpufab.ssh.keeper SOCKET``: double-forked, in its own session, so a terminal's
-Ctrl-C or hang-up never reaches it) and hands it the pod's fan-out work; every later command,
-``invoke`` task or Pod API call for that pod finds it on its unix socket and runs its commands
-over the connections it already holds. The keeper is a long-lived fan-out shard: the client
-side is a :class:`tpufab.ssh.fanshard.Shard` over the socket, the keeper runs
-``tpufab.ssh.shard_child.serve`` for each client, so output, exit codes, masking, progress and
-Ctrl-C (the keeper runs the same interrupt path) are those of a fan-out shard.
-
-Keyed, private, bounded:
-
-- The socket's name is a hash of everything the connections depend on: the pod (project,
-  zone, name), every worker's address, login user, key and host-key alias (the node id), the
-  host keys pinned for them, the jump host, tpufab's version and PROTOCOL. A recreated node
-  (new node id or host key) therefore never reaches an old connection: it gets a new keeper,
-  and the pod's other keepers are told to stop.
-- The socket lives in a 0700 directory (``$XDG_RUNTIME_DIR/tpufab``, else
-  ``~/.cache/tpufab/keepers``) and is 0600; the keeper checks the peer's uid (SO_PEERCRED) on
-  every connection, the client checks the directory's and socket's owner and mode and the
-  keeper's uid, and connects itself (with a one-sentence warning) when any is wrong.
-- A command waits at most CONNECT_WAIT for a running keeper's answer (SPAWN_WAIT for one it
-  starts) and otherwise connects itself; a keeper that does not answer in time, belongs to
-  another tpufab version or refuses is stopped and replaced by the next command.
-- The keeper exits after ``keep_alive`` seconds without a client (``TPUFAB_KEEP_ALIVE``,
-  ``--keep-alive``; 0: no keeper), on ``tpufab disconnect``, when the pod is deleted, when
-  its socket is removed or taken over, and when every connection it held is gone (a pod
-  deleted, stopped or recreated behind tpufab's back, ``tpufab sim down``).
-
-A warm command does not ask the cloud API: the keeper also holds the pod as the last command
-that asked the API saw it (its nodes, slices and the settings its connections were made
-with: :func:`lookup`). A command whose settings match and whose keeper holds every worker's
-connection builds its fan-out from that, checks that the socket's name is the hash of that
-fan-out (the same workers, keys, node id and host keys pinned in known_hosts now) and never
-imports a cloud client. A keeper missing a connection (a worker that went away: a deleted,
-stopped, preempted or recreated VM drops it) is not asked: the command asks the API as before,
-and a recreated node's new id and host keys give it a new keeper.
-
-A command that must ask the API (`tpufab status`: the node's state, health and maintenance
-now) asks it through the keeper (``ask_api``: the reads in API_READS only), whose client is
-loaded already; the answer is the API's, fresh, never the keeper's record. A keeper that does
-not answer (CONNECT_WAIT to reach it, API_WAIT for the answer) is not asked again in that
-command: it asks the API itself.
-
-If the keeper dies during a command, the workers' commands die with its connections and each
-worker's result says to run the command again (it is not rerun: it may have done part of
-its work).
-"""
+"""The client side of kept connections (tpufab.ssh.keeper): find the pod's keeper, or start
+one, and hand it this command's fan-out work (``Keeper.shard``); stop a pod's keepers; say
+whether they run; ask one which pod it holds, or a cloud API read."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
 import os
 import pickle
@@ -65,30 +18,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tpufab.ssh.fanshard import Shard, _read, _write
-from tpufab.ssh.sockets import SUPPORTED, resident_pid, socket_dir
-from tpufab.ssh.sockets import peer as _peer
-from tpufab.ssh.sockets import unsafe as _private
+from tpufab.ssh.keeper.protocol import (
+    API_READS,
+    API_WAIT,
+    CONNECT_WAIT,
+    LOOKUP_WAIT,
+    PROTOCOL,
+    SPAWN_WAIT,
+    version,
+)
+from tpufab.ssh.keeper.sockets import SUPPORTED, peer, resident_pid, socket_dir, unsafe
+from tpufab.ssh.shards.frames import read_frame, write_frame
+from tpufab.ssh.shards.parent import Shard
 
-PROTOCOL = 3
-CONNECT_WAIT = 2.0   # s: a running keeper's answer (connect + handshake)
-LOOKUP_WAIT = 1.0    # s: a keeper's answer to "which pod do you hold" (else: the cloud API)
-SPAWN_WAIT = 3.0     # s: a keeper this command starts (a Python interpreter starting)
-API_WAIT = 60.0      # s: a cloud API read through a keeper (then the command asks itself)
-# The control plane's reads a command may ask through the pod's keeper (tpufab status: its
-# client is loaded there already); anything else a command does itself.
-API_READS = frozenset({"get_node", "find_node", "find_both", "list_nodes", "host_keys",
-                       "upcoming_maintenance", "get_queued_resource", "find_queued_resource",
-                       "list_queued_resources", "list_operations", "zones",
-                       "accelerator_types"})
-TICK = 0.5           # s: how often an idle keeper looks at its clock and its socket
 SOCKET_MAX = 100     # bytes: sun_path holds 108
 _WARNED: set[str] = set()
-
-
-def _version() -> str:
-    """tpufab's ``__version__`` (the package is loaded: this module is inside it)."""
-    return getattr(sys.modules.get("tpufab"), "__version__", "unknown")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,7 +65,7 @@ def private_dir() -> Path | None:
     except OSError as err:
         _warn(path, f"it cannot be made ({err.strerror})")
         return None
-    reason = _private(path, "directory")
+    reason = unsafe(path, "directory")
     if reason:
         _warn(path, reason)
         return None
@@ -135,7 +79,7 @@ def pod_prefix(project: str | None, zone: str | None, name: str | None) -> str:
 
 def connection_key(fanout) -> str:
     """The hash of everything the kept connections depend on (see the module's docstring)."""
-    parts = [_version(), str(PROTOCOL), str(Path(fanout.known_hosts.path).absolute()),
+    parts = [version(), str(PROTOCOL), str(Path(fanout.known_hosts.path).absolute()),
              str(fanout.python), str(fanout.concurrency)]
     for worker in sorted(fanout.targets):
         t = fanout.targets[worker]
@@ -144,11 +88,6 @@ def connection_key(fanout) -> str:
         parts.append(repr((worker, t.host, t.port, t.user, key, t.key_alias, pinned,
                            repr(t.jump), t.auth_hint)))
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
-
-
-# ---------------------------------------------------------------------------------------------
-# Client side
-# ---------------------------------------------------------------------------------------------
 
 
 def _dial(path: Path, deadline: float) -> socket.socket:
@@ -166,15 +105,15 @@ def _ask(sock: socket.socket, message: tuple, deadline: float) -> Any:
     """Send ``message``, read the one answer before ``deadline`` (None: no answer)."""
     sock.settimeout(max(0.05, deadline - time.monotonic()))
     with sock.makefile("wb") as out:
-        _write(out, threading.Lock(), message)
+        write_frame(out, threading.Lock(), message)
     with sock.makefile("rb") as inbox:
-        return _read(inbox)
+        return read_frame(inbox)
 
 
 def _kill(sock: socket.socket) -> None:
     """Stop the keeper on the other end of ``sock`` (one of ours: it hangs or is stale)."""
     try:
-        pid, uid, _gid = _peer(sock)
+        pid, uid, _gid = peer(sock)
         if uid == os.getuid() and pid > 1 and pid != os.getpid():
             os.kill(pid, signal.SIGKILL)
     except OSError:
@@ -182,7 +121,7 @@ def _kill(sock: socket.socket) -> None:
 
 
 class KeeperShard(Shard):
-    """The client's end of a keeper: a fan-out shard over the unix socket (tpufab.ssh.fanshard)."""
+    """The client's end of a keeper: a fan-out shard over the unix socket (tpufab.ssh.shards.parent)."""
 
     what = "the connection keeper"
 
@@ -248,9 +187,9 @@ class Keeper:
         if len(str(path)) > SOCKET_MAX:
             return None
         stop_others(folder, self.prefix, keep=path)
-        hello = ("hello", PROTOCOL, _version(), self.keep_alive, _init(fanout), self.record)
+        hello = ("hello", PROTOCOL, version(), self.keep_alive, _init(fanout), self.record)
         if os.path.lexists(path):
-            reason = _private(path, "socket")
+            reason = unsafe(path, "socket")
             if reason:
                 _warn(path, reason)
                 return None
@@ -268,7 +207,7 @@ class Keeper:
             return None
         while time.monotonic() < deadline:
             if path.exists():
-                reason = _private(path, "socket")
+                reason = unsafe(path, "socket")
                 if reason:
                     _warn(path, reason)
                     return None
@@ -290,7 +229,7 @@ class Keeper:
                     path.unlink()  # nobody listens: a keeper that died
             return None
         try:
-            pid, uid, _gid = _peer(sock)
+            pid, uid, _gid = peer(sock)
             if uid != os.getuid():
                 _warn(path, f"the process serving it runs as uid {uid}, not you")
                 sock.close()
@@ -323,7 +262,7 @@ KEPT: list[float] = []   # this process's kept connections' keep_alive (tpufab.r
 
 
 def _init(fanout) -> dict:
-    """The "init" message of a shard (tpufab.ssh.fanshard), for the whole pod."""
+    """The "init" message of a shard (tpufab.ssh.shards.parent), for the whole pod."""
     from dataclasses import replace
 
     targets = [replace(t, key_filename=os.path.abspath(os.path.expanduser(t.key_filename)))
@@ -335,8 +274,6 @@ def _init(fanout) -> dict:
             "python": fanout.python, "kill_grace": fanout.kill_grace,
             "processes": fanout.processes, "ssh_transport": fanout.ssh_transport}
 
-
-PRESTART_WAIT = 60.0  # s: how long a keeper started ahead waits to be told its socket
 
 
 class Prestarted:
@@ -370,7 +307,7 @@ def prestart() -> Prestarted | None:
         return None
     try:   # "FOLDER/-": a socket in FOLDER, named on stdin (ps shows where)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tpufab.ssh.keeper", str(folder / "-")],
+            [sys.executable, "-m", "tpufab.ssh.keeper.server", str(folder / "-")],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             cwd="/", close_fds=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -389,7 +326,7 @@ def _spawn(path: Path, deadline: float) -> bool:
         return False
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tpufab.ssh.keeper", str(path)], stdin=subprocess.DEVNULL,
+            [sys.executable, "-m", "tpufab.ssh.keeper.server", str(path)], stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=fd, start_new_session=True, cwd="/",
             close_fds=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     except OSError:
@@ -412,7 +349,7 @@ def _sockets(folder: Path, prefix: str) -> list[Path]:
 
 def _stop_one(path: Path) -> bool:
     """Tell the keeper at ``path`` to stop (a hung one is killed); True if one was there."""
-    if _private(path, "socket"):
+    if unsafe(path, "socket"):
         return False
     deadline = time.monotonic() + CONNECT_WAIT
     try:
@@ -422,7 +359,7 @@ def _stop_one(path: Path) -> bool:
             path.unlink()
         return False
     try:
-        if _peer(sock)[1] != os.getuid():
+        if peer(sock)[1] != os.getuid():
             return False
         answer = _ask(sock, ("stop",), deadline)
         if not (isinstance(answer, tuple) and answer[:1] == ("stopping",)):
@@ -446,7 +383,7 @@ def stop_others(folder: Path, prefix: str, keep: Path) -> None:
 def stop(project: str | None, zone: str | None, name: str | None) -> int:
     """Stop every keeper of the pod (`tpufab disconnect`, a delete): how many there were."""
     folder = keeper_dir()
-    if _private(folder, "directory") or not folder.is_dir():
+    if unsafe(folder, "directory") or not folder.is_dir():
         return 0
     return sum(_stop_one(p) for p in _sockets(folder, pod_prefix(project, zone, name)))
 
@@ -461,12 +398,12 @@ def describe(project: str | None, zone: str | None, name: str | None,
         return None
     folder = keeper_dir()
     live = []
-    if not _private(folder, "directory") and folder.is_dir():
+    if not unsafe(folder, "directory") and folder.is_dir():
         for path in _sockets(folder, pod_prefix(project, zone, name)):
             deadline = time.monotonic() + CONNECT_WAIT
             try:
                 with _dial(path, deadline) as sock:
-                    if _peer(sock)[1] != os.getuid():
+                    if peer(sock)[1] != os.getuid():
                         continue
                     answer = _ask(sock, ("status",), deadline)
             except (OSError, EOFError, ValueError):
@@ -504,23 +441,23 @@ def lookup(project: str | None, zone: str | None, name: str | None,
     made with the settings ``fingerprint``; None (then the command asks the cloud API) when
     there is none, it is not private, another version, or slow to answer (LOOKUP_WAIT)."""
     folder = keeper_dir()
-    if not SUPPORTED or _private(folder, "directory") or not folder.is_dir():
+    if not SUPPORTED or unsafe(folder, "directory") or not folder.is_dir():
         return None
     for path in _sockets(folder, pod_prefix(project, zone, name)):
-        if _private(path, "socket"):
+        if unsafe(path, "socket"):
             continue
         deadline = time.monotonic() + LOOKUP_WAIT
         try:
             with _dial(path, deadline) as sock:
-                if _peer(sock)[1] != os.getuid():
+                if peer(sock)[1] != os.getuid():
                     continue
                 answer = _ask(sock, ("lookup",), deadline)
         except (OSError, EOFError, ValueError):
             continue
         if not (isinstance(answer, tuple) and len(answer) == 6 and answer[0] == "pod"):
             continue
-        _, protocol, version, record, init, connected = answer
-        if protocol != PROTOCOL or version != _version() or not connected or \
+        _, protocol, theirs, record, init, connected = answer
+        if protocol != PROTOCOL or theirs != version() or not connected or \
                 not isinstance(record, dict) or record.get("settings") != fingerprint:
             continue
         return path, record, init
@@ -544,15 +481,15 @@ def ask_api(path: Path, settings, method: str, args: tuple = (), kwargs: dict | 
 
     try:
         with _dial(path, time.monotonic() + CONNECT_WAIT) as sock:
-            if _peer(sock)[1] != os.getuid():
+            if peer(sock)[1] != os.getuid():
                 raise KeeperGone("not ours")
             sock.settimeout(wait)
             with sock.makefile("wb") as out:
-                _write(out, threading.Lock(), ("api", PROTOCOL, _version(), settings, method,
+                write_frame(out, threading.Lock(), ("api", PROTOCOL, version(), settings, method,
                                                tuple(args), dict(kwargs or {})))
             with sock.makefile("rb") as inbox:
                 while True:
-                    answer = _read(inbox)
+                    answer = read_frame(inbox)
                     if not isinstance(answer, tuple) or not answer:
                         raise KeeperGone("no answer")
                     if answer[0] == "note" and on_note is not None:
@@ -574,310 +511,3 @@ def matches(path: Path, fanout) -> bool:
     """Whether the keeper at ``path`` holds exactly ``fanout``'s connections (its name is
     their hash: workers, keys, node id, the host keys pinned now, version)."""
     return path.name.endswith(f"-{connection_key(fanout)}.sock")
-
-
-# ---------------------------------------------------------------------------------------------
-# The keeper process
-# ---------------------------------------------------------------------------------------------
-
-
-class _Server:
-    def __init__(self, path: Path, listener: socket.socket):
-        self.path, self.listener = path, listener
-        self.inode = os.stat(path).st_ino
-        self.fanout = None
-        self.init: dict | None = None
-        self.record: dict | None = None  # the pod as the API last described it (lookup)
-        self.init_lock = threading.Lock()
-        self.keep_alive = 300.0
-        self.clients: dict[int, Any] = {}  # id -> send
-        self.clients_lock = threading.Lock()
-        self.last = time.monotonic()
-        self.stopping = threading.Event()
-        self.ids = iter(range(1, 1 << 62))
-        self.controls: dict[bytes, Any] = {}   # the control planes API reads were asked of
-        self.controls_lock = threading.Lock()
-        self.asking = threading.local()         # the client a retry note goes to
-
-    def on_retry(self, target, attempt, error) -> None:
-        from tpufab.ssh.shard_child import retry_message
-
-        message = retry_message(target, attempt, error)
-        with self.clients_lock:
-            sends = [s for s in self.clients.values() if s is not None]
-        for send in sends:
-            send(message)
-
-    def loop(self) -> None:
-        self.listener.settimeout(TICK)
-        while not self.stopping.is_set():
-            try:
-                conn, _ = self.listener.accept()
-            except TimeoutError:
-                conn = None
-            except OSError:
-                break
-            if conn is not None:
-                try:
-                    uid = _peer(conn)[1]
-                except OSError:
-                    uid = -1
-                if uid != os.getuid():
-                    conn.close()  # only its own user's commands reach a keeper
-                    continue
-                threading.Thread(target=self.client, args=(conn,), daemon=True).start()
-                continue
-            with self.clients_lock:
-                idle = not self.clients and (time.monotonic() - self.last > self.keep_alive
-                                             or self.orphaned())
-            try:
-                taken = os.stat(self.path).st_ino != self.inode
-            except OSError:
-                taken = True
-            if idle or taken:
-                break
-
-    def client(self, conn: socket.socket) -> None:
-        from tpufab.ssh.shard_child import fanout_from_init, serve
-
-        lock = threading.Lock()
-        inbox, outbox = conn.makefile("rb"), conn.makefile("wb")
-
-        def send(message: tuple) -> None:
-            try:
-                _write(outbox, lock, message)
-            except (OSError, ValueError):
-                pass
-
-        me = next(self.ids)
-        with self.clients_lock:
-            self.clients[me] = None  # busy: not idle; retries go to it once it is ready
-        try:
-            conn.settimeout(CONNECT_WAIT * 5)
-            first = _read(inbox)
-            conn.settimeout(None)
-            if not isinstance(first, tuple) or not first:
-                return
-            if first[0] == "stop":
-                send(("stopping",))
-                self.stopping.set()
-                return
-            if first[0] == "status":
-                send(("status", self.status()))
-                return
-            if first[0] == "lookup":
-                with self.init_lock:
-                    record, init = self.record, self.init
-                send(("pod", PROTOCOL, _version(), record, init, self.all_connected()))
-                return
-            if first[0] == "api":
-                self.api(first, send)
-                return
-            if first[0] != "hello":
-                return
-            _, protocol, version, keep_alive, init, record = first
-            if protocol != PROTOCOL or version != _version():
-                send(("refused", f"keeper of tpufab {_version()} (protocol {PROTOCOL})"))
-                self.stopping.set()
-                return
-            with self.init_lock:
-                if self.init is not None and init != self.init:
-                    send(("refused", "another pod's connections"))
-                    return
-                self.init = init
-                if record is not None:
-                    self.record = record
-            self.keep_alive = keep_alive
-            send(("ready", os.getpid()))  # at once: the client waits a bounded time for this
-            with self.init_lock:
-                if self.fanout is None:
-                    self.fanout = fanout_from_init(init, self.on_retry)
-            with self.clients_lock:
-                self.clients[me] = send
-            serve(self.fanout, inbox, send, stop_at_end=True)
-            # the next command finds every worker's agent running (the first ran without)
-            threading.Thread(target=self.fanout.start_agents, daemon=True).start()
-        except (OSError, EOFError, ValueError, TypeError):
-            pass
-        finally:
-            with self.clients_lock:
-                self.clients.pop(me, None)
-                self.last = time.monotonic()
-            for stream in (inbox, outbox):
-                with contextlib.suppress(OSError):
-                    stream.close()
-            conn.close()
-
-    def api(self, message: tuple, send) -> None:
-        """One control-plane read for a command (ask_api): its value, the command's error
-        as a sentence (the error's class by name), or "failed" (the command asks itself)."""
-        from tpufab.errors import TpufabError
-
-        if len(message) != 7:
-            return
-        _, protocol, version, settings, method, args, kwargs = message
-        if protocol != PROTOCOL or version != _version() or method not in API_READS:
-            send(("refused", f"keeper of tpufab {_version()} (protocol {PROTOCOL})"))
-            return
-        self.asking.send = send
-        try:
-            value = getattr(self.control(settings), method)(*args, **kwargs)
-            answer = ("value", value)
-            pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)  # sendable, or "failed"
-        except TpufabError as err:
-            answer = ("error", type(err).__name__, str(err))
-        except Exception as err:  # noqa: BLE001 - the command then asks the API itself
-            answer = ("failed", f"{type(err).__name__}: {err}")
-        finally:
-            self.asking.send = None
-        send(answer)
-
-    def control(self, settings):
-        """The control plane for ``settings``, made once (its client stays loaded)."""
-        from tpufab.cloud import lifecycle
-
-        key = pickle.dumps(settings, protocol=pickle.HIGHEST_PROTOCOL)
-        with self.controls_lock:
-            control = self.controls.get(key)
-            if control is None:
-                if len(self.controls) >= 8:   # commands with many settings: keep it bounded
-                    self.controls.clear()
-                control = self.controls[key] = lifecycle.control_plane(
-                    settings, on_retry=self.api_retry)
-        return control
-
-    def api_retry(self, exc: BaseException, attempt: int, delay: float) -> None:
-        from tpufab.cloud.lifecycle import retry_note
-
-        send = getattr(self.asking, "send", None)
-        if send is not None:
-            send(("note", retry_note(exc, attempt, delay)))
-
-    def status(self) -> dict:
-        fan = self.fanout
-        links = fan.links.values() if fan is not None else ()
-        return {"pid": os.getpid(), "keep_alive": self.keep_alive, "socket": str(self.path),
-                "workers": len(self.init["targets"]) if self.init else 0,
-                "connected": sum(1 for link in links if link.ready)}
-
-    def orphaned(self) -> bool:
-        """It held connections and every one of them is gone (the pod was deleted, stopped,
-        preempted or recreated, or the simulated pod went down): nothing left to keep."""
-        fan = self.fanout
-        if fan is None:
-            return False
-        with fan._shards_lock:
-            if any(s.alive for s in fan._shards.values()):
-                return False
-        return not any(link.ready for link in fan.links.values())
-
-    def all_connected(self) -> bool:
-        """Every worker's connection is open (those of the keeper's own fan-out shards, if
-        any, while their process runs)."""
-        fan = self.fanout
-        if fan is None or not fan.targets:
-            return False
-        with fan._shards_lock:
-            shards = dict(fan._shards)
-        for worker, link in fan.links.items():
-            owner = fan.owner.get(worker, 0)
-            if owner:
-                shard = shards.get(owner)
-                if shard is None or not shard.alive:
-                    return False
-            elif not link.ready:
-                return False
-        return True
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            if os.stat(self.path).st_ino == self.inode:
-                self.path.unlink()
-        self.listener.close()
-        if self.fanout is not None:
-            self.fanout.close()  # every worker's agent stops what it still runs
-
-
-def _told_path(folder: Path) -> Path | None:
-    """A keeper started ahead (``FOLDER/-``): load what serving needs, then read the socket
-    path in ``folder`` its command writes on stdin (None: never told, within PRESTART_WAIT).
-    It logs beside it."""
-    import select
-
-    from tpufab.ssh import fanout, hostkeys, shard_child  # noqa: F401 - loaded while waiting
-
-    ready, _, _ = select.select([sys.stdin], [], [], PRESTART_WAIT)
-    line = sys.stdin.readline().strip() if ready else ""
-    if not line:
-        return None
-    path = Path(line)
-    if path.parent != folder or not path.name.endswith(".sock"):
-        return None
-    log = os.open(path.with_suffix(".log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(log, 2)
-    os.close(log)
-    return path
-
-
-def listen(path: Path, ready=None) -> socket.socket | None:
-    """A listening socket at ``path``, 0600, or None when another process serves it (it holds
-    ``path``'s .lock for its whole life, as the caller now does). ``ready``: called once the
-    lock is ours, before the socket appears (what must be loaded before serving)."""
-    lock = open(path.with_suffix(".lock"), "a+")  # noqa: SIM115 - held for our whole life
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        lock.close()
-        return None
-    _HELD.append(lock)
-    if ready is not None:
-        ready(lock)
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()  # left by a server that died (we hold the lock: none serves it)
-    # Bound, made 0600 and listening under a private name first: the socket appears under
-    # its own name only when it is ready and private.
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    ready = path.with_name(f".{os.getpid()}.new")
-    with contextlib.suppress(FileNotFoundError):
-        ready.unlink()
-    listener.bind(str(ready))
-    os.chmod(ready, 0o600)
-    listener.listen(128)
-    os.rename(ready, path)
-    return listener
-
-
-_HELD: list = []   # the locks of the sockets this process serves
-
-
-def detach() -> None:
-    """Become a background server: the second process of a fork (its command reaps the first
-    at once), deaf to a terminal's Ctrl-C and hang-up, making private files."""
-    if os.fork():
-        os._exit(0)
-    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
-        signal.signal(sig, signal.SIG_IGN)
-    os.umask(0o077)
-
-
-def main(argv: list[str]) -> int:
-    detach()
-    path = Path(argv[1])
-    if path.name == "-":
-        path = _told_path(path.parent)
-    if path is None:
-        return 0
-    listener = listen(path)
-    if listener is None:
-        return 0  # another keeper serves this socket
-    server = _Server(path, listener)
-    signal.signal(signal.SIGTERM, lambda *_: server.stopping.set())
-    try:
-        server.loop()
-    finally:
-        server.close()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv))

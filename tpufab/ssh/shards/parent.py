@@ -1,15 +1,16 @@
-"""Client processes of a fan-out: each owns a fixed block of workers (tpufab.ssh.fanout.shard_of).
+"""Client processes of a fan-out: each owns a fixed block of workers (limits.shard_of).
 
 A handshake costs the client a few ms of CPU under one GIL; past a hundred or so workers a
 fan-out spreads its connections over ``processes`` client processes. This process keeps the
-first block; every other block lives in a child (``python -m tpufab.ssh.shard_child``) that runs an
-ordinary :class:`tpufab.ssh.fanout.Fanout` over its share and streams per-worker frames back:
-complete, masked output lines and each worker's outcome. The parent feeds them into the
+first block; every other block lives in a child (``python -m tpufab.ssh.shards.child``) that
+runs an ordinary :class:`tpufab.ssh.fanout.Fanout` over its share and streams per-worker frames
+back: complete, masked output lines and each worker's outcome. The parent feeds them into the
 same per-worker tasks as its own workers, so results, sinks, masking and Ctrl-C look the same.
 
-Messages on the child's stdin/stdout are a 4-byte length and a pickle of plain data (Targets
-are frozen dataclasses; no live objects cross). The child is in its own session (a terminal's
-Ctrl-C reaches the parent only, which stops the children's commands itself) and exits,
+Messages on the child's stdin/stdout are frames (tpufab.ssh.shards.frames: a 4-byte length
+and a pickle of plain data; Targets are frozen dataclasses; no live objects cross). The child
+is in its own session (a terminal's Ctrl-C reaches the parent only, which stops the
+children's commands itself) and exits,
 closing every connection (so every agent kills what it runs), when its stdin ends: the
 parent closed it, or the parent died.
 """
@@ -17,38 +18,13 @@ parent closed it, or the parent died.
 from __future__ import annotations
 
 import os
-import pickle
-import struct
 import subprocess
 import sys
 import threading
 from dataclasses import replace
 from typing import Any
 
-LENGTH = struct.Struct(">I")
-
-
-def _write(stream, lock: threading.Lock, message: tuple) -> None:
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    with lock:
-        stream.write(LENGTH.pack(len(data)) + data)
-        stream.flush()
-
-
-def _read(stream) -> Any:
-    head = stream.read(LENGTH.size)
-    if len(head) < LENGTH.size:
-        return None
-    size = LENGTH.unpack(head)[0]
-    data = stream.read(size)
-    if len(data) < size:
-        return None
-    return pickle.loads(data)  # noqa: S301 - our own child process over a private pipe
-
-
-# ---------------------------------------------------------------------------------------------
-# Parent side
-# ---------------------------------------------------------------------------------------------
+from tpufab.ssh.shards.frames import read_frame, write_frame
 
 
 class Shard:
@@ -66,7 +42,7 @@ class Shard:
         # cwd "/": `-m` puts the working directory on sys.path, where a user's project may
         # hold modules of any name; so paths cross as absolute ones.
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tpufab.ssh.shard_child"], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "tpufab.ssh.shards.child"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
             cwd="/", env={**os.environ, "PYTHONWARNINGS": "ignore"})
         self.inbox, self.outbox = self.proc.stdout, self.proc.stdin
@@ -86,7 +62,7 @@ class Shard:
         self.reader.start()
 
     def _send(self, message: tuple) -> None:
-        _write(self.outbox, self.send_lock, message)
+        write_frame(self.outbox, self.send_lock, message)
 
     def run(self, tasks: list, command, request: dict, stdin: bytes | None, masked: list,
             timeout: float | None, one_shot: bool, put, *,
@@ -131,7 +107,7 @@ class Shard:
     def _read_loop(self) -> None:
         stream = self.inbox
         try:
-            while (message := _read(stream)) is not None:
+            while (message := read_frame(stream)) is not None:
                 self._dispatch(message)
         except Exception as err:  # noqa: BLE001 - the child's tasks get the reason
             self._lost(f"{self.what} {self.index} failed ({type(err).__name__}: {err})")
