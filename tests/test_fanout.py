@@ -135,7 +135,7 @@ def test_ctrl_c_of_one_run_does_not_cancel_another_runs_connects(pod, tmp_path):
 
     def run(label: str, fan: Fanout, cancel=None) -> None:
         try:
-            results[label] = fan.run("echo up", workers="1", _cancel=cancel)
+            results[label] = fan.run("echo up", workers="1", cancel=cancel)
         except FanoutInterrupted as err:
             results[label] = err
 

@@ -25,6 +25,9 @@ from helpers import (
     SESSION,
     TPUFAB,
     in_worker,
+    keepers,
+    kept_connections,
+    residents,
     same_twice,
     sessions_in,
     tpufab,
@@ -45,43 +48,8 @@ def kept(node):
     """The node's shell environment with kept connections as a user has them by default (no
     TPUFAB_KEEP_ALIVE: 5m), in a private runtime dir of its own; every keeper started under it
     is stopped afterwards."""
-    runtime = Path(tempfile.mkdtemp(prefix="kp", dir="/tmp"))
-    env = {k: v for k, v in node.env.items() if k != "TPUFAB_KEEP_ALIVE"}
-    env["XDG_RUNTIME_DIR"] = str(runtime)
-    try:
+    with kept_connections(node.env) as env:
         yield env
-    finally:
-        tpufab("disconnect", env=env, timeout=60)
-        for pid in keepers(env) + residents(env):
-            os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: not keepers(env) and not residents(env), 30, 0.05,
-                 "the keepers and resident servers to be gone")
-        shutil.rmtree(runtime, ignore_errors=True)
-
-
-def keepers(env: dict, module: bytes = b"tpufab.ssh.keeper") -> list[int]:
-    """Pids of the keepers (``module``'s processes) started under ``env``'s runtime dir."""
-    mine = os.path.join(env["XDG_RUNTIME_DIR"], "tpufab", "").encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                argv = fh.read().split(b"\0")
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                state = fh.read().rsplit(b")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if any(module in a for a in argv) and any(a.startswith(mine) for a in argv) \
-                and state != b"Z":
-            found.append(int(entry))
-    return found
-
-
-def residents(env: dict) -> list[int]:
-    """Pids of the resident command servers started under ``env``'s runtime dir."""
-    return keepers(env, b"tpufab.resident")
 
 
 def sockets(env: dict) -> list[Path]:

@@ -418,12 +418,12 @@ def forget(settings: Settings) -> None:
         _OPEN.pop(key).close()
 
 
-def stop_keepers(settings: Settings) -> int:
+def stop_keepers(settings: Settings, why: str | None = None) -> int:
     """Stop the background processes keeping the pod's connections (tpufab.ssh.keeper): how
-    many there were."""
+    many there were. ``why``: what the commands under way over them are told."""
     from tpufab.ssh.keeper import client as keeper
 
-    return keeper.stop(settings.project, settings.zone, settings.name)
+    return keeper.stop(settings.project, settings.zone, settings.name, why)
 
 
 def kept(settings: Settings) -> str | None:

@@ -666,7 +666,8 @@ class Pod:
         from tpufab.hosts import connect as connection
 
         self.close()
-        return connection.stop_keepers(self.settings)
+        return connection.stop_keepers(self.settings, "`tpufab disconnect` closed the pod's "
+                                                      "connections")
 
     # --- issue 29: Ray
     def ray_up(self, *, options: Sequence[str] | None = None, timeout: float | None = None,
@@ -976,7 +977,7 @@ def delete(name: str | None = None, *, zone: str | None = None,
 
     chosen = _settings(name, zone, project, {})
     pods.forget(chosen)
-    pods.stop_keepers(chosen)  # its kept connections go with it
+    pods.stop_keepers(chosen, "`tpufab delete` is deleting the pod")  # its kept connections go
     return lifecycle.delete(chosen, yes=yes, console=console)
 
 

@@ -110,6 +110,7 @@ class Fanout:
         self._ids = iter(range(1, 1 << 31))
         self._ids_lock = threading.Lock()
         self.keeper = None  # the pod's connection keeper (tpufab.ssh.keeper.client.Keeper), if kept
+        self.in_use = True  # a command holds these connections (a keeper's: only while one does)
 
     # -- context ----------------------------------------------------------------------------
     def __enter__(self) -> Fanout:
@@ -178,8 +179,26 @@ class Fanout:
         with link.lock:
             if link.agent is None or not link.agent.alive:
                 link.agent = Agent(link.conn.transport, link.target.worker, self.python,
-                                    timeout)
+                                   timeout)
+                if not self.in_use:
+                    link.agent.use(False)
             return link.agent
+
+    def set_in_use(self, used: bool) -> None:
+        """Whether a command holds these connections: a keeper's are idle between commands,
+        and every agent (this process's and its shards') says so on its worker, where
+        autostop counts an idle kept connection as no work."""
+        self.in_use = used
+        for worker, link in list(self.links.items()):
+            if self.owner.get(worker, 0):
+                continue
+            with link.lock:   # not between an agent's start and its first word (_agent)
+                if link.agent is not None and link.agent.alive:
+                    link.agent.use(used)
+        with self._shards_lock:
+            shards = [s for owner, s in self._shards.items() if owner != KEEPER and s.alive]
+        for shard in shards:
+            shard.set_in_use(used)
 
     def start_agents(self) -> int:
         """Start the agent on every connection this process holds open that has none running
@@ -268,8 +287,8 @@ class Fanout:
         cwd: str | None = None,
         check: bool = False,
         one_shot: bool = False,
+        cancel: threading.Event | None = None,
         _put: tuple[dict, bytes] | None = None,
-        _cancel: threading.Event | None = None,
         _tasks: dict | None = None,
     ) -> GroupResult:
         """Run ``command`` on the selected workers; one :class:`WorkerResult` each.
@@ -283,7 +302,9 @@ class Fanout:
         ``connect_timeout``: seconds each connection attempt (and an agent's channel) may take
         for this call (None: the fan-out's ``connect_timeout``); timeouts are per call, so two
         callers sharing these connections never see each other's (tpufab.hosts.connect).
-        Ctrl-C stops the command on every worker, then raises :class:`FanoutInterrupted`.
+        Ctrl-C stops the command on every worker, then raises :class:`FanoutInterrupted`;
+        so does ``cancel`` (an event another thread sets: a command held in the background,
+        stopped when its caller is done with it).
 
         ``one_shot``: the caller runs this one command and is done (``tpufab exec``). On a
         connection that ran nothing yet, a shell command line without stdin, environment or
@@ -402,21 +423,26 @@ class Fanout:
                     continue
                 shard.run(owned, command, request, stdin_bytes, masked, timeout, one_shot, _put,
                           connect_timeout=connect_timeout)
-            self._wait(tasks, timeout, connect_timeout, wake, _cancel)
+            self._wait(tasks, timeout, connect_timeout, wake, cancel, list(remote))
         except KeyboardInterrupt:
             cancelled.set()
-            self._interrupt(tasks, remote)
+            silent = self._interrupt(tasks, remote)
             group = GroupResult({w: t.result for w, t in tasks.items()}, label)
-            raise FanoutInterrupted(
-                f"Interrupted: stopped {label or 'the command'!r} on "
-                f"{nodeset.fold(tasks)}.", group, details=group.details(),
-            ) from None
+            what = label or "the command"
+            said = (f"Interrupted: {' and '.join(silent)} did not answer, so tpufab stopped it; "
+                    f"its connections closed, so {nodeset.fold(tasks)} stop what it started of "
+                    f"{what!r}.") if silent else \
+                f"Interrupted: stopped {what!r} on {nodeset.fold(tasks)}."
+            raise FanoutInterrupted(said, group, details=group.details()) from None
         group = GroupResult({w: t.result for w, t in tasks.items()}, label)
         return group.check() if check else group
 
     def _wait(self, tasks: Mapping[int, Task], timeout: float | None, connect_timeout: float,
-              wake: threading.Event, cancel: threading.Event | None) -> None:
+              wake: threading.Event, cancel: threading.Event | None,
+              owners: Sequence[int] = ()) -> None:
         # The worker enforces ``timeout``; this guard only covers a worker that stops answering.
+        # The shards (other processes, the keeper) the run waits on are watched each second:
+        # one that stops answering is given up on (shards.parent.SILENT), not waited for.
         guard = None if timeout is None else \
             timeout + self.kill_grace + connect_timeout + ANSWER_MARGIN
         while True:
@@ -424,6 +450,10 @@ class Fanout:
                 raise KeyboardInterrupt  # a shard told to stop by its parent
             if wake.wait(1.0 if guard is None else min(1.0, guard)):
                 return
+            for owner in owners:
+                shard = self._shards.get(owner)
+                if shard is not None:
+                    shard.watch()
             if guard is None:
                 continue
             now = time.perf_counter()
@@ -434,13 +464,18 @@ class Fanout:
                     task.finish(None, f"no answer from the worker {guard:.0f} s after the "
                                       f"command started (its timeout: {timeout:g} s)")
 
-    def _interrupt(self, tasks: Mapping[int, Task], remote: Mapping[int, list[Task]]) -> None:
-        """Stop every running command and wait (bounded) until the workers confirm."""
+    def _interrupt(self, tasks: Mapping[int, Task], remote: Mapping[int, list[Task]]) -> list[str]:
+        """Stop every running command and wait (bounded) until the workers confirm. A shard
+        that says nothing after it was asked is stopped itself (its connections close, and the
+        workers stop what they ran): the names of those, for the sentence."""
         running = [t for t in tasks.values() if not t.done.is_set()]
+        asked = time.monotonic()
         for owner in remote:
             shard = self._shards.get(owner)
             if shard is not None:
                 shard.interrupt(remote[owner])
+                shard.ping()   # a live one answers at once, whatever its workers do
+        silent: list[str] = []
         for task in running:
             if task.agent is not None and not self.owner.get(task.worker, 0):
                 task.agent.kill(task, "SIGTERM")
@@ -452,11 +487,13 @@ class Fanout:
                 wait = max(0.0, deadline + (2 if owner else 0) - time.perf_counter())
                 if (task.agent is None and not owner) or not task.done.wait(wait):
                     # Unconfirmed: closing the channel makes the worker kill everything it runs.
-                    if owner:
-                        shard = self._shards.get(owner)
-                        if shard is not None:
-                            shard.close_worker(task.worker)
-                    else:
+                    shard = self._shards.get(owner) if owner else None
+                    if shard is not None and shard.alive and shard.heard < asked:
+                        silent.append(shard.name)   # nothing since we asked: it hangs
+                        shard.give_up("did not answer when asked to stop the command", then="")
+                    elif shard is not None:
+                        shard.close_worker(task.worker)
+                    elif not owner:
                         self.links[task.worker].close()
                     task.finish(None, "interrupted")
             except KeyboardInterrupt:
@@ -467,6 +504,7 @@ class Fanout:
                 task.finish(None, "interrupted")
             elif task.result.error is None and task.result.signal:
                 task.result.error = "interrupted"
+        return silent
 
     # -- files ------------------------------------------------------------------------------
     def put(self, data: bytes | str | os.PathLike[str], remote_path: str, *, workers=None,

@@ -190,6 +190,14 @@ class Agent:
         except Exception:  # noqa: BLE001 - the channel is gone; the agent kills on EOF
             pass
 
+    def use(self, used: bool) -> None:
+        """Tell the agent whether a command holds its connection (``False``: kept idle between
+        commands, which the worker's autostop does not count as work)."""
+        try:
+            self._send(b"U", 0, b"1" if used else b"0")
+        except Exception:  # noqa: BLE001 - the channel is gone: so is the agent
+            pass
+
     # -- receiving -----------------------------------------------------------------------
     def _read_loop(self) -> None:
         buf = bytearray()

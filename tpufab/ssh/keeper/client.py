@@ -20,6 +20,7 @@ from typing import Any
 
 from tpufab.ssh.keeper.protocol import (
     API_READS,
+    API_SILENT,
     API_WAIT,
     CONNECT_WAIT,
     LOOKUP_WAIT,
@@ -27,11 +28,20 @@ from tpufab.ssh.keeper.protocol import (
     SPAWN_WAIT,
     version,
 )
-from tpufab.ssh.keeper.sockets import SUPPORTED, peer, resident_pid, socket_dir, unsafe
+from tpufab.ssh.keeper.sockets import (
+    SUPPORTED,
+    api_env,
+    peer,
+    resident_pid,
+    server_env,
+    socket_dir,
+    unsafe,
+)
 from tpufab.ssh.shards.frames import read_frame, write_frame
 from tpufab.ssh.shards.parent import Shard
 
 SOCKET_MAX = 100     # bytes: sun_path holds 108
+STOPPED = "another tpufab closed the pod's kept connections"   # what a stopped keeper's commands hear
 _WARNED: set[str] = set()
 
 
@@ -110,6 +120,17 @@ def _ask(sock: socket.socket, message: tuple, deadline: float) -> Any:
         return read_frame(inbox)
 
 
+def is_keeper(pid: int) -> bool:
+    """Whether ``pid`` is a keeper process of this user (its command line says so)."""
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+            return False
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return b"tpufab.ssh.keeper.server" in fh.read()
+    except OSError:
+        return False
+
+
 def _kill(sock: socket.socket) -> None:
     """Stop the keeper on the other end of ``sock`` (one of ours: it hangs or is stale)."""
     try:
@@ -135,13 +156,35 @@ class KeeperShard(Shard):
         sock.settimeout(None)
         self.inbox, self.outbox = sock.makefile("rb"), sock.makefile("wb")
         self.alive = True
+        self.heard = time.monotonic()
         self.reader = threading.Thread(target=self._read_loop, daemon=True,
                                        name="tpufab-keeper")
         self.reader.start()
 
-    def _lost(self, reason: str) -> None:
-        super()._lost("the connection keeper holding it stopped mid-command; run the command "
-                      "again")
+    @property
+    def name(self) -> str:
+        return f"{self.what} (pid {self.pid})"
+
+    def _dispatch(self, message: tuple) -> None:
+        if message[0] == "closing":   # told to stop (a delete, a disconnect): it says why
+            self.ending = f"{self.name} was stopped: {message[1]}"
+            self._lost(self.ending, said=True)
+        else:
+            super()._dispatch(message)
+
+    def _stop_process(self) -> None:
+        """SIGKILL the keeper (it does not answer: a TERM would wait on it too), if that pid is
+        still a keeper of ours; its connections close with it."""
+        self.alive = False
+        if is_keeper(self.pid):
+            with contextlib.suppress(OSError):
+                os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def _lost(self, reason: str, *, said: bool = False) -> None:
+        super()._lost(reason if said else f"{self.name} stopped mid-command; run the command "
+                      "again", said=True)
 
     def close(self) -> None:
         """This command is done with the keeper; its connections stay open."""
@@ -275,7 +318,6 @@ def _init(fanout) -> dict:
             "processes": fanout.processes, "ssh_transport": fanout.ssh_transport}
 
 
-
 class Prestarted:
     """A keeper started ahead (``prestart``): its interpreter and SSH modules load while the
     command asks the cloud API; ``serve(path)`` tells it its socket. Never told (the command
@@ -310,7 +352,7 @@ def prestart() -> Prestarted | None:
             [sys.executable, "-m", "tpufab.ssh.keeper.server", str(folder / "-")],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-            cwd="/", close_fds=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+            cwd="/", close_fds=True, env=server_env(os.environ))
     except OSError:
         return None
     threading.Thread(target=proc.wait, daemon=True).start()  # the first fork exits at once
@@ -328,7 +370,7 @@ def _spawn(path: Path, deadline: float) -> bool:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tpufab.ssh.keeper.server", str(path)], stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=fd, start_new_session=True, cwd="/",
-            close_fds=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+            close_fds=True, env=server_env(os.environ))
     except OSError:
         return False
     finally:
@@ -347,8 +389,9 @@ def _sockets(folder: Path, prefix: str) -> list[Path]:
         return []
 
 
-def _stop_one(path: Path) -> bool:
-    """Tell the keeper at ``path`` to stop (a hung one is killed); True if one was there."""
+def _stop_one(path: Path, why: str) -> bool:
+    """Tell the keeper at ``path`` to stop, and the commands under way over it ``why`` (a hung
+    one is killed); True if one was there."""
     if unsafe(path, "socket"):
         return False
     deadline = time.monotonic() + CONNECT_WAIT
@@ -361,7 +404,7 @@ def _stop_one(path: Path) -> bool:
     try:
         if peer(sock)[1] != os.getuid():
             return False
-        answer = _ask(sock, ("stop",), deadline)
+        answer = _ask(sock, ("stop", why), deadline)
         if not (isinstance(answer, tuple) and answer[:1] == ("stopping",)):
             _kill(sock)
     except (OSError, EOFError, ValueError):
@@ -377,15 +420,18 @@ def stop_others(folder: Path, prefix: str, keep: Path) -> None:
     """Stop the pod's keepers for other connections (a recreated node, new host keys)."""
     for path in _sockets(folder, prefix):
         if path != keep:
-            _stop_one(path)
+            _stop_one(path, f"a newer command found the pod's workers changed (a recreated "
+                            f"node, or new host keys) (from pid {os.getpid()})")
 
 
-def stop(project: str | None, zone: str | None, name: str | None) -> int:
-    """Stop every keeper of the pod (`tpufab disconnect`, a delete): how many there were."""
+def stop(project: str | None, zone: str | None, name: str | None, why: str | None = None) -> int:
+    """Stop every keeper of the pod (`tpufab disconnect`, a delete): how many there were.
+    ``why``: what the commands under way over them are told (their workers' results say it)."""
     folder = keeper_dir()
     if unsafe(folder, "directory") or not folder.is_dir():
         return 0
-    return sum(_stop_one(p) for p in _sockets(folder, pod_prefix(project, zone, name)))
+    why = f"{why or STOPPED} (from pid {os.getpid()})"
+    return sum(_stop_one(p, why) for p in _sockets(folder, pod_prefix(project, zone, name)))
 
 
 def describe(project: str | None, zone: str | None, name: str | None,
@@ -474,24 +520,30 @@ def ask_api(path: Path, settings, method: str, args: tuple = (), kwargs: dict | 
     by the keeper at ``path`` (a fresh API answer; only the client is the keeper's, loaded
     already). ``on_note(text)`` gets each retry line. Raises the API's error as the command
     would have, or KeeperGone when the keeper did not answer (bounded by CONNECT_WAIT to
-    reach it, ``wait`` for the answer)."""
+    reach it, ``wait`` for the answer, API_SILENT without a word from it: a frozen keeper)."""
     if method not in API_READS:
         raise KeeperGone(f"{method} is not a read")
     from tpufab import errors
 
+    deadline = time.monotonic() + wait
     try:
         with _dial(path, time.monotonic() + CONNECT_WAIT) as sock:
             if peer(sock)[1] != os.getuid():
                 raise KeeperGone("not ours")
-            sock.settimeout(wait)
+            sock.settimeout(min(wait, API_SILENT))
             with sock.makefile("wb") as out:
                 write_frame(out, threading.Lock(), ("api", PROTOCOL, version(), settings, method,
-                                               tuple(args), dict(kwargs or {})))
+                                                    tuple(args), dict(kwargs or {}),
+                                                    api_env(os.environ)))
             with sock.makefile("rb") as inbox:
                 while True:
+                    if time.monotonic() > deadline:
+                        raise KeeperGone(f"no answer within {wait:g} s")
                     answer = read_frame(inbox)
                     if not isinstance(answer, tuple) or not answer:
                         raise KeeperGone("no answer")
+                    if answer[0] == "alive":
+                        continue
                     if answer[0] == "note" and on_note is not None:
                         on_note(answer[1])
                     elif answer[0] == "value":

@@ -18,8 +18,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tpufab.ssh.keeper.protocol import API_READS, CONNECT_WAIT, PRESTART_WAIT, PROTOCOL, version
-from tpufab.ssh.keeper.sockets import peer
+from tpufab.ssh.keeper.protocol import (
+    API_BEAT,
+    API_READS,
+    CONNECT_WAIT,
+    PRESTART_WAIT,
+    PROTOCOL,
+    version,
+)
+from tpufab.ssh.keeper.sockets import api_env, peer
 from tpufab.ssh.shards.frames import read_frame, write_frame
 
 TICK = 0.5           # s: how often an idle keeper looks at its clock and its socket
@@ -36,6 +43,7 @@ class Server:
         self.keep_alive = 300.0
         self.clients: dict[int, Any] = {}  # id -> send
         self.clients_lock = threading.Lock()
+        self.users = 0                     # clients running commands over the connections
         self.last = time.monotonic()
         self.stopping = threading.Event()
         self.ids = iter(range(1, 1 << 62))
@@ -94,6 +102,7 @@ class Server:
                 pass
 
         me = next(self.ids)
+        user = False
         with self.clients_lock:
             self.clients[me] = None  # busy: not idle; retries go to it once it is ready
         try:
@@ -102,7 +111,13 @@ class Server:
             conn.settimeout(None)
             if not isinstance(first, tuple) or not first:
                 return
-            if first[0] == "stop":
+            if first[0] == "stop":   # ("stop", why): the commands under way are told why
+                why = first[1] if len(first) > 1 and isinstance(first[1], str) else \
+                    "tpufab was told to stop it"
+                with self.clients_lock:
+                    sends = [s for s in self.clients.values() if s is not None]
+                for tell in sends:
+                    tell(("closing", why))
                 send(("stopping",))
                 self.stopping.set()
                 return
@@ -138,6 +153,10 @@ class Server:
                     self.fanout = fanout_from_init(init, self.on_retry)
             with self.clients_lock:
                 self.clients[me] = send
+                self.users += 1
+                user = True
+                if self.users == 1:
+                    self.fanout.set_in_use(True)
             serve(self.fanout, inbox, send, stop_at_end=True)
             # the next command finds every worker's agent running (the first ran without)
             threading.Thread(target=self.fanout.start_agents, daemon=True).start()
@@ -147,6 +166,10 @@ class Server:
             with self.clients_lock:
                 self.clients.pop(me, None)
                 self.last = time.monotonic()
+                if user:
+                    self.users -= 1
+                    if self.users == 0 and self.fanout is not None:
+                        self.fanout.set_in_use(False)   # kept idle: no work for autostop
             for stream in (inbox, outbox):
                 with contextlib.suppress(OSError):
                     stream.close()
@@ -157,12 +180,22 @@ class Server:
         as a sentence (the error's class by name), or "failed" (the command asks itself)."""
         from tpufab.errors import TpufabError
 
-        if len(message) != 7:
+        if len(message) != 8:
             return
-        _, protocol, theirs, settings, method, args, kwargs = message
+        _, protocol, theirs, settings, method, args, kwargs, environment = message
         if protocol != PROTOCOL or theirs != version() or method not in API_READS:
             send(("refused", f"keeper of tpufab {version()} (protocol {PROTOCOL})"))
             return
+        if environment != api_env(os.environ):   # its credentials, proxies: not ours to use
+            send(("failed", "the command's cloud API environment is not the keeper's"))
+            return
+        asked = threading.Event()
+
+        def beat() -> None:   # the command waits on a frozen keeper API_SILENT at most
+            while not asked.wait(API_BEAT):
+                send(("alive",))
+
+        threading.Thread(target=beat, daemon=True).start()
         self.asking.send = send
         try:
             value = getattr(self.control(settings), method)(*args, **kwargs)
@@ -174,6 +207,7 @@ class Server:
             answer = ("failed", f"{type(err).__name__}: {err}")
         finally:
             self.asking.send = None
+            asked.set()
         send(answer)
 
     def control(self, settings):
@@ -234,9 +268,7 @@ class Server:
         return True
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            if os.stat(self.path).st_ino == self.inode:
-                self.path.unlink()
+        leave(self.path, self.inode)
         self.listener.close()
         if self.fanout is not None:
             self.fanout.close()  # every worker's agent stops what it still runs
@@ -267,14 +299,13 @@ def _told_path(folder: Path) -> Path | None:
 def listen(path: Path, ready=None) -> socket.socket | None:
     """A listening socket at ``path``, 0600, or None when another process serves it (it holds
     ``path``'s .lock for its whole life, as the caller now does). ``ready``: called once the
-    lock is ours, before the socket appears (what must be loaded before serving)."""
-    lock = open(path.with_suffix(".lock"), "a+")  # noqa: SIM115 - held for our whole life
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        lock.close()
+    lock is ours, before the socket appears (what must be loaded before serving). What servers
+    that are gone left in the directory goes first (``prune``)."""
+    lock = _lock(path.with_suffix(".lock"))
+    if lock is None:
         return None
     HELD.append(lock)
+    prune(path.parent)
     if ready is not None:
         ready(lock)
     with contextlib.suppress(FileNotFoundError):
@@ -290,6 +321,105 @@ def listen(path: Path, ready=None) -> socket.socket | None:
     listener.listen(128)
     os.rename(ready, path)
     return listener
+
+
+def _lock(path: Path):
+    """``path`` opened and flocked by us, or None when another process holds it. A lock file
+    removed (pruned) between our open and our flock is not the one others see: try again."""
+    for _ in range(3):
+        lock = open(path, "a+")  # noqa: SIM115 - held for our whole life
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            return None
+        try:
+            if os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
+                return lock
+        except FileNotFoundError:
+            pass
+        lock.close()
+    return None
+
+
+PRUNE_LOGS = 86400.0   # s: a gone server's log stays this long beside where it served
+
+
+def prune(folder: Path) -> int:
+    """Remove what servers (keepers, resident command servers) that are gone left in
+    ``folder``: a socket and lock that nobody holds, a half-made socket of a process that is
+    gone, and their logs once older than PRUNE_LOGS (kept a day for a look at why one ended).
+    Returns how many files it removed."""
+    removed = 0
+    try:
+        entries = {e.name: e for e in os.scandir(folder)}
+    except OSError:
+        return 0
+    now = time.time()
+    for name, entry in entries.items():
+        stem, _, ext = name.rpartition(".")
+        try:
+            if ext == "lock" and _unheld(Path(entry.path)):
+                removed += 1 + _remove(folder / f"{stem}.sock", socket_only=True)
+            elif ext == "sock" and f"{stem}.lock" not in entries:
+                removed += _remove(Path(entry.path), socket_only=True)
+            elif ext == "new" and stem.startswith(".") and stem[1:].isdigit() and \
+                    not os.path.exists(f"/proc/{stem[1:]}"):
+                removed += _remove(Path(entry.path), socket_only=True)
+            elif ext == "log" and f"{stem}.lock" not in entries and \
+                    now - entry.stat().st_mtime > PRUNE_LOGS:
+                removed += _remove(Path(entry.path))
+        except OSError:
+            continue
+    return removed
+
+
+def _unheld(lock: Path) -> bool:
+    """Take ``lock`` if nobody holds it, and remove it while we do (True): its server is
+    gone. A server that opened it meanwhile sees it removed and opens a new one (_lock)."""
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.unlink(lock)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path, *, socket_only: bool = False) -> int:
+    """Remove ``path`` (ours; a socket only, if ``socket_only``): 1 if it went."""
+    import stat
+
+    try:
+        st = os.lstat(path)
+        if st.st_uid != os.getuid() or (socket_only and not stat.S_ISSOCK(st.st_mode)):
+            return 0
+        os.unlink(path)
+        return 1
+    except OSError:
+        return 0
+
+
+def leave(path: Path, inode: int) -> None:
+    """A server that ends removes its socket (if it is still the one it made), its lock, and
+    its log if nothing was written there."""
+    with contextlib.suppress(OSError):
+        if os.stat(path).st_ino == inode:
+            path.unlink()
+    for lock in HELD:
+        with contextlib.suppress(OSError, ValueError):
+            if lock.name == str(path.with_suffix(".lock")) and \
+                    os.stat(lock.name).st_ino == os.fstat(lock.fileno()).st_ino:
+                os.unlink(lock.name)   # still ours (held): removed while held
+    with contextlib.suppress(OSError):
+        log = path.with_suffix(".log")
+        if log.stat().st_size == 0:
+            log.unlink()
 
 
 HELD: list = []   # the locks of the sockets this process serves

@@ -21,16 +21,27 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import replace
 from typing import Any
 
 from tpufab.ssh.shards.frames import read_frame, write_frame
+
+# A shard answers every message as it reads it; one that says nothing while a run waits on it
+# is asked ("ping") after PING_AFTER seconds and given up after SILENT: stopped (which closes
+# its connections, so the workers stop what it ran) and named in each worker's result, rather
+# than blaming the worker or waiting forever (a frozen keeper or child process).
+PING_AFTER = 2.0
+SILENT = 10.0
 
 
 class Shard:
     """One child process and the parent's tasks it serves."""
 
     what = "the fan-out process"  # how a lost child is named in the workers' results
+    heard = 0.0                   # when it last said anything (time.monotonic())
+    pinged = False                # asked whether it lives since it last said anything
+    ending: str | None = None     # why it ends, once known: its tasks' result, whatever follows
 
     def __init__(self, index: int, targets: list, fanout):
         self.index = index
@@ -57,9 +68,15 @@ class Shard:
             "kill_grace": fanout.kill_grace, "ssh_transport": fanout.ssh_transport,
         }))
         self.alive = True
+        self.heard = time.monotonic()
         self.reader = threading.Thread(target=self._read_loop, daemon=True,
                                        name=f"tpufab-shard{index}")
         self.reader.start()
+
+    @property
+    def name(self) -> str:
+        """How the workers' results name it: ``the fan-out process 1 (pid 4242)``."""
+        return f"{self.what} {self.index} (pid {self.proc.pid})"
 
     def _send(self, message: tuple) -> None:
         write_frame(self.outbox, self.send_lock, message)
@@ -72,6 +89,8 @@ class Shard:
         run_id = tasks[0].id
         proxy = _ShardProxy(self, run_id)
         with self.lock:
+            if not self.tasks:   # quiet between runs is no silence: the clock starts now
+                self.heard, self.pinged = time.monotonic(), False
             for task in tasks:
                 task.agent = proxy
                 self.tasks[(run_id, task.worker)] = task
@@ -98,16 +117,55 @@ class Shard:
     def close_worker(self, worker: int) -> None:
         self._try_send(("close_worker", worker))
 
+    def set_in_use(self, used: bool) -> None:
+        self._try_send(("use", used))
+
     def _try_send(self, message: tuple) -> None:
         try:
             self._send(message)
         except (OSError, ValueError):
             pass
 
+    def watch(self) -> None:
+        """About once a second while a run waits on this shard: ask it whether it lives once
+        it has been quiet for PING_AFTER seconds, give it up after SILENT."""
+        if not self.alive:
+            return
+        with self.lock:
+            if not self.tasks:
+                return
+        quiet = time.monotonic() - self.heard
+        if quiet >= SILENT:
+            self.give_up(f"did not answer for {quiet:.0f} s")
+        elif quiet >= PING_AFTER and not self.pinged:
+            self.ping()
+
+    def ping(self) -> None:
+        """Ask it to answer at once (its answer, like anything it says, sets ``heard``)."""
+        self.pinged = True
+        self._try_send(("ping",))
+
+    def give_up(self, why: str, *, then: str = "; run the command again") -> None:
+        """Stop the process (its connections close, and with them what it ran on the
+        workers: an agent kills its commands when its channel closes) and fail its tasks
+        with one sentence naming it: ``NAME WHY; tpufab stopped it, ...THEN``."""
+        self.ending = f"{self.name} {why}; tpufab stopped it, which stops the command on " \
+            f"the worker{then}"
+        self._stop_process()
+        self._lost(self.ending, said=True)
+
+    def _stop_process(self) -> None:
+        self.alive = False
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
+
     def _read_loop(self) -> None:
         stream = self.inbox
         try:
             while (message := read_frame(stream)) is not None:
+                self.heard, self.pinged = time.monotonic(), False
                 self._dispatch(message)
         except Exception as err:  # noqa: BLE001 - the child's tasks get the reason
             self._lost(f"{self.what} {self.index} failed ({type(err).__name__}: {err})")
@@ -133,13 +191,18 @@ class Shard:
             if self.fanout.on_retry is not None:
                 self.fanout.on_retry(self.fanout.targets[worker], attempt, error)
 
-    def _lost(self, reason: str) -> None:
+    def _lost(self, reason: str, *, said: bool = False) -> None:
+        """Fail every task still waiting on this shard: ``connection lost (REASON)``, or the
+        reason as it is when ``said`` (a whole sentence already); why it ends, once known,
+        whatever its reader then meets (the end of its pipe)."""
+        if self.ending:
+            reason, said = self.ending, True
         self.alive = False
         with self.lock:
             pending = list(self.tasks.values())
             self.tasks.clear()
         for task in pending:
-            task.finish(None, f"connection lost ({reason})")
+            task.finish(None, reason if said else f"connection lost ({reason})")
 
     def close(self) -> None:
         self.alive = False
