@@ -990,3 +990,27 @@ def test_what_gone_keepers_leave_is_pruned(kept):
     assert not any(name.startswith(stale.name) for name in left), left
     assert fresh_log.name in left, left
 
+
+def test_a_put_whose_session_ends_mid_way_says_so(kept, tmp_path):
+    """The worker's sshd ends a put's SFTP session under it: one phrase says what happened
+    (and that nothing is left under the final name). Before: `put: w1 failed: EOFError` (or
+    `Socket is closed`)."""
+    big = tmp_path / "fm-big.bin"
+    with open(big, "wb") as fh:
+        fh.truncate(400 << 20)    # sparse here; 400 MiB on the wire
+    put = Running([TPUFAB, "put", str(big), "/tmp/fm-big.bin", "--worker", "1"], kept.env,
+                  cwd=kept.repo)
+    try:
+        wait_for(lambda: kept.sh(HIT, "pgrep -f '[s]shd: .*@internal-sftp' || true").strip()
+                 or put.proc.poll() is not None, LIMIT, 0.05, what="the put's SFTP session")
+        kept.sh(HIT, "pkill -f '[s]shd: .*@internal-sftp'")
+        result = put.wait(LIMIT)
+    finally:
+        put.kill()
+    said = result.stdout + result.stderr
+    assert result.returncode != 0, said
+    assert "w1: connection lost during the transfer (the worker's sshd ended the session" in said, said
+    assert "EOFError" not in said and "Socket is closed" not in said, said
+    no_traceback(result)
+    assert kept.sh(HIT, "test -e /tmp/fm-big.bin && echo LEFT || true").strip() == ""
+

@@ -24,6 +24,7 @@ from harness import needs_root, sim_node
 from helpers import (
     SESSION,
     TPUFAB,
+    Running,
     in_worker,
     keepers,
     kept_connections,
@@ -561,9 +562,22 @@ def test_a_recreated_node_is_never_reached_through_an_old_connection(node, kept)
     assert result.stdout.count("NEW") == 2 and "OLD" not in result.stdout, result.stdout
     assert len(sockets(kept)) == 1
     kept_sessions(kept)
-    # `tpufab delete` takes the pod's kept connections with it
+    # `tpufab delete` takes the pod's kept connections with it, and a run followed through
+    # them says so (before: "the connection keeper stopped mid-command")
     assert keepers(kept)
-    deleted = tpufab("delete", "--yes", env=kept, timeout=300)
-    assert deleted.returncode == 0, deleted.stdout + deleted.stderr
+    here = Path(tempfile.mkdtemp(prefix="kd", dir="/tmp"))
+    (here / "long.sh").write_text("#!/bin/sh\necho long-start\nsleep 300\n")
+    follower = Running([TPUFAB, "run", "long.sh", "--no-deploy"], kept, cwd=here)
+    try:
+        wait_for(lambda: follower.saw("long-start"), 120, what="the run to start")
+        deleted = tpufab("delete", "--yes", env=kept, timeout=300)
+        assert deleted.returncode == 0, deleted.stdout + deleted.stderr
+        result = follower.wait(120)
+        said = result.stdout + result.stderr
+    finally:
+        follower.kill()
+        shutil.rmtree(here, ignore_errors=True)
+    assert "was stopped: `tpufab delete` is deleting the pod (from pid " in said, said
+    assert "stopped mid-command" not in said, said
     assert sockets(kept) == []
     wait_for(lambda: not keepers(kept), 30, 0.1, "the deleted pod's keeper to exit")

@@ -169,6 +169,22 @@ def describe(err: BaseException, target: Target | None = None) -> str:
     return f"connection failed: {text}"
 
 
+def lost_mid_transfer(err: BaseException) -> str | None:
+    """An SFTP transfer whose session ended under it, in words (None: another failure):
+    paramiko says only ``EOFError``, "Socket is closed" or "Server connection dropped"."""
+    import paramiko
+
+    closed = isinstance(err, OSError) and err.errno is None and "closed" in str(err).lower()
+    if closed or isinstance(err, EOFError | ConnectionError) or (
+            isinstance(err, paramiko.SSHException)
+            and not isinstance(err, paramiko.AuthenticationException)):
+        detail = str(err).strip()
+        return ("connection lost during the transfer (the worker's sshd ended the session: it "
+                f"restarted, or the worker went away{'; ' + detail if detail else ''}); nothing "
+                "was left under a final name, run it again")
+    return None
+
+
 class Conn:
     """An authenticated SSH connection (a paramiko Transport) to one worker."""
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from tpufab import nodeset
 from tpufab.errors import CodeBusy, ConfigError, TpufabError
 from tpufab.reports import Column, Report, text
+from tpufab.ssh.connections import lost_mid_transfer
 from tpufab.ssh.remote_files import (
     RemoteFile,
     last_line,
@@ -492,7 +493,7 @@ def _upload_error(fanout, plan: _PutPlan, token: str, err: Exception) -> str:
         return _no_space_sentence(plan.worker, free, plan.root)
     if isinstance(err, PermissionError) or "ermission denied" in text:
         return f"permission denied writing under {os.path.dirname(plan.root)}"
-    return text
+    return lost_mid_transfer(err) or text
 
 
 def _relay(fanout, seed_plan: _PutPlan, files: Sequence[LocalFile],
@@ -632,9 +633,9 @@ def get(fanout, remote: str, local: str | os.PathLike[str], *, workers=None,
         try:
             _download(fanout, jobs[worker], token, row, progress, stop)
         except OSError as err:
-            row.error = _local_error(err)
+            row.error = lost_mid_transfer(err) or _local_error(err)
         except Exception as err:  # noqa: BLE001 - becomes this worker's row
-            row.error = str(err) or type(err).__name__
+            row.error = lost_mid_transfer(err) or str(err) or type(err).__name__
         row.seconds = time.perf_counter() - began
         progress.worker_done(worker)
 
