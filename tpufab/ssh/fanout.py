@@ -461,8 +461,11 @@ class Fanout:
                 if not task.done.is_set() and now - task.started > guard:
                     if task.agent is not None:
                         task.agent.kill(task, "SIGKILL")
-                    task.finish(None, f"no answer from the worker {guard:.0f} s after the "
-                                      f"command started (its timeout: {timeout:g} s)")
+                    jump = self.targets[task.worker].jump   # it may be the one that hangs
+                    task.finish(None, f"no answer from the worker"
+                                      f"{f' (through the jump host {jump})' if jump else ''} "
+                                      f"{guard:.0f} s after the command started (its timeout: "
+                                      f"{timeout:g} s)")
 
     def _interrupt(self, tasks: Mapping[int, Task], remote: Mapping[int, list[Task]]) -> list[str]:
         """Stop every running command and wait (bounded) until the workers confirm. A shard

@@ -182,11 +182,12 @@ class _Holders:
 
 
 @contextmanager
-def hold(group, workers: Sequence[int], *, purpose: str,
+def hold(group, workers: Sequence[int], *, purpose: str, verb: str | None = None,
          timeout: float | None = None) -> Iterator[Lease]:
-    """The pod's code lease on ``workers`` for the block, or CodeBusy naming who has it
-    (``timeout``: seconds each worker has to answer; None: the fan-out's). The lease is tied
-    to this process (see the module's docstring)."""
+    """The pod's code lease on ``workers`` for the block, or CodeBusy naming who has it and
+    saying to ``verb`` again (default: the first word of ``purpose``; ``timeout``: seconds
+    each worker has to answer; None: the fan-out's). The lease is tied to this process (see
+    the module's docstring)."""
     workers = sorted(workers)
     token = secrets.token_hex(8)
     args = ["hold", "--token", token, "--owner", _owner(), "--purpose", purpose]
@@ -210,7 +211,7 @@ def hold(group, workers: Sequence[int], *, purpose: str,
             holders_text = sorted({r.message for r in busy if r.message})
             raise CodeBusy(f"Another tpufab is changing the code on "
                            f"{nodeset.fold(r.worker for r in busy)} ({'; '.join(holders_text)}); "
-                           f"wait for it to finish, then {purpose.split()[0]} again.")
+                           f"wait for it to finish, then {verb or purpose.split()[0]} again.")
         # A worker that could not be asked (unreachable, hung) holds no lease; the caller
         # reports it (Lease.lost) and leaves it out of the later steps; the others go on.
         yield Lease(token, homes, lost, purpose)
