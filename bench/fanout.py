@@ -134,8 +134,13 @@ def _rss_mib() -> dict:
 
 
 def _fanout(root: Path, count: int, **kwargs):
-    from tpufab.ssh.fanout import Fanout, Target
+    from tpufab.ssh.fanout import Fanout
     from tpufab.ssh.hostkeys import KnownHosts, alias
+
+    try:
+        from tpufab.ssh.connections import Target
+    except ImportError:   # an older tpufab (--compare, --baseline): Target beside Fanout
+        from tpufab.ssh.fanout import Target
 
     pod = _pod(root, count)
     known = KnownHosts(root / f"known_hosts.{os.getpid()}")

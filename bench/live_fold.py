@@ -76,7 +76,7 @@ class Clock:
 
 
 def measure(shape: str, repeat: int) -> dict:
-    from tpufab.ssh.fanout import WorkerResult
+    from tpufab.ssh.results import WorkerResult
     from tpufab.steps.runs.running import FoldingView
 
     workers, lines, own_every, lag, chunking = SHAPES[shape]

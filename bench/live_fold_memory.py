@@ -42,7 +42,7 @@ def held(view) -> int:
 
 
 def run_case(name: str, mb: float) -> dict:
-    from tpufab.ssh.fanout import WorkerResult
+    from tpufab.ssh.results import WorkerResult
     from tpufab.steps.runs.running import FoldingView
 
     workers, share, distinct = CASES[name]

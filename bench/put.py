@@ -31,7 +31,8 @@ from test_deploy import SimPod  # noqa: E402 - the same simulated workers the te
 
 DRIVER = r"""
 import sys, json
-from tpufab.ssh.fanout import Fanout, Target
+from tpufab.ssh.connections import Target
+from tpufab.ssh.fanout import Fanout
 from tpufab.ssh.hostkeys import KnownHosts, alias
 from tpufab.ssh import transfer
 spec = json.loads(sys.argv[1])

@@ -165,7 +165,7 @@ class SimPod:
     def targets(self, node_alias: str | None = None, specs=None, extra=()):
         """Fan-out targets for the workers (or ``specs``), under ``node_alias`` (default: the
         node id), plus hosts in ``extra`` (e.g. an address where nothing listens)."""
-        from tpufab.ssh.fanout import Target
+        from tpufab.ssh.connections import Target
         from tpufab.ssh.hostkeys import alias
 
         specs = specs or self.specs

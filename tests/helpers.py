@@ -751,3 +751,51 @@ def same_twice(sessions: Callable[[], dict[int, int]], tries: int = 4) -> dict[i
             return current
         previous = current
     pytest.fail(f"no two commands in a row shared their connections (last: {current})")
+
+
+# --- kept connections (tpufab.ssh.keeper) ----------------------------------------------------
+
+def keepers(env: dict, module: bytes = b"tpufab.ssh.keeper") -> list[int]:
+    """Pids of the keepers (``module``'s processes) started under ``env``'s runtime dir."""
+    mine = os.path.join(env["XDG_RUNTIME_DIR"], "tpufab", "").encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                state = fh.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if any(module in a for a in argv) and any(a.startswith(mine) for a in argv) \
+                and state != b"Z":
+            found.append(int(entry))
+    return found
+
+
+def residents(env: dict) -> list[int]:
+    """Pids of the resident command servers started under ``env``'s runtime dir."""
+    return keepers(env, b"tpufab.resident")
+
+
+@contextlib.contextmanager
+def kept_connections(env: dict) -> Iterator[dict]:
+    """``env`` with kept connections as a user has them by default (no TPUFAB_KEEP_ALIVE: 5m)
+    in a private runtime dir of its own; every keeper and resident server started under it is
+    stopped afterwards."""
+    runtime = Path(tempfile.mkdtemp(prefix="kp", dir="/tmp"))
+    kept = {k: v for k, v in env.items() if k != "TPUFAB_KEEP_ALIVE"}
+    kept["XDG_RUNTIME_DIR"] = str(runtime)
+    try:
+        yield kept
+    finally:
+        tpufab("disconnect", env=kept, timeout=60)
+        for pid in keepers(kept) + residents(kept):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not keepers(kept) and not residents(kept), 30, 0.05,
+                 "the keepers and resident servers to be gone")
+        shutil.rmtree(runtime, ignore_errors=True)
+

@@ -22,17 +22,12 @@ from helpers import wait_for
 
 from tpufab.errors import TpufabError
 from tpufab.quoting import Secret, command
-from tpufab.ssh.fanout import (
-    Fanout,
-    FanoutError,
-    FanoutInterrupted,
-    LineCallback,
-    LiveView,
-    print_gathered,
-)
+from tpufab.ssh.fanout import Fanout
 from tpufab.ssh.hostkeys import HostKeyChanged, KnownHosts, alias
+from tpufab.ssh.results import FanoutError, FanoutInterrupted, LineCallback
 from tpufab.ssh.transfer import _sftp
 from tpufab.steps.host.setup import run_setup
+from tpufab.views.live import LiveView, print_gathered
 
 pytestmark = [pytest.mark.sim, pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("unshare") or not os.path.exists("/usr/sbin/sshd"),
@@ -140,7 +135,7 @@ def test_ctrl_c_of_one_run_does_not_cancel_another_runs_connects(pod, tmp_path):
 
     def run(label: str, fan: Fanout, cancel=None) -> None:
         try:
-            results[label] = fan.run("echo up", workers="1", _cancel=cancel)
+            results[label] = fan.run("echo up", workers="1", cancel=cancel)
         except FanoutInterrupted as err:
             results[label] = err
 
@@ -590,11 +585,12 @@ def test_a_one_shot_command_is_not_stopped_when_the_wait_for_its_status_comes_ba
     """Only the deadline stops a one-shot command: a wait that comes back before the exit
     status (libssh2's) must neither kill it nor report it timed out (with no timeout set it
     was reported as "connection failed: unsupported format string ...")."""
-    from tpufab.ssh.fanout import _Plain, _Task
+    from tpufab.ssh.channels.agent_protocol import Task
+    from tpufab.ssh.channels.oneshot import Plain
 
     chan = _EarlyDrive(early=3)
-    task = _Task(1, 0, None, [])
-    _Plain(chan, task, "true", 5).serve(timeout)
+    task = Task(1, 0, None, [])
+    Plain(chan, task, "true", 5).serve(timeout)
     assert (task.result.exit_code, task.result.error, chan.shut) == (0, None, 0)
 
 

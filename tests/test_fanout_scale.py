@@ -9,16 +9,15 @@ import resource
 import pytest
 
 from tpufab.errors import ConfigError
-from tpufab.ssh.fanout import (
+from tpufab.ssh.connections import kex_preference
+from tpufab.ssh.limits import (
     WORKERS_PER_LIBSSH2_PROCESS,
-    GroupResult,
-    WorkerResult,
     auto_processes,
     ensure_fds,
     fd_budget,
-    kex_preference,
     shard_of,
 )
+from tpufab.ssh.results import GroupResult, WorkerResult
 from tpufab.steps.runs.running import FoldingView
 
 

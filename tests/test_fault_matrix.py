@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -42,8 +42,12 @@ from harness import sim_node
 from helpers import (
     POD_USER,
     TPUFAB,
+    Running,
     cli_env,
+    free_port,
     in_worker,
+    keepers,
+    kept_connections,
     no_traceback,
     one_sentence,
     quiet_console,
@@ -802,4 +806,212 @@ JUMP_FAULTS = [Fault("unreachable", unreachable, FAILS),
                                    for f in JUMP_FAULTS])
 def test_jump_cell(jump_pod, fault: Fault):
     run_cell(jump_pod, JUMP_EXEC, fault)
+
+
+# ---------------------------------------------------------------------------------------------
+# kept connections (tpufab.ssh.keeper): the faults that exist only with a keeper between the
+# command and the workers (issue 37: items 6, 9, 10, 13). Each test keeps the pod's connections
+# as a user has them by default, in a runtime dir of its own, its keeper started by a first
+# command (and the resident command server with it).
+
+VERB = {v.name: v for v in VERBS}
+
+
+@pytest.fixture
+def kept(pod) -> Iterator[Pod]:
+    with kept_connections(pod.env) as env:
+        the_pod = replace(pod, env=env)
+        warm = the_pod.tpufab("exec", "true")
+        assert warm.returncode == 0, text(warm)
+        yield the_pod
+
+
+def the_keeper(pod: Pod) -> int:
+    """The pid of the pod's one keeper."""
+    return wait_for(lambda: (lambda found: found[0] if len(found) == 1 else None)(
+        keepers(pod.env)), 30, what="the pod's keeper")
+
+
+def running_on(pod: Pod, token: str) -> list[int]:
+    """The workers where a command holding ``token`` runs."""
+    pattern = f"[{token[0]}]{token[1:]}"
+    return [w for w in (0, 1) if pod.sh(w, f"pgrep -f '{pattern}' || true").strip()]
+
+
+@pytest.mark.parametrize("verb", ["deploy", "run"])
+def test_a_client_sigkilled_over_kept_connections_leaves_no_code_lease(kept, verb):
+    """The code lease names a command of the client's, alive as long as the client holds the
+    lease, not the keeper's agent, which outlives a SIGKILLed client: the next deploy or run
+    goes ahead. Before: each was refused ("Another tpufab is changing the code on w0 (deploy
+    ... pid N ...)") while the keeper lived, and each refused attempt kept it alive."""
+    the_verb = VERB[verb]
+    before = {w: worker_processes(kept, w) for w in (0, 1)}
+    with Freezer(kept, (0, 1), {"deploy": "checkout", "run": RECIPE_NAME}[verb]) as freezer:
+        proc, began = start(kept, the_verb, the_verb.argv(kept), uuid.uuid4().hex)
+        wait_for(lambda: freezer.frozen or proc.poll() is not None, LIMIT,
+                 what=f"{verb} to hold the pod's code lease")
+        assert proc.poll() is None, proc.communicate()
+        proc.kill()
+        finish(proc, began)
+    wait_for(lambda: not worker_leftovers(kept, before), LEAK_WAIT,
+             what=f"no worker process left by the killed {verb}")
+    if the_verb.prepare:
+        the_verb.prepare(kept)
+    check_works(the_verb, kept.tpufab(*the_verb.argv(kept)))
+
+
+@pytest.mark.parametrize("timeout", [None, "20"], ids=["no-timeout", "timeout-20"])
+def test_a_keeper_frozen_mid_command_is_named_and_not_waited_for(kept, timeout):
+    """A keeper that stops answering while a command runs through it is given up on within
+    seconds, named in one sentence, and stopped (so the workers' command stops with its
+    connections); the next command works. Before: no --timeout waited forever; --timeout 20
+    waited 45 s and said "no answer from the worker"."""
+    keeper = the_keeper(kept)
+    token = unique_name("fz")
+    argv = [TPUFAB, "exec", f"sleep 300 && echo {token}", *(["--timeout", timeout] * bool(timeout))]
+    command = Running(argv, kept.env, cwd=kept.repo)
+    try:
+        wait_for(lambda: running_on(kept, token) == [0, 1], 60, what="the command on both workers")
+        os.kill(keeper, signal.SIGSTOP)
+        began = time.monotonic()
+        result = command.wait(LIMIT)
+    finally:
+        command.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(keeper, signal.SIGCONT)
+    took = time.monotonic() - began
+    said = result.stdout + result.stderr
+    assert result.returncode != 0 and took < 30, (took, said)
+    assert f"w[0-1] the connection keeper (pid {keeper}) did not answer for " in said, said
+    assert "no answer from the worker" not in said, said
+    no_traceback(result)
+    wait_for(lambda: not running_on(kept, token), LEAK_WAIT, what="the workers' command to stop")
+    assert keeper not in keepers(kept.env)
+    check_works(VERB["exec"], kept.tpufab(*VERB["exec"].argv(kept)))
+
+
+def test_ctrl_c_with_a_frozen_keeper_says_what_it_did(kept):
+    """Ctrl-C while the keeper does not answer: tpufab stops the keeper (its connections
+    close, and with them what it ran on the workers) and says so. Before: "Interrupted:
+    stopped 'CMD' on w[0-1]." while the command went on running on both workers."""
+    keeper = the_keeper(kept)
+    token = unique_name("fc")
+    command = Running([TPUFAB, "exec", f"sleep 300 && echo {token}"], kept.env, cwd=kept.repo)
+    try:
+        wait_for(lambda: running_on(kept, token) == [0, 1], 60, what="the command on both workers")
+        os.kill(keeper, signal.SIGSTOP)
+        command.interrupt()
+        result = command.wait(LIMIT)
+    finally:
+        command.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(keeper, signal.SIGCONT)
+    assert result.returncode == 130, text(result)
+    assert f"Interrupted: the connection keeper (pid {keeper}) did not answer, so tpufab " \
+           "stopped it" in result.stderr, result.stderr
+    assert "Interrupted: stopped" not in result.stderr, result.stderr
+    no_traceback(result)
+    wait_for(lambda: not running_on(kept, token), LEAK_WAIT, what="the workers' command to stop")
+
+
+def test_an_idle_kept_connection_is_no_work_for_autostop(kept):
+    """Between commands the keeper's connections are idle, and autostop's watchdog says so; a
+    command through them is work while it runs. Before: "busy now (w0: tpufab connection (pid
+    N))" as long as the keeper lived (5 minutes past every command, `status` included)."""
+    env = {"TPUFAB_AUTOSTOP_CHECK": "0.5", "TPUFAB_AUTOSTOP_PORT": str(free_port())}
+    armed = kept.tpufab("autostop", "--idle", "1h", env=env)
+    assert armed.returncode == 0, text(armed)
+
+    def busy() -> list[str] | None:
+        state = in_worker(kept.sim, kept.node, 0, "cat ~/.tpufab/autostop/state.json",
+                          user=POD_USER, check=False)
+        with contextlib.suppress(ValueError):
+            return json.loads(state).get("busy")
+        return None
+
+    try:
+        assert keepers(kept.env)
+        wait_for(lambda: busy() == [], 30, 0.2, what=f"the watchdog to find the pod idle "
+                 f"(it says busy: {busy()})")
+        command = Running([TPUFAB, "exec", "sleep 6"], kept.env, cwd=kept.repo)
+        try:
+            wait_for(lambda: any("tpufab command" in b for b in busy() or ()), 30, 0.2,
+                     what="the watchdog to count the command through the kept connections")
+            assert command.wait(60).returncode == 0
+        finally:
+            command.kill()
+    finally:
+        kept.tpufab("autostop", "--cancel", env=env)
+
+
+def test_stopping_the_keeper_during_a_followed_run_says_why(kept):
+    """`tpufab disconnect` (or `delete`, which stops the pod's keepers the same way) while a
+    run is followed through the keeper: the follower says who stopped it. Before: "the
+    connection keeper stopped mid-command"."""
+    (kept.repo / "fm-long.sh").write_text("#!/bin/sh\necho fm-long-start\nsleep 300\n")
+    (kept.repo / "fm-long.sh").chmod(0o755)
+    follower = Running([TPUFAB, "run", "fm-long.sh", "--no-deploy"], kept.env, cwd=kept.repo)
+    try:
+        wait_for(lambda: follower.saw("fm-long-start"), LIMIT, what="the run to start")
+        stopped = kept.tpufab("disconnect")
+        assert stopped.returncode == 0, text(stopped)
+        result = follower.wait(LIMIT)
+    finally:
+        follower.kill()
+        kept.tpufab("kill", "--grace", "1")
+        (kept.repo / "fm-long.sh").unlink()
+    said = result.stdout + result.stderr
+    assert "was stopped: `tpufab disconnect` closed the pod's connections (from pid " in said, said
+    assert "stopped mid-command" not in said, said
+    no_traceback(result)
+
+
+def test_what_gone_keepers_leave_is_pruned(kept):
+    """The keepers' directory keeps only what is in use: a socket and lock nobody serves go
+    when the next server starts, a gone server's log once a day old. Before: every keeper and
+    resident server ever started left its files there."""
+    import socket as sockets
+
+    folder = Path(kept.env["XDG_RUNTIME_DIR"]) / "tpufab"
+    stale = folder / "0123456789ab-deadbeefdeadbeefdead"
+    dead = sockets.socket(sockets.AF_UNIX)
+    dead.bind(str(stale.with_suffix(".sock")))
+    dead.close()
+    for suffix, age in ((".lock", 0), (".log", 3 * 86400)):
+        stale.with_suffix(suffix).write_text("")
+        os.utime(stale.with_suffix(suffix), (time.time() - age,) * 2)
+    fresh_log = folder / "resident-00000000000000000000.log"   # a server gone an hour ago
+    fresh_log.write_text("why it ended\n")
+    os.utime(fresh_log, (time.time() - 3600,) * 2)
+    kept.tpufab("disconnect")
+    wait_for(lambda: not keepers(kept.env), 30, what="the keeper to stop")
+    assert kept.tpufab("exec", "true").returncode == 0        # a new keeper starts, and prunes
+    the_keeper(kept)
+    left = sorted(p.name for p in folder.iterdir())
+    assert not any(name.startswith(stale.name) for name in left), left
+    assert fresh_log.name in left, left
+
+
+def test_a_put_whose_session_ends_mid_way_says_so(kept, tmp_path):
+    """The worker's sshd ends a put's SFTP session under it: one phrase says what happened
+    (and that nothing is left under the final name). Before: `put: w1 failed: EOFError` (or
+    `Socket is closed`)."""
+    big = tmp_path / "fm-big.bin"
+    with open(big, "wb") as fh:
+        fh.truncate(400 << 20)    # sparse here; 400 MiB on the wire
+    put = Running([TPUFAB, "put", str(big), "/tmp/fm-big.bin", "--worker", "1"], kept.env,
+                  cwd=kept.repo)
+    try:
+        wait_for(lambda: kept.sh(HIT, "pgrep -f '[s]shd: .*@internal-sftp' || true").strip()
+                 or put.proc.poll() is not None, LIMIT, 0.05, what="the put's SFTP session")
+        kept.sh(HIT, "pkill -f '[s]shd: .*@internal-sftp'")
+        result = put.wait(LIMIT)
+    finally:
+        put.kill()
+    said = result.stdout + result.stderr
+    assert result.returncode != 0, said
+    assert "w1: connection lost during the transfer (the worker's sshd ended the session" in said, said
+    assert "EOFError" not in said and "Socket is closed" not in said, said
+    no_traceback(result)
+    assert kept.sh(HIT, "test -e /tmp/fm-big.bin && echo LEFT || true").strip() == ""
 

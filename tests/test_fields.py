@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tpufab.ssh.fanout import WorkerResult
+from tpufab.ssh.results import WorkerResult
 from tpufab.steps.runs.env import fold_logs, render_folded, unfold
 from tpufab.steps.runs.running import FoldingView
 from tpufab.term.fields import FIELD, PLACEHOLDER, fields, merge, shape, show_values

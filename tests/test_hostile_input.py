@@ -15,10 +15,14 @@ from harness import sim_node
 from helpers import (
     TPUFAB,
     in_worker,
+    keepers,
+    kept_connections,
     no_traceback,
     one_sentence,
     quiet_console,
+    residents,
     tpufab,
+    wait_for,
 )
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -521,3 +525,87 @@ def test_create_says_when_the_project_file_s_name_wins_over_the_new_current_pod(
         assert f"{other} is this project's current pod" not in made.stderr
     finally:
         tpufab("delete", "--name", other, "--yes", env=env, cwd=tmp_path, timeout=300)
+# a command as the caller started it, through the resident command server (issue 37 item 13):
+# its descriptors, niceness, limits and ignored signals are the caller's, and the long-lived
+# servers keep none of the first command's secrets
+
+
+@pytest.fixture
+def resident(pod2):
+    """pod2's environment with kept connections and the resident command server listening
+    (the first command that kept the connections starts it)."""
+    with kept_connections(pod2.env) as env:
+        assert tpufab("exec", "true", env=env, timeout=120).returncode == 0
+        folder = os.path.join(env["XDG_RUNTIME_DIR"], "tpufab")
+        wait_for(lambda: residents(env) and any(
+            name.startswith("resident-") and name.endswith(".sock")
+            for name in os.listdir(folder)), 60, 0.05, "the resident command server")
+        yield env
+
+
+def served(result) -> bool:
+    """The command ran in the resident server: this process loaded no CLI
+    (PYTHONPROFILEIMPORTTIME's lines)."""
+    return "typer" not in result.stderr and "import time:" in result.stderr
+
+
+PROBE = """#!/bin/sh
+echo "nice=$(nice) nofile=$(ulimit -n) core=$(ulimit -c)"
+grep '^SigIgn:' /proc/self/status
+"""
+
+
+def test_descriptors_the_caller_passes_reach_the_command(pod2, resident, tmp_path):
+    """`put /dev/fd/7`, `launch /dev/fd/7`: the caller's descriptor is the command's.
+    Before: "No such file" through the resident server (it worked without it)."""
+    (tmp_path / "note.txt").write_text("from-fd-7\n")
+    (tmp_path / "task.yaml").write_text("run: echo hi\n")
+    env = {**resident, "PYTHONPROFILEIMPORTTIME": "1"}
+    put = subprocess.run(["bash", "-c", f"exec 7<note.txt; {TPUFAB} put /dev/fd/7 "
+                                        "/tmp/hos-fd.txt"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert put.returncode == 0 and served(put), put.stdout + put.stderr[-3000:]
+    assert in_worker(pod2.sim, pod2.node, 1, "cat /tmp/hos-fd.txt") == "from-fd-7\n"
+    launch = subprocess.run(["bash", "-c", f"exec 7<task.yaml; {TPUFAB} launch --dry-run "
+                                           "/dev/fd/7"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert launch.returncode == 0 and served(launch), launch.stdout + launch.stderr[-3000:]
+    assert "Dry run: nothing was created" in launch.stdout, launch.stdout
+
+
+def test_niceness_limits_and_ignored_signals_are_the_callers(resident, tmp_path):
+    """`nice`, `ulimit` and an ignored SIGHUP (`nohup`) hold for what the command starts
+    (`run --local`'s processes). Before: the resident server's own (niceness 0, its limits,
+    SIGHUP not ignored)."""
+    probe = tmp_path / "probe.sh"
+    probe.write_text(PROBE)
+    probe.chmod(0o755)
+    env = {**resident, "PYTHONPROFILEIMPORTTIME": "1"}
+    started = subprocess.run(["bash", "-c", f"ulimit -n 321; ulimit -c 0; trap '' HUP; "
+                                            f"exec nice -n 7 {TPUFAB} run --local probe.sh"],
+                             cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=120)
+    assert started.returncode == 0 and served(started), started.stdout + started.stderr[-3000:]
+    assert "nice=7 nofile=321 core=0" in started.stdout, started.stdout
+    ignored = int(next(line for line in started.stdout.splitlines()
+                       if line.startswith("SigIgn:")).split()[1], 16)
+    assert ignored & 1, started.stdout          # bit 0: SIGHUP
+
+
+def test_the_servers_kept_between_commands_hold_none_of_its_secrets(pod2, tmp_path):
+    """The keeper and the resident command server outlive the command that starts them (5
+    minutes by default): their environment keeps none of its secrets. Before: its whole
+    environment, HF_TOKEN and WANDB_API_KEY included, readable in /proc/PID/environ that long."""
+    secrets = {"HF_TOKEN": "hf_hostilesecret0123456789", "WANDB_API_KEY": "wb_hostile9876543210",
+               "MY_SERVICE_TOKEN": "tok_hostile_555555555"}
+    with kept_connections(pod2.env) as env:
+        first = tpufab("exec", "true", env={**env, **secrets}, timeout=120)
+        assert first.returncode == 0, first.stdout + first.stderr
+        wait_for(lambda: keepers(env) and residents(env), 60, 0.05,
+                 "the keeper and the resident server")
+        for pid in keepers(env) + residents(env):
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                held = fh.read()
+            for name, value in secrets.items():
+                assert value.encode() not in held and name.encode() + b"=" not in held, (pid, name)
+

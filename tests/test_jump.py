@@ -12,7 +12,7 @@ from tpufab.cloud.nodes import Node, WorkerEndpoint
 from tpufab.config import Jump, load_settings, parse_jump
 from tpufab.errors import ConfigError
 from tpufab.hosts.connect import check_reachable
-from tpufab.ssh.fanout import Target
+from tpufab.ssh.connections import Target
 from tpufab.ssh.jump import proxy_command
 
 
@@ -115,7 +115,7 @@ class _Client:
 def test_channel_failures_read_like_direct_ones():
     import paramiko
 
-    from tpufab.ssh import fanout, jump
+    from tpufab.ssh import jump, transport
 
     bastion = Jump("alice", "bastion")
     refused = _Transport(paramiko.ChannelException(2, "Connect failed"))
@@ -124,7 +124,7 @@ def test_channel_failures_read_like_direct_ones():
                           connect=lambda *a: _Client(refused))
     assert refused.opened == [("direct-tcpip", ("10.0.0.3", 22), 5.0)]
     hung = _Transport(paramiko.SSHException("Timeout opening channel."))
-    with pytest.raises(fanout.ConnectError, match=r"^connection timed out: .*within 5 s .*"
+    with pytest.raises(transport.ConnectError, match=r"^connection timed out: .*within 5 s .*"
                                                   r"firewall rule"):
         jump.open_channel(bastion, None, "10.0.0.3", 22, 5.0, connect=lambda *a: _Client(hung))
     prohibited = _Transport(paramiko.ChannelException(1, "Administratively prohibited"))

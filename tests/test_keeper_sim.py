@@ -24,7 +24,11 @@ from harness import needs_root, sim_node
 from helpers import (
     SESSION,
     TPUFAB,
+    Running,
     in_worker,
+    keepers,
+    kept_connections,
+    residents,
     same_twice,
     sessions_in,
     tpufab,
@@ -45,43 +49,8 @@ def kept(node):
     """The node's shell environment with kept connections as a user has them by default (no
     TPUFAB_KEEP_ALIVE: 5m), in a private runtime dir of its own; every keeper started under it
     is stopped afterwards."""
-    runtime = Path(tempfile.mkdtemp(prefix="kp", dir="/tmp"))
-    env = {k: v for k, v in node.env.items() if k != "TPUFAB_KEEP_ALIVE"}
-    env["XDG_RUNTIME_DIR"] = str(runtime)
-    try:
+    with kept_connections(node.env) as env:
         yield env
-    finally:
-        tpufab("disconnect", env=env, timeout=60)
-        for pid in keepers(env) + residents(env):
-            os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: not keepers(env) and not residents(env), 30, 0.05,
-                 "the keepers and resident servers to be gone")
-        shutil.rmtree(runtime, ignore_errors=True)
-
-
-def keepers(env: dict, module: bytes = b"tpufab.ssh.keeper") -> list[int]:
-    """Pids of the keepers (``module``'s processes) started under ``env``'s runtime dir."""
-    mine = os.path.join(env["XDG_RUNTIME_DIR"], "tpufab", "").encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                argv = fh.read().split(b"\0")
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                state = fh.read().rsplit(b")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if any(module in a for a in argv) and any(a.startswith(mine) for a in argv) \
-                and state != b"Z":
-            found.append(int(entry))
-    return found
-
-
-def residents(env: dict) -> list[int]:
-    """Pids of the resident command servers started under ``env``'s runtime dir."""
-    return keepers(env, b"tpufab.resident")
 
 
 def sockets(env: dict) -> list[Path]:
@@ -230,7 +199,7 @@ def test_the_first_command_s_keeper_starts_while_it_asks_the_api_and_none_is_lef
 
 @pytest.mark.sim
 def test_a_keeper_started_ahead_and_never_told_its_socket_exits(kept, monkeypatch):
-    from tpufab.ssh import keeper
+    from tpufab.ssh.keeper import client as keeper
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", kept["XDG_RUNTIME_DIR"])
     ahead = keeper.prestart()
@@ -593,9 +562,22 @@ def test_a_recreated_node_is_never_reached_through_an_old_connection(node, kept)
     assert result.stdout.count("NEW") == 2 and "OLD" not in result.stdout, result.stdout
     assert len(sockets(kept)) == 1
     kept_sessions(kept)
-    # `tpufab delete` takes the pod's kept connections with it
+    # `tpufab delete` takes the pod's kept connections with it, and a run followed through
+    # them says so (before: "the connection keeper stopped mid-command")
     assert keepers(kept)
-    deleted = tpufab("delete", "--yes", env=kept, timeout=300)
-    assert deleted.returncode == 0, deleted.stdout + deleted.stderr
+    here = Path(tempfile.mkdtemp(prefix="kd", dir="/tmp"))
+    (here / "long.sh").write_text("#!/bin/sh\necho long-start\nsleep 300\n")
+    follower = Running([TPUFAB, "run", "long.sh", "--no-deploy"], kept, cwd=here)
+    try:
+        wait_for(lambda: follower.saw("long-start"), 120, what="the run to start")
+        deleted = tpufab("delete", "--yes", env=kept, timeout=300)
+        assert deleted.returncode == 0, deleted.stdout + deleted.stderr
+        result = follower.wait(120)
+        said = result.stdout + result.stderr
+    finally:
+        follower.kill()
+        shutil.rmtree(here, ignore_errors=True)
+    assert "was stopped: `tpufab delete` is deleting the pod (from pid " in said, said
+    assert "stopped mid-command" not in said, said
     assert sockets(kept) == []
     wait_for(lambda: not keepers(kept), 30, 0.1, "the deleted pod's keeper to exit")

@@ -12,7 +12,7 @@ import io
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tpufab.ssh.fanout import WorkerResult
+from tpufab.ssh.results import WorkerResult
 from tpufab.steps.runs.env import fold_logs, render_folded
 from tpufab.steps.runs.running import FoldingView
 
@@ -268,7 +268,7 @@ def test_a_fast_big_log_still_folds_live_in_a_bounded_view():
     workers fold (each shown once, not four times) within the bound."""
     import threading
 
-    from tpufab.ssh.fanout import WorkerResult
+    from tpufab.ssh.results import WorkerResult
 
     workers, per_worker, chunk = 4, 100_000, 1000
     out = Counting()

@@ -13,6 +13,7 @@ import pytest
 from helpers import process_alive
 
 from tpufab.errors import ConfigError, TpufabError
+from tpufab.ssh.results import FanoutError, GroupResult
 from tpufab.steps.runs.env import Forwarded
 from tpufab.steps.start.localrun import run_local
 
@@ -84,12 +85,17 @@ def test_a_failing_worker_is_named(tmp_path):
                             'echo fine\n')
     out = io.StringIO()
     result = run_local(path, workers=4, out=out)
-    assert not result.ok and result.failed == [2]
+    assert not result.ok and list(result.failed) == [2]
     assert result.exit_codes == (0, 0, 3, 0)
     assert result.summary() == "Worker 2 failed (exit code 3)."
     assert "w2: boom" in out.getvalue().splitlines()
     with pytest.raises(TpufabError, match="Worker 2 failed"):
         result.raise_for_failure()
+    # the one command-result container, as a pod's run returns it: {worker: result}
+    assert isinstance(result, GroupResult) and list(result.succeeded) == [0, 1, 3]
+    assert result[2].exit_code == 3 and result[2].stdout == "boom\n" and result[0].stdout == "fine\n"
+    with pytest.raises(FanoutError, match=r"failed on 1 of 4 workers: w2 exit 3"):
+        result.check()
 
 
 def test_peers_of_a_failed_worker_are_stopped(tmp_path):

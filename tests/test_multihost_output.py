@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tpufab.ssh.fanout import WorkerResult
+from tpufab.ssh.results import WorkerResult
 from tpufab.steps.runs.env import fold_logs, render_folded, unfold
 from tpufab.steps.runs.running import FoldingView
 

@@ -23,11 +23,12 @@ from tpufab import quoting
 from tpufab.remote import facts_worker as facts
 from tpufab.remote import run_worker as launch
 from tpufab.remote import workerlib
-from tpufab.ssh.fanout import LiveView, WorkerResult, print_gathered
 from tpufab.ssh.remote_files import read_answer
+from tpufab.ssh.results import WorkerResult
 from tpufab.steps.runs.env import fold_logs, fold_stream, render_folded
 from tpufab.steps.runs.running import FoldingView, WorkerState, fold_states, prune_local_runs
 from tpufab.term.terminal import Lines, lines_of, neutralise, neutralise_text
+from tpufab.views.live import LiveView, print_gathered
 
 LAUNCH = shipped("run_worker.py")
 HF = "hf_Vq3/x+y=z&w-must-not-leak"
@@ -274,7 +275,7 @@ def test_live_view_prefixes_every_line_and_no_worker_can_forge_one():
 def test_gathered_output_is_neutralised_and_bounded_by_line():
     result = WorkerResult(0, 0)
     result.stdout_output.write(HOSTILE + b"x" * (3 << 20))       # 3 MiB without a newline
-    from tpufab.ssh.fanout import GroupResult
+    from tpufab.ssh.results import GroupResult
 
     out, err = io.BytesIO(), io.BytesIO()
     print_gathered(GroupResult({0: result}), out, err, color=False)
@@ -351,7 +352,7 @@ def test_a_worker_with_an_extra_line_before_the_last_still_folds_the_last_line(w
 
 MEASURE_LOGS = r"""
 import resource, sys
-from tpufab.ssh.fanout import Output
+from tpufab.ssh.results import Output
 from tpufab.verbs import jobs
 
 class Counter:

@@ -240,7 +240,7 @@ class FakeResult:
     """A follower's result as the fan-out reports it."""
 
     def __init__(self, worker, status, exit_code=0):
-        from tpufab.ssh.fanout import WorkerResult
+        from tpufab.ssh.results import WorkerResult
 
         self.inner = WorkerResult(worker, exit_code)
         self.inner.stderr_output.write(answered("state", status).encode())  # run_worker.py's

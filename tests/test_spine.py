@@ -189,7 +189,7 @@ def test_the_api_result_types_are_the_fan_outs_own():
     """One result type: the API's PodResult and PodError ARE the fan-out's GroupResult and
     FanoutError (documented names kept as aliases, docs/api.md), not wrappers."""
     import tpufab
-    from tpufab.ssh.fanout import FanoutError, GroupResult
+    from tpufab.ssh.results import FanoutError, GroupResult
 
     assert tpufab.PodResult is GroupResult and tpufab.PodError is FanoutError
 

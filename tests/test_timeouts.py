@@ -274,7 +274,8 @@ def test_two_pods_sharing_connections_keep_their_own_timeouts(monkeypatch, tmp_p
     from tpufab.config import Settings
     from tpufab.hosts import connect as connection
     from tpufab.pod.api import Pod
-    from tpufab.ssh.fanout import Fanout, Target
+    from tpufab.ssh.connections import Target
+    from tpufab.ssh.fanout import Fanout
     from tpufab.ssh.hostkeys import KnownHosts
 
     silent = socket.create_server(("127.0.0.1", 0))  # a worker that never speaks SSH

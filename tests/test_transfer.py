@@ -175,7 +175,8 @@ PUT_DRIVER = r"""
 import json, sys
 from tpufab.ssh import transfer
 from tpufab.term.console import run
-from tpufab.ssh.fanout import Fanout, Target
+from tpufab.ssh.connections import Target
+from tpufab.ssh.fanout import Fanout
 from tpufab.ssh.hostkeys import KnownHosts, alias
 spec = json.loads(sys.argv[1])
 targets = [Target(w, h, "root", spec["key"], 22, alias(spec["node"], w))

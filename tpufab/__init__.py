@@ -22,7 +22,7 @@ API = {"Pod": "tpufab.pod.api", "Run": "tpufab.pod.run", "Launched": "tpufab.pod
        "forget_host_keys": "tpufab.pod.pods",
        # one result type and one exception carrying every worker's result: the fan-out's
        # (Fabric's GroupResult and GroupException)
-       "PodResult": "tpufab.ssh.fanout:GroupResult", "PodError": "tpufab.ssh.fanout:FanoutError"}
+       "PodResult": "tpufab.ssh.results:GroupResult", "PodError": "tpufab.ssh.results:FanoutError"}
 __all__ = ["Pod", "Run", "Launched", "launch", "create", "create_node", "delete", "gc",
            "list_pods", "describe", "forget_host_keys", "PodResult", "PodError"]   # = API
 
@@ -39,8 +39,8 @@ if TYPE_CHECKING:
         list_pods,
     )
     from tpufab.pod.run import Run
-    from tpufab.ssh.fanout import FanoutError as PodError
-    from tpufab.ssh.fanout import GroupResult as PodResult
+    from tpufab.ssh.results import FanoutError as PodError
+    from tpufab.ssh.results import GroupResult as PodResult
 
 
 def __getattr__(name: str) -> object:

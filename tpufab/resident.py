@@ -4,15 +4,22 @@ A ``tpufab`` command that kept a pod's connections (tpufab.ssh.keeper) starts on
 (tpufab.entry), unless one serves already. It loads the CLI and every tpufab module a command
 may need (not the cloud clients), then listens on ``resident-<fingerprint>.sock`` in the
 keepers' private directory (0700; the socket 0600, the peer's uid checked on every
-connection). The ``tpufab`` entry (tpufab.entry) sends it a command with its own stdin, stdout
-and stderr; the server answers "ready", and on the client's "go" forks a child that takes the
-command's working directory, environment, umask, arguments and descriptors, tells the client
-its pid (the client forwards its signals there), runs ``tpufab.cli.main`` and exits with its
-code. The server reports how the child ended (its exit code or signal), so the client ends
-the same way. A child whose client went away is interrupted (as Ctrl-C would: the workers'
-commands are stopped).
+connection). The ``tpufab`` entry (tpufab.entry) sends it a command with its descriptors (its
+stdin, stdout, stderr and every other one it inherited: ``put <(echo x)``, ``launch
+/dev/fd/5``) and what else a process inherits (niceness, rlimits, cgroup, groups, CPU
+affinity, OOM score, ignored and blocked signals). The server forks a child that becomes that
+process (:func:`become`); where it cannot (a lower niceness or a higher hard limit than the
+server's, a cgroup it may not join, other groups), it says "not ready" and the command runs
+in its own process, as without a server. Else it answers "ready" with its pid, and on the
+client's "go" takes the command's working directory, environment, umask, arguments and
+stdio, says it started (the client forwards its signals to it), runs ``tpufab.cli.main`` and
+exits with its code. The server reports how the child ended (its exit code or signal), so the
+client ends the same way. A child whose client went away is interrupted (as Ctrl-C would: the
+workers' commands are stopped). The server's own environment is the starting command's
+without its secrets (tpufab.ssh.keeper.sockets.server_env): a command's own environment
+lives in its child only.
 
-It exits after ``keep_alive`` seconds without a command, as soon as no keeper is left in its
+It exits after ``keep_alive`` seconds without a command, as soon as no keeper serves in its
 directory (``tpufab disconnect``, keepers that timed out), and when its socket is removed or
 taken over. Its log is beside the socket (``.log``).
 """
@@ -32,6 +39,7 @@ from pathlib import Path
 
 TICK = 1.0            # s: how often an idle server looks at its clock, socket and keepers
 HELLO_WAIT = 5.0      # s: a client's whole request, and its "go" after "ready"
+MAX_FDS = 64          # descriptors a command may bring (stdio included); more: it runs itself
 NOT_PRELOADED = ("tpufab.sim", "tpufab.remote", "tpufab.templates")
 
 
@@ -66,9 +74,13 @@ def preload() -> None:
 
 
 def _keepers_left(folder: Path) -> bool:
+    """A keeper serves in ``folder`` (holds the lock beside its socket: a socket file that a
+    killed keeper left is none)."""
+    from tpufab.ssh.keeper.sockets import serving
+
     try:
         return any(name.endswith(".sock") and not name.startswith("resident-")
-                   for name in os.listdir(folder))
+                   and serving(os.path.join(folder, name)) for name in os.listdir(folder))
     except OSError:
         return False
 
@@ -114,14 +126,11 @@ class Server:
             if _peer_uid(conn) != os.getuid():
                 return
             hello, fds = _hello(conn)
-            if hello is None or len(fds) != 3:
+            if hello is None:
                 _send(conn, {"ready": False})
                 return
-            _send(conn, {"ready": True})
-            if not _go(conn):
-                return
             self.last = time.monotonic()
-            pid = os.fork()
+            pid = os.fork()   # the child answers: the server never waits on a client
             if pid == 0:
                 self.child(conn, fds, hello)   # never returns
             pidfd = os.pidfd_open(pid)
@@ -150,7 +159,9 @@ class Server:
         self.last = time.monotonic()
 
     def child(self, conn: socket.socket, fds: list[int], hello: dict) -> None:
-        """Become the command: its session, descriptors, directory, environment; run it."""
+        """Become the command's process (its session, descriptors, niceness, limits, cgroup,
+        signals; then its directory, environment, stdio) and run it; or say "not ready" and
+        end, when one of them cannot be the caller's (the command then runs itself)."""
         code = 1
         try:
             os.setsid()
@@ -159,19 +170,20 @@ class Server:
             for pidfd, (_pid, other) in self.children.items():
                 os.close(pidfd)
                 other.close()
-            from tpufab.ssh.keeper import _HELD
+            from tpufab.ssh.keeper.server import HELD
 
-            for lock in _HELD:   # the socket's lock is the server's, not its children's
+            for lock in HELD:   # the socket's lock is the server's, not its children's
                 lock.close()
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGCHLD):
-                signal.signal(sig, signal.SIG_DFL)
-            signal.signal(signal.SIGPIPE, signal.SIG_IGN)   # as Python sets it
-            for target, fd in enumerate(fds):
-                os.dup2(fd, target)
-            for fd in fds:
-                if fd > 2:
-                    os.close(fd)
+            conn = _descriptors(conn, fds, hello["fds"])   # first: below the server's limits
+            why = become(hello)
+            if why is not None:
+                _send(conn, {"ready": False, "why": why})
+                code = 0
+                return
+            _send(conn, {"ready": True, "pid": os.getpid()})
+            if not _go(conn):
+                code = 0
+                return
             os.chdir(hello["cwd"])
             os.umask(int(hello["umask"]))
             os.environ.clear()
@@ -182,22 +194,120 @@ class Server:
             sys.argv = [hello["argv0"], *hello["argv"]]
             _stdio(hello.get("stdio") or {})
             conn.settimeout(None)
-            _send(conn, {"pid": os.getpid()})
+            _send(conn, {"started": True})
             threading.Thread(target=_watch, args=(conn,), daemon=True).start()
             code = _run()
+        except BaseException:   # noqa: BLE001 - never back into the server's loop
+            pass
         finally:
             os._exit(code)
 
 
+def become(hello: dict) -> str | None:
+    """Take the caller's process attributes (tpufab.entry sends them): None, or why one of
+    them cannot be the caller's here."""
+    import resource
+
+    if (os.getgid(), os.getegid(), sorted(os.getgroups())) != \
+            (hello["gid"], hello["egid"], sorted(hello["groups"])):
+        return "its groups are not the server's"
+    why = _join_cgroup(hello["cgroup"])
+    if why:
+        return why
+    try:
+        if os.getpriority(os.PRIO_PROCESS, 0) != hello["nice"]:
+            os.setpriority(os.PRIO_PROCESS, 0, hello["nice"])
+    except OSError:
+        return f"it runs at niceness {hello['nice']}, lower than the server's"
+    for name, (soft, hard) in hello["limits"].items():
+        which = getattr(resource, name, None)
+        if which is None or resource.getrlimit(which) == (soft, hard):
+            continue
+        try:
+            resource.setrlimit(which, (soft, hard))
+        except (OSError, ValueError):
+            return f"its {name} ({soft}, {hard}) is above the server's"
+    try:
+        if hello.get("affinity") and os.sched_getaffinity(0) != set(hello["affinity"]):
+            os.sched_setaffinity(0, hello["affinity"])
+        if hello.get("oom") is not None and _read("/proc/self/oom_score_adj") != hello["oom"]:
+            with open("/proc/self/oom_score_adj", "w") as fh:
+                fh.write(hello["oom"])
+    except OSError as err:
+        return f"its CPU affinity or OOM score cannot be taken ({err.strerror})"
+    ignored = set(hello["ignored"])
+    for signum in signal.valid_signals():
+        if signum in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        how = signal.SIG_IGN if signum in ignored else \
+            signal.default_int_handler if signum == signal.SIGINT else \
+            signal.SIG_IGN if signum == signal.SIGPIPE else signal.SIG_DFL   # as Python sets them
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(signum, how)
+    signal.pthread_sigmask(signal.SIG_SETMASK, hello["blocked"])
+    return None
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def _join_cgroup(theirs: str | None) -> str | None:
+    """Move into the caller's cgroups (each hierarchy /proc/self/cgroup names); why not."""
+    if theirs is None or _read("/proc/self/cgroup") == theirs:
+        return None
+    for line in theirs.splitlines():
+        number, controllers, where = line.split(":", 2)
+        mine = "/sys/fs/cgroup" if number == "0" and "\n" not in theirs.strip() else \
+            "/sys/fs/cgroup/unified" if number == "0" else \
+            "/sys/fs/cgroup/" + controllers.replace("name=", "")
+        with contextlib.suppress(OSError):
+            with open(f"{mine}{where}/cgroup.procs", "w") as fh:
+                fh.write(str(os.getpid()))
+    if _read("/proc/self/cgroup") != theirs:
+        return "it runs in a cgroup the server may not join"
+    return None
+
+
+def _descriptors(conn: socket.socket, fds: list[int], targets: list[int]) -> socket.socket:
+    """The caller's descriptors at their own numbers, and no other (the server's are not the
+    command's); the connection to the client moves above them. The connection, moved."""
+    import fcntl
+
+    base = max([*targets, 2]) + 1
+    moved = socket.socket(fileno=fcntl.fcntl(conn.fileno(), fcntl.F_DUPFD_CLOEXEC, base))
+    moved.settimeout(conn.gettimeout())
+    conn.close()
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, base) for fd in fds]
+    for fd in fds:
+        os.close(fd)
+    fds.clear()
+    for fd, target in zip(high, targets, strict=True):
+        os.dup2(fd, target, inheritable=True)
+        os.close(fd)
+    keep = {*targets, moved.fileno()}
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd not in keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    return moved
+
+
 def _peer_uid(conn: socket.socket) -> int:
-    from tpufab.ssh.sockets import peer
+    from tpufab.ssh.keeper.sockets import peer
 
     return peer(conn)[1]
 
 
 def _hello(conn: socket.socket) -> tuple[dict | None, list[int]]:
-    """The client's request (one JSON line) and the descriptors that came with it."""
-    data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 3)
+    """The client's request (one JSON line) and the descriptors that came with it (None when
+    the request is not whole, or its descriptors are not the ones it names)."""
+    data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, MAX_FDS)
     while data and not data.endswith(b"\n"):
         chunk = conn.recv(1 << 16)
         if not chunk:
@@ -207,8 +317,12 @@ def _hello(conn: socket.socket) -> tuple[dict | None, list[int]]:
         hello = json.loads(data)
     except ValueError:
         return None, fds
-    needed = {"argv", "argv0", "cwd", "env", "umask"}
-    return (hello if isinstance(hello, dict) and needed <= hello.keys() else None), fds
+    needed = {"argv", "argv0", "cwd", "env", "umask", "fds", "nice", "limits", "cgroup",
+              "groups", "gid", "egid", "ignored", "blocked"}
+    if not isinstance(hello, dict) or not needed <= hello.keys() or \
+            len(hello["fds"]) != len(fds) or hello["fds"][:3] != [0, 1, 2]:
+        return None, fds
+    return hello, fds
 
 
 def _go(conn: socket.socket) -> bool:
@@ -291,7 +405,7 @@ def _run() -> int:
 
 
 def main(argv: list[str]) -> int:
-    from tpufab.ssh.keeper import detach, listen
+    from tpufab.ssh.keeper.server import detach, leave, listen
 
     detach()
     path, keep_alive = Path(argv[0]), float(argv[1])
@@ -315,7 +429,5 @@ def main(argv: list[str]) -> int:
     try:
         server.loop()
     finally:
-        with contextlib.suppress(OSError):
-            if os.stat(path).st_ino == server.inode:
-                path.unlink()
+        leave(path, server.inode)
     return 0

@@ -884,8 +884,8 @@ class Babysitter:
         return self.attempts[0].run_id if self.attempts else self._first_run_id
 
     def _attempt(self, number: int, restarts: int) -> Attempt:
-        from tpufab.ssh.fanout import FanoutInterrupted
         from tpufab.ssh.remote_files import RemoteFile
+        from tpufab.ssh.results import FanoutInterrupted
         from tpufab.steps.runs import running as jobs
         from tpufab.steps.runs.env import Forwarded, new_run_id
 
@@ -1035,8 +1035,8 @@ class Babysitter:
         return forwarded_for(self.settings, self.env)
 
     def _watch(self, pod, plan, number: int, attempt_dir: Path) -> Attempt:
-        from tpufab.ssh.fanout import LiveView
         from tpufab.steps.runs import running as jobs
+        from tpufab.views.live import LiveView
 
         workers = plan.workers
         ended: dict[int, WorkerState] = {}

@@ -224,7 +224,7 @@ def connect(settings: Settings, *, control: ControlPlane | None = None,
             return pod
     pending = None
     if settings.keep_alive_seconds > 0 and settings.name:
-        from tpufab.ssh import keeper
+        from tpufab.ssh.keeper import client as keeper
 
         pending = keeper.prestart()   # its start overlaps the API lookup below
     from tpufab.cloud import lifecycle, oslogin
@@ -232,7 +232,8 @@ def connect(settings: Settings, *, control: ControlPlane | None = None,
     name = lifecycle.validate_name(settings.name)
     settings.project = settings.require("project")
     from tpufab.ssh import keys as sshkeys
-    from tpufab.ssh.fanout import Fanout, Target
+    from tpufab.ssh.connections import Target
+    from tpufab.ssh.fanout import Fanout
     from tpufab.ssh.hostkeys import KnownHosts
     from tpufab.term.console import stderr
 
@@ -277,7 +278,7 @@ def connect(settings: Settings, *, control: ControlPlane | None = None,
                     ssh_transport=settings.ssh_transport,
                     connect_timeout=settings.connect_timeout,
                     command_timeout=settings.command_timeout)
-    from tpufab.ssh import keeper
+    from tpufab.ssh.keeper import client as keeper
 
     # later runs go to the pod's kept connections, if on; the keeper keeps what the API said
     keeper.attach(fanout, settings, {"nodes": nodes, "slices": slices,
@@ -319,7 +320,7 @@ class KeptControl:
         return self._local
 
     def __getattr__(self, attr: str):
-        from tpufab.ssh import keeper
+        from tpufab.ssh.keeper import client as keeper
 
         if attr.startswith("_") or attr not in keeper.API_READS:
             return getattr(self.local(), attr)
@@ -363,7 +364,7 @@ def same_nodes(a: list[Node], b: list[Node]) -> bool:
 def _warm(settings: Settings):
     if settings.keep_alive_seconds <= 0:
         return None
-    from tpufab.ssh import keeper
+    from tpufab.ssh.keeper import client as keeper
 
     found = keeper.lookup(settings.project, settings.zone, settings.name, fingerprint(settings))
     if found is None:
@@ -417,12 +418,12 @@ def forget(settings: Settings) -> None:
         _OPEN.pop(key).close()
 
 
-def stop_keepers(settings: Settings) -> int:
+def stop_keepers(settings: Settings, why: str | None = None) -> int:
     """Stop the background processes keeping the pod's connections (tpufab.ssh.keeper): how
-    many there were."""
-    from tpufab.ssh import keeper
+    many there were. ``why``: what the commands under way over them are told."""
+    from tpufab.ssh.keeper import client as keeper
 
-    return keeper.stop(settings.project, settings.zone, settings.name)
+    return keeper.stop(settings.project, settings.zone, settings.name, why)
 
 
 def disconnect(settings: Settings) -> int:
@@ -431,7 +432,7 @@ def disconnect(settings: Settings) -> int:
     from tpufab.cloud import lifecycle
     from tpufab.errors import NotFound
 
-    stopped = stop_keepers(settings)
+    stopped = stop_keepers(settings, "`tpufab disconnect` closed the pod's connections")
     if not stopped:   # nothing was kept: say so only of a pod that exists
         try:
             lifecycle.describe(settings)
@@ -447,7 +448,7 @@ def disconnect(settings: Settings) -> int:
 def kept(settings: Settings) -> str | None:
     """One line: whether the pod's connections are kept between commands (None: keep_alive
     is 0)."""
-    from tpufab.ssh import keeper
+    from tpufab.ssh.keeper import client as keeper
 
     return keeper.describe(settings.project, settings.zone, settings.name,
                            settings.keep_alive_seconds)

@@ -35,9 +35,10 @@ if TYPE_CHECKING:
     from tpufab.flows.babysit import BabysitResult
     from tpufab.hosts.connect import Hosts
     from tpufab.pod.run import Run
-    from tpufab.ssh.fanout import Fanout, OutputSink
-    from tpufab.ssh.fanout import GroupResult as PodResult
+    from tpufab.ssh.fanout import Fanout
     from tpufab.ssh.forward import Forwarder
+    from tpufab.ssh.results import GroupResult as PodResult
+    from tpufab.ssh.results import OutputSink
     from tpufab.ssh.transfer import Progress as BytesProgress
     from tpufab.ssh.transfer import TransferReport
     from tpufab.steps.code.deploy import DeployReport

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from tpufab.cloud.nodes import Node
     from tpufab.flows.launch import Launch
-    from tpufab.ssh.fanout import OutputSink
+    from tpufab.ssh.results import OutputSink
 
 
 class Launched:

@@ -79,7 +79,7 @@ def delete(name: str | None = None, *, zone: str | None = None,
 
     chosen = _settings(name, zone, project, {})
     connect.forget(chosen)
-    connect.stop_keepers(chosen)  # its kept connections go with it
+    connect.stop_keepers(chosen, "`tpufab delete` is deleting the pod")  # its connections go
     deleted = lifecycle.delete(chosen, yes=yes, console=console)
     if deleted:
         _keep_ssh_config(chosen, console, gone=True)

@@ -12,7 +12,7 @@ from tpufab.errors import ConfigError
 if TYPE_CHECKING:
     from tpufab.config import Settings
     from tpufab.hosts.connect import Hosts
-    from tpufab.ssh.fanout import OutputSink
+    from tpufab.ssh.results import OutputSink
     from tpufab.steps.health.stacks import StacksReport
     from tpufab.steps.start.stall import StallHandler, StallWatch
     from tpufab.steps.start.starting import Started
@@ -81,7 +81,7 @@ class Run:
         """Stream the run's log from every worker into ``sink`` (masked; a copy per worker in
         ``copy_dir``; ``on_end(worker, state)`` as each one ends) until it ends everywhere:
         {worker: state}; None when Ctrl-C stopped following (the run goes on)."""
-        from tpufab.ssh.fanout import FanoutInterrupted
+        from tpufab.ssh.results import FanoutInterrupted
         from tpufab.steps.runs import running as jobs
 
         follower = jobs.FollowSink(sink, secrets=self.secrets, copy_dir=copy_dir,

@@ -17,6 +17,9 @@ client -> agent:
   R run: ``c<command>`` or ``a<arg>``..., ``e<NAME>=<value>``..., ``t<timeout s>``,
          ``d<cwd>``, ``s`` (stdin follows as I/E frames)
   I stdin data, E stdin EOF, K kill (signal name), P put (``p<path>``, ``m<mode>``, ``\\0\\0``, bytes)
+  U in use: ``1`` while a command holds this connection (the default), ``0`` while it is kept
+    between commands: the agent then names itself IDLE_AGENT_NAME, which autostop does not
+    count as work (a command run through it counts by its marker)
 agent -> client:
   H hello ``<pid> <python version>``, O stdout, X stderr, F failed to start ``<message>``
   D done ``<exit code> <signal or 0> <timed out 0/1>``
@@ -29,7 +32,7 @@ import struct
 import sys
 import time
 
-from tpufab.remote.workerlib import all_pids, proc_stat
+from tpufab.remote.workerlib import IDLE_AGENT_NAME, all_pids, proc_stat
 
 HEADER = struct.Struct(">BII")
 MARKER = "TPUFAB_TASK"
@@ -99,6 +102,14 @@ def kill_session(sid):
                          null.fileno(), null.fileno(), null.fileno())
     except OSError:
         return None
+
+
+def read_comm():
+    try:
+        with open("/proc/self/comm") as fh:
+            return fh.read().strip() or "python3"
+    except OSError:
+        return "python3"
 
 
 def parse_fields(payload):
@@ -267,6 +278,17 @@ class Agent:
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         self.poller.register(0, select.POLLIN)
         self.poller.register(wake_r, select.POLLIN)
+        self.comm = None   # its own name, read the first time it is renamed
+
+    def use(self, used):
+        """Held by a command, or kept idle between commands (the process's name says which)."""
+        if self.comm is None:
+            self.comm = read_comm()
+        try:
+            with open("/proc/self/comm", "w") as fh:
+                fh.write(self.comm if used else IDLE_AGENT_NAME)
+        except OSError:
+            pass
 
     # -- requests ------------------------------------------------------------------------
     def handle(self, kind, task_id, payload):
@@ -280,6 +302,8 @@ class Agent:
             for fd in task.streams:
                 self.by_fd[fd] = task
                 self.poller.register(fd, select.POLLIN)
+        elif kind == "U":
+            self.use(payload == b"1")
         elif kind == "P":
             head, _, data = payload.partition(b"\0\0")
             fields = parse_fields(head)

@@ -2,7 +2,7 @@
 """tpufab deploy, worker side (stdlib only; shipped once per content hash).
 
     deploy_worker.py status --dir DIR
-    deploy_worker.py lease --token T --owner TEXT --purpose TEXT
+    deploy_worker.py hold --token T --owner TEXT --purpose TEXT
     deploy_worker.py release --token T
     deploy_worker.py checkout --dir DIR --source URL|BUNDLE --commit SHA
                      [--fetch-ref REF] [--branch NAME] [--origin URL] [--remove-source]
@@ -19,19 +19,24 @@ Prints exactly one JSON object on stdout:
 with KIND one of unreachable, auth_failed, disk_full, not_a_repo, local_changes, missing_commit,
 no_git, git_failed, busy. Exit status: 0 ok, 3 failure.
 
-``lease``: the pod's code has one writer at a time. A lease (``~/.tpufab/locks/code.json``)
-names its holder: the fan-out agent of the tpufab process that took it (TPUFAB_TASK carries
-the agent's pid), so it ends with that process's SSH connection, a SIGKILLed client
-included. Another token's lease whose agent lives is ``busy``; ``release`` drops one's own.
+``hold``: the pod's code has one writer at a time. A lease (``~/.tpufab/locks/code.json``)
+names its holder: this very process, which answers once it holds the lease and then runs as
+long as the tpufab command that took it holds it: ``release`` (or a signal) ends it. Its
+command stops it when it ends or dies: its own connection closing, or the connection keeper
+stopping what a SIGKILLed client ran (the keeper's connections outlive the client, so
+the lease must not name them). A holder whose parent (the agent) is gone lets go too.
+Another token's lease whose holder lives is ``busy``; ``release`` drops one's own.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -216,12 +221,7 @@ def checkout(args: argparse.Namespace) -> dict:
 
 
 LOCK_DIR = "~/.tpufab/locks"
-
-
-def _holder_pid() -> int:
-    """The fan-out agent this script runs under (it lives as long as the SSH connection)."""
-    head = os.environ.get("TPUFAB_TASK", "").split(".", 1)[0]
-    return int(head) if head.isdigit() else os.getppid()
+HOLD_TICK = 1.0   # s: how often a lease's holder looks whether its agent still lives
 
 
 def _locked(fn):
@@ -243,29 +243,59 @@ def _read_lease(path: str) -> dict | None:
     return lease
 
 
-def lease(args: argparse.Namespace) -> dict:
-    def take(path: str) -> dict:
+class _Released(Exception):
+    """A signal told the holder to let go."""
+
+
+def _let_go(*_):
+    raise _Released
+
+
+def hold(args: argparse.Namespace) -> dict:
+    """Take the lease (or say who has it) and answer at once; then hold it until told to let
+    go (a signal: ``release``, or the agent stopping this command) or the agent is gone."""
+    def take(path: str) -> None:
         current = _read_lease(path)
         if current is not None and current.get("token") != args.token:
             age = max(0.0, time.time() - float(current.get("since") or time.time()))
             raise Failure("busy", f"{current.get('purpose')} by {current.get('owner')}, "
                                   f"under way for {age:.0f} s")
-        pid = _holder_pid()
-        holder = proc_stat(pid)
+        me = proc_stat(os.getpid())
         record = {"token": args.token, "owner": args.owner, "purpose": args.purpose,
-                  "pid": pid, "start_time": holder.start_time if holder else None,
+                  "pid": os.getpid(), "start_time": me.start_time if me else None,
                   "since": time.time()}
         write_atomic(path, json.dumps(record))
-        return {"ok": True, "action": "leased", "home": os.path.expanduser("~")}
 
-    return _locked(take)
+    def drop(path: str) -> None:
+        current = _read_lease(path)
+        if current is not None and current.get("token") == args.token:
+            os.unlink(path)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, _let_go)
+    parent = os.getppid()
+    try:
+        _locked(take)
+        answer("answer", {"ok": True, "action": "leased", "home": os.path.expanduser("~")})
+        while os.getppid() == parent:
+            time.sleep(HOLD_TICK)
+    except _Released:
+        pass
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)   # one letting go lets go once
+        _locked(drop)
+    return {"ok": True, "action": "released"}
 
 
 def release(args: argparse.Namespace) -> dict:
+    """Let go of one's own lease: its holder is told to (and the lease goes with it)."""
     def drop(path: str) -> dict:
         current = _read_lease(path)
         if current is not None and current.get("token") == args.token:
             os.unlink(path)
+            with contextlib.suppress(OSError):
+                os.kill(current["pid"], signal.SIGTERM)
         return {"ok": True, "action": "released"}
 
     return _locked(drop)
@@ -276,7 +306,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     sub = parser.add_subparsers(dest="verb", required=True)
     st = sub.add_parser("status")
     st.add_argument("--dir", required=True)
-    le = sub.add_parser("lease")
+    le = sub.add_parser("hold")
     le.add_argument("--token", required=True)
     le.add_argument("--owner", required=True)
     le.add_argument("--purpose", required=True)
@@ -298,7 +328,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     try:
-        verbs = {"status": status, "lease": lease, "release": release, "checkout": checkout}
+        verbs = {"status": status, "hold": hold, "release": release, "checkout": checkout}
         result = verbs[args.verb](args)
         code = 0
     except Failure as err:

@@ -21,6 +21,7 @@ COMMAND_CHARS = 200
 EXITED = ("Z", "X", "x")                             # /proc/<pid>/stat states of the dead
 MOUNTS_DIR = "~/.cache/tpufab/mounts"   # where tpufab records its mounts: a record and a log each
 SUPERVISOR_NAME = "tpufab-run"                       # the comm run_worker.py's supervisor takes
+IDLE_AGENT_NAME = "tpufab-idle"    # the comm of a fan-out agent no command holds (a kept connection)
 END_RESERVED = 4096                                  # the bytes of a run's end.json
 # A secret's value is masked inside output only from this many characters on: a shorter one
 # ("1", "128", "abc") is a word that output holds anyway, and masking it garbles every line
@@ -345,12 +346,14 @@ TASK_MARKER = b"TPUFAB_TASK="
 def tpufab_sessions(ignore=("autostop_worker.py",)):
     """What tpufab (or a person over ssh) is doing on this worker now: [(pid, what)].
 
-    A live fan-out agent (a kept connection: its loader is named ``tpufab-agent``), a one-shot
-    wrapper (``tpufab-oneshot``), any process carrying the ``TPUFAB_TASK`` marker (a command
-    either runs: exec, setup, deploy, get's reads, launch's steps, and what they start), and an
-    interactive ssh session (sshd's ``USER@pts/N``: `tpufab ssh`, plain ssh). Processes whose
-    command line names one of ``ignore`` (the autostop watchdog and its own queries) do not
-    count; the caller itself never does."""
+    A fan-out agent a tpufab command holds (its loader is named ``tpufab-agent``; one kept
+    between commands, which names itself IDLE_AGENT_NAME, is no work: what a command runs
+    through it counts by its marker), a one-shot wrapper (``tpufab-oneshot``), any process
+    carrying the ``TPUFAB_TASK`` marker (a command either runs: exec, setup, deploy, get's
+    reads, launch's steps, and what they start), and an interactive ssh session (sshd's
+    ``USER@pts/N``: `tpufab ssh`, plain ssh). Processes whose command line names one of
+    ``ignore`` (the autostop watchdog and its own queries) do not count; the caller itself
+    never does."""
     found = []
     me = os.getpid()
     for pid in all_pids():
@@ -362,6 +365,8 @@ def tpufab_sessions(ignore=("autostop_worker.py",)):
             continue
         what = None
         if "tpufab-agent" in text and "python" in os.path.basename(argv[0]):
+            if read_text(f"/proc/{pid}/comm") == IDLE_AGENT_NAME:
+                continue
             what = "tpufab connection"
         elif "tpufab-oneshot" in argv:
             what = "tpufab command"

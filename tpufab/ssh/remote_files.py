@@ -46,6 +46,7 @@ from tpufab.remote.workerlib import ANSWER_TAG as ANSWER_TAG
 from tpufab.remote.workerlib import parse_answer as parse_answer
 from tpufab.remote.workerlib import read_answer as read_answer
 from tpufab.remote.workerlib import read_answers as read_answers
+from tpufab.ssh.results import GroupResult
 
 CACHE_DIR = ".cache/tpufab/remote"
 MISSING = 97   # the guard's exit status
@@ -327,7 +328,7 @@ def missing_files(outcome) -> bool:
             and outcome.stdout_output.size == 0 and outcome.stderr_output.size == 0)
 
 
-def ship(group, files: Sequence[RemoteFile], workers: Sequence[int]) -> dict[int, object]:
+def ship(group, files: Sequence[RemoteFile], workers: Sequence[int]) -> GroupResult:
     """Put ``files`` on ``workers``; returns the failed puts by worker."""
     failed: dict[int, object] = {}
     for f in files:
@@ -336,20 +337,21 @@ def ship(group, files: Sequence[RemoteFile], workers: Sequence[int]) -> dict[int
             break
         put = group.put(f.data, f.path, workers=todo, mode=f.mode, check=False)
         failed.update({w: r for w, r in put.items() if not r.ok})
-    return failed
+    return GroupResult(failed, f"put {', '.join(f.name for f in files)}")
 
 
 def run_with_files(group, files: Sequence[RemoteFile], line: str, workers: Sequence[int], *,
                    env: Mapping[str, str] | None = None,
                    secrets: Mapping[str, Secret] | None = None, stdin: bytes | None = None,
                    sink=None, timeout: float | None = None,
-                   from_memory: str | None = None) -> dict[int, object]:
+                   from_memory: str | None = None) -> GroupResult:
     """Run a guarded command (see ``guard``); ship what is missing where it is, run again there.
 
     ``from_memory``: the same command with its one file (a Python script) read from stdin
     (``python_command(..., from_stdin=True)``), run where shipping failed because the disk
     is full: what must work on a full disk (kill, status) needs no space there.
-    Returns ``{worker: WorkerResult}``; a failed put stands in for a worker it failed on.
+    Returns the one command-result container (``{worker: WorkerResult}``: a GroupResult);
+    a failed put stands in for a worker it failed on.
     """
     kwargs = {"env": env, "secrets": secrets, "stdin": stdin, "sink": sink, "timeout": timeout}
     results = dict(group.run(line, workers=list(workers), **kwargs))
@@ -365,18 +367,19 @@ def run_with_files(group, files: Sequence[RemoteFile], line: str, workers: Seque
         if full:
             results.update(group.run(from_memory, workers=full,
                                      **{**kwargs, "stdin": files[0].data}))
-    return results
+    return GroupResult(results, " ".join(f.name for f in files))
 
 
 def run_script(group, script: RemoteFile | str, args: Sequence[Piece], workers: Sequence[int], *,
                as_root: bool = False, env: Mapping[str, str] | None = None,
                secrets: Mapping[str, Secret] | None = None, sink=None,
-               timeout: float | None = None, from_memory: bool = False) -> dict[int, object]:
+               timeout: float | None = None, from_memory: bool = False) -> GroupResult:
     """Run a stdlib-only worker script (bundled with tpufab when given by name) on
     ``workers`` in one round trip each, shipping it first where it is missing
     (``from_memory``: or sending it on stdin where the disk is too full to ship it).
 
-    Returns ``{worker: WorkerResult}``; read the answer with ``read_answer(result.stdout)``.
+    Returns a GroupResult (``{worker: WorkerResult}``); read each answer with
+    ``read_answer(result.stdout)``.
     """
     if isinstance(script, str):
         script = RemoteFile.bundled(script)
@@ -388,20 +391,20 @@ def run_script(group, script: RemoteFile | str, args: Sequence[Piece], workers: 
 
 
 def put_each(group, contents: Mapping[int, bytes], path: str, *, mode: int = 0o600,
-             threads: int = 32) -> dict[int, object]:
+             threads: int = 32) -> GroupResult:
     """Write different bytes to the same path on each worker, all at once.
 
     One put per worker (a put carries one content for its whole selection), run from a small
     thread pool so the round trips overlap. Connections must be open already (``open``).
-    Returns ``{worker: WorkerResult}``.
+    Returns a GroupResult (``{worker: WorkerResult}``).
     """
     def one(worker: int):
         return worker, group.put(contents[worker], path, workers=[worker], mode=mode,
                                  check=False)[worker]
 
     if len(contents) == 1:
-        return dict([one(next(iter(contents)))])
+        return GroupResult(dict([one(next(iter(contents)))]), f"put {path}")
     with ThreadPoolExecutor(max_workers=min(threads, len(contents)),
                             thread_name_prefix="tpufab-put") as pool:
-        return dict(pool.map(one, sorted(contents)))
+        return GroupResult(dict(pool.map(one, sorted(contents))), f"put {path}")
 

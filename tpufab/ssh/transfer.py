@@ -30,7 +30,7 @@ from pathlib import Path
 from tpufab import nodeset
 from tpufab.errors import CodeBusy, ConfigError, TpufabError
 from tpufab.reports import Column, Report, last_line, text
-from tpufab.ssh.fanout import FanoutInterrupted
+from tpufab.ssh.connections import lost_mid_transfer
 from tpufab.ssh.remote_files import (
     RemoteFile,
     parse_answer,
@@ -38,6 +38,7 @@ from tpufab.ssh.remote_files import (
     read_answer,
     run_with_files,
 )
+from tpufab.ssh.results import FanoutInterrupted
 
 CHUNK = 1 << 18
 DEFAULT_CONCURRENCY = 16
@@ -243,7 +244,7 @@ def _call(fanout, op: str, requests: Mapping[int, dict], *, on_line=None,
         body, workers = item
         kwargs = {"stdin": body.encode(), "timeout": timeout}
         if on_line is not None:
-            from tpufab.ssh.fanout import LineCallback
+            from tpufab.ssh.results import LineCallback
 
             kwargs["sink"] = LineCallback(on_line)
         return run_with_files(fanout, [script], line, workers, **kwargs)
@@ -491,7 +492,7 @@ def _upload_error(fanout, plan: _PutPlan, token: str, err: Exception) -> str:
         return _no_space_sentence(plan.worker, free, plan.root)
     if isinstance(err, PermissionError) or "ermission denied" in text:
         return f"permission denied writing under {os.path.dirname(plan.root)}"
-    return text
+    return lost_mid_transfer(err) or text
 
 
 def _relay(fanout, seed_plan: _PutPlan, files: Sequence[LocalFile],
@@ -631,9 +632,9 @@ def get(fanout, remote: str, local: str | os.PathLike[str], *, workers=None,
         try:
             _download(fanout, jobs[worker], token, row, progress, stop)
         except OSError as err:
-            row.error = _local_error(err)
+            row.error = lost_mid_transfer(err) or _local_error(err)
         except Exception as err:  # noqa: BLE001 - becomes this worker's row
-            row.error = str(err) or type(err).__name__
+            row.error = lost_mid_transfer(err) or str(err) or type(err).__name__
         row.seconds = time.perf_counter() - began
         progress.worker_done(worker)
 

@@ -22,7 +22,7 @@ def exec_(call: Call, *, gather: bool = False, raw: bool = False, color: bool = 
     ``timeout``: seconds the command may run on each worker (then it is stopped there and
     that worker fails); connecting waits at most connect_timeout (20 s) or this, if
     shorter."""
-    from tpufab.ssh.fanout import print_gathered
+    from tpufab.views.live import print_gathered
     from tpufab.views.runlogs import follow_view
 
     command = call.args["command"]

@@ -11,7 +11,7 @@ def follow_view(workers: Sequence[int], *, raw: bool = False, color: bool = Fals
     """The live view of a followed run: every line prefixed (raw), else folded, each line
     once (`tpufab logs`'s folding, as lines come)."""
     if raw:
-        from tpufab.ssh.fanout import LiveView
+        from tpufab.views.live import LiveView
 
         return LiveView(workers=workers, worker_colors=color)
     from tpufab.steps.runs.running import FoldingView
@@ -21,7 +21,7 @@ def follow_view(workers: Sequence[int], *, raw: bool = False, color: bool = Fals
 
 def tee(*sinks):
     """One sink feeding every one of ``sinks`` (a view and a progress line, say)."""
-    from tpufab.ssh.fanout import Tee
+    from tpufab.views.live import Tee
 
     return Tee(list(sinks))
 

@@ -2,19 +2,26 @@
 
 ``hold`` takes the pod's code lease on every worker (worker 0 first, so two tpufabs racing
 for the same pod meet on one worker and exactly one of them goes on), yields, and releases it.
-The lease lives in ``~/.tpufab/locks/code.json`` on each worker and belongs to the fan-out
-agent of the process that took it, so it ends with that process's SSH connection even if the
-process is SIGKILLed (see ``remote/deploy_worker.py``). ``deploy`` holds it while it pushes,
-checks out and verifies; ``run`` holds it from its check for a live run until the recipe has
-started. Under the lease, ``live_runs`` says which runs would read the code.
+The lease lives in ``~/.tpufab/locks/code.json`` on each worker and belongs to a command of
+this process that runs there as long as the lease is held (``deploy_worker.py hold``, run in
+the background): it ends when this process releases the lease, and when this process ends or
+dies (SIGKILL included), through its own connection or through the pod's connection keeper,
+which stops what a client that went away was running (the keeper and its connections outlive
+the client: a lease naming them stayed held while the keeper lived). ``deploy`` holds it
+while it pushes, checks out and verifies; ``run`` holds it from its check for a live run
+until the recipe has started. Under the lease, ``live_runs`` says which runs would read the
+code.
 """
 
 from __future__ import annotations
 
 import getpass
+import math
 import os
 import secrets
 import socket
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,11 +29,20 @@ from dataclasses import dataclass, field
 from tpufab import nodeset
 from tpufab.errors import CodeBusy
 from tpufab.reports import answer_row
-from tpufab.ssh.remote_files import run_script
+from tpufab.ssh.remote_files import (
+    ANSWER_TAG,
+    RemoteFile,
+    missing_files,
+    python_command,
+    run_script,
+    ship,
+)
+from tpufab.ssh.results import WorkerResult
 from tpufab.steps.runs import running as jobs
 
 # The lease's worker side is a subcommand of the deploy script (it checks out under it).
 SCRIPT = "deploy_worker.py"
+RELEASE_WAIT = 5.0   # s: a released holder's command ends within a round trip; then it is stopped
 
 
 @dataclass
@@ -74,44 +90,133 @@ def _owner() -> str:
     return f"{user}@{socket.gethostname()} pid {os.getpid()}"
 
 
+class _Holders:
+    """The lease's holders: ``deploy_worker.py hold`` on each worker, a command that answers
+    once it holds the lease and then runs there as long as this process holds it. Each batch
+    runs in the background (a thread each, one fan-out run); this object is their sink, and
+    says each worker's outcome once it answered or its command ended."""
+
+    def __init__(self, fanout, line: str):
+        self.fanout, self.line = fanout, line
+        self.changed = threading.Condition()
+        self.answered: dict[int, WorkerResult] = {}   # worker -> its answer (while it holds)
+        self.ended: dict[int, object] = {}            # worker -> its command's result
+        self.runs: list[tuple[threading.Thread, threading.Event, list[int]]] = []
+
+    # -- as the runs' sink (their reader threads)
+    def lines(self, worker: int, stream: str, data: bytes) -> None:
+        if stream == "stdout" and ANSWER_TAG.encode() in data:
+            seen = WorkerResult(worker)
+            seen.stdout_output.write(data)
+            with self.changed:
+                self.answered[worker] = seen
+                self.changed.notify_all()
+
+    def done(self, result) -> None:
+        with self.changed:
+            self.ended[result.worker] = result
+            self.changed.notify_all()
+
+    def start(self, workers: list[int]) -> None:
+        cancel = threading.Event()
+
+        def run() -> None:
+            try:
+                self.fanout.run(self.line, workers=workers, timeout=math.inf, sink=self,
+                               cancel=cancel)
+            except Exception:  # noqa: BLE001,S110 - stopped (cancel): each worker's done says
+                pass
+        thread = threading.Thread(target=run, daemon=True, name="tpufab-lease")
+        self.runs.append((thread, cancel, workers))
+        thread.start()
+
+    def take(self, workers: list[int], seconds: float | None) -> dict[int, object]:
+        """Start holding on ``workers``: each one's outcome (its answer, or its command's
+        result), the script shipped first where it was missing; a worker that does not
+        answer within ``seconds`` (None: no bound) is "timed out"."""
+        self.start(workers)
+        got = self._wait(workers, seconds)
+        missing = [w for w, r in got.items() if missing_files(r)]
+        if missing:
+            failed = ship(self.fanout, [RemoteFile.bundled(SCRIPT)], missing)
+            got.update(failed)
+            again = [w for w in missing if w not in failed]
+            if again:
+                with self.changed:
+                    for w in again:
+                        self.ended.pop(w, None)
+                self.start(again)
+                got.update(self._wait(again, seconds))
+        return got
+
+    def _wait(self, workers: list[int], seconds: float | None) -> dict[int, object]:
+        deadline = None if seconds is None else time.monotonic() + seconds
+        with self.changed:
+            while True:
+                waiting = [w for w in workers if w not in self.answered and w not in self.ended]
+                left = None if deadline is None else deadline - time.monotonic()
+                if not waiting or (left is not None and left <= 0):
+                    break
+                self.changed.wait(left)
+            return {w: self.ended.get(w) or self.answered.get(w) or
+                    WorkerResult(w, error=f"timed out after {seconds:g} s") for w in workers}
+
+    def release(self, token: str, held: list[int], timeout: float | None) -> None:
+        """Let go: ``release`` stops each holder (the lease goes with it); a run whose holders
+        did not all end (a worker that did not answer) is stopped as Ctrl-C stops a command."""
+        if held:
+            try:
+                run_script(self.fanout, SCRIPT, ["release", "--token", token], held,
+                           timeout=timeout)
+            except Exception:  # noqa: BLE001,S110 - stopping its command below lets go too
+                pass
+        deadline = time.monotonic() + RELEASE_WAIT
+        for thread, cancel, workers in self.runs:
+            with self.changed:
+                lost = [w for w in workers if w not in self.answered and w not in self.ended]
+            if not lost:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                cancel.set()
+                thread.join(RELEASE_WAIT * 2)
+
+
 @contextmanager
-def hold(fanout, workers: Sequence[int], *, purpose: str,
+def hold(fanout, workers: Sequence[int], *, purpose: str, verb: str | None = None,
          timeout: float | None = None) -> Iterator[Lease]:
-    """The pod's code lease on ``workers`` for the block, or CodeBusy naming who has it
-    (``timeout``: seconds each worker has to answer; None: the fan-out's)."""
+    """The pod's code lease on ``workers`` for the block, or CodeBusy naming who has it and
+    saying to ``verb`` again (default: the first word of ``purpose``; ``timeout``: seconds
+    each worker has to answer; None: the fan-out's). The lease is tied to this process (see
+    the module's docstring)."""
     workers = sorted(workers)
     token = secrets.token_hex(8)
-    args = ["lease", "--token", token, "--owner", _owner(), "--purpose", purpose]
+    args = ["hold", "--token", token, "--owner", _owner(), "--purpose", purpose]
+    seconds = timeout if timeout is not None else getattr(fanout, "command_timeout", None)
+    holders = _Holders(fanout, python_command(RemoteFile.bundled(SCRIPT), args))
     rows, homes, lost = {}, {}, {}
-    for batch in (workers[:1], workers[1:]):
-        if not batch:
-            continue
-        outcomes = run_script(fanout, SCRIPT, args, batch, timeout=timeout)
-        for w in batch:
-            rows[w] = answer_row(LeaseAnswer, w, outcomes[w])
-            homes[w] = rows[w].home or "~"
-            if getattr(outcomes[w], "error", None) is not None:
-                lost[w] = outcomes[w]
-        if any(r.error == "busy" for r in rows.values()):
-            break
-    held = [w for w, r in rows.items() if r.ok]
     try:
+        for batch in (workers[:1], workers[1:]):
+            if not batch:
+                continue
+            outcomes = holders.take(batch, seconds)
+            for w in batch:
+                rows[w] = answer_row(LeaseAnswer, w, outcomes[w])
+                homes[w] = rows[w].home or "~"
+                if getattr(outcomes[w], "error", None) is not None:
+                    lost[w] = outcomes[w]
+            if any(r.error == "busy" for r in rows.values()):
+                break
         busy = [r for r in rows.values() if not r.ok and r.error == "busy"]
         if busy:
-            holders = sorted({r.message for r in busy if r.message})
+            holders_text = sorted({r.message for r in busy if r.message})
             raise CodeBusy(f"Another tpufab is changing the code on "
-                           f"{nodeset.fold(r.worker for r in busy)} ({'; '.join(holders)}); "
-                           f"wait for it to finish, then {purpose.split()[0]} again.")
+                           f"{nodeset.fold(r.worker for r in busy)} ({'; '.join(holders_text)}); "
+                           f"wait for it to finish, then {verb or purpose.split()[0]} again.")
         # A worker that could not be asked (unreachable, hung) holds no lease; the caller
         # reports it (Lease.lost) and leaves it out of the later steps; the others go on.
         yield Lease(token, homes, lost, purpose)
     finally:
-        if held:
-            try:
-                run_script(fanout, SCRIPT, ["release", "--token", token], held,
-                           timeout=timeout)
-            except Exception:  # noqa: BLE001 - the lease dies with our connection anyway
-                pass
+        holders.release(token, [w for w, r in rows.items() if r.ok], timeout)
 
 
 @dataclass(frozen=True)

@@ -395,7 +395,7 @@ def watch(hosts: Any, *, on_frame: Callable[[TopReport], None], every: float = 3
           sleep: Callable[[float], None] = time.sleep) -> TopReport:
     """Frames every ``every`` seconds (counted from each frame's start) until Ctrl-C or
     ``frames`` of them; each goes to ``on_frame``. Returns the last."""
-    from tpufab.ssh.fanout import FanoutInterrupted
+    from tpufab.ssh.results import FanoutInterrupted
 
     chosen = list(workers) if workers is not None else None
     count = 0

@@ -26,7 +26,8 @@ from pathlib import Path
 from tpufab import nodeset, quoting
 from tpufab.quoting import Secret
 from tpufab.reports import Report
-from tpufab.ssh.fanout import Fanout, FanoutError, GroupResult, OutputSink, WorkerResult
+from tpufab.ssh.fanout import Fanout
+from tpufab.ssh.results import FanoutError, GroupResult, OutputSink, WorkerResult
 
 
 @dataclass(frozen=True)

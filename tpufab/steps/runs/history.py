@@ -199,7 +199,7 @@ def run_logs(fanout, chosen: Sequence[int], run: str | None, *, timeout: float |
     whole, or (``follow``) streamed into ``sink`` until the run ends there, masked with
     ``secrets`` either way. ``sink`` may be a function of the followed workers that returns
     the sink (a folded view needs them). ``progress(text, style)`` hears which run it is."""
-    from tpufab.ssh.fanout import FanoutInterrupted
+    from tpufab.ssh.results import FanoutInterrupted
     from tpufab.steps.runs import running
 
     run_id, found, have = find_run(fanout, chosen, run, timeout=timeout)

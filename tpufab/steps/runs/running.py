@@ -54,7 +54,7 @@ from tpufab.term.fields import shape
 from tpufab.term.terminal import neutralise_text
 
 if TYPE_CHECKING:
-    from tpufab.ssh.fanout import Output
+    from tpufab.ssh.results import Output
 
 LAUNCH = "run_worker.py"
 ENV_FILE = ".tpufab/runs/.{run_id}.env.json"     # relative to the worker's home

@@ -16,47 +16,61 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 from tpufab.errors import ConfigError, TpufabError, shown
+from tpufab.ssh.results import GroupResult, WorkerResult
 from tpufab.steps.runs.env import Forwarded, local_environments, new_run_id
 
 POLL = 0.05
 
 
-@dataclass(frozen=True)
-class LocalRunResult:
-    run_id: str
-    exit_codes: tuple[int, ...]                       # negative: killed by that signal
-    output: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
-    first_failure: int | None = None                  # the worker that failed first
-    timed_out: bool = False
+class LocalRunResult(GroupResult):
+    """Every local process's result, ``{worker: WorkerResult}``: the fan-out's one command-result
+    container (``.succeeded``, ``.failed``, ``.ok``, ``.check()``), with the fields of a local
+    run added: its ``run_id``, the worker that failed first and whether it timed out.
+    ``summary()`` is one sentence naming every worker that did not exit 0; ``exit_codes`` and
+    ``output`` read each worker's outcome and lines in worker order."""
+
+    def __init__(self, run_id: str, results: Mapping[int, WorkerResult], *,
+                 first_failure: int | None = None, timed_out: bool = False):
+        super().__init__(results, command=f"run --local {run_id}")
+        self.run_id = run_id
+        self.first_failure = first_failure
+        self.timed_out = timed_out
 
     @property
     def ok(self) -> bool:
-        return not self.timed_out and all(code == 0 for code in self.exit_codes)
+        return not self.timed_out and super().ok
 
     @property
-    def failed(self) -> list[int]:
-        return [w for w, code in enumerate(self.exit_codes) if code != 0]
+    def exit_codes(self) -> tuple[int, ...]:
+        """Each worker's exit code (negative: killed by that signal)."""
+        return tuple(-r.signal if r.signal else r.exit_code for r in self.values())
+
+    @property
+    def output(self) -> dict[int, tuple[str, ...]]:
+        """Each worker's lines (stdout and stderr as they came), without their newlines."""
+        return {w: tuple(r.stdout[:-1].split("\n")) if r.stdout else () for w, r in self.items()}
 
     def summary(self) -> str:
         """One sentence naming every worker that did not exit 0."""
-        n = len(self.exit_codes)
+        codes = self.exit_codes
+        failed = [w for w, code in enumerate(codes) if code != 0]
+        n = len(codes)
         if self.ok:
             return f"All {n} workers exited 0."
         if self.timed_out:
-            return f"Run {self.run_id} timed out; stopped workers {_ids(self.failed)}."
-        first = self.first_failure if self.first_failure is not None else self.failed[0]
-        text = f"Worker {first} failed ({_describe(self.exit_codes[first])})"
-        others = [w for w in self.failed if w != first]
-        stopped = [w for w in others if self.exit_codes[w] < 0]
-        failed_too = [w for w in others if self.exit_codes[w] > 0]
+            return f"Run {self.run_id} timed out; stopped workers {_ids(failed)}."
+        first = self.first_failure if self.first_failure is not None else failed[0]
+        text = f"Worker {first} failed ({_describe(codes[first])})"
+        others = [w for w in failed if w != first]
+        stopped = [w for w in others if codes[w] < 0]
+        failed_too = [w for w in others if codes[w] > 0]
         if failed_too:
             text += "; also failed: " + ", ".join(
-                f"worker {w} ({_describe(self.exit_codes[w])})" for w in failed_too)
+                f"worker {w} ({_describe(codes[w])})" for w in failed_too)
         if stopped:
             text += f"; stopped after it: workers {_ids(stopped)}"
         return text + "."
@@ -64,6 +78,21 @@ class LocalRunResult:
     def raise_for_failure(self) -> None:
         if not self.ok:
             raise TpufabError(self.summary(), exit_code=1)
+
+
+def _worker_result(worker: int, code: int | None, lines: Sequence[str], seconds: float,
+                   timed_out: bool, timeout: float | None) -> WorkerResult:
+    """One process's outcome as the fan-out's WorkerResult (a signal as 128+N, as a worker's)."""
+    killed = code is not None and code < 0
+    result = WorkerResult(worker, 128 - code if killed else code, seconds,
+                          signal=-code if killed else None)
+    if code is None:
+        result.error = "still running after it was stopped"
+    elif killed and timed_out and timeout:
+        result.error = f"timed out after {timeout:g} s"
+    for line in lines:
+        result.stdout_output.write(line.encode("utf-8", "replace") + b"\n")
+    return result
 
 
 def _ids(workers: Sequence[int]) -> str:
@@ -140,6 +169,7 @@ def run_local(recipe: str | Path, workers: int = 1, args: Sequence[str] = (),
 
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
+    started = time.monotonic()
     try:
         for worker, job_env in enumerate(envs):
             proc = subprocess.Popen(
@@ -152,15 +182,18 @@ def run_local(recipe: str | Path, workers: int = 1, args: Sequence[str] = (),
                                                         echo, workers > 1), daemon=True)
             pump.start()
             pumps.append(pump)
-        first_failure, timed_out = _wait_all(procs, timeout, failure_grace)
+        ended: dict[int, float] = {}
+        first_failure, timed_out = _wait_all(procs, timeout, failure_grace, ended)
     except BaseException:
         _stop(procs)
         raise
     for pump in pumps:
         pump.join(timeout=5)
-    return LocalRunResult(run_id, tuple(p.returncode for p in procs),
-                          {w: tuple(lines) for w, lines in output.items()},
-                          first_failure, timed_out)
+    now = time.monotonic()
+    return LocalRunResult(run_id, {
+        w: _worker_result(w, p.returncode, output[w], ended.get(w, now) - started, timed_out,
+                          timeout) for w, p in enumerate(procs)},
+        first_failure=first_failure, timed_out=timed_out)
 
 
 def _output_dirs(cwd: Path, run_id: str) -> dict[str, str]:
@@ -186,15 +219,18 @@ def _pump(proc, worker, lines, out, lock, echo, prefixed):
     proc.stdout.close()
 
 
-def _wait_all(procs, timeout, failure_grace):
+def _wait_all(procs, timeout, failure_grace, ended):
     deadline = time.monotonic() + timeout if timeout else None
     first_failure = None
     give_up = None
     while True:
         codes = [p.poll() for p in procs]
+        now = time.monotonic()
+        for worker, code in enumerate(codes):
+            if code is not None:
+                ended.setdefault(worker, now)
         if all(code is not None for code in codes):
             return first_failure, False
-        now = time.monotonic()
         if first_failure is None:
             for worker, code in enumerate(codes):
                 if code not in (None, 0):

@@ -274,7 +274,7 @@ def shipped_note(plan: RunPlan, started: Mapping[int, dict]) -> str | None:
 
 def start_plan(pod, plan: RunPlan, *, timeout: float | None = None) -> dict[int, dict]:
     """Start ``plan`` everywhere; Ctrl-C while starting stops it again, in one sentence."""
-    from tpufab.ssh.fanout import FanoutInterrupted
+    from tpufab.ssh.results import FanoutInterrupted
     from tpufab.steps.runs import running as jobs
 
     try:

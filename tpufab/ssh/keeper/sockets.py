@@ -24,6 +24,42 @@ PEERCRED = struct.Struct("3i")  # pid, uid, gid
 SUPPORTED = hasattr(socket, "SO_PEERCRED")
 
 
+# What a background server (a keeper, the resident command server) keeps of the environment
+# of the command that starts it: what running tpufab, loading its modules and reaching the
+# workers need, and the cloud API's own settings (API_ENV), never a secret: it outlives that
+# command by minutes, and would hold its secrets that long (/proc/PID/environ).
+SERVER_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR",
+              "PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "VIRTUAL_ENV", "SSH_AUTH_SOCK",
+              "XDG_RUNTIME_DIR", "XDG_CACHE_HOME", "XDG_CONFIG_HOME")
+# The environment a cloud API client reads (credentials' paths, gcloud's config, proxies,
+# CA bundles): a keeper asks the API for a command only if the command's is the same.
+API_ENV = ("GOOGLE_", "CLOUDSDK_", "GCE_", "SSL_CERT_", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
+           "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
+           "no_proxy", "all_proxy")
+SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "API_KEY", "APIKEY", "PRIVATE_KEY",
+                "CREDENTIAL_JSON", "ACCESS_KEY", "AUTH")
+
+
+def _secret(name: str, value: str) -> bool:
+    """A secret by its name (tpufab.quoting's words) or a URL with a password in it."""
+    upper = name.upper()
+    return any(word in upper for word in SECRET_WORDS) or ("://" in value and "@" in value)
+
+
+def api_env(environ) -> dict[str, str]:
+    """The part of ``environ`` the cloud API's client reads (API_ENV), secrets left out."""
+    return {k: v for k, v in environ.items()
+            if k.startswith(API_ENV) and not _secret(k, v)}
+
+
+def server_env(environ) -> dict[str, str]:
+    """The environment a background server starts with (see SERVER_ENV)."""
+    env = {k: v for k, v in environ.items() if k in SERVER_ENV or k.startswith("LC_")}
+    env.update(api_env(environ))
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
 def socket_dir() -> str:
     """The private directory's path (it may not exist yet)."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")

@@ -1,15 +1,16 @@
-"""Client processes of a fan-out: each owns a fixed block of workers (tpufab.ssh.fanout.shard_of).
+"""Client processes of a fan-out: each owns a fixed block of workers (limits.shard_of).
 
 A handshake costs the client a few ms of CPU under one GIL; past a hundred or so workers a
 fan-out spreads its connections over ``processes`` client processes. This process keeps the
-first block; every other block lives in a child (``python -m tpufab.ssh.shard_child``) that runs an
-ordinary :class:`tpufab.ssh.fanout.Fanout` over its share and streams per-worker frames back:
-complete, masked output lines and each worker's outcome. The parent feeds them into the
+first block; every other block lives in a child (``python -m tpufab.ssh.shards.child``) that
+runs an ordinary :class:`tpufab.ssh.fanout.Fanout` over its share and streams per-worker frames
+back: complete, masked output lines and each worker's outcome. The parent feeds them into the
 same per-worker tasks as its own workers, so results, sinks, masking and Ctrl-C look the same.
 
-Messages on the child's stdin/stdout are a 4-byte length and a pickle of plain data (Targets
-are frozen dataclasses; no live objects cross). The child is in its own session (a terminal's
-Ctrl-C reaches the parent only, which stops the children's commands itself) and exits,
+Messages on the child's stdin/stdout are frames (tpufab.ssh.shards.frames: a 4-byte length
+and a pickle of plain data; Targets are frozen dataclasses; no live objects cross). The child
+is in its own session (a terminal's Ctrl-C reaches the parent only, which stops the
+children's commands itself) and exits,
 closing every connection (so every agent kills what it runs), when its stdin ends: the
 parent closed it, or the parent died.
 """
@@ -17,44 +18,30 @@ parent closed it, or the parent died.
 from __future__ import annotations
 
 import os
-import pickle
-import struct
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import replace
 from typing import Any
 
-LENGTH = struct.Struct(">I")
+from tpufab.ssh.shards.frames import read_frame, write_frame
 
-
-def _write(stream, lock: threading.Lock, message: tuple) -> None:
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    with lock:
-        stream.write(LENGTH.pack(len(data)) + data)
-        stream.flush()
-
-
-def _read(stream) -> Any:
-    head = stream.read(LENGTH.size)
-    if len(head) < LENGTH.size:
-        return None
-    size = LENGTH.unpack(head)[0]
-    data = stream.read(size)
-    if len(data) < size:
-        return None
-    return pickle.loads(data)  # noqa: S301 - our own child process over a private pipe
-
-
-# ---------------------------------------------------------------------------------------------
-# Parent side
-# ---------------------------------------------------------------------------------------------
+# A shard answers every message as it reads it; one that says nothing while a run waits on it
+# is asked ("ping") after PING_AFTER seconds and given up after SILENT: stopped (which closes
+# its connections, so the workers stop what it ran) and named in each worker's result, rather
+# than blaming the worker or waiting forever (a frozen keeper or child process).
+PING_AFTER = 2.0
+SILENT = 10.0
 
 
 class Shard:
     """One child process and the parent's tasks it serves."""
 
     what = "the fan-out process"  # how a lost child is named in the workers' results
+    heard = 0.0                   # when it last said anything (time.monotonic())
+    pinged = False                # asked whether it lives since it last said anything
+    ending: str | None = None     # why it ends, once known: its tasks' result, whatever follows
 
     def __init__(self, index: int, targets: list, fanout):
         self.index = index
@@ -66,7 +53,7 @@ class Shard:
         # cwd "/": `-m` puts the working directory on sys.path, where a user's project may
         # hold modules of any name; so paths cross as absolute ones.
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tpufab.ssh.shard_child"], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "tpufab.ssh.shards.child"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
             cwd="/", env={**os.environ, "PYTHONWARNINGS": "ignore"})
         self.inbox, self.outbox = self.proc.stdout, self.proc.stdin
@@ -81,12 +68,18 @@ class Shard:
             "kill_grace": fanout.kill_grace, "ssh_transport": fanout.ssh_transport,
         }))
         self.alive = True
+        self.heard = time.monotonic()
         self.reader = threading.Thread(target=self._read_loop, daemon=True,
                                        name=f"tpufab-shard{index}")
         self.reader.start()
 
+    @property
+    def name(self) -> str:
+        """How the workers' results name it: ``the fan-out process 1 (pid 4242)``."""
+        return f"{self.what} {self.index} (pid {self.proc.pid})"
+
     def _send(self, message: tuple) -> None:
-        _write(self.outbox, self.send_lock, message)
+        write_frame(self.outbox, self.send_lock, message)
 
     def run(self, tasks: list, command, request: dict, stdin: bytes | None, masked: list,
             timeout: float | None, one_shot: bool, put, *,
@@ -96,6 +89,8 @@ class Shard:
         run_id = tasks[0].id
         proxy = _ShardProxy(self, run_id)
         with self.lock:
+            if not self.tasks:   # quiet between runs is no silence: the clock starts now
+                self.heard, self.pinged = time.monotonic(), False
             for task in tasks:
                 task.agent = proxy
                 self.tasks[(run_id, task.worker)] = task
@@ -122,16 +117,55 @@ class Shard:
     def close_worker(self, worker: int) -> None:
         self._try_send(("close_worker", worker))
 
+    def set_in_use(self, used: bool) -> None:
+        self._try_send(("use", used))
+
     def _try_send(self, message: tuple) -> None:
         try:
             self._send(message)
         except (OSError, ValueError):
             pass
 
+    def watch(self) -> None:
+        """About once a second while a run waits on this shard: ask it whether it lives once
+        it has been quiet for PING_AFTER seconds, give it up after SILENT."""
+        if not self.alive:
+            return
+        with self.lock:
+            if not self.tasks:
+                return
+        quiet = time.monotonic() - self.heard
+        if quiet >= SILENT:
+            self.give_up(f"did not answer for {quiet:.0f} s")
+        elif quiet >= PING_AFTER and not self.pinged:
+            self.ping()
+
+    def ping(self) -> None:
+        """Ask it to answer at once (its answer, like anything it says, sets ``heard``)."""
+        self.pinged = True
+        self._try_send(("ping",))
+
+    def give_up(self, why: str, *, then: str = "; run the command again") -> None:
+        """Stop the process (its connections close, and with them what it ran on the
+        workers: an agent kills its commands when its channel closes) and fail its tasks
+        with one sentence naming it: ``NAME WHY; tpufab stopped it, ...THEN``."""
+        self.ending = f"{self.name} {why}; tpufab stopped it, which stops the command on " \
+            f"the worker{then}"
+        self._stop_process()
+        self._lost(self.ending, said=True)
+
+    def _stop_process(self) -> None:
+        self.alive = False
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
+
     def _read_loop(self) -> None:
         stream = self.inbox
         try:
-            while (message := _read(stream)) is not None:
+            while (message := read_frame(stream)) is not None:
+                self.heard, self.pinged = time.monotonic(), False
                 self._dispatch(message)
         except Exception as err:  # noqa: BLE001 - the child's tasks get the reason
             self._lost(f"{self.what} {self.index} failed ({type(err).__name__}: {err})")
@@ -157,13 +191,18 @@ class Shard:
             if self.fanout.on_retry is not None:
                 self.fanout.on_retry(self.fanout.targets[worker], attempt, error)
 
-    def _lost(self, reason: str) -> None:
+    def _lost(self, reason: str, *, said: bool = False) -> None:
+        """Fail every task still waiting on this shard: ``connection lost (REASON)``, or the
+        reason as it is when ``said`` (a whole sentence already); why it ends, once known,
+        whatever its reader then meets (the end of its pipe)."""
+        if self.ending:
+            reason, said = self.ending, True
         self.alive = False
         with self.lock:
             pending = list(self.tasks.values())
             self.tasks.clear()
         for task in pending:
-            task.finish(None, f"connection lost ({reason})")
+            task.finish(None, reason if said else f"connection lost ({reason})")
 
     def close(self) -> None:
         self.alive = False

@@ -1,6 +1,6 @@
-"""The child side of a sharded fan-out (``python -m tpufab.ssh.shard_child``, started by
-:class:`tpufab.ssh.fanshard.Shard`): an ordinary Fanout over its block of workers, whose
-lines and outcomes go back to the parent as frames (see tpufab.ssh.fanshard)."""
+"""The child side of a sharded fan-out (``python -m tpufab.ssh.shards.child``, started by
+:class:`tpufab.ssh.shards.parent.Shard`): an ordinary Fanout over its block of workers, whose
+lines and outcomes go back to the parent as frames (see tpufab.ssh.shards.parent)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pickle
 import sys
 import threading
 
-from tpufab.ssh.fanshard import _read, _write
+from tpufab.ssh.shards.frames import read_frame, write_frame
 
 
 class _Forward:
@@ -51,11 +51,11 @@ def retry_message(target, attempt, error) -> tuple:
 
 
 def serve(fan, inbox, send, *, stop_at_end: bool = False) -> None:
-    """Run the parent's "run" / "interrupt" / "kill" / "close_worker" messages from ``inbox``
-    on ``fan`` until it ends; frames go back through ``send`` (also the connection keeper's
-    loop for each command: tpufab.ssh.keeper). ``stop_at_end``: when ``inbox`` ends (the
-    parent is gone), stop what it still runs as Ctrl-C would (a keeper's connections stay
-    open for other commands; a shard child closes them all instead)."""
+    """Run the parent's "run" / "interrupt" / "kill" / "close_worker" / "ping" / "use" messages from
+    ``inbox`` on ``fan`` until it ends; frames go back through ``send`` (also the connection
+    keeper's loop for each command: tpufab.ssh.keeper.server). ``stop_at_end``: when ``inbox``
+    ends (the parent is gone), stop what it still runs as Ctrl-C would (a keeper's connections
+    stay open for other commands; a shard child closes them all instead)."""
     from tpufab.quoting import Secret
 
     runs: dict[int, tuple[threading.Event, dict]] = {}
@@ -71,14 +71,14 @@ def serve(fan, inbox, send, *, stop_at_end: bool = False) -> None:
                     stdin=spec["stdin"], timeout=spec["timeout"] or float("inf"),
                     connect_timeout=spec["connect_timeout"],
                     cwd=spec["cwd"], one_shot=spec["one_shot"], _put=spec["put"],
-                    sink=_Forward(send, run_id), capture=False, _cancel=cancel, _tasks=tasks)
+                    sink=_Forward(send, run_id), capture=False, cancel=cancel, _tasks=tasks)
         except BaseException:  # noqa: BLE001 - every task already sent its outcome
             pass
         finally:
             runs.pop(run_id, None)
 
     threads = []
-    while (message := _read(inbox)) is not None:
+    while (message := read_frame(inbox)) is not None:
         kind = message[0]
         if kind == "run":
             runs[message[1]] = (threading.Event(), {})
@@ -93,6 +93,10 @@ def serve(fan, inbox, send, *, stop_at_end: bool = False) -> None:
                 task.agent.kill(task, message[3])
         elif kind == "close_worker" and message[1] in fan.links:
             fan.links[message[1]].close()
+        elif kind == "ping":   # the parent waits on us: we are here (shards.parent.SILENT)
+            send(("pong",))
+        elif kind == "use":    # a keeper's connections, held by a command or idle
+            fan.set_in_use(message[1])
     if not stop_at_end:
         return
     for cancel, _tasks in list(runs.values()):
@@ -111,11 +115,11 @@ def main() -> None:
 
     def send(message: tuple) -> None:
         try:
-            _write(outbox, lock, message)
+            write_frame(outbox, lock, message)
         except (OSError, ValueError):
             pass
 
-    first = _read(inbox)
+    first = read_frame(inbox)
     if first is None or first[0] != "init":
         return
     fan = fanout_from_init(first[1], lambda *a: send(retry_message(*a)))
