@@ -82,7 +82,7 @@ class Pod:
 
     @property
     def node(self):
-        from tpufab.cloud.tpu_api import TpuApi
+        from tpufab.cloud.planes.tpu import TpuApi
 
         return TpuApi(self.settings).get_node(self.name)
 
@@ -618,7 +618,7 @@ def cells():
 
 
 def _node_exists(pod: Pod, name: str) -> bool:
-    from tpufab.cloud.tpu_api import TpuApi
+    from tpufab.cloud.planes.tpu import TpuApi
     from tpufab.errors import TpufabError
 
     try:

@@ -73,7 +73,7 @@ def canary_on_workers(pod2) -> list[int]:
 @FEW
 @given(name=HOSTILE)
 def test_node_names_are_valid_or_rejected_in_one_sentence(name):
-    from tpufab.cloud.lifecycle import NAME_RE, validate_name
+    from tpufab.cloud.names import NAME_RE, validate_name
 
     try:
         accepted = validate_name(name)
@@ -304,10 +304,10 @@ def refused_or(result, accepted: bool) -> None:
 @CLI
 @given(name=HOSTILE)
 def test_node_names_on_the_command_line(pod2, name):
-    from tpufab.cloud import lifecycle
+    from tpufab.cloud import names
 
     try:
-        lifecycle.validate_name(name)
+        names.validate_name(name)
         valid = True
     except ConfigError:
         valid = False

@@ -165,7 +165,7 @@ def plan(task: Task, *, settings: Settings, name: str | None = None, type: str |
     that names no type runs on the READY node of that name as it is (``find_node(name)``,
     a read: SkyPilot's ``sky exec``), its type and tier taken from it.
     """
-    from tpufab.cloud import lifecycle
+    from tpufab.cloud.names import validate_name
     from tpufab.steps.code import gitops
     from tpufab.topology import parse_accelerator_type
 
@@ -194,7 +194,7 @@ def plan(task: Task, *, settings: Settings, name: str | None = None, type: str |
     spec = replace(settings, labels={**task.labels, **settings.labels})
     spec.zone = zone or task.zone or _zone_of_region(task, settings)
     task_name = node_name_of(task)
-    spec.name = lifecycle.validate_name(name or task_name or settings.name)
+    spec.name = validate_name(name or task_name or settings.name)
     name_note = None
     if not name and task.name and task_name != task.name:
         name_note = (f"The task's name {task.name} is not a valid TPU node name; the pod is "
@@ -431,9 +431,9 @@ def existing_spec_problem(node: Node, p: LaunchPlan) -> str | None:
 def provision(p: LaunchPlan, *, console=None, control=None, zones: Sequence[str] | None = None,
               retry_for: float | None = None) -> list[Node]:
     """Create the node, or reuse a READY one of the same spec."""
-    from tpufab.cloud import lifecycle
+    from tpufab.cloud import lifecycle, planes
 
-    control = lifecycle.control_plane(p.settings, control)
+    control = planes.control_plane(p.settings, control)
     existing = control.find_node(p.settings.name)
     if existing is not None:
         problem = existing_spec_problem(existing, p)

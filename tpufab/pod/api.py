@@ -100,7 +100,7 @@ class Pod:
 
     @property
     def name(self) -> str:
-        from tpufab.cloud.lifecycle import validate_name
+        from tpufab.cloud.names import validate_name
 
         return validate_name(self.settings.name)
 
@@ -919,11 +919,11 @@ def launch(task: str | Path, *, name: str | None = None, type: str | None = None
     def find_node(node: str) -> Any:   # a read: `sky exec`-style tasks name no type
         from dataclasses import replace
 
-        from tpufab.cloud import lifecycle
+        from tpufab.cloud import planes
 
         chosen = replace(base, zone=zone or (zone_list[0] if zone_list else None)
                          or task_file.zone or base.zone)
-        return lifecycle.control_plane(chosen).find_node(node)
+        return planes.control_plane(chosen).find_node(node)
 
     plan = launching.plan(task_file, settings=base, name=name,
                           type=type, zone=zone or (zone_list[0] if zone_list else None),
@@ -965,10 +965,10 @@ def gc(*, zone: str | None = None, project: str | None = None, all_zones: bool =
     """`tpufab gc`: delete preempted, terminated and failed nodes and suspended and failed
     queued resources (in the zone, or every zone); ``yes=False`` asks first (on a terminal),
     ``console`` hears what is found and deleted. Returns what was deleted."""
-    from tpufab.cloud import lifecycle
+    from tpufab.cloud import gc as collecting
 
-    return lifecycle.gc(_settings(None, zone, project, settings), yes=yes, all_zones=all_zones,
-                        console=console)
+    return collecting.gc(_settings(None, zone, project, settings), yes=yes,
+                         all_zones=all_zones, console=console)
 
 
 def delete(name: str | None = None, *, zone: str | None = None,
@@ -1004,7 +1004,8 @@ def create_node(settings: Settings, *, queued: bool = False, num_slices: int = 1
 def list_pods(*, zone: str | None = None, project: str | None = None, waiting: bool = True,
               **settings: Any) -> Any:
     """`tpufab list`: the zone's TPU nodes (``.nodes``) and, with ``waiting``, its queued
-    resources that have no nodes yet (``.waiting``); ``.to_json()``, ``.render(console)``."""
+    resources that have no nodes yet (``.waiting``); ``.to_json()`` (tpufab.views.nodes
+    .show_listing prints it as the verb does)."""
     from tpufab.cloud import lifecycle
 
     return lifecycle.listing(_settings(None, zone, project, settings), waiting=waiting)
@@ -1021,25 +1022,18 @@ def describe(name: str | None = None, *, zone: str | None = None, project: str |
     return lifecycle.describe(_settings(name, zone, project, settings))
 
 
-def render_details(item: Any, console: Any) -> None:
-    """Print what `describe` returned as `tpufab describe` does."""
-    from tpufab.cloud import lifecycle
-
-    lifecycle.render_details(item, console)
-
-
 def valid_name(name: str | None) -> str:
     """``name`` if it is a valid node name, else ConfigError saying what is wrong with it."""
-    from tpufab.cloud import lifecycle
+    from tpufab.cloud.names import validate_name
 
-    return lifecycle.validate_name(name)
+    return validate_name(name)
 
 
 def default_name(user: str, accelerator_type: str) -> str:
     """The name `tpufab create` gives a node when none is given: `alice-v4-512`."""
-    from tpufab.cloud import lifecycle
+    from tpufab.cloud.names import default_name
 
-    return lifecycle.default_name(user, accelerator_type)
+    return default_name(user, accelerator_type)
 
 
 def forget_host_keys(node: str, *, zone: str | None = None, project: str | None = None,

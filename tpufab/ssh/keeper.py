@@ -77,10 +77,10 @@ SPAWN_WAIT = 3.0     # s: a keeper this command starts (a Python interpreter sta
 API_WAIT = 60.0      # s: a cloud API read through a keeper (then the command asks itself)
 # The control plane's reads a command may ask through the pod's keeper (tpufab status: its
 # client is loaded there already); anything else a command does itself.
-API_READS = frozenset({"get_node", "find_node", "find_both", "list_nodes", "host_keys",
+API_READS = frozenset({"get_node", "find_node", "holds", "list_nodes", "host_keys",
                        "upcoming_maintenance", "get_queued_resource", "find_queued_resource",
                        "list_queued_resources", "list_operations", "zones",
-                       "accelerator_types"})
+                       "accelerator_types", "multislice", "has_multislice"})
 TICK = 0.5           # s: how often an idle keeper looks at its clock and its socket
 SOCKET_MAX = 100     # bytes: sun_path holds 108
 _WARNED: set[str] = set()
@@ -734,7 +734,7 @@ class _Server:
 
     def control(self, settings):
         """The control plane for ``settings``, made once (its client stays loaded)."""
-        from tpufab.cloud import lifecycle
+        from tpufab.cloud import planes
 
         key = pickle.dumps(settings, protocol=pickle.HIGHEST_PROTOCOL)
         with self.controls_lock:
@@ -742,12 +742,12 @@ class _Server:
             if control is None:
                 if len(self.controls) >= 8:   # commands with many settings: keep it bounded
                     self.controls.clear()
-                control = self.controls[key] = lifecycle.control_plane(
+                control = self.controls[key] = planes.control_plane(
                     settings, on_retry=self.api_retry)
         return control
 
     def api_retry(self, exc: BaseException, attempt: int, delay: float) -> None:
-        from tpufab.cloud.lifecycle import retry_note
+        from tpufab.cloud.planes import retry_note
 
         send = getattr(self.asking, "send", None)
         if send is not None:

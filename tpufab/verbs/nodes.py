@@ -104,6 +104,7 @@ def list_(*, as_json: bool = False, wide: bool = False, zone: str | None = None,
     from tpufab.pod.api import list_pods
     from tpufab.term import tables
     from tpufab.term.console import stdout
+    from tpufab.views.nodes import show_listing
 
     found = list_pods(zone=zone, project=project, waiting=not as_json)
     if as_json:
@@ -111,7 +112,7 @@ def list_(*, as_json: bool = False, wide: bool = False, zone: str | None = None,
         return
     if wide:
         tables.wide(stdout())
-    found.render(stdout())
+    show_listing(found, stdout())
 
 
 @verb()
@@ -121,12 +122,13 @@ def describe(*, name: str | None = None, as_json: bool = False, zone: str | None
     the Compute Engine multislice, of that name)."""
     from tpufab.pod import api
     from tpufab.term.console import stdout
+    from tpufab.views.nodes import render_details
 
     item = api.describe(name, zone=zone, project=project)
     if as_json:
         print_json(item.to_json())
         return
-    api.render_details(item, stdout())
+    render_details(item, stdout())
 
 
 @verb()
