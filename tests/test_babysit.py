@@ -80,7 +80,7 @@ def test_node_spec_settings_are_a_copy_with_the_spec():
 def test_node_spec_keeps_no_external_ips_metadata_and_network():
     """A node made with --internal-ips (the flag, not a setting) comes back without external
     IPs; an OS Login node keeps enable-oslogin (and its other metadata, not autostop's)."""
-    from tpufab.cloud.controlplane import node_body
+    from tpufab.cloud.bodies import node_body
 
     made = node(external_ips=False, network="projects/p/global/networks/vpc",
                 subnetwork="projects/p/regions/r/subnetworks/s",
@@ -254,7 +254,7 @@ def pod2(sim, tmp_path_factory):
 
 
 def current_node(pod2):
-    from tpufab.cloud.tpu_api import TpuApi
+    from tpufab.cloud.planes.tpu import TpuApi
 
     return TpuApi(pod2.settings).get_node(pod2.name)
 

@@ -13,7 +13,7 @@ from urllib.error import HTTPError
 import pytest
 from helpers import storage_emulator
 
-from tpufab.cloud.controlplane import RetryPolicy
+from tpufab.cloud.planes.calls import RetryPolicy
 from tpufab.cloud.storage import (
     Appender,
     PreconditionFailed,

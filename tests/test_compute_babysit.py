@@ -38,7 +38,7 @@ def spot16(sim, tmp_path_factory):
 
 
 def _compute(pod):
-    from tpufab.cloud.compute_api import ComputeEngine
+    from tpufab.cloud.planes.compute import ComputeEngine
 
     return ComputeEngine(pod.settings)
 
@@ -166,7 +166,7 @@ def test_a_flex_start_end_is_said_and_babysit_stops_or_renews(sim, tmp_path_fact
         result = renewing.run()
         assert [a.outcome for a in result.attempts] == ["finished"], notes.getvalue()
         assert "making a new flex-start request" in notes.getvalue()
-        from tpufab.cloud.compute_api import ComputeEngine
+        from tpufab.cloud.planes.compute import ComputeEngine
 
         again = ComputeEngine(pod.settings).get_node(pod.name)
         assert again.state == "READY" and again.provisioning_model == "FLEX_START"
@@ -231,7 +231,8 @@ def test_create_replaces_what_an_autostopped_slice_of_the_name_left(sim, tmp_pat
     name removes them first instead of failing on "already exists"."""
     from helpers import cli_env, unique_name
 
-    from tpufab.cloud.compute_api import MADE_BY, ComputeEngine
+    from tpufab.cloud.planes.compute import ComputeEngine
+    from tpufab.cloud.planes.compute_parts import MADE_BY
     from tpufab.config import load_settings
 
     env = cli_env(sim, tmp_path)

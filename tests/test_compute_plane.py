@@ -305,3 +305,52 @@ def test_ctrl_c_in_create_deletes_what_it_made(env, home, compute, sim_admin):
                                              resource_policy=f"{name}-tpufab-wp")):
         with pytest.raises(gexc.NotFound):
             get()
+
+
+def test_a_mig_without_a_slices_workload_policy_is_single_host_pods(env, home, compute):
+    """A MIG of TPU VMs with no HIGH_THROUGHPUT workload policy is independent single-host
+    slices, not connected by ICI (Google's "TPU instances in MIGs"): each VM is a pod of one
+    host (listed, described and reached by its own name), and the group's name is one
+    sentence from every verb, never one multi-host slice a job would wire into one JAX
+    cluster (issue 39)."""
+    v1 = compute.v1
+    name = unique_name("mi")
+    template = f"{name}-by-hand"
+    compute.wait(compute.templates.insert_unary(
+        project=compute.project, instance_template_resource=v1.InstanceTemplate(
+            name=template, properties=v1.InstanceProperties(
+                machine_type="tpu7x-standard-4t",
+                network_interfaces=[v1.NetworkInterface(access_configs=[
+                    v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")])]))))
+    compute.wait(compute.groups.insert_unary(
+        project=compute.project, zone=compute.zone,
+        instance_group_manager_resource=v1.InstanceGroupManager(
+            name=name, base_instance_name=name, target_size=2,
+            instance_template=f"global/instanceTemplates/{template}")))
+    try:
+        vms = sorted(m.name for m in compute.groups.list_managed_instances(
+            project=compute.project, zone=compute.zone, instance_group_manager=name))
+        assert len(vms) == 2
+        wait_for(lambda: all(json.loads(ok(tpufab("describe", "--name", vm, "--json",
+                                                  env=env, cwd=home)))["state"] == "READY"
+                             for vm in vms), 180, what="both VMs READY")
+        listed = json.loads(ok(tpufab("list", "--json", env=env, cwd=home)))
+        mine = {n["name"]: n for n in listed if n.get("instance_group") == name}
+        assert sorted(mine) == vms and {n["hosts"] for n in mine.values()} == {1}
+        assert name not in {n["name"] for n in listed}
+        for verb in (("describe",), ("exec", "--", "true"), ("status",)):
+            refused = tpufab(verb[0], "--name", name, *verb[1:], env=env, cwd=home)
+            one_sentence(refused, f"'{name}' is a managed instance group without a "
+                         "HIGH_THROUGHPUT workload policy", "independent single-host slices",
+                         f"`--name {vms[0]}`", progress=int(verb[0] == "status"))
+            assert refused.returncode == 2
+        out = ok(tpufab("exec", "--name", vms[0], "--", "hostname", env=env, cwd=home))
+        assert out.strip().endswith(vms[0]) and "w1" not in out   # one host, that VM
+        one = json.loads(ok(tpufab("describe", "--name", vms[1], "--json", env=env,
+                                   cwd=home)))
+        assert (one["hosts"], one["instance_group"], one["workload_policy"]) == (1, name, None)
+    finally:
+        compute.wait(compute.groups.delete_unary(project=compute.project, zone=compute.zone,
+                                                 instance_group_manager=name))
+        compute.wait(compute.templates.delete_unary(project=compute.project,
+                                                    instance_template=template))

@@ -11,6 +11,8 @@ import pytest
 from harness import connected_pod
 from helpers import REPO, call, cli_env, ok, tpufab, unique_name
 
+from tpufab.cloud import planes
+
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(900)]  # a loaded 2-core machine
 
 
@@ -40,9 +42,8 @@ def test_every_vm_gets_the_slices_tpu_environment_in_a_stable_order(ce_pod, tmp_
     """The run path sets TPU_NAME, TPU_WORKER_ID, TPU_WORKER_HOSTNAMES, TPU_ACCELERATOR_TYPE and
     TPU_TOPOLOGY itself (a Compute Engine guest's metadata need not carry them); the workers
     are the MIG's VMs in order of internal IP, the same on every list."""
-    from tpufab.cloud import lifecycle
 
-    control = lifecycle.control_plane(ce_pod.settings)
+    control = planes.control_plane(ce_pod.settings)
     name = ce_pod.pod.node.name
     orders = [[w.internal_ip for w in control.get_node(name).workers] for _ in range(2)]
     orders += [[w.internal_ip for w in n.workers] for n in control.list_nodes()

@@ -12,20 +12,20 @@ from google.api_core import exceptions as gexc
 from google.cloud import tpu_v2
 from helpers import unique_name, wait_for
 
-from tpufab.cloud.controlplane import (
+from tpufab.cloud import planes
+from tpufab.cloud.bodies import node_body, queued_resource_body
+from tpufab.cloud.nodes import Node, QueuedResourceInfo
+from tpufab.cloud.planes.base import ControlPlane
+from tpufab.cloud.planes.calls import (
     Action,
-    ControlPlane,
     RetriesExhausted,
     RetryPolicy,
     call_with_retries,
     exhausted_kind,
     is_transient,
-    node_body,
-    queued_resource_body,
     translate,
 )
-from tpufab.cloud.nodes import Node, QueuedResourceInfo
-from tpufab.cloud.tpu_api import TpuApi
+from tpufab.cloud.planes.tpu import TpuApi
 from tpufab.config import load_settings
 from tpufab.errors import ApiError, ConfigError, NotFound
 from tpufab.ssh import keys as sshkeys
@@ -570,6 +570,9 @@ class InMemory(ControlPlane):
     def create_node(self, name, body):
         raise ApiError("This control plane creates nothing.")
 
+    def create_pod(self, settings, **how):
+        raise ApiError("This control plane creates nothing.")
+
     def delete_node(self, name):
         self.nodes.pop(name)
         return "op-delete"
@@ -609,27 +612,25 @@ class InMemory(ControlPlane):
 
 def test_the_control_plane_is_an_interface_with_the_tpu_api_as_its_first_implementation(
         tmp_path):
-    from tpufab.cloud import lifecycle
-
     settings = load_settings({"project": "proj", "api_endpoint": SIM}, env={}, cwd=tmp_path)
     with pytest.raises(TypeError, match="abstract"):
         ControlPlane(settings)
-    made = lifecycle.control_plane(settings)  # nothing says which plane: both, by name
-    from tpufab.cloud.compute_api import ComputeEngine
-    from tpufab.cloud.controlplane import BothPlanes
+    made = planes.control_plane(settings)  # nothing says which plane: every one, by name
+    from tpufab.cloud.planes.any import AnyPlane
+    from tpufab.cloud.planes.compute import ComputeEngine
 
-    assert isinstance(made, BothPlanes) and isinstance(made, ControlPlane)
-    assert isinstance(made.tpu, TpuApi) and isinstance(made.compute, ComputeEngine)
+    assert isinstance(made, AnyPlane) and isinstance(made, ControlPlane)
+    assert [type(p) for p in made.planes] == [TpuApi, ComputeEngine]
     settings.control_plane = "tpu"
-    assert isinstance(lifecycle.control_plane(settings), TpuApi)
+    assert isinstance(planes.control_plane(settings), TpuApi)
     settings.control_plane, settings.type = None, "tpu7x-16"  # TPU7x: Compute Engine only
-    assert isinstance(lifecycle.control_plane(settings), ComputeEngine)
+    assert isinstance(planes.control_plane(settings), ComputeEngine)
     settings.type = "v6e-8"
     settings.control_plane = "compute"  # --on compute
-    assert isinstance(lifecycle.control_plane(settings), ComputeEngine)
+    assert isinstance(planes.control_plane(settings), ComputeEngine)
     settings.control_plane = "gke"
     with pytest.raises(ConfigError, match="must be tpu or compute"):
-        lifecycle.control_plane(settings)
+        planes.control_plane(settings)
 
     class Half(ControlPlane):
         def get_node(self, name):
@@ -658,8 +659,8 @@ def test_lifecycle_works_on_any_control_plane(tmp_path):
 
 
 def test_only_the_factory_names_the_tpu_api():
-    """Verbs, workflows and the Pod reach the cloud through lifecycle.control_plane: a second
-    implementation slots in there, and only google-cloud-tpu's own module imports it."""
+    """Verbs, workflows and the Pod reach the cloud through planes.control_plane: a plane
+    slots in there (its registry), and only its own module imports its client."""
     import ast
     from pathlib import Path
 
@@ -675,7 +676,7 @@ def test_only_the_factory_names_the_tpu_api():
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
-            if any(n.startswith("tpufab.cloud.tpu_api") for n in names):
+            if any(n.startswith("tpufab.cloud.planes.tpu") for n in names):
                 naming.append(rel)
             if any(n.startswith("google.cloud.tpu_v2") for n in names):
                 client.append(rel)
@@ -683,9 +684,9 @@ def test_only_the_factory_names_the_tpu_api():
                     isinstance(node, ast.ImportFrom) and node.module == "google.cloud"
                     and any(a.name == "compute_v1" for a in node.names)):
                 compute.append(rel)
-    assert sorted(set(naming)) == ["cloud/lifecycle.py"]
-    assert sorted(set(client)) == ["cloud/tpu_api.py"]
-    assert sorted(set(compute)) == ["cloud/compute_api.py"]  # google-cloud-compute
+    assert sorted(set(naming)) == ["cloud/planes/__init__.py"]   # the registry
+    assert sorted(set(client)) == ["cloud/planes/tpu.py"]
+    assert sorted(set(compute)) == ["cloud/planes/compute_parts.py"]  # google-cloud-compute
 
 
 def _vm(name, ip, vm_id):
@@ -696,9 +697,9 @@ def _vm(name, ip, vm_id):
 
 
 def test_a_migs_vms_are_ordered_by_the_numbers_kept_for_them_then_by_ip():
-    """compute_api.worker_order: the worker number kept in a VM's per-instance config wins
+    """compute_parts.worker_order: the worker number kept in a VM's per-instance config wins
     over its IP (a recreated VM keeps its place); VMs without one follow, by IP."""
-    from tpufab.cloud.compute_api import worker_order
+    from tpufab.cloud.planes.compute_parts import worker_order
 
     vms = [_vm("a", "10.0.0.9", 1), _vm("b", "10.0.0.10", 2), _vm("c", "10.0.0.2", 3),
            _vm("d", "10.0.0.1", 4)]
@@ -711,7 +712,8 @@ def test_a_multislice_numbers_its_workers_slice_by_slice():
 
     def one(index, state="READY"):
         return Node(name=f"ms-{index}", project="p", zone="z", accelerator_type="tpu7x-16",
-                    state=state, plane="compute", multislice=True, slice_index=index,
+                    state=state, plane="compute", plane_text="Compute Engine",
+                    multislice=True, slice_index=index,
                     workers=[WorkerEndpoint(w, f"10.0.{index}.{w + 1}", None)
                              for w in range(2)])
 

@@ -9,10 +9,11 @@ from helpers import unique_name
 from rich.console import Console
 
 from tpufab.cloud import lifecycle
-from tpufab.cloud.controlplane import node_body, queued_resource_body
+from tpufab.cloud.bodies import node_body, queued_resource_body
 from tpufab.config import load_settings
 from tpufab.errors import ConfigError
 from tpufab.sim._model import ApiFailure, accelerator_type_of
+from tpufab.views import nodes as node_views
 
 
 def quiet() -> Console:
@@ -76,7 +77,7 @@ def test_create_with_topology_on_the_simulated_pod(sim, tmp_path, tpu_client):
         assert proto.accelerator_config.topology == "2x2x4"
         assert proto.accelerator_config.type_.name == "V4"
         shown = quiet()
-        shown.print(lifecycle.details_table(lifecycle.describe(s)))
+        shown.print(node_views.details_table(lifecycle.describe(s)))
         assert any(line.split()[:2] == ["topology", "2x2x4"]
                    for line in shown.file.getvalue().splitlines())
         # asking again for the same shape is a no-op

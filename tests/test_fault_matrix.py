@@ -44,11 +44,13 @@ from helpers import (
     TPUFAB,
     Running,
     cli_env,
+    compute_clients,
     free_port,
     in_worker,
     keepers,
     kept_connections,
     no_traceback,
+    ok,
     one_sentence,
     quiet_console,
     sim_pool,
@@ -87,7 +89,7 @@ class Pod:
 
     @property
     def node(self):
-        from tpufab.cloud.tpu_api import TpuApi
+        from tpufab.cloud.planes.tpu import TpuApi
 
         return TpuApi(self.settings).get_node(self.name)
 
@@ -623,7 +625,7 @@ def cells():
 
 
 def _node_exists(pod: Pod, name: str) -> bool:
-    from tpufab.cloud.tpu_api import TpuApi
+    from tpufab.cloud.planes.tpu import TpuApi
     from tpufab.errors import TpufabError
 
     try:
@@ -1015,3 +1017,106 @@ def test_a_put_whose_session_ends_mid_way_says_so(kept, tmp_path):
     no_traceback(result)
     assert kept.sh(HIT, "test -e /tmp/fm-big.bin && echo LEFT || true").strip() == ""
 
+# Compute Engine slices: a create killed mid-way, gc in another zone (issue 37 items 8, 12)
+
+
+def _workers_say(env, home, name):
+    """{worker: (VM, the worker number its own metadata server says)} through `exec`."""
+    out = ok(tpufab("exec", "--name", name, "--", "echo $(hostname) $(curl -sf -H "
+                    "Metadata-Flavor:Google http://metadata.google.internal/computeMetadata/"
+                    "v1/instance/attributes/agent-worker-number)", env=env, cwd=home))
+    return {w.strip(): tuple(said.split()) for w, said in
+            (line.split(" │ ") for line in out.splitlines() if " │ " in line)}
+
+
+def _managed(compute, name):
+    return list(compute.groups.list_managed_instances(
+        project=compute.project, zone=compute.zone, instance_group_manager=name))
+
+
+def test_a_create_killed_before_it_kept_the_worker_numbers_is_mended_by_the_rerun(
+        sim, sim_admin, tmp_path_factory):
+    """`create` keeps a MIG's worker numbers in its per-instance configs once the slice is up;
+    killed before that (SIGKILL while the VMs come up), the slice came up numbered by IP
+    only, the rerun said "nothing to do", and a VM the MIG recreated then changed places
+    (w0 became the VM whose metadata says worker 1). Now every verb says the slice is in IP
+    order, and the rerun keeps the numbers: a recreated w0 is still w0."""
+    from google.api_core import exceptions as gexc
+
+    home = tmp_path_factory.mktemp("killed-create")
+    env = cli_env(sim, home)
+    compute = compute_clients(sim)
+    name = unique_name("kc")
+    delay = sim_admin.settings()["createDelay"]
+    sim_admin.settings(create_delay=30.0)   # the VMs start 30 s after the MIG: time to kill
+
+    def made() -> bool:
+        try:
+            return bool(compute.groups.get(project=compute.project, zone=compute.zone,
+                                           instance_group_manager=name).name)
+        except gexc.NotFound:
+            return False
+
+    try:
+        proc = subprocess.Popen([TPUFAB, "create", "--name", name, "--type", "tpu7x-16"],
+                                env=env, cwd=home, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        wait_for(made, 120, interval=0.1, what=f"the MIG {name}")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        sim_admin.settings(create_delay=delay)
+    try:
+        wait_for(lambda: [m.instance_status for m in _managed(compute, name)] ==
+                 ["RUNNING", "RUNNING"], 240, what=f"{name}'s VMs RUNNING without tpufab")
+        assert not [m.name for m in _managed(compute, name)
+                    if m.preserved_state_from_config.metadata], "the kill came too late"
+        said = tpufab("exec", "--name", name, "--", "true", env=env, cwd=home)
+        assert said.returncode == 0 and "numbered by internal IP" in said.stderr, said.stderr
+        rerun = ok(tpufab("create", "--name", name, "--type", "tpu7x-16", env=env, cwd=home))
+        assert "kept its workers' numbers" in rerun, rerun
+        kept = {m.name: m.preserved_state_from_config.metadata.get("tpufab-worker")
+                for m in _managed(compute, name)}
+        before = _workers_say(env, home, name)
+        assert [before["w0"][1], before["w1"][1]] == ["0", "1"], before
+        assert kept == {before["w0"][0]: "0", before["w1"][0]: "1"}, kept
+        compute.wait(compute.groups.recreate_instances_unary(
+            project=compute.project, zone=compute.zone, instance_group_manager=name,
+            instance_group_managers_recreate_instances_request_resource=(
+                compute.v1.InstanceGroupManagersRecreateInstancesRequest(
+                    instances=[f"zones/{compute.zone}/instances/{before['w0'][0]}"]))))
+        wait_for(lambda: all(m.instance_status == "RUNNING" and m.current_action == "NONE"
+                             for m in _managed(compute, name)), 180,
+                 what=f"{before['w0'][0]} recreated")
+        assert _workers_say(env, home, name) == before   # w0 is still the slice's worker 0
+        again = tpufab("exec", "--name", name, "--", "true", env=env, cwd=home)
+        assert again.returncode == 0 and "numbered by internal IP" not in again.stderr
+    finally:
+        ok(tpufab("delete", "--name", name, "--yes", env=env, cwd=home, timeout=600))
+
+
+def test_gc_in_another_zone_leaves_a_live_slices_template_and_policy_alone(
+        sim, tmp_path_factory):
+    """Instance templates are global and workload policies regional: `gc` in another zone of
+    the region took a live slice's for leftovers and sent a DELETE for each (only Compute
+    Engine's in-use check stopped it, one raw error a line). A leftover is one whose slice
+    exists in no zone: gc there finds nothing, and collects them once the MIG is gone."""
+    home = tmp_path_factory.mktemp("gc-zone")
+    env = cli_env(sim, home)
+    compute = compute_clients(sim)
+    name = unique_name("gz")
+    other = f"{compute.region}-{'a' if not compute.zone.endswith('-a') else 'c'}"
+    ok(tpufab("create", "--name", name, "--type", "tpu7x-16", env=env, cwd=home, timeout=600))
+    try:
+        collected = ok(tpufab("gc", "--yes", "--zone", other, env=env, cwd=home))
+        assert "leftover" not in collected and "Left alone" not in collected, collected
+        assert compute.templates.get(project=compute.project,
+                                     instance_template=f"{name}-tpufab-tt").name
+        assert compute.policies.get(project=compute.project, region=compute.region,
+                                    resource_policy=f"{name}-tpufab-wp").name
+        compute.wait(compute.groups.delete_unary(   # as autostop does: the MIG alone goes
+            project=compute.project, zone=compute.zone, instance_group_manager=name))
+        collected = ok(tpufab("gc", "--yes", "--zone", other, env=env, cwd=home))
+        assert "Deleted 2 of 2 leftovers." in collected, collected
+    finally:
+        tpufab("delete", "--name", name, "--yes", env=env, cwd=home, timeout=600)

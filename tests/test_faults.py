@@ -349,7 +349,7 @@ def test_fault_5_preemption_mid_babysat_run(sim, sim_admin, tmp_path, monkeypatc
     import shutil
 
     from tpufab.cloud import lifecycle
-    from tpufab.cloud.tpu_api import TpuApi
+    from tpufab.cloud.planes.tpu import TpuApi
     from tpufab.flows import babysit
     from tpufab.hosts import connect as pods
     from tpufab.sim.admin import StorageClient

@@ -6,6 +6,7 @@ generated string tries to create a canary file, which must never appear on any w
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -14,14 +15,17 @@ import pytest
 from harness import sim_node
 from helpers import (
     TPUFAB,
+    cli_env,
     in_worker,
     keepers,
     kept_connections,
     no_traceback,
+    ok,
     one_sentence,
     quiet_console,
     residents,
     tpufab,
+    unique_name,
     wait_for,
 )
 from hypothesis import HealthCheck, assume, given, settings
@@ -77,7 +81,7 @@ def canary_on_workers(pod2) -> list[int]:
 @FEW
 @given(name=HOSTILE)
 def test_node_names_are_valid_or_rejected_in_one_sentence(name):
-    from tpufab.cloud.lifecycle import NAME_RE, validate_name
+    from tpufab.cloud.names import NAME_RE, validate_name
 
     try:
         accepted = validate_name(name)
@@ -308,10 +312,10 @@ def refused_or(result, accepted: bool) -> None:
 @CLI
 @given(name=HOSTILE)
 def test_node_names_on_the_command_line(pod2, name):
-    from tpufab.cloud import lifecycle
+    from tpufab.cloud import names
 
     try:
-        lifecycle.validate_name(name)
+        names.validate_name(name)
         valid = True
     except ConfigError:
         valid = False
@@ -609,3 +613,43 @@ def test_the_servers_kept_between_commands_hold_none_of_its_secrets(pod2, tmp_pa
             for name, value in secrets.items():
                 assert value.encode() not in held and name.encode() + b"=" not in held, (pid, name)
 
+# a name on two control planes (issue 37 item 7)
+
+
+def test_a_name_is_one_planes_and_a_name_on_two_is_refused_by_every_verb(sim, make_node,
+                                                                         tmp_path_factory):
+    """`create` refuses a name the other control plane holds (a TPU7x slice beside a v4 node
+    of that name used to be made, and then status, exec, run and kill silently took the v4
+    node while describe and delete refused); a name two planes hold anyway (made past
+    tpufab, with gcloud or a client) is the one sentence describe says, from every verb."""
+    home = tmp_path_factory.mktemp("two-planes")
+    env = cli_env(sim, home)
+    tpu = make_node("v4-8").name.rsplit("/", 1)[-1]
+    refused = tpufab("create", "--name", tpu, "--type", "tpu7x-8", env=env, cwd=home)
+    one_sentence(refused, f"'{tpu}' is already a Cloud TPU API node", "pick another --name")
+    assert refused.returncode == 2
+    listed = json.loads(ok(tpufab("list", "--json", env=env, cwd=home)))
+    assert [n["control_plane"] for n in listed if n["name"] == tpu] == ["tpu"]  # no VM made
+
+    vm = unique_name("two")
+    ok(tpufab("create", "--name", vm, "--type", "tpu7x-8", env=env, cwd=home, timeout=600))
+    try:
+        refused = tpufab("create", "--name", vm, "--type", "v4-8", env=env, cwd=home)
+        one_sentence(refused, f"'{vm}' is already a Compute Engine TPU slice")
+        make_node("v4-8", node_id=vm)   # the TPU API takes it when asked directly
+        recipe = home / "hello.sh"
+        recipe.write_text("#!/bin/sh\necho hello\n")
+        recipe.chmod(0o755)
+        for verb in (("describe",), ("status",), ("exec", "--", "true"),
+                     ("run", str(recipe), "--no-deploy"), ("kill",)):
+            result = tpufab(verb[0], "--name", vm, *verb[1:], env=env, cwd=home)
+            one_sentence(result, f"'{vm}' names both a Cloud TPU API node and a Compute "
+                         "Engine TPU slice", "TPUFAB_CONTROL_PLANE=tpu or =compute",
+                         progress=int(verb[0] == "status"))   # status says the pod it asks of
+            assert result.returncode == 2, (verb, result.stdout + result.stderr)
+        picked = json.loads(ok(tpufab("describe", "--name", vm, "--json", env=env, cwd=home,
+                                      extra_env={"TPUFAB_CONTROL_PLANE": "tpu"})))
+        assert picked["control_plane"] == "tpu"   # the way out the sentence gives
+    finally:
+        ok(tpufab("delete", "--name", vm, "--yes", env=env, cwd=home, timeout=600,
+                  extra_env={"TPUFAB_CONTROL_PLANE": "compute"}))

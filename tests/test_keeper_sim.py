@@ -36,6 +36,8 @@ from helpers import (
     wait_for,
 )
 
+from tpufab.cloud import planes
+
 
 @pytest.fixture(scope="module")
 @needs_root
@@ -243,7 +245,6 @@ def test_an_api_error_through_the_keeper_is_the_one_the_command_would_meet(node,
                                                                          monkeypatch):
     from dataclasses import replace
 
-    from tpufab.cloud import lifecycle
     from tpufab.errors import NotFound
     from tpufab.hosts import connect as pods
 
@@ -260,7 +261,7 @@ def test_an_api_error_through_the_keeper_is_the_one_the_command_would_meet(node,
             control.get_node("nosuch-keeper")
         assert control._local is None          # the keeper answered, no client here
         with pytest.raises(NotFound) as direct:
-            lifecycle.control_plane(settings).get_node("nosuch-keeper")
+            planes.control_plane(settings).get_node("nosuch-keeper")
         assert str(through.value) == str(direct.value)
         assert control.find_node(node.name).id == node.node.id
     finally:

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from helpers import free_port, in_worker, one_sentence, tpufab, unique_name, wait_for
 
+from tpufab.cloud import planes
+
 pytestmark = pytest.mark.sim   # every test here drives the simulated pod
 
 SECRET = "hf_launch-secret-9931"
@@ -332,7 +334,7 @@ def test_retry_for_keeps_trying_stockouts_until_capacity_comes(world, sim_admin)
 
 def test_retry_for_gives_up_at_the_deadline_and_quota_stops_at_once(world, sim_admin):
     from tpufab.cloud import lifecycle
-    from tpufab.cloud.controlplane import QuotaExceeded, Stockout
+    from tpufab.cloud.planes.calls import QuotaExceeded, Stockout
 
     sim_admin.fail_next_create("stockout", count=50)
     s = settings_of(world, name=unique_name("never"), type="v4-8")
@@ -375,7 +377,7 @@ def test_gc_removes_a_preempted_node_and_a_failed_queued_resource_and_nothing_el
         assert "Deleted 2 of 2." in got.stdout
         names = node_names(world)
         assert healthy in names and preempted not in names
-        qrs = {q.name for q in lifecycle.control_plane(settings_of(world))
+        qrs = {q.name for q in planes.control_plane(settings_of(world))
                .list_queued_resources()}
         assert failed not in qrs
         again = tpufab("gc", "--yes", env=world["env"], cwd=world["project"])
@@ -648,12 +650,11 @@ def test_an_arm_whose_ttl_deletes_the_node_before_its_metadata_is_written_is_arm
     """On a loaded machine a short TTL fires before `autostop` writes the node's metadata: the
     API then refuses the update ("being deleted"). The watchdog did its job; not an error.
     Any other refusal still is one."""
-    from tpufab.cloud import lifecycle
     from tpufab.errors import ApiError
     from tpufab.steps.host import autostop
 
     name, s, p = pod16
-    real = lifecycle.control_plane(s)
+    real = planes.control_plane(s)
 
     class FiredFirst:       # the real API, with the deletion arriving just before the update
         def __getattr__(self, attr):

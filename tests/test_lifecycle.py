@@ -9,11 +9,14 @@ import pytest
 from helpers import SshKey, ssh_run, unique_name, wait_for
 from rich.console import Console
 
-from tpufab.cloud import lifecycle
+from tpufab.cloud import gc as collecting
+from tpufab.cloud import lifecycle, names, waiting
 from tpufab.cloud.nodes import Node, QueuedResourceInfo, WorkerEndpoint
+from tpufab.cloud.planes.tpu import TpuApi
 from tpufab.config import load_settings
 from tpufab.errors import ApiError, ConfigError, NotFound
 from tpufab.ssh import keys as sshkeys
+from tpufab.views import nodes as node_views
 
 
 def recording_console() -> Console:
@@ -30,7 +33,7 @@ def output(console: Console) -> str:
 
 @pytest.mark.parametrize("name", ["a", "my-tpu", "v4-32-run7", "x" * 63])
 def test_valid_names(name):
-    assert lifecycle.validate_name(name) == name
+    assert names.validate_name(name) == name
 
 
 @pytest.mark.parametrize("name, why", [
@@ -45,20 +48,20 @@ def test_valid_names(name):
 ])
 def test_invalid_names_are_one_sentence(name, why):
     with pytest.raises(ConfigError) as info:
-        lifecycle.validate_name(name)
+        names.validate_name(name)
     text = str(info.value)
     assert repr(name) in text and why in text and "--name my-tpu" in text and "\n" not in text
 
 
 def test_missing_name_says_how_to_give_one():
     with pytest.raises(ConfigError, match="No node name given and this project has no current pod: pass --name, choose one with `tpufab use NAME`"):
-        lifecycle.validate_name(None)
+        names.validate_name(None)
 
 
 def test_multislice_names_must_fit_with_their_suffix():
-    lifecycle.validate_name("x" * 61, num_slices=10)           # the last slice, x...x-9, is 63
+    names.validate_name("x" * 61, num_slices=10)           # the last slice, x...x-9, is 63
     with pytest.raises(ConfigError, match="longer than 63"):
-        lifecycle.validate_name("x" * 61, num_slices=11)       # x...x-10 is 64
+        names.validate_name("x" * 61, num_slices=11)       # x...x-10 is 64
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,7 +84,7 @@ class FakeClock:
 def test_wait_for_reports_each_transition_with_elapsed_time():
     clock, console = FakeClock(), recording_console()
     states = iter([("CREATING", False)] * 5 + [("STARTING", False)] * 3 + [("READY", True)])
-    final = lifecycle.wait_for(lambda: next(states), what="TPU node demo", timeout=60,
+    final = waiting.wait_for(lambda: next(states), what="TPU node demo", timeout=60,
                                console=console, clock=clock, sleep=clock.sleep)
     assert final == "READY"
     lines = output(console).splitlines()
@@ -94,7 +97,7 @@ def test_wait_for_reports_each_transition_with_elapsed_time():
 def test_wait_for_gives_up_at_the_timeout():
     clock, console = FakeClock(), recording_console()
     with pytest.raises(ApiError) as info:
-        lifecycle.wait_for(lambda: ("CREATING", False), what="TPU node demo", timeout=30,
+        waiting.wait_for(lambda: ("CREATING", False), what="TPU node demo", timeout=30,
                            console=console, clock=clock, sleep=clock.sleep,
                            check_hint="check it with `tpufab describe --name demo`, ")
     text = str(info.value)
@@ -120,7 +123,7 @@ def render(renderable) -> str:
 
 
 def test_list_table_shows_what_a_user_needs():
-    text = render(lifecycle.nodes_table([a_node(), a_node("spot-one", "PREEMPTED", spot=True)],
+    text = render(node_views.nodes_table([a_node(), a_node("spot-one", "PREEMPTED", spot=True)],
                                         recording_console()))
     header = text.splitlines()[0].split()
     assert header == ["NAME", "TYPE", "STATE", "HEALTH", "HOSTS", "WORKER", "IPS", "SPOT",
@@ -130,20 +133,20 @@ def test_list_table_shows_what_a_user_needs():
     assert "34.0.0.2 34.0.0.3 34.0.0.4 34.0.0.5" in demo
     spot = next(line for line in text.splitlines() if line.startswith("spot-one"))
     assert "PREEMPTED" in spot and " yes " in spot
-    notes = lifecycle.preempted_notes([a_node(), a_node("spot-one", "PREEMPTED")])
+    notes = node_views.preempted_notes([a_node(), a_node("spot-one", "PREEMPTED")])
     assert len(notes) == 1 and "spot-one was PREEMPTED" in notes[0]
     assert "tpufab delete --name spot-one --yes" in notes[0]
 
 
 def test_describe_view_lists_every_worker():
-    text = render(lifecycle.details_table(a_node(labels={"team": "ml"})))
+    text = render(node_views.details_table(a_node(labels={"team": "ml"})))
     for expected in ("v4-32", "READY", "16 (4 per host)", "team=ml"):
         assert expected in text
     for i in range(4):
         assert f"10.0.0.{i + 2}" in text and f"34.0.0.{i + 2}" in text
     qr = QueuedResourceInfo(name="q", project="p", zone="z", state="FAILED", tier="spot",
                             accelerator_type="v4-8", node_ids=["q"], failure="no [capacity]")
-    text = render(lifecycle.details_table(qr))
+    text = render(node_views.details_table(qr))
     assert "FAILED" in text and "no [capacity]" in text     # API text is not rich markup
 
 
@@ -151,11 +154,12 @@ def test_describe_view_lists_every_worker():
 # a create that loses a race
 
 
-class RacingControl:
+class RacingControl(TpuApi):
     """Nothing there at first; the create then answers ALREADY_EXISTS (another tpufab, or our
     own request retried after a 503, got there first) and the node is READY."""
 
-    def __init__(self):
+    def __init__(self, settings):
+        super().__init__(settings, client=object())
         self.created = False
         self.node = a_node("demo", accelerator_type="v4-32")
 
@@ -166,7 +170,7 @@ class RacingControl:
         return self.node if self.created else None
 
     def create_node(self, name, body):
-        from tpufab.cloud.controlplane import AlreadyExists
+        from tpufab.cloud.planes.calls import AlreadyExists
 
         self.created = True
         raise AlreadyExists("A node named 'demo' already exists.")
@@ -179,7 +183,7 @@ def test_create_that_finds_the_node_already_made_is_a_no_op(tmp_path):
     settings = load_settings({"project": "p", "name": "demo", "type": "v4-32",
                               "ssh_key": str(tmp_path / "k")}, cwd=tmp_path, env={})
     console = recording_console()
-    [node] = lifecycle.create(settings, console=console, control=RacingControl())
+    [node] = lifecycle.create(settings, console=console, control=RacingControl(settings))
     assert node.name == "demo" and "already exists and is READY" in output(console)
 
 
@@ -454,7 +458,7 @@ def test_gc_leaves_a_node_recreated_between_its_listing_and_its_delete(settings_
         return True
 
     console = recording_console()
-    lifecycle.gc(settings, console=console, confirm=recreate_while_asking)
+    collecting.gc(settings, console=console, confirm=recreate_while_asking)
     text = output(console)
     assert f"TPU node {name} (v4-8, PREEMPTED) in {settings.zone}, id {old_id}" in text
     assert recreated["id"] != old_id
@@ -480,7 +484,7 @@ def test_gc_names_every_slice_a_queued_resource_delete_takes(settings_for, creat
         return False
 
     console = recording_console()
-    assert lifecycle.gc(settings, console=console, confirm=say_no) == []
+    assert collecting.gc(settings, console=console, confirm=say_no) == []
     text = output(console)
     assert (f"queued resource {name} (v4-8, SUSPENDED) in {settings.zone}; "
             f"deleting it deletes all its slices {name}-0 (id {ids[f'{name}-0']}, READY), "
@@ -489,7 +493,7 @@ def test_gc_names_every_slice_a_queued_resource_delete_takes(settings_for, creat
     assert asked and "Nothing deleted." in text
 
     console = recording_console()
-    lifecycle.gc(settings, yes=True, console=console)
+    collecting.gc(settings, yes=True, console=console)
     assert (f"Deleted queued resource {name} (v4-8, SUSPENDED) with all its slices "
             f"{name}-0 (id {ids[f'{name}-0']}, READY), {name}-1") in output(console)
 

@@ -142,7 +142,7 @@ def test_babysit_recreates_the_node_without_external_ips_and_with_its_metadata(p
     from google.protobuf import field_mask_pb2
     from helpers import quiet_console, sim_settings
 
-    from tpufab.cloud.tpu_api import TpuApi
+    from tpufab.cloud.planes.tpu import TpuApi
     from tpufab.flows.babysit import Babysitter, NodeSpec
     from tpufab.sim.admin import SimAdmin
 

@@ -442,7 +442,7 @@ def test_babysit_ray_restarts_the_cluster_after_a_preemption_then_resubmits(ray_
 
     from rich.console import Console
 
-    from tpufab.cloud.tpu_api import TpuApi
+    from tpufab.cloud.planes.tpu import TpuApi
     from tpufab.flows import babysit
 
     name = ray_pod.env["TPUFAB_NAME"]

@@ -7,10 +7,10 @@ import io
 from helpers import facts_of
 from rich.console import Console
 
-from tpufab.cloud import lifecycle
 from tpufab.cloud.nodes import Node, WorkerEndpoint
 from tpufab.steps.health import status as st
 from tpufab.term import tables
+from tpufab.views import nodes as node_views
 from tpufab.views import status as status_view
 
 LONG = ("python3 -I -S /home/me/.cache/tpufab/remote/5d41402abc4b2a76b9719d911017c592/"
@@ -58,10 +58,10 @@ def test_list_of_a_v4_512_fits_with_its_64_addresses_shortened():
                for i in range(64)]
     node = Node(name="my-v4-512", project="p", zone="z", accelerator_type="v4-512",
                 state="READY", health="HEALTHY", workers=workers)
-    lines = printed(lambda c: lifecycle.nodes_table([node], c), 120)
+    lines = printed(lambda c: node_views.nodes_table([node], c), 120)
     assert len(lines) == 2 and all(len(line) <= 120 for line in lines), lines
     assert lines[1].startswith("my-v4-512 ") and "READY" in lines[1] and "HEALTHY" in lines[1]
-    full = printed(lambda c: lifecycle.nodes_table([node], c), 120, wide=True)
+    full = printed(lambda c: node_views.nodes_table([node], c), 120, wide=True)
     assert " ".join(node.addresses()) in full[1]
 
 

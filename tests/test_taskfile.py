@@ -13,8 +13,9 @@ import pytest
 import yaml
 
 from tpufab import durations
+from tpufab.cloud import gc as collecting
 from tpufab.cloud import lifecycle
-from tpufab.cloud.controlplane import queued_resource_body
+from tpufab.cloud.bodies import queued_resource_body
 from tpufab.cloud.nodes import Node, QueuedResourceInfo, WorkerEndpoint, autostop_cell
 from tpufab.config import load_settings
 from tpufab.errors import ConfigError
@@ -434,7 +435,7 @@ def test_gc_picks_dead_nodes_and_failed_or_suspended_queued_resources_only():
              node("stopped", state="STOPPED"), node("new", state="CREATING")]
     queued = [qr("q-live", "ACTIVE", ["qn"]), qr("q-susp", "SUSPENDED", ["qs"]),
               qr("q-failed", "FAILED"), qr("q-wait", "WAITING_FOR_RESOURCES")]
-    found = lifecycle.find_garbage(nodes, queued, "z")
+    found = collecting.find_garbage(nodes, queued, "z")
     assert [(g.kind, g.name) for g in found] == [
         ("queued resource", "q-failed"), ("queued resource", "q-susp"),
         ("node", "gone"), ("queued resource", "q-live"), ("node", "term")]

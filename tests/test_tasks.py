@@ -75,7 +75,7 @@ def _raised_texts(source: str) -> list[str]:
 def test_every_error_launch_can_raise_names_flags_launch_has():
     """Every sentence the launch steps can end in, in the words launch says it (its own
     errors, the task file's, create's, deploy's, a task's mount, the setup's)."""
-    from tpufab.cloud import lifecycle
+    from tpufab.cloud import create, lifecycle, names
     from tpufab.flows import launch, taskfile
     from tpufab.steps.code import deploy
     from tpufab.steps.host import mount
@@ -83,9 +83,10 @@ def test_every_error_launch_can_raise_names_flags_launch_has():
 
     sentences = [*_raised_texts(inspect.getsource(launch)),
                  *_raised_texts(inspect.getsource(taskfile)),
-                 *(text for fn in (lifecycle.validate_name, lifecycle.create,
-                                   lifecycle._create, lifecycle._create_and_wait,
-                                   lifecycle._wait_node, lifecycle._existing_node)
+                 *(text for fn in (names.validate_name, lifecycle.create,
+                                   lifecycle.refuse_rivals, create.create_nodes,
+                                   create.create_and_wait, create.wait_node,
+                                   create.existing_node)
                    for text in _raised_texts(inspect.getsource(fn))),
                  *deploy.ERROR_SENTENCES.values(), *mount.TASK_MOUNT_SENTENCES.values(),
                  *_raised_texts(inspect.getsource(setting))]

@@ -24,7 +24,7 @@ def pod4(sim, tmp_path_factory):
 
 def test_upcoming_maintenance_and_a_notice_show_in_status_and_check(pod4, sim_admin,
                                                                     tmp_path):
-    from tpufab.cloud.tpu_api import TpuApi
+    from tpufab.cloud.planes.tpu import TpuApi
 
     said = tpufab("sim", "maintenance", pod4.name, "--in", "2h", env=pod4.env)
     assert said.returncode == 0, said.stderr

@@ -184,7 +184,11 @@ class Node:
     subnetwork: str = ""
     # v2alpha1's upcomingMaintenance, filled by status/check/babysit (None: none, or not asked)
     upcoming_maintenance: UpcomingMaintenance | None = None
-    plane: str = "tpu"                   # "tpu" (Cloud TPU API) or "compute" (Compute Engine)
+    plane: str = ""                      # the control plane's registry name (set by the plane)
+    plane_text: str = ""                 # its title (the ON column, describe's control plane)
+    plane_title: str = ""                # its full name, for sentences
+    runtime_label: str = "runtime"       # what runtime_version is on this plane (describe)
+    order_note: str = ""                 # why its workers are numbered by internal IP, if so
     provisioning_model: str = ""         # Compute Engine: STANDARD, SPOT, FLEX_START ...
     compute_group: str = ""              # Compute Engine: the slice's MIG, its template and
     compute_template: str = ""           # workload policy (short names; "" for one VM)
@@ -301,19 +305,15 @@ class Node:
             "upcoming_maintenance": self.upcoming_maintenance.to_json()
             if self.upcoming_maintenance else None,
             "control_plane": self.plane,
-            **({"provisioning_model": self.provisioning_model,
+            **({"provisioning_model": self.provisioning_model,   # a plane with VM fields
                 "instance_group": self.compute_group or None,
                 "instance_template": self.compute_template or None,
                 "workload_policy": self.compute_policy or None,
                 "max_run_duration": self.max_run_duration or None,
-                "condition": self.condition or None}
-               if self.plane == "compute" else {}),
+                "condition": self.condition or None,
+                **({"worker_order": self.order_note} if self.order_note else {})}
+               if self.provisioning_model else {}),
         }
-
-    @property
-    def plane_text(self) -> str:
-        """"TPU API" or "Compute Engine" (the ON column, describe's control plane)."""
-        return "Compute Engine" if self.plane == "compute" else "TPU API"
 
 
 @dataclass
@@ -404,7 +404,18 @@ class MultisliceInfo:
     project: str
     zone: str
     slices: list[Node]
-    plane: str = "compute"
+
+    @property
+    def plane(self) -> str:
+        return self.slices[0].plane if self.slices else ""
+
+    @property
+    def plane_text(self) -> str:
+        return self.slices[0].plane_text if self.slices else ""
+
+    @property
+    def plane_title(self) -> str:
+        return self.slices[0].plane_title if self.slices else ""
 
     @property
     def accelerator_type(self) -> str:
@@ -418,10 +429,6 @@ class MultisliceInfo:
     @property
     def hosts(self) -> int:
         return sum(s.hosts for s in self.slices)
-
-    @property
-    def plane_text(self) -> str:
-        return "Compute Engine"
 
     def workers(self) -> list[tuple[int, int, WorkerEndpoint]]:
         """(worker number across the multislice, slice index, the slice's worker)."""

@@ -186,12 +186,12 @@ class OsLoginApi:
             raise ApiError(f"The OS Login API at {self.endpoint} failed to {what} {account} "
                            f"({_message(exc)}).") from exc
         except Exception as exc:
-            from tpufab.cloud.controlplane import _credentials_error, _is_connection_error
+            from tpufab.cloud.planes.calls import credentials_error, is_connection_error
 
-            translated = _credentials_error(exc)
+            translated = credentials_error(exc)
             if translated is not None:
                 raise translated from exc
-            if _is_connection_error(exc):
+            if is_connection_error(exc):
                 raise ApiError(f"Cannot reach the OS Login API at {self.endpoint} ({exc}); "
                                "check os_login_endpoint (TPUFAB_OS_LOGIN_ENDPOINT), or turn OS "
                                "Login off with --no-os-login if the node accepts metadata "
@@ -200,7 +200,7 @@ class OsLoginApi:
 
 
 def _message(exc: BaseException) -> str:
-    from tpufab.cloud.controlplane import api_message
+    from tpufab.cloud.planes.calls import api_message
 
     return api_message(exc).rstrip(". ")
 

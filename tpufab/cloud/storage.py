@@ -36,7 +36,7 @@ from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 from tpufab.errors import ApiError, NotFound
 
 if TYPE_CHECKING:
-    from tpufab.cloud.controlplane import RetryPolicy
+    from tpufab.cloud.planes.calls import RetryPolicy
     from tpufab.config import Settings
 
 GOOGLE_STORAGE = "https://storage.googleapis.com"
@@ -135,7 +135,7 @@ class Storage:
     def __init__(self, endpoint: str | None = None, *, timeout: float = 60.0,
                  policy: RetryPolicy | None = None, credentials: Any = None,
                  opener: Any = None, sleep: Callable[[float], None] = time.sleep):
-        from tpufab.cloud.controlplane import RetryPolicy
+        from tpufab.cloud.planes.calls import RetryPolicy
 
         self.endpoint = (endpoint or GOOGLE_STORAGE).rstrip("/")
         self.timeout = timeout
@@ -146,7 +146,7 @@ class Storage:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Storage:
-        from tpufab.cloud.controlplane import RetryPolicy
+        from tpufab.cloud.planes.calls import RetryPolicy
 
         return cls(settings.storage_endpoint, timeout=settings.api_timeout,
                    policy=RetryPolicy.from_settings(settings))
@@ -401,9 +401,9 @@ class Storage:
             try:
                 self._credentials = credentials(self.endpoint)
             except Exception as exc:  # noqa: BLE001 - said in one sentence below
-                from tpufab.cloud.controlplane import _credentials_error
+                from tpufab.cloud.planes.calls import credentials_error
 
-                translated = _credentials_error(exc)
+                translated = credentials_error(exc)
                 if translated is not None:
                     raise translated from None
                 raise

@@ -46,8 +46,8 @@ from tpufab.steps.host.sshconfig import keep_current
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from tpufab.cloud.controlplane import ControlPlane
     from tpufab.cloud.nodes import Node, QueuedResourceInfo
+    from tpufab.cloud.planes.base import ControlPlane
     from tpufab.config import Settings
     from tpufab.steps.health.status import StatusRow
     from tpufab.steps.runs.running import WorkerState
@@ -523,7 +523,7 @@ class Babysitter:
                  stall: str | float | None = None, stall_action: str | None = None,
                  stall_progress_file: str | None = None,
                  ray: bool = False, ray_options: Sequence[str] = ()):
-        from tpufab.cloud import lifecycle
+        from tpufab.cloud import names, planes
         from tpufab.steps.start import stall as stalls
 
         self.recipe = Path(recipe)
@@ -565,7 +565,7 @@ class Babysitter:
                               "--ray-options.")
         self.ray = ray
         self.ray_options = list(ray_options)
-        self.name = lifecycle.validate_name(settings.name)
+        self.name = names.validate_name(settings.name)
         settings.project = settings.require("project")
         self.settings = settings
         self.args = list(args)
@@ -584,7 +584,7 @@ class Babysitter:
         self.create_attempts = max(1, create_attempts)
         # seconds each step on the workers may take (None: the fan-out's default)
         self.timeout = timeout
-        self.control = lifecycle.control_plane(settings, control)
+        self.control = planes.control_plane(settings, control)
         if console is None:
             from tpufab.term.console import stderr
 

@@ -171,7 +171,7 @@ def plan(task: Task, *, settings: Settings, name: str | None = None, type: str |
     copies is resolved here (symlinks followed; ``local_source``): a credential store or a
     file others cannot read is copied only when ``allow_files`` names it.
     """
-    from tpufab.cloud import lifecycle
+    from tpufab.cloud.names import validate_name
     from tpufab.steps.code import gitops
     from tpufab.topology import parse_accelerator_type
 
@@ -200,7 +200,7 @@ def plan(task: Task, *, settings: Settings, name: str | None = None, type: str |
     spec = replace(settings, labels={**task.labels, **settings.labels})
     spec.zone = zone or task.zone or _zone_of_region(task, settings)
     task_name = node_name_of(task)
-    spec.name = lifecycle.validate_name(name or task_name or settings.name)
+    spec.name = validate_name(name or task_name or settings.name)
     name_note = None
     if not name and task.name and task_name != task.name:
         name_note = (f"The task's name {task.name} is not a valid TPU node name; the pod is "
@@ -588,9 +588,9 @@ def existing_spec_problem(node: Node, p: LaunchPlan) -> str | None:
 def provision(p: LaunchPlan, *, console=None, control=None, zones: Sequence[str] | None = None,
               retry_for: float | None = None) -> list[Node]:
     """Create the node, or reuse a READY one of the same spec."""
-    from tpufab.cloud import lifecycle
+    from tpufab.cloud import lifecycle, planes
 
-    control = lifecycle.control_plane(p.settings, control)
+    control = planes.control_plane(p.settings, control)
     existing = control.find_node(p.settings.name)
     if existing is not None:
         problem = existing_spec_problem(existing, p)

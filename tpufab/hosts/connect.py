@@ -16,9 +16,9 @@ from tpufab.errors import ApiError, ConfigError, TpufabError
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from tpufab.cloud.controlplane import ControlPlane
     from tpufab.cloud.nodes import Node
     from tpufab.cloud.oslogin import Login
+    from tpufab.cloud.planes.base import ControlPlane
     from tpufab.ssh.fanout import Fanout
 
 SSH_PORT = 22  # networkEndpoints[].port is the TPU runtime's port (8470), never SSH's
@@ -83,19 +83,21 @@ class Hosts:
 
 def resolve_nodes(control: ControlPlane, name: str) -> list[Node]:
     """The node called ``name``, or the slices of the queued resource called ``name``."""
-    node = control.find_node(name)
+    node = control.find_node(name)   # a name on two planes: one sentence
+    qr = control.find_queued_resource(name) if node is None else None
+    if (node is not None or qr is not None) and control.has_multislice(name):
+        from tpufab.cloud.lifecycle import two_things
+
+        raise ConfigError(two_things(name, node, qr, control.multislice(name)))
     if node is not None:
         return [node]
-    qr = control.find_queued_resource(name)
     if qr is not None:
         nodes = [n for n in control.list_nodes() if n.queued_resource == name]
         if nodes:
             return sorted(nodes, key=lambda n: (n.slice_index or 0, n.name))
         raise ApiError(f"Queued resource {name!r} has no nodes yet (state {qr.state}); wait for "
                        f"it with `tpufab describe --name {name}`.")
-    from tpufab.cloud.lifecycle import compute_multislice
-
-    slices = compute_multislice(control, name)
+    slices = control.multislice(name)   # a multislice a plane groups itself
     if slices:
         return slices
     raise ApiError(f"No TPU node or queued resource named {name!r} in "
@@ -227,9 +229,11 @@ def connect(settings: Settings, *, control: ControlPlane | None = None,
         from tpufab.ssh.keeper import client as keeper
 
         pending = keeper.prestart()   # its start overlaps the API lookup below
-    from tpufab.cloud import lifecycle, oslogin
+    from tpufab.cloud import oslogin, planes
+    from tpufab.cloud.create import ensure_key
+    from tpufab.cloud.names import validate_name
 
-    name = lifecycle.validate_name(settings.name)
+    name = validate_name(settings.name)
     settings.project = settings.require("project")
     from tpufab.ssh import keys as sshkeys
     from tpufab.ssh.connections import Target
@@ -237,17 +241,22 @@ def connect(settings: Settings, *, control: ControlPlane | None = None,
     from tpufab.ssh.hostkeys import KnownHosts
     from tpufab.term.console import stderr
 
-    control = lifecycle.control_plane(settings, control)
+    control = planes.control_plane(settings, control)
     nodes = nodes if nodes is not None else resolve_nodes(control, name)
     _check_ready(nodes)
     check_reachable(nodes, settings)
     console = console or stderr()
+    for node in nodes:   # a slice whose workers are numbered by IP only: say so
+        if node.order_note:
+            from rich.markup import escape
+
+            console.print(f"[yellow]{escape(node.order_note)}[/yellow]")
     logins = oslogin.logins(settings, nodes, console)  # {node: Login} where OS Login is on
     entry = sshkeys.metadata_entry(settings.ssh_user, sshkeys.ensure_key(settings.ssh_key_path))
     for node in nodes:
         if node.name in logins and logins[node.name].user:
             continue  # its workers ignore ssh-keys metadata
-        if lifecycle.ensure_key(control, node, entry, settings, console):
+        if ensure_key(control, node, entry, settings, console):
             console.print(f"[dim]Added your SSH key ({settings.ssh_key_path}.pub) to "
                           f"{node.name}'s metadata.[/dim]")
     known_hosts = KnownHosts(settings.known_hosts_path)
@@ -314,9 +323,9 @@ class KeptControl:
 
     def local(self):
         if self._local is None:
-            from tpufab.cloud import lifecycle
+            from tpufab.cloud import planes
 
-            self._local = lifecycle.control_plane(self.settings)
+            self._local = planes.control_plane(self.settings)
         return self._local
 
     def __getattr__(self, attr: str):
@@ -466,9 +475,10 @@ def forget_host_keys(settings: Settings, node: str) -> int:
 
     node_id = node
     if not node.isdigit():
-        from tpufab.cloud import lifecycle
+        from tpufab.cloud import planes
+        from tpufab.cloud.names import validate_name
 
-        node_id = lifecycle.control_plane(settings).get_node(lifecycle.validate_name(node)).id
+        node_id = planes.control_plane(settings).get_node(validate_name(node)).id
     return KnownHosts(settings.known_hosts_path).forget(node_id)
 
 def ssh_session(hosts: Hosts, worker: int, *, command=None, forwards=(), replace: bool = False,

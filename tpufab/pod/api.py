@@ -94,7 +94,7 @@ class Pod:
 
     @property
     def name(self) -> str:
-        from tpufab.cloud.lifecycle import validate_name
+        from tpufab.cloud.names import validate_name
 
         return validate_name(self.settings.name)
 

@@ -88,11 +88,11 @@ def launch(task: str | Path, *, name: str | None = None, type: str | None = None
     def find_node(node: str) -> Node | None:   # a read: `sky exec`-style tasks name no type
         from dataclasses import replace
 
-        from tpufab.cloud import lifecycle
+        from tpufab.cloud import planes
 
         chosen = replace(base, zone=zone or (zone_list[0] if zone_list else None)
                          or task_file.zone or base.zone)
-        return lifecycle.control_plane(chosen).find_node(node)
+        return planes.control_plane(chosen).find_node(node)
 
     plan = launching.plan(task_file, settings=base, name=name,
                           type=type, zone=zone or (zone_list[0] if zone_list else None),

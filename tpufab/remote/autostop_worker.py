@@ -385,22 +385,10 @@ def mark_fired(config, node, now, why):
     return status == 200, answer.get("name") if isinstance(answer, dict) else None
 
 
-# -- Compute Engine (config "plane": "compute"): the slice is a MIG ("group"), or one VM ----------
+# -- a pod deleted by one URL (config "target_url", its control plane's: a MIG, a VM) ---------
 
-def compute_base(config):
-    return "{}/compute/v1/projects/{}".format(config["compute_endpoint"].rstrip("/"),
-                                              config["project"])
-
-
-def compute_target(config):
-    """The URL of what deletes the pod: its MIG, else its VM instance."""
-    kind, name = ("instanceGroupManagers", config["group"]) if config.get("group") \
-        else ("instances", config["node"])
-    return "{}/zones/{}/{}/{}".format(compute_base(config), config["zone"], kind, name)
-
-
-def compute_recheck(config):
-    status, found = api_call(config, "GET", compute_target(config))
+def url_recheck(config):
+    status, found = api_call(config, "GET", config["target_url"])
     if status == 404:
         return None, "{} is already gone".format(config["node"])
     if status != 200:
@@ -413,25 +401,25 @@ def compute_recheck(config):
     return found, None
 
 
-def compute_delete(config, now, why):
-    found, skipped = compute_recheck(config)
+def url_delete(config, now, why):
+    found, skipped = url_recheck(config)
     if found is None:
         return {"ok": False, "skipped": skipped}
-    status, op = api_call(config, "DELETE", compute_target(config))
+    status, op = api_call(config, "DELETE", config["target_url"])
     if status != 200:
         message = (op.get("error") or {}).get("message") if isinstance(op, dict) else ""
         return {"ok": False, "error": f"HTTP {status}: {message}"}
-    # the template and workload policy tpufab made stay (in use until the MIG is gone, and
-    # this VM goes with it): `tpufab gc` and the next create of the name remove them
+    # what tpufab made beside it stays (a MIG's template and workload policy: in use until
+    # the MIG is gone, and this VM goes with it): `tpufab gc` and the next create remove them
     return {"ok": True, "operation": op.get("name"), "node_id": found.get("id"),
             "state": found.get("status") or "RUNNING", "labelled": False}
 
 
 def delete_pod(config, now=None, why="idle"):
     now = time.time() if now is None else now
-    if config.get("plane") == "compute":
+    if config.get("target_url"):
         try:
-            return compute_delete(config, now, why)
+            return url_delete(config, now, why)
         except (OSError, ValueError, KeyError) as err:
             return {"ok": False, "error": f"{type(err).__name__}: {err}"}
     try:

@@ -531,9 +531,11 @@ class ComputeEngine:
                 nic["accessConfigs"][0]["natIP"] = external
             elif not external:
                 nic.pop("accessConfigs", None)
-        if record.get("group"):  # a MIG's VM: its metadata is the slice's (setMetadata on any)
-            inst["metadata"]["items"] = [{"key": k, "value": v} for k, v in
-                                         sorted((node["node"].get("metadata") or {}).items())]
+        if record.get("group"):  # a MIG's VM: its metadata is the slice's (setMetadata on any),
+            own = {i["key"]: i["value"] for i in inst["metadata"]["items"]   # but the keys
+                   if i["key"] in ("created-by", "instance-template")}      # the MIG set on it
+            inst["metadata"]["items"] = [{"key": k, "value": v} for k, v in sorted(
+                {**(node["node"].get("metadata") or {}), **own}.items())]
         if (node["sim"].get("notices") or {}).get("preempted") or state == "PREEMPTED":
             inst["lastStopTimestamp"] = inst.get("lastStopTimestamp") or rfc3339()
         return inst

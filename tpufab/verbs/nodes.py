@@ -112,6 +112,7 @@ def list_(*, as_json: bool = False, wide: bool = False, zone: str | None = None,
     from tpufab.pod.pods import list_pods
     from tpufab.term import tables
     from tpufab.term.console import stdout
+    from tpufab.views.nodes import show_listing
 
     found = list_pods(zone=zone, project=project, waiting=not as_json)
     if as_json:
@@ -119,7 +120,7 @@ def list_(*, as_json: bool = False, wide: bool = False, zone: str | None = None,
         return
     if wide:
         tables.wide(stdout())
-    found.render(stdout())
+    show_listing(found, stdout())
 
 
 @verb()
@@ -127,9 +128,9 @@ def describe(*, name: str | None = None, as_json: bool = False, zone: str | None
              project: str | None = None) -> None:
     """Show one TPU node: state, health, workers and their IPs (or the queued resource, or
     the Compute Engine multislice, of that name)."""
-    from tpufab.cloud.lifecycle import render_details
     from tpufab.pod.pods import describe as described
     from tpufab.term.console import stdout
+    from tpufab.views.nodes import render_details
 
     item = described(name, zone=zone, project=project)
     if as_json:

@@ -85,11 +85,11 @@ def use(*, pod: str | None = None, zone: str | None = None, project: str | None 
     if check:
         # one sentence if there is no such node
         item = describe(name, zone=settings.zone, project=settings.project)
-        plane = getattr(item, "plane_text", None)
-        where = f" ({'Cloud TPU API' if plane == 'TPU API' else plane})" if plane else ""
-        slices = getattr(item, "slices", None)   # a Compute Engine multislice
+        plane = getattr(item, "plane_title", None)   # the control plane that holds it
+        where = f" ({plane})" if plane else ""
+        slices = getattr(item, "slices", None)   # a multislice a plane groups itself
         if slices:
-            where = (f" (Compute Engine multislice of {len(slices)} slices: "
+            where = (f" ({plane} multislice of {len(slices)} slices: "
                      f"{', '.join(n.name for n in slices)})")
     path = current.remember(name, zone=settings.zone, project=settings.project, set_by="use")
     say(f"{name}{where} is now this project's current pod ({path}).")

@@ -29,20 +29,20 @@ def _escape(text: object) -> str:
 
 def node_lines(status: StatusReport) -> list[str]:
     """One line per node: type, API state and health, tier, runtime, zone."""
-    from tpufab.cloud.lifecycle import _state_text
+    from tpufab.views.nodes import state_text
 
     lines = []
     if status.queued is not None:
         q = status.queued
         failure = f" ({_escape(q.failure)})" if q.failure else ""
-        lines.append(f"Queued resource [bold]{_escape(q.name)}[/bold]: {_state_text(q.state)}"
+        lines.append(f"Queued resource [bold]{_escape(q.name)}[/bold]: {state_text(q.state)}"
                      f"{failure}, {q.tier}, {q.node_count} node{'s' if q.node_count != 1 else ''}")
     for n in status.nodes:
         health = f" {_escape(n.health)}" if n.health else ""
-        on = f", on Compute Engine ({_escape(n.provisioning_model or 'STANDARD')})" \
-            if n.plane == "compute" else ""
+        on = f", on {_escape(n.plane_text)} ({_escape(n.provisioning_model)})" \
+            if n.provisioning_model else ""   # a plane of VMs: how they are paid for
         lines.append(f"TPU node [bold]{_escape(n.name)}[/bold]: {_escape(n.accelerator_type)} "
-                     f"{_state_text(n.state)}{health}, {n.hosts} workers, "
+                     f"{state_text(n.state)}{health}, {n.hosts} workers, "
                      f"{_escape(n.tier)}, {_escape(n.runtime_version)}, {_escape(n.zone)}{on}")
     return lines
 

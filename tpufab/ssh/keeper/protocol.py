@@ -14,10 +14,10 @@ API_BEAT = 1.0       # s: while it asks the API for a command, a keeper says it 
 API_SILENT = 5.0     # s: a keeper that says nothing this long is frozen: the command asks itself
 # The control plane's reads a command may ask through the pod's keeper (tpufab status: its
 # client is loaded there already); anything else a command does itself.
-API_READS = frozenset({"get_node", "find_node", "find_both", "list_nodes", "host_keys",
+API_READS = frozenset({"get_node", "find_node", "holds", "list_nodes", "host_keys",
                        "upcoming_maintenance", "get_queued_resource", "find_queued_resource",
                        "list_queued_resources", "list_operations", "zones",
-                       "accelerator_types"})
+                       "accelerator_types", "multislice", "has_multislice"})
 PRESTART_WAIT = 60.0  # s: how long a keeper started ahead waits to be told its socket
 
 

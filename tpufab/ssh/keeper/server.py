@@ -212,7 +212,7 @@ class Server:
 
     def control(self, settings):
         """The control plane for ``settings``, made once (its client stays loaded)."""
-        from tpufab.cloud import lifecycle
+        from tpufab.cloud import planes
 
         key = pickle.dumps(settings, protocol=pickle.HIGHEST_PROTOCOL)
         with self.controls_lock:
@@ -220,12 +220,12 @@ class Server:
             if control is None:
                 if len(self.controls) >= 8:   # commands with many settings: keep it bounded
                     self.controls.clear()
-                control = self.controls[key] = lifecycle.control_plane(
+                control = self.controls[key] = planes.control_plane(
                     settings, on_retry=self.api_retry)
         return control
 
     def api_retry(self, exc: BaseException, attempt: int, delay: float) -> None:
-        from tpufab.cloud.lifecycle import retry_note
+        from tpufab.cloud.planes import retry_note
 
         send = getattr(self.asking, "send", None)
         if send is not None:

@@ -562,11 +562,11 @@ def run_check(settings: Any, pod: Any, *, quick: bool = False, timeout: float | 
 def maintenance_result(settings: Any, nodes: Sequence[Any], facts: Mapping[int, Any]) -> Result:
     """The maintenance windows the API announces for the nodes and the notices the workers'
     metadata servers hold: shown, never a failure (the collective says whether it works)."""
-    from tpufab.cloud import lifecycle
+    from tpufab.cloud import planes
     from tpufab.steps.health import status
 
     try:
-        status.fill_upcoming_maintenance(lifecycle.control_plane(settings), nodes)
+        status.fill_upcoming_maintenance(planes.control_plane(settings), nodes)
     except TpufabError:  # no control plane to ask (no project): the notices alone
         pass
     lines = status.maintenance_lines(nodes, facts)

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from tpufab import nodeset
-from tpufab.errors import ApiError, TpufabError
+from tpufab.errors import ApiError, ConfigError, TpufabError
 from tpufab.reports import Report, last_line
 from tpufab.ssh.remote_files import read_answer
 
 if TYPE_CHECKING:
-    from tpufab.cloud.controlplane import ControlPlane
     from tpufab.cloud.nodes import Node, QueuedResourceInfo
+    from tpufab.cloud.planes.base import ControlPlane
     from tpufab.config import Settings
 
 SCRIPT = "facts_worker.py"
@@ -596,24 +596,27 @@ def collect(settings: Settings, *, control: ControlPlane | None = None, pod: Any
             timeout: float | None = None) -> StatusReport:
     """The node's API state, then (if its workers should be up) every worker's facts
     (``timeout``: seconds each worker has to answer)."""
-    from tpufab.cloud import lifecycle
+    from tpufab.cloud import lifecycle, planes
+    from tpufab.cloud.names import validate_name
     from tpufab.hosts import connect as pods
 
-    name = lifecycle.validate_name(settings.name)
+    name = validate_name(settings.name)
     settings.project = settings.require("project")
     kept = None
     if control is None and pod is None:   # the API asked through the pod's keeper, if kept
         found = pods.kept_api(settings)
         if found is not None:
             kept, control = found
-    control = lifecycle.control_plane(settings, control)
+    control = planes.control_plane(settings, control)
     nodes, qr = find_nodes(control, name)
-    if not nodes and qr is None:  # a Compute Engine multislice, as the worker verbs find it
-        nodes = lifecycle.compute_multislice(control, name)
+    if (nodes or qr is not None) and control.has_multislice(name):   # as describe says it
+        node = nodes[0] if nodes and nodes[0].name == name else None
+        raise ConfigError(lifecycle.two_things(name, node, None if node else qr,
+                                               control.multislice(name)))
+    if not nodes and qr is None:  # a plane's own multislice, as the worker verbs find it
+        nodes = control.multislice(name)
     if not nodes and qr is None:
-        from tpufab.cloud.lifecycle import vanished_note
-
-        how = vanished_note(control, name)
+        how = lifecycle.vanished_note(control, name)
         raise ApiError(f"No TPU node or queued resource named {name!r} in {settings.zone} "
                        f"(project {settings.project})" + (f": it was {how}" if how else "") +
                        "; see `tpufab list`.")

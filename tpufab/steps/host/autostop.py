@@ -97,20 +97,6 @@ def worker_configs(pol: Mapping[str, Any], *, ips: Sequence[str], endpoint: str,
     return out
 
 
-def compute_config(node, settings) -> dict[str, Any]:
-    """What a watchdog needs to delete a Compute Engine slice: the endpoint and its MIG (none
-    for one VM). The template and policy tpufab made outlive the MIG (the watchdog's VM goes
-    with it): `tpufab gc` and the next create of the name remove them."""
-    if getattr(node, "plane", "tpu") != "compute":
-        return {}
-    from tpufab.cloud.compute_api import compute_endpoint
-
-    endpoint = compute_endpoint(settings)
-    return {"plane": "compute", "compute_endpoint": endpoint,
-            "group": node.compute_group or None,
-            "auth": "anonymous" if endpoint.startswith("http://") else "metadata"}
-
-
 # -- applying ----------------------------------------------------------------------------------
 
 
@@ -133,18 +119,18 @@ def _check(results: Mapping[int, Any], what: str) -> dict[int, dict]:
 
 def _node_going(settings, name: str, control=None) -> bool:
     """True when the node is deleted or being deleted (the API refuses to update it then)."""
-    from tpufab.cloud import lifecycle
+    from tpufab.cloud import planes
 
     try:
-        return lifecycle.control_plane(settings, control).get_node(name).state == "DELETING"
+        return planes.control_plane(settings, control).get_node(name).state == "DELETING"
     except NotFound:
         return True
 
 
 def _set_metadata(pod, settings, value: str | None, control=None) -> None:
-    from tpufab.cloud import lifecycle
+    from tpufab.cloud import planes
 
-    control = lifecycle.control_plane(settings, control)
+    control = planes.control_plane(settings, control)
     for node in pod.nodes:
         current = control.get_node(node.name)
         metadata = dict(current.metadata)
@@ -212,7 +198,8 @@ def arm(pod, settings, *, idle: float | None = None, ttl: float | None = None,
     The settings are checked first, and each worker checks its config (and that it can
     listen) before it stops a watchdog already running, which it starts again if the new one
     does not start: a bad arm leaves the old watchdog in charge."""
-    from tpufab.cloud.controlplane import DEFAULT_ENDPOINT
+    from tpufab.cloud import planes
+    from tpufab.cloud.planes.calls import DEFAULT_ENDPOINT
 
     check_settings(settings)
     pol = policy(idle=idle, ttl=ttl)
@@ -226,7 +213,7 @@ def arm(pod, settings, *, idle: float | None = None, ttl: float | None = None,
                              port=settings.autostop_port, check_every=settings.autostop_check)
     for config in configs.values():
         config["node_id"] = node.id
-        config.update(compute_config(node, settings))
+        config.update(planes.plane_for(node, settings).watchdog(node))  # its plane's way
     workers = pod.workers
     contents = {w: json.dumps(configs[w]).encode() for w in workers}
     from tpufab.steps.runs.running import open_workers

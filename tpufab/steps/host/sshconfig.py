@@ -59,10 +59,10 @@ def configure(settings: Settings, *, name: str | None = None, remove: bool = Fal
     if name:
         changes[name] = pod_entries(replace(settings, name=name), console)
     else:
-        from tpufab.cloud import lifecycle
+        from tpufab.cloud import planes
 
         settings.project = settings.require("project")
-        control = lifecycle.control_plane(settings)
+        control = planes.control_plane(settings)
         listed = control.list_nodes()
         for node in listed:
             if not node.ready or node.legacy:

@@ -1,36 +1,41 @@
-"""The first control plane: the Cloud TPU API v2 through the official client
-(`google-cloud-tpu`), under the one retry policy, every failure one sentence
-(tpufab/cloud/controlplane.py holds the interface, the policy and the sentences).
+"""The Cloud TPU API v2 through the official client (`google-cloud-tpu`), under the one retry
+policy, every failure one sentence (tpufab/cloud/planes/calls.py): TPU VM nodes and queued
+resources.
 
 `google.cloud.tpu_v2` is imported only when a TpuApi makes its first call, so the CLI starts
 fast. A plain `http://` endpoint (the simulated pod, any emulator) gets the REST transport and
 anonymous credentials; anything else uses Application Default Credentials. Make one with
-`tpufab.cloud.lifecycle.control_plane(settings)`, not directly.
+`tpufab.cloud.planes.control_plane(settings)`, not directly.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from tpufab.cloud.controlplane import (
+from tpufab.cloud.bodies import config_text
+from tpufab.cloud.nodes import Node, QueuedResourceInfo, UpcomingMaintenance
+from tpufab.cloud.planes.base import ControlPlane
+from tpufab.cloud.planes.calls import (
     DEFAULT_ENDPOINT,
     Action,
-    ControlPlane,
     RetriesExhausted,
     RetryPolicy,
-    _config_text,
-    _credentials_error,
-    _exhausted_sentence,
-    _is_timeout,
-    _unreachable_hint,
     call_with_retries,
+    credentials_error,
+    exhausted_sentence,
+    is_timeout,
     translate,
+    unreachable_hint,
 )
-from tpufab.cloud.nodes import Node, QueuedResourceInfo, UpcomingMaintenance
 from tpufab.config import Settings
 from tpufab.errors import ApiError, TpufabError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from tpufab.topology import Topology
 
 T = TypeVar("T")
 
@@ -38,13 +43,18 @@ T = TypeVar("T")
 class TpuApi(ControlPlane):
     """The Cloud TPU API v2 for one project and zone. ``client`` and ``sleep`` are test seams."""
 
+    name = "tpu"
+    title = "TPU API"
+    full_title = "Cloud TPU API"
+    node_kind = "Cloud TPU API node"
+    reservations_queue = True   # a reservation is consumed through a queued resource
+
     def __init__(self, settings: Settings, *, client: Any = None, retry: RetryPolicy | None = None,
                  on_retry: Callable[[BaseException, int, float], None] | None = None,
                  sleep: Callable[[float], None] = time.sleep):
-        super().__init__(settings)
+        super().__init__(settings, on_retry=on_retry)
         self.endpoint = (settings.api_endpoint or DEFAULT_ENDPOINT).rstrip("/")
         self.retry = retry or RetryPolicy.from_settings(settings)
-        self.on_retry = on_retry
         self._sleep = sleep
         self._client = client
         self._injected = client is not None   # a test's fake client: nothing to ask v2alpha1
@@ -105,7 +115,7 @@ class TpuApi(ControlPlane):
                                         client_options=options)
             return tpu_v2.TpuClient(transport="rest", client_options=options)
         except Exception as exc:
-            translated = _credentials_error(exc)
+            translated = credentials_error(exc)
             if translated is not None:
                 raise translated from exc
             raise
@@ -134,14 +144,14 @@ class TpuApi(ControlPlane):
             try:
                 return fn(**kwargs, retry=None, timeout=budget[0])
             except Exception as exc:
-                if not (_is_timeout(exc) or isinstance(exc, gexc.DeadlineExceeded)):
+                if not (is_timeout(exc) or isinstance(exc, gexc.DeadlineExceeded)):
                     raise
                 budget[0] -= time.monotonic() - started
                 if budget[0] < 0.5:
                     raise ApiError(
                         f"The TPU API at {self.endpoint} did not answer within "
                         f"{self.settings.api_timeout:g}s (it accepts connections but sends "
-                        f"nothing back); {_unreachable_hint(self.endpoint)}, or raise "
+                        f"nothing back); {unreachable_hint(self.endpoint)}, or raise "
                         "TPUFAB_API_TIMEOUT (api_timeout).") from exc
                 raise
 
@@ -149,19 +159,35 @@ class TpuApi(ControlPlane):
             return call_with_retries(attempt, self.retry, on_retry=self.on_retry,
                                      sleep=self._sleep)
         except RetriesExhausted as err:
-            raise _exhausted_sentence(err, self.endpoint) from err.__cause__
+            raise exhausted_sentence(err, self.endpoint) from err.__cause__
         except TpufabError:
             raise
         except Exception as exc:
-            translated = _credentials_error(exc) or translate(exc, action, self.endpoint)
+            translated = credentials_error(exc) or translate(exc, action, self.endpoint)
             raise translated from exc
+
+    @classmethod
+    def not_offered(cls, topology: Topology) -> str:
+        return (f"{topology.name} is offered only through Compute Engine (TPU7x and later are "
+                "not in the Cloud TPU API); drop --on tpu (TPUFAB_CONTROL_PLANE=tpu) to create "
+                f"it there as VMs of machine type {topology.machine_type}.")
+
+    def create_pod(self, settings: Settings, *, queued: bool, num_slices: int, async_: bool,
+                   console: Console, reservation: str | None,
+                   topology: str | None) -> list[Node]:
+        """A node, or a queued resource (several slices, a reservation), waited for."""
+        from tpufab.cloud.create import create_nodes
+
+        return create_nodes(self, settings, queued=queued, num_slices=num_slices,
+                            async_=async_, console=console, reservation=reservation,
+                            topology=topology)
 
     # -- nodes
 
     def get_node(self, name: str) -> Node:
         proto = self._call(self._action("get", name=name), self.client.get_node,
                            name=self.node_path(name))
-        return Node.from_proto(proto)
+        return self.stamp(Node.from_proto(proto))
 
     def upcoming_maintenance(self, name: str) -> UpcomingMaintenance | None:
         """The node's ``upcomingMaintenance`` (read through API v2alpha1, the version that has
@@ -176,13 +202,14 @@ class TpuApi(ControlPlane):
         def fetch(**kw: Any) -> list:
             return list(self.client.list_nodes(parent=self.parent, **kw))
 
-        return [Node.from_proto(p) for p in self._call(self._action("list"), fetch)]
+        return [self.stamp(Node.from_proto(p))
+                for p in self._call(self._action("list"), fetch)]
 
     def create_node(self, name: str, body: dict) -> str:
         """Start creating node ``name``; returns the long-running operation's name."""
         from google.cloud import tpu_v2
 
-        shape = body.get("accelerator_type") or _config_text(body.get("accelerator_config"))
+        shape = body.get("accelerator_type") or config_text(body.get("accelerator_config"))
         op = self._call(self._action("create", name=name, accelerator_type=shape),
                         self.client.create_node, parent=self.parent, node_id=name,
                         node=tpu_v2.Node(body))
@@ -230,7 +257,7 @@ class TpuApi(ControlPlane):
         op = self._call(
             self._action("create", "queued resource", name,
                          spec.get("node", {}).get("accelerator_type")
-                         or _config_text(spec.get("node", {}).get("accelerator_config"))),
+                         or config_text(spec.get("node", {}).get("accelerator_config"))),
             self.client.create_queued_resource, parent=self.parent, queued_resource_id=name,
             queued_resource=tpu_v2.QueuedResource(body))
         return op.operation.name
