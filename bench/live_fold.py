@@ -77,7 +77,7 @@ class Clock:
 
 def measure(shape: str, repeat: int) -> dict:
     from tpufab.ssh.fanout import WorkerResult
-    from tpufab.steps.runs.running import FoldingView
+    from tpufab.views.folding import FoldingView
 
     workers, lines, own_every, lag, chunking = SHAPES[shape]
     events, logs = arrivals(workers, lines, own_every, lag, chunking)

@@ -43,7 +43,7 @@ def held(view) -> int:
 
 def run_case(name: str, mb: float) -> dict:
     from tpufab.ssh.fanout import WorkerResult
-    from tpufab.steps.runs.running import FoldingView
+    from tpufab.views.folding import FoldingView
 
     workers, share, distinct = CASES[name]
     lines = int(mb * share * (1 << 20) / LINE)

@@ -19,7 +19,7 @@ from tpufab.ssh.fanout import (
     kex_preference,
     shard_of,
 )
-from tpufab.steps.runs.running import FoldingView
+from tpufab.views.folding import FoldingView
 
 
 def test_each_worker_belongs_to_one_process_in_contiguous_blocks():

@@ -26,8 +26,9 @@ from tpufab.remote import workerlib
 from tpufab.ssh.fanout import LiveView, WorkerResult, print_gathered
 from tpufab.ssh.remote_files import read_answer
 from tpufab.steps.runs.env import fold_logs, fold_stream, render_folded
-from tpufab.steps.runs.running import FoldingView, WorkerState, fold_states, prune_local_runs
+from tpufab.steps.runs.running import WorkerState, fold_states, prune_local_runs
 from tpufab.term.terminal import Lines, lines_of, neutralise, neutralise_text
+from tpufab.views.folding import FoldingView
 
 LAUNCH = shipped("run_worker.py")
 HF = "hf_Vq3/x+y=z&w-must-not-leak"

@@ -351,16 +351,16 @@ def test_babysit_ray_restarts_the_cluster_after_a_preemption_then_resubmits(ray_
     from rich.console import Console
 
     from tpufab.cloud.tpu_api import TpuApi
-    from tpufab.flows import babysit
+    from tpufab.flows.babysit import loop
 
     name = ray_pod.env["TPUFAB_NAME"]
     recipe = tmp_path / "babysat.py"
     recipe.write_text(BABYSAT_PY)
     notes, out = io.StringIO(), io.StringIO()
-    sitter = babysit.Babysitter(ray_pod.settings, recipe, no_deploy=True, ray=True,
-                                ray_options=SMALL[1:], poll=0.5, backoff=(0.0, 0.0),
-                                console=Console(file=notes, width=300), out=out,
-                                base_dir=tmp_path)
+    sitter = loop.Babysitter(ray_pod.settings, recipe, no_deploy=True, ray=True,
+                             ray_options=SMALL[1:], poll=0.5, backoff=(0.0, 0.0),
+                             console=Console(file=notes, width=300),
+                             out=lambda line: out.write(line + "\n"), base_dir=tmp_path)
     before = TpuApi(ray_pod.settings).get_node(name).id
     thread = InThread(sitter.run)
     outcome = thread.outcome

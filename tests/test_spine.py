@@ -261,7 +261,7 @@ NO_REPORT = {"exec", "ssh", "forward", "run", "logs", "babysit"}
 REMAINING: set[str] = set()
 # Where classes still render themselves: REMAINING's reports and babysit's attempt record
 # (its state file, not a report).
-RENDER_THEMSELVES = {"flows/babysit.py"}
+RENDER_THEMSELVES = {"flows/babysit/records.py"}
 # Records of the control plane and of accelerator shapes: no workers in them.
 NOT_WORKER_REPORTS = {"cloud/nodes.py", "cloud/lifecycle.py", "topology.py"}
 RENDERING = ("lines", "to_json", "table", "render", "summary")

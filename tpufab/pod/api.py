@@ -53,10 +53,6 @@ def __getattr__(name: str) -> Any:
         from tpufab.ssh.transfer import TransferError
 
         return TransferError
-    if name == "FoldingView":
-        from tpufab.steps.runs.running import FoldingView
-
-        return FoldingView
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -72,8 +68,6 @@ class Pod:
     project's current pod, like the command line does. Connections open on first use and
     stay open (``close()``, or use ``with Pod(...) as pod``).
     """
-
-    _leased = False  # True while start() holds the code lease its deploy runs under
 
     def __init__(self, name: str | None = None, *, zone: str | None = None,
                  project: str | None = None, **settings: Any):
@@ -295,24 +289,12 @@ class Pod:
         (`tpufab deploy`); returns the per-worker report (DeployReport: commit, action,
         seconds). ``timeout``: seconds each step on the workers may take (default 600; None:
         the command_timeout setting). Raises DeployError naming every failed worker."""
-        import os
-
-        from tpufab.quoting import Secret
         from tpufab.steps.code import deploy as deploying
-        from tpufab.steps.code import gitops
 
-        root = gitops.repo_root(Path(cwd) if cwd else None)
-        if not wip:
-            gitops.refuse_dirty(root)
-            gitops.resolve(root, ref)
-        if not direct:
-            gitops.remote_url(root, remote)
-        token = os.environ.get(deploying.TOKEN_ENV)
-        return deploying.deploy(self.hosts.fanout, ref=ref, remote=remote,
-                                dir=dir or self.settings.remote_dir, direct=direct, wip=wip,
-                                cwd=root, token=Secret(token) if token else None,
-                                progress=progress, sink=sink, lease=not self._leased,
-                                timeout=self._command_timeout(timeout))
+        return deploying.deploy_checkout(self, cwd=cwd, ref=ref, remote=remote,
+                                         dir=dir or self.settings.remote_dir, direct=direct,
+                                         wip=wip, progress=progress, sink=sink,
+                                         timeout=self._command_timeout(timeout))
 
     def mount_spec(self, bucket: str, *, at: str | None = None, driver: str | None = None,
                    options: Iterable[str] | None = None) -> Any:
@@ -543,7 +525,8 @@ class Pod:
                 timeout: float | None = 600.0, stall: str | float | None = None,
                 stall_action: str = "wait",
                 stall_progress_file: str | None = None, ray: bool = False,
-                ray_options: str | Sequence[str] = "") -> Any:
+                ray_options: str | Sequence[str] = "", console: Any = None,
+                view: Any = None, out: Any = None) -> Any:
         """`tpufab babysit`: run ``recipe`` and keep it running through preemptions
         (recreate the node, set it up, restore the commit and mounts, restart).
         ``ray``: run it as a Ray job (`tpufab ray submit`'s path) on the pod's Ray cluster,
@@ -564,12 +547,16 @@ class Pod:
         into the attempt's logs), then ``stall_action``: wait (default), kill (babysit ends,
         exit 124) or restart (the next attempt, counted as "stalled"; not the error budget's);
         ``stall_progress_file``: progress is that file's mtime advancing instead of output
-        lines (relative to $TPUFAB_RUN_DIR, or absolute). Returns the BabysitResult (``.exit_code``, ``.attempts``,
+        lines (relative to $TPUFAB_RUN_DIR, or absolute). What is shown goes to the sinks
+        given, nowhere else: ``console`` (a rich Console) hears babysit's notes, ``view(workers)``
+        returns the live view each attempt's lines are fed to (a sink with ``lines``/``done``,
+        e.g. ``tpufab.views.runlogs.follow_view``), ``out(line)`` hears a Ray job's lines;
+        the logs are copied under ./.tpufab/runs/ either way. Returns the BabysitResult (``.exit_code``, ``.attempts``,
         ``.restart_counts``) when the recipe finished on every worker; raises BabysitError
         saying why otherwise (ConfigError, one sentence, for a bad budget or code)."""
         import copy
 
-        from tpufab.flows import babysit as babysitting
+        from tpufab.flows.babysit import loop as babysitting
         from tpufab.steps.start.starting import recipe_args
 
         args = recipe_args(args)
@@ -589,7 +576,8 @@ class Pod:
                                    direct=direct, timeout=timeout, stall=stall,
                                    stall_action=stall_action,
                                    stall_progress_file=stall_progress_file, ray=ray,
-                                   ray_options=list(recipe_args(ray_options)), **options)
+                                   ray_options=list(recipe_args(ray_options)),
+                                   console=console, view=view, out=out, **options)
 
     def check(self, *, quick: bool = False, timeout: float = 120.0,
               progress: Any = None) -> Any:
@@ -598,12 +586,13 @@ class Pod:
         per check, ``.ok``, ``.problems``, ``.summary``). ``progress(message)`` hears the
         steps. Raises ConfigError for a timeout that is not above 0."""
         from tpufab.steps.health import check
+        from tpufab.steps.start.collective import run_collective
 
         check.refuse_timeout(timeout)  # before connecting
         # the timeout bounds connecting too: a frozen worker is named
         connected = self._connected_within(timeout)
         return check.run_check(connected.settings, connected, quick=quick, timeout=timeout,
-                               progress=progress)
+                               progress=progress, collective=run_collective)
 
     # --- issue 27: stacks and stall
     def stacks(self, *, run: str | None = None, native: bool = False,

@@ -96,6 +96,9 @@ def babysit(recipe: str, *, name: str | None = None, max_restarts: int = 3, args
     Returns 0 when the recipe finished on every worker; otherwise BabysitError says why.
     """
 
+    from tpufab.term.console import stderr
+    from tpufab.views.runlogs import follow_view
+
     settings = settings_from_flags(name=name, zone=zone, project=project,
                                    no_os_login=no_os_login,
                                    jump=jump, timeout=timeout)
@@ -106,7 +109,9 @@ def babysit(recipe: str, *, name: str | None = None, max_restarts: int = 3, args
         maintenance_margin=maintenance_margin, env=list(env or ()), setup_script=setup_script,
         no_deploy=no_deploy, direct=direct, poll=poll, timeout=timeout, stall=stall,
         stall_action=stall_action, stall_progress_file=stall_progress_file, ray=ray,
-        ray_options=ray_options)
+        ray_options=ray_options, console=stderr(),
+        view=lambda workers: follow_view(workers, raw=True),
+        out=lambda line: print(line, flush=True))
     return result.exit_code
 
 

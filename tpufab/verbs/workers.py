@@ -26,7 +26,8 @@ def exec_(*, command: str, name: str | None = None, worker: str = "all", gather:
     ``timeout``: seconds the command may run on each worker (then it is stopped there and
     that worker fails); connecting waits at most connect_timeout (20 s) or this, if
     shorter. Default: the command_timeout setting (none)."""
-    from tpufab.pod.api import FoldingView, LiveView, print_gathered
+    from tpufab.pod.api import LiveView, print_gathered
+    from tpufab.views.folding import FoldingView
 
     if not command or not command.strip():
         raise ConfigError("No command given: tpufab exec 'CMD' (quote it as one argument).")
@@ -73,7 +74,8 @@ def setup(*, name: str | None = None, script: str = "scripts/setup.sh", force: b
     such as WANDB_API_KEY, or --secret) reaches the script on stdin only and is masked in its
     output and log; neither counts as the script's content.
     """
-    from tpufab.pod.api import FoldingView, LiveView, Tee
+    from tpufab.pod.api import LiveView, Tee
+    from tpufab.views.folding import FoldingView
     from tpufab.views.progress import WorkerProgress
     from tpufab.views.report import show
 

@@ -5,8 +5,9 @@ for the same pod meet on one worker and exactly one of them goes on), yields, an
 The lease lives in ``~/.tpufab/locks/code.json`` on each worker and belongs to the fan-out
 agent of the process that took it, so it ends with that process's SSH connection even if the
 process is SIGKILLed (see ``remote/deploy_worker.py``). ``deploy`` holds it while it pushes,
-checks out and verifies; ``run`` holds it from its check for a live run until the recipe has
-started. Under the lease, ``live_runs`` says which runs would read the code.
+checks out and verifies; every job's start (``tpufab.steps.start.starting.start_job``: run,
+babysit, launch, ray submit, check's collective) holds it from its check for a live run until
+the job has started. Under the lease, ``live_runs`` says which runs would read the code.
 """
 
 from __future__ import annotations
@@ -75,10 +76,11 @@ def _owner() -> str:
 
 
 @contextmanager
-def hold(group, workers: Sequence[int], *, purpose: str,
+def hold(group, workers: Sequence[int], *, purpose: str, verb: str | None = None,
          timeout: float | None = None) -> Iterator[Lease]:
-    """The pod's code lease on ``workers`` for the block, or CodeBusy naming who has it
-    (``timeout``: seconds each worker has to answer; None: the fan-out's)."""
+    """The pod's code lease on ``workers`` for the block, or CodeBusy naming who has it and
+    saying to ``verb`` again (default: the first word of ``purpose``; ``timeout``: seconds
+    each worker has to answer; None: the fan-out's)."""
     workers = sorted(workers)
     token = secrets.token_hex(8)
     args = ["lease", "--token", token, "--owner", _owner(), "--purpose", purpose]
@@ -101,7 +103,7 @@ def hold(group, workers: Sequence[int], *, purpose: str,
             holders = sorted({r.message for r in busy if r.message})
             raise CodeBusy(f"Another tpufab is changing the code on "
                            f"{nodeset.fold(r.worker for r in busy)} ({'; '.join(holders)}); "
-                           f"wait for it to finish, then {purpose.split()[0]} again.")
+                           f"wait for it to finish, then {verb or purpose.split()[0]} again.")
         # A worker that could not be asked (unreachable, hung) holds no lease; the caller
         # reports it (Lease.lost) and leaves it out of the later steps; the others go on.
         yield Lease(token, homes, lost, purpose)
@@ -139,8 +141,9 @@ def live_runs(group, workers: Sequence[int], *,
 
 
 def refuse_a_second_run(group, workers: Sequence[int], lease: Lease | None = None, *,
-                        timeout: float | None = None) -> None:
-    """A pod runs one job at a time: on a TPU the second would fail with "TPU in use".
+                        verb: str = "run", timeout: float | None = None) -> None:
+    """A pod runs one job at a time: on a TPU the second would fail with "TPU in use"
+    (CodeBusy, saying to ``verb`` again once it is over).
 
     A run needs every worker: one the lease could not reach stops it here, before anything
     starts (and before another step waits on that worker again)."""
@@ -153,7 +156,8 @@ def refuse_a_second_run(group, workers: Sequence[int], lease: Lease | None = Non
         raise CodeBusy(f"Run {r.run} ({r.recipe or 'a recipe'}) is still running on "
                        f"{nodeset.fold(r.workers)}, and a pod runs one job at a time (a second "
                        f"would find the TPU in use): wait for it (`tpufab logs --run {r.run} "
-                       f"--follow`) or stop it (`tpufab kill --run {r.run}`), then run again.")
+                       f"--follow`) or stop it (`tpufab kill --run {r.run}`), then {verb} "
+                       "again.")
 
 
 def refuse_deploy_under_a_run(group, workers: Sequence[int], lease: Lease, dir: str) -> None:
