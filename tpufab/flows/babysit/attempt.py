@@ -345,7 +345,10 @@ class Attempts:
                                                style), show,
             take_stacks=take_stacks, progress=progress,
             stop=lambda: jobs.stop(pod.fanout, run_id, list(workers), grace=2.0))
-        return stalls.StallWatch(view, self.stall, handler, progress=progress), handler
+        last_output = stalls.LastOutput(pod.fanout, run_id, workers,
+                                        timeout=min(self.timeout or 30.0, 30.0))
+        return stalls.StallWatch(view, self.stall, handler, progress=progress,
+                                 last_output=last_output), handler
 
     def _before_maintenance(self, pod, run_id: str, workers: Sequence[int]) -> str | None:
         """When a node's announced maintenance window starts within the margin (and this

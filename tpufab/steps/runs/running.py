@@ -53,8 +53,9 @@ def tail_command(run_id: str, *, follow: bool = False) -> Command:
                                           *(["--follow"] if follow else [])])
 
 
-def status_command() -> Command:
-    return python_command(launch_file(), ["status"])
+def status_command(runs: Sequence[str] = ()) -> Command:
+    """``run_worker.py status``: every run the worker has, or only ``runs``."""
+    return python_command(launch_file(), ["status", *(a for r in runs for a in ("--run", r))])
 
 
 def stop_command(run_id: str, grace: float = STOP_GRACE) -> Command:
@@ -282,11 +283,12 @@ def unreachable_error(reasons: Mapping[int, str], what: str) -> RunError:
 
 
 
-def statuses(group, workers: Sequence[int], *,
-             timeout: float | None = None) -> dict[int, WorkerRuns]:
-    """``run_worker.py status`` on every worker (unreachable ones say so instead of raising);
+def statuses(group, workers: Sequence[int], *, timeout: float | None = None,
+             runs: Sequence[str] = ()) -> dict[int, WorkerRuns]:
+    """``run_worker.py status`` on every worker (unreachable ones say so instead of raising),
+    of every run or only ``runs`` (a worker without one of them answers an error);
     ``timeout``: seconds each worker has to answer (None: the fan-out's default)."""
-    results = run_with_files(group, [launch_file()], status_command(), workers,
+    results = run_with_files(group, [launch_file()], status_command(runs), workers,
                              timeout=timeout)
     return {w: parse_status(r) for w, r in sorted(results.items())}
 
