@@ -384,27 +384,29 @@ class Babysitter(Recovery, Attempts):
 
     # -- before the first attempt -------------------------------------------------------------
     def _deploy_first(self) -> None:
-        """Like `run`: this checkout's HEAD deployed first (unless no_deploy), under the lease
-        every job's start holds and refused beside a running run; remember it."""
+        """Like `run`: under the lease every job's start holds, refused beside a running run
+        (before anything is said or changed), this checkout's HEAD deployed (unless
+        no_deploy); remember it."""
         from tpufab.steps.code import gitops
         from tpufab.steps.start import starting
 
-        if self.no_deploy:
-            if self.restore.commit:
-                try:
-                    self.root = gitops.repo_root()
-                except gitops.GitError:
-                    self.root = None
-            return
-        ask = starting.deploy_ask(self.settings, direct=self.direct, what=self.recipe.name,
-                                  progress=self.note)
-        self.root, self.direct = ask.root, ask.direct
+        ask = None
+        if not self.no_deploy:
+            ask = starting.deploy_ask(self.settings, direct=self.direct, what=self.recipe.name,
+                                      progress=self.note)
+            self.root, self.direct = ask.root, ask.direct
+        elif self.restore.commit:
+            try:
+                self.root = gitops.repo_root()
+            except gitops.GitError:
+                self.root = None
         pod = self._pod()
         with starting.job_lease(pod, verb="babysit", what=self.recipe.name,
                                 timeout=self.timeout):
-            report = starting.deploy_for_job(pod, ask, timeout=self.timeout,
-                                             progress=self.note)
-        self.restore.commit, self.restore.deploy_dir = report.commit, report.dir
+            if ask is not None:
+                report = starting.deploy_for_job(pod, ask, timeout=self.timeout,
+                                                 progress=self.note)
+                self.restore.commit, self.restore.deploy_dir = report.commit, report.dir
 
     # -- recovery: the Recovery part recreates and restores ----------------------------------
     def _recover(self, reason: str) -> None:
