@@ -26,7 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tpufab.ssh.results import WorkerResult  # noqa: E402
 from tpufab.steps.runs.env import fold_logs, render_folded  # noqa: E402
-from tpufab.steps.runs.running import FoldingView  # noqa: E402
+
+try:
+    from tpufab.views.folding import FoldingView  # noqa: E402
+except ImportError:   # a tpufab from before the views band (--before)
+    from tpufab.steps.runs.running import FoldingView  # noqa: E402
 
 
 def hello(workers: int) -> dict[int, list[str]]:

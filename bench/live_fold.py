@@ -1,4 +1,4 @@
-"""Benchmark: the live folded view (`jobs.FoldingView`), client CPU per line and lines shown.
+"""Benchmark: the live folded view (`tpufab.views.folding.FoldingView`), client CPU per line and lines shown.
 
     .venv/bin/python bench/live_fold.py [--before DIR] [--repeat 3]
 
@@ -77,7 +77,10 @@ class Clock:
 
 def measure(shape: str, repeat: int) -> dict:
     from tpufab.ssh.results import WorkerResult
-    from tpufab.steps.runs.running import FoldingView
+    try:
+        from tpufab.views.folding import FoldingView
+    except ImportError:   # a tpufab from before the views band (--before)
+        from tpufab.steps.runs.running import FoldingView
 
     workers, lines, own_every, lag, chunking = SHAPES[shape]
     events, logs = arrivals(workers, lines, own_every, lag, chunking)

@@ -1,4 +1,4 @@
-"""Benchmark: peak RSS of the live folded view (`jobs.FoldingView`) as the output grows.
+"""Benchmark: peak RSS of the live folded view (`tpufab.views.folding.FoldingView`) as the output grows.
 
     .venv/bin/python bench/live_fold_memory.py [--mb 100] [--before DIR] [--cases a,b]
 
@@ -43,7 +43,10 @@ def held(view) -> int:
 
 def run_case(name: str, mb: float) -> dict:
     from tpufab.ssh.results import WorkerResult
-    from tpufab.steps.runs.running import FoldingView
+    try:
+        from tpufab.views.folding import FoldingView
+    except ImportError:   # a tpufab from before the views band (--before)
+        from tpufab.steps.runs.running import FoldingView
 
     workers, share, distinct = CASES[name]
     lines = int(mb * share * (1 << 20) / LINE)

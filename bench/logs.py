@@ -101,6 +101,8 @@ def main() -> int:
     from tpufab.sim.daemon import down, up
     from tpufab.ssh.remote_files import RemoteFile
     from tpufab.steps.runs import running as jobs
+    from tpufab.steps.start import plan as plans
+    from tpufab.steps.start.starting import start_on_workers
 
     base = Path(tempfile.mkdtemp(prefix="tpufab-bench-logs-"))
     info = up(base / "sim", port=0, timeout=120)
@@ -121,9 +123,9 @@ def main() -> int:
         pod = pods.connect(settings, console=quiet())
         workers = pod.workers
         for mb in (int(x) for x in args.mb.split(",")):
-            plan = jobs.plan_run(RemoteFile.from_path(recipe), slices=pod.slices,
-                                 ips=pod.internal_ips(), args=[str(mb), str(args.differ)])
-            jobs.start(pod.fanout, plan)
+            plan = plans.plan_run(RemoteFile.from_path(recipe), slices=pod.slices,
+                                  ips=pod.internal_ips(), args=[str(mb), str(args.differ)])
+            start_on_workers(pod.fanout, plan)
             states = jobs.follow(pod.fanout, plan.run_id, workers, None)
             assert all(s.ok for s in states.values()), states
             for view, flags in VIEWS.items():

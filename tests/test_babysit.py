@@ -32,7 +32,8 @@ from rich.console import Console
 
 from tpufab.cloud.nodes import Node, QueuedResourceInfo
 from tpufab.config import Settings
-from tpufab.flows import babysit as bs
+from tpufab.errors import ConfigError
+from tpufab.flows.babysit import loop, policy, records, recover
 from tpufab.steps.runs.running import WorkerState
 
 # ---------------------------------------------------------------------------------------------
@@ -53,23 +54,23 @@ def queued(name="pod", state="ACTIVE", *, tier="spot", count=1, failure="") -> Q
 
 
 def test_node_spec_keeps_type_runtime_tier_and_queuing():
-    plain = bs.NodeSpec.from_api("pod", [node(labels={"team": "ml"})], None)
-    assert plain == bs.NodeSpec("pod", "v4-32", "tpu-ubuntu2204-base", "on-demand", False, 1,
+    plain = recover.NodeSpec.from_api("pod", [node(labels={"team": "ml"})], None)
+    assert plain == recover.NodeSpec("pod", "v4-32", "tpu-ubuntu2204-base", "on-demand", False, 1,
                                 {"team": "ml"}, external_ips=True, metadata={})
-    spot = bs.NodeSpec.from_api("pod", [node(spot=True, qr="pod")], queued())
+    spot = recover.NodeSpec.from_api("pod", [node(spot=True, qr="pod")], queued())
     assert (spot.tier, spot.queued, spot.num_slices) == ("spot", True, 1)
-    multi = bs.NodeSpec.from_api("ms", [node("ms-0", qr="ms"), node("ms-1", qr="ms")],
+    multi = recover.NodeSpec.from_api("ms", [node("ms-0", qr="ms"), node("ms-1", qr="ms")],
                                  queued("ms", count=2))
     assert (multi.queued, multi.num_slices) == (True, 2)
-    waiting = bs.NodeSpec.from_api("q", [], queued("q", "WAITING_FOR_RESOURCES", tier="guaranteed"))
+    waiting = recover.NodeSpec.from_api("q", [], queued("q", "WAITING_FOR_RESOURCES", tier="guaranteed"))
     assert (waiting.accelerator_type, waiting.tier, waiting.queued) == ("v4-32", "on-demand", True)
-    with pytest.raises(bs.ConfigError, match="Nothing to babysit"):
-        bs.NodeSpec.from_api("none", [], None)
+    with pytest.raises(ConfigError, match="Nothing to babysit"):
+        recover.NodeSpec.from_api("none", [], None)
 
 
 def test_node_spec_settings_are_a_copy_with_the_spec():
     base = Settings(name="pod", project="p", preemptible=True, labels={"extra": "1"})
-    wanted = bs.NodeSpec("pod", "v6e-8", "v2-alpha-tpuv6e", "spot", labels={"team": "ml"}
+    wanted = recover.NodeSpec("pod", "v6e-8", "v2-alpha-tpuv6e", "spot", labels={"team": "ml"}
                          ).settings(base)
     assert (wanted.type, wanted.runtime_version) == ("v6e-8", "v2-alpha-tpuv6e")
     assert (wanted.spot, wanted.preemptible, wanted.reserved) == (True, False, False)
@@ -86,7 +87,7 @@ def test_node_spec_keeps_no_external_ips_metadata_and_network():
                 subnetwork="projects/p/regions/r/subnetworks/s",
                 metadata={"enable-oslogin": "TRUE", "startup-script": "echo hi",
                           "tpufab-autostop": '{"idle": 60}', "ssh-keys": "bob:ssh-ed25519 AAAA"})
-    spec = bs.NodeSpec.from_api("pod", [made], None)
+    spec = recover.NodeSpec.from_api("pod", [made], None)
     assert spec.external_ips is False
     assert "no external IPs" in spec.describe()
     base = Settings(name="pod", project="p", metadata={"startup-script": "echo mine"})
@@ -104,7 +105,7 @@ def test_node_spec_keeps_no_external_ips_metadata_and_network():
     # and the other way round: internal_ip (tpufab runs in the VPC) does not strip a node's
     # external IPs when it is recreated
     inside = Settings(name="pod", project="p", internal_ip=True)
-    external = bs.NodeSpec.from_api("pod", [node(external_ips=True)], None).settings(inside)
+    external = recover.NodeSpec.from_api("pod", [node(external_ips=True)], None).settings(inside)
     assert node_body(external)["network_config"]["enable_external_ips"] is True
 
 
@@ -118,12 +119,12 @@ def test_restore_reads_setup_commit_and_mounts_from_the_first_worker_that_answer
                               "url": "gs://d/p"},
                              {"at": "/mnt/x", "fstype": "fuse.sshfs", "source": "h:/x"},
                              {"at": "/mnt/e", "fstype": "fuse.gcsfuse", "source": "e"}])
-    found = bs.Restore.from_facts({0: StatusRow(0, False, error="refused"), 1: first})
+    found = recover.Restore.from_facts({0: StatusRow(0, False, error="refused"), 1: first})
     assert found.setup_hash == "b" * 16
     assert found.commit == "a" * 40 and found.deploy_dir == "/home/u/proj"
-    assert found.mounts == [bs.MountPoint("gs://d/p", "/mnt/d", "rclone")]
-    assert bs.Restore.from_facts({0: StatusRow(0, False)}) == bs.Restore()
-    assert bs.Restore().describe() == "nothing"
+    assert found.mounts == [recover.MountPoint("gs://d/p", "/mnt/d", "rclone")]
+    assert recover.Restore.from_facts({0: StatusRow(0, False)}) == recover.Restore()
+    assert recover.Restore().describe() == "nothing"
 
 
 @pytest.mark.parametrize("nodes,qr,expected,reason", [
@@ -138,7 +139,7 @@ def test_restore_reads_setup_commit_and_mounts_from_the_first_worker_that_answer
     ([node(state="CREATING")], None, ["pod"], None),
 ])
 def test_api_reason(nodes, qr, expected, reason):
-    assert bs.api_reason("pod", nodes, qr, expected) == reason
+    assert policy.api_reason("pod", nodes, qr, expected) == reason
 
 
 def ws(worker, state, code=None, detail=None):
@@ -165,7 +166,7 @@ def ws(worker, state, code=None, detail=None):
 def test_decide(states, kw, expected):
     options = {"api": None, "unreachable_since": {}, "now": 100.0, "unreachable_grace": 60.0,
                "first_failure_at": None, "failure_grace": 10.0, **kw}
-    decision = bs.decide([0, 1] if len(states) > 1 or expected[0] == "wait" else [0], states,
+    decision = policy.decide([0, 1] if len(states) > 1 or expected[0] == "wait" else [0], states,
                          **options)
     assert (decision.action, decision.reason) == expected
 
@@ -173,25 +174,26 @@ def test_decide(states, kw, expected):
 @pytest.mark.parametrize("restart,expected", [(0, 0), (1, 10), (2, 20), (3, 40), (6, 300),
                                                (60, 300)])
 def test_backoff_doubles_up_to_the_cap(restart, expected):
-    assert bs.backoff_delay(restart, 10, 300) == expected
-    assert bs.backoff_delay(restart, 0, 300) == 0
+    assert policy.backoff_delay(restart, 10, 300) == expected
+    assert policy.backoff_delay(restart, 0, 300) == 0
 
 
 def test_lock_one_babysitter_per_node_and_stale_locks(tmp_path):
     settings = Settings(name="pod", project="p", zone="z", state_dir=str(tmp_path))
-    path = bs.Lock.for_node(settings).path
+    path = loop.Lock.for_node(settings).path
     assert path == tmp_path / "babysit" / "p.z.pod.lock"
     # a stale file from a babysitter that died (no flock held): taken over
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"pid": 999999999, "host": "gone", "what": "old"}))
-    with bs.Lock.for_node(settings) as first:
+    with loop.Lock.for_node(settings) as first:
         first.acquire("babysit a.sh on pod")
         assert json.loads(path.read_text())["pid"] == os.getpid()
-        with pytest.raises(bs.BabysitError, match=rf"Another babysit \(pid {os.getpid()} on "):
-            bs.Lock.for_node(settings).acquire("again")
+        with pytest.raises(policy.BabysitError, match=rf"Another babysit \(pid {os.getpid()} on "):
+            loop.Lock.for_node(settings).acquire("again")
         # another process is refused too, and told who holds it
         probe = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
-            from tpufab.flows.babysit import Lock, BabysitError
+            from tpufab.flows.babysit.loop import Lock
+            from tpufab.flows.babysit.policy import BabysitError
             from pathlib import Path
             try:
                 Lock(Path({str(path)!r})).acquire("x")
@@ -199,7 +201,7 @@ def test_lock_one_babysitter_per_node_and_stale_locks(tmp_path):
                 print(err)
             """)], capture_output=True, text=True, timeout=30)
         assert f"pid {os.getpid()}" in probe.stdout and "babysit a.sh on pod" in probe.stdout
-    with bs.Lock.for_node(settings) as again:   # released: free again
+    with loop.Lock.for_node(settings) as again:   # released: free again
         again.acquire("next")
 
 
@@ -208,19 +210,19 @@ def test_a_killed_babysitter_leaves_no_lock_behind(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
         from pathlib import Path
-        from tpufab.flows.babysit import Lock
+        from tpufab.flows.babysit.loop import Lock
         Lock(Path({str(path)!r})).acquire("held")
         print("held", flush=True)
         sys.stdin.read()
         """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(bs.BabysitError, match=f"pid {holder.pid}"):
-            bs.Lock(path).acquire("me")
+        with pytest.raises(policy.BabysitError, match=f"pid {holder.pid}"):
+            loop.Lock(path).acquire("me")
     finally:
         holder.kill()
         holder.wait(10)
-    lock = bs.Lock(path)
+    lock = loop.Lock(path)
     lock.acquire("me")      # SIGKILL released the flock
     lock.release()
 
@@ -260,8 +262,6 @@ def current_node(pod2):
 
 
 def babysitter(pod2, tmp_path, monkeypatch, *, env=(), **options):
-    from tpufab.flows import babysit
-
     for spec in env:
         key, _, value = spec.partition("=")
         monkeypatch.setenv(key, value)
@@ -269,10 +269,10 @@ def babysitter(pod2, tmp_path, monkeypatch, *, env=(), **options):
     options.setdefault("poll", 0.3)
     options.setdefault("backoff", (0.0, 0.0))
     options.setdefault("failure_grace", 1.0)
-    return babysit.Babysitter(pod2.settings, pod2.recipe, no_deploy=True,
-                              env=[e.partition("=")[0] for e in env],
-                              console=Console(file=notes, width=300), out=io.StringIO(),
-                              base_dir=tmp_path, **options), notes
+    return loop.Babysitter(pod2.settings, pod2.recipe, no_deploy=True,
+                           env=[e.partition("=")[0] for e in env],
+                           console=Console(file=notes, width=300), base_dir=tmp_path,
+                           **options), notes
 
 
 RUNNING = "recipe/recipe.sh"    # how the recipe shows in ps: run_worker.py runs its own copy
@@ -290,7 +290,7 @@ def test_a_recipe_failing_on_its_own_is_not_a_preemption(pod2, tmp_path, monkeyp
     sitter, notes = babysitter(pod2, tmp_path, monkeypatch,
                                env=[f"GO={go}", "FAIL_WORKER=1", "FAIL_CODE=3"])
     before = current_node(pod2).id
-    with pytest.raises(bs.BabysitError) as failed:
+    with pytest.raises(policy.BabysitError) as failed:
         sitter.run()
     err = failed.value
     assert err.exit_code == 3
@@ -328,7 +328,7 @@ def test_babysit_gives_up_after_max_restarts(pod2, tmp_path, monkeypatch):
                                max_restarts=1, backoff=(0.2, 1.0),
                                env=[f"GO={go}", "FAIL_WORKER=0", "FAIL_CODE=4",
                                     "FAIL_UNTIL=9", "WAIT_UNTIL=0"])
-    with pytest.raises(bs.BabysitError, match=r"Gave up after 1 restart \(--max-restarts 1; "
+    with pytest.raises(policy.BabysitError, match=r"Gave up after 1 restart \(--max-restarts 1; "
                                               r"by reason: 1 error\)"):
         sitter.run()
     assert [a.outcome for a in sitter.attempts] == ["failed", "failed"]
@@ -406,33 +406,33 @@ def test_a_second_babysit_refuses_and_ctrl_c_stops_the_run(pod2, tmp_path):
 # restart budgets (issue 27): errors have a budget, the platform's losses do not use it
 
 def test_budget_and_exit_code_input_is_checked_in_one_sentence():
-    assert bs.restart_budget(2) == 2 and bs.restart_budget("0") == 0
-    assert bs.exit_codes("42, 143") == {42, 143} and bs.exit_codes([42, "143"]) == {42, 143}
-    assert bs.exit_codes("") == frozenset()
+    assert policy.restart_budget(2) == 2 and policy.restart_budget("0") == 0
+    assert policy.exit_codes("42, 143") == {42, 143} and policy.exit_codes([42, "143"]) == {42, 143}
+    assert policy.exit_codes("") == frozenset()
     for bad in (-1, "two", True):
-        with pytest.raises(bs.ConfigError, match=r"^--max-restarts-on-errors takes a whole "
+        with pytest.raises(ConfigError, match=r"^--max-restarts-on-errors takes a whole "
                                                  r"number of restarts, 0 or more, not .*\.$"):
-            bs.restart_budget(bad)
+            policy.restart_budget(bad)
     for bad in ("42,x", "0", "256", "42,,143", "-1"):
-        with pytest.raises(bs.ConfigError, match=r"^--restart-on-exit takes exit codes from 1 "
+        with pytest.raises(ConfigError, match=r"^--restart-on-exit takes exit codes from 1 "
                                                  r"to 255 separated by commas, such as 42,143, "
                                                  r"not .*\.$"):
-            bs.exit_codes(bad)
+            policy.exit_codes(bad)
 
 
 def test_signals_count_as_128_plus_n_and_restarts_are_counted_by_reason(tmp_path):
-    assert bs.state_exit_code(WorkerState(0, "killed", signal="SIGTERM")) == 143
-    assert bs.state_exit_code(WorkerState(0, "exited", exit_code=42)) == 42
-    assert bs.recovery_reason("preempted", "TPU node p was PREEMPTED", {}) == "preempted"
-    assert bs.recovery_reason("preempted", "TPU node p was TERMINATED",
+    assert policy.state_exit_code(WorkerState(0, "killed", signal="SIGTERM")) == 143
+    assert policy.state_exit_code(WorkerState(0, "exited", exit_code=42)) == 42
+    assert policy.recovery_reason("preempted", "TPU node p was PREEMPTED", {}) == "preempted"
+    assert policy.recovery_reason("preempted", "TPU node p was TERMINATED",
                               {0: "maintenance: TERMINATE_ON_HOST_MAINTENANCE (x)"}) == \
         "maintenance"
-    assert bs.recovery_reason("lost", "w1 unreachable for 300 s", {}) == "host failure"
-    attempts = [bs.Attempt(i, f"r{i}", o, "", tmp_path, restart=k and "x", restart_kind=k)
+    assert policy.recovery_reason("lost", "w1 unreachable for 300 s", {}) == "host failure"
+    attempts = [records.Attempt(i, f"r{i}", o, "", tmp_path, restart=k and "x", restart_kind=k)
                 for i, (o, k) in enumerate([("failed", "error"), ("preempted", "preempted"),
                                             ("failed", "error"), ("failed", "")])]
-    assert bs.restart_counts(attempts) == {"error": 2, "preempted": 1}
-    assert bs.counts_text(attempts) == "3 restarts: 2 error, 1 preempted"
+    assert records.restart_counts(attempts) == {"error": 2, "preempted": 1}
+    assert records.counts_text(attempts) == "3 restarts: 2 error, 1 preempted"
 
 
 BUDGETED = """#!/bin/sh
@@ -465,7 +465,7 @@ def test_error_budget_restarts_once_and_a_preemption_does_not_use_it(pod2, tmp_p
     pod2.node = current_node(pod2)
     assert pod2.node.id != before.id          # the preemption was recovered (recreated)
     err = outcome.get("error")
-    assert isinstance(err, bs.BabysitError), outcome
+    assert isinstance(err, policy.BabysitError), outcome
     assert err.exit_code == 1
     assert [a.outcome for a in sitter.attempts] == ["failed", "preempted", "failed"]
     said = notes.getvalue()
@@ -567,12 +567,12 @@ def test_before_maintenance_signals_the_recipe_then_restarts_it(pod2, tmp_path, 
 
 
 def test_before_maintenance_input_is_checked_in_one_sentence():
-    assert bs.signal_name("USR1") == "USR1" and bs.signal_name("sigterm") == "TERM"
+    assert policy.signal_name("USR1") == "USR1" and policy.signal_name("sigterm") == "TERM"
     for bad in ("NOPE", "KILL", ""):
-        with pytest.raises(bs.ConfigError, match=r"^--before-maintenance takes the signal the "
+        with pytest.raises(ConfigError, match=r"^--before-maintenance takes the signal the "
                                                  r"recipe checkpoints on, such as TERM, USR1 "
                                                  r"or INT, not .*\.$"):
-            bs.signal_name(bad)
+            policy.signal_name(bad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -672,7 +672,7 @@ def test_a_progress_file_is_progress_until_it_stops_advancing(pod2, tmp_path, mo
     sitter, notes = babysitter(pod2, tmp_path, monkeypatch, stall="10s", stall_action="kill",
                                stall_progress_file="progress")
     sitter.recipe = recipe
-    with pytest.raises(bs.BabysitError) as stalled:
+    with pytest.raises(policy.BabysitError) as stalled:
         sitter.run()
     said = " ".join(notes.getvalue().split())
     err = stalled.value

@@ -15,7 +15,7 @@ from harness import sim_node
 from helpers import InThread, attempt_running, free_port, ok, text_of, tpufab, wait_for
 from rich.console import Console
 
-from tpufab.flows import babysit as bs
+from tpufab.flows.babysit import loop, policy
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(900)]  # a loaded 2-core machine
 
@@ -48,10 +48,9 @@ def test_a_preempted_spot_mig_is_recreated_and_the_recipe_rerun(spot16, tmp_path
     recipe.write_text(LOOPS_FIRST)
     recipe.chmod(0o755)
     notes = io.StringIO()
-    sitter = bs.Babysitter(spot16.settings, recipe, no_deploy=True, poll=0.3,
-                           backoff=(0.0, 0.0), failure_grace=1.0,
-                           console=Console(file=notes, width=300), out=io.StringIO(),
-                           base_dir=tmp_path)
+    sitter = loop.Babysitter(spot16.settings, recipe, no_deploy=True, poll=0.3,
+                             backoff=(0.0, 0.0), failure_grace=1.0,
+                             console=Console(file=notes, width=300), base_dir=tmp_path)
     before = _compute(spot16).get_node(spot16.name)
     thread = InThread(sitter.run)
     outcome = thread.outcome
@@ -122,9 +121,9 @@ echo "attempt $TPUFAB_RESTART_COUNT w$TPUFAB_WORKER_ID finished"
 
 def _sitter(settings, recipe: Path, tmp_path: Path):
     notes = io.StringIO()
-    return bs.Babysitter(settings, recipe, no_deploy=True, poll=0.3, backoff=(0.0, 0.0),
-                         failure_grace=1.0, console=Console(file=notes, width=300),
-                         out=io.StringIO(), base_dir=tmp_path), notes
+    return loop.Babysitter(settings, recipe, no_deploy=True, poll=0.3, backoff=(0.0, 0.0),
+                           failure_grace=1.0, console=Console(file=notes, width=300),
+                           base_dir=tmp_path), notes
 
 
 def test_a_flex_start_end_is_said_and_babysit_stops_or_renews(sim, tmp_path_factory, tmp_path):
@@ -145,7 +144,7 @@ def test_a_flex_start_end_is_said_and_babysit_stops_or_renews(sim, tmp_path_fact
         thread.join(300)
         assert not thread.is_alive(), "babysit did not end"
         err = outcome.get("error")
-        assert isinstance(err, bs.BabysitError), (outcome, notes.getvalue())
+        assert isinstance(err, policy.BabysitError), (outcome, notes.getvalue())
         assert str(err).startswith(f"babysit stops: flex-start slice {pod.name} ended (its "
                                    "maximum run duration ran out")
         assert "set flex_start_renew: true" in str(err)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tpufab import current
-from tpufab.cloud.lifecycle import default_name
+from tpufab.cloud.names import default_name
 from tpufab.config import invoke_layer, load_settings
 
 BIN = Path(sys.executable).parent

@@ -3,19 +3,18 @@ workers fetch from over the network."""
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import hashlib
 import itertools
 import os
 import shlex
 import subprocess
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from gitremote import Recorder, SmartHttp, make_tls, serving, token_remote
+from gitremote import trust as trust_on_workers
 from harness import USER, SimPod, needs_root
 from helpers import free_port, git_daemon, sh
 
@@ -50,109 +49,17 @@ def daemon(tmp_path: Path):
         yield base, url
 
 
-class _SmartHttp(BaseHTTPRequestHandler):
-    """`git http-backend` behind HTTP basic auth: a private remote that wants a token."""
-
-    def _serve(self) -> None:
-        hook = getattr(self.server, "on_request", None)
-        if hook is not None:
-            hook()      # while the client waits for this answer
-        expected = "Basic " + base64.b64encode(f"x-access-token:{self.server.token}".encode()
-                                               ).decode()
-        if self.headers.get("Authorization") != expected:
-            self.send_response(401)
-            self.send_header("WWW-Authenticate", 'Basic realm="tpufab-test"')
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        path, _, query = self.path.partition("?")
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        env = {"GIT_PROJECT_ROOT": str(self.server.root), "GIT_HTTP_EXPORT_ALL": "1",
-               "PATH_INFO": path, "QUERY_STRING": query, "REQUEST_METHOD": self.command,
-               "CONTENT_TYPE": self.headers.get("Content-Type", ""),
-               "CONTENT_LENGTH": str(len(body)), "REMOTE_USER": "x-access-token",
-               "PATH": os.environ["PATH"]}
-        if self.headers.get("Git-Protocol"):
-            env["GIT_PROTOCOL"] = self.headers["Git-Protocol"]
-        out = subprocess.run(["git", "http-backend"], input=body, env=env,
-                             capture_output=True).stdout
-        head, _, payload = out.partition(b"\r\n\r\n")
-        headers = [line.split(": ", 1) for line in head.decode().split("\r\n") if line]
-        status = next((int(v.split()[0]) for k, v in headers if k == "Status"), 200)
-        self.send_response(status)
-        for key, value in headers:
-            if key != "Status":
-                self.send_header(key, value)
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-    do_GET = do_POST = _serve
-
-    def log_message(self, *args) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory) -> SimpleNamespace:
     """A self-signed certificate for 127.0.0.1 and 127.0.0.2 (``cert``, ``key``, ``pem``)."""
-    where = tmp_path_factory.mktemp("tls")
-    cert, key = where / "cert.pem", where / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2", "-subj",
-                    "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1,IP:127.0.0.2",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
-    return SimpleNamespace(cert=cert, key=key, pem=cert.read_text())
-
-
-@contextlib.contextmanager
-def serving(handler, host: str = "127.0.0.1", tls: SimpleNamespace | None = None, **attrs):
-    """``handler`` on a free port of ``host`` (https with ``tls``); yields the server, whose
-    ``url`` is its base URL."""
-    import ssl
-
-    server = ThreadingHTTPServer((host, 0), handler)
-    server.daemon_threads = True
-    for name, value in attrs.items():
-        setattr(server, name, value)
-    scheme = "http"
-    if tls is not None:
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.load_cert_chain(tls.cert, tls.key)
-        server.socket = context.wrap_socket(server.socket, server_side=True)
-        scheme = "https"
-    server.url = f"{scheme}://{host}:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-class _Recorder(BaseHTTPRequestHandler):
-    """Asks for credentials (401) and records every Authorization header it is sent."""
-
-    def _serve(self) -> None:
-        self.server.seen.append(self.headers.get("Authorization"))
-        self.send_response(401)
-        self.send_header("WWW-Authenticate", 'Basic realm="not-origin"')
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    do_GET = do_POST = _serve
-
-    def log_message(self, *args) -> None:
-        pass
+    return make_tls(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture
 def private_server(daemon, tls):
     """An HTTPS remote over the same bare repositories that answers only with the token."""
     base, _ = daemon
-    with serving(_SmartHttp, tls=tls, root=base,
-                 token="s3cr3t-" + os.urandom(6).hex()) as server:
+    with token_remote(base, tls) as server:
         yield server
 
 
@@ -164,9 +71,7 @@ def private_remote(private_server):
 
 def trust(pod: SimPod, tls: SimpleNamespace) -> None:
     """The workers' git trusts the test certificate (as a private CA would be set up)."""
-    for w in pod.workers:
-        pod.sh(w, f"cat > ~/test-ca.pem <<'EOF'\n{tls.pem}EOF\n"
-                  "git config --global http.sslCAInfo ~/test-ca.pem")
+    trust_on_workers(pod.sh, pod.workers, tls)
 
 
 def test_the_token_goes_only_to_origin_over_https(daemon, tls, monkeypatch):
@@ -179,8 +84,8 @@ def test_the_token_goes_only_to_origin_over_https(daemon, tls, monkeypatch):
     monkeypatch.setenv("GIT_SSL_CAINFO", str(tls.cert))
     token = "ghp_" + os.urandom(8).hex()
     with contextlib.ExitStack() as stack:
-        origin = stack.enter_context(serving(_SmartHttp, tls=tls, root=base, token=token))
-        others = [stack.enter_context(serving(_Recorder, host, tls=t, seen=[]))
+        origin = stack.enter_context(serving(SmartHttp, tls=tls, root=base, token=token))
+        others = [stack.enter_context(serving(Recorder, host, tls=t, seen=[]))
                   for host, t in (("127.0.0.2", tls), ("127.0.0.1", tls), ("127.0.0.1", None))]
         git = deploy_worker.Git(token, f"{origin.url}/cred.git")
         assert git.ok("ls-remote", f"{origin.url}/cred.git")          # origin: the token works

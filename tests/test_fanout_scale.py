@@ -18,7 +18,7 @@ from tpufab.ssh.limits import (
     shard_of,
 )
 from tpufab.ssh.results import GroupResult, WorkerResult
-from tpufab.steps.runs.running import FoldingView
+from tpufab.views.folding import FoldingView
 
 
 def test_each_worker_belongs_to_one_process_in_contiguous_blocks():

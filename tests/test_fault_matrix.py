@@ -105,6 +105,14 @@ SETUP = ("#!/bin/sh\nset -e\n"            # a setup writes (1 MiB here): a full 
          "head -c 1048576 /dev/zero > ~/.fm-setup.$$\nrm ~/.fm-setup.$$\n"
          "echo fm-setup-ok on $(hostname)\n")
 RECIPE = "#!/bin/sh\necho fm-run-ok w$TPUFAB_WORKER_ID\n"
+# client-paused: prints a line every half second for 48 s (its count in /tmp/fm-ticks too)
+TICKS = 96
+TICKER_NAME = "fm-ticker.sh"
+TICKER = (f"#!/bin/sh\ni=0\nwhile [ $i -lt {TICKS} ]; do echo fm-tick $i; "
+          "echo $i > /tmp/fm-ticks; i=$((i + 1)); sleep 0.5; done\n"
+          "echo fm-ticker-done w$TPUFAB_WORKER_ID\n")
+STALL = 10.0           # client-paused: --stall; the client is stopped for longer than that
+PAUSES = 3             # each resume is a race the watchdog used to win (most times)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +126,7 @@ def _matrix_pod(sim, node) -> Iterator[Pod]:
 
     repo = node.home / "proj"
     repo.mkdir()
-    for file, text in (("fm-setup.sh", SETUP), ("fm-recipe.sh", RECIPE)):
+    for file, text in (("fm-setup.sh", SETUP), ("fm-recipe.sh", RECIPE), (TICKER_NAME, TICKER)):
         (repo / file).write_text(text)
         (repo / file).chmod(0o755)
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t.invalid"]
@@ -511,6 +519,43 @@ def test_kill_and_status_need_no_free_disk(pod):
     assert "Disk full on w1 (" in " ".join(status.stdout.split()), status.stdout
 
 
+def paused_client(verb: Verb, pod: Pod, marker: str) -> Outcome:
+    """`--stall 10s --stall-action kill` on a recipe that prints every half second, and the
+    local `tpufab` stopped (SIGSTOP: Ctrl-Z, a debugger, a laptop that swaps) for longer than
+    that while the job goes on printing, then resumed (SIGCONT, `fg`): the job never went
+    silent, so nothing may be killed (finding 4 of issue 37: the watchdog judged before the
+    output already waiting was read, and killed it)."""
+    argv = [verb.name, TICKER_NAME, "--no-deploy", "--stall", f"{STALL:g}s",
+            "--stall-action", "kill", *(["--max-restarts", "0"] if verb.name == "babysit"
+                                        else [])]
+
+    def ticks() -> int:
+        text = pod.sh(0, "cat /tmp/fm-ticks 2>/dev/null || true").strip()
+        return int(text) if text.isdigit() else -1
+
+    pod.sh(0, "rm -f /tmp/fm-ticks")
+    proc, began = start(pod, verb, argv, marker)
+    try:
+        at = 2
+        for _ in range(PAUSES):
+            wait_for(lambda at=at: ticks() >= at or proc.poll() is not None, LIMIT,
+                     what=f"the ticker to print line {at} on w0")
+            if proc.poll() is not None:
+                break
+            stopped_at = ticks()
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:   # the job prints on for longer than --stall while its client is stopped
+                at = stopped_at + int(2 * (STALL + 2))
+                wait_for(lambda at=at: ticks() >= at, LIMIT,
+                         what=f"the job to print for {STALL + 2:g} s with its client stopped")
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            at += 4        # then two seconds of following as usual
+    finally:
+        result = finish(proc, began, LIMIT + 50)
+    return Outcome([result], marker)
+
+
 def killed_client(verb: Verb, pod: Pod, marker: str) -> Outcome:
     """SIGKILL the local `tpufab` while its work on the workers is under way (held there by
     freezing what it starts), then let the workers go on."""
@@ -554,6 +599,7 @@ BOTH_WORK = "both work"
 BOTH_WORK_OR_REFUSED = "both work, or the second is refused in one sentence"
 SECOND_REFUSED = "second refused in one sentence"
 SECOND_WAITS_OR_REFUSED = "second waits for the first or is refused"
+NOT_STALLED = "works to the end: no stall verdict, nothing killed"
 
 
 @dataclass(frozen=True)
@@ -563,6 +609,7 @@ class Fault:
     default: str                 # what the user must see: "fails" (naming w1) or "works"
     workers: bool = True         # applies to verbs that reach workers
     api: bool = False            # applies to verbs that only call the API
+    verbs: tuple[str, ...] = ()  # only these verbs meet it (empty: every one it applies to)
 
 
 FAULTS = [
@@ -574,6 +621,7 @@ FAULTS = [
     Fault("disk-full", disk_full, FAILS),
     Fault("client-sigkilled", killed_client, RERUN_WORKS, api=True),
     Fault("twice-at-once", twice, BOTH_WORK, api=True),
+    Fault("client-paused", paused_client, NOT_STALLED, verbs=("run", "babysit")),
 ]
 
 # Cells whose outcome differs from the fault's default, and why that is right for the user.
@@ -611,6 +659,8 @@ def cells():
             if fault.name == "hung-sshd" and verb.name not in HUNG_SSHD_VERBS:
                 continue
             if verb.faults is not None and fault.name not in verb.faults:
+                continue
+            if fault.verbs and verb.name not in fault.verbs:
                 continue
             if (fault.api if verb.api_only else fault.workers):
                 cell = (verb.name, fault.name)
@@ -702,6 +752,12 @@ def check_outcome(verb: Verb, fault: Fault, outcome: Outcome) -> str:
     elif expected == SECOND_REFUSED:
         check_works(verb, results[0])
         one_sentence(results[1])
+    elif expected == NOT_STALLED:
+        assert first.returncode == 0, text(first)
+        assert "fm-ticker-done" in first.stdout and f"fm-tick {TICKS - 1}" in first.stdout, \
+            text(first)
+        assert "stalled" not in text(first) and "taking every worker's stacks" not in \
+            first.stderr, text(first)
     elif expected == SECOND_WAITS_OR_REFUSED:
         check_works(verb, results[0])
         if results[1].returncode == 0:

@@ -6,7 +6,6 @@ docs/reliability.md. Most drive `tpufab` as a subprocess, the way a user meets t
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import threading
@@ -350,7 +349,7 @@ def test_fault_5_preemption_mid_babysat_run(sim, sim_admin, tmp_path, monkeypatc
 
     from tpufab.cloud import lifecycle
     from tpufab.cloud.planes.tpu import TpuApi
-    from tpufab.flows import babysit
+    from tpufab.flows.babysit import loop
     from tpufab.hosts import connect as pods
     from tpufab.sim.admin import StorageClient
     from tpufab.steps.host import mount
@@ -386,9 +385,8 @@ def test_fault_5_preemption_mid_babysat_run(sim, sim_admin, tmp_path, monkeypatc
         monkeypatch.chdir(repo)
         before = TpuApi(settings).get_node(settings.name)
 
-        sitter = babysit.Babysitter(settings, recipe, direct=True, poll=0.3,
-                                    backoff=(0.0, 0.0), console=quiet_console(),
-                                    out=open(os.devnull, "w"), base_dir=tmp_path / "local")
+        sitter = loop.Babysitter(settings, recipe, direct=True, poll=0.3, backoff=(0.0, 0.0),
+                                 console=quiet_console(), base_dir=tmp_path / "local")
         outcome: dict = {}
         thread = threading.Thread(target=lambda: outcome.update(
             result=_catch(sitter.run)), daemon=True)

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from tpufab.ssh.results import WorkerResult
 from tpufab.steps.runs.env import fold_logs, render_folded, unfold
-from tpufab.steps.runs.running import FoldingView
 from tpufab.term.fields import FIELD, PLACEHOLDER, fields, merge, shape, show_values
+from tpufab.views.folding import FoldingView
 
 
 @pytest.mark.parametrize("values,shown", [

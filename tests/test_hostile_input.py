@@ -231,18 +231,18 @@ PRINT_ARGS = b"#!/usr/bin/env python3\nimport json, sys\nprint(json.dumps(sys.ar
 
 def plan_for(args, run_id=None):
     from tpufab.ssh.remote_files import RemoteFile
-    from tpufab.steps.runs import running as jobs
+    from tpufab.steps.start import plan as plans
 
-    return jobs.plan_run(RemoteFile("print_args.py", PRINT_ARGS, 0o755), slices=[[0, 1]],
-                         ips=["10.0.0.1", "10.0.0.2"], args=args, run_id=run_id)
+    return plans.plan_run(RemoteFile("print_args.py", PRINT_ARGS, 0o755), slices=[[0, 1]],
+                          ips=["10.0.0.1", "10.0.0.2"], args=args, run_id=run_id)
 
 
 @FEW
 @given(args=ARGS)
 def test_recipe_args_are_single_quoted_words_on_the_worker_command_line(args):
-    from tpufab.steps.runs import running as jobs
+    from tpufab.steps.start.plan import start_command
 
-    line = jobs.start_command(plan_for(args))
+    line = start_command(plan_for(args))
     words = shlex.split(line)
     assert words[words.index("--") + 1:] == args
 
@@ -277,11 +277,13 @@ def test_recipe_args_reach_the_recipe_literally(pod2, args):
     import json
 
     from tpufab.steps.runs import running as jobs
+    from tpufab.steps.start import plan as plans
+    from tpufab.steps.start.starting import start_on_workers
 
     plan = plan_for(args)
-    plan = jobs.plan_run(plan.recipe, slices=pod2.pod.slices, ips=pod2.pod.internal_ips(),
-                         args=args)
-    jobs.start(pod2.pod.fanout, plan)
+    plan = plans.plan_run(plan.recipe, slices=pod2.pod.slices, ips=pod2.pod.internal_ips(),
+                          args=args)
+    start_on_workers(pod2.pod.fanout, plan)
     states = jobs.follow(pod2.pod.fanout, plan.run_id, plan.workers, None)
     assert all(s.ended for s in states.values()), states
     logs, _ = jobs.fetch_logs(pod2.pod.fanout, plan.run_id, plan.workers)

@@ -547,7 +547,8 @@ def test_babysit_does_not_delete_a_node_someone_recreated_before_its_recovery(se
                                                                             tmp_path):
     """babysit decided on the node it watched (preempted); by the time it deletes, another
     babysit (or a person) recreated the name: the new node is used, not deleted."""
-    from tpufab.flows.babysit import Babysitter, NodeSpec
+    from tpufab.flows.babysit.loop import Babysitter
+    from tpufab.flows.babysit.recover import NodeSpec
 
     name = unique_name("sit")
     settings = settings_for(name=name, type="v4-8")

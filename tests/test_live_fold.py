@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from tpufab.ssh.results import WorkerResult
 from tpufab.steps.runs.env import fold_logs, render_folded
-from tpufab.steps.runs.running import FoldingView
+from tpufab.views.folding import FoldingView
 
 HELLO = "jax_hello: jax 0.10.2 backend=cpu processes=4 devices=4 local_devices=1"
 GATHER = "jax_hello: all-gather of process ids = [0, 1, 2, 3]"

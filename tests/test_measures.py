@@ -42,6 +42,31 @@ def _new_verb() -> str:
     return f"{len(FILES)}; {len(house.hand_kept_registries())}"
 
 
+def _deploy_and_start() -> str:
+    from test_one_path import callers
+
+    return (f"{len(callers('deploy', (None, 'deploy', 'deploying')))}; "
+            f"{len(callers('start_on_workers'))}")
+
+
+def _result_containers() -> str:
+    """Classes holding one command's result per worker: those named *Result made directly on
+    a dict or a Mapping (a subclass of one of them, as run --local's, adds fields only)."""
+    import ast
+
+    found = set()
+    for mod, path in house.modules().items():
+        if mod.startswith(("tpufab.sim", "tpufab.remote")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name.endswith("Result") and any(
+                    isinstance(b, ast.Name) and b.id == "dict" or
+                    isinstance(b, ast.Subscript) and getattr(b.value, "id", "") in ("dict", "Mapping")
+                    for b in node.bases):
+                found.add(f"{mod}.{node.name}")
+    return str(len(found))
+
+
 MEASURES = {
     "import circles, counting function-level and `TYPE_CHECKING` imports": _circles,
     "imports from a lower band to a higher one": _upward,
@@ -51,6 +76,8 @@ MEASURES = {
     "timeout defaults written outside the table; resolvers": _timeouts,
     "`-> Any` on `Pod` methods; re-export shims": _any_and_shims,
     "files a new worker verb touches; hand-kept registries": _new_verb,
+    "deploy call sites; start paths": _deploy_and_start,
+    "command-result containers": _result_containers,
 }
 ELSEWHERE = ("the ssh branch", "the flows branch", "the cloud branch")
 

@@ -461,5 +461,5 @@ def test_install_steps_are_data():
     # so identical reasons fold (CI saw w[0-1] and w[2-3] apart at 00:40:31 / 00:40:32)
     for logged in ("2026/11/29 00:40:31 Failed to lsjson: directory not found",
                    "2026-11-29T00:40:32.123Z Failed to lsjson: directory not found"):
-        assert worker.last_line(f"starting\n{logged}\n") == \
+        assert worker.telling_line(f"starting\n{logged}\n") == \
             "Failed to lsjson: directory not found"

@@ -15,7 +15,7 @@ import pytest
 
 from tpufab.ssh.results import WorkerResult
 from tpufab.steps.runs.env import fold_logs, render_folded, unfold
-from tpufab.steps.runs.running import FoldingView
+from tpufab.views.folding import FoldingView
 
 DATA = Path(__file__).parent / "data" / "multihost"
 JOBS = sorted(p.name for p in DATA.iterdir() if p.is_dir())

@@ -207,3 +207,81 @@ def test_a_killed_deployer_leaves_no_lease_behind(sim, pod4):
         tpufab("deploy", env=env, cwd=repo)), 60, interval=0.5, what="the next deploy")
     assert f"Deployed {latest[:12]}" in again.stdout
     assert heads(sim, pod4) == {latest}
+
+
+def running_runs(env: dict, cwd: Path) -> list[str]:
+    """The runs `tpufab runs` finds running (or starting) on the pod."""
+    import json
+
+    listed = tpufab("runs", "--json", env=env, cwd=cwd)
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads(listed.stdout)["rows"]
+    return [r["run"] for r in rows if any(s in ("running", "starting")
+                                          for s in r["workers"].values())]
+
+
+def end_reader(sim, pod, trigger: str) -> None:
+    for w in range(4):
+        in_worker(sim, pod.node, w, f"touch /tmp/{trigger}")
+
+
+@pytest.mark.sim
+def test_babysit_and_launch_beside_a_running_run_are_refused(sim, pod4):
+    """One job at a time, whichever way it starts (issue 37, finding 12b): babysit and launch
+    take the start path `run` takes (the code lease, the check for a live run). Before:
+    `babysit --no-deploy` started a second job beside the run without a word, and babysit
+    and launch deployed first (into another checkout, or refused by deploy's own check)."""
+    repo, env = pod4.repo, pod4.env
+    trigger = unique_name("end")
+    started = tpufab("run", "reader.sh", "--args", trigger, "--detach", env=env, cwd=repo)
+    assert started.returncode == 0, started.stderr
+    run_id = started.stderr.split("Run ", 1)[1].split(":", 1)[0]
+    first = git(repo, "rev-parse", "HEAD")
+    (repo / "task.yaml").write_text("workdir: .\nrun: |\n  ./reader.sh never\n")
+    commit(repo, unique_name("T"))
+    busy = (f"Run {run_id} (reader.sh) is still running on w[0-3]", "one job at a time",
+            f"tpufab kill --run {run_id}")
+    try:
+        for argv in (["babysit", "reader.sh", "--no-deploy", "--max-restarts", "0"],
+                     ["babysit", "reader.sh", "--max-restarts", "0"]):
+            refused(tpufab(*argv, env=env, cwd=repo), *busy, "then babysit again")
+        launched = tpufab("launch", "task.yaml", env=env, cwd=repo)
+        assert launched.returncode != 0 and "Traceback" not in launched.stderr
+        assert all(f in launched.stderr for f in (*busy, "then launch again")), \
+            launched.stderr
+        assert running_runs(env, repo) == [run_id]        # no second job on the pod
+        assert heads(sim, pod4) == {first}                # and nothing deployed
+    finally:
+        end_reader(sim, pod4, trigger)
+    wait_for(lambda: not running_runs(env, repo), 60, what=f"run {run_id} to end")
+
+
+@pytest.mark.sim
+def test_a_second_laptop_babysitting_the_pod_is_refused(sim, pod4, tmp_path):
+    """Two laptops babysitting one pod (each its own babysit lock, which is local): the
+    second is refused on the pod, before it deploys or starts anything; the first goes on."""
+    repo, env = pod4.repo, pod4.env
+    trigger = unique_name("end")
+    first = start("babysit", "reader.sh", "--args", trigger, "--max-restarts", "0",
+                  env=env, cwd=repo)
+    try:
+        [run_id] = wait_for(lambda: running_runs(env, repo), 120,
+                            what="the first laptop's babysit to start its run")
+        deployed = heads(sim, pod4)
+        commit(repo, unique_name("L2"))
+        laptop2 = {**env, "TPUFAB_STATE_DIR": str(tmp_path / "laptop2")}
+        for extra in (["--no-deploy"], []):
+            refused(tpufab("babysit", "reader.sh", "--max-restarts", "0", *extra, env=laptop2,
+                           cwd=repo),
+                    f"Run {run_id} (reader.sh) is still running on w[0-3]",
+                    "one job at a time", "then babysit again")
+        assert running_runs(env, repo) == [run_id] and heads(sim, pod4) == deployed
+        end_reader(sim, pod4, trigger)
+        out, err = first.communicate(timeout=120)
+    finally:
+        end_reader(sim, pod4, trigger)
+        if first.poll() is None:
+            first.kill()
+            first.wait(30)
+    assert first.returncode == 0, err
+    assert f"babysit: run {run_id} finished after 0 restarts" in err, err

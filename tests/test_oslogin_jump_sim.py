@@ -143,7 +143,8 @@ def test_babysit_recreates_the_node_without_external_ips_and_with_its_metadata(p
     from helpers import quiet_console, sim_settings
 
     from tpufab.cloud.planes.tpu import TpuApi
-    from tpufab.flows.babysit import Babysitter, NodeSpec
+    from tpufab.flows.babysit.loop import Babysitter
+    from tpufab.flows.babysit.recover import NodeSpec
     from tpufab.sim.admin import SimAdmin
 
     path = f"projects/{PROJECT}/locations/{sim.zone}/nodes/{pod['name']}"

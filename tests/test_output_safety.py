@@ -26,8 +26,9 @@ from tpufab.remote import workerlib
 from tpufab.ssh.remote_files import read_answer
 from tpufab.ssh.results import WorkerResult
 from tpufab.steps.runs.env import fold_logs, fold_stream, render_folded
-from tpufab.steps.runs.running import FoldingView, WorkerState, fold_states, prune_local_runs
+from tpufab.steps.runs.running import WorkerState, fold_states, prune_local_runs
 from tpufab.term.terminal import Lines, lines_of, neutralise, neutralise_text
+from tpufab.views.folding import FoldingView
 from tpufab.views.live import LiveView, print_gathered
 
 LAUNCH = shipped("run_worker.py")

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from harness import connected_pod
 from helpers import (
+    LOGIN,
     TPUFAB,
     InThread,
     Running,
@@ -341,6 +342,43 @@ def test_ray_submit_deploys_the_commit_and_runs_the_job_in_it(ray_pod, tmp_path)
     assert "cwd=/home/tpufab/rayproj" in out and "data=hello from the commit" in out, out
 
 
+def test_ray_submit_deploys_from_a_token_only_remote(sim, ray_pod, tmp_path):
+    """`ray submit` deploys through the one deploy path, which sends TPUFAB_GIT_TOKEN to the
+    workers as `deploy` does (issue 37, finding 11: before, only `Pod.deploy` read it, and the
+    workers' fetch from a remote that answers only with the token was refused)."""
+    from gitremote import LAPTOP_HELPER, make_tls, token_remote, trust
+
+    tls = make_tls(tmp_path)
+    srv = tmp_path / "srv"
+    srv.mkdir()
+    subprocess.run(["git", "init", "-q", "--bare", "-b", "main", str(srv / "tokproj.git")],
+                   check=True)
+    with token_remote(srv, tls) as remote:
+        trust(lambda w, script: in_worker(sim, ray_pod.pod.node, w, script, user=LOGIN),
+              (0, 1), tls)
+        project = tmp_path / "tokproj"
+        (project / "recipes").mkdir(parents=True)
+        (project / "data.txt").write_text("hello through the token\n")
+        (project / "recipes" / "where.py").write_text(
+            "import os\nprint('cwd=' + os.getcwd())\nprint('data=' + open('data.txt').read())\n")
+        env = {**ray_pod.env, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+               "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
+               "GIT_SSL_CAINFO": str(tls.cert), "LAPTOP_GIT_TOKEN": remote.token,
+               "TPUFAB_GIT_TOKEN": remote.token}
+        for argv in (["init", "-q", "-b", "main"],
+                     ["config", "credential.helper", LAPTOP_HELPER],
+                     ["remote", "add", "origin", f"{remote.url}/tokproj.git"], ["add", "-A"],
+                     ["commit", "-q", "-m", "ray recipe"]):
+            subprocess.run(["git", *argv], cwd=project, check=True, env=env, capture_output=True)
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=project, check=True,
+                                text=True, capture_output=True).stdout.strip()
+        result = tpufab("ray", "submit", "recipes/where.py", env=env, cwd=project, timeout=600)
+    out = ok(result)
+    assert f"Deployed {commit[:12]} to ~/tokproj on w[0-1]" in result.stderr, result.stderr
+    assert "data=hello through the token" in out, out
+    assert remote.token not in out + result.stderr
+
+
 def test_kill_during_a_ray_job_stops_ray_there_cleanly_and_frees_the_tpu(sim, ray_pod):
     job = Running([TPUFAB, "ray", "submit", str(ray_pod.base / "recipes" / "hold.py"),
                    "--no-deploy"], env=ray_pod.env)
@@ -443,16 +481,16 @@ def test_babysit_ray_restarts_the_cluster_after_a_preemption_then_resubmits(ray_
     from rich.console import Console
 
     from tpufab.cloud.planes.tpu import TpuApi
-    from tpufab.flows import babysit
+    from tpufab.flows.babysit import loop
 
     name = ray_pod.env["TPUFAB_NAME"]
     recipe = tmp_path / "babysat.py"
     recipe.write_text(BABYSAT_PY)
     notes, out = io.StringIO(), io.StringIO()
-    sitter = babysit.Babysitter(ray_pod.settings, recipe, no_deploy=True, ray=True,
-                                ray_options=SMALL[1:], poll=0.5, backoff=(0.0, 0.0),
-                                console=Console(file=notes, width=300), out=out,
-                                base_dir=tmp_path)
+    sitter = loop.Babysitter(ray_pod.settings, recipe, no_deploy=True, ray=True,
+                             ray_options=SMALL[1:], poll=0.5, backoff=(0.0, 0.0),
+                             console=Console(file=notes, width=300),
+                             out=lambda line: out.write(line + "\n"), base_dir=tmp_path)
     before = TpuApi(ray_pod.settings).get_node(name).id
     thread = InThread(sitter.run)
     outcome = thread.outcome

@@ -32,16 +32,15 @@ from helpers import (
 from tpufab.ssh.remote_files import RemoteFile, verify_loader
 from tpufab.steps.runs.env import Forwarded
 from tpufab.steps.runs.running import (
-    FoldingView,
     FollowSink,
     WorkerRuns,
     WorkerState,
     fold_states,
     latest_run,
-    plan_run,
     run_rows,
-    start_command,
 )
+from tpufab.steps.start.plan import plan_run, start_command
+from tpufab.views.folding import FoldingView
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "hf_Zq8-must-never-leak-7431"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tpufab.flows.babysit import notices_in
+from tpufab.flows.babysit.records import notices_in
 from tpufab.remote.run_worker import notice_of
 from tpufab.sim.guest import host_bounds, tpu_env
 from tpufab.sim.metadata import JsonLeaf, lookup, render

@@ -25,9 +25,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tpufab"
 VERB_IMPORTS = ("tpufab.pod", "tpufab.verbs", "tpufab.views", "tpufab.term", "tpufab.config",
                 "tpufab.errors", "tpufab.reports", "tpufab.nodeset", "tpufab.durations",
                 "tpufab.topology", "tpufab.current", "tpufab.__version__")
-VERB_HELPERS = {"tpufab.cloud.lifecycle": {"validate_name", "default_name", "render_details"},
-                # exec --gather's view (the ssh branch moves it into tpufab/views, issue 36)
-                "tpufab.ssh.fanout": {"print_gathered"}}
+VERB_HELPERS = {"tpufab.cloud.names": {"validate_name", "default_name"}}
 VERB_IMPORTS_OF = {"sim.py": ("tpufab.sim", "tpufab.steps.host.killing",
                               "tpufab.steps.host.mount")}  # the simulated pod's own verbs
 
@@ -208,7 +206,7 @@ def _reports() -> dict[str, type]:
 REPORTS = _reports()
 # Where classes still render themselves: babysit's attempt record (its state file, not a
 # report).
-RENDER_THEMSELVES = {"flows/babysit.py"}
+RENDER_THEMSELVES = {"flows/babysit/records.py"}
 # Records of the control plane and of accelerator shapes: no workers in them.
 NOT_WORKER_REPORTS = {"cloud/nodes.py", "cloud/lifecycle.py", "topology.py"}
 RENDERING = ("lines", "to_json", "table", "render", "summary")

@@ -616,3 +616,46 @@ def test_a_py_spy_read_that_races_the_process_is_tried_again_and_its_causes_kept
         assert says in got["error"] and "threads" not in got, got
         # a raced read is named as py-spy's; a refusal by what refused it (ptrace, a container)
         assert got["reason"].startswith("py-spy could not read it (") == (tries > 1), got
+
+
+class _Ages:
+    """What the workers say (``LastOutput.age``), answer by answer (the last one again)."""
+
+    def __init__(self, answers):
+        self.answers = list(answers)
+        self.asked = 0
+
+    def age(self):
+        self.asked += 1
+        answer = self.answers[min(self.asked, len(self.answers)) - 1]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+class _Nothing:
+    def lines(self, worker, stream, data):
+        pass
+
+    def done(self, result):
+        pass
+
+
+@pytest.mark.parametrize("answers, asked", [([0.2, 0.2, 0.2, 5.0], 4), ([None], 1),
+                                            ([OSError("no answer")], 1)])
+def test_the_watchdog_asks_the_workers_before_it_calls_a_silence_a_stall(answers, asked):
+    """No line reached the view for `seconds`, as after a client was stopped (Ctrl-Z): the
+    watchdog judges only once the workers say they wrote nothing for that long either; while
+    one says it wrote since (its lines are on their way), the clock restarts from then. A
+    worker that cannot say leaves the silence seen here to decide (issue 37, finding 4; the
+    user's side: tests/test_fault_matrix.py's client-paused cells)."""
+    from tpufab.steps.start.stall import StallWatch
+
+    fired: list[float] = []
+    ages = _Ages(answers)
+    watch = StallWatch(_Nothing(), 1.0, fired.append, last_output=ages)
+    try:
+        wait_for(lambda: fired, 30, what="the stall to be called")
+    finally:
+        watch.close()
+    assert ages.asked == asked and len(fired) == 1 and fired[0] >= 1.0

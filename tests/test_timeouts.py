@@ -125,14 +125,14 @@ def test_waiting_for_a_port_gives_up_on_a_worker_that_froze_mid_probe(sim, pod4)
     import threading
 
     from tpufab import Pod
-    from tpufab.steps.runs import running
+    from tpufab.steps.start import starting
 
     settings = dataclasses.replace(pod4.settings, command_timeout=None)
     answer: list = []
     with Pod.from_settings(settings) as pod:
         assert pod.hosts.workers == [0, 1, 2, 3]
         began = time.monotonic()
-        waiting = threading.Thread(target=lambda: answer.append(running.wait_port(
+        waiting = threading.Thread(target=lambda: answer.append(starting.wait_port(
             pod.fanout, "no-such-run", 9, worker=1, timeout=3, probe=2, slack=1)), daemon=True)
         waiting.start()
         probing = "pgrep -f 'ports[.]py wait'"   # [.]: not this pgrep's own sh

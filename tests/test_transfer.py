@@ -462,14 +462,15 @@ def test_put_into_the_checkout_of_a_live_run_is_refused(pod, tmp_path):
     from tpufab.errors import CodeBusy
     from tpufab.ssh.remote_files import RemoteFile
     from tpufab.steps.code import codelock
-    from tpufab.steps.runs import running as jobs
+    from tpufab.steps.start import plan as plans
+    from tpufab.steps.start.starting import start_on_workers
 
     pod.sh(1, "mkdir -p /root/checkout && rm -f /tmp/stop-put")
     recipe = RemoteFile("reads.sh", b"#!/bin/sh\nn=0\nwhile [ ! -e /tmp/stop-put ] && "
                                     b"[ $n -lt 1200 ]; do n=$((n + 1)); sleep 0.1; done\n", 0o755)
     ips = [t.host for _w, t in sorted(pod.fanout.targets.items())]
-    plan = jobs.plan_run(recipe, slices=[[1]], ips=ips, cwd="/root/checkout")
-    jobs.start(pod.fanout, plan)
+    plan = plans.plan_run(recipe, slices=[[1]], ips=ips, cwd="/root/checkout")
+    start_on_workers(pod.fanout, plan)
     src = tmp_path / "config.yaml"
     src.write_text("lr: 0.2\n")
     try:

@@ -180,6 +180,9 @@ TIMEOUTS: dict[str, Timeout] = {
                                       "logs are shown", commands=False),
     "run --stall-progress-file": Timeout(30.0, "each look at the progress file's mtime",
                                          commands=False),
+    "run --stall: last output": Timeout(30.0, "asking the workers when they last wrote, "
+                                              "before a silence counts as a stall",
+                                        commands=False),
     "logs": Timeout(300.0, "fetching the logs so far"),
     "logs --follow": Timeout(None, "following; with --timeout S, following stops after S "
                                    "(exit 124, the run untouched)", commands=False),
@@ -189,6 +192,7 @@ TIMEOUTS: dict[str, Timeout] = {
                     plus="grace"),
     "babysit": Timeout(600.0, "each step (setup, deploy, start, a check); never following "
                               "the recipe"),
+    "babysit --before-maintenance": Timeout(60.0, "sending the signal to the recipe"),
     "put": Timeout(300.0, "each step, and each read or write of the copy (no progress for "
                           "that long)"),
     "get": Timeout(300.0, "each step, and each read or write of the copy (no progress for "

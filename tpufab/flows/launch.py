@@ -5,8 +5,9 @@ the node spec, the environment, the steps. It only reads (the task file, your ch
 HEAD); ``--dry-run`` prints it. The steps then reuse what the other verbs and babysit do:
 ``lifecycle.create`` (a READY node of the same spec is reused, another spec under the name is
 refused), babysit's ``restore_commit`` / ``restore_mount`` / ``restore_setup`` (deploy, mounts,
-setup: each idempotent), a put per file, and a run (``jobs.plan_run``) whose environment also
-carries SkyPilot's variables for a SkyPilot task. The order follows SkyPilot's: code and mounts
+setup: each idempotent), a put per file, and a run (``plan.plan_run``) whose environment also
+carries SkyPilot's variables for a SkyPilot task, started the one way every job starts
+(``starting.start_job``; the deploy before it under the same lease and one-job check). The order follows SkyPilot's: code and mounts
 are in place before ``setup`` runs, in the workdir, so ``pip install -r requirements.txt``
 works there.
 """
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from tpufab.config import Settings
 from tpufab.errors import ConfigError, TpufabError
-from tpufab.flows.babysit import MountPoint, Restore, setup_hash
+from tpufab.flows.babysit.recover import MountPoint, Restore, setup_hash
 from tpufab.flows.taskfile import Task, resolve_envs
 from tpufab.quoting import quote
 from tpufab.ssh.remote_files import RemoteFile
@@ -37,7 +38,7 @@ from tpufab.steps.runs.env import (
 
 if TYPE_CHECKING:
     from tpufab.cloud.nodes import Node
-    from tpufab.steps.runs.running import RunPlan
+    from tpufab.steps.start.plan import RunPlan
 
 RUN_SCRIPT = "task-run.sh"
 GCPUSER_HOME = "/home/gcpuser"   # SkyPilot's login user's home on its VMs
@@ -610,14 +611,14 @@ def put_file(pod, remote: str, local: Path) -> None:
 
 def run_plan(pod, p: LaunchPlan) -> RunPlan:
     """The run: the task's ``run`` as a recipe, with SkyPilot's variables (and TPU_NAME)."""
-    from tpufab.steps.runs import running as jobs
     from tpufab.steps.runs.env import JobEnvironment
+    from tpufab.steps.start import plan as plans
 
     recipe = p.run_script
     assert recipe is not None
-    planned = jobs.plan_run(recipe, slices=pod.slices, ips=pod.internal_ips(), cwd=p.run_cwd,
-                            commit=p.commit, forwarded=p.forwarded,
-                            tpu=jobs.slice_facts(pod.nodes))
+    planned = plans.plan_run(recipe, slices=pod.slices, ips=pod.internal_ips(), cwd=p.run_cwd,
+                             commit=p.commit, forwarded=p.forwarded,
+                             tpu=plans.slice_facts(pod.nodes))
     envs = {}   # every launch's run (either schema: a `run:`-only file is both) as SkyPilot's
     for w, e in planned.environments.items():
         extra = skypilot_variables(e.public, task_id=planned.run_id, node_name=pod.name)
@@ -664,7 +665,7 @@ def execute(p: LaunchPlan, launch: Launch, open_pod, *, zones: Sequence[str] | N
     ``progress(text, style)`` hears each step; ``setup_view(workers)`` is a context manager
     giving the setup's sink. The run is started, not followed (``launch.run``)."""
     from tpufab import current, nodeset
-    from tpufab.flows import babysit
+    from tpufab.flows.babysit import recover
     from tpufab.steps.host import autostop
     from tpufab.steps.start import starting
 
@@ -686,9 +687,12 @@ def execute(p: LaunchPlan, launch: Launch, open_pod, *, zones: Sequence[str] | N
         pod = launch.pod = open_pod(p.settings)
     everyone = nodeset.fold(pod.workers)
     restore = p.restore()
+    what = Path(p.task.path).name
     if p.commit:
-        with step("deploy"):
-            report = babysit.restore_commit(pod, restore, root=p.root, direct=p.direct,
+        with step("deploy"), starting.job_lease(pod, verb="launch", what=what):
+            # as `run`: refused beside a running run, before anything changes on the pod
+            report = recover.restore_commit(pod, restore, root=p.root, direct=p.direct,
+                                            lease=False,
                                             progress=lambda msg: say(f"deploy: {msg}", "dim"))
             changed = [r.worker for r in report.rows if r.changed]
             how = f"updated {nodeset.fold(changed)}" if changed else "already there"
@@ -696,7 +700,7 @@ def execute(p: LaunchPlan, launch: Launch, open_pod, *, zones: Sequence[str] | N
                 f"{report.seconds:.1f} s).")
     for m in p.mounts:
         with step(f"mount {m.url}"):
-            report = babysit.restore_mount(pod, m, endpoint=p.settings.storage_endpoint,
+            report = recover.restore_mount(pod, m, endpoint=p.settings.storage_endpoint,
                                            for_task=True)
             fresh = sum(r.action == "mounted" for r in report.rows)
             say(f"Mounted {m.url} at {m.at} on {everyone} ({m.driver}; "
@@ -709,7 +713,7 @@ def execute(p: LaunchPlan, launch: Launch, open_pod, *, zones: Sequence[str] | N
         with step("setup"):
             with (setup_view(pod.workers) if setup_view is not None
                   else _no_view()) as sink:
-                outcomes = babysit.restore_setup(pod, restore, sink=sink,
+                outcomes = recover.restore_setup(pod, restore, sink=sink,
                                                  env=p.forwarded.public,
                                                  secrets=p.forwarded.secrets,
                                                  force=p.force_setup)
@@ -743,7 +747,8 @@ def execute(p: LaunchPlan, launch: Launch, open_pod, *, zones: Sequence[str] | N
     with step("run"):
         planned = run_plan(pod, p)
     launch.started.append((planned.run_id, planned.workers, list(planned.secrets.values())))
-    started = starting.start_plan(pod, planned)
+    started = starting.start_job(pod, lambda _deployed: starting.start_plan(pod, planned),
+                                 verb="launch", what=what)
     for text, style in starting.started_notes(planned, started):
         say(text, style)
     launch.run = starting.Started(planned, started)

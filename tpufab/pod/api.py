@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from fabric import Connection, Group
 
     from tpufab.cloud.nodes import Node
-    from tpufab.flows.babysit import BabysitResult
+    from tpufab.flows.babysit.records import BabysitResult
     from tpufab.hosts.connect import Hosts
     from tpufab.pod.run import Run
     from tpufab.ssh.fanout import Fanout
@@ -65,8 +65,6 @@ class Pod:
     ``Pod(name)`` names it; ``Pod()`` takes the name as the command line does (TPUFAB_NAME,
     tpufab.yaml, this project's current pod). Connections open on first use and stay open
     (``close()``, or ``with Pod(...) as pod``)."""
-
-    _leased = False  # True while start() holds the code lease its deploy runs under
 
     def __init__(self, name: str | None = None, *, zone: str | None = None,
                  project: str | None = None, **settings: Any):
@@ -282,24 +280,12 @@ class Pod:
         (`tpufab deploy`); returns the per-worker report (DeployReport: commit, action,
         seconds). ``timeout``: seconds each step on the workers may take (TIMEOUTS["deploy"]).
         Raises DeployError naming every failed worker."""
-        import os
-
-        from tpufab.quoting import Secret
         from tpufab.steps.code import deploy as deploying
-        from tpufab.steps.code import gitops
 
-        root = gitops.repo_root(Path(cwd) if cwd else None)
-        if not wip:
-            gitops.refuse_dirty(root)
-            gitops.resolve(root, ref)
-        if not direct:
-            gitops.remote_url(root, remote)
-        token = os.environ.get(deploying.TOKEN_ENV)
-        return deploying.deploy(self.hosts.fanout, ref=ref, remote=remote,
-                                dir=dir or self.settings.remote_dir, direct=direct, wip=wip,
-                                cwd=root, token=Secret(token) if token else None,
-                                progress=progress, sink=sink, lease=not self._leased,
-                                timeout=self._timeout("deploy", timeout))
+        return deploying.deploy_checkout(self, cwd=cwd, ref=ref, remote=remote,
+                                         dir=dir or self.settings.remote_dir, direct=direct,
+                                         wip=wip, progress=progress, sink=sink,
+                                         timeout=self._timeout("deploy", timeout))
 
     def mount_spec(self, bucket: str, *, at: str | None = None, driver: str | None = None,
                    options: Iterable[str] | None = None) -> MountSpec:
@@ -515,16 +501,19 @@ class Pod:
                 timeout: float | None = None, stall: str | float | None = None,
                 stall_action: str = "wait",
                 stall_progress_file: str | None = None, ray: bool = False,
-                ray_options: str | Sequence[str] = "") -> BabysitResult:
+                ray_options: str | Sequence[str] = "", console: Any = None,
+                view: Any = None, out: Any = None) -> BabysitResult:
         """`tpufab babysit`: run ``recipe`` and keep it running through preemptions
         (recreate the node, set it up, restore the commit and mounts, restart); ``ray``: as a
         Ray job on the pod's Ray cluster, brought up before each attempt. Each parameter is
         the flag of `tpufab babysit --help` of that name (docs/api.md); ``timeout``: seconds
-        each step on the workers may take (TIMEOUTS["babysit"]), never the follow. Returns
-        the BabysitResult (``.exit_code``, ``.attempts``, ``.restart_counts``) when the
-        recipe finished on every worker; raises BabysitError saying why otherwise
-        (ConfigError, one sentence, for a bad budget or code)."""
-        from tpufab.flows import babysit as babysitting
+        each step on the workers may take (TIMEOUTS["babysit"]), never the follow. What is
+        shown goes to the sinks given, nowhere else: ``console`` (babysit's notes),
+        ``view(workers)`` (each attempt's live view, e.g. views.runlogs.follow_view),
+        ``out(line)`` (a Ray job's lines). Returns the BabysitResult (``.exit_code``,
+        ``.attempts``, ``.restart_counts``) when the recipe finished on every worker; raises
+        BabysitError saying why otherwise (ConfigError, one sentence, for a bad budget)."""
+        from tpufab.flows.babysit import loop as babysitting
         from tpufab.steps.start.starting import recipe_args
 
         if ray_options and not ray:
@@ -535,14 +524,19 @@ class Pod:
         timeout = self._timeout("babysit", timeout)
         settings = self.settings.bounded(timeout)   # this call's timeouts, not the pod's
         options = {} if poll is None else {"poll": poll}
-        return babysitting.babysit(
-            settings, recipe, args=list(args), max_restarts=max_restarts,
-            restart_on_failure=restart_on_failure, max_restarts_on_errors=max_restarts_on_errors,
-            restart_on_exit=restart_on_exit, before_maintenance=before_maintenance,
-            maintenance_margin=maintenance_margin, env=list(env or ()), setup_script=setup_script,
-            no_deploy=no_deploy, direct=direct, timeout=timeout, stall=stall,
-            stall_action=stall_action, stall_progress_file=stall_progress_file, ray=ray,
-            ray_options=list(recipe_args(ray_options)), **options)
+        return babysitting.babysit(settings, recipe, args=list(args),
+                                   max_restarts=max_restarts,
+                                   restart_on_failure=restart_on_failure,
+                                   max_restarts_on_errors=max_restarts_on_errors,
+                                   restart_on_exit=restart_on_exit,
+                                   before_maintenance=before_maintenance,
+                                   maintenance_margin=maintenance_margin, env=list(env or ()),
+                                   setup_script=setup_script, no_deploy=no_deploy,
+                                   direct=direct, timeout=timeout, stall=stall,
+                                   stall_action=stall_action,
+                                   stall_progress_file=stall_progress_file, ray=ray,
+                                   ray_options=list(recipe_args(ray_options)),
+                                   console=console, view=view, out=out, **options)
 
     def check(self, *, quick: bool = False, timeout: float | None = None,
               progress: Callable[[str], None] | None = None) -> CheckReport:
@@ -551,13 +545,14 @@ class Pod:
         ``.ok``, ``.problems``, ``.summary``). ``progress(message)`` hears the steps. Raises
         ConfigError for a timeout that is not above 0."""
         from tpufab.steps.health import check
+        from tpufab.steps.start.collective import run_collective
 
         timeout = self._timeout("check", timeout)
         check.refuse_timeout(timeout)  # before connecting
         # the timeout bounds connecting too: a frozen worker is named
         connected = self._connected_within(timeout)
         return check.run_check(connected.settings, connected, quick=quick, timeout=timeout,
-                               progress=progress)
+                               progress=progress, collective=run_collective)
 
     def stacks(self, *, run: str | None = None, native: bool = False,
                workers: str | Iterable[int] = "all", timeout: float | None = None,

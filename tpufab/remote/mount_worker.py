@@ -103,7 +103,7 @@ def classify(text: str, default: str = "driver_failed") -> str:
 LOG_TIME = re.compile(r"^\d{4}[/-]\d\d[/-]\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?Z?\s+")
 
 
-def last_line(text: str) -> str:
+def telling_line(text: str) -> str:
     """The most telling line (without its log time): the last one that names an error, else
     the last one."""
     lines = [LOG_TIME.sub("", line.strip()) for line in text.strip().splitlines() if line.strip()]
@@ -157,7 +157,7 @@ def ensure_driver(argv: list[str], install: bool) -> None:
                               input=feed if feed is not None else "")
         if proc.returncode != 0:
             raise Failure("driver_missing", f"installing {argv[0]} failed at "
-                          f"`{' '.join(step[:3])}`: {last_line(proc.stderr or proc.stdout)}")
+                          f"`{' '.join(step[:3])}`: {telling_line(proc.stderr or proc.stdout)}")
     if not shutil.which(argv[0]):
         raise Failure("driver_missing", f"{argv[0]} is still missing after installing it")
 
@@ -193,7 +193,7 @@ def ensure_dir(path: str) -> None:
                                   stdin=subprocess.DEVNULL)
             if proc.returncode != 0:
                 raise Failure("permission", f"cannot create {path}: "
-                              f"{last_line(proc.stderr)}") from None
+                              f"{telling_line(proc.stderr)}") from None
 
 
 def daemon_env() -> dict[str, str]:
@@ -258,7 +258,7 @@ def mount(args: argparse.Namespace) -> dict:
                                stdin=subprocess.DEVNULL, timeout=MOUNT_WAIT)
         if check.returncode != 0:
             text = check.stderr + check.stdout
-            raise Failure(classify(text), last_line(text))
+            raise Failure(classify(text), telling_line(text))
     if args.log_file:
         log = os.path.expanduser(args.log_file)
         os.makedirs(os.path.dirname(log) or ".", exist_ok=True)
@@ -280,12 +280,12 @@ def mount(args: argparse.Namespace) -> dict:
         said = out.read()
     if code != 0:
         text = said + log_tail(log)
-        raise Failure(classify(text), last_line(said or log_tail(log)))
+        raise Failure(classify(text), telling_line(said or log_tail(log)))
     deadline = time.monotonic() + MOUNT_WAIT
     while not mounts_at(at):
         if time.monotonic() > deadline:
             raise Failure("timeout", f"{at} was not mounted {MOUNT_WAIT:.0f}s after "
-                          f"{argv[0]} returned: {last_line(log_tail(log))}")
+                          f"{argv[0]} returned: {telling_line(log_tail(log))}")
         time.sleep(POLL)
     entries = verify(at)
     write_state(args.state_file, {"url": args.url, "at": at, "source": args.source})
@@ -310,7 +310,7 @@ def unmount(at: str, lazy: bool, state_file: str | None) -> dict:
     if proc.returncode != 0:
         text = proc.stderr + proc.stdout
         kind = "busy" if "busy" in text.lower() else "driver_failed"
-        raise Failure(kind, f"{at}: {last_line(text)}")
+        raise Failure(kind, f"{at}: {telling_line(text)}")
     deadline = time.monotonic() + MOUNT_WAIT
     while len(mounts_at(at)) >= len(stacked):
         if time.monotonic() > deadline:

@@ -527,7 +527,11 @@ def run_status(rundir, carried=None):
     if notice:
         status["notice"] = notice
     try:
-        status["log_size"] = os.path.getsize(os.path.join(rundir, "log"))
+        log = os.stat(os.path.join(rundir, "log"))
+        status["log_size"] = log.st_size
+        # seconds since the recipe last wrote, on this worker's clock: what the stall
+        # watchdog asks before it calls a silence a stall (its client may have been paused)
+        status["log_age"] = round(max(0.0, time.time() - log.st_mtime), 3)
     except OSError:
         status["log_size"] = 0
     return status

@@ -84,7 +84,7 @@ CONNECTION_TYPES: dict[str, Any] = {"name": str | None, "zone": str | None,
                                     "jump": str | None}
 # Pod method parameters that are never flags: what a front door hands in itself (views,
 # progress lines, callbacks).
-HOOKS = frozenset({"sink", "progress", "on_event", "on_frame", "out"})
+HOOKS = frozenset({"sink", "progress", "on_event", "on_frame", "out", "console", "view"})
 
 # Options that many verbs share, said once.
 COMMON: dict[str, Opt] = {

@@ -52,7 +52,7 @@ def create(*, name: str | None = None, type: str | None = None, zone: str | None
     instance, or a workload policy, an instance template and a managed instance group.
     """
     from tpufab import current, durations
-    from tpufab.cloud.lifecycle import default_name
+    from tpufab.cloud.names import default_name
     from tpufab.pod.pods import create_node
 
     zone_list = parse_zones(zones)

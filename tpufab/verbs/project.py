@@ -68,7 +68,7 @@ def use(*, pod: str | None = None, zone: str | None = None, project: str | None 
         check: bool = True) -> None:
     """Choose this project's current pod: the node verbs use when no --name is given."""
     from tpufab import current
-    from tpufab.cloud.lifecycle import validate_name
+    from tpufab.cloud.names import validate_name
     from tpufab.pod.pods import describe
 
     if pod is None:

@@ -127,7 +127,7 @@ def sim_preempt(*, name: str, notice: str | None = None) -> None:
     """Preempt a node: state PREEMPTED, workers stopped (with --notice, announced first)."""
     import time
 
-    from tpufab.cloud.lifecycle import validate_name
+    from tpufab.cloud.names import validate_name
     from tpufab.term.console import stdout
 
     seconds = parse_seconds(notice)
@@ -154,7 +154,7 @@ def sim_preempt(*, name: str, notice: str | None = None) -> None:
                "restore": "Make it reachable again."})
 def sim_unreachable(*, name: str, worker: int, restore: bool = False) -> None:
     """Make one worker unreachable over SSH (or reachable again)."""
-    from tpufab.cloud.lifecycle import validate_name
+    from tpufab.cloud.names import validate_name
     from tpufab.term.console import stdout
 
     sim_admin().set_reachable(validate_name(name), worker, restore)
@@ -307,7 +307,7 @@ def sim_os_login(*, enable: bool = False, disable: bool = False, unset: bool = F
 def sim_maintenance(*, name: str, in_: str | None = None, window: str = "1h",
                     clear: bool = False) -> None:
     """Announce an upcoming maintenance window on a node (the API's upcomingMaintenance)."""
-    from tpufab.cloud.lifecycle import validate_name
+    from tpufab.cloud.names import validate_name
     from tpufab.durations import parse_duration
     from tpufab.term.console import stdout
 
@@ -331,7 +331,7 @@ def sim_maintenance(*, name: str, in_: str | None = None, window: str = "1h",
 def sim_end_run(*, name: str) -> None:
     """End a flex-start slice's run now, as its --max-run-duration would (Compute Engine's
     instanceTerminationAction: DELETE deletes its VMs)."""
-    from tpufab.cloud.lifecycle import validate_name
+    from tpufab.cloud.names import validate_name
     from tpufab.term.console import stdout
 
     got = sim_admin().end_run(validate_name(name))

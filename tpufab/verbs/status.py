@@ -73,7 +73,11 @@ def babysit(call: Call) -> int:
     cluster is started again on the recreated node before the job is resubmitted.
     Returns 0 when the recipe finished on every worker; otherwise BabysitError says why.
     """
-    return call().exit_code
+    from tpufab.term.console import stderr
+    from tpufab.views.runlogs import follow_view
+
+    return call(console=stderr(), view=lambda workers: follow_view(workers, raw=True),
+                out=lambda line: print(line, flush=True)).exit_code
 
 
 @verb(pod_method="top",

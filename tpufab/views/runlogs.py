@@ -14,7 +14,7 @@ def follow_view(workers: Sequence[int], *, raw: bool = False, color: bool = Fals
         from tpufab.views.live import LiveView
 
         return LiveView(workers=workers, worker_colors=color)
-    from tpufab.steps.runs.running import FoldingView
+    from tpufab.views.folding import FoldingView
 
     return FoldingView(workers, color=color).start()
 

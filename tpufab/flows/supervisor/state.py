@@ -366,7 +366,7 @@ class JobState:
     def preemptions(self) -> int:
         """Restarts the platform caused (preemption, maintenance, host failure, the end of
         a flex-start run): the preemption budget's."""
-        from tpufab.flows.babysit import RECOVERY_REASONS
+        from tpufab.flows.babysit.policy import RECOVERY_REASONS
 
         return sum(n for kind, n in self.restarts.items() if kind in RECOVERY_REASONS)
 

@@ -8,9 +8,10 @@ the background): it ends when this process releases the lease, and when this pro
 dies (SIGKILL included), through its own connection or through the pod's connection keeper,
 which stops what a client that went away was running (the keeper and its connections outlive
 the client: a lease naming them stayed held while the keeper lived). ``deploy`` holds it
-while it pushes, checks out and verifies; ``run`` holds it from its check for a live run
-until the recipe has started. Under the lease, ``live_runs`` says which runs would read the
-code.
+while it pushes, checks out and verifies; every job's start
+(``tpufab.steps.start.starting.start_job``: run, babysit, launch, ray submit, check's
+collective) holds it from its check for a live run until the job has started. Under the
+lease, ``live_runs`` says which runs would read the code.
 """
 
 from __future__ import annotations
@@ -244,8 +245,9 @@ def live_runs(fanout, workers: Sequence[int], *,
 
 
 def refuse_a_second_run(fanout, workers: Sequence[int], lease: Lease | None = None, *,
-                        timeout: float | None = None) -> None:
-    """A pod runs one job at a time: on a TPU the second would fail with "TPU in use".
+                        verb: str = "run", timeout: float | None = None) -> None:
+    """A pod runs one job at a time: on a TPU the second would fail with "TPU in use"
+    (CodeBusy, saying to ``verb`` again once it is over).
 
     A run needs every worker: one the lease could not reach stops it here, before anything
     starts (and before another step waits on that worker again)."""
@@ -258,7 +260,8 @@ def refuse_a_second_run(fanout, workers: Sequence[int], lease: Lease | None = No
         raise CodeBusy(f"Run {r.run} ({r.recipe or 'a recipe'}) is still running on "
                        f"{nodeset.fold(r.workers)}, and a pod runs one job at a time (a second "
                        f"would find the TPU in use): wait for it (`tpufab logs --run {r.run} "
-                       f"--follow`) or stop it (`tpufab kill --run {r.run}`), then run again.")
+                       f"--follow`) or stop it (`tpufab kill --run {r.run}`), then {verb} "
+                       "again.")
 
 
 def refuse_deploy_under_a_run(fanout, workers: Sequence[int], lease: Lease, dir: str) -> None:

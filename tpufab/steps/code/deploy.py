@@ -183,13 +183,39 @@ def worker_command(*, dir: str, source: str, commit: str, fetch_ref: str | None,
     return args
 
 
+def deploy_checkout(pod, *, cwd: Path | str | None = None, ref: str = "HEAD",
+                    remote: str = "origin", dir: str | None = None, direct: bool = False,
+                    wip: bool = False, progress: Callable[[str], None] | None = None,
+                    sink=None, lease: bool = True,
+                    timeout: float | None = None) -> DeployReport:
+    """The one way tpufab deploys (`tpufab deploy` and ``Pod.deploy``, the start of `run`,
+    babysit's first attempt and its restores, launch's deploy step, `ray submit`): the
+    repository at ``cwd`` (default: here) checked before ``pod`` connects (a dirty tree, an
+    unknown ref, a missing remote: one sentence), the HTTPS token for a private remote read
+    here, once, from ``TPUFAB_GIT_TOKEN``, then ``deploy`` on ``pod.fanout`` (``lease``,
+    ``timeout``: as there)."""
+    import os
+
+    root = gitops.repo_root(Path(cwd) if cwd else None)
+    if not wip:
+        gitops.refuse_dirty(root)
+        gitops.resolve(root, ref)
+    if not direct:
+        gitops.remote_url(root, remote)
+    token = os.environ.get(TOKEN_ENV)
+    return deploy(pod.fanout, ref=ref, remote=remote, dir=dir, direct=direct, wip=wip,
+                  cwd=root, token=Secret(token) if token else None, progress=progress,
+                  sink=sink, lease=lease, timeout=timeout)
+
+
 def deploy(fanout: Workers, *, ref: str = "HEAD", remote: str = "origin", dir: str | None = None,
            direct: bool = False, wip: bool = False, cwd: Path | str | None = None,
            worker_url: str | None = None, token: str | Secret | None = None,
            progress: Callable[[str], None] | None = None, sink=None,
            lease: bool = True, timeout: float | None = None) -> DeployReport:
     """Deploy ``ref`` (or a ``wip`` snapshot) of the repository at ``cwd`` to every worker of
-    ``fanout`` and verify they all report the same commit.
+    ``fanout`` and verify they all report the same commit (tpufab itself deploys through
+    ``deploy_checkout``, which reads the token).
 
     ``lease``: hold the pod's code lease (``codelock``) from the push to the verification,
     and refuse while a live run reads the target checkout; pass False when the caller holds

@@ -446,48 +446,6 @@ def judge_collective(answers: Mapping[int, dict | None], ended: Mapping[int, str
         "slowest_host": slowest, "slowest_host_lead_ms": waited})
 
 
-class _Collect:
-    """A view for jobs.FollowSink that keeps each worker's output."""
-
-    def __init__(self) -> None:
-        self.out: dict[int, list[bytes]] = {}
-
-    def lines(self, worker: int, stream: str, data: bytes) -> None:
-        if stream == "stdout":
-            self.out.setdefault(worker, []).append(data)
-
-    def done(self, result: Any) -> None:
-        pass
-
-    def text(self, worker: int) -> str:
-        return b"".join(self.out.get(worker, [])).decode("utf-8", "replace")
-
-
-def run_collective(hosts: Any, promise: Promise, *, timeout: float) -> Result:
-    """Start the collective on every worker (tpufab's run machinery), wait, judge it."""
-    from tpufab.ssh.remote_files import RemoteFile
-    from tpufab.steps.runs import running as jobs
-    from tpufab.steps.runs.env import Forwarded
-
-    bundled = RemoteFile.bundled(COLLECTIVE)
-    program = RemoteFile(bundled.name, bundled.data, 0o755)
-    plan = jobs.plan_run(program, slices=hosts.slices, ips=hosts.internal_ips(),
-                         args=collective_args(promise, timeout=timeout),
-                         forwarded=Forwarded({"TPUFAB_INIT_TIMEOUT": f"{int(timeout)}"}, {}),
-                         tpu=jobs.slice_facts(hosts.nodes))
-    try:
-        jobs.start(hosts.fanout, plan)
-    except jobs.RunError as err:
-        return Result("collective", "could not start", [Problem(
-            "collective", (), f"the collective could not start: {err}",
-            "see `tpufab status`")], data={"run": plan.run_id})
-    view = _Collect()
-    states = jobs.follow(hosts.fanout, plan.run_id, plan.workers, jobs.FollowSink(view))
-    answers = {w: parse_collective(view.text(w)) for w in plan.workers}
-    ended = {w: s.label for w, s in states.items()}
-    return judge_collective(answers, ended, promise, plan.run_id)
-
-
 # ---------------------------------------------------------------------------------------------
 # The whole check
 
@@ -514,10 +472,12 @@ def live_runs(facts: Mapping[int, StatusRow]) -> list[tuple[str, str | None, str
 
 def run_check(settings: Any, pod: Any, *, quick: bool = False, timeout: float | None = None,
               compare_commits: bool = True, deploy_dirs: Sequence[str] | None = None,
-              progress: Any = None) -> CheckReport:
+              progress: Any = None, collective: Any = None) -> CheckReport:
     """The quick checks in one fan-out, then (unless ``quick`` or they failed) the
-    collective. Beside a live run the collective is refused (CodeBusy, one sentence), or
-    with ``quick`` named as skipped because of it."""
+    collective: ``collective(pod, promise, timeout=)``, a job started the one way every job
+    starts (``tpufab.steps.start.collective.run_collective``, given by the caller: starting
+    a job is a band above this one). Beside a live run the collective is refused (CodeBusy,
+    one sentence), or with ``quick`` named as skipped because of it."""
     from tpufab.steps.health import status
 
     timeout = timeout_for("check", timeout)
@@ -553,7 +513,7 @@ def run_check(settings: Any, pod: Any, *, quick: bool = False, timeout: float | 
         else:
             if progress is not None:
                 progress("Running a collective on every worker ...")
-            report.rows.append(run_collective(pod, promise_of(pod.nodes), timeout=timeout))
+            report.rows.append(collective(pod, promise_of(pod.nodes), timeout=timeout))
     report.seconds = time.monotonic() - started
     report.summary = summary(report)
     return report

@@ -363,35 +363,6 @@ def down(pod, *, grace: float = 10.0, timeout: float | None = None) -> RayDown:
 # -- submit ---------------------------------------------------------------------------------
 
 
-def _deploy(pod, settings, *, no_deploy: bool, direct: bool, timeout: float,
-            progress: Progress) -> str | None:
-    """Deploy the commit as `tpufab run` does (under the code lease); the directory the job
-    starts in."""
-    from tpufab.steps.code import codelock, deploy, gitops
-
-    if no_deploy:
-        if direct:
-            raise ConfigError("--no-deploy skips deploy, while --direct says how to deploy: "
-                              "give one or the other.")
-        return deploy.default_cwd(settings.remote_dir)
-    try:
-        root = gitops.repo_root()
-    except gitops.GitError:
-        raise ConfigError(f"{Path.cwd()} is not inside a git repository, so there is nothing "
-                          "to deploy: run from your project's checkout, or pass --no-deploy.") \
-            from None
-    if not direct and not gitops.has_remote(root, "origin"):
-        progress("This repository has no git remote yet: deploying over SSH (--direct).")
-        direct = True
-    with codelock.hold(pod.fanout, pod.workers, purpose="ray submit", timeout=timeout):
-        report = deploy.deploy(pod.fanout, dir=settings.remote_dir, direct=direct, cwd=root,
-                               progress=lambda msg: progress(f"deploy: {msg}", "dim"),
-                               lease=False, timeout=timeout)
-    progress(f"Deployed {report.commit[:12]} to {report.dir} on {nodeset.fold(pod.workers)} "
-             f"({report.seconds:.1f} s).")
-    return report.dir
-
-
 def _shell_dir(path: str) -> str:
     """A worker directory for the job's shell: ``~/x`` and relative ones under $HOME."""
     if path.startswith("/"):
@@ -503,7 +474,9 @@ def submit(pod, settings, recipe, args: Sequence[str] = (), *,
            job_id: str | None = None, cancel: threading.Event | None = None,
            forwarded=None) -> Submitted:
     """Deploy, submit ``recipe`` through Ray's Job API (forwarded to the head's 127.0.0.1),
-    print its logs as they come (``out(line)``, secrets masked) and return how it ended.
+    print its logs as they come (``out(line)``, secrets masked) and return how it ended. The
+    deploy and the submission are the one start path's (``starting.start_job``: under the
+    pod's code lease, refused beside a running run); following the job comes after.
 
     For babysit: ``cwd`` (the commit is deployed there already: no deploy), ``extra_env``
     (more public variables), ``job_id`` (the submission id), ``cancel`` (set: ask Ray to stop
@@ -514,10 +487,14 @@ def submit(pod, settings, recipe, args: Sequence[str] = (), *,
 
     from tpufab.ssh import forward as forwarding
     from tpufab.ssh.remote_files import RemoteFile, put_each, ship
+    from tpufab.steps.code.deploy import default_cwd
     from tpufab.steps.runs.env import forwarded_for
-    from tpufab.steps.start.starting import check_recipe
+    from tpufab.steps.start.starting import check_recipe, deploy_ask, start_job
 
     timeout = timeout_for("ray submit", timeout)
+    if no_deploy and direct:
+        raise ConfigError("--no-deploy skips deploy, while --direct says how to deploy: give "
+                          "one or the other.")
     if isinstance(recipe, RemoteFile):
         path, script = Path(recipe.path), recipe
     else:
@@ -530,26 +507,12 @@ def submit(pod, settings, recipe, args: Sequence[str] = (), *,
     state = _run(pod, ["state"], [head], timeout)[head]
     if not state.get("head"):
         raise RayError(f"Ray is not running on {pod.name}: start it with `tpufab ray up`.")
-    if cwd is None:
-        cwd = _deploy(pod, settings, no_deploy=no_deploy, direct=direct, timeout=timeout,
-                      progress=progress)
-    masktee = RemoteFile.bundled("masktee.py")
-    failed = ship(pod.fanout, [script, masktee], [head])
-    if failed:
-        raise RayError(f"Could not put {path.name} on {nodeset.label(head)}.")
+    ask = None
+    if cwd is None and not no_deploy:
+        ask = deploy_ask(settings, direct=direct, what=path.name, progress=progress)
     token = _token(pod, head, timeout)
     job = job_id or f"tpufab-{time.strftime('%Y%m%d-%H%M%S')}-{tokens.token_hex(3)}"
     secret_values = {k: str(v) for k, v in forwarded.secrets.items()}
-    secrets_file = None
-    if secret_values:
-        secrets_file = f".cache/tpufab/ray/{job}.env"
-        body = "".join(f"{k}={shlex.quote(v)}\n" for k, v in secret_values.items()).encode()
-        puts = put_each(pod.fanout, {head: body}, secrets_file, mode=0o600)
-        if not puts[head].ok:
-            raise RayError(f"Could not put the job's secrets on {nodeset.label(head)}.")
-    command = entrypoint(script.path, is_python=path.suffix == ".py", args=list(args), cwd=cwd,
-                         secrets_file=secrets_file, secret_names=sorted(secret_values),
-                         masktee=masktee.path, masktee_sha256=masktee.sha256)
     masks = sorted((v for v in secret_values.values() if v), key=len, reverse=True)
 
     def masked(text: str) -> str:
@@ -557,17 +520,44 @@ def submit(pod, settings, recipe, args: Sequence[str] = (), *,
             text = text.replace(value, "***")
         return text
 
+    def begin(report) -> tuple[object, JobApi, str, float]:
+        """Under the lease: the recipe and the secrets on the head, the job submitted."""
+        where = cwd if cwd is not None else report.dir if report is not None else \
+            default_cwd(settings.remote_dir)
+        masktee = RemoteFile.bundled("masktee.py")
+        failed = ship(pod.fanout, [script, masktee], [head])
+        if failed:
+            raise RayError(f"Could not put {path.name} on {nodeset.label(head)}.")
+        secrets_file = None
+        if secret_values:
+            secrets_file = f".cache/tpufab/ray/{job}.env"
+            body = "".join(f"{k}={shlex.quote(v)}\n" for k, v in secret_values.items()).encode()
+            puts = put_each(pod.fanout, {head: body}, secrets_file, mode=0o600)
+            if not puts[head].ok:
+                raise RayError(f"Could not put the job's secrets on {nodeset.label(head)}.")
+        command = entrypoint(script.path, is_python=path.suffix == ".py", args=list(args),
+                             cwd=where, secrets_file=secrets_file,
+                             secret_names=sorted(secret_values), masktee=masktee.path,
+                             masktee_sha256=masktee.sha256)
+        tunnel = forwarding.forward(pod.fanout, [forwarding.PortForward(0, DASHBOARD_PORT)],
+                                    worker=head)
+        try:
+            port = tunnel.listeners[0][1].getsockname()[1]
+            api = JobApi(f"http://127.0.0.1:{port}", token)
+            public = {**{k: str(v) for k, v in forwarded.public.items()}, **(extra_env or {})}
+            began = time.monotonic()
+            submitted = api.submit(command, job, public)
+        except BaseException:
+            tunnel.close()
+            raise
+        progress(f"Ray job {submitted} submitted on {pod.name} ({path.name}"
+                 f"{', in ' + where if where else ''}); following its logs.")
+        return tunnel, api, submitted, began
+
     emit = out or print
-    tunnel = forwarding.forward(pod.fanout, [forwarding.PortForward(0, DASHBOARD_PORT)],
-                                worker=head)
+    tunnel, api, job, began = start_job(pod, begin, verb="ray submit", what=path.name,
+                                        deploy=ask, timeout=timeout, progress=progress)
     try:
-        port = tunnel.listeners[0][1].getsockname()[1]
-        api = JobApi(f"http://127.0.0.1:{port}", token)
-        began = time.monotonic()
-        public = {**{k: str(v) for k, v in forwarded.public.items()}, **(extra_env or {})}
-        job = api.submit(command, job, public)
-        progress(f"Ray job {job} submitted on {pod.name} ({path.name}"
-                 f"{', in ' + cwd if cwd else ''}); following its logs.")
         shown, partial = 0, ""
         try:
             while True:

@@ -1,7 +1,10 @@
 """The stall watchdog of a followed run (`tpufab run --stall DURATION`, `launch`, `babysit`).
 
 Progress is a new output line from any worker: the follower's view is wrapped
-(:class:`StallWatch`), every line that reaches it resets the clock. With a progress file
+(:class:`StallWatch`), every line that reaches it resets the clock, and a silence is judged
+only after asking the workers when they last wrote (:class:`LastOutput`): lines still on their
+way are no silence (a client stopped by Ctrl-Z, then ``fg``, or by a debugger, finds its
+followers' output waiting, and would otherwise judge before reading it). With a progress file
 (``--stall-progress-file PATH``, :class:`ProgressFile`) progress is instead that file's mtime
 advancing on any worker, read with one ``stat`` fan-out every few seconds over the open
 connections. When no progress comes for DURATION, the watchdog takes every worker's stacks
@@ -9,7 +12,7 @@ connections. When no progress comes for DURATION, the watchdog takes every worke
 summary (the odd workers first) on stderr and then acts: ``wait`` (the default) says so and
 keeps following (it fires again only after new progress and another DURATION without),
 ``kill`` stops the run everywhere and the follow ends with the verdict (:class:`StallError`,
-exit status 124, as ``timeout``'s). ``restart`` is babysit's (flows/babysit.py): it stops the
+exit status 124, as ``timeout``'s). ``restart`` is babysit's (flows/babysit/): it stops the
 attempt and starts the next one.
 """
 
@@ -22,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tpufab import nodeset
-from tpufab.config import timeout_for
+from tpufab.config import TIMEOUTS, timeout_for
 from tpufab.durations import human_duration, parse_duration
 from tpufab.errors import ConfigError, TpufabError, shown
 
@@ -123,18 +126,46 @@ class ProgressFile:
         return f"the progress file {self.path}"
 
 
+class LastOutput:
+    """When one run's workers last wrote output: ``age()`` asks them (``run_worker.py status
+    --run``, one fan-out) and answers the seconds since the youngest of their logs grew, on
+    their own clocks (None: no worker could say)."""
+
+    def __init__(self, fanout, run_id: str, workers: Sequence[int], *,
+                 timeout: float = TIMEOUTS["run --stall: last output"].seconds):
+        self.fanout = fanout
+        self.run_id = run_id
+        self.workers = list(workers)
+        self.timeout = timeout
+
+    def age(self) -> float | None:
+        from tpufab.steps.runs.running import statuses
+
+        ages = [entry["log_age"] for answer in statuses(
+                    self.fanout, self.workers, timeout=self.timeout, runs=[self.run_id]).values()
+                for entry in answer.runs
+                if entry.get("run") == self.run_id and isinstance(entry.get("log_age"),
+                                                                   (int, float))]
+        return min(ages, default=None)
+
+
 class StallWatch:
     """A view (``lines``/``done``/``close``) that passes everything to ``view`` and calls
     ``on_stall(silence_seconds)`` from its own thread when no progress came for ``seconds``:
     once per silence. Progress is a new line, or with ``progress`` (a :class:`ProgressFile`)
-    only that file's mtime advancing on some worker (read every ``progress_probe_every``)."""
+    only that file's mtime advancing on some worker (read every ``progress_probe_every``).
+    With ``last_output`` (a :class:`LastOutput`), a silence of lines is judged only once the
+    workers say they wrote nothing for ``seconds`` either: a worker that wrote since means its
+    lines are on their way (the client was paused, or starved), and the clock restarts from
+    the moment it wrote."""
 
     def __init__(self, view, seconds: float, on_stall: Callable[[float], None],
-                 progress: ProgressFile | None = None):
+                 progress: ProgressFile | None = None, last_output: LastOutput | None = None):
         self.view = view
         self.seconds = seconds
         self.on_stall = on_stall
         self.progress = progress
+        self.last_output = last_output
         self.probe_every = progress_probe_every(seconds)
         self.last = time.monotonic()
         self.fired = False
@@ -178,13 +209,27 @@ class StallWatch:
                 if self._stop.is_set():
                     break
             silence = time.monotonic() - self.last
-            if silence >= self.seconds and not self.fired:
+            if silence >= self.seconds and not self.fired and self._silent_there():
                 self.fired = True
                 self.stalls += 1
                 try:
                     self.on_stall(silence)
                 except Exception as err:  # noqa: BLE001 - the follow goes on; say why
                     self._say(f"The stall watchdog could not take stacks: {err}")
+
+    def _silent_there(self) -> bool:
+        """The workers wrote nothing for ``seconds`` either (or cannot say); else the clock
+        restarts from when one of them last wrote."""
+        if self.progress is not None or self.last_output is None:
+            return True
+        try:
+            age = self.last_output.age()
+        except Exception:  # noqa: BLE001 - no answer: the silence seen here decides
+            return True
+        if age is None or age >= self.seconds:
+            return True
+        self.last = max(self.last, time.monotonic() - age)
+        return False
 
     def _say(self, text: str) -> None:
         import sys

@@ -1,24 +1,48 @@
-"""Starting a run on a pod: the one path `tpufab run` and `Pod.start` share.
+"""Starting a job on a pod: the one path every job takes (`tpufab run` and `Pod.start`,
+babysit's attempts, launch's run, `ray submit`, check's collective).
 
-Checks first (the recipe, the flags that do not go together, the environment to forward),
-then, on a pod: the quick checks if asked, the code lease (one writer for the code and one
-job at a time), the refusal of a second run, deploy, the plan, the start on every worker at
-once; with ``wait_port``, the wait for that port on worker 0. ``--local`` runs the recipe as
-processes on this machine instead (``jobs.localrun``). Following the run afterwards is the
-caller's (the verb's live view, or ``Run.wait``).
+``start_job`` is that path: under the pod's code lease (one writer for the code, one job at a
+time) a running run is refused in one sentence, the commit is deployed if asked (through the
+one deploy call, ``tpufab.steps.code.deploy.deploy_checkout``, which reads the HTTPS token),
+and the job is started: ``start_plan`` starts a run's plan on every worker at once, a Ray job
+is submitted to Ray's Job API (``raycluster.submit``). Following the job is the caller's,
+once the lease is released (the verb's live view, or ``Run.wait``).
+
+`run`'s own part (``start_run``) comes first: the checks that need no pod (the recipe, the
+flags that do not go together, the environment to forward), the quick checks if asked; with
+``wait_port``, the wait for that port on worker 0 afterwards. ``--local`` runs the recipe as
+processes on this machine instead (``localrun``).
 """
 
 from __future__ import annotations
 
+import json
 import shlex
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 from tpufab import nodeset
 from tpufab.config import TIMEOUTS
 from tpufab.errors import ConfigError, TpufabError, shown
-from tpufab.steps.runs.running import RunError, RunPlan
+from tpufab.quoting import mask
+from tpufab.ssh.remote_files import read_answer, run_script, run_with_files
+from tpufab.steps.runs.running import (
+    RunError,
+    failure_reason,
+    launch_file,
+    open_workers,
+    statuses,
+    stop_command,
+)
+from tpufab.steps.start.plan import RunPlan, start_command
+
+if TYPE_CHECKING:
+    from tpufab.steps.code.codelock import Lease
+    from tpufab.steps.code.deploy import DeployReport
 
 # seconds per step before the recipe starts (deploy, start); following the logs afterwards
 # has no limit: a training run may last days; and --wait-port's wait (tpufab.config.TIMEOUTS)
@@ -81,7 +105,7 @@ class Started:
 
 def started_notes(plan: RunPlan, started: Mapping[int, dict]) -> list[tuple[str, str | None]]:
     """What `tpufab run` says once the run started: (text, style) lines."""
-    from tpufab.steps.runs.running import environment_summary
+    from tpufab.steps.start.plan import environment_summary
 
     workers = plan.workers
     first = started[workers[0]]
@@ -154,38 +178,104 @@ def start_run(pod, settings, recipe: str | Path, *, args: str | Sequence[str] = 
     if workers is not None:
         raise ConfigError("--workers N goes with --local (N processes on this machine); on a "
                           "pod the recipe runs on every worker.")
-    root = None
-    if not no_deploy:
-        from tpufab.steps.code import gitops
-
-        try:
-            root = gitops.repo_root()
-        except gitops.GitError:
-            raise ConfigError(f"{Path.cwd()} is not inside a git repository, so there is "
-                              "nothing to deploy: run from your project's checkout, or pass "
-                              f"--no-deploy to run {path.name} in the workers' home "
-                              "directories.") from None
-        if not direct and not wip and not gitops.has_remote(root, "origin"):
-            say("This repository has no git remote yet: deploying over SSH (--direct).")
-            direct = True
-    from tpufab.steps.code import codelock
-
+    ask = deploy_ask(settings, direct=direct, wip=wip, what=path.name, progress=say) \
+        if not no_deploy else None
     if check:
         preflight(pod, settings, compare_commits=no_deploy, progress=say)
-    fanout = pod.fanout
-    # One writer for the code and one job at a time: from the check for a live run until
-    # the recipe has started, no other tpufab deploys or starts a run on this pod.
-    with codelock.hold(fanout, pod.workers, purpose=f"run {path.name}",
-                       timeout=timeout) as lease:
-        codelock.refuse_a_second_run(fanout, pod.workers, lease, timeout=timeout)
-        plan = plan_run(pod, settings, path, argv, forwarded, spmd, root=root, direct=direct,
-                        wip=wip, progress=say, timeout=timeout)
-        started = start_plan(pod, plan, timeout=timeout)
+
+    def begin(report: DeployReport | None) -> tuple[RunPlan, dict[int, dict]]:
+        plan = plan_for(pod, settings, path, argv, forwarded, spmd, report=report,
+                        root=ask.root if ask else None)
+        return plan, start_plan(pod, plan, timeout=timeout)
+
+    plan, started = start_job(pod, begin, verb="run", what=path.name, deploy=ask,
+                              timeout=timeout, progress=say)
     for text, style in started_notes(plan, started):
         say(text, style)
     if wait_port is not None:
         wait_for_port(pod, plan, int(wait_port), wait_timeout, progress=say)
     return Started(plan, started)
+
+
+@dataclass(frozen=True)
+class DeployAsk:
+    """What a job's start deploys first: the checkout at ``root``'s ``ref`` into ``dir`` (None:
+    ``~/<repository name>``), over SSH with ``direct``, uncommitted work with ``wip``."""
+
+    root: Path
+    dir: str | None = None
+    direct: bool = False
+    wip: bool = False
+    ref: str = "HEAD"
+
+
+def deploy_ask(settings, *, direct: bool = False, wip: bool = False, what: str,
+               progress: Progress = _silent) -> DeployAsk:
+    """What `run` (babysit, `ray submit`) deploys from here: this checkout (ConfigError in one
+    sentence outside one), over SSH when it has no remote yet (said)."""
+    from tpufab.steps.code import gitops
+
+    try:
+        root = gitops.repo_root()
+    except gitops.GitError:
+        raise ConfigError(f"{Path.cwd()} is not inside a git repository, so there is "
+                          "nothing to deploy: run from your project's checkout, or pass "
+                          f"--no-deploy to run {what} in the workers' home "
+                          "directories.") from None
+    if not direct and not wip and not gitops.has_remote(root, "origin"):
+        progress("This repository has no git remote yet: deploying over SSH (--direct).")
+        direct = True
+    return DeployAsk(root, settings.remote_dir, direct, wip)
+
+
+T = TypeVar("T")
+
+
+@contextmanager
+def job_lease(pod, *, verb: str, what: str, timeout: float | None = None) -> Iterator[Lease]:
+    """What every job's start holds (``start_job``, and a deploy made to start one: babysit's
+    first, launch's): the pod's code lease (one writer for the code, one job at a time: until
+    the block ends, no other tpufab deploys or starts a job there) with a running run refused
+    (CodeBusy, one sentence naming it and saying to ``verb`` again) and a worker the lease could
+    not reach refused (RunError), before anything starts. ``what`` names the job in the lease
+    (``run train.sh``) and in those sentences."""
+    from tpufab.steps.code import codelock
+
+    fanout = pod.fanout
+    with codelock.hold(fanout, pod.workers, purpose=f"{verb} {what}", verb=verb,
+                       timeout=timeout) as lease:
+        codelock.refuse_a_second_run(fanout, pod.workers, lease, verb=verb, timeout=timeout)
+        yield lease
+
+
+def start_job(pod, begin: Callable[[DeployReport | None], T], *, verb: str, what: str,
+              deploy: DeployAsk | None = None, timeout: float | None = None,
+              progress: Progress = _silent) -> T:
+    """The one way a job starts on ``pod`` (run, babysit, launch, ray submit, check's
+    collective): under ``job_lease``, ``deploy`` deployed (if given), then ``begin(report)``
+    (the deploy's report, None without one) starts the job: ``start_plan`` for a run, a Ray
+    submission; its answer is returned. Following the job is the caller's, once the lease is
+    released."""
+    with job_lease(pod, verb=verb, what=what, timeout=timeout):
+        report = None if deploy is None else deploy_for_job(pod, deploy, timeout=timeout,
+                                                            progress=progress)
+        return begin(report)
+
+
+def deploy_for_job(pod, ask: DeployAsk, *, timeout: float | None = None,
+                   progress: Progress = _silent) -> DeployReport:
+    """Deploy ``ask`` under the lease the caller holds (``start_job``), and say so."""
+    from tpufab.steps.code import deploy
+
+    report = deploy.deploy_checkout(pod, cwd=ask.root, ref=ask.ref, dir=ask.dir,
+                                    direct=ask.direct, wip=ask.wip, lease=False,
+                                    timeout=timeout,
+                                    progress=lambda msg: progress(f"deploy: {msg}", "dim"))
+    changed = [r.worker for r in report.rows if r.changed]
+    how = f"updated {nodeset.fold(changed)}" if changed else "already there"
+    progress(f"Deployed {report.commit[:12]} to {report.dir} on {nodeset.fold(pod.workers)} "
+             f"({how}, {report.seconds:.1f} s).")
+    return report
 
 
 def preflight(pod, settings, *, compare_commits: bool, progress: Progress = _silent) -> None:
@@ -203,33 +293,23 @@ def preflight(pod, settings, *, compare_commits: bool, progress: Progress = _sil
         f"{report.name}.", details="\n".join(p.line() for p in report.problems))
 
 
-def plan_run(pod, settings, path: Path, argv, forwarded, spmd, *, root, direct, wip,
-             progress: Progress = _silent, timeout: float | None = None) -> RunPlan:
-    """Deploy (unless ``root`` is None: --no-deploy) under the lease the caller holds, then
-    plan the run."""
-    from tpufab.ssh.remote_files import RemoteFile
-    from tpufab.steps.code import deploy
-    from tpufab.steps.runs import running as jobs
-
-    workers = pod.workers
-    commit = cwd = None
-    if root is not None:
-        report = deploy.deploy(pod.fanout, dir=settings.remote_dir, direct=direct, wip=wip,
-                               cwd=root, progress=lambda msg: progress(f"deploy: {msg}", "dim"),
-                               lease=False, timeout=timeout)  # run holds the lease already
-        commit, cwd = report.commit, report.dir
-        changed = [r.worker for r in report.rows if r.changed]
-        how = f"updated {nodeset.fold(changed)}" if changed else "already there"
-        progress(f"Deployed {commit[:12]} to {cwd} on {nodeset.fold(workers)} ({how}, "
-                 f"{report.seconds:.1f} s).")
-    else:
-        from tpufab.steps.code.deploy import default_cwd
-        cwd = default_cwd(settings.remote_dir)
-    planned = jobs.plan_run(RemoteFile.from_path(path), slices=pod.slices,
-                            ips=pod.internal_ips(), args=argv, cwd=cwd, commit=commit,
-                            forwarded=forwarded, spmd=spmd, tpu=jobs.slice_facts(pod.nodes))
+def plan_for(pod, settings, path: Path, argv, forwarded, spmd, *,
+             report: DeployReport | None, root: Path | None) -> RunPlan:
+    """The run's plan on ``pod``, in the checkout ``report`` deployed (None: --no-deploy, the
+    deploy directory of this checkout, if any)."""
     from dataclasses import replace
 
+    from tpufab.ssh.remote_files import RemoteFile
+    from tpufab.steps.code.deploy import default_cwd
+    from tpufab.steps.start import plan
+
+    if report is not None:
+        commit, cwd = report.commit, report.dir
+    else:
+        commit, cwd = None, default_cwd(settings.remote_dir)
+    planned = plan.plan_run(RemoteFile.from_path(path), slices=pod.slices,
+                            ips=pod.internal_ips(), args=argv, cwd=cwd, commit=commit,
+                            forwarded=forwarded, spmd=spmd, tpu=plan.slice_facts(pod.nodes))
     return replace(planned, in_checkout=checkout_path(path, root, cwd))
 
 
@@ -272,13 +352,60 @@ def shipped_note(plan: RunPlan, started: Mapping[int, dict]) -> str | None:
             "checkout it expects first).")
 
 
+def start_on_workers(fanout, plan: RunPlan, *,
+                     timeout: float | None = None) -> dict[int, dict]:
+    """Start ``plan`` on every one of its workers at once; ``{worker: run_worker.py's report}``.
+
+    All or nothing: if any worker cannot start it, it is stopped on the others (a job that
+    waits for a missing peer would only hang) and RunError names the workers and why.
+    ``timeout``: seconds each worker's start may take (None: the fan-out's). Only under the
+    lease ``start_job`` holds (``start_plan``).
+    """
+    from tpufab.ssh.remote_files import put_each
+
+    workers = plan.workers
+    open_workers(fanout, workers, f"start run {plan.run_id}")
+    contents = {w: json.dumps(plan.environments[w].public).encode() for w in workers}
+    puts = put_each(fanout, contents, plan.env_file(), mode=0o600)
+    failed = {w: r.outcome for w, r in puts.items() if not r.ok}
+    started: dict[int, dict] = {}
+    if not failed:
+        secrets = plan.secrets
+        stdin = json.dumps(secrets).encode() if secrets else None
+        results = run_with_files(fanout, [launch_file(), plan.recipe], start_command(plan),
+                                 workers, stdin=stdin, timeout=timeout)
+        for w, r in results.items():
+            data = read_answer(r.stdout) if r.ok else None
+            if data and data.get("pid"):
+                started[w] = data
+            else:
+                failed[w] = failure_reason(r)
+    if failed:
+        if started:
+            fanout.run(stop_command(plan.run_id, 2.0), workers=sorted(started), timeout=timeout)
+        # where the env file was written and the start failed (a worker whose put failed
+        # has none, and may not answer: asking it again would cost its timeout again)
+        leftover = [w for w in workers if w not in started and puts[w].ok]
+        fanout.run(["rm", "-f", plan.env_file()], workers=leftover, timeout=timeout)
+        reasons = {}
+        for w, why in failed.items():
+            reasons.setdefault(why, []).append(w)
+        detail = mask("; ".join(f"{nodeset.fold(ws)}: {why}" for why, ws in reasons.items()),
+                      plan.secrets)
+        tail = (f" It was stopped on {nodeset.fold(started)} so no worker waits for a missing "
+                "peer." if started else "")
+        raise RunError(f"Run {plan.run_id} could not start on {nodeset.fold(failed)} "
+                       f"({detail}).{tail}")
+    return started
+
+
 def start_plan(pod, plan: RunPlan, *, timeout: float | None = None) -> dict[int, dict]:
     """Start ``plan`` everywhere; Ctrl-C while starting stops it again, in one sentence."""
     from tpufab.ssh.results import FanoutInterrupted
     from tpufab.steps.runs import running as jobs
 
     try:
-        return jobs.start(pod.fanout, plan, timeout=timeout)
+        return start_on_workers(pod.fanout, plan, timeout=timeout)
     except FanoutInterrupted:
         jobs.stop(pod.fanout, plan.run_id, plan.workers, grace=2.0)
         raise TpufabError(f"Interrupted while starting run {plan.run_id}; stopped it on "
@@ -294,6 +421,53 @@ class PortNeverAnswered(RunError):
         self.tails = dict(tails)
 
 
+# what each command of wait_port's rounds may take (to connect, and to run) past the time left:
+# near the end a status only picks the sentence (the port did not answer either way), so a
+# slow answer there costs nothing but a worse reason
+ROUND_SLACK = 5.0
+
+
+def wait_port(fanout, run_id: str, port: int, *, worker: int = 0, timeout: float = WAIT_TIMEOUT,
+              probe: float = 5.0, slack: float = ROUND_SLACK) -> tuple[bool, str]:
+    """Wait (at most ``timeout`` s) until ``port`` answers on ``worker`` while the run lives.
+
+    Each round asks the worker to try for up to ``probe`` s (``remote/ports.py``), then checks
+    that the run is still running there. Connecting may take what is left of ``timeout`` plus
+    ``slack``, and each command as long (the probe: ``probe`` at most, plus ``slack``); the
+    fan-out gives up on a worker that stops answering at those two plus 4 s. So a worker that
+    freezes mid-round ends the wait at most ``probe + 4 * slack + 8`` s (33 s by default)
+    past ``timeout``, not never. Returns ``(True, "after N s")`` or ``(False, why)``.
+    """
+    began = time.monotonic()
+
+    def left() -> float:
+        return timeout - (time.monotonic() - began)
+
+    def within(run: float):
+        """``fanout`` with the command bounded by ``run`` s, and connecting by what is left of
+        the wait (a loaded worker may be slow to let us in while there is time) plus slack."""
+        return fanout.bound(connect_timeout=min(fanout.connect_timeout, max(0.0, left()) + slack),
+                           command_timeout=run)
+
+    while True:
+        trying = max(0.1, min(probe, left()))
+        result = run_script(within(trying + slack), "ports.py", ["wait", int(port), trying],
+                            [worker])[worker]
+        answer = read_answer(result.stdout) if result.ok else None
+        if answer and answer.get("open"):
+            return True, f"after {time.monotonic() - began:.1f} s"
+        why = (answer or {}).get("error") or failure_reason(result)
+        state = statuses(within(max(0.0, left()) + slack), [worker])[worker]
+        entry = next((e for e in state.runs if e.get("run") == run_id), None)
+        if entry is not None and entry.get("state") != "running":
+            return False, f"the run ended on {nodeset.label(worker)} ({entry.get('state')}" + (
+                f", exit {entry['exit_code']}" if entry.get("exit_code") is not None else "") \
+                + f") before port {port} answered"
+        if left() <= 0:
+            return False, f"port {port} did not answer on {nodeset.label(worker)} within " \
+                          f"{timeout:g} s ({why})"
+
+
 def wait_for_port(pod, plan: RunPlan, port: int, timeout: float, *,
                   progress: Progress = _silent) -> str:
     """Until ``port`` answers on the run's first worker (the run goes on): how long it took;
@@ -306,7 +480,7 @@ def wait_for_port(pod, plan: RunPlan, port: int, timeout: float, *,
     worker = plan.workers[0]
     progress(f"Waiting (up to {timeout:g} s) for port {port} to answer on w{worker}...", "dim")
     try:
-        ok, how = jobs.wait_port(pod.fanout, plan.run_id, port, worker=worker, timeout=timeout)
+        ok, how = wait_port(pod.fanout, plan.run_id, port, worker=worker, timeout=timeout)
     except KeyboardInterrupt:
         raise TpufabError(f"Stopped waiting for port {port}; run {plan.run_id} goes on (stop "
                           f"it with `tpufab kill --run {plan.run_id}`).", exit_code=130) from None
