@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from tpufab import nodeset
+from tpufab.term.commands import short_command
 from tpufab.term.terminal import neutralise_text, relative_path
 
 if TYPE_CHECKING:
@@ -22,7 +23,7 @@ MARK = "<-- differs"
 
 
 def _short(command: str, width: int = 70) -> str:
-    return command if len(command) <= width else command[:width - 3] + "..."
+    return short_command(command, width)
 
 
 def render(entries: Sequence[Folded], odd: Sequence[int], *, total: int) -> list[str]:

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from tpufab import nodeset
 from tpufab.errors import ConfigError
 from tpufab.reports import Report
+from tpufab.term.commands import short_command
 
 SCRIPT = "top_worker.py"
 IDLE_BELOW = 10.0        # % of ONE core: below it a worker is idle (robust on a busy host)
@@ -67,7 +68,7 @@ class WorkerLoad:
         """The busiest process when the worker is not idle ("" otherwise)."""
         if self.core_percent < IDLE_BELOW or not self.busiest:
             return ""
-        return str(self.busiest[0].get("command") or "?")
+        return short_command(str(self.busiest[0].get("command") or "?"))
 
     @property
     def tpu_text(self) -> str:
