@@ -49,6 +49,7 @@ class BackingNodes:
             node_in["acceleratorConfig"] = {"type": topo.generation.upper(),
                                             "topology": accelerator_topology}
         self.machines.check_capacity([topo])
+        self._set_aside(name)
         _, node = self.machines.new_node(name, node_in, "v2", topo=topo)
         failure = store.take_create_failure(name, topo)
         store.nodes[name] = {"node": node, "sim": self.machines.sim_fields(
@@ -56,6 +57,21 @@ class BackingNodes:
         store.save()
         store.spawn(self.machines.bring_up, name, store.settings.create_delay)
         return failure
+
+    def _set_aside(self, name: str) -> None:
+        """A record of this name still being deleted (a MIG resized to 0, then up again at
+        once) moves to a name of its own, so its teardown still finds it and its addresses
+        stay taken until its workers are gone: the new record gets others, and nothing is
+        left listening (caller holds the lock)."""
+        store = self.store
+        old = store.nodes.get(name)
+        if old is None:
+            return
+        if old["node"]["state"] != "DELETING":
+            raise ApiFailure("ALREADY_EXISTS", f"Resource '{name}' already exists")
+        aside = f"{name}~{old['node']['id']}"
+        store.nodes[aside] = store.nodes.pop(name)
+        store.spawn(self.machines.finish_delete, aside)
 
     def delete(self, name: str) -> None:
         """Delete a VM's backing node (caller holds the lock); gone once torn down."""
@@ -128,8 +144,20 @@ class BackingNodes:
         store.save()
         store.spawn(self.finish_recreate, name, record["node"]["id"], worker)
 
-    def finish_recreate(self, name: str, node_id: str, worker: int) -> None:
-        """The recreated VM's worker: its old files gone, started again at its new address."""
+    def reset_worker(self, name: str, worker: int) -> None:
+        """Reset the VM that is worker ``worker`` of backing node ``name`` (instances.reset;
+        caller holds the lock): its processes end and it boots again, with its files, address
+        and host key."""
+        store = self.store
+        record = store.require_node(name)
+        record["sim"].setdefault("resetting", {})[str(worker)] = True
+        store.save()
+        store.spawn(self.finish_recreate, name, record["node"]["id"], worker, False)
+
+    def finish_recreate(self, name: str, node_id: str, worker: int,
+                        new_disk: bool = True) -> None:
+        """The recreated VM's worker: its old files gone (``new_disk``; a reset keeps them),
+        started again at its address."""
         store = self.store
         if store.wait(store.settings.operation_delay):
             return
@@ -141,7 +169,10 @@ class BackingNodes:
             keys = self.machines.oslogin.login_keys(record)
         try:
             with store.node_lock(node_id):
-                store.workers.remove_worker(node_id, worker)
+                if new_disk:
+                    store.workers.remove_worker(node_id, worker)
+                else:
+                    store.workers.end_worker(node_id, worker)
                 store.workers.start_node(node_id, specs, keys,
                                          delay=store.settings.worker_start_delay)
                 self.machines.guest.open_metadata(node_id, specs)  # the worker's new address
@@ -164,5 +195,7 @@ class BackingNodes:
             if record is None or record["node"]["id"] != node_id:
                 return
             record["sim"]["hostKeys"] = {str(i): k for i, k in host_keys.items()}
-            record["sim"].get("recreating", {}).pop(str(worker), None)
+            done = "recreating" if new_disk else "resetting"
+            record["sim"].get(done, {}).pop(str(worker), None)
             store.save()
+        self.machines.guest.booted(name, node_id, [s for s in specs if s.index == worker])

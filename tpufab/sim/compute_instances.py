@@ -1,6 +1,6 @@
 """Compute Engine instances in the emulator: insert, get, list (and aggregated), delete,
-setMetadata, setLabels, stop, start, simulateMaintenanceEvent, getGuestAttributes, and a
-flex-start VM's end at maxRunDuration. Each TPU VM is backed by a node record (backing.py):
+setMetadata, setLabels, stop, start, reset, simulateMaintenanceEvent, getGuestAttributes,
+getSerialPortOutput, and a flex-start VM's end at maxRunDuration. Each TPU VM is backed by a node record (backing.py):
 its status, addresses and host keys are read from it."""
 
 from __future__ import annotations
@@ -13,12 +13,16 @@ from tpufab.sim.backing import BackingNodes
 from tpufab.sim.compute_shapes import (
     INSTANCE_STATUS,
     check_name,
+    compute_failure,
+    default_account,
     error,
     external_ips,
     fingerprint,
     metadata_items,
     new_id,
     not_found,
+    physical_host,
+    physical_host_topology,
     region_of,
     scheduling_of,
     short,
@@ -49,16 +53,21 @@ class Instances:
         return [self.instance_view(r) for k, r in self.state["instances"].items()
                 if k.startswith(prefix)]
 
-    def aggregated(self, project: str) -> dict[str, Any]:
+    def list(self, project: str, zone: str, query: dict[str, str]) -> dict[str, Any]:
+        return self.state.list("compute#instanceList", self.in_zone(project, zone), project,
+                               f"zones/{zone}/instances", query)
+
+    def aggregated(self, project: str, query: dict[str, str]) -> dict[str, Any]:
         zones: dict[str, list[dict[str, Any]]] = {}
         for key, record in self.state["instances"].items():
             if key.startswith(f"projects/{project}/zones/"):
                 zones.setdefault(f"zones/{key.split('/')[3]}", []).append(
                     self.instance_view(record))
-        return {"kind": "compute#instanceAggregatedList", "id": f"projects/{project}/"
-                "aggregated/instances",
-                "items": {z: {"instances": v} for z, v in sorted(zones.items())},
-                "selfLink": self.state.link(f"projects/{project}/aggregated/instances")}
+        return self.state.aggregated("compute#instanceAggregatedList", "instances", zones,
+                                     project, "instances", query)
+
+    def get(self, project: str, zone: str, name: str) -> dict[str, Any]:
+        return self.instance_view(self.state.instance(project, zone, name))
 
     def instance_view(self, record: dict[str, Any]) -> dict[str, Any]:
         inst = json.loads(json.dumps(record["instance"]))
@@ -85,6 +94,10 @@ class Instances:
                                          sorted((node["node"].get("metadata") or {}).items())]
         if (node["sim"].get("notices") or {}).get("preempted") or state == "PREEMPTED":
             inst["lastStopTimestamp"] = inst.get("lastStopTimestamp") or rfc3339()
+        if record.get("slice"):  # a VM of a HIGH_THROUGHPUT MIG: where it sits in the slice
+            inst["resourceStatus"] = {"physicalHost": physical_host(node["node"]["id"], worker),
+                                      "physicalHostTopology": physical_host_topology(
+                                          node["node"]["id"], worker)}
         return inst
 
     def reservation_check(self, project: str, zone: str, props: dict[str, Any]) -> None:
@@ -108,10 +121,11 @@ class Instances:
         self.reservation_check(project, zone, body)
         node_name = f"projects/{project}/locations/{zone}/ceInstances/{name}"
         instance = self.record(project, zone, name, body, machine)
-        failure = self.backing.create(
+        failure = compute_failure(self.backing.create(
             node_name, topo, metadata=metadata_items(body.get("metadata")),
             labels=dict(body.get("labels") or {}), scheduling=instance["scheduling"],
-            external=external_ips(body), names=[name])
+            external=external_ips(body), names=[name]), project, zone, topo,
+            self.store.settings.quota_chips)
         self.state["instances"][key] = {"instance": instance, "node": node_name, "worker": 0}
         self.run_timer(node_name, instance["scheduling"])
         return self.state.operation(project, "zones", zone, "insert", key, instance["id"],
@@ -149,9 +163,14 @@ class Instances:
             "cpuPlatform": "Simulated CPU", "startRestricted": False,
             "deletionProtection": False, "fingerprint": fingerprint(),
         }
-        for field in ("reservationAffinity", "serviceAccounts", "tags", "resourcePolicies"):
+        for field in ("reservationAffinity", "tags", "resourcePolicies"):
             if props.get(field):
                 instance[field] = props[field]
+        if props.get("serviceAccounts"):  # "default" is the project's default account
+            instance["serviceAccounts"] = [
+                {**account, "email": default_account(project)
+                 if account.get("email") in (None, "", "default") else account["email"]}
+                for account in props["serviceAccounts"]]
         return instance
 
     def delete(self, project: str, zone: str, name: str) -> dict[str, Any]:
@@ -202,21 +221,81 @@ class Instances:
                                     record["instance"]["id"])
 
     def stop(self, project: str, zone: str, name: str) -> dict[str, Any]:
+        """instances.stop; a VM already stopped (or stopping) is a DONE operation, as on
+        Compute Engine."""
         record = self.state.instance(project, zone, name)
-        if record.get("group"):
-            raise error(400, "invalid", "A VM of a multi-host TPU slice cannot be stopped "
-                         "on its own.")
-        self.backing.stop(record["node"])
         key = f"projects/{project}/zones/{zone}/instances/{name}"
+        if record.get("slice"):
+            raise error(400, "invalid", "A VM of a multi-host TPU slice cannot be stopped "
+                        "on its own; resize its managed instance group to 0 instead.")
+        if self._node_state(record) not in ("STOPPED", "PREEMPTED", "STOPPING"):
+            self._require(record, ("READY",), "stopped", "running")
+            self.backing.stop(record["node"])
         return self.state.operation(project, "zones", zone, "stop", key, record["instance"]["id"],
                                     wait_node=record["node"], until="STOPPED")
 
     def start(self, project: str, zone: str, name: str) -> dict[str, Any]:
+        """instances.start; a VM already running (or starting) is a DONE operation once it
+        runs, as on Compute Engine."""
         record = self.state.instance(project, zone, name)
-        self.backing.start(record["node"])
         key = f"projects/{project}/zones/{zone}/instances/{name}"
+        if self._node_state(record) in ("STOPPED", "PREEMPTED"):
+            self.backing.start(record["node"])
+        else:
+            self._require(record, ("READY", "CREATING", "STARTING", "RESTARTING"), "started",
+                          "stopped")
         return self.state.operation(project, "zones", zone, "start", key, record["instance"]["id"],
                                     wait_node=record["node"], until="READY")
+
+    def reset(self, project: str, zone: str, name: str) -> dict[str, Any]:
+        """instances.reset: a hard reset of a running VM (its processes end, it boots again
+        with its disk, address and host key); DONE once it runs again."""
+        record = self.state.instance(project, zone, name)
+        self._require(record, ("READY",), "reset", "running")
+        worker = record.get("worker", 0)
+        self.backing.reset_worker(record["node"], worker)
+        key = f"projects/{project}/zones/{zone}/instances/{name}"
+        return self.state.operation(project, "zones", zone, "reset", key,
+                                    record["instance"]["id"], wait_node=record["node"],
+                                    until="worker", worker=worker)
+
+    def serial_port_output(self, project: str, zone: str, name: str,
+                           query: dict[str, str]) -> dict[str, Any]:
+        """instances.getSerialPortOutput (port 1): the VM's console since it booted, the
+        startup-script runner's lines included, from byte ``start`` on."""
+        record = self.state.instance(project, zone, name)
+        port = query.get("port") or "1"
+        if port not in ("1", "2", "3", "4"):
+            raise error(400, "invalid", f"Invalid value for field 'port': '{port}'. Must be "
+                        "between 1 and 4.")
+        node = self.store.nodes.get(record["node"])
+        text = "" if node is None or port != "1" else \
+            self.store.workers.console_log(node["node"]["id"], record.get("worker", 0))
+        data = text.encode()
+        try:
+            start = int(query.get("start") or 0)
+        except ValueError:
+            raise error(400, "invalid", "Invalid value for field 'start'.") from None
+        start = max(0, min(len(data) + start if start < 0 else start, len(data)))
+        link = self.state.link(f"projects/{project}/zones/{zone}/instances/{name}")
+        return {"kind": "compute#serialPortOutput",
+                "contents": data[start:].decode(errors="replace"),
+                "start": str(start), "next": str(len(data)),
+                "selfLink": f"{link}/serialPort?port={port}"}
+
+    def _node_state(self, record: dict[str, Any]) -> str | None:
+        node = self.store.nodes.get(record["node"])
+        return node["node"]["state"] if node else None
+
+    def _require(self, record: dict[str, Any], states: tuple[str, ...], verb: str,
+                 wanted: str) -> None:
+        """Compute Engine's 400 for a VM not in a state that allows ``verb``."""
+        state = self._node_state(record)
+        if state not in states:
+            status = INSTANCE_STATUS.get(state or "", "PROVISIONING")
+            path = record["instance"]["selfLink"].split("/compute/v1/")[-1]
+            raise error(400, "resourceNotReady", f"The resource '{path}' is not ready: it is "
+                        f"{status}, and only a {wanted} instance can be {verb}.")
 
     def simulate_maintenance(self, project: str, zone: str, name: str) -> dict[str, Any]:
         """instances.simulateMaintenanceEvent: the VM's metadata server says

@@ -30,22 +30,47 @@ RESERVATION_KEY = "compute.googleapis.com/reservation-name"
 
 class ComputeFailure(ApiFailure):
     """A Compute Engine error: ``{"error": {code, message, errors: [{message, domain,
-    reason}]}}`` (the shape google-api-core and gcloud read)."""
+    reason}]}}`` (the shape google-api-core and gcloud read; ``code`` is the HTTP status)."""
 
-    def __init__(self, status: str, message: str, reason: str):
-        super().__init__(status, message)
+    def __init__(self, code: int, message: str, reason: str):
+        super().__init__(COMPUTE_STATUS.get(code, "INTERNAL"), message)
+        self.code = code
         self.reason = reason
 
+    @property
+    def http_code(self) -> int:
+        return self.code
+
     def body(self) -> dict[str, Any]:
-        return {"error": {"code": self.http_code, "message": self.message,
+        return {"error": {"code": self.code, "message": self.message,
                           "errors": [{"message": self.message, "domain": "global",
                                       "reason": self.reason}]}}
 
 
+# HTTP status -> the canonical status (what ApiFailure knows)
+COMPUTE_STATUS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED",
+                  404: "NOT_FOUND", 409: "ALREADY_EXISTS", 412: "FAILED_PRECONDITION",
+                  429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 501: "UNIMPLEMENTED",
+                  503: "UNAVAILABLE"}
+# a canonical status -> Compute Engine's ``reason`` for it
+REASONS = {"INVALID_ARGUMENT": "invalid", "FAILED_PRECONDITION": "conditionNotMet",
+           "NOT_FOUND": "notFound", "ALREADY_EXISTS": "alreadyExists",
+           "PERMISSION_DENIED": "forbidden", "UNAUTHENTICATED": "authError",
+           "RESOURCE_EXHAUSTED": "rateLimitExceeded", "UNAVAILABLE": "backendError",
+           "INTERNAL": "backendError", "UNIMPLEMENTED": "notImplemented", "ABORTED": "aborted"}
+
+
 def error(code: int, reason: str, message: str) -> ComputeFailure:
-    status = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 409: "ALREADY_EXISTS",
-              429: "RESOURCE_EXHAUSTED"}.get(code, "INTERNAL")
-    return ComputeFailure(status, message, reason)
+    return ComputeFailure(code, message, reason)
+
+
+def as_compute(failure: ApiFailure) -> ComputeFailure:
+    """Any failure of a Compute Engine request in Compute Engine's error shape (a TPU-shaped
+    one raised by shared code, an injected burst, bad credentials)."""
+    if isinstance(failure, ComputeFailure):
+        return failure
+    return ComputeFailure(failure.http_code, failure.message,
+                          REASONS.get(failure.status, "backendError"))
 
 
 def not_found(kind: str, path: str) -> ApiFailure:
@@ -103,11 +128,58 @@ def new_id() -> str:
     return str(10**18 + secrets.randbelow(2**63 - 10**18))
 
 
-def stockout_text(zone: str) -> str:
-    """Compute Engine's words for a VM it has no capacity for (the error code is
-    ZONE_RESOURCE_POOL_EXHAUSTED; the wording is the emulator's)."""
-    return (f"The zone '{zone}' does not have enough resources available to fulfill the "
-            "request. Try a different zone, or try again later.")
+def stockout_text(project: str, zone: str) -> str:
+    """Compute Engine's words for VMs it has no capacity for (error code
+    ZONE_RESOURCE_POOL_EXHAUSTED), as its API answers them."""
+    return (f"The zone 'projects/{project}/zones/{zone}' does not have enough resources "
+            "available to fulfill the request.  Try a different zone, or try again later.")
+
+
+def quota_text(topo: Topology, zone: str, limit: int) -> str:
+    """Compute Engine's words for a TPU quota a create exceeds (error code QUOTA_EXCEEDED).
+    The metric's name is the emulator's: Compute Engine's TPU quota metrics per generation
+    are not established here (docs/simulated-pod.md)."""
+    metric = f"TPU_{topo.generation.upper()}_CHIPS"
+    return (f"Quota '{metric}' exceeded.  Limit: {float(limit)} in region "
+            f"{region_of(zone)}.")
+
+
+def compute_failure(failure: tuple[str, str] | None, project: str, zone: str, topo: Topology,
+                    limit: int | None = None) -> tuple[str, str] | None:
+    """A backing node's create failure (``stockout`` or ``quota``) in Compute Engine's words."""
+    if failure is None:
+        return None
+    reason, _ = failure
+    if reason == "stockout":
+        return reason, stockout_text(project, zone)
+    return reason, quota_text(topo, zone, limit or 0)
+
+
+def default_account(project: str) -> str:
+    """The project's Compute Engine default service account (what ``default`` means)."""
+    from tpufab.sim.catalog import project_number
+
+    return f"{project_number(project)}-compute@developer.gserviceaccount.com"
+
+
+def _opaque(*parts: object) -> str:
+    import hashlib
+
+    return hashlib.sha256("/".join(map(str, parts)).encode()).hexdigest()[:16]
+
+
+def physical_host_topology(node_id: str, worker: int) -> dict[str, str]:
+    """Where a VM of a HIGH_THROUGHPUT slice sits (``resourceStatus.physicalHostTopology``):
+    one cluster, block and sub-block for the slice, a host of its own; opaque ids, stable for
+    the slice's lifetime, as Compute Engine's are."""
+    return {"cluster": _opaque("cluster", node_id), "block": _opaque("block", node_id),
+            "subblock": _opaque("subblock", node_id), "host": _opaque("host", node_id, worker)}
+
+
+def physical_host(node_id: str, worker: int) -> str:
+    """``resourceStatus.physicalHost``: ``/CLUSTER/BLOCK/HOST`` of the same ids."""
+    where = physical_host_topology(node_id, worker)
+    return f"/{where['cluster']}/{where['block']}/{where['host']}"
 
 
 def check_name(kind: str, name: str | None) -> str:
@@ -151,3 +223,8 @@ def external_ips(props: dict[str, Any]) -> bool:
     if not nics:
         return True
     return bool(nics[0].get("accessConfigs"))
+
+
+def missing_code(message: str) -> str:
+    """The error code of a VM a MIG could not create, from its message."""
+    return "QUOTA_EXCEEDED" if message.startswith("Quota ") else "ZONE_RESOURCE_POOL_EXHAUSTED"

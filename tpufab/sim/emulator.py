@@ -28,6 +28,7 @@ from tpufab.sim import catalog
 from tpufab.sim._model import ApiFailure, operation_view, version_view
 from tpufab.sim.backing import BackingNodes
 from tpufab.sim.compute_engine import ComputeEngineEmulator
+from tpufab.sim.compute_shapes import as_compute
 from tpufab.sim.guest import GuestEnvironment, Tokens
 from tpufab.sim.legacy import LegacyNodes
 from tpufab.sim.machines import BRING_UP_STATES, Machines, bastion_of
@@ -49,6 +50,8 @@ class Workers(Protocol):
     def delete_node(self, node_id: str) -> None: ...
     def sync_keys(self, node_id: str, ssh_keys: str) -> None: ...
     def remove_worker(self, node_id: str, index: int) -> None: ...
+    def end_worker(self, node_id: str, index: int) -> None: ...
+    def console_log(self, node_id: str, index: int) -> str: ...
     def set_os_login(self, node_id: str, accounts: list[dict] | None) -> None: ...
     def host_keys(self, node_id: str) -> dict[int, str]: ...
     def set_reachable(self, node_id: str, index: int, reachable: bool) -> None: ...
@@ -124,6 +127,7 @@ class Emulator:
         self.backing = BackingNodes(self.store, self.machines)  # records behind Compute Engine VMs
         self.compute = ComputeEngineEmulator(self.store, self.backing, self.guest,
                                              self.oslogin)  # Compute Engine v1
+        self.served: dict[str, int] = {}  # "v2 tpu.projects.locations.nodes.get" -> answered
 
     # what the daemon and the tests set and read
 
@@ -175,20 +179,17 @@ class Emulator:
         No credentials are anonymous (as before); ``Bearer`` tokens must be ones a worker's
         metadata server issued and that have not expired.
         """
+        path = unquote(path)
+        compute = path.startswith(("/compute/v1/", "/batch/compute/"))
         try:
-            path = unquote(path)
             self._check_credentials(authorization)
             if path.startswith("/sim/v1/"):
                 return 200, self._admin(method, path[len("/sim/v1/"):], query, body or {})
             if path.startswith(("/v2/", "/v2alpha1/", "/v1/", "/compute/v1/")):
                 self._maybe_inject_error(path)
             if path.startswith("/compute/v1/"):
-                body = _json_object(body)
-                try:
-                    return 200, self.compute.handle(method, path[len("/compute/v1/"):], query,
-                                                    body)
-                except LookupError:  # the project itself
-                    return 200, self._compute(method, path[len("/compute/v1/"):])
+                return 200, self.compute.handle(method, path[len("/compute/v1/"):], query,
+                                                _json_object(body))
             if path.startswith("/v1/users/"):  # Cloud OS Login (oslogin.googleapis.com)
                 return 200, self.oslogin.handle(method, path[len("/v1/users/"):], query,
                                                 _json_object(body))
@@ -198,24 +199,43 @@ class Emulator:
             for version in ("v2", "v2alpha1", "v1"):  # v1: locations only (gcloud locations)
                 if path.startswith(f"/{version}/"):
                     rest = path[len(version) + 2:]
-                    return 200, self._api(method, version, rest, query, _json_object(body))
+                    answer = self._api(method, version, rest, query, _json_object(body))
+                    if isinstance(answer.get("metadata"), dict) and "done" in answer:
+                        answer = operation_view(answer, version)  # its types in this version
+                    return 200, answer
             raise ApiFailure("NOT_FOUND", f"The requested URL {path} was not found on this "
                              "server.")
         except ApiFailure as failure:
+            failure = as_compute(failure) if compute else failure
             return failure.http_code, failure.body()
         except Exception as exc:  # a bug in the emulator: say so, keep serving
             log.exception("internal error on %s %s", method, path)
             failure = ApiFailure("INTERNAL", f"Internal error in the TPU emulator: {exc!r}")
+            failure = as_compute(failure) if compute else failure
             return failure.http_code, failure.body()
 
-    def _compute(self, method: str, rest: str) -> dict[str, Any]:
-        """The Compute API's project (gcloud reads commonInstanceMetadata: enable-oslogin)."""
-        answer = catalog.compute(method, rest)
-        if answer.get("kind") == "compute#project":
-            items = self.oslogin.project_metadata(answer["name"])
-            answer["commonInstanceMetadata"]["items"] = [{"key": k, "value": v}
-                                                         for k, v in sorted(items.items())]
-        return answer
+    def handle_batch(self, body: bytes, content_type: str,
+                     authorization: str | None = None) -> tuple[int, str, bytes]:
+        """``POST /batch/compute/v1``: (HTTP status, content type, body) of a multipart
+        batch of Compute Engine requests; each part is answered as on its own."""
+        try:
+            self._check_credentials(authorization)
+            self._maybe_inject_error("/batch/compute/v1")
+
+            def answer(method: str, path: str, query: dict[str, str],
+                       part: Any) -> tuple[int, dict[str, Any]]:
+                if not path.startswith("/compute/v1/"):
+                    failure = as_compute(ApiFailure("NOT_FOUND", f"The batch part {path} is "
+                                                    "not a Compute Engine v1 request."))
+                    return failure.http_code, failure.body()
+                return self.handle(method, path, query, part, authorization)
+
+            kind, data = self.compute.batch(body, content_type, answer)
+            return 200, kind, data
+        except ApiFailure as failure:
+            failure = as_compute(failure)
+            return failure.http_code, "application/json; charset=UTF-8", \
+                json.dumps(failure.body()).encode()
 
     def _check_credentials(self, authorization: str | None) -> None:
         if not authorization:
@@ -251,14 +271,17 @@ class Emulator:
             raise ApiFailure("NOT_FOUND", f"The requested URL /{version}/{rest} was not found.")
         project = parts[1]
         if len(parts) == 3 and method == "GET" and verb is None:
+            self._served(version, "", "list")
             return catalog.list_locations(project, query)
         zone = parts[3]
         parent = f"projects/{project}/locations/{zone}"
         nodes, queued, store = self.nodes, self.queued, self.store
         if len(parts) == 4:
             if verb is None and method == "GET":
+                self._served(version, "", "get")
                 return catalog.location(project, zone)
             if verb == "generateServiceIdentity" and method == "POST":
+                self._served(version, "", "generateServiceIdentity")
                 return {"identity": {"email": "service-0@cloud-tpu.iam.gserviceaccount.com"}}
         elif len(parts) == 5:
             collection = parts[4]
@@ -274,6 +297,7 @@ class Emulator:
                 ("GET", "operations"): lambda: store.list_operations(parent, query, version),
             }.get((method, collection))
             if handler and verb is None:
+                self._served(version, collection, "list" if method == "GET" else "create")
                 return handler()
         elif len(parts) == 6 and parts[5]:
             collection = parts[4]
@@ -309,8 +333,17 @@ class Emulator:
                 ("POST", "operations", "cancel"): lambda: store.cancel_operation(name),
             }.get((method, collection, verb))
             if handler:
+                self._served(version, collection, verb or {"GET": "get", "DELETE": "delete",
+                                                           "PATCH": "patch"}[method])
                 return handler()
         self._not_in(version, method, rest)
+
+    def _served(self, version: str, collection: str, method: str) -> None:
+        """Count a TPU API method answered (``tpu.projects.locations.nodes.get`` of v2)."""
+        name = ".".join(p for p in ("tpu.projects.locations", collection, method) if p)
+        key = f"{version} {name}"
+        with self.store.lock:
+            self.served[key] = self.served.get(key, 0) + 1
 
     def _list_nodes(self, parent: str, query: dict[str, str], version: str) -> dict[str, Any]:
         """TPU API nodes and the nodes the v1 API made (apiVersion V1), one page."""
@@ -417,6 +450,9 @@ class Emulator:
                     for worker in record["sim"].get("recreating") or {}:  # cut short by the
                         store.spawn(self.backing.finish_recreate, name,  # restart: again
                                     record["node"]["id"], int(worker))
+                    for worker in record["sim"].get("resetting") or {}:
+                        store.spawn(self.backing.finish_recreate, name, record["node"]["id"],
+                                    int(worker), False)
                 elif state in BRING_UP_STATES:
                     store.spawn(machines.bring_up, name, 0.0)
                 elif state == "STOPPING":
@@ -501,6 +537,11 @@ class _Handler(BaseHTTPRequestHandler):
         split = urlsplit(self.path)
         query = {k: v[-1] for k, v in parse_qs(split.query, keep_blank_values=True).items()}
         raw = self._read_body()
+        if split.path.startswith("/batch/") and self.command == "POST":
+            code, kind, data = self.server.emulator.handle_batch(
+                raw, self.headers.get("Content-Type") or "", self.headers.get("Authorization"))
+            self._send(code, kind, data, started)
+            return
         try:
             body = json.loads(raw) if raw.strip() else None
         except ValueError:
@@ -509,9 +550,12 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             code, payload = self.server.emulator.handle(self.command, split.path, query, body,
                                                         self.headers.get("Authorization"))
-        data = json.dumps(payload).encode()
+        self._send(code, "application/json; charset=UTF-8", json.dumps(payload).encode(),
+                   started)
+
+    def _send(self, code: int, kind: str, data: bytes, started: float) -> None:
         self.send_response(code)
-        self.send_header("Content-Type", "application/json; charset=UTF-8")
+        self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)

@@ -24,7 +24,7 @@ from tpufab.sim.catalog import project_number
 from tpufab.sim.metadata import JsonLeaf
 from tpufab.sim.network import BASTION_SUFFIX
 from tpufab.sim.oslogin import OsLoginService
-from tpufab.sim.store import SimStore
+from tpufab.sim.store import SimStore, behind_compute_engine
 from tpufab.topology import parse_accelerator_type
 
 log = logging.getLogger("tpufab.sim")
@@ -120,6 +120,19 @@ class Tokens:
         os.replace(tmp, self.path)
 
 
+def compute_engine_tpu_env(node: dict[str, Any], worker: int) -> str:
+    """tpu-env of a Compute Engine TPU VM: the keys a TPU7x MIG's VMs were seen to carry
+    (GoogleCloudPlatform/cluster-toolkit#6351: ``TOPOLOGY``, ``TPU_WORKER_ID``,
+    ``CHIPS_PER_HOST_BOUNDS``); which others Compute Engine sets is not established, so no
+    more are made up (docs/simulated-pod.md)."""
+    topo = parse_accelerator_type(node["acceleratorType"])
+    topo_text = (node.get("acceleratorConfig") or {}).get("topology") or topology_string(topo)
+    per_host, _ = host_bounds(topo_text, topo.chips_per_host, topo.hosts)
+    values = {"CHIPS_PER_HOST_BOUNDS": per_host, "TOPOLOGY": topo_text or "",
+              "TPU_WORKER_ID": str(worker)}
+    return "".join(f"{k}: '{v}'\n" for k, v in values.items())
+
+
 def metadata_tree(record: dict[str, Any], worker: int, *, slice_info: dict[str, Any] | None,
                   tokens: Tokens) -> dict[str, Any]:
     """The ``computeMetadata/v1`` tree of one worker of a node record (emulator state)."""
@@ -136,18 +149,26 @@ def metadata_tree(record: dict[str, Any], worker: int, *, slice_info: dict[str, 
         email = f"{project_number(project)}-compute@developer.gserviceaccount.com"
     scopes = list(account.get("scope") or ["https://www.googleapis.com/auth/cloud-platform"])
     attributes: dict[str, Any] = dict(node.get("metadata") or {})
-    attributes.update({
-        "accelerator-type": node["acceleratorType"],
-        "agent-worker-number": str(worker),
-        "tpu-env": tpu_env(node, worker, slice_info),
-        # name:id:ip triples (the older of the two formats JAX accepts)
-        "worker-network-endpoints": ",".join(
-            f"{names[w] if w < len(names) else worker_hostname(node['id'], w)}:{w}:"
-            f"{e['ipAddress']}"
-            for w, e in enumerate(endpoints)),
-        "instance-id": node["id"],
-        "zone": zone,
-    })
+    if behind_compute_engine(name):  # a Compute Engine TPU VM: its VMs' names, bare
+        attributes.update({
+            "accelerator-type": node["acceleratorType"],
+            "agent-worker-number": str(worker),
+            "tpu-env": compute_engine_tpu_env(node, worker),
+            "worker-network-endpoints": ",".join(names[:len(endpoints)]),
+        })
+    else:
+        attributes.update({
+            "accelerator-type": node["acceleratorType"],
+            "agent-worker-number": str(worker),
+            "tpu-env": tpu_env(node, worker, slice_info),
+            # name:id:ip triples (the older of the two formats JAX accepts)
+            "worker-network-endpoints": ",".join(
+                f"{names[w] if w < len(names) else worker_hostname(node['id'], w)}:{w}:"
+                f"{e['ipAddress']}"
+                for w, e in enumerate(endpoints)),
+            "instance-id": node["id"],
+            "zone": zone,
+        })
     account_tree = {
         "aliases": ["default"],
         "email": email,
@@ -277,7 +298,7 @@ class GuestEnvironment:
             record = self.store.nodes.get(name)
             if record is None or "startup-script" not in (record["node"].get("metadata") or {}):
                 return
-            record["sim"]["startup"] = {str(s.index): {} for s in specs}
+            record["sim"].setdefault("startup", {}).update({str(s.index): {} for s in specs})
             self.store.save()
         for spec in specs:
             self.store.spawn(self._run_startup_script, name, node_id, spec.index)

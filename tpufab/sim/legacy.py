@@ -11,7 +11,15 @@ import json
 from typing import Any
 
 from tpufab.errors import ConfigError
-from tpufab.sim._model import ApiFailure, check_id, not_found, page, rfc3339, split_name
+from tpufab.sim._model import (
+    ApiFailure,
+    check_id,
+    not_found,
+    page,
+    rfc3339,
+    split_name,
+    v1_node_in_v2,
+)
 from tpufab.sim.store import SimStore
 from tpufab.topology import parse_accelerator_type
 
@@ -126,15 +134,7 @@ class LegacyNodes:
         """The node as API v2 shows a node the v1 API created (apiVersion V1), or None."""
         with self.store.lock:
             node = self._nodes.get(name)
-            if node is None:
-                return None
-            view = {k: json.loads(json.dumps(v)) for k, v in node.items()
-                    if k in ("name", "acceleratorType", "state", "health", "createTime",
-                             "networkEndpoints", "cidrBlock", "schedulingConfig", "description",
-                             "labels", "apiVersion")}
-        view["runtimeVersion"] = node["tensorflowVersion"]
-        view["networkConfig"] = {"network": node["network"]}
-        return view
+            return None if node is None else v1_node_in_v2(json.loads(json.dumps(node)))
 
     def v2_list(self, prefix: str) -> list[dict[str, Any]]:
         with self.store.lock:

@@ -331,6 +331,9 @@ class Machines:
             node_id = record["node"]["id"]
         self.tear_down(node_id)
         with store.lock:
+            current = store.nodes.get(name)
+            if current is None or current["node"]["id"] != node_id:
+                return  # made again meanwhile (backing.py sets a deleting one aside)
             record = store.forget_node(name)
             if record is None:
                 return

@@ -37,6 +37,7 @@ ROLE_NAMES = {"admin": "roles/compute.osAdminLogin", "login": "roles/compute.osL
 FIRST_UID = 1_000_000_001
 EMAIL = re.compile(r"[^@/\s]+@[^@/\s]+")
 TYPE = "type.googleapis.com/google.cloud.oslogin.v1."
+BLOCK_PROJECT_KEYS = "block-project-ssh-keys"  # instance metadata: ignore the project's keys
 
 
 def posix_username(email: str) -> str:
@@ -78,6 +79,24 @@ class OsLoginService:
     def project_metadata(self, project: str) -> dict[str, str]:
         with self.store.lock:
             return dict(self._state["projects"].get(project, {}).get("metadata", {}))
+
+    def project_fingerprint(self, project: str) -> str:
+        """The fingerprint of the project's metadata (Compute Engine's
+        ``commonInstanceMetadata.fingerprint``): a new one at every change."""
+        with self.store.lock:
+            return self._state["projects"].get(project, {}).get("fingerprint") or \
+                base64.b64encode(hashlib.sha256(project.encode()).digest()[:8]).decode()
+
+    def set_project_metadata(self, project: str, items: dict[str, str]) -> None:
+        """Replace the project's metadata (Compute Engine's setCommonInstanceMetadata); its
+        running nodes take its ``ssh-keys`` and ``enable-oslogin`` at once."""
+        with self.store.lock:
+            entry = self._state["projects"].setdefault(project, {})
+            entry["metadata"] = dict(items)
+            entry["fingerprint"] = base64.b64encode(hashlib.sha256(
+                json.dumps([project, items, time.time()]).encode()).digest()[:8]).decode()
+            self.store.save()
+        self.apply_all(project)
 
     def enabled_for(self, record: dict[str, Any]) -> bool:
         """Node metadata enable-oslogin, else the project's (as the guest agent decides)."""
@@ -124,10 +143,17 @@ class OsLoginService:
     # ------------------------------------------------------------ the workers' side
 
     def login_keys(self, record: dict[str, Any]) -> str:
-        """The `ssh-keys` the guest agent honours: none while OS Login is on."""
+        """The `ssh-keys` the guest agent honours: none while OS Login is on; else the
+        node's, and the project's unless the node says ``block-project-ssh-keys``."""
         if self.enabled_for(record):
             return ""
-        return (record["node"].get("metadata") or {}).get("ssh-keys", "")
+        metadata = record["node"].get("metadata") or {}
+        keys = metadata.get("ssh-keys", "")
+        if metadata_flag(metadata.get(BLOCK_PROJECT_KEYS)):
+            return keys
+        project = record["node"]["name"].split("/")[1]
+        shared = self.project_metadata(project).get("ssh-keys", "")
+        return "\n".join(k for k in (keys, shared) if k)
 
     # An internal-IP node's bastion is a VM of its own in the node's project: the TPU node's
     # metadata is not its metadata, so the project's enable-oslogin alone decides for it.

@@ -175,6 +175,8 @@ class WorkerPool:
             sshd_at = time.monotonic() + max(0.0, delay)
             for spec in to_start:
                 self._prepare_worker(node_id, spec, specs, tools, sshd_at)
+            if len(to_start) < len(specs):  # a worker came back elsewhere (a recreated VM)
+                self._update_hosts(node_id, [s for s in specs if s not in to_start], specs)
             self.sync_keys(node_id, ssh_keys)
             if not to_start:
                 return
@@ -183,6 +185,24 @@ class WorkerPool:
             details = "\n".join(f"w{i}: {why}" for i, why in sorted(failures.items()))
             raise SimError(f"Worker(s) {fold_workers(failures)} of node {node_id} failed to start; "
                            f"see init.log under {node_dir}.", details=details)
+
+    def _update_hosts(self, node_id: str, running: list[WorkerSpec],
+                      node_specs: list[WorkerSpec]) -> None:
+        """The running workers' /etc/hosts name every worker at its address now, as a VPC's
+        DNS answers a VM's name with its current IP (rewritten in place: the file is
+        bind-mounted into the worker by inode)."""
+        for spec in running:
+            path = self._worker_dir(node_id, spec.index) / "etc" / "hosts"
+            text = hosts_text(spec, node_specs)
+            try:
+                with open(path, "r+") as f:
+                    if f.read() == text:
+                        continue
+                    f.seek(0)
+                    f.write(text)
+                    f.truncate()
+            except FileNotFoundError:
+                continue
 
     def _prepare_worker(self, node_id: str, spec: WorkerSpec, node_specs: list[WorkerSpec],
                         tools: HostTools, sshd_at: float) -> None:
@@ -335,24 +355,33 @@ class WorkerPool:
             for index in records:
                 (node_dir / f"w{index}" / "init.json").unlink(missing_ok=True)
 
+    def end_worker(self, node_id: str, index: int) -> None:
+        """End worker ``index`` of ``node_id``: its whole PID namespace (every process, as a
+        VM's reset ends them); its files stay. ``start_node`` brings it up again."""
+        with self._node_lock(node_id):
+            wdir = self._worker_dir(node_id, index)
+            record = read_json(wdir / "init.json", None)
+            if self._init_pid(node_id, index) is None or not record:
+                return
+            send_signal(record["pid"], signal.SIGTERM)
+
+            def gone() -> bool:
+                return not alive(record["pid"], record["start_time"])
+
+            if not wait_for(gone, self.stop_grace + 3.0):
+                send_signal(record["pid"], signal.SIGKILL)  # takes the namespace with it
+                if not wait_for(gone, 10.0):
+                    raise SimError(f"Worker {index} of node {node_id} did not stop even "
+                                   "after SIGKILL.")
+            (wdir / "init.json").unlink(missing_ok=True)
+
     def remove_worker(self, node_id: str, index: int) -> None:
         """End worker ``index`` of ``node_id`` (its whole PID namespace) and remove its files:
         a VM that Compute Engine recreates comes back from a new boot disk (a new host key, an
         empty home and /tmp). ``start_node`` brings it up again."""
         with self._node_lock(node_id):
             wdir = self._worker_dir(node_id, index)
-            record = read_json(wdir / "init.json", None)
-            if self._init_pid(node_id, index) is not None and record:
-                send_signal(record["pid"], signal.SIGTERM)
-
-                def gone() -> bool:
-                    return not alive(record["pid"], record["start_time"])
-
-                if not wait_for(gone, self.stop_grace + 3.0):
-                    send_signal(record["pid"], signal.SIGKILL)  # takes the namespace with it
-                    if not wait_for(gone, 10.0):
-                        raise SimError(f"Worker {index} of node {node_id} did not stop even "
-                                       "after SIGKILL.")
+            self.end_worker(node_id, index)
             trash = self.state_dir / TRASH / f"{node_id}-w{index}-{time.time_ns()}"
             try:
                 trash.parent.mkdir(parents=True, exist_ok=True)
@@ -412,6 +441,22 @@ class WorkerPool:
             if pub.exists():
                 keys[spec.index] = " ".join(pub.read_text().split()[:2])
         return keys
+
+    def console_log(self, node_id: str, index: int) -> str:
+        """What the worker's serial console shows since it booted (a VM's
+        getSerialPortOutput): its boot lines, then the startup-script runner's."""
+        wdir = self._worker_dir(node_id, index)
+        record = read_json(wdir / "init.json", None)
+        spec = next((s for s in self._specs(node_id) if s.index == index), None)
+        if record is None or spec is None:
+            return ""
+        lines = ["[    0.000000] Linux version simulated (tpufab sim) #1 SMP",
+                 f"[    0.100000] {spec.hostname} login: booted, sshd on {spec.ip}:22"]
+        try:
+            startup = (wdir / "log" / "google-startup-scripts.log").read_text(errors="replace")
+        except OSError:
+            startup = ""
+        return "\n".join(lines) + "\n" + startup
 
     def sshd_log(self, node_id: str, index: int) -> Path:
         """The worker's sshd log file on the host (LogLevel ERROR)."""
