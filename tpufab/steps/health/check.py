@@ -23,6 +23,7 @@ from tpufab import nodeset
 from tpufab.errors import TpufabError
 from tpufab.reports import Report
 from tpufab.steps.health.status import WorkerFacts, human_bytes
+from tpufab.term.commands import short_command
 
 PYTHONS = ("~/.venv/bin/python", "python3")          # what the recipes run with, in order
 PACKAGES = ("python", "jax", "jaxlib", "libtpu", "libtpu-nightly", "torch", "torch_xla")
@@ -164,8 +165,8 @@ def check_tpu(facts: Mapping[int, WorkerFacts],
 
 
 def _short(command: str, width: int = 60) -> str:
-    """A holder's command fit for one line (--json has it whole)."""
-    return command if len(command) <= width else command[:width - 3] + "..."
+    """A holder's command as what names it (tpufab.term.commands; --json has it whole)."""
+    return short_command(command, width)
 
 
 def check_versions(facts: Mapping[int, WorkerFacts]) -> Result:
