@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
@@ -103,6 +104,39 @@ def camel_to_snake_keys(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+RECORD_ENV = "TPUFAB_SIM_RECORD"
+
+
+class AnswerRecorder:
+    """Keeps a sample of the API's answers, one JSON line each (method, path, code, body), in
+    a file: at most ``per_shape`` of each method, path shape (names and ids as ``*``) and
+    status, so a long session costs a few hundred lines. tests/conftest.py turns it on
+    (TPUFAB_SIM_RECORD) and checks them against Google's schemas at the end."""
+
+    def __init__(self, path: Path, per_shape: int = 3):
+        self.path = path
+        self.per_shape = per_shape
+        self.seen: dict[tuple[str, str, int], int] = {}
+        self.lock = threading.Lock()
+
+    def record(self, method: str, path: str, code: int, answer: Any) -> None:
+        if not path.startswith(("/v1/", "/v2/", "/v2alpha1/", "/compute/v1/")):
+            return
+        parts = path.split("/")
+        head = 3 if path.startswith("/compute/") else 2  # /compute/v1/ or /v2/
+        shape = "/".join(parts[:head] + [p if i % 2 == 0 else "*" if ":" not in p else
+                                          "*:" + p.split(":", 1)[1]
+                                          for i, p in enumerate(parts[head:])])
+        key = (method, shape, code)
+        with self.lock:
+            if self.seen.get(key, 0) >= self.per_shape:
+                return
+            self.seen[key] = self.seen.get(key, 0) + 1
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"method": method, "path": path, "code": code,
+                                    "body": answer}) + "\n")
+
+
 def _json_object(body: Any) -> dict[str, Any]:
     if body is not None and not isinstance(body, dict):
         raise ApiFailure("INVALID_ARGUMENT", "The request body must be a JSON object.")
@@ -128,6 +162,8 @@ class Emulator:
         self.compute = ComputeEngineEmulator(self.store, self.backing, self.guest,
                                              self.oslogin)  # Compute Engine v1
         self.served: dict[str, int] = {}  # "v2 tpu.projects.locations.nodes.get" -> answered
+        record = os.environ.get(RECORD_ENV)  # the tests' conformance check of what they see
+        self.recorder = AnswerRecorder(Path(record)) if record else None
 
     # what the daemon and the tests set and read
 
@@ -179,7 +215,13 @@ class Emulator:
         No credentials are anonymous (as before); ``Bearer`` tokens must be ones a worker's
         metadata server issued and that have not expired.
         """
-        path = unquote(path)
+        code, answer = self._answer(method, unquote(path), query, body, authorization)
+        if self.recorder is not None:
+            self.recorder.record(method, unquote(path), code, answer)
+        return code, answer
+
+    def _answer(self, method: str, path: str, query: dict[str, str], body: Any,
+                authorization: str | None) -> tuple[int, dict[str, Any]]:
         compute = path.startswith(("/compute/v1/", "/batch/compute/"))
         try:
             self._check_credentials(authorization)
