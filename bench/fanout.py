@@ -57,7 +57,8 @@ class SimPod:
     """``count`` simulated workers, started directly (no API emulator)."""
 
     def __init__(self, root: Path, count: int):
-        from tpufab.sim.workers import WorkerPool, WorkerSpec
+        from tpufab.sim.worker_files import WorkerSpec
+        from tpufab.sim.workers import WorkerPool
 
         self.root, self.user, self.node_id = root, "tpu", "4200000000000000042"
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(root / "client")],

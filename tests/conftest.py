@@ -1,7 +1,9 @@
 """Shared fixtures: the simulated pod (`sim`), clients for it, gcloud's environment.
 
 - `sim` (session): a daemon on a free port with a temporary state dir; yields its SimInfo and
-  stops every process at the end. Tests that use it are skipped, with the reason, unless root.
+  stops every process at the end, then checks a sample of the API answers the tests saw
+  against Google's schemas (tests/conformance.py). Tests that use it are skipped, with the
+  reason, unless root.
 - `sim_admin`: fault injection for it (faults and settings are reset after each test).
 - `tpu_client` (session): the official google-cloud-tpu v2 client against it.
 - `sim_parent`: "projects/<p>/locations/<zone>" of the suggested project and zone.
@@ -132,11 +134,21 @@ def sim(tmp_path_factory: pytest.TempPathFactory):
     from tpufab.sim.daemon import down, up
 
     state_dir = tmp_path_factory.mktemp("sim-state")
-    info = up(state_dir, port=0, timeout=60.0)
+    answers = state_dir / "answers.jsonl"  # a sample of what the tests see, checked at the end
+    os.environ["TPUFAB_SIM_RECORD"] = str(answers)
+    try:
+        info = up(state_dir, port=0, timeout=60.0)
+    finally:
+        os.environ.pop("TPUFAB_SIM_RECORD", None)
     try:
         yield _KeepersOff(**{f.name: getattr(info, f.name) for f in dataclasses.fields(info)})
     finally:
         down(state_dir)
+    from conformance import recorded, violations
+
+    found, checked, _ = violations(recorded(answers))
+    assert not found, (f"{len(found)} of the {checked} answers the tests saw break Google's "
+                       "schemas (tests/conformance.py):\n" + "\n".join(found[:20]))
 
 
 @pytest.fixture

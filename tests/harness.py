@@ -151,7 +151,7 @@ class SimPod:
     def start(self, node_id: str, count: int, first: int = 0):
         """Start ``count`` workers of node ``node_id`` at addresses ``first + 1``, ...;
         returns their WorkerSpecs once each listens."""
-        from tpufab.sim.workers import WorkerSpec
+        from tpufab.sim.worker_files import WorkerSpec
 
         specs = [WorkerSpec(node_id, w, f"{self.subnet}.{first + w + 1}",
                             f"t1v-n-{int(node_id):08x}-w-{w}", self.accelerators)

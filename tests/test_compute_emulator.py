@@ -1,6 +1,8 @@
 """The emulator's Compute Engine v1: the official google-cloud-compute client and the real
 gcloud CLI make, see and delete TPU VM instances and a multi-host MIG; the VMs are real sshd
-workers."""
+workers. gcloud's list commands show every kind of resource tpufab makes, its commands that
+name several resources (one batch request) work, `gcloud compute ssh` goes in at the first
+try (project metadata), and the client's filtered list holds what its filter says."""
 
 from __future__ import annotations
 
@@ -56,10 +58,43 @@ def test_client_instance_is_a_real_worker_gcloud_sees(compute, gcloud_env, ssh_k
     listed = json.loads(gcloud(gcloud_env, "instances", "list", "--format=json").stdout)
     mine = [i for i in listed if i["name"] == name]
     assert mine and mine[0]["status"] == "RUNNING" and mine[0]["labels"] == {"team": "infra"}
-    gcloud(gcloud_env, "instances", "delete", name, "--quiet")
+
+    # two more VMs in one gcloud command (a batch of inserts), then filtered lists
+    others = [unique_name("cb"), unique_name("cb")]
+    gcloud(gcloud_env, "instances", "create", *others, "--machine-type=tpu7x-standard-4t",
+           "--labels=team=ml")
+    filtered = [i.name for i in compute.instances.list(request={
+        "project": compute.project, "zone": compute.zone, "filter": "labels.team = infra"})]
+    assert name in filtered and not set(others) & set(filtered)
+    shown = gcloud(gcloud_env, "instances", "list", "--filter=labels.team=ml",
+                   "--format=value(name)").stdout.split()
+    assert set(others) <= set(shown) and name not in shown
+    pages = list(compute.instances.list(request={
+        "project": compute.project, "zone": compute.zone, "max_results": 1}).pages)
+    assert len(pages) >= 3 and all(len(p.items) == 1 for p in pages)  # one VM a page
+
+    # gcloud compute ssh: its key goes into the project's metadata, at the first try
+    first = gcloud(gcloud_env, "ssh", name, "--command=hostname", check=False)
+    assert first.returncode == 0 and first.stdout.strip().endswith(name), first.stderr
+    assert "failed." not in first.stderr, first.stderr
+    console = gcloud(gcloud_env, "instances", "get-serial-port-output", name).stdout
+    assert name in console
+    started = compute.wait(compute.instances.start_unary(  # running already: DONE, no error
+        project=compute.project, zone=compute.zone, instance=name))
+    assert not started.error.errors
+    gcloud(gcloud_env, "instances", "reset", name)
+    wait_for(lambda: port_open(ip), timeout=60, interval=0.2, what=f"{name} back after reset")
+    again = ssh_run(ip, ssh_key, "alice", "hostname")
+    assert again.returncode == 0 and again.stdout.strip() == name, again.stderr
+
+    gcloud(gcloud_env, "instances", "delete", name, *others, "--quiet")  # one batch
     with pytest.raises(gexc.NotFound):
         compute.instances.get(project=compute.project, zone=compute.zone, instance=name)
     assert not port_open(ip)
+
+
+def names_listed(env: dict[str, str], *what: str) -> list[str]:
+    return gcloud(env, *what, "list", "--format=value(name)").stdout.split()
 
 
 def test_gcloud_slice_mig_is_seen_by_the_client_in_worker_order(compute, gcloud_env):
@@ -83,6 +118,12 @@ def test_gcloud_slice_mig_is_seen_by_the_client_in_worker_order(compute, gcloud_
     vms = [compute.instances.get(project=compute.project, zone=compute.zone, instance=m.name)
            for m in members]
     assert all(port_open(v.network_interfaces[0].network_i_p) for v in vms)
+    # gcloud's list commands show every kind of resource a slice is made of
+    assert group in names_listed(gcloud_env, "instance-groups", "managed")
+    assert group in names_listed(gcloud_env, "instance-groups")
+    assert template in names_listed(gcloud_env, "instance-templates")
+    assert policy in names_listed(gcloud_env, "resource-policies")
+    assert {v.name for v in vms} <= set(names_listed(gcloud_env, "instances"))
 
     # gcloud's recreate-instances: the VM comes back under its name, a new VM (another id,
     # another internal IP), and list-instances shows it RECREATING, then RUNNING again
@@ -153,8 +194,52 @@ def test_client_mig_and_its_errors(compute, gcloud_env, sim_admin):
     members = list(compute.groups.list_managed_instances(
         project=compute.project, zone=compute.zone, instance_group_manager=group))
     assert [m.instance_status for m in members] == ["RUNNING", "RUNNING"]
-    compute.wait(compute.groups.delete_unary(project=compute.project, zone=compute.zone,
-                                             instance_group_manager=group))
+    ips = [compute.instances.get(project=compute.project, zone=compute.zone, instance=m.name)
+           .network_interfaces[0].network_i_p for m in members]
+    # resized to 0, up again and deleted without waiting: nothing is left listening, and the
+    # next slice placed (the same shape, name and addresses) comes up
+    kw = {"project": compute.project, "zone": compute.zone, "instance_group_manager": group}
+    compute.groups.resize_unary(**kw, size=0)
+    compute.groups.resize_unary(**kw, size=2)
+    compute.wait(compute.groups.delete_unary(**kw))
+    wait_for(lambda: not any(port_open(ip) for ip in ips), timeout=60, interval=0.2,
+             what="the deleted slice's VMs to stop listening")
+    compute.wait(compute.groups.insert_unary(
+        project=compute.project, zone=compute.zone,
+        instance_group_manager_resource=v1.InstanceGroupManager(
+            name=group, instance_template=f"global/instanceTemplates/{template}",
+            base_instance_name=group, target_size=2,
+            resource_policies=v1.InstanceGroupManagerResourcePolicies(
+                workload_policy=f"regions/{compute.region}/resourcePolicies/{policy}"))))
+    again = list(compute.groups.list_managed_instances(**kw))
+    assert [m.instance_status for m in again] == ["RUNNING", "RUNNING"]
+    compute.wait(compute.groups.resize_unary(**kw, size=0))
+    # the flex-start path: a resize request for the whole slice, its VMs made at once
+    requests = compute.v1.InstanceGroupManagerResizeRequestsClient(
+        credentials=compute.instances._transport._credentials, transport="rest",
+        client_options={"api_endpoint": gcloud_env["CLOUDSDK_API_ENDPOINT_OVERRIDES_COMPUTE"]
+                        .removesuffix("/compute/v1/")})
+    compute.wait(requests.insert_unary(**kw, instance_group_manager_resize_request_resource=(
+        v1.InstanceGroupManagerResizeRequest(name="flex", resize_by=2,
+                                             requested_run_duration=v1.Duration(seconds=3600)))))
+    wait_for(lambda: requests.get(**kw, resize_request="flex").state == "SUCCEEDED",
+             timeout=120, interval=0.3, what="the resize request")
+    assert [m.instance_status for m in compute.groups.list_managed_instances(**kw)] == \
+        ["RUNNING", "RUNNING"]
+    compute.wait(compute.groups.delete_unary(**kw))
+    # a VM the zone has no capacity for: the MIG keeps trying, and listErrors says why
+    sim_admin.fail_next_create("stockout", vms=1)
+    compute.wait(compute.groups.insert_unary(
+        project=compute.project, zone=compute.zone,
+        instance_group_manager_resource=v1.InstanceGroupManager(
+            name=group, instance_template=f"global/instanceTemplates/{template}",
+            base_instance_name=group, target_size=2,
+            resource_policies=v1.InstanceGroupManagerResourcePolicies(
+                workload_policy=f"regions/{compute.region}/resourcePolicies/{policy}"))))
+    errors = list(compute.groups.list_errors(**kw))
+    assert [e.error.code for e in errors] == ["ZONE_RESOURCE_POOL_EXHAUSTED"]
+    assert "does not have enough resources" in errors[0].error.message
+    compute.wait(compute.groups.delete_unary(**kw))
     # an injected stockout ends the insert operation with the capacity error
     sim_admin.fail_next_create("stockout")
     op = compute.wait(compute.instances.insert_unary(
@@ -162,6 +247,15 @@ def test_client_mig_and_its_errors(compute, gcloud_env, sim_admin):
             name=unique_name("ci"),
             machine_type=f"zones/{compute.zone}/machineTypes/tpu7x-standard-4t")))
     assert op.error.errors[0].code == "ZONE_RESOURCE_POOL_EXHAUSTED"
+    # an injected quota failure: a DONE operation with QUOTA_EXCEEDED, and no VM left behind
+    sim_admin.fail_next_create("quota")
+    vm = unique_name("cq")
+    op = compute.wait(compute.instances.insert_unary(
+        project=compute.project, zone=compute.zone, instance_resource=v1.Instance(
+            name=vm, machine_type=f"zones/{compute.zone}/machineTypes/tpu7x-standard-4t")))
+    assert op.error.errors[0].code == "QUOTA_EXCEEDED" and "Quota" in op.error.errors[0].message
+    with pytest.raises(gexc.NotFound):
+        compute.instances.get(project=compute.project, zone=compute.zone, instance=vm)
     with pytest.raises(gexc.BadRequest, match="does not exist in zone"):
         compute.instances.insert_unary(
             project=compute.project, zone=compute.zone, instance_resource=v1.Instance(

@@ -6,9 +6,19 @@ client, listed beside TPU API nodes, reached by worker verbs, deleted with what 
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
-from helpers import cli_env, compute_clients, ok, one_sentence, tpufab, unique_name, wait_for
+from helpers import (
+    call,
+    cli_env,
+    compute_clients,
+    ok,
+    one_sentence,
+    tpufab,
+    unique_name,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(900)]  # a loaded 2-core machine
 
@@ -162,6 +172,66 @@ def test_a_vm_the_mig_recreates_keeps_its_worker_number_and_its_new_key_is_pinne
                    if i.key == "ssh-ed25519")
     assert _pinned(home, f"tpufab-{group_id}-vm{new.id}") == [new_key]
     assert new_key not in pinned_before  # a new disk, a new key: no old key is the new VM's
+
+
+JAX_PROGRAM = (
+    "import json, os, jax, numpy as np\n"
+    "from jax.experimental import multihost_utils\n"
+    "jax.config.update('jax_cpu_collectives_implementation', 'gloo')\n"
+    "jax.distributed.initialize(initialization_timeout=120)\n"
+    "ids = multihost_utils.process_allgather(np.array([jax.process_index()]))\n"
+    "print('jax', json.dumps({'me': jax.process_index(), 'count': jax.process_count(),\n"
+    "      'ids': [int(x) for x in np.asarray(ids).reshape(-1)],\n"
+    "      'tpufab': os.environ.get('TPUFAB_WORKER_ID'),\n"
+    "      'gke': 'TPU_WORKER_HOSTNAMES' in os.environ}))\n"
+    "jax.distributed.shutdown()\n")
+
+
+def _jax_said(out: str) -> dict[str, dict]:
+    return {line.split(" │ ")[0].strip(): json.loads(line.split(" │ jax ", 1)[1])
+            for line in out.splitlines() if " │ jax " in line}
+
+
+def test_the_slices_guest_is_compute_engines_and_jax_numbers_its_workers_as_tpufab(
+        sliced, env, home, sim, tmp_path):
+    """A MIG slice's VMs serve what Compute Engine TPU VMs serve (worker-network-endpoints a
+    bare list of the VMs' names in worker order; tpu-env's TOPOLOGY, TPU_WORKER_ID,
+    CHIPS_PER_HOST_BOUNDS), and JAX's own discovery agrees with tpufab's numbering, after the
+    MIG recreated worker 0 elsewhere: through the metadata server (`exec`, no TPU_* set:
+    GceTpuCluster, the coordinator found by name) and through tpufab's job environment
+    (`run`: TPU_WORKER_ID and TPU_WORKER_HOSTNAMES, GkeTpuCluster)."""
+    from pathlib import Path
+
+    from helpers import build_shared_site
+
+    build_shared_site([Path(sim.state_dir) / "share"])
+    md = "curl -sf -H Metadata-Flavor:Google http://metadata.google.internal/computeMetadata/" \
+        "v1/instance/attributes/"
+    out = ok(tpufab("exec", "--name", sliced, "--", f"echo $(hostname) $({md}worker-network-"
+                    f"endpoints) $({md}tpu-env | tr '\\n' ' ')", env=env, cwd=home))
+    said = {w.strip(): text.split() for w, text in
+            (line.split(" │ ") for line in out.splitlines() if " │ " in line)}
+    names = [said["w0"][0], said["w1"][0]]
+    for w in (0, 1):
+        assert said[f"w{w}"][1] == ",".join(names), said  # bare names, in worker order
+        assert " ".join(said[f"w{w}"][2:]) == \
+            f"CHIPS_PER_HOST_BOUNDS: '2,2,1' TOPOLOGY: '2x2x2' TPU_WORKER_ID: '{w}'", said
+    command = ("PYTHONPATH=/opt/tpufab-sim/share/site JAX_PLATFORMS=cpu JAX_FORCE_TPU_INIT=1 "
+               f"timeout 300 python3 -c {shlex.quote(JAX_PROGRAM)}")
+    found = _jax_said(ok(tpufab("exec", "--name", sliced, "--timeout", "320", "--", command,
+                                env=env, cwd=home, timeout=360)))
+    assert {w: (r["me"], r["count"], r["ids"], r["gke"]) for w, r in found.items()} == {
+        "w0": (0, 2, [0, 1], False), "w1": (1, 2, [0, 1], False)}, found
+    recipe = tmp_path / "jax_job.sh"
+    recipe.write_text("#!/bin/bash\nexport PYTHONPATH=/opt/tpufab-sim/share/site "
+                      "JAX_PLATFORMS=cpu JAX_FORCE_TPU_INIT=1\n"
+                      f"exec timeout 300 python3 -c {shlex.quote(JAX_PROGRAM)}\n")
+    ran = call({**env, "TPUFAB_NAME": sliced}, "run", cwd=home, recipe=str(recipe),
+               no_deploy=True, raw=True, timeout=400)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    found = _jax_said(ran.stdout)
+    assert {w: (r["me"], r["tpufab"], r["gke"]) for w, r in found.items()} == {
+        "w0": (0, "0", True), "w1": (1, "1", True)}, found
 
 
 def test_delete_takes_the_mig_and_what_tpufab_made_never_what_others_use(sliced, env, home,

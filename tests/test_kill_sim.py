@@ -224,10 +224,17 @@ def test_zombies_are_cleared_the_protected_process_survives_and_a_new_run_works(
     assert "TPU is already in use by process with pid" in blocked.stdout
     assert "failed on w[0-2]: w[0-2] exited 1; w3 exited 0." in blocked.stderr
 
+    # the holders look as a crashed job's do, in status's TPU column and lines as in kill's
+    status = call(env, "status", cwd=tmp_path)
+    assert "python3 train.py: w[0-2]" in status.stdout, status.stdout
+    assert "-I -S -c" not in status.stdout and "import os" not in status.stdout
+
     killed = call(env, "kill", cwd=tmp_path, grace=1)
     # the protected tpu-runtime still holds /dev/accel0 on w[0-2]: kill says so and fails
     assert killed.returncode == 1, killed.stdout + killed.stderr
     lines = flat(killed.stdout)
+    assert any("`python3 train.py`" in line for line in lines), lines
+    assert "-I -S -c" not in killed.stdout
     assert any(line.startswith("w[0-2] killed") and "needed SIGKILL" in line
                for line in lines), lines
     assert any(line.startswith("w[0-2] killed") and "stopped by SIGTERM" in line

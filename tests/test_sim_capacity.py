@@ -152,7 +152,7 @@ def test_the_largest_tpu7x_slice_is_refused_with_the_figure_and_nothing_left(sma
         server.shutdown()
         server.server_close()
     assert small.workers.calls == []  # no worker started
-    state = small._state.get("compute") or {}
+    state = small.store.data.get("compute") or {}
     for kind in ("instances", "groups", "templates", "policies"):
         assert not state.get(kind), (kind, state.get(kind))
-    assert small._state["nodes"] == {}
+    assert small.store.nodes == {}

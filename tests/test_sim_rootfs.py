@@ -16,7 +16,8 @@ from helpers import metadata_keys, ssh_run, unique_name
 
 pytestmark = pytest.mark.sim
 
-PROBES = ("/usr/local/lib/{tag}", "/etc/{tag}", "/var/lib/dpkg/info/{tag}.list", "/opt/{tag}")
+PROBES = ("/usr/local/lib/{tag}", "/usr/local/bin/{tag}", "/etc/{tag}",
+          "/var/lib/dpkg/info/{tag}.list", "/opt/{tag}", "/srv/{tag}", "/{tag}")
 
 
 def wheel(name: str) -> bytes:

@@ -20,8 +20,7 @@ from harness import needs_root
 from helpers import port_open, wait_for
 
 from tpufab.errors import SimError
-from tpufab.sim.workers import (
-    WorkerPool,
+from tpufab.sim.worker_files import (
     WorkerSpec,
     find_host_tools,
     fold_workers,
@@ -30,6 +29,7 @@ from tpufab.sim.workers import (
     sshd_config_text,
     strip_managed_keys,
 )
+from tpufab.sim.workers import WorkerPool
 
 REPO = Path(__file__).resolve().parents[1]
 ACCEL = tuple(f"/dev/accel{i}" for i in range(4))
@@ -388,7 +388,8 @@ def test_wait_listening_is_bounded_and_names_the_late_workers(pod):
 OWNER = textwrap.dedent("""
     import json, sys, threading
     from pathlib import Path
-    from tpufab.sim.workers import WorkerPool, WorkerSpec
+    from tpufab.sim.worker_files import WorkerSpec
+    from tpufab.sim.workers import WorkerPool
     pool = WorkerPool(Path(sys.argv[1]))
     spec = WorkerSpec("5555", 0, sys.argv[2], "t1v-n-000015b3-w-0", ())
     # started from a short-lived thread, like an HTTP request handler

@@ -14,7 +14,9 @@ from tpufab.views import nodes as node_views
 from tpufab.views import status as status_view
 
 LONG = ("python3 -I -S /home/me/.cache/tpufab/remote/5d41402abc4b2a76b9719d911017c592/"
-        "train.py --config configs/llama3-8b.yaml --steps 100000")
+        "{script}.py --config configs/llama3-8b.yaml --steps 100000")
+# three holders of one worker: the TPU cell names each (program and script), a long cell
+SCRIPTS = ("pretrain_llama3_8b_on_the_pile", "evaluate_llama3_8b_checkpoints", "export_weights")
 
 
 def printed(renderable_of, width: int, *, wide: bool = False) -> list[str]:
@@ -26,7 +28,9 @@ def printed(renderable_of, width: int, *, wide: bool = False) -> list[str]:
 
 
 def busy_status() -> st.StatusReport:
-    busy = [{"path": "/dev/accel0", "holders": [{"pid": 812, "command": LONG}]},
+    busy = [{"path": "/dev/accel0", "holders": [
+                {"pid": 812 + i, "command": LONG.format(script=name)}
+                for i, name in enumerate(SCRIPTS)]},
             {"path": "/dev/accel1", "holders": []}]
     workers = {w: facts_of(w) for w in range(4)}
     workers[2] = facts_of(2, devices=busy)
@@ -47,8 +51,10 @@ def test_a_busy_workers_long_holder_stays_on_its_row():
 
 def test_wide_shows_every_value_in_full():
     status = busy_status()
-    cell = status.folded[1].tpu          # the holder's command as status words it
-    assert cell.startswith("1/2 busy: python3 -I -S /home/me/.cache/tpufab/") and len(cell) > 40
+    cell = status.folded[1].tpu          # the holders' commands as status words them
+    assert cell == "1/2 busy: python3 evaluate_llama3_8b_checkpoint...; python3 " \
+        "export_weights.py +1"  # each cut at 40 characters, two named, the count of the rest
+    assert ".cache/tpufab" not in cell   # what names them, not the path
     lines = printed(lambda c: status_view.table(status, c), 100, wide=True)
     assert len(lines) == 3 and cell in lines[2] and "…" not in "".join(lines)
 

@@ -5,7 +5,8 @@
               [--ignore-term K] [--lock-holder [--lock-holder-name NAME]]
               [--protected-name NAME | --no-protected]
 
-Starts detached processes (own session, stdio on /dev/null) that hold the TPU:
+Starts detached processes (own session, stdio on /dev/null) that hold the TPU, looking as a
+crashed job's do (``python3 train.py``; the protected one by its NAME alone):
   holder-0..N-1  hold every device file; holder-0 also holds the lockfiles with flock, as
                  libtpu does; the first K of them ignore SIGTERM (only SIGKILL stops them);
   lock-holder    (with --lock-holder) holds the lockfiles instead of holder-0, like a
@@ -24,14 +25,18 @@ import fcntl
 import json
 import os
 import select
+import shutil
 import signal
 import sys
+import tempfile
 import time
 
 from tpufab.remote.workerlib import DEVICE_GLOBS, answer, expand_globs
 
 DEFAULT_LOCKFILES = ("/tmp/libtpu_lockfile",)
 READY_TIMEOUT = 10.0
+# What a holder shows as its command line once it holds the TPU: a crashed job's process.
+JOB_ARGV = ("python3", "train.py")
 
 
 def spawn(role, name, devices, lockfiles, ignore_term):
@@ -70,12 +75,50 @@ def hold(role, name, devices, lockfiles, ignore_term, ready_w):
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         held.append(fd)
+    argv = [name] if name else list(JOB_ARGV)
     os.write(ready_w, json.dumps({"pid": os.getpid(), "role": role, "name": name or "python3",
-                                  "ignores_term": ignore_term,
+                                  "ignores_term": ignore_term, "argv": argv,
                                   "holds": list(devices) + list(lockfiles)}).encode())
     os.close(ready_w)
-    while True:
-        signal.pause()
+    become(argv, held)
+
+
+def become(argv, held):
+    """Go on holding ``held`` as a process whose command line is ``argv``, doing nothing: a
+    private folder holds ``argv[0]``, a link to cat, and (for a script) a FIFO of the
+    script's name that no one ever writes, so cat waits on it forever; without a script, cat
+    waits on a FIFO as its stdin. Ignored signals stay ignored across exec (SIGTERM for the
+    stubborn ones); the held descriptors and the flock stay with the process."""
+    cat = shutil.which("cat", path="/usr/bin:/bin") or "/bin/cat"
+    where = tempfile.mkdtemp(prefix=".tpufab-zombie-")
+    os.symlink(cat, os.path.join(where, argv[0]))
+    fifo = os.path.join(where, argv[1] if len(argv) > 1 else "stdin")
+    os.mkfifo(fifo, 0o600)
+    if len(argv) == 1:
+        stdin = os.open(fifo, os.O_RDWR)  # never EOF: cat reads it forever
+        os.dup2(stdin, 0)
+    for fd in held:
+        os.set_inheritable(fd, True)
+    os.chdir(where)
+    os.execv(os.path.join(where, argv[0]), argv)
+
+
+def wait_exec(reports, timeout):
+    """Wait (bounded) until every ready holder's command line is the job's it took on."""
+    deadline = time.monotonic() + timeout
+    for report in reports:
+        if not report or "argv" not in report:
+            continue
+        wanted = ("\0".join(report["argv"]) + "\0").encode()
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{report['pid']}/cmdline", "rb") as fh:
+                    if fh.read() == wanted:
+                        break
+            except OSError:
+                break
+            time.sleep(0.01)
+        report.pop("argv", None)
 
 
 def wait_ready(pipes, timeout):
@@ -137,6 +180,7 @@ def main(argv=None):
 
     pipes = [spawn(*entry)[1] for entry in plan]
     reports = wait_ready(pipes, READY_TIMEOUT)
+    wait_exec(list(reports.values()), READY_TIMEOUT)
     zombies = [reports[fd] or {"role": role, "error": "did not get ready"}
                for fd, (role, *_rest) in zip(pipes, plan, strict=True)]
     answer("answer", {"zombies": zombies, "devices": devices, "lockfiles": lockfiles})

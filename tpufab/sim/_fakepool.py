@@ -68,6 +68,13 @@ class PaperWorkers:
     def remove_worker(self, node_id, index) -> None:
         self._record("remove_worker", node_id)
 
+    def end_worker(self, node_id, index) -> None:
+        self._record("end_worker", node_id)
+
+    def console_log(self, node_id, index) -> str:
+        spec = self.nodes.get(node_id, {}).get(index)
+        return f"[    0.000000] {spec.hostname} booted (paper)\n" if spec else ""
+
     def sync_keys(self, node_id, ssh_keys: str) -> None:
         self._record("sync_keys", node_id)
         with self._lock:

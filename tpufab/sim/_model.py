@@ -71,7 +71,8 @@ STATUS_CODES: dict[str, tuple[int, int]] = {
 # from /sys/bus/pci/devices to decide that they run on a TPU VM.
 TPU_PCI_VENDOR = "0x1ae0"
 TPU_PCI_DEVICE = {"v2": "0x0027", "v3": "0x0027", "v4": "0x005e", "v5p": "0x0062",
-                  "v5litepod": "0x0063", "v6e": "0x006f"}
+                  "v5litepod": "0x0063", "v6e": "0x006f",
+                  "tpu7x": "0x0076"}  # JAX's jax/_src/hardware_utils.py (0.10) knows it so
 
 MAP_FIELDS = frozenset({"metadata", "labels"})
 UPDATABLE_FIELDS = {
@@ -291,7 +292,7 @@ def quota_message(topo: Topology, zone: str, limit: int) -> str:
         "v5litepod": "TPUV5sLitepodPerProjectPerZoneForTPUAPI",
         "v5p": "TPUV5sPerProjectPerZoneForTPUAPI",
         "v6e": "TPUV6EPerProjectPerZoneForTPUAPI",
-    }[topo.generation]
+    }.get(topo.generation, f"TPU{topo.generation.upper()}PerProjectPerZone")
     return f"Quota limit '{metric}' has been exceeded. Limit: {limit} in zone {zone}."
 
 
@@ -359,7 +360,14 @@ V2_SCHEDULING = frozenset({"preemptible", "reserved", "spot"})
 
 
 def version_view(resource: dict[str, Any], kind: str, version: str) -> dict[str, Any]:
-    """``resource`` (a Node or QueuedResource record) as API ``version`` shows it."""
+    """``resource`` (a Node or QueuedResource record) as API ``version`` shows it: through
+    v2 only v2's fields, through v2alpha1 its enum values and field names (a v2 node's
+    ``apiVersion: V2`` is not in v2alpha1's enum; a multislice node spec is
+    ``multisliceParams`` in v2 and ``multiNodeParams`` in v2alpha1)."""
+    if kind == "QueuedResource" and version in ("v2", "v2alpha1"):
+        resource = _queued_view(resource, version)
+    if kind == "Node" and version == "v2alpha1" and resource.get("apiVersion") == "V2":
+        resource = {**resource, "apiVersion": "V2_ALPHA1"}
     if version != "v2" or kind not in V2_FIELDS:
         return resource
     view = {k: v for k, v in resource.items() if k in V2_FIELDS[kind]}
@@ -369,19 +377,60 @@ def version_view(resource: dict[str, Any], kind: str, version: str) -> dict[str,
     return view
 
 
+MULTISLICE_FIELD = {"v2": "multisliceParams", "v2alpha1": "multiNodeParams"}
+
+
+def _queued_view(resource: dict[str, Any], version: str) -> dict[str, Any]:
+    tpu = resource.get("tpu")
+    if not isinstance(tpu, dict) or not isinstance(tpu.get("nodeSpec"), list):
+        return resource
+    wanted = MULTISLICE_FIELD[version]
+    specs = []
+    for spec in tpu["nodeSpec"]:
+        spec = dict(spec) if isinstance(spec, dict) else spec
+        if isinstance(spec, dict):
+            params = spec.pop("multisliceParams", None) or spec.pop("multiNodeParams", None)
+            if params is not None:
+                spec[wanted] = params
+            if isinstance(spec.get("node"), dict):
+                spec["node"] = version_view(spec["node"], "Node", version)
+        specs.append(spec)
+    return {**resource, "tpu": {**tpu, "nodeSpec": specs}}
+
+
+V1_NODE_IN_V2 = ("name", "acceleratorType", "state", "health", "createTime",
+                 "networkEndpoints", "cidrBlock", "schedulingConfig", "description", "labels",
+                 "apiVersion")
+
+
+def v1_node_in_v2(node: dict[str, Any]) -> dict[str, Any]:
+    """A legacy (API v1) node as API v2 and v2alpha1 show it: its runtime is its TensorFlow
+    version, its network a networkConfig; fields only v1 has are left out."""
+    view = {k: v for k, v in node.items() if k in V1_NODE_IN_V2}
+    if "tensorflowVersion" in node:
+        view["runtimeVersion"] = node["tensorflowVersion"]
+    if "network" in node:
+        view["networkConfig"] = {"network": node["network"]}
+    return view
+
+
+TPU_TYPE = re.compile(r"\.tpu\.v(?:1|2|2alpha1)\.")
+
+
 def operation_view(op: dict[str, Any], version: str) -> dict[str, Any]:
-    """An operation as API ``version`` shows it: its types in that version, its response
-    resource as that version knows it."""
-    if version != "v2":
-        return op
+    """An operation as API ``version`` shows it: its types in that version (an operation the
+    v1 or v2alpha1 API started, listed through v2, says ``google.cloud.tpu.v2....``: a v2
+    client has no other types), its response resource as that version knows it."""
     op = json.loads(json.dumps(op))
     for part in ("metadata", "response"):
         value = op.get(part)
         if isinstance(value, dict) and isinstance(value.get("@type"), str):
-            type_url = value["@type"].replace(".tpu.v2alpha1.", ".tpu.v2.")
+            type_url = TPU_TYPE.sub(f".tpu.{version}.", value["@type"])
             kind = type_url.rsplit(".", 1)[-1]
             rest = {k: v for k, v in value.items() if k != "@type"}
             if part == "response":
+                if ".tpu.v1." in value["@type"] and version != "v1" and kind == "Node":
+                    rest = v1_node_in_v2(rest)
                 rest = version_view(rest, kind, version)
             op[part] = {"@type": type_url, **rest}
     return op

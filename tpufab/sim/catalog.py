@@ -1,5 +1,5 @@
 """The emulator's read-only catalog: locations, accelerator types, runtime versions, and the
-one Compute Engine call gcloud makes before `tpu-vm ssh`. No state: pure answers."""
+project's number. No state: pure answers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Any
 from tpufab.sim._model import (
     LOCATIONS,
     RUNTIME_VERSIONS,
-    ApiFailure,
     accelerator_type_resource,
     accelerator_types,
     not_found,
@@ -67,19 +66,3 @@ def runtime_version(name: str) -> dict[str, Any]:
     if version not in RUNTIME_VERSIONS:
         raise not_found(name)
     return {"name": name, "version": version}
-
-
-def compute(method: str, rest: str) -> dict[str, Any]:
-    parts = rest.split("/")
-    if method == "GET" and len(parts) == 2 and parts[0] == "projects":
-        project = parts[1]
-        return {
-            "kind": "compute#project",
-            "id": project_number(project),
-            "name": project,
-            "commonInstanceMetadata": {"kind": "compute#metadata",
-                                       "fingerprint": "c2ltLXBvZA==", "items": []},
-            "defaultServiceAccount": f"{project}@developer.gserviceaccount.com",
-            "xpnProjectStatus": "UNSPECIFIED_XPN_PROJECT_STATUS",
-        }
-    raise ApiFailure("NOT_FOUND", f"The resource 'projects/{rest}' was not found")

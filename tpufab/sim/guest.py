@@ -17,16 +17,15 @@ import secrets
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tpufab.sim._model import ApiFailure, rfc3339, topology_string, worker_hostname
 from tpufab.sim.catalog import project_number
 from tpufab.sim.metadata import JsonLeaf
 from tpufab.sim.network import BASTION_SUFFIX
+from tpufab.sim.oslogin import OsLoginService
+from tpufab.sim.store import SimStore, behind_compute_engine
 from tpufab.topology import parse_accelerator_type
-
-if TYPE_CHECKING:
-    from tpufab.sim.emulator import Emulator
 
 log = logging.getLogger("tpufab.sim")
 
@@ -121,6 +120,19 @@ class Tokens:
         os.replace(tmp, self.path)
 
 
+def compute_engine_tpu_env(node: dict[str, Any], worker: int) -> str:
+    """tpu-env of a Compute Engine TPU VM: the keys a TPU7x MIG's VMs were seen to carry
+    (GoogleCloudPlatform/cluster-toolkit#6351: ``TOPOLOGY``, ``TPU_WORKER_ID``,
+    ``CHIPS_PER_HOST_BOUNDS``); which others Compute Engine sets is not established, so no
+    more are made up (docs/simulated-pod.md)."""
+    topo = parse_accelerator_type(node["acceleratorType"])
+    topo_text = (node.get("acceleratorConfig") or {}).get("topology") or topology_string(topo)
+    per_host, _ = host_bounds(topo_text, topo.chips_per_host, topo.hosts)
+    values = {"CHIPS_PER_HOST_BOUNDS": per_host, "TOPOLOGY": topo_text or "",
+              "TPU_WORKER_ID": str(worker)}
+    return "".join(f"{k}: '{v}'\n" for k, v in values.items())
+
+
 def metadata_tree(record: dict[str, Any], worker: int, *, slice_info: dict[str, Any] | None,
                   tokens: Tokens) -> dict[str, Any]:
     """The ``computeMetadata/v1`` tree of one worker of a node record (emulator state)."""
@@ -137,18 +149,26 @@ def metadata_tree(record: dict[str, Any], worker: int, *, slice_info: dict[str, 
         email = f"{project_number(project)}-compute@developer.gserviceaccount.com"
     scopes = list(account.get("scope") or ["https://www.googleapis.com/auth/cloud-platform"])
     attributes: dict[str, Any] = dict(node.get("metadata") or {})
-    attributes.update({
-        "accelerator-type": node["acceleratorType"],
-        "agent-worker-number": str(worker),
-        "tpu-env": tpu_env(node, worker, slice_info),
-        # name:id:ip triples (the older of the two formats JAX accepts)
-        "worker-network-endpoints": ",".join(
-            f"{names[w] if w < len(names) else worker_hostname(node['id'], w)}:{w}:"
-            f"{e['ipAddress']}"
-            for w, e in enumerate(endpoints)),
-        "instance-id": node["id"],
-        "zone": zone,
-    })
+    if behind_compute_engine(name):  # a Compute Engine TPU VM: its VMs' names, bare
+        attributes.update({
+            "accelerator-type": node["acceleratorType"],
+            "agent-worker-number": str(worker),
+            "tpu-env": compute_engine_tpu_env(node, worker),
+            "worker-network-endpoints": ",".join(names[:len(endpoints)]),
+        })
+    else:
+        attributes.update({
+            "accelerator-type": node["acceleratorType"],
+            "agent-worker-number": str(worker),
+            "tpu-env": tpu_env(node, worker, slice_info),
+            # name:id:ip triples (the older of the two formats JAX accepts)
+            "worker-network-endpoints": ",".join(
+                f"{names[w] if w < len(names) else worker_hostname(node['id'], w)}:{w}:"
+                f"{e['ipAddress']}"
+                for w, e in enumerate(endpoints)),
+            "instance-id": node["id"],
+            "zone": zone,
+        })
     account_tree = {
         "aliases": ["default"],
         "email": email,
@@ -192,25 +212,27 @@ def metadata_tree(record: dict[str, Any], worker: int, *, slice_info: dict[str, 
 
 class GuestEnvironment:
     """The emulator's handler for what runs inside a node's VMs: metadata servers, startup
-    scripts, maintenance events. It reads and changes the emulator's node records under the
-    emulator's lock; the emulator calls it when workers boot and stop."""
+    scripts, maintenance events. It reads and changes the node records under the shared
+    store's lock; machines.py calls it when workers boot and stop."""
 
-    def __init__(self, emu: Emulator):
-        self.emu = emu
+    def __init__(self, store: SimStore, tokens: Tokens, oslogin: OsLoginService):
+        self.store = store
+        self.tokens = tokens
+        self.oslogin = oslogin
 
     def metadata_tree(self, node_id: str, worker: int) -> dict[str, Any] | None:
         """A worker's computeMetadata/v1 tree (tpufab.sim.metadata asks for it per request)."""
         if node_id.endswith(BASTION_SUFFIX):
             return self._bastion_tree(node_id)
-        with self.emu._lock:
-            found = [(n, r) for n, r in self.emu._state["nodes"].items() if r["node"]["id"] == node_id]
+        with self.store.lock:
+            found = [(n, r) for n, r in self.store.nodes.items() if r["node"]["id"] == node_id]
             if not found:
                 return None
             name, record = found[0]
             record = json.loads(json.dumps(record))
             slice_info = self._slice_info(name, record)
-        tree = metadata_tree(record, worker, slice_info=slice_info, tokens=self.emu.tokens)
-        tree["project"]["attributes"] = self.emu.oslogin.project_metadata(name.split("/")[1])
+        tree = metadata_tree(record, worker, slice_info=slice_info, tokens=self.tokens)
+        tree["project"]["attributes"] = self.oslogin.project_metadata(name.split("/")[1])
         return tree
 
     def oslogin(self, node_id: str, worker: int, parts: list[str],
@@ -222,12 +244,12 @@ class GuestEnvironment:
         if record is None:
             return 503, "The worker is not running.\n"
         if bastion:
-            record = self.emu.oslogin.bastion_record(record)
-        return self.emu.oslogin.metadata_answer(record, parts, query)
+            record = self.oslogin.bastion_record(record)
+        return self.oslogin.metadata_answer(record, parts, query)
 
     def _record(self, node_id: str) -> dict[str, Any] | None:
-        with self.emu._lock:
-            found = [r for r in self.emu._state["nodes"].values() if r["node"]["id"] == node_id]
+        with self.store.lock:
+            found = [r for r in self.store.nodes.values() if r["node"]["id"] == node_id]
             return json.loads(json.dumps(found[0])) if found else None
 
     def _bastion_tree(self, bastion_id: str) -> dict[str, Any] | None:
@@ -242,65 +264,66 @@ class GuestEnvironment:
         return {
             "instance": {"attributes": {}, "hostname": f"{hostname}.{zone}.c.{project}.internal",
                          "name": hostname, "zone": f"projects/{project_number(project)}/zones/{zone}"},
-            "project": {"attributes": self.emu.oslogin.project_metadata(project),
+            "project": {"attributes": self.oslogin.project_metadata(project),
                         "numeric-project-id": int(project_number(project)),
                         "project-id": project},
         }
 
     def _slice_info(self, name: str, record: dict[str, Any]) -> dict[str, Any] | None:
         """Multislice facts for tpu-env (caller holds the lock), None for a single slice."""
-        qr = self.emu._state["queuedResources"].get(record["node"].get("queuedResource") or "")
+        qr = self.store.queued_resources.get(record["node"].get("queuedResource") or "")
         if qr is None or not record["node"].get("multisliceNode"):
             return None
         names = [p["name"] for p in qr["sim"]["plan"]]
-        first = self.emu._state["nodes"].get(names[0])
+        first = self.store.nodes.get(names[0])
         if name not in names or first is None:
             return None
         return {"id": names.index(name), "count": len(names),
                 "coordinator": first["node"]["networkEndpoints"][0]["ipAddress"]}
 
     def open_metadata(self, node_id: str, specs: list[Any]) -> None:
-        if self.emu.metadata is not None:
-            self.emu.metadata.open(node_id, [(s.index, s.ip, getattr(s, "netns", ""))
-                                             for s in specs])
+        if self.store.metadata is not None:
+            self.store.metadata.open(node_id, [(s.index, s.ip, getattr(s, "netns", ""))
+                                               for s in specs])
 
     def close_metadata(self, node_id: str) -> None:
-        if self.emu.metadata is not None:
-            self.emu.metadata.close(node_id)
+        if self.store.metadata is not None:
+            self.store.metadata.close(node_id)
 
     def booted(self, name: str, node_id: str, specs: list[Any]) -> None:
         """After every boot (create, start, daemon restart): run startup-script metadata."""
-        if self.emu.metadata is None:
+        if self.store.metadata is None:
             return  # paper workers (no root): nothing to run on
-        with self.emu._lock:
-            record = self.emu._state["nodes"].get(name)
+        with self.store.lock:
+            record = self.store.nodes.get(name)
             if record is None or "startup-script" not in (record["node"].get("metadata") or {}):
                 return
-            record["sim"]["startup"] = {str(s.index): {} for s in specs}
-            self.emu._save()
+            record["sim"].setdefault("startup", {}).update({str(s.index): {} for s in specs})
+            self.store.save()
         for spec in specs:
-            self.emu._spawn(self._run_startup_script, name, node_id, spec.index)
+            self.store.spawn(self._run_startup_script, name, node_id, spec.index)
 
     def _run_startup_script(self, name: str, node_id: str, worker: int) -> None:
         started = time.time()
         try:
-            proc = self.emu.workers.exec_in(node_id, worker, ["/usr/bin/python3", "-I", "-S", "-"],
-                                        input=STARTUP_RUNNER.read_text(), timeout=3600)
+            proc = self.store.workers.exec_in(node_id, worker,
+                                              ["/usr/bin/python3", "-I", "-S", "-"],
+                                              input=STARTUP_RUNNER.read_text(), timeout=3600)
             outcome = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() \
                 else {"error": proc.stderr.strip()[-500:] or f"runner exited {proc.returncode}"}
         except Exception as exc:  # noqa: BLE001 - recorded where a user looks
             outcome = {"error": str(exc)}
         outcome["startedAt"] = rfc3339(started)
         outcome["endedAt"] = rfc3339()
-        with self.emu._lock:
-            record = self.emu._state["nodes"].get(name)
+        with self.store.lock:
+            record = self.store.nodes.get(name)
             if record is None or record["node"]["id"] != node_id:
                 return
             record["sim"].setdefault("startup", {})[str(worker)] = outcome
-            self.emu._save()
+            self.store.save()
 
     def simulate_maintenance(self, version: str, name: str,
-                              body: dict[str, Any]) -> dict[str, Any]:
+                             body: dict[str, Any]) -> dict[str, Any]:
         """nodes:simulateMaintenanceEvent: the workers' metadata announces host maintenance
         (``instance/maintenance-event: TERMINATE_ON_HOST_MAINTENANCE``) for
         ``maintenance_notice`` seconds, then the event is over and it says NONE again. As the
@@ -310,14 +333,14 @@ class GuestEnvironment:
     def perform_maintenance(self, version: str, name: str) -> dict[str, Any]:
         """nodes:performMaintenance (v2alpha1): the node's pending maintenance now, on every
         worker (announced as a simulated event is), and no longer upcoming."""
-        with self.emu._lock:
-            hosts = len(self.emu._require_node(name)["node"]["networkEndpoints"])
+        with self.store.lock:
+            hosts = len(self.store.require_node(name)["node"]["networkEndpoints"])
         op = self._maintenance(version, name, {"workerIds": list(range(hosts))},
                                "performMaintenance")
-        with self.emu._lock:
-            record = self.emu._state["nodes"].get(name)
+        with self.store.lock:
+            record = self.store.nodes.get(name)
             if record is not None and record["node"].pop("upcomingMaintenance", None):
-                self.emu._save()
+                self.store.save()
         return op
 
     def perform_maintenance_queued(self, version: str, name: str,
@@ -325,15 +348,15 @@ class GuestEnvironment:
         """queuedResources:performMaintenanceQueuedResource (v2alpha1): performMaintenance on
         the queued resource's nodes (``nodeNames``, short or full names; none: every node);
         the operation's response is the QueuedResource, as the API's."""
-        with self.emu._lock:
-            record = self.emu._state["queuedResources"].get(name)
+        with self.store.lock:
+            record = self.store.queued_resources.get(name)
             if record is None:
                 raise ApiFailure("NOT_FOUND", f"Resource '{name}' was not found")
             state = record["qr"]["state"]["state"]
             if state != "ACTIVE":
                 raise ApiFailure("FAILED_PRECONDITION", f"Queued resource {name} is {state}; "
                                  "maintenance is performed on an ACTIVE one's nodes.")
-            nodes = self.emu.queued.node_names(record)
+            nodes = self.store.queued_node_names(record)
         wanted = body.get("nodeNames") or body.get("node_names") or []
         if wanted:
             short = {n.rsplit("/", 1)[-1]: n for n in nodes}
@@ -344,13 +367,13 @@ class GuestEnvironment:
             nodes = [short.get(w, w) for w in wanted]
         for node in nodes:
             self.perform_maintenance(version, node)
-        with self.emu._lock:
-            record = self.emu._state["queuedResources"][name]
-            op = self.emu._new_operation(version, name, "performMaintenanceQueuedResource")
-            self.emu._finish_operation(op["name"], response=record["qr"],
-                                       response_type="QueuedResource")
-            self.emu._save()
-            return json.loads(json.dumps(self.emu._state["operations"][op["name"]]))
+        with self.store.lock:
+            record = self.store.queued_resources[name]
+            op = self.store.new_operation(version, name, "performMaintenanceQueuedResource")
+            self.store.finish_operation(op["name"], response=record["qr"],
+                                        response_type="QueuedResource")
+            self.store.save()
+            return json.loads(json.dumps(self.store.operations[op["name"]]))
 
     def schedule_maintenance(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         """Admin: announce a maintenance window on the node as the API does, in its
@@ -358,11 +381,11 @@ class GuestEnvironment:
         ``inSeconds`` from now and lasts ``windowSeconds`` (default 1 h), SCHEDULED, PENDING,
         reschedulable up to a week later. ``clear``: take it back. Nothing happens by itself
         at the window: `performMaintenance` (or a simulated event) is the maintenance."""
-        with self.emu._lock:
-            record = self.emu._require_node(name)
+        with self.store.lock:
+            record = self.store.require_node(name)
             if body.get("clear"):
                 record["node"].pop("upcomingMaintenance", None)
-                self.emu._save()
+                self.store.save()
                 return record["node"]
             if record["node"]["state"] != "READY":
                 raise ApiFailure("FAILED_PRECONDITION", f"Node {name} is "
@@ -382,13 +405,13 @@ class GuestEnvironment:
                 "latestWindowStartTime": rfc3339(start + 7 * 86400),
                 "maintenanceStatus": "PENDING",
             }
-            self.emu._save()
+            self.store.save()
             return record["node"]
 
     def _maintenance(self, version: str, name: str, body: dict[str, Any],
                      verb: str) -> dict[str, Any]:
-        with self.emu._lock:
-            record = self.emu._require_node(name)
+        with self.store.lock:
+            record = self.store.require_node(name)
             if record["node"]["state"] != "READY":
                 raise ApiFailure("FAILED_PRECONDITION", f"Node {name} is "
                                  f"{record['node']['state']}; only a READY node can have a "
@@ -408,18 +431,18 @@ class GuestEnvironment:
             for w in workers:
                 events[str(w)] = TERMINATE
             record["node"]["health"] = "UNHEALTHY_MAINTENANCE"
-            op = self.emu._new_operation(version, name, verb)
-            self.emu._finish_operation(op["name"], response=record["node"])
-            self.emu._save()
-            op = json.loads(json.dumps(self.emu._state["operations"][op["name"]]))
-        self.emu._spawn(self._end_maintenance, name, workers)
+            op = self.store.new_operation(version, name, verb)
+            self.store.finish_operation(op["name"], response=record["node"])
+            self.store.save()
+            op = json.loads(json.dumps(self.store.operations[op["name"]]))
+        self.store.spawn(self._end_maintenance, name, workers)
         return op
 
     def _end_maintenance(self, name: str, workers: list[int]) -> None:
-        if self.emu._stopping.wait(self.emu.settings.maintenance_notice):
+        if self.store.wait(self.store.settings.maintenance_notice):
             return
-        with self.emu._lock:
-            record = self.emu._state["nodes"].get(name)
+        with self.store.lock:
+            record = self.store.nodes.get(name)
             if record is None or record["node"]["state"] != "READY":
                 return
             notices = record["sim"].get("notices") or {}
@@ -430,4 +453,4 @@ class GuestEnvironment:
                 events[str(w)] = NO_EVENT
             if all(v == NO_EVENT for v in events.values()):
                 record["node"]["health"] = "HEALTHY"
-            self.emu._save()
+            self.store.save()

@@ -1,33 +1,41 @@
 """Legacy TPU Nodes (Cloud TPU API v1 ``nodes``): the architecture where a user VM talks to the
 TPU over gRPC (port 8470) and the TPU hosts are not the user's (SkyPilot's ``tpu_vm: False``,
 ``gcloud compute tpus create|list|describe|delete``). Control plane only: such a node has no
-workers to SSH into, so the emulator starts none. A handler of the emulator; its nodes live in
-the emulator's state (``legacyNodes``) and its operations in the shared operations table."""
+workers to SSH into, so the emulator starts none. A handler of the emulator over the shared
+store; its nodes live in its table ``legacyNodes`` and its operations in the shared operations."""
 
 from __future__ import annotations
 
 import ipaddress
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tpufab.errors import ConfigError
-from tpufab.sim._model import ApiFailure, check_id, not_found, page, rfc3339, split_name
+from tpufab.sim._model import (
+    ApiFailure,
+    check_id,
+    not_found,
+    page,
+    rfc3339,
+    split_name,
+    v1_node_in_v2,
+)
+from tpufab.sim.store import SimStore
 from tpufab.topology import parse_accelerator_type
-
-if TYPE_CHECKING:
-    from tpufab.sim.emulator import Emulator
 
 GRPC_PORT = "8470"
 DEFAULT_CIDR = "10.240.0.0/29"
 
 
 class LegacyNodes:
-    def __init__(self, emu: Emulator):
-        self.emu = emu
+    """API v1 nodes: made, listed, got and deleted; no workers."""
+
+    def __init__(self, store: SimStore):
+        self.store = store
 
     @property
     def _nodes(self) -> dict[str, dict[str, Any]]:
-        return self.emu._state.setdefault("legacyNodes", {})
+        return self.store.table("legacyNodes")
 
     def handle(self, method: str, rest: str, query: dict[str, str],
                body: dict[str, Any]) -> dict[str, Any]:
@@ -38,7 +46,7 @@ class LegacyNodes:
         parent = "/".join(parts[:4])
         collection = parts[4]
         if collection == "operations" and len(parts) == 6 and method == "GET":
-            return self.emu._operation(f"{parent}/operations/{parts[5]}")
+            return self.store.operation(f"{parent}/operations/{parts[5]}")
         if collection == "nodes" and len(parts) == 5:
             if method == "GET":
                 return self.list(parent, query)
@@ -54,7 +62,7 @@ class LegacyNodes:
                          "not emulated (create, list, get and delete are).")
 
     def get(self, name: str) -> dict[str, Any]:
-        with self.emu._lock:
+        with self.store.lock:
             node = self._nodes.get(name)
             if node is None:
                 raise not_found(name)
@@ -62,7 +70,7 @@ class LegacyNodes:
 
     def list(self, parent: str, query: dict[str, str]) -> dict[str, Any]:
         prefix = parent[:-1] if parent.endswith("/locations/-") else parent + "/nodes/"
-        with self.emu._lock:
+        with self.store.lock:
             nodes = [json.loads(json.dumps(n)) for k, n in self._nodes.items()
                      if k.startswith(prefix)]
         items, token = page(nodes, query)
@@ -101,73 +109,65 @@ class LegacyNodes:
         for key in ("description", "labels"):
             if key in body:
                 node[key] = body[key]
-        with self.emu._lock:
-            if name in self._nodes or name in self.emu._state["nodes"]:
+        with self.store.lock:
+            if name in self._nodes or name in self.store.nodes:
                 raise ApiFailure("ALREADY_EXISTS", f"Resource '{name}' already exists")
             self._nodes[name] = node
-            op = self.emu._new_operation("v1", name, "create")
-            self.emu._save()
+            op = self.store.new_operation("v1", name, "create")
+            self.store.save()
             op = json.loads(json.dumps(op))
-        self.emu._spawn(self._finish_create, name, op["name"])
+        self.store.spawn(self._finish_create, name, op["name"])
         return op
 
     def _finish_create(self, name: str, op_name: str) -> None:
-        if self.emu._stopping.wait(self.emu.settings.create_delay):
+        if self.store.wait(self.store.settings.create_delay):
             return
-        with self.emu._lock:
+        with self.store.lock:
             node = self._nodes.get(name)
             if node is None or node["state"] != "CREATING":
                 return
             node.update(state="READY", health="HEALTHY")
-            self.emu._finish_operation(op_name, response=node)
-            self.emu._save()
+            self.store.finish_operation(op_name, response=node)
+            self.store.save()
 
     def v2_view(self, name: str) -> dict[str, Any] | None:
         """The node as API v2 shows a node the v1 API created (apiVersion V1), or None."""
-        with self.emu._lock:
+        with self.store.lock:
             node = self._nodes.get(name)
-            if node is None:
-                return None
-            view = {k: json.loads(json.dumps(v)) for k, v in node.items()
-                    if k in ("name", "acceleratorType", "state", "health", "createTime",
-                             "networkEndpoints", "cidrBlock", "schedulingConfig", "description",
-                             "labels", "apiVersion")}
-        view["runtimeVersion"] = node["tensorflowVersion"]
-        view["networkConfig"] = {"network": node["network"]}
-        return view
+            return None if node is None else v1_node_in_v2(json.loads(json.dumps(node)))
 
     def v2_list(self, prefix: str) -> list[dict[str, Any]]:
-        with self.emu._lock:
+        with self.store.lock:
             names = [n for n in self._nodes if n.startswith(prefix)]
         return [v for v in (self.v2_view(n) for n in names) if v is not None]
 
     def delete(self, name: str, version: str = "v1") -> dict[str, Any]:
-        with self.emu._lock:
+        with self.store.lock:
             node = self._nodes.get(name)
             if node is None:
                 raise not_found(name)
             node["state"] = "DELETING"
             node.pop("health", None)
-            op = self.emu._new_operation(version, name, "delete")
-            self.emu._save()
+            op = self.store.new_operation(version, name, "delete")
+            self.store.save()
             op = json.loads(json.dumps(op))
-        self.emu._spawn(self._finish_delete, name, op["name"])
+        self.store.spawn(self._finish_delete, name, op["name"])
         return op
 
     def _finish_delete(self, name: str, op_name: str) -> None:
-        if self.emu._stopping.wait(self.emu.settings.operation_delay):
+        if self.store.wait(self.store.settings.operation_delay):
             return
-        with self.emu._lock:
+        with self.store.lock:
             if self._nodes.pop(name, None) is None:
                 return
-            self.emu._finish_operation(op_name, response_type="Empty")
-            self.emu._save()
+            self.store.finish_operation(op_name, response_type="Empty")
+            self.store.save()
 
     def resume(self) -> set[str]:
         """After a daemon restart (caller holds the lock): finish what was in flight; returns
         the operations it owns."""
         owned = set()
-        for op_name, op in self.emu._state["operations"].items():
+        for op_name, op in self.store.operations.items():
             target = op["metadata"].get("target", "")
             node = self._nodes.get(target)
             if op.get("done") or node is None:
@@ -175,8 +175,8 @@ class LegacyNodes:
             owned.add(op_name)
             if node["state"] == "CREATING":
                 node.update(state="READY", health="HEALTHY")
-                self.emu._finish_operation(op_name, response=node)
+                self.store.finish_operation(op_name, response=node)
             elif node["state"] == "DELETING":
                 del self._nodes[target]
-                self.emu._finish_operation(op_name, response_type="Empty")
+                self.store.finish_operation(op_name, response_type="Empty")
         return owned

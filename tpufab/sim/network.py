@@ -246,11 +246,12 @@ class NodeNetworks:
             return net.path
 
     def _make(self) -> _Net:
-        from tpufab.sim.workers import STD_PATH, _Launcher, find_host_tools
+        from tpufab.sim.worker_files import STD_PATH, find_host_tools
+        from tpufab.sim.worker_procs import Launcher
 
         tools = find_host_tools()
         # Forked by the pool's long-lived launcher thread: PR_SET_PDEATHSIG follows the thread.
-        holder = _Launcher.call(lambda: subprocess.Popen(
+        holder = Launcher.call(lambda: subprocess.Popen(
             [tools.setpriv, "--pdeathsig", "KILL", "--", tools.unshare, "--net", "--",
              "sleep", "infinity"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, start_new_session=True, env={"PATH": STD_PATH}))
@@ -311,7 +312,7 @@ class NodeNetworks:
         """The bastion VM of an internal-IP node (a WorkerSpec in its namespace), or None."""
         if not is_internal(node) or not specs:
             return None
-        from tpufab.sim.workers import WorkerSpec
+        from tpufab.sim.worker_files import WorkerSpec
 
         return WorkerSpec(node_id=node["id"], index=0, ip=bastion_address(specs[0].ip),
                           hostname=f"{specs[0].hostname[:14]}-bastion", device_files=(),

@@ -24,14 +24,12 @@ import json
 import re
 import time
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import unquote
 
 from tpufab.cloud.oslogin import ENABLE_KEY, metadata_flag
 from tpufab.sim._model import ApiFailure
-
-if TYPE_CHECKING:
-    from tpufab.sim.emulator import Emulator
+from tpufab.sim.store import SimStore
 
 DEFAULT_ACCOUNT = "alice@example.com"  # who "you" are on the simulated pod (TPUFAB_OS_LOGIN_ACCOUNT)
 ROLES = ("admin", "login", "none")  # roles/compute.osAdminLogin, roles/compute.osLogin, neither
@@ -39,6 +37,7 @@ ROLE_NAMES = {"admin": "roles/compute.osAdminLogin", "login": "roles/compute.osL
 FIRST_UID = 1_000_000_001
 EMAIL = re.compile(r"[^@/\s]+@[^@/\s]+")
 TYPE = "type.googleapis.com/google.cloud.oslogin.v1."
+BLOCK_PROJECT_KEYS = "block-project-ssh-keys"  # instance metadata: ignore the project's keys
 
 
 def posix_username(email: str) -> str:
@@ -65,21 +64,39 @@ def fingerprint(key: str) -> str:
 
 
 class OsLoginService:
-    """The emulator's OS Login handler; reads and changes emulator state under its lock."""
+    """The emulator's OS Login handler, over the shared store (its table ``osLogin``)."""
 
-    def __init__(self, emu: Emulator):
-        self.emu = emu
+    def __init__(self, store: SimStore):
+        self.store = store
 
     @property
     def _state(self) -> dict[str, Any]:
-        return self.emu._state.setdefault("osLogin", {"projects": {}, "roles": {}, "users": {},
-                                                      "nextUid": FIRST_UID})
+        return self.store.table("osLogin", lambda: {"projects": {}, "roles": {}, "users": {},
+                                                 "nextUid": FIRST_UID})
 
     # ------------------------------------------------------------ project metadata and roles
 
     def project_metadata(self, project: str) -> dict[str, str]:
-        with self.emu._lock:
+        with self.store.lock:
             return dict(self._state["projects"].get(project, {}).get("metadata", {}))
+
+    def project_fingerprint(self, project: str) -> str:
+        """The fingerprint of the project's metadata (Compute Engine's
+        ``commonInstanceMetadata.fingerprint``): a new one at every change."""
+        with self.store.lock:
+            return self._state["projects"].get(project, {}).get("fingerprint") or \
+                base64.b64encode(hashlib.sha256(project.encode()).digest()[:8]).decode()
+
+    def set_project_metadata(self, project: str, items: dict[str, str]) -> None:
+        """Replace the project's metadata (Compute Engine's setCommonInstanceMetadata); its
+        running nodes take its ``ssh-keys`` and ``enable-oslogin`` at once."""
+        with self.store.lock:
+            entry = self._state["projects"].setdefault(project, {})
+            entry["metadata"] = dict(items)
+            entry["fingerprint"] = base64.b64encode(hashlib.sha256(
+                json.dumps([project, items, time.time()]).encode()).digest()[:8]).decode()
+            self.store.save()
+        self.apply_all(project)
 
     def enabled_for(self, record: dict[str, Any]) -> bool:
         """Node metadata enable-oslogin, else the project's (as the guest agent decides)."""
@@ -90,7 +107,7 @@ class OsLoginService:
         return bool(metadata_flag(self.project_metadata(project).get(ENABLE_KEY)))
 
     def role(self, project: str, email: str) -> str:
-        with self.emu._lock:
+        with self.store.lock:
             return self._state["roles"].get(project, {}).get(email, "admin")
 
     def admin(self, method: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -101,7 +118,7 @@ class OsLoginService:
         if not project:
             raise ApiFailure("INVALID_ARGUMENT", "project is required.")
         if method in ("PATCH", "POST"):
-            with self.emu._lock:
+            with self.store.lock:
                 if "enabled" in body:
                     metadata = self._state["projects"].setdefault(project, {}).setdefault(
                         "metadata", {})
@@ -115,9 +132,9 @@ class OsLoginService:
                                          "none.")
                     account = self._email(str(body.get("account") or DEFAULT_ACCOUNT))
                     self._state["roles"].setdefault(project, {})[account] = body["role"]
-                self.emu._save()
+                self.store.save()
             self.apply_all(project)
-        with self.emu._lock:
+        with self.store.lock:
             return {"project": project,
                     "metadata": dict(self._state["projects"].get(project, {})
                                      .get("metadata", {})),
@@ -126,10 +143,17 @@ class OsLoginService:
     # ------------------------------------------------------------ the workers' side
 
     def login_keys(self, record: dict[str, Any]) -> str:
-        """The `ssh-keys` the guest agent honours: none while OS Login is on."""
+        """The `ssh-keys` the guest agent honours: none while OS Login is on; else the
+        node's, and the project's unless the node says ``block-project-ssh-keys``."""
         if self.enabled_for(record):
             return ""
-        return (record["node"].get("metadata") or {}).get("ssh-keys", "")
+        metadata = record["node"].get("metadata") or {}
+        keys = metadata.get("ssh-keys", "")
+        if metadata_flag(metadata.get(BLOCK_PROJECT_KEYS)):
+            return keys
+        project = record["node"]["name"].split("/")[1]
+        shared = self.project_metadata(project).get("ssh-keys", "")
+        return "\n".join(k for k in (keys, shared) if k)
 
     # An internal-IP node's bastion is a VM of its own in the node's project: the TPU node's
     # metadata is not its metadata, so the project's enable-oslogin alone decides for it.
@@ -149,7 +173,7 @@ class OsLoginService:
 
     def accounts(self, project: str) -> list[dict[str, Any]]:
         """Every POSIX account of the project (what the guest's NSS module lists)."""
-        with self.emu._lock:
+        with self.store.lock:
             return [dict(u["accounts"][project]) for u in self._state["users"].values()
                     if project in u.get("accounts", {})]
 
@@ -158,24 +182,25 @@ class OsLoginService:
         it needs: the pool takes its own)."""
         project = record["node"]["name"].split("/")[1]
         on = self.enabled_for(record)
-        self.emu.workers.set_os_login(record["node"]["id"], self.accounts(project) if on else None)
-        if self.emu.network is not None:
+        self.store.workers.set_os_login(record["node"]["id"],
+                                        self.accounts(project) if on else None)
+        if self.store.network is not None:
             on = self.enabled_for(self.bastion_record(record))
-            self.emu.network.set_os_login(record["node"], self.accounts(project) if on else None)
+            self.store.network.set_os_login(record["node"], self.accounts(project) if on else None)
 
     def apply_all(self, project: str | None = None) -> None:
         """After a project-wide change: every running node of ``project`` (or of all)."""
-        with self.emu._lock:
-            records = [json.loads(json.dumps(r)) for r in self.emu._state["nodes"].values()
+        with self.store.lock:
+            records = [json.loads(json.dumps(r)) for r in self.store.nodes.values()
                        if r["node"]["state"] == "READY" and
                        (project is None or r["node"]["name"].split("/")[1] == project)]
         for record in records:
             node_id = record["node"]["id"]
-            with self.emu._node_lock(node_id):
+            with self.store.node_lock(node_id):
                 self.apply(record)
-                self.emu.workers.sync_keys(node_id, self.login_keys(record))
-                if self.emu.network is not None:
-                    self.emu.network.sync_keys(record["node"], self.bastion_keys(record))
+                self.store.workers.sync_keys(node_id, self.login_keys(record))
+                if self.store.network is not None:
+                    self.store.network.sync_keys(record["node"], self.bastion_keys(record))
 
     def metadata_answer(self, record: dict[str, Any], parts: list[str],
                         query: dict[str, str]) -> tuple[int, Any]:
@@ -185,7 +210,7 @@ class OsLoginService:
             return 404, "OS Login is not enabled for this instance.\n"
         project = record["node"]["name"].split("/")[1]
         if parts == ["users"] and "username" in query:
-            with self.emu._lock:
+            with self.store.lock:
                 for email, user in self._state["users"].items():
                     account = user.get("accounts", {}).get(project)
                     if account and account["username"] == query["username"]:
@@ -209,17 +234,17 @@ class OsLoginService:
         if verb == "importSshPublicKey" and len(parts) == 1 and method == "POST":
             return self._import(email, query.get("projectId") or query.get("project_id"), body)
         if parts[1:] == ["loginProfile"] and method == "GET" and not verb:
-            with self.emu._lock:
+            with self.store.lock:
                 return self._profile(email, query.get("projectId") or query.get("project_id"))
         if len(parts) == 3 and parts[1] == "sshPublicKeys" and not verb:
             return self._key(method, email, parts[2], query, body)
         if len(parts) == 3 and parts[1] == "projects" and method == "DELETE" and not verb:
-            with self.emu._lock:
+            with self.store.lock:
                 user = self._state["users"].get(email, {})
                 if user.get("accounts", {}).pop(parts[2], None) is None:
                     raise ApiFailure("NOT_FOUND", f"No POSIX account for {email} in project "
                                      f"{parts[2]}.")
-                self.emu._save()
+                self.store.save()
             self.apply_all(parts[2])
             return {}
         raise ApiFailure("NOT_FOUND", f"Method {method} /v1/users/{rest} is not part of the "
@@ -255,7 +280,7 @@ class OsLoginService:
                              f"{email} needs roles/compute.osLogin or roles/compute.osAdminLogin "
                              f"on project {project} to log in to its VMs.")
         created = False
-        with self.emu._lock:
+        with self.store.lock:
             user = self._user(email)
             expiry = body.get("expirationTimeUsec") or body.get("expiration_time_usec")
             record = {"key": key, "fingerprint": fp, "name": f"users/{email}/sshPublicKeys/{fp}"}
@@ -273,14 +298,14 @@ class OsLoginService:
                     "operatingSystemType": "LINUX", "name": f"users/{email}/projects/{project}"}
                 created = True
             profile = self._profile(email, project)
-            self.emu._save()
+            self.store.save()
         if created:
             self.apply_all(project)  # the guest's NSS sees the new user at once
         return {"loginProfile": profile}
 
     def _key(self, method: str, email: str, fp: str, query: dict[str, str],
              body: dict[str, Any]) -> dict[str, Any]:
-        with self.emu._lock:
+        with self.store.lock:
             user = self._user(email)
             self._profile(email, None)  # drops expired keys
             found = user["keys"].get(fp)
@@ -291,7 +316,7 @@ class OsLoginService:
                 return dict(found)
             if method == "DELETE":
                 del user["keys"][fp]
-                self.emu._save()
+                self.store.save()
                 return {}
             if method == "PATCH":
                 mask = (query.get("updateMask") or query.get("update_mask") or
@@ -304,7 +329,7 @@ class OsLoginService:
                             found["expirationTimeUsec"] = str(int(value))
                         else:
                             found.pop("expirationTimeUsec", None)
-                self.emu._save()
+                self.store.save()
                 return dict(found)
         raise ApiFailure("NOT_FOUND", f"Method {method} on an SSH public key is not part of "
                          "the Cloud OS Login API.")

@@ -1,12 +1,12 @@
 """The emulator's queued resources: create (one node or a multislice of them), provision after
 `create_delay`, follow their nodes' states (ACTIVE, SUSPENDED, FAILED), delete (with `force`),
-reset. A handler of the emulator: it works on the emulator's state under its lock, and makes
-nodes through it."""
+reset. A handler of the emulator over the shared store (store.py); its nodes are placed and
+brought up through machines.py."""
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tpufab.sim._model import (
     ApiFailure,
@@ -18,26 +18,28 @@ from tpufab.sim._model import (
     rfc3339,
     version_view,
 )
-
-if TYPE_CHECKING:
-    from tpufab.sim.emulator import Emulator
+from tpufab.sim.machines import Machines, validate_node
+from tpufab.sim.store import SimStore
 
 
 class QueuedResources:
-    def __init__(self, emu: Emulator):
-        self.emu = emu
+    """Queued resources of the Cloud TPU API (v2 and v2alpha1)."""
+
+    def __init__(self, store: SimStore, machines: Machines):
+        self.store = store
+        self.machines = machines
 
     def get(self, name: str) -> dict[str, Any]:
-        with self.emu._lock:
-            record = self.emu._state["queuedResources"].get(name)
+        with self.store.lock:
+            record = self.store.queued_resources.get(name)
             if record is None:
                 raise not_found(name)
             return json.loads(json.dumps(record))
 
     def list(self, parent: str, query: dict[str, str], version: str = "v2") -> dict[str, Any]:
-        with self.emu._lock:
+        with self.store.lock:
             qrs = [version_view(json.loads(json.dumps(r["qr"])), "QueuedResource", version)
-                   for n, r in self.emu._state["queuedResources"].items()
+                   for n, r in self.store.queued_resources.items()
                    if n.startswith(parent + "/queuedResources/")]
         items, token = page(qrs, query)
         out: dict[str, Any] = {"queuedResources": items}
@@ -46,7 +48,7 @@ class QueuedResources:
         return out
 
     def create(self, version: str, parent: str, query: dict[str, str],
-                   body: dict[str, Any]) -> dict[str, Any]:
+               body: dict[str, Any]) -> dict[str, Any]:
         qr_id = check_id("queued resource",
                          query.get("queuedResourceId") or query.get("queued_resource_id"))
         body = camel_keys(body)
@@ -78,96 +80,72 @@ class QueuedResources:
                 plan.append({"name": f"{parent}/nodes/{node_id}", "node": node_in,
                              "multislice": bool(multi)})
         names = [p["name"] for p in plan]
-        with self.emu._lock:
-            if name in self.emu._state["queuedResources"]:
+        with self.store.lock:
+            if name in self.store.queued_resources:
                 raise ApiFailure("ALREADY_EXISTS", f"Resource '{name}' already exists")
             for node_name in names:
-                if node_name in self.emu._state["nodes"] or names.count(node_name) > 1:
+                if node_name in self.store.nodes or names.count(node_name) > 1:
                     raise ApiFailure("ALREADY_EXISTS", f"Resource '{node_name}' already exists")
             failure = None
-            topos = [self.emu._validate_node(item["name"], item["node"]) for item in plan]
-            self.emu._check_capacity(topos)
+            topos = [validate_node(item["name"], item["node"]) for item in plan]
+            self.machines.check_capacity(topos)
             for item, topo in zip(plan, topos, strict=True):  # the first failure wins
-                failure = failure or self.emu._take_create_failure(item["name"], topo)
+                taken = self.store.take_create_failure(item["name"], topo)
+                failure = failure or (taken[1] if taken else None)
             qr = {k: v for k, v in body.items() if k not in ("name", "state", "createTime")}
             qr.update({"name": name, "createTime": rfc3339(),
                        "state": {"state": "WAITING_FOR_RESOURCES"}})
             record = {"qr": qr, "sim": {"plan": plan, "failure": failure, "op": None,
                                         "version": version}}
-            self.emu._state["queuedResources"][name] = record
-            op = self.emu._new_operation(version, name, "create")
-            self.emu._finish_operation(op["name"], response=qr, response_type="QueuedResource")
-            self.emu._save()
+            self.store.queued_resources[name] = record
+            op = self.store.new_operation(version, name, "create")
+            self.store.finish_operation(op["name"], response=qr, response_type="QueuedResource")
+            self.store.save()
             op = json.loads(json.dumps(op))
-        self.emu._spawn(self.provision, name, self.emu.settings.create_delay)
+        self.store.spawn(self.provision, name, self.store.settings.create_delay)
         return op
 
     def provision(self, name: str, delay: float) -> None:
-        if self.emu._stopping.wait(delay):
+        if self.store.wait(delay):
             return
-        with self.emu._lock:
-            record = self.emu._state["queuedResources"].get(name)
+        with self.store.lock:
+            record = self.store.queued_resources.get(name)
             if record is None or record["qr"]["state"]["state"] != "WAITING_FOR_RESOURCES":
                 return
             failure = record["sim"].pop("failure", None)
-            taken = [p["name"] for p in record["sim"]["plan"] if p["name"] in self.emu._state["nodes"]]
+            taken = [p["name"] for p in record["sim"]["plan"] if p["name"] in self.store.nodes]
             if taken and not failure:
                 failure = f"Resource '{taken[0]}' already exists"
             if failure:
                 record["qr"]["state"] = {"state": "FAILED", "failedData": {
                     "error": {"code": 8, "message": failure}}}
-                self.emu._save()
+                self.store.save()
                 return
             version = record["sim"].get("version", "v2")
             for item in record["sim"]["plan"]:
-                _, node = self.emu._new_node(item["name"], item["node"], version)
+                _, node = self.machines.new_node(item["name"], item["node"], version)
                 node["queuedResource"] = name
                 if item["multislice"]:
                     node["multisliceNode"] = True
-                self.emu._state["nodes"][item["name"]] = {"node": node, "sim": self.emu._sim_fields(
+                self.store.nodes[item["name"]] = {"node": node, "sim": self.machines.sim_fields(
                     node, None, None)}
             record["qr"]["state"] = {"state": "PROVISIONING", "provisioningData": {}}
-            self.emu._save()
+            self.store.save()
             names = [p["name"] for p in record["sim"]["plan"]]
         for node_name in names:
-            self.emu._spawn(self.emu._bring_up, node_name, 0.0)
-
-    def refresh(self, name: str | None) -> None:
-        """Derive a queued resource's state from its nodes (caller holds the lock)."""
-        record = self.emu._state["queuedResources"].get(name or "")
-        if record is None:
-            return
-        state = record["qr"]["state"]["state"]
-        if state not in ("PROVISIONING", "ACTIVE"):
-            return
-        nodes = [self.emu._state["nodes"].get(p["name"]) for p in record["sim"]["plan"]]
-        states = [n["node"]["state"] if n else None for n in nodes]
-        if any(s == "PREEMPTED" for s in states):
-            record["qr"]["state"] = {"state": "SUSPENDED", "suspendedData": {},
-                                     "stateInitiator": "SERVICE"}
-        elif any(s is None or s == "DELETING" for s in states):
-            record["qr"]["state"] = {"state": "SUSPENDED", "suspendedData": {},
-                                     "stateInitiator": "USER"}
-        elif all(s == "READY" for s in states):
-            record["qr"]["state"] = {"state": "ACTIVE", "activeData": {}}
-
-    def node_names(self, record: dict[str, Any]) -> list[str]:
-        qr_name = record["qr"]["name"]
-        return [p["name"] for p in record["sim"]["plan"]
-                if self.emu._state["nodes"].get(p["name"], {}).get("node", {}).get(
-                    "queuedResource") == qr_name]
+            self.store.spawn(self.machines.bring_up, node_name, 0.0)
 
     def delete(self, version: str, name: str, query: dict[str, str]) -> dict[str, Any]:
         force = str(query.get("force", "")).lower() == "true"
-        with self.emu._lock:
-            record = self.emu._state["queuedResources"].get(name)
+        with self.store.lock:
+            record = self.store.queued_resources.get(name)
             if record is None:
                 raise not_found(name)
             state = record["qr"]["state"]["state"]
             if state == "DELETING":
                 raise ApiFailure("FAILED_PRECONDITION",
                                  f"Queued resource {name} is already being deleted.")
-            nodes = self.node_names(record)
+            nodes = self.store.queued_node_names(record)
             if nodes and not force:
                 raise ApiFailure(
                     "FAILED_PRECONDITION",
@@ -176,42 +154,43 @@ class QueuedResources:
                     "them with it.")
             record["qr"]["state"] = {"state": "DELETING", "deletingData": {}}
             for node_name in nodes:
-                self.emu._state["nodes"][node_name]["node"]["state"] = "DELETING"
-            op = self.emu._new_operation(version, name, "delete")
+                self.store.nodes[node_name]["node"]["state"] = "DELETING"
+            op = self.store.new_operation(version, name, "delete")
             record["sim"]["op"] = op["name"]
-            self.emu._save()
+            self.store.save()
             op = json.loads(json.dumps(op))
-        self.emu._spawn(self.finish_delete, name)
+        self.store.spawn(self.finish_delete, name)
         return op
 
     def _drop_nodes(self, name: str) -> None:
         """Delete every node of a queued resource, workers first."""
-        with self.emu._lock:
-            record = self.emu._state["queuedResources"].get(name)
+        with self.store.lock:
+            record = self.store.queued_resources.get(name)
             if record is None:
                 return
-            nodes = [(n, self.emu._state["nodes"][n]["node"]["id"]) for n in self.node_names(record)]
+            nodes = [(n, self.store.nodes[n]["node"]["id"])
+                     for n in self.store.queued_node_names(record)]
             for node_name, _ in nodes:
-                self.emu._state["nodes"][node_name]["node"]["state"] = "DELETING"
+                self.store.nodes[node_name]["node"]["state"] = "DELETING"
         for node_name, node_id in nodes:
-            self.emu.tear_down(node_id)
-            with self.emu._lock:
-                self.emu._forget_node(node_name)
-                self.emu._save()
+            self.machines.tear_down(node_id)
+            with self.store.lock:
+                self.store.forget_node(node_name)
+                self.store.save()
 
     def finish_delete(self, name: str) -> None:
-        if self.emu._stopping.wait(self.emu.settings.operation_delay):
+        if self.store.wait(self.store.settings.operation_delay):
             return
         self._drop_nodes(name)
-        with self.emu._lock:
-            record = self.emu._state["queuedResources"].pop(name, None)
+        with self.store.lock:
+            record = self.store.queued_resources.pop(name, None)
             if record is not None:
-                self.emu._finish_operation(record["sim"].get("op"), response_type="Empty")
-            self.emu._save()
+                self.store.finish_operation(record["sim"].get("op"), response_type="Empty")
+            self.store.save()
 
     def reset(self, version: str, name: str) -> dict[str, Any]:
-        with self.emu._lock:
-            record = self.emu._state["queuedResources"].get(name)
+        with self.store.lock:
+            record = self.store.queued_resources.get(name)
             if record is None:
                 raise not_found(name)
             state = record["qr"]["state"]["state"]
@@ -219,23 +198,23 @@ class QueuedResources:
                 raise ApiFailure("FAILED_PRECONDITION",
                                  f"Queued resource {name} is {state}; it cannot be reset.")
             record["qr"]["state"] = {"state": "SUSPENDING", "suspendingData": {}}
-            op = self.emu._new_operation(version, name, "reset")
+            op = self.store.new_operation(version, name, "reset")
             record["sim"]["op"] = op["name"]
-            self.emu._save()
+            self.store.save()
             op = json.loads(json.dumps(op))
-        self.emu._spawn(self.finish_reset, name)
+        self.store.spawn(self.finish_reset, name)
         return op
 
     def finish_reset(self, name: str) -> None:
-        if self.emu._stopping.wait(self.emu.settings.operation_delay):
+        if self.store.wait(self.store.settings.operation_delay):
             return
         self._drop_nodes(name)
-        with self.emu._lock:
-            record = self.emu._state["queuedResources"].get(name)
+        with self.store.lock:
+            record = self.store.queued_resources.get(name)
             if record is None:
                 return
             record["qr"]["state"] = {"state": "WAITING_FOR_RESOURCES"}
-            self.emu._finish_operation(record["sim"].pop("op", None), response=record["qr"],
-                                   response_type="QueuedResource")
-            self.emu._save()
-        self.emu._spawn(self.provision, name, self.emu.settings.create_delay)
+            self.store.finish_operation(record["sim"].pop("op", None), response=record["qr"],
+                                        response_type="QueuedResource")
+            self.store.save()
+        self.store.spawn(self.provision, name, self.store.settings.create_delay)

@@ -85,7 +85,7 @@ def set_slow(pool: Any, node_id: str, index: int, share: float) -> None:
             old.stop.set()
             old.thread.join(5)
         if share > 0:
-            pool._require_init(node_id, index)
+            pool.require_init(node_id, index)
             _slowed[key] = Slowdown(pool, node_id, index, share)
 
 

@@ -505,13 +505,13 @@ class MetricsService:
         nodes = Path(self.pool.state_dir) / "nodes"
         for node_dir in sorted(nodes.iterdir()) if nodes.is_dir() else []:
             try:
-                specs = self.pool._specs(node_dir.name)
+                specs = self.pool.node_specs(node_dir.name)
             except Exception:  # noqa: BLE001 - a node being written or removed: next round
                 continue
             for spec in specs:
                 if not spec.device_files:
                     continue
-                pid = self.pool._init_pid(node_dir.name, spec.index)
+                pid = self.pool.init_pid(node_dir.name, spec.index)
                 if pid is not None:
                     found[(node_dir.name, spec.index)] = (spec, pid)
         return found

@@ -75,6 +75,12 @@ PR_SET_PDEATHSIG = 1
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 MS_RDONLY, MS_REMOUNT = 1, 32
+MNT_DETACH = 2
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}  # pivot_root(2): glibc has no wrapper
+# Entries of the worker's / that are mounts of its own by now (bound from WORKER_DIR, its
+# tmpfs, its overlays) or the host's kernel filesystems: carried into its new root as they are.
+OWN_TOP = ("dev", "run", "tmp", "home", "root", "mnt", "sys", "usr", "etc", "var", "opt")
+TOP_FILE_LIMIT = 1 << 20  # a top-level file of the host's is copied into the worker's / ...
 # The pool's read-only share (a wheel cache, datasets): the same folder on every worker.
 SHARE_AT = "/opt/tpufab-sim/share"
 
@@ -168,6 +174,7 @@ def setup(worker_dir):
         build_pci(host_pci, config["pci"])
     with open("/proc/sys/kernel/hostname", "w") as f:  # our own UTS namespace
         f.write(config["hostname"])
+    own_root(worker_dir, dir_fd)
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     for fd in (*sources.values(), *devices.values()):
         os.close(fd)
@@ -201,6 +208,69 @@ def overlay_root(worker_dir, dir_fd):
             os.unlink(PEP668_MARKERS.format(f".{minor}"))
         except FileNotFoundError:
             pass
+
+
+def own_root(worker_dir, dir_fd):
+    """The worker's / becomes its own: a tmpfs holding every top-level entry of the host's
+    root (its own mounts made above as they are; every other directory as an overlay whose
+    upper layer is WORKER_DIR/rootfs/<name>, like /usr's; the host's symlinks; a copy of its
+    small top-level files), then pivot_root into it. So no write of the worker's root, sudo's
+    included (`mkdir /data`, /srv, /boot), reaches the host; new entries of / are the
+    worker's own until it boots again. A directory that holds WORKER_DIR itself stays the
+    host's (overlaying it would put its own upper layer inside it), with a log line."""
+    real = os.path.realpath(worker_dir)
+    try:
+        os.mkdir("rootfs/.new-root", 0o755, dir_fd=dir_fd)
+    except FileExistsError:
+        pass
+    # Paths into WORKER_DIR go through /proc/self/fd: the binds above may cover its path.
+    new = f"/proc/self/fd/{dir_fd}/rootfs/.new-root"
+    mount("tmpfs", new, "tmpfs", MS_NODEV, "mode=0755")
+    for name in sorted(os.listdir("/")):
+        source, target = f"/{name}", f"{new}/{name}"
+        if os.path.islink(source):
+            os.symlink(os.readlink(source), target)
+            continue
+        if not os.path.isdir(source):
+            if os.path.isfile(source) and os.path.getsize(source) <= TOP_FILE_LIMIT:
+                with open(source, "rb") as f:
+                    write_file(target, f.read(), stat.S_IMODE(os.stat(source).st_mode))
+            continue
+        os.mkdir(target)
+        os.chmod(target, stat.S_IMODE(os.stat(source).st_mode))
+        if name == "proc":
+            continue  # mounted anew below
+        if name in OWN_TOP:
+            mount(source, target, None, MS_BIND | MS_REC)
+        elif real == source or real.startswith(source + "/"):
+            log(f"{source} holds the worker's state dir; it stays the host's (not overlaid)")
+            mount(source, target, None, MS_BIND | MS_REC)
+        else:
+            for part in (name, f"{name}/upper", f"{name}/work"):
+                try:
+                    os.mkdir(f"rootfs/{part}", 0o755, dir_fd=dir_fd)
+                except FileExistsError:
+                    pass
+            via = f"/proc/self/fd/{dir_fd}/rootfs/{name}"
+            try:
+                mount("overlay", target, "overlay", 0,
+                      f"lowerdir={source},upperdir={via}/upper,workdir={via}/work")
+            except OSError as err:  # a filesystem overlayfs cannot sit on: read-only instead
+                log(f"{source} cannot be overlaid ({err}); the worker sees it read-only")
+                mount(source, target, None, MS_BIND | MS_REC)
+                mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
+    os.mkdir(f"{new}/.old-root")
+    number = SYS_PIVOT_ROOT.get(os.uname().machine)
+    if number is None:
+        raise OSError(f"pivot_root: no syscall number known for {os.uname().machine}")
+    if _libc.syscall(number, new.encode(), f"{new}/.old-root".encode()) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"pivot_root into {new}: {os.strerror(err)}")
+    os.chdir("/")
+    if _libc.umount2(b"/.old-root", MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"umount the host's root: {os.strerror(err)}")
+    os.rmdir("/.old-root")
 
 
 def build_dev(host_devices, placeholders, tty_gid):

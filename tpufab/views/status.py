@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from tpufab import nodeset
 from tpufab.steps.host.killing import PROTECTED_ADVICE
+from tpufab.term.commands import short_command
 from tpufab.term.terminal import neutralise_text
 
 if TYPE_CHECKING:
@@ -68,9 +69,10 @@ def holder_lines(facts: Mapping[int, StatusRow], shown: int = 8) -> list[str]:
     for w, f in sorted(facts.items()):
         for device in f.busy_devices:
             for h in device.holders:
-                by_command.setdefault(h.command, {}).setdefault(w, set()).add(h.pid)
+                command = short_command(h.command)
+                by_command.setdefault(command, {}).setdefault(w, set()).add(h.pid)
                 if h.protected:
-                    protected[h.command] = h.protected
+                    protected[command] = h.protected
     lines = []
     for command, where in sorted(by_command.items(), key=lambda kv: min(kv[1])):
         pids = [f"{nodeset.label(w)} pid {p}" for w, ps in sorted(where.items()) for p in sorted(ps)]

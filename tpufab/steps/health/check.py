@@ -24,6 +24,7 @@ from tpufab.config import timeout_for
 from tpufab.errors import TpufabError
 from tpufab.reports import Report
 from tpufab.steps.health.status import StatusRow, human_bytes
+from tpufab.term.commands import short_command
 
 PYTHONS = ("~/.venv/bin/python", "python3")          # what the recipes run with, in order
 PACKAGES = ("python", "jax", "jaxlib", "libtpu", "libtpu-nightly", "torch", "torch_xla")
@@ -165,8 +166,8 @@ def check_tpu(facts: Mapping[int, StatusRow],
 
 
 def _short(command: str, width: int = 60) -> str:
-    """A holder's command fit for one line (--json has it whole)."""
-    return command if len(command) <= width else command[:width - 3] + "..."
+    """A holder's command as what names it (tpufab.term.commands; --json has it whole)."""
+    return short_command(command, width)
 
 
 def check_versions(facts: Mapping[int, StatusRow]) -> Result:

@@ -527,7 +527,10 @@ MARK = "<-- differs"
 
 
 def _short(command: str, width: int = 70) -> str:
-    return command if len(command) <= width else command[:width - 3] + "..."
+    """What names the command, within ``width`` (tpufab.term.commands; --json has it whole)."""
+    from tpufab.term.commands import short_command as named
+
+    return named(command, width)
 
 
 def render(entries: Sequence[Folded], odd: Sequence[int], *, total: int) -> list[str]:

@@ -17,6 +17,7 @@ from tpufab import nodeset
 from tpufab.errors import ApiError, ConfigError, TpufabError
 from tpufab.reports import Report, last_line
 from tpufab.ssh.remote_files import read_answer
+from tpufab.term.commands import short_command
 
 if TYPE_CHECKING:
     from tpufab.cloud.nodes import Node, QueuedResourceInfo
@@ -336,8 +337,8 @@ def _span(values: Sequence[str]) -> str:
 
 
 def _short(command: str, width: int = 40) -> str:
-    """A command fit for a table cell (the holder lines below the table show it whole)."""
-    return command if len(command) <= width else command[:width - 3] + "..."
+    """A command fit for a table cell: what names it (tpufab.term.commands)."""
+    return short_command(command, width)
 
 
 def tpu_cell(f: StatusRow) -> str:

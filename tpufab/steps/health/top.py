@@ -20,6 +20,7 @@ from tpufab import nodeset
 from tpufab.config import timeout_for
 from tpufab.errors import ConfigError
 from tpufab.reports import Report
+from tpufab.term.commands import short_command
 
 SCRIPT = "top_worker.py"
 IDLE_BELOW = 10.0        # % of ONE core: below it a worker is idle (robust on a busy host)
@@ -174,7 +175,7 @@ class TopRow:
         """The busiest process when the worker is not idle ("" otherwise)."""
         if self.core_percent < IDLE_BELOW or not self.busiest:
             return ""
-        return str(self.busiest[0].get("command") or "?")
+        return short_command(str(self.busiest[0].get("command") or "?"))
 
     @property
     def chips(self) -> list[dict]:

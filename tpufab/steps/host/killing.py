@@ -19,6 +19,7 @@ from tpufab.errors import TpufabError
 from tpufab.quoting import Command, Raw
 from tpufab.reports import Column, Report
 from tpufab.ssh.remote_files import RemoteFile, python_command, run_with_files
+from tpufab.term.commands import short_command
 from tpufab.topology import DEVICE_GLOBS
 
 TPUKILL = "kill_worker.py"
@@ -268,11 +269,8 @@ def fold_paths(paths: Iterable[str]) -> str:
 
 
 def _short(command: str) -> str:
-    """Long paths shown by their file name, the whole cut at COMMAND_SHOWN characters."""
-    words = [f".../{word.rsplit('/', 1)[1]}" if "/" in word and len(word) > 30 else word
-             for word in command.split(" ")]
-    text = " ".join(words)
-    return text if len(text) <= COMMAND_SHOWN else text[:COMMAND_SHOWN - 3] + "..."
+    """What names the command (tpufab.term.commands), within COMMAND_SHOWN characters."""
+    return short_command(command, COMMAND_SHOWN)
 
 
 def _pids(pids: Sequence[int]) -> str:
