@@ -117,7 +117,7 @@ def quiet() -> Console:
 def test_a_third_plane_is_one_module_and_one_registry_line(ledger, monkeypatch):
     """Registered (the one line), the Ledger is chosen by `--on ledger` (or its alias), and
     create, describe, list and delete reach it through the functions the verbs call."""
-    from tpufab.pod import api
+    from tpufab.pod import pods as api
     from tpufab.views.nodes import nodes_table
 
     monkeypatch.setenv("TPUFAB_CONTROL_PLANE", "book")
