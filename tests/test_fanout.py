@@ -288,7 +288,7 @@ def test_host_key_pinning(pod, tmp_path):
     with Fanout(pod.targets("node-p")[:3], known_hosts=known) as fan:
         result = fan.run("true")
     assert result[1].ok and result[2].ok  # pinned from the API, and trusted on first use
-    assert "differs from the one pinned" in result[0].error
+    assert "differs from the one the cloud API published for it" in result[0].error
     assert "tpufab known-hosts forget node-p" in result[0].error
     assert known.lookup(alias("node-p", 2)) == [tuple(real[2].split())]
     # A recreated node has a new id: it starts fresh, with no error.
@@ -304,7 +304,8 @@ def test_known_hosts_file_rules(tmp_path):
     key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl"
     known.pin("n1", {0: key})
     known.pin("n1", {0: key})  # same key again: a no-op
-    assert (tmp_path / "kh").read_text() == f"{alias('n1', 0)} {key}\n"
+    # a pin is what the API published: the line says so (the sentence of a change names it)
+    assert (tmp_path / "kh").read_text() == f"{alias('n1', 0)} {key} from-cloud-api\n"
     assert oct((tmp_path / "kh").stat().st_mode & 0o777) == "0o600"
     other = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBm3b6+2ZgTzGmcsL+6V4C3t8rZ2Yq1Q6ZcK7zqj8wqz"
     with pytest.raises(HostKeyChanged, match=str(tmp_path / "kh")):

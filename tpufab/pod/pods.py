@@ -13,7 +13,8 @@ from tpufab.pod.api import Pod
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from tpufab.cloud.lifecycle import Garbage, Listing
+    from tpufab.cloud.gc import Garbage
+    from tpufab.cloud.lifecycle import Listing
     from tpufab.cloud.nodes import MultisliceInfo, Node, QueuedResourceInfo
 
 
@@ -60,10 +61,10 @@ def gc(*, zone: str | None = None, project: str | None = None, all_zones: bool =
     ``console`` hears what is found and deleted. Returns what was deleted."""
     from dataclasses import replace
 
-    from tpufab.cloud import lifecycle
+    from tpufab.cloud import gc as garbage
 
     chosen = _settings(None, zone, project, settings)
-    deleted = lifecycle.gc(chosen, yes=yes, all_zones=all_zones, console=console)
+    deleted = garbage.gc(chosen, yes=yes, all_zones=all_zones, console=console)
     for gone in deleted:
         _keep_ssh_config(replace(chosen, name=gone.name, zone=gone.zone), console, gone=True)
     return deleted

@@ -235,8 +235,8 @@ class GuestEnvironment:
         tree["project"]["attributes"] = self.oslogin.project_metadata(name.split("/")[1])
         return tree
 
-    def oslogin(self, node_id: str, worker: int, parts: list[str],
-                query: dict[str, str]) -> tuple[int, Any]:
+    def oslogin_answer(self, node_id: str, worker: int, parts: list[str],
+                       query: dict[str, str]) -> tuple[int, Any]:
         """A worker's (or a bastion's) ``computeMetadata/v1/oslogin/...`` answer
         (tpufab.sim.oslogin)."""
         bastion = node_id.endswith(BASTION_SUFFIX)

@@ -298,7 +298,7 @@ class _Handler(BaseHTTPRequestHandler):
         """``oslogin/users?username=`` and ``oslogin/authorize?email=&policy=``: what the
         guest's OS Login tools ask (answered by the source, not from the tree)."""
         ctx = self.server
-        code, body = ctx.server.source.oslogin(ctx.node_id, ctx.worker, parts, query)
+        code, body = ctx.server.source.oslogin_answer(ctx.node_id, ctx.worker, parts, query)
         if isinstance(body, str):
             return self._send(code, body, "text/html")
         return self._send(code, json.dumps(body), "application/json")
