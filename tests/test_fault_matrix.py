@@ -553,6 +553,9 @@ def paused_client(verb: Verb, pod: Pod, marker: str) -> Outcome:
             at += 4        # then two seconds of following as usual
     finally:
         result = finish(proc, began, LIMIT + 50)
+        # the pod's last run is the matrix's recipe again (the `logs` cells read the last run)
+        again = pod.tpufab("run", RECIPE_NAME, "--no-deploy")
+        assert again.returncode == 0, text(again)
     return Outcome([result], marker)
 
 

@@ -156,4 +156,6 @@ class Run:
             show or (lambda lines: None), progress=progress,
             take_stacks=lambda: self.pod.stacks(run=self.id, workers=self.workers),
             stop=self.kill)
-        return stalls.StallWatch(view, seconds, handler, progress=progress), handler
+        last_output = stalls.LastOutput(self.pod.hosts.fanout, self.id, self.workers)
+        return stalls.StallWatch(view, seconds, handler, progress=progress,
+                                 last_output=last_output), handler
