@@ -298,7 +298,7 @@ def test_status_folds_agreeing_workers_and_singles_out_the_odd_one(sim, node, si
 
         found = wait_for(busy, 20, what="w1's holder to show")
         assert [r.label for r in found.folded] == ["w[0,2-3]", "w1"]
-        assert found.folded[1].tpu.startswith("1/4 busy: python3 -c import signal")
+        assert found.folded[1].tpu.startswith("1/4 busy: python3 -c ...")   # what names it
         holder = found.workers[1].busy_devices[0].holders[0]
         assert holder.pid == pid and found.workers[1].busy_devices[0].path == "/dev/accel0"
         assert run(status_verb, name=settings.name, as_json=True) == 0
