@@ -147,7 +147,7 @@ def test_top_bad_input_is_one_sentence(pod4):
     one_sentence(tpufab("top", "--once", "--interval", "0", env=pod4.env),
                  "--interval must be above 0 and at most 30 seconds, not 0.")
     one_sentence(tpufab("top", "--every", "0.2", env=pod4.env),
-                 "--every must be at least 1 second, not 0.2.")
+                 "--every must be at least 1 second and at most 3600 (an hour), not 0.2.")
 
 
 def test_near_equal_workers_fold_and_the_odd_ones_stand_out():

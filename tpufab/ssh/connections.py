@@ -179,6 +179,8 @@ def lost_mid_transfer(err: BaseException) -> str | None:
             isinstance(err, paramiko.SSHException)
             and not isinstance(err, paramiko.AuthenticationException)):
         detail = str(err).strip()
+        if detail.rstrip(".!").lower() in ("socket is closed", "server connection dropped"):
+            detail = ""   # paramiko's words for the same thing: the sentence says it
         return ("connection lost during the transfer (the worker's sshd ended the session: it "
                 f"restarted, or the worker went away{'; ' + detail if detail else ''}); nothing "
                 "was left under a final name, run it again")
