@@ -546,10 +546,10 @@ def test_fault_6_ctrl_c_during_kill(sim, pod4, tmp_path):
         # (as soon as its command line shows, so at times while sudo is still starting it)
         result = interrupted_when(
             [TPUFAB, "kill", "--grace", "30"], pod4.env,
-            lambda _: all(processes(sim, pod4.node, w, "tpukill") for w in range(4)),
+            lambda _: all(processes(sim, pod4.node, w, "kill_worker") for w in range(4)),
             "kill to be waiting on every worker", cwd=tmp_path)
         interrupted(result)
-        no_orphans(sim, pod4.node, "tpukill")           # the kill itself left nothing behind
+        no_orphans(sim, pod4.node, "kill_worker")       # the kill itself left nothing behind
         again = tpufab("kill", "--grace", "1", env=pod4.env, cwd=tmp_path)
         assert again.returncode == 0, again.stderr       # and the next kill finishes the job
         no_orphans(sim, pod4.node, "recipe/stubborn.sh")
