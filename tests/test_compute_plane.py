@@ -214,8 +214,9 @@ def test_the_slices_guest_is_compute_engines_and_jax_numbers_its_workers_as_tpuf
     names = [said["w0"][0], said["w1"][0]]
     for w in (0, 1):
         assert said[f"w{w}"][1] == ",".join(names), said  # bare names, in worker order
-        assert " ".join(said[f"w{w}"][2:]) == \
-            f"CHIPS_PER_HOST_BOUNDS: '2,2,1' TOPOLOGY: '2x2x2' TPU_WORKER_ID: '{w}'", said
+        assert " ".join(said[f"w{w}"][2:]) == (
+            f"ACCELERATOR_TYPE: 'tpu7x-16' CHIPS_PER_HOST_BOUNDS: '2,2,1' TOPOLOGY: '2x2x2' "
+            f"TPU_WORKER_ID: '{w}'"), said
     command = ("PYTHONPATH=/opt/tpufab-sim/share/site JAX_PLATFORMS=cpu JAX_FORCE_TPU_INIT=1 "
                f"timeout 300 python3 -c {shlex.quote(JAX_PROGRAM)}")
     found = _jax_said(ok(tpufab("exec", "--name", sliced, "--timeout", "320", "--", command,

@@ -121,15 +121,17 @@ class Tokens:
 
 
 def compute_engine_tpu_env(node: dict[str, Any], worker: int) -> str:
-    """tpu-env of a Compute Engine TPU VM: the keys a TPU7x MIG's VMs were seen to carry
+    r"""tpu-env of a Compute Engine TPU VM: the keys a TPU7x MIG's VMs were seen to carry
     (GoogleCloudPlatform/cluster-toolkit#6351: ``TOPOLOGY``, ``TPU_WORKER_ID``,
-    ``CHIPS_PER_HOST_BOUNDS``); which others Compute Engine sets is not established, so no
-    more are made up (docs/simulated-pod.md)."""
+    ``CHIPS_PER_HOST_BOUNDS``) and ``ACCELERATOR_TYPE``, which PyTorch/XLA reads from tpu-env
+    on every TPU VM it finds chips on, TPU7x's spelling included (torch_xla/_internal/tpu.py
+    ``version()``: ``^(?:v|tpu)(\d)...``); which others Compute Engine sets is not
+    established, so no more are made up (docs/simulated-pod.md)."""
     topo = parse_accelerator_type(node["acceleratorType"])
     topo_text = (node.get("acceleratorConfig") or {}).get("topology") or topology_string(topo)
     per_host, _ = host_bounds(topo_text, topo.chips_per_host, topo.hosts)
-    values = {"CHIPS_PER_HOST_BOUNDS": per_host, "TOPOLOGY": topo_text or "",
-              "TPU_WORKER_ID": str(worker)}
+    values = {"ACCELERATOR_TYPE": topo.name, "CHIPS_PER_HOST_BOUNDS": per_host,
+              "TOPOLOGY": topo_text or "", "TPU_WORKER_ID": str(worker)}
     return "".join(f"{k}: '{v}'\n" for k, v in values.items())
 
 
