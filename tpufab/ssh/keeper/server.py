@@ -356,7 +356,9 @@ def prune(folder: Path) -> int:
     except OSError:
         return 0
     now = time.time()
-    for name, entry in entries.items():
+    # the logs last: a gone server's log goes with its lock, which this same pass may remove
+    # (the directory's order is the filesystem's, so a log may come before its lock)
+    for name, entry in sorted(entries.items(), key=lambda item: item[0].endswith(".log")):
         stem, _, ext = name.rpartition(".")
         try:
             if ext == "lock" and _unheld(Path(entry.path)):
@@ -366,7 +368,7 @@ def prune(folder: Path) -> int:
             elif ext == "new" and stem.startswith(".") and stem[1:].isdigit() and \
                     not os.path.exists(f"/proc/{stem[1:]}"):
                 removed += _remove(Path(entry.path), socket_only=True)
-            elif ext == "log" and f"{stem}.lock" not in entries and \
+            elif ext == "log" and not os.path.exists(folder / f"{stem}.lock") and \
                     now - entry.stat().st_mtime > PRUNE_LOGS:
                 removed += _remove(Path(entry.path))
         except OSError:
