@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Install what the tests need, then run the whole test suite. Exits non-zero on any failure.
 #
-#   ./scripts/test.sh              the whole suite, in three pytest processes at once
+#   ./scripts/test.sh              the whole suite, in four pytest processes at once
 #   ./scripts/test.sh ARGS...      pytest ARGS (one process), e.g. tests/test_fields.py -x
 #
 # Most of the suite waits on real sshd workers, JAX processes and timeouts, not on the CPU,
-# so three processes over disjoint groups of the test files (balanced on the seconds each file
+# so four processes over disjoint groups of the test files (balanced on the seconds each file
 # took, tests/file-seconds.txt; each process with its own simulated pod on its own port and
-# state dir) finish in about a third of the time on a 2-core machine. Each group's output is printed when it ends; any failure fails
-# the whole run. (Background commands of a shell without job control start with SIGINT
+# state dir) finish in a fraction of one process's time on a 2-core machine (three groups took
+# 38 minutes on CI's, so there are four). Each group's output is printed when it ends; any
+# failure fails the whole run. (Background commands of a shell without job control start with SIGINT
 # ignored; tests/conftest.py puts it back, so the suite's Ctrl-C tests work under this script.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +32,7 @@ if [ $# -gt 0 ]; then
     echo "==> pytest $*"
     exec .venv/bin/python -m pytest -q -ra --durations=25 "$@"
 fi
-GROUPS_N=3
+GROUPS_N=4
 mapfile -t files < <(LC_ALL=C ls -1 tests/test_*.py)
 # Files go to groups by the seconds each took in a whole run (tests/file-seconds.txt, as this
 # script prints them at the end; a file not listed counts as the median), longest first to the
