@@ -225,3 +225,11 @@ def test_the_attempts_before_a_resumed_one_count_as_babysits_restarts():
     assert [(a.number, a.run_id, a.restart_kind) for a in done] == [
         (0, "r1", "preempted"), (1, "r2", "error")]
     assert records.restart_counts(done) == {"preempted": 1, "error": 1}
+
+
+def test_a_supervisor_that_lost_the_job_uploads_nothing_more(held):
+    recs, _, job = held
+    up = sv.Upload(recs, job, 1, [0], every=60, may_write=lambda: False)
+    up.lines(0, "stdout", b"late line\n")
+    up.close()
+    assert recs.store.list(recs.bucket, st.logs_prefix(job, 1)).blobs == []

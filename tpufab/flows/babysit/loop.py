@@ -426,7 +426,9 @@ class Babysitter(Recovery, Attempts):
         if self.resume is not None:
             pod = self._pod()
             if self._going(pod, self.resume.run_id, pod.workers):
-                return                    # re-attaching: the run has its code (captured)
+                # re-attaching: the run has its code (captured); a recovery redeploys it
+                self.root = gitops.repo_root(self.checkout) if self.checkout else None
+                return
         if not self.no_deploy and self.checkout is not None:   # a checkout of the caller's
             ask = starting.DeployAsk(gitops.repo_root(self.checkout), self.settings.remote_dir,
                                      self.direct)

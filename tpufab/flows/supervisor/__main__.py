@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--lease-margin", type=float, default=DEFAULT_MARGIN)
     serve.add_argument("--babysit-poll", type=float, default=None)
     serve.add_argument("--flush", type=float, default=FLUSH)
+    serve.add_argument("--backoff", type=float, default=None,
+                       help="seconds between a lost attempt and the next (babysit's backoff)")
     serve.add_argument("--secrets-dir", default=SECRETS_DIR)
     args = parser.parse_args(argv)
     try:
@@ -46,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
                           options=Options(poll=args.poll, ttl=args.lease_ttl,
                                           margin=args.lease_margin,
                                           babysit_poll=args.babysit_poll, flush=args.flush,
+                                          backoff=None if args.backoff is None else
+                                          (args.backoff, args.backoff),
                                           secrets_dir=Path(args.secrets_dir)))
     except (TpufabError, ValueError) as err:
         _log(f"error: {err}")

@@ -71,10 +71,12 @@ class Upload:
     skipped (counted from the chunks' sizes)."""
 
     def __init__(self, records: Records, job: str, number: int, workers: Sequence[int], *,
-                 every: float = FLUSH, log: Callable[[str], None] = lambda _t: None):
+                 every: float = FLUSH, log: Callable[[str], None] = lambda _t: None,
+                 may_write: Callable[[], bool] = lambda: True):
         from tpufab.cloud.storage import Appender
 
         self.records = records
+        self.may_write = may_write    # False once the job is not ours: nothing more goes up
         self.job = job
         self.number = number
         self.log = log
@@ -120,6 +122,8 @@ class Upload:
             pending = {w: bytes(b) for w, b in self._buffers.items() if b}
             for w in pending:
                 self._buffers[w].clear()
+        if pending and not self.may_write():
+            return                    # the next holder uploads them (it skips what is there)
         for w, data in pending.items():
             if self._refused:
                 return
@@ -205,7 +209,7 @@ class JobHooks(Hooks):
 
     def output(self, number: int, run_id: str, workers: Sequence[int]) -> Upload:
         return Upload(self.records, self.job, number + 1, workers, every=self.flush,
-                      log=lambda t: self.log(f"{self.job}: {t}"))
+                      log=lambda t: self.log(f"{self.job}: {t}"), may_write=self.lease.valid)
 
     def go_on(self) -> str | None:
         if self.shutdown.is_set() or not self.lease.valid():
@@ -288,8 +292,9 @@ def checkout(records: Records, spec: JobSpec, base: Path, *, token: str | None =
         data, _ = records.store.read(records.bucket, code.bundle)
         bundle = target.parent / "code.bundle"
         bundle.write_bytes(data)
-        _git(["clone", "--quiet", "--no-checkout", str(bundle), str(partial)],
-             what=f"clone job {spec.job}'s bundle")
+        _git(["init", "--quiet", str(partial)], what=f"make a clone for job {spec.job}")
+        _git(["fetch", "--quiet", str(bundle), "+refs/*:refs/remotes/bundle/*"], cwd=partial,
+             what=f"fetch job {spec.job}'s bundle")
     elif code.remote:
         _git(["clone", "--quiet", "--no-checkout", code.remote, str(partial)],
              env=token_env(token), what=f"clone {code.remote} for job {spec.job}")
@@ -310,6 +315,7 @@ class Options:
     ttl: float = DEFAULT_TTL
     margin: float = DEFAULT_MARGIN
     babysit_poll: float | None = None    # babysit's own poll (None: its default)
+    backoff: tuple[float, float] | None = None   # babysit's backoff (None: its default)
     flush: float = FLUSH
     secrets_dir: Path | None = None
 
@@ -326,6 +332,7 @@ class JobRunner:
                               log=service.log, flush=service.options.flush)
         self.thread = threading.Thread(target=self._run, daemon=True,
                                        name=f"tpufab-job-{self.job}")
+        self.failed = False           # it ended by an error of the supervisor's own
 
     @property
     def alive(self) -> bool:
@@ -347,6 +354,7 @@ class JobRunner:
         except (LeaseLost, Stopped) as err:
             log(f"{self.job}: left ({err})")
         except Exception:  # noqa: BLE001 - the service goes on; the job is taken again
+            self.failed = True
             log(f"{self.job}: failed inside the supervisor; released for the next look:\n"
                 f"{traceback.format_exc()}")
 
@@ -396,8 +404,11 @@ class JobRunner:
         setup = spec.option("setup_script")
         env = [f"{k}={v}" for k, v in spec.env.items()] + [
             f"{k}={v}" for k, v in secrets.items() if k != "TPUFAB_GIT_TOKEN"]
-        extra = {} if self.service.options.babysit_poll is None else {
-            "poll": self.service.options.babysit_poll}
+        given = self.service.options
+        extra: dict[str, Any] = {} if given.babysit_poll is None else {
+            "poll": given.babysit_poll}
+        if given.backoff is not None:
+            extra["backoff"] = given.backoff
         sitter = Babysitter(settings, code / spec.recipe, args=spec.args, env=env,
                             setup_script=code / setup if setup else None,
                             no_deploy=bool(spec.option("no_deploy")), direct=True,
@@ -497,6 +508,8 @@ class Service:
         self.since = time.time()
         self._secrets: dict[str, dict[str, str]] = {}
         self._lock = threading.Lock()
+        self._over: set[str] = set()                  # jobs seen final: never read again
+        self._retry: dict[str, tuple[int, float]] = {}  # job -> (failures, not before)
 
     # secrets: handed over in files of a tmpfs, read once, kept in memory only
     def read_handed_secrets(self) -> None:
@@ -528,10 +541,14 @@ class Service:
         return None
 
     def settings_for(self, spec: JobSpec) -> Settings:
+        """The service's settings for the job's pod; the job's secret names are secrets
+        whatever they look like (their values go to the run masked, through stdin)."""
         pod = spec.pod
         return replace(self.settings, name=pod.name, zone=pod.zone,
                        project=pod.project or self.settings.project, control_plane=pod.plane,
-                       type=pod.type)
+                       type=pod.type,
+                       secrets=[*self.settings.secrets,
+                                *(n for n in spec.secrets if n not in self.settings.secrets)])
 
     def stop_run(self, spec: JobSpec, run_id: str) -> None:
         """Stop ``run_id`` on the job's pod (a cancel), wherever it runs."""
@@ -575,6 +592,8 @@ class Service:
                 self.log(f"{job}: could not read it ({err}); trying again")
 
     def _look(self, job: str) -> None:
+        if job in self._over:
+            return
         with self._lock:
             runner = self.jobs.get(job)
         found = self.records.state(job)
@@ -585,6 +604,13 @@ class Service:
             runner.seen(state)
             return
         if state.terminal:
+            self._over.add(job)
+            return
+        if runner is not None and runner.failed:   # failed inside: taken again, later
+            failures = self._retry.get(job, (0, 0.0))[0] + 1
+            self._retry[job] = (failures, time.monotonic() + min(300.0, 2.0 ** failures))
+            runner.failed = False
+        if time.monotonic() < self._retry.get(job, (0, 0.0))[1]:
             return
         lease = Lease(self.records.store, self.records.bucket, job, self.name,
                       ttl=self.options.ttl, margin=self.options.margin)
