@@ -142,3 +142,68 @@ def test_the_hand_over_knows_whether_a_commit_is_on_the_remote(repo, tmp_path):
     git(repo, "push", "-q", "origin", "main")
     assert handover._on_remote(repo, second, "origin")
     assert handover._on_remote(repo, first, "origin")          # an ancestor of main there
+
+
+@pytest.fixture()
+def laptop(gcs, repo, tmp_path, monkeypatch):
+    """The hand-over's world without a pod: the checkout here, the pod's lookup answered."""
+    from tpufab.cloud.nodes import Node
+    from tpufab.steps.health import status
+
+    monkeypatch.chdir(repo)
+    monkeypatch.setattr(status, "find_nodes", lambda control, name: ([Node(
+        name=name, project="p", zone="z", accelerator_type="v4-8", state="READY",
+        runtime_version="rt")], None))
+    return Settings(name="pod-a", project="p", zone="us-central2-b", supervisor_bucket="sup-svc",
+                    storage_endpoint=gcs.url, state_dir=str(tmp_path / "state"))
+
+
+def test_the_hand_over_writes_the_bundle_the_spec_and_the_state(laptop, recs, repo):
+    done = handover.hand_over(laptop, "train.sh", args=["lr=3"], env=["BATCH=64"],
+                              options={"max_restarts": 7})
+    spec = recs.spec(done.job)
+    assert (spec.recipe, spec.args, spec.env["BATCH"]) == ("train.sh", ("lr=3",), "64")
+    assert spec.code.commit == git(repo, "rev-parse", "HEAD") and spec.code.name == "model"
+    assert spec.option("max_restarts") == 7 and spec.option("direct") is True  # no origin
+    assert recs.store.stat(recs.bucket, spec.code.bundle) is not None
+    assert recs.state(done.job)[0].state == "queued"
+    assert done.supervisor is None           # no supervisor module here: the bucket has it
+    assert (done.follow, done.cancel) == (f"tpufab jobs logs {done.job} --follow",
+                                          f"tpufab jobs cancel {done.job}")
+
+
+def test_a_failed_hand_over_leaves_nothing_in_the_bucket(laptop, recs, monkeypatch):
+    from tpufab.cloud.storage import StorageError
+
+    def broken(self, spec):
+        self.store.put_json(self.bucket, st.spec_name(spec.job), spec.to_record(),
+                            if_generation_match=0)
+        raise StorageError("quota exceeded")
+
+    monkeypatch.setattr(st.Records, "create", broken)
+    with pytest.raises(StorageError, match="quota"):
+        handover.hand_over(laptop, "train.sh")
+    assert recs.store.list(recs.bucket, st.JOBS).blobs == []
+
+
+def test_the_hand_over_refuses_before_anything_is_made(laptop, recs, repo):
+    from tpufab.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--max-restarts must be 0 or more"):
+        handover.hand_over(laptop, "train.sh", options={"max_restarts": -1})
+    with pytest.raises(ConfigError, match="does not take --ray"):
+        handover.hand_over(laptop, "train.sh", options={"ray": True})
+    outside = repo.parent / "elsewhere.sh"
+    outside.write_text("echo\n")
+    with pytest.raises(ConfigError, match="outside the repository"):
+        handover.hand_over(laptop, str(outside))
+    (repo / "wip.txt").write_text("x")
+    with pytest.raises(ConfigError, match=r"uncommitted changes \(wip.txt\)"):
+        handover.hand_over(laptop, "train.sh")
+    (repo / "wip.txt").unlink()
+    origin = repo.parent / "origin.git"
+    git(repo.parent, "init", "-q", "--bare", str(origin))
+    git(repo, "remote", "add", "origin", str(origin))
+    with pytest.raises(ConfigError, match="is not on the git remote origin"):
+        handover.hand_over(laptop, "train.sh")
+    assert recs.store.list(recs.bucket, st.JOBS).blobs == []
