@@ -151,6 +151,28 @@ class Upload:
         self.flush()
 
 
+class LogLines:
+    """A file whose whole lines go to ``log`` (babysit's console, into the service's log)."""
+
+    def __init__(self, log: Callable[[str], None]):
+        self.log = log
+        self._part = ""
+
+    def write(self, text: str) -> int:
+        self._part += text
+        *lines, self._part = self._part.split("\n")
+        for line in lines:
+            if line.strip():
+                self.log(line.rstrip())
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
 # -- the hooks: babysit's steps written to the bucket -------------------------------------------
 
 
@@ -413,7 +435,7 @@ class JobRunner:
                             setup_script=code / setup if setup else None,
                             no_deploy=bool(spec.option("no_deploy")), direct=True,
                             hooks=self.hooks, resume=resume, checkout=code,
-                            base_dir=runs, **options, **extra)
+                            base_dir=runs, console=self._console(), **options, **extra)
         try:
             sitter.run()
         except Stopped as err:
@@ -429,6 +451,13 @@ class JobRunner:
             if not self.lease.valid():
                 raise LeaseLost(str(err)) from None
             self._fail(spec, str(err), sitter.attempts[-1] if sitter.attempts else None)
+
+    def _console(self) -> Any:
+        """Babysit's notes, into the service's log, each line naming the job."""
+        from rich.console import Console
+
+        return Console(file=LogLines(lambda t: self.service.log(f"{self.job}: {t}")),
+                       width=200, color_system=None, soft_wrap=True)
 
     def _wait_for_secrets(self, spec: JobSpec) -> None:
         while not self.service.shutdown.is_set() and self.lease.valid():
