@@ -77,11 +77,14 @@ class Attempts:
             try:   # the one start path: under the code lease, never beside a running run
                 start_job(pod, lambda _deployed: start_plan(pod, plan), verb="babysit",
                           what=self.recipe.name, timeout=self.timeout)
-            except RunError:
-                reason = self.api_reason()
-                if reason is None:
-                    raise
-                return Attempt(number, run_id, "preempted", reason, attempt_dir)
+            except RunError as err:
+                if attach is not None and "already exists" in str(err):
+                    attached = True    # started meanwhile: the worker refused a second start
+                else:
+                    reason = self.api_reason()
+                    if reason is None:
+                        raise
+                    return Attempt(number, run_id, "preempted", reason, attempt_dir)
         self.hooks.started(number, run_id, plan.workers, attached)
         self.note(f"babysit: attempt {number} is run {run_id} ({self.recipe.name}, "
                   f"{RESTART_VARIABLE}={restarts}) on {nodeset.fold(plan.workers)}; logs "

@@ -402,8 +402,9 @@ class JobRunner:
         secrets = self.service.secrets_for(spec)
         if secrets is None:
             self._update(lambda s: records_.with_event(
-                s, "needs secrets: hand them again with `tpufab jobs secrets JOB` or the "
-                   "next --remote", records.now()) if not _waiting(s) else s)
+                s, f"needs secrets ({', '.join(spec.secrets)}): this supervisor keeps them in "
+                   "memory only and does not hold them; it waits until they are handed to it "
+                   "(docs/supervisor.md, Secrets)", records.now()) if not _waiting(s) else s)
             self.service.log(f"{self.job}: waits for its secrets "
                              f"({', '.join(spec.secrets)})")
             self._wait_for_secrets(spec)
