@@ -103,6 +103,8 @@ class Upload:
         self._buffers[worker] = bytearray()
 
     def lines(self, worker: int, stream: str, data: bytes) -> None:
+        if stream != "stdout":
+            return        # the follower's own words, not the run's log (they differ per follower)
         with self._lock:
             if worker not in self._appenders:
                 self._open(worker)
