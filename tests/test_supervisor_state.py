@@ -153,7 +153,7 @@ def test_the_job_carries_every_babysit_option_with_babysits_defaults():
 
     params = inspect.signature(Pod.babysit).parameters
     options = {n: p.default for n, p in params.items()    # the sinks are the caller's, not the job's
-               if n not in ("self", "recipe", "args", "env", "poll", *HOOKS)}
+               if n not in ("self", "recipe", "args", "env", "poll", "remote", *HOOKS)}
     assert options == st.BABYSIT_OPTIONS
     with pytest.raises(ValueError, match="not babysit options: colour"):
         st.JobSpec(job="j", pod=st.PodRef("p", "z"), recipe="r", code=st.Code.of("c"),

@@ -501,8 +501,8 @@ class Pod:
                 timeout: float | None = None, stall: str | float | None = None,
                 stall_action: str = "wait",
                 stall_progress_file: str | None = None, ray: bool = False,
-                ray_options: str | Sequence[str] = "", console: Any = None,
-                view: Any = None, out: Any = None) -> BabysitResult:
+                ray_options: str | Sequence[str] = "", remote: bool = False,
+                console: Any = None, view: Any = None, out: Any = None) -> BabysitResult:
         """`tpufab babysit`: run ``recipe`` and keep it running through preemptions
         (recreate the node, set it up, restore the commit and mounts, restart); ``ray``: as a
         Ray job on the pod's Ray cluster, brought up before each attempt. Each parameter is
@@ -512,7 +512,8 @@ class Pod:
         ``view(workers)`` (each attempt's live view, e.g. views.runlogs.follow_view),
         ``out(line)`` (a Ray job's lines). Returns the BabysitResult (``.exit_code``,
         ``.attempts``, ``.restart_counts``) when the recipe finished on every worker; raises
-        BabysitError saying why otherwise (ConfigError, one sentence, for a bad budget)."""
+        BabysitError saying why otherwise (ConfigError, one sentence, for a bad budget).
+        ``remote``: hand it to the supervisor instead (docs/supervisor.md): a HandedOver."""
         from tpufab.flows.babysit import loop as babysitting
         from tpufab.steps.start.starting import recipe_args
 
@@ -521,6 +522,9 @@ class Pod:
                               "this babysit runs the recipe itself: add --ray, or drop "
                               "--ray-options.")
         args = recipe_args(args)
+        if remote:   # the options as given, from the signature (state.BABYSIT_OPTIONS)
+            from tpufab.flows.supervisor.handover import hand_over_call
+            return hand_over_call(self.settings, recipe, args, env, console, locals())
         timeout = self._timeout("babysit", timeout)
         settings = self.settings.bounded(timeout)   # this call's timeouts, not the pod's
         options = {} if poll is None else {"poll": poll}

@@ -51,7 +51,9 @@ def status(call: Call, *, as_json: bool = False, wide: bool = False) -> int:
     "ray": "Run the recipe as a Ray job on the pod's Ray cluster (`tpufab ray up` before each "
            "attempt, then `tpufab ray submit`'s path).",
     "ray_options": Opt("With --ray: more `ray start` options for every host, as one string "
-                       "(e.g. \"--num-cpus=8\").", metavar="OPTIONS")})
+                       "(e.g. \"--num-cpus=8\").", metavar="OPTIONS"),
+    "remote": "Hand the job to the project's supervisor (docs/supervisor.md) and return: it "
+              "keeps the job going with the laptop closed."})
 def babysit(call: Call) -> int:
     """Run a recipe and keep it running through preemptions (recreate, set up, restart).
 
@@ -71,11 +73,20 @@ def babysit(call: Call) -> int:
     not against the error budget).
     ``ray``: the recipe runs as a Ray job (see docs/ray.md); after a preemption the Ray
     cluster is started again on the recreated node before the job is resubmitted.
+    ``remote``: the job goes to the project's supervisor (a small VM, state in Cloud Storage;
+    docs/supervisor.md): its id and the commands to follow or cancel it are printed, and the
+    command returns; `tpufab jobs` shows it.
     Returns 0 when the recipe finished on every worker; otherwise BabysitError says why.
     """
     from tpufab.term.console import stderr
     from tpufab.views.runlogs import follow_view
 
+    if call.args.get("remote"):
+        from tpufab.views.supervised import show_handed_over
+
+        handed = call(console=stderr())
+        show_handed_over(handed)
+        return handed.exit_code
     return call(console=stderr(), view=lambda workers: follow_view(workers, raw=True),
                 out=lambda line: print(line, flush=True)).exit_code
 

@@ -99,3 +99,27 @@ def attempt_header(number: int, attempt: Any) -> str:
     if attempt.exit is not None:
         how += f", exit {attempt.exit}"
     return f"attempt {number}: run {attempt.run_id} ({attempt.reason}; {how})"
+
+
+def show_handed_over(result: Any) -> None:
+    """`babysit --remote`'s answer: the job id on stdout (for scripts), then what happens and
+    the two commands that follow it or cancel it."""
+    from tpufab.term.console import stderr
+
+    print(result.job, flush=True)
+    spec = result.spec
+    where = (f"supervisor {result.supervisor}" if result.supervisor else
+             f"the bucket gs://{result.bucket}")
+    code = spec.code.commit[:12] + (" (bundled in the bucket)" if spec.code.bundle else "")
+    err = stderr()
+    err.print(f"Handed job {result.job} over to {where}: it babysits {spec.recipe} on pod "
+              f"{spec.pod.name} from commit {code}; the laptop can be closed.", markup=False)
+    if result.supervisor is None:
+        err.print("No supervisor is running for it yet: `tpufab supervisor up` starts one, "
+                  "and it picks the job up from the bucket.", markup=False)
+    if spec.secrets and not result.secrets_handed:
+        err.print(f"Its secrets ({', '.join(spec.secrets)}) are not in the bucket: the job "
+                  "waits (needs secrets) until they are handed to the supervisor "
+                  "(docs/supervisor.md, Secrets).", markup=False)
+    err.print(f"Follow it:  {result.follow}", markup=False)
+    err.print(f"Cancel it:  {result.cancel}", markup=False)

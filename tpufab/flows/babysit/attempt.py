@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from tpufab import nodeset
 from tpufab.config import timeout_for
 from tpufab.errors import TpufabError
+from tpufab.flows.babysit.hooks import Stopped
 from tpufab.flows.babysit.policy import (
     BABYSIT_VARIABLE,
     RESTART_VARIABLE,
@@ -47,16 +48,18 @@ class Attempts:
     """The babysitter's attempts (a part of ``loop.Babysitter``, whose state it uses:
     ``settings``, ``recipe``, ``restore``, the options, ``view`` and ``out``)."""
 
-    def _attempt(self, number: int, restarts: int) -> Attempt:
+    def _attempt(self, number: int, restarts: int, run_id: str, *,
+                 attach: str | None = None) -> Attempt:
+        """Attempt ``number`` as run ``run_id`` (planned by the loop); ``attach``: a run id
+        that may be going on the pod already (a resumed babysit): followed if so."""
         from tpufab.ssh.remote_files import RemoteFile
         from tpufab.steps.code.deploy import default_cwd
-        from tpufab.steps.runs.env import Forwarded, new_run_id
+        from tpufab.steps.runs.env import Forwarded
         from tpufab.steps.runs.running import RunError
         from tpufab.steps.start import plan as plans
         from tpufab.steps.start.starting import start_job, start_plan
 
         pod = self._pod()
-        run_id = new_run_id()
         if self.ray:
             return self._ray_attempt(pod, run_id, number, restarts)
         attempt_dir = self._attempt_dir(run_id, number)
@@ -68,27 +71,43 @@ class Attempts:
                               ips=pod.internal_ips(), run_id=run_id, args=self.args, cwd=cwd,
                               commit=self.restore.commit, forwarded=forwarded,
                               tpu=plans.slice_facts(pod.nodes))
-        try:   # the one start path: under the code lease, never beside a running run
-            start_job(pod, lambda _deployed: start_plan(pod, plan), verb="babysit",
-                      what=self.recipe.name, timeout=self.timeout)
-        except RunError:
-            reason = self.api_reason()
-            if reason is None:
-                raise
-            return Attempt(number, run_id, "preempted", reason, attempt_dir)
+        attached = attach is not None and self._going(pod, attach, plan.workers)
+        if not attached:
+            self.go_on(f"starting run {run_id}")
+            try:   # the one start path: under the code lease, never beside a running run
+                start_job(pod, lambda _deployed: start_plan(pod, plan), verb="babysit",
+                          what=self.recipe.name, timeout=self.timeout)
+            except RunError as err:
+                if attach is not None and "already exists" in str(err):
+                    attached = True    # started meanwhile: the worker refused a second start
+                else:
+                    reason = self.api_reason()
+                    if reason is None:
+                        raise
+                    return Attempt(number, run_id, "preempted", reason, attempt_dir)
+        self.hooks.started(number, run_id, plan.workers, attached)
         self.note(f"babysit: attempt {number} is run {run_id} ({self.recipe.name}, "
                   f"{RESTART_VARIABLE}={restarts}) on {nodeset.fold(plan.workers)}; logs "
                   f"copied to {shown_path(attempt_dir)}/.")
         return self._watch(pod, plan, number, attempt_dir)
 
+    def _going(self, pod, run_id: str, workers: Sequence[int]) -> bool:
+        """Has run ``run_id`` been started on the pod (a record of it on any worker)? Then a
+        resumed babysit follows it rather than starting it again."""
+        from tpufab.steps.runs import running as jobs
+
+        for answer in jobs.statuses(pod.fanout, list(workers), timeout=self.timeout).values():
+            if answer.error is None and any(e.get("run") == run_id for e in answer.runs):
+                return True
+        return False
+
     def _attempt_dir(self, run_id: str, number: int) -> Path:
         from tpufab.steps.runs import running as jobs
 
-        if number == 0:
-            self._first_run_id = run_id
+        if self.log_dir is None:
             if self.base_dir is not None:
                 self.base_dir.mkdir(parents=True, exist_ok=True)
-            self.log_dir = jobs.local_log_dir(run_id, self.base_dir,
+            self.log_dir = jobs.local_log_dir(self.base_run_id, self.base_dir,
                                               keep_runs=self.settings.keep_runs,
                                               keep_gib=self.settings.keep_logs_gib)
         assert self.log_dir is not None
@@ -204,7 +223,9 @@ class Attempts:
             with lock:
                 ended[worker] = state
 
-        view = self.view(workers) if self.view is not None else Silent()
+        view = self.hooks.output(number, plan.run_id, workers)
+        if view is None:
+            view = self.view(workers) if self.view is not None else Silent()
         stalled = None
         if self.stall is not None:
             view, stalled = self._stall_watch(pod, plan.run_id, workers, view, attempt_dir)
@@ -233,6 +254,17 @@ class Attempts:
         try:
             while True:
                 follower.join(self.poll)
+                why = self.hooks.go_on()
+                if why == "lost":          # another holds the job now: touch nothing
+                    self._end_follower(pod, follower, sink)
+                    raise Stopped("lost", f"following run {plan.run_id}")
+                if why is not None:        # asked to stop: the run stopped, the attempt ends
+                    self.note(f"babysit: {why}: stopping run {plan.run_id} ...", "yellow")
+                    jobs.stop(pod.fanout, plan.run_id, workers, grace=2.0)
+                    self._end_follower(pod, follower, sink)
+                    self._keep_logs(pod, plan.run_id, states, attempt_dir)
+                    return Attempt(number, plan.run_id, "cancelled", why, attempt_dir,
+                                   {w: s.label for w, s in sorted(states.items())})
                 now = time.monotonic()
                 with lock:
                     fresh = {w: s for w, s in ended.items() if w not in followed_end}
@@ -268,6 +300,7 @@ class Attempts:
                                   unreachable_grace=self.unreachable_grace,
                                   first_failure_at=first_failure, failure_grace=self.failure_grace)
                 if decision.action == "stop-others" and not stopped:
+                    self.go_on(f"stopping run {plan.run_id}'s peers")
                     running = [w for w in workers if not (w in states and finished(states[w]))]
                     self.note(f"babysit: {decision.reason}; stopping the run on "
                               f"{nodeset.fold(running)} (a job without a peer only hangs).",

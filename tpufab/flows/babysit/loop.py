@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from tpufab import nodeset
 from tpufab.errors import ApiError, ConfigError, shown
 from tpufab.flows.babysit.attempt import Attempts
+from tpufab.flows.babysit.hooks import Hooks, Resume, Stopped
 from tpufab.flows.babysit.policy import (
     DEFAULT_BACKOFF,
     DEFAULT_CREATE_ATTEMPTS,
@@ -163,7 +164,9 @@ class Babysitter(Recovery, Attempts):
                  sleep: Callable[[float], None] | None = None, timeout: float | None = None,
                  stall: str | float | None = None, stall_action: str | None = None,
                  stall_progress_file: str | None = None,
-                 ray: bool = False, ray_options: Sequence[str] = ()):
+                 ray: bool = False, ray_options: Sequence[str] = (),
+                 hooks: Hooks | None = None, resume: Resume | None = None,
+                 checkout: Path | None = None):
         from tpufab.cloud import names, planes
         from tpufab.steps.start import stall as stalls
 
@@ -240,12 +243,24 @@ class Babysitter(Recovery, Attempts):
         self._watched_ids: set[str] = set()   # node ids a recovery may delete
         self.restore = Restore()
         self.root: Path | None = None
-        self.attempts: list[Attempt] = []
+        self.attempts: list[Attempt] = list(resume.history) if resume else []
         self.log_dir: Path | None = None
+        # the caller's hooks (hooks.py: the supervisor's); none: babysit as it always was
+        self.hooks = hooks or Hooks()
+        self.resume = resume
+        self.checkout = checkout          # the checkout to deploy (None: the one here)
+        if resume is not None:            # the restarts so far count against the budgets
+            self.errors_used = sum(1 for a in self.attempts if a.restart_kind == "error")
 
     # -- small helpers ------------------------------------------------------------------------
     def note(self, text: str, style: str | None = None) -> None:
         self.console.print(text, markup=False, style=style)
+
+    def go_on(self, step: str) -> None:
+        """Before each step that acts on the pod: Stopped when the caller's hooks say stop."""
+        why = self.hooks.go_on()
+        if why is not None:
+            raise Stopped(why, step)
 
     def _pod(self):
         from tpufab.hosts import connect as pods
@@ -310,15 +325,26 @@ class Babysitter(Recovery, Attempts):
         self._deploy_first()
         self.note(f"babysit: after a preemption {self.name} is recreated as "
                   f"{self.spec.describe()} and gets {self.restore.describe()}.", "dim")
-        restarts = 0
+        from tpufab.steps.runs.env import new_run_id
+
+        restarts = len(self.attempts)     # resumed: the attempts before it were restarts
         needs_recovery = False
+        attach = self.resume.run_id if self.resume is not None else None
+        run_id = attach or new_run_id()
+        if attach is None:
+            self.hooks.planned(len(self.attempts), run_id, "first", None)
+        self._first_run_id = self.attempts[0].run_id if self.attempts else run_id
         while True:
             if needs_recovery:
                 self._recover(self.attempts[-1].reason)
-            attempt = self._attempt(len(self.attempts), restarts)
+            attempt = self._attempt(len(self.attempts), restarts, run_id, attach=attach)
+            attach = None
             self.attempts.append(attempt)
             self._write_summary()
+            if attempt.outcome == "cancelled":
+                raise Stopped("cancel", f"attempt {attempt.number}'s end")
             if attempt.outcome == "finished":
+                self.hooks.ended(attempt, "finished")
                 self.note(f"babysit: run {self.base_run_id} finished after "
                           f"{counts_text(self.attempts)}. Logs: {shown_path(self.log_dir)}/.")
                 return BabysitResult(self.base_run_id, self.attempts, 0, self.log_dir)
@@ -334,6 +360,8 @@ class Babysitter(Recovery, Attempts):
             restarts += 1
             attempt.restart, attempt.restart_kind = why, kind
             self._write_summary()
+            run_id = new_run_id()         # kept (planned) before the node is recovered for it
+            self.hooks.planned(len(self.attempts), run_id, kind, attempt)
             needs_recovery = attempt.outcome in ("preempted", "lost")
             delay = backoff_delay(restarts, *self.backoff)
             what = "recovering the node" if needs_recovery else "restarting"
@@ -395,7 +423,17 @@ class Babysitter(Recovery, Attempts):
         from tpufab.steps.start import starting
 
         ask = None
-        if not self.no_deploy:
+        if self.resume is not None:
+            pod = self._pod()
+            if self._going(pod, self.resume.run_id, pod.workers):
+                # re-attaching: the run has its code (captured); a recovery redeploys it
+                self.root = gitops.repo_root(self.checkout) if self.checkout else None
+                return
+        if not self.no_deploy and self.checkout is not None:   # a checkout of the caller's
+            ask = starting.DeployAsk(gitops.repo_root(self.checkout), self.settings.remote_dir,
+                                     self.direct)
+            self.root = ask.root
+        elif not self.no_deploy:
             ask = starting.deploy_ask(self.settings, direct=self.direct, what=self.recipe.name,
                                       progress=self.note)
             self.root, self.direct = ask.root, ask.direct
@@ -408,6 +446,7 @@ class Babysitter(Recovery, Attempts):
         with starting.job_lease(pod, verb="babysit", what=self.recipe.name,
                                 timeout=self.timeout):
             if ask is not None:
+                self.go_on("deploy")
                 report = starting.deploy_for_job(pod, ask, timeout=self.timeout,
                                                  progress=self.note)
                 self.restore.commit, self.restore.deploy_dir = report.commit, report.dir
@@ -422,6 +461,7 @@ class Babysitter(Recovery, Attempts):
                 f"{counts_text(self.attempts)}; set flex_start_renew: true (tpufab.yaml, or "
                 "TPUFAB_FLEX_START_RENEW=1) to have babysit make a new flex-start request "
                 f"instead. Logs: {shown_path(self.log_dir)}/.")
+        self.go_on("recovering the node")
         if "maximum run duration" in reason:
             self.note(f"babysit: {reason}: making a new flex-start request for {self.name} "
                       "(flex_start_renew).", "yellow")

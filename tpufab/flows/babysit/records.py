@@ -17,6 +17,7 @@ class Attempt:
     number: int
     run_id: str
     outcome: str   # finished | failed | preempted | lost | maintenance | stalled | interrupted
+    #              | cancelled (the caller's hooks said stop: flows/babysit/hooks.py)
     reason: str
     log_dir: Path
     states: dict[int, str] = field(default_factory=dict)

@@ -233,6 +233,7 @@ class Recovery:
                          deletable=self._still_lost)
         wanted = self.spec.settings(self.settings)
         for attempt in range(1, self.create_attempts + 1):
+            self.go_on(f"creating {self.name}")
             try:
                 lifecycle.create(wanted, queued=self.spec.queued,
                                  num_slices=self.spec.num_slices, console=self.console,

@@ -198,6 +198,7 @@ class Code:
     commit: str
     remote: str | None = None
     bundle: str | None = None
+    name: str | None = None     # the checkout's folder name (the workers' deploy directory)
 
     def __post_init__(self) -> None:
         if self.remote is not None:
@@ -207,13 +208,14 @@ class Code:
                 raise ValueError("a job's code names its remote without credentials")
 
     @classmethod
-    def of(cls, commit: str, *, remote: str | None = None, bundle: str | None = None) -> Code:
+    def of(cls, commit: str, *, remote: str | None = None, bundle: str | None = None,
+           name: str | None = None) -> Code:
         """Its remote's URL without any userinfo (a token there would go into the bucket)."""
         if remote is not None:
             from tpufab.steps.code.gitops import without_credentials
 
             remote = without_credentials(remote)[0]
-        return cls(commit=commit, remote=remote, bundle=bundle)
+        return cls(commit=commit, remote=remote, bundle=bundle, name=name)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,235 @@
+"""`tpufab babysit --remote` and the supervisor's service on a simulated v4-8 (1 worker),
+the service run as a plain local process (what the supervisor VM's systemd unit runs):
+
+- the job handed over from a checkout (--direct: its commit bundled into the bucket), the
+  command returns; two services race for it and one launches; the holder is SIGKILLed in
+  the middle of the attempt and started again; whichever takes the job once the lease ran
+  out re-attaches to the run (started once on the worker: the recipe counts its starts
+  there); then `jobs cancel` stops the run on the pod and the job is cancelled, its records
+  kept;
+- a job preempted under the service: relaunched, counted as a preemption (the error budget
+  untouched), finished; `jobs --json` and `jobs logs` show both attempts.
+
+(What `--remote` refuses before anything is made: tests/test_supervisor_service.py.)"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from harness import sim_node
+from helpers import in_worker, tpufab, unique_name, wait_for
+
+from tpufab.cloud.storage import Storage
+from tpufab.flows.supervisor import state as st
+
+pytestmark = pytest.mark.sim
+
+RECIPE = """#!/bin/sh
+echo "$TPUFAB_RUN_ID" >> "$HOME/starts-$JOB_TAG.log"
+echo "attempt $TPUFAB_RESTART_COUNT of $JOB_TAG in $(basename "$PWD") at $(cat version.txt)"
+if [ "$TPUFAB_RESTART_COUNT" = 0 ]; then
+    while [ ! -f "$HOME/release-$JOB_TAG" ]; do sleep 0.1; done
+    echo "released"
+fi
+echo "finished attempt $TPUFAB_RESTART_COUNT"
+"""
+
+
+def git(cwd: Path, *args: str) -> str:
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin", "HOME": str(cwd)}
+    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def pod1(sim, tmp_path_factory):
+    with sim_node(sim, tmp_path_factory, "sup", "v4-8") as pod:
+        repo = pod.home / "model"
+        repo.mkdir()
+        git(repo, "init", "-q", "-b", "main")
+        (repo / "version.txt").write_text("v1\n")
+        (repo / "train.sh").write_text(RECIPE)
+        (repo / "train.sh").chmod(0o755)
+        git(repo, "add", ".")
+        git(repo, "commit", "-q", "-m", "v1")
+        pod.repo = repo
+        yield pod
+
+
+@pytest.fixture
+def bucket(pod1):
+    name = unique_name("sup-b")
+    Storage(pod1.sim.storage_endpoint).create_bucket(name, project=pod1.sim.project)
+    return name
+
+
+class Services:
+    """Supervisor services as local processes; each its own state dir (no shared babysit
+    lock: only the lease keeps them apart); every one still running is killed at the end."""
+
+    def __init__(self, pod, bucket: str, tmp: Path):
+        self.pod, self.bucket, self.tmp = pod, bucket, tmp
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str) -> subprocess.Popen:
+        env = {**self.pod.env, "TPUFAB_STATE_DIR": str(self.tmp / f"{name}-state")}
+        log = open(self.tmp / f"{name}.log", "ab")   # noqa: SIM115 - the child holds it
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tpufab.flows.supervisor", "serve", "--bucket",
+             self.bucket, "--name", name, "--workdir", str(self.tmp / f"{name}-work"),
+             "--poll", "0.5", "--lease-ttl", "6", "--lease-margin", "1",
+             "--babysit-poll", "0.3", "--flush", "0.3", "--backoff", "0"],
+            env=env, stdout=log, stderr=log, cwd=self.tmp)
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.fixture
+def services(pod1, bucket, tmp_path):
+    made = Services(pod1, bucket, tmp_path)
+    yield made
+    made.stop()
+
+
+def records(pod1, bucket) -> st.Records:
+    return st.Records(Storage(pod1.sim.storage_endpoint), bucket)
+
+
+def hand_over(pod1, bucket: str, tag: str, *extra: str) -> str:
+    out = tpufab("babysit", "train.sh", "--remote", "--env", f"JOB_TAG={tag}", *extra, env=pod1.env, cwd=pod1.repo,
+                 extra_env={"TPUFAB_SUPERVISOR_BUCKET": bucket})
+    assert out.returncode == 0, out.stderr
+    job = out.stdout.strip().splitlines()[-1]
+    assert f"tpufab jobs logs {job} --follow" in out.stderr
+    assert f"tpufab jobs cancel {job}" in out.stderr
+    return job
+
+
+def state_of(pod1, bucket, job) -> st.JobState:
+    return records(pod1, bucket).state(job)[0]
+
+
+def starts(pod1, tag: str) -> list[str]:
+    from tpufab.cloud.planes.tpu import TpuApi
+
+    node = TpuApi(pod1.settings).get_node(pod1.name)
+    return in_worker(pod1.sim, node, 0, f"cat /home/tpufab/starts-{tag}.log 2>/dev/null",
+                     check=False).split()
+
+
+def uploaded(pod1, bucket, job: str, attempt: int) -> bytes:
+    from tpufab.cloud.storage import chunks
+
+    recs = records(pod1, bucket)
+    return b"".join(d for _, d in chunks(recs.store, recs.bucket,
+                                         st.logs_prefix(job, attempt, 0)))
+
+
+def run_ended(pod1, run_id: str) -> bool:
+    """The worker's own record of ``run_id`` says it is over (stopped, not running)."""
+    from tpufab.flows.babysit.policy import finished
+    from tpufab.hosts import connect as pods
+    from tpufab.steps.runs import running as jobs
+
+    try:
+        pod = pods.shared(pod1.settings)
+        answer = jobs.statuses(pod.fanout, [0])[0]
+        entry = next(e for e in answer.runs if e.get("run") == run_id)
+        return finished(jobs.state_from_status(0, entry))
+    finally:
+        pods.forget(pod1.settings)
+
+
+def jobs_cli(pod1, bucket, *args: str):
+    return tpufab("jobs", *args, env=pod1.env,
+                  extra_env={"TPUFAB_SUPERVISOR_BUCKET": bucket})
+
+
+def test_two_supervisors_race_one_launches_and_the_other_reattaches_after_a_kill(
+        pod1, bucket, services):
+    tag = unique_name("race")
+    job = hand_over(pod1, bucket, tag)
+    assert state_of(pod1, bucket, job).state == "queued"   # nothing runs it yet
+    a, b = services.start("sup-a"), services.start("sup-b")
+    running = wait_for(lambda: (s := state_of(pod1, bucket, job)).current is not None and
+                       s.current.phase == "running" and s, 60,
+                       what=lambda: f"the job running: {state_of(pod1, bucket, job)}")
+    holder = running.owner.holder
+    wait_for(lambda: starts(pod1, tag), 20, what="the recipe to start on the worker")
+    # the holder dies in the middle of the attempt and its VM's init starts it again (a new
+    # process, a new lease token): whichever of the two takes the job once the lease ran out
+    # (ttl 6 s + margin 1 s) follows the run that is still going
+    killed = a if holder == "sup-a" else b
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(10)
+    services.start(holder)
+    wait_for(lambda: any(e.text == f"re-attached to run {running.current.run_id}"
+                         for e in state_of(pod1, bucket, job).events), 40,
+             what=lambda: f"a re-attach; logs: {services.log('sup-a')[-1500:]} "
+                          f"{services.log('sup-b')[-1500:]}")
+    after = state_of(pod1, bucket, job)
+    assert after.owner.token != running.owner.token and len(after.attempts) == 1
+    other = after.owner.holder
+    assert starts(pod1, tag) == [running.current.run_id]     # started once, never again
+    # its output is in the bucket, once, whoever uploaded it
+    logs = jobs_cli(pod1, bucket, "logs", job, "--raw")
+    assert logs.returncode == 0, logs.stderr
+    assert logs.stdout.count(f"attempt 0 of {tag} in model at v1") == 1
+
+    # cancel: the run stopped on the pod, the job cancelled, its records kept
+    out = jobs_cli(pod1, bucket, "cancel", job)
+    assert out.returncode == 0, out.stderr
+    assert f"asked supervisor {other} to cancel it" in out.stdout + out.stderr
+    wait_for(lambda: state_of(pod1, bucket, job).state == "cancelled", 40,
+             what=lambda: f"the job cancelled: {state_of(pod1, bucket, job).events[-3:]}")
+    final = state_of(pod1, bucket, job)
+    assert [(x.phase, x.outcome) for x in final.attempts] == [("ended", "cancelled")]
+    assert run_ended(pod1, running.current.run_id)
+    assert starts(pod1, tag) == [running.current.run_id]
+    listed = json.loads(jobs_cli(pod1, bucket, "--json").stdout)
+    assert [(j["id"], j["state"], j["attempts"]) for j in listed] == [(job, "cancelled", 1)]
+
+
+def test_a_preempted_job_is_relaunched_by_the_supervisor_and_counted_as_a_preemption(
+        pod1, bucket, services, sim_admin):
+    tag = unique_name("pre")
+    job = hand_over(pod1, bucket, tag, "--max-restarts-on-errors", "1")
+    services.start("sup-a")
+    wait_for(lambda: starts(pod1, tag), 60,
+             what=lambda: f"attempt 0 to start: {services.log('sup-a')[-2000:]}")
+    wait_for(lambda: state_of(pod1, bucket, job).state == "running", 20, what="running")
+    # preempted once its first lines are in the bucket (as babysit's fault 5 waits for them
+    # in its local copies): what was followed before the preemption is kept
+    wait_for(lambda: f"attempt 0 of {tag}".encode() in uploaded(pod1, bucket, job, 1), 20,
+             what="attempt 1's first lines in the bucket")
+    sim_admin.preempt(pod1.name)
+    wait_for(lambda: state_of(pod1, bucket, job).terminal, 150,
+             what=lambda: f"the job to end: {state_of(pod1, bucket, job).events[-4:]}; "
+                          f"{services.log('sup-a')[-2000:]}")
+    final = state_of(pod1, bucket, job)
+    assert final.state == "finished", final.events
+    assert [(a.reason, a.outcome) for a in final.attempts] == [("first", "preempted"),
+                                                               ("preempted", "finished")]
+    assert (final.preemptions, final.errors) == (1, 0)
+    [row] = json.loads(jobs_cli(pod1, bucket, "--json").stdout)
+    assert (row["state"], row["attempts"], row["preemptions"], row["errors"]) == \
+        ("finished", 2, 1, 0)
+    logs = jobs_cli(pod1, bucket, "logs", job, "--raw")
+    assert logs.returncode == 0, logs.stderr
+    assert f"attempt 0 of {tag} in model at v1" in logs.stdout
+    assert "finished attempt 1" in logs.stdout
