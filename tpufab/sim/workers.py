@@ -605,7 +605,8 @@ class WorkerPool:
 
     def exec_in(self, node_id: str, index: int, argv: list[str], **popen_kw
                 ) -> subprocess.CompletedProcess:
-        """Run argv as root inside the worker (nsenter); output captured as text by default."""
+        """Run argv as root inside the worker (nsenter: its PID, mount, UTS, network and time
+        namespaces, so its uptime is the worker's); output captured as text by default."""
         init = self.require_init(node_id, index)
         popen_kw.setdefault("env", {"PATH": STD_PATH, "HOME": "/root", "LANG": "C.UTF-8"})
         if not {"stdout", "stderr", "capture_output"} & popen_kw.keys():
@@ -613,4 +614,4 @@ class WorkerPool:
         popen_kw.setdefault("text", True)
         nsenter = find_host_tools().nsenter
         return subprocess.run([nsenter, "--target", str(init), "--pid", "--mount", "--uts",
-                               "--net", "--", *argv], **popen_kw)
+                               "--net", "--time", "--", *argv], **popen_kw)
