@@ -221,6 +221,16 @@ def sweep_compute(call: Sweep) -> None:  # noqa: PLR0915 - one user's session, i
     call("POST", f"{zone}/instances", vm, ok=False)  # already exists
     call("POST", f"{zone}/instances", {**vm, "name": "vm3",
                                        "machineType": "zones/z/machineTypes/nope-1t"}, ok=False)
+    # a general-purpose VM (the supervisor's kind: sshd, metadata, no TPU), reset
+    wait_op(call("POST", f"{zone}/instances", {
+        "name": "gp1", "machineType": f"zones/{Z}/machineTypes/e2-small",
+        "networkInterfaces": [{"accessConfigs": [{}]}], "serviceAccounts": vm["serviceAccounts"],
+        "disks": [{"boot": True, "autoDelete": True, "initializeParams": {
+            "sourceImage": "projects/debian-cloud/global/images/family/debian-12",
+            "diskSizeGb": "10"}}]}))
+    call("GET", f"{zone}/instances/gp1")
+    call("GET", f"{zone}/machineTypes/e2-small")
+    wait_op(call("POST", f"{zone}/instances/gp1/reset", {}))
     one = f"{zone}/instances/vm1"
     inst = call("GET", one)
     call("GET", f"{zone}/instances", query={"filter": "labels.team = infra"})

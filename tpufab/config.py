@@ -214,6 +214,10 @@ TIMEOUTS: dict[str, Timeout] = {
     "ray submit": Timeout(300.0, "each step before the job runs (deploy, submit); following "
                                  "its logs has no limit"),
     "ray down": Timeout(300.0, "each host's `ray stop`"),
+    "supervisor up": Timeout(600.0, "making the supervisor VM (or resetting it for an "
+                                    "upgrade) and its startup script's install",
+                             commands=False),
+    "supervisor down": Timeout(600.0, "deleting the supervisor VM", commands=False),
     # a verb on the workers that has no row of its own yet (docs/architecture.md, "Add a verb")
     "worker verb": Timeout(300.0, "each step on the workers"),
 }

@@ -67,6 +67,14 @@ def gc(*, zone: str | None = None, project: str | None = None, all_zones: bool =
     deleted = garbage.gc(chosen, yes=yes, all_zones=all_zones, console=console)
     for gone in deleted:
         _keep_ssh_config(replace(chosen, name=gone.name, zone=gone.zone), console, gone=True)
+    if console is not None:
+        from tpufab.flows.supervisor.vm import idle_supervisor
+
+        idle = idle_supervisor(chosen)   # listed, not deleted: it may get a job any moment
+        if idle is not None:
+            console.print(f"The supervisor VM {idle.name} ({idle.machine_type}, {idle.zone}) "
+                          "holds no live job: `tpufab supervisor down` deletes it (it also "
+                          "deletes itself after supervisor_idle).")
     return deleted
 
 

@@ -82,3 +82,57 @@ def cancel_job(job: str, *, project: str | None = None, bucket: str | None = Non
         except Exception:  # noqa: BLE001 - no passwd entry (containers)
             by = "someone"
     return supervised.cancel_job(records, found, by=by)
+
+
+# -- the supervisor VM (docs/supervisor.md, "The VM"): `tpufab supervisor up | status | ssh |
+# down`. These need the project and zone (the VM's) as well as the bucket.
+
+def _vm_settings(project: str | None, zone: str | None, bucket: str | None,
+                 settings: dict[str, Any]) -> Settings:
+    return load_settings({"project": project, "zone": zone, "supervisor_bucket": bucket,
+                          **settings})
+
+
+def supervisor_up(*, project: str | None = None, zone: str | None = None,
+                  bucket: str | None = None, console: Any = None, **settings: Any):
+    """`tpufab supervisor up`: the project's supervisor VM, made if missing (the laptop's own
+    tpufab installed, its service running), upgraded in place between jobs; a SupervisorVM.
+    ``console`` (a rich Console) hears its progress."""
+    from tpufab.flows.supervisor import vm
+
+    return vm.ensure(_vm_settings(project, zone, bucket, settings), console=console)
+
+
+def supervisor_status(*, project: str | None = None, zone: str | None = None,
+                      bucket: str | None = None, **settings: Any):
+    """`tpufab supervisor status`: the VM (None if there is none), its install, its service's
+    heartbeat, the bucket's jobs and the VM's hourly list price; a SupervisorStatus."""
+    from tpufab.flows.supervisor import vm
+
+    return vm.status(_vm_settings(project, zone, bucket, settings))
+
+
+def supervisor_down(*, force: bool = False, project: str | None = None,
+                    zone: str | None = None, bucket: str | None = None,
+                    **settings: Any) -> str:
+    """`tpufab supervisor down`: delete the VM (the bucket keeps the records); refused while
+    jobs are live unless ``force``. Returns the sentence saying what was done."""
+    from tpufab.flows.supervisor import vm
+
+    return vm.down(_vm_settings(project, zone, bucket, settings), force=force)
+
+
+def supervisor_ssh(command: Sequence[str] = (), *, project: str | None = None,
+                   zone: str | None = None, **settings: Any) -> int:
+    """`tpufab supervisor ssh [-- CMD]`: OpenSSH into the VM (its host key pinned from its
+    guest attributes), interactive or running CMD; returns ssh's exit status."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from tpufab.flows.supervisor import vm
+
+    chosen = _vm_settings(project, zone, None, settings)
+    with tempfile.TemporaryDirectory(prefix="tpufab-supervisor-ssh-") as folder:
+        argv = vm.ssh_argv(chosen, command, known_hosts=Path(folder) / "known_hosts")
+        return subprocess.call(argv)

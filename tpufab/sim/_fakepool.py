@@ -18,6 +18,7 @@ class PaperSpec:
     hostname: str
     device_files: tuple[str, ...]
     pci_device: str = ""
+    vm: bool = False
 
 
 class PaperWorkers:

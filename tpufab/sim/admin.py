@@ -142,6 +142,12 @@ class SimAdmin:
     def clear_faults(self) -> None:
         self._call("DELETE", "faults")
 
+    def deny_permission(self, permission: str, *, allow: bool = False) -> list[str]:
+        """Cloud Resource Manager's projects:testIamPermissions answers ``permission`` as not
+        granted (``allow``: granted again); clear_faults grants every one again."""
+        return self._call("POST", "iam:denyPermission",
+                          {"permission": permission, "allow": allow})["deniedPermissions"]
+
     # OS Login (tpufab.sim.oslogin)
 
     _UNCHANGED: Any = object()

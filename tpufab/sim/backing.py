@@ -58,6 +58,30 @@ class BackingNodes:
         store.spawn(self.machines.bring_up, name, store.settings.create_delay)
         return failure
 
+    def create_vm(self, name: str, machine_type: str, *, metadata: dict[str, str],
+                  labels: dict[str, str], scheduling: dict[str, Any], external: bool,
+                  names: list[str], account: dict[str, Any] | None = None) -> None:
+        """The node record behind a general-purpose VM (caller holds the lock): one worker
+        with sshd, a metadata server and a service account, and no TPU (no device files,
+        no TPU attributes), whose init honours its own systemd units (worker_init.py)."""
+        store = self.store
+        model = scheduling.get("provisioningModel")
+        node_in = {"runtimeVersion": "compute-engine-vm", "metadata": dict(metadata),
+                   "labels": dict(labels), "networkConfig": {"enableExternalIps": external},
+                   "schedulingConfig": {"spot": True} if model == "SPOT" else {},
+                   "instanceNames": list(names)}
+        if account:  # the instance's service account: what its metadata server names
+            node_in["serviceAccount"] = {"email": account.get("email") or "default",
+                                         "scope": list(account.get("scopes") or [])}
+        problem = store.workers.capacity_problem(machine_type, 1)
+        if problem:
+            raise ApiFailure("FAILED_PRECONDITION", problem)
+        self._set_aside(name)
+        _, node = self.machines.new_node(name, node_in, "v2", machine_type=machine_type)
+        store.nodes[name] = {"node": node, "sim": self.machines.sim_fields(node, None, None)}
+        store.save()
+        store.spawn(self.machines.bring_up, name, store.settings.create_delay)
+
     def _set_aside(self, name: str) -> None:
         """A record of this name still being deleted (a MIG resized to 0, then up again at
         once) moves to a name of its own, so its teardown still finds it and its addresses

@@ -18,6 +18,7 @@ from tpufab.sim.compute_shapes import (
     error,
     external_ips,
     fingerprint,
+    is_general,
     metadata_items,
     new_id,
     not_found,
@@ -119,15 +120,21 @@ class Instances:
         if key in self.state["instances"]:
             raise error(409, "alreadyExists", f"The resource '{key}' already exists")
         machine = short(body.get("machineType"))
-        topo = topology_of(machine)
+        general = is_general(machine)
+        topo = None if general else topology_of(machine)
         self.reservation_check(project, zone, body)
         node_name = f"projects/{project}/locations/{zone}/ceInstances/{name}"
         instance = self.record(project, zone, name, body, machine)
-        failure = compute_failure(self.backing.create(
-            node_name, topo, metadata=metadata_items(body.get("metadata")),
-            labels=dict(body.get("labels") or {}), scheduling=instance["scheduling"],
-            external=external_ips(body), names=[name]), project, zone, topo,
-            self.store.settings.quota_chips)
+        made = dict(metadata=metadata_items(body.get("metadata")),
+                    labels=dict(body.get("labels") or {}), scheduling=instance["scheduling"],
+                    external=external_ips(body), names=[name])
+        if topo is None:  # a general-purpose VM: sshd, a metadata server, no TPU
+            accounts = instance.get("serviceAccounts") or []
+            failure = self.backing.create_vm(node_name, machine, **made,
+                                             account=accounts[0] if accounts else None)
+        else:
+            failure = compute_failure(self.backing.create(node_name, topo, **made), project,
+                                      zone, topo, self.store.settings.quota_chips)
         self.state["instances"][key] = {"instance": instance, "node": node_name, "worker": 0}
         self.run_timer(node_name, instance["scheduling"])
         return self.state.operation(project, "zones", zone, "insert", key, instance["id"],

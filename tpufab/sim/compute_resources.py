@@ -11,6 +11,7 @@ from typing import Any
 from tpufab.sim._model import LOCATIONS, rfc3339
 from tpufab.sim.catalog import project_number
 from tpufab.sim.compute_shapes import (
+    GENERAL_MACHINE_TYPES,
     HOST_SIZE,
     MACHINE_TYPES,
     check_name,
@@ -38,6 +39,8 @@ def stable_id(*parts: str) -> str:
     """A uint64 id (as Compute Engine's JSON writes them: a string) stable across runs."""
     return str(zlib.crc32("/".join(parts).encode()) * 1000003 + 17)
 
+
+ALL_MACHINE_TYPES = (*GENERAL_MACHINE_TYPES, *MACHINE_TYPES)
 
 # accelerator name (what a TPU machine type's ``accelerators`` names) -> chips on its VMs
 ACCELERATORS: dict[str, int] = {}
@@ -117,6 +120,19 @@ class ProjectResources:
     # ---------------------------------------------------------------- machine, accelerator types
 
     def machine_type(self, project: str, zone: str, machine: str) -> dict[str, Any]:
+        if machine in GENERAL_MACHINE_TYPES:
+            cpus, memory, shared = GENERAL_MACHINE_TYPES[machine]
+            return {"kind": "compute#machineType", "id": stable_id("machineType", machine),
+                    "creationTimestamp": EPOCH, "name": machine,
+                    "description": (f"Efficient Instance, {cpus} vCPU(s) for a fraction of the "
+                                    f"time, {memory / 1024:g} GB RAM" if shared else
+                                    f"{cpus} vCPUs, {memory / 1024:g} GB RAM"),
+                    "guestCpus": cpus, "memoryMb": memory, "maximumPersistentDisks": 16
+                    if shared else 128, "maximumPersistentDisksSizeGb": "3072" if shared
+                    else "263168", "zone": zone, "isSharedCpu": shared,
+                    "architecture": "X86_64",
+                    "selfLink": self.state.link(f"projects/{project}/zones/{zone}/"
+                                                f"machineTypes/{machine}")}
         if machine not in MACHINE_TYPES:
             raise not_found("machineType", f"{project}/zones/{zone}/machineTypes/{machine}")
         generation, chips = MACHINE_TYPES[machine]
@@ -134,11 +150,11 @@ class ProjectResources:
 
     def machine_types(self, project: str, zone: str, query: dict[str, str]) -> dict[str, Any]:
         return self.state.list("compute#machineTypeList",
-                               [self.machine_type(project, zone, m) for m in MACHINE_TYPES],
+                               [self.machine_type(project, zone, m) for m in ALL_MACHINE_TYPES],
                                project, f"zones/{zone}/machineTypes", query)
 
     def aggregated_machine_types(self, project: str, query: dict[str, str]) -> dict[str, Any]:
-        scoped = {f"zones/{z}": [self.machine_type(project, z, m) for m in MACHINE_TYPES]
+        scoped = {f"zones/{z}": [self.machine_type(project, z, m) for m in ALL_MACHINE_TYPES]
                   for z in LOCATIONS}
         return self.state.aggregated("compute#machineTypeAggregatedList", "machineTypes",
                                      scoped, project, "machineTypes", query)

@@ -16,6 +16,14 @@ MACHINE_TYPES: dict[str, tuple[str, int]] = {
     machine: (gen.name, chips) for gen in GENERATIONS.values()
     for chips, machine in gen.machine_types
 }
+# General-purpose machine types (no TPU): (vCPUs, memory MiB, shared core), Compute Engine's
+# published shapes. Their VMs are simulated VMs with sshd, a metadata server and a service
+# account, and no TPU (docs/simulated-pod.md, "General-purpose VMs").
+GENERAL_MACHINE_TYPES: dict[str, tuple[int, int, bool]] = {
+    "e2-micro": (2, 1024, True), "e2-small": (2, 2048, True), "e2-medium": (2, 4096, True),
+    "e2-standard-2": (2, 8192, False), "e2-standard-4": (4, 16384, False),
+    "n2-standard-2": (2, 8192, False), "n2-standard-4": (4, 16384, False),
+}
 # Made-up but plausible host sizes (vCPUs, memory MiB) per chips on the VM.
 HOST_SIZE = {1: (44, 180 * 1024), 4: (224, 960 * 1024), 8: (180, 1440 * 1024)}
 
@@ -79,8 +87,16 @@ def not_found(kind: str, path: str) -> ApiFailure:
     return error(404, "notFound", f"The resource '{path}' was not found")
 
 
+def is_general(machine_type: str) -> bool:
+    """A general-purpose machine type (a VM without TPU)."""
+    return machine_type in GENERAL_MACHINE_TYPES
+
+
 def topology_of(machine_type: str, accelerator_topology: str | None = None) -> Topology:
     """The TPU shape of VMs of ``machine_type`` (one VM, or a slice of ``accelerator_topology``)."""
+    if machine_type in GENERAL_MACHINE_TYPES:
+        raise error(400, "invalid", f"Machine type {machine_type} has no TPU: a managed "
+                    "instance group of TPU slices, or a TPU VM, needs a TPU machine type.")
     if machine_type not in MACHINE_TYPES:
         raise error(400, "invalid", f"Invalid value for field 'resource.machineType': "
                      f"'{machine_type}'. Machine type with name '{machine_type}' does not "

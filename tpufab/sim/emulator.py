@@ -232,6 +232,12 @@ class Emulator:
             if path.startswith("/compute/v1/"):
                 return 200, self.compute.handle(method, path[len("/compute/v1/"):], query,
                                                 _json_object(body))
+            if path.startswith("/v3/projects/") and path.endswith(":testIamPermissions") \
+                    and method == "POST":  # Cloud Resource Manager: every one granted but
+                asked = _json_object(body).get("permissions") or []   # those a test denied
+                with self.store.lock:
+                    denied = set(self.store.denied_permissions)
+                return 200, {"permissions": [p for p in asked if p not in denied]}
             if path.startswith("/v1/users/"):  # Cloud OS Login (oslogin.googleapis.com)
                 return 200, self.oslogin.handle(method, path[len("/v1/users/"):], query,
                                                 _json_object(body))
@@ -421,6 +427,14 @@ class Emulator:
             return store.arm_create_failure(body)
         if rest == "faults:errorBurst" and method == "POST":
             return store.arm_error_burst(body)
+        if rest == "iam:denyPermission" and method == "POST":
+            with store.lock:
+                permission = str(body.get("permission") or "")
+                if body.get("allow"):
+                    store.denied_permissions.discard(permission)
+                elif permission:
+                    store.denied_permissions.add(permission)
+                return {"deniedPermissions": sorted(store.denied_permissions)}
         if rest == "osLogin":
             return self.oslogin.admin(method, {**query, **body})
         machines = self.machines

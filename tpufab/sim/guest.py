@@ -151,7 +151,9 @@ def metadata_tree(record: dict[str, Any], worker: int, *, slice_info: dict[str, 
         email = f"{project_number(project)}-compute@developer.gserviceaccount.com"
     scopes = list(account.get("scope") or ["https://www.googleapis.com/auth/cloud-platform"])
     attributes: dict[str, Any] = dict(node.get("metadata") or {})
-    if behind_compute_engine(name):  # a Compute Engine TPU VM: its VMs' names, bare
+    if not node.get("acceleratorType"):
+        pass  # a general-purpose VM: no TPU attributes at all
+    elif behind_compute_engine(name):  # a Compute Engine TPU VM: its VMs' names, bare
         attributes.update({
             "accelerator-type": node["acceleratorType"],
             "agent-worker-number": str(worker),
@@ -187,6 +189,8 @@ def metadata_tree(record: dict[str, Any], worker: int, *, slice_info: dict[str, 
             "id": int(node["id"]) if str(node["id"]).isdigit() else node["id"],
             "maintenance-event": (notices.get("maintenance") or {}).get(str(worker), NO_EVENT),
             "name": hostname,
+            **({"machine-type": f"projects/{project_number(project)}/machineTypes/"
+                                f"{node['machineType']}"} if node.get("machineType") else {}),
             "network-interfaces": [{
                 "ip": endpoints[worker]["ipAddress"] if worker < len(endpoints) else "",
                 "network": f"projects/{project_number(project)}/networks/default",

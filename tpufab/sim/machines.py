@@ -95,14 +95,19 @@ class Machines:
             raise ApiFailure("FAILED_PRECONDITION", problem)
 
     def new_node(self, name: str, node_in: dict[str, Any], version: str,
-                 topo: Topology | None = None) -> tuple[Topology, dict[str, Any]]:
+                 topo: Topology | None = None, *, machine_type: str | None = None
+                 ) -> tuple[Topology | None, dict[str, Any]]:
         """Validate a requested node and build its API record, its slots claimed (caller
-        holds the lock); ``topo`` given: a Compute Engine VM's backing record, validated."""
+        holds the lock); ``topo`` given: a Compute Engine VM's backing record, validated;
+        ``machine_type`` given: a general-purpose VM's (one worker, no TPU: its record's
+        ``acceleratorType`` is empty and ``machineType`` names it)."""
         store = self.store
         project, zone, _, _ = split_name(name)
-        topo = topo or validate_node(name, node_in)
+        if machine_type is None:
+            topo = topo or validate_node(name, node_in)
+        hosts = 1 if topo is None else topo.hosts
         runtime = node_in["runtimeVersion"]
-        slot = store.slots.claim(store.used_slots(), slots_for(topo.hosts),
+        slot = store.slots.claim(store.used_slots(), slots_for(hosts),
                                  prefer=store.last_slot.get(name))
         node = {k: v for k, v in node_in.items() if k not in OUTPUT_ONLY_NODE_FIELDS}
         region = zone.rsplit("-", 1)[0]
@@ -120,7 +125,7 @@ class Machines:
         node.update({
             "name": name,
             "id": new_node_id(),
-            "acceleratorType": topo.name,
+            "acceleratorType": "" if topo is None else topo.name,
             "runtimeVersion": runtime,
             "state": "CREATING",
             "createTime": rfc3339(),
@@ -129,10 +134,12 @@ class Machines:
             "serviceAccount": account,
             "schedulingConfig": dict(node.get("schedulingConfig") or {}),
             "cidrBlock": node.get("cidrBlock") or "10.128.0.0/20",
-            "networkEndpoints": endpoints(slot, topo.hosts,
-                                          external=network["enableExternalIps"]),
+            "networkEndpoints": endpoints(slot, hosts, external=network["enableExternalIps"]),
             "metadata": dict(node.get("metadata") or {}),
         })
+        if topo is None:
+            node["machineType"] = machine_type
+            return None, node
         topology = topology_string(topo) if topo.generation in CONFIG_TYPE_OF_GENERATION \
             else None
         if topology and "acceleratorConfig" not in node_in:
@@ -155,14 +162,20 @@ class Machines:
             from tpufab.sim.worker_files import WorkerSpec
 
             factory = self._spec_factory = WorkerSpec
-        topo = parse_accelerator_type(node["acceleratorType"])
         names = node.get("instanceNames") or []  # a Compute Engine VM: its instance name
-        specs = [factory(node_id=node["id"], index=w, ip=e["ipAddress"],
-                         hostname=names[w] if w < len(names) else
-                         worker_hostname(node["id"], w),
-                         device_files=tuple(topo.device_files),
-                         pci_device=TPU_PCI_DEVICE.get(topo.generation, ""))
-                 for w, e in enumerate(node["networkEndpoints"])]
+        if not node.get("acceleratorType"):  # a general-purpose VM: no TPU, its own init
+            specs = [factory(node_id=node["id"], index=w, ip=e["ipAddress"],
+                             hostname=names[w] if w < len(names) else
+                             worker_hostname(node["id"], w), device_files=(), vm=True)
+                     for w, e in enumerate(node["networkEndpoints"])]
+        else:
+            topo = parse_accelerator_type(node["acceleratorType"])
+            specs = [factory(node_id=node["id"], index=w, ip=e["ipAddress"],
+                             hostname=names[w] if w < len(names) else
+                             worker_hostname(node["id"], w),
+                             device_files=tuple(topo.device_files),
+                             pci_device=TPU_PCI_DEVICE.get(topo.generation, ""))
+                     for w, e in enumerate(node["networkEndpoints"])]
         network = self.store.network
         return specs if network is None else network.place(node, specs)
 

@@ -75,6 +75,8 @@ class SimStore:
         self.slots = SlotRegistry(self.state_dir)
         self.last_slot: dict[str, int] = {}  # a deleted node's first slot, by its name
         self.create_failures: list[dict[str, Any]] = []
+        # IAM permissions testIamPermissions answers as not granted (a test's knob)
+        self.denied_permissions: set[str] = set()
         self.error_burst: dict[str, Any] | None = None
         self._threads: set[threading.Thread] = set()
         self._node_locks: dict[str, threading.Lock] = {}
@@ -334,12 +336,14 @@ class SimStore:
     def faults(self) -> dict[str, Any]:
         with self.lock:
             return {"createFailures": list(self.create_failures),
-                    "errorBurst": self.error_burst}
+                    "errorBurst": self.error_burst,
+                    "deniedPermissions": sorted(self.denied_permissions)}
 
     def clear_faults(self) -> None:
         with self.lock:
             self.create_failures.clear()
             self.error_burst = None
+            self.denied_permissions.clear()
 
     def take_error_burst(self, path: str) -> int | None:
         """The HTTP code a burst answers request ``path`` with (one of its count), or None."""

@@ -20,6 +20,8 @@ from tpufab.errors import SimError
 INIT_SCRIPT = Path(__file__).with_name("worker_init.py")
 # sshd's AuthorizedKeysCommand where OS Login is on (the guest's google_authorized_keys)
 KEYS_COMMAND = Path(__file__).with_name("authorized_keys_command.py")
+# systemctl and journalctl of a general-purpose VM, whose PID 1 plays systemd (worker_init.py)
+VM_SYSTEMCTL = Path(__file__).with_name("vm_systemctl.py")
 SYSTEM_PYTHON = "/usr/bin/python3"
 STD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SSH_PORT = 22
@@ -41,6 +43,7 @@ class WorkerSpec:
     device_files: tuple[str, ...]  # ("/dev/accel0", ...) or ("/dev/vfio/0", ...)
     pci_device: str = ""  # PCI device id of its TPU chips ("0x005e" for v4); "" = no chips
     netns: str = ""  # a network namespace to start in (sim/network.py); "" = the host's
+    vm: bool = False  # a general-purpose VM: no TPU, an init honouring its systemd units
 
 
 # --- host requirements -------------------------------------------------------------------

@@ -26,9 +26,12 @@ or off.
 
 import ctypes
 import gc
+import grp
 import json
 import os
+import pwd
 import selectors
+import shlex
 import signal
 import stat
 import sys
@@ -62,7 +65,7 @@ OVERLAID = ("/usr", "/etc", "/var", "/opt")
 # the TPU VM image, does not. Inside a worker the marker is removed (in its upper layer only).
 PEP668_MARKERS = "/usr/lib/python3{}/EXTERNALLY-MANAGED"
 PCI_DEVICES = "/sys/bus/pci/devices"
-HANDLED = (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+HANDLED = (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 # Python starts with these ignored; sshd and user shells must get the defaults back.
 RESET_FOR_CHILDREN = (*HANDLED, signal.SIGPIPE, signal.SIGXFSZ)
 QUICK_DEATH = 1.0  # an sshd that dies sooner than this is restarted with a growing pause
@@ -83,6 +86,17 @@ OWN_TOP = ("dev", "run", "tmp", "home", "root", "mnt", "sys", "usr", "etc", "var
 TOP_FILE_LIMIT = 1 << 20  # a top-level file of the host's is copied into the worker's / ...
 # The pool's read-only share (a wheel cache, datasets): the same folder on every worker.
 SHARE_AT = "/opt/tpufab-sim/share"
+# A general-purpose VM (config "vm"): its / holds only what an OS image has (none of the host's
+# other top-level entries, such as a checkout under /work), its accounts are files of its own
+# (so useradd works), and its init runs its own systemd units (Units below).
+IMAGE_TOP = frozenset({"bin", "boot", "dev", "etc", "home", "lib", "lib32", "lib64", "libx32",
+                       "media", "mnt", "opt", "proc", "root", "run", "sbin", "srv", "sys", "tmp",
+                       "usr", "var", "lost+found"})
+ACCOUNT_FILES = ("passwd", "group", "shadow")
+UNITS_DIR = "/etc/systemd/system"
+INIT_DIR = "/run/tpufab-init"  # systemctl's requests and answers, each unit's status
+UNIT_LOGS = "/var/log/units"  # each unit's output (what the journal keeps on a real VM)
+SYSTEMCTL = "systemctl.py"  # systemctl and journalctl of a general-purpose VM (vm_systemctl.py)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -125,7 +139,10 @@ def setup(worker_dir):
     config = json.loads(read_at(dir_fd, "config.json"))
     # Open every source before mounting anything: WORKER_DIR may sit under /tmp, /root or /run,
     # which the mounts below cover.
-    sources = {t: os.open(rel, os.O_PATH | os.O_CLOEXEC, dir_fd=dir_fd) for t, rel in BINDS}
+    vm = bool(config.get("vm"))
+    binds = [(t, rel) for t, rel in BINDS if not (vm and rel[4:] in ACCOUNT_FILES)]
+    sources = {t: os.open(rel, os.O_PATH | os.O_CLOEXEC, dir_fd=dir_fd) for t, rel in binds}
+    systemctl = read_at(dir_fd, SYSTEMCTL) if vm else None
     for target, rel in OPTIONAL_BINDS:
         if os.path.isdir(target):
             sources[target] = os.open(rel, os.O_PATH | os.O_CLOEXEC, dir_fd=dir_fd)
@@ -165,6 +182,9 @@ def setup(worker_dir):
     build_dev(devices, config["devices"], config["tty_gid"])
     for target, fd in sources.items():
         bind(fd, target)
+    if vm:
+        merge_accounts(dir_fd)
+        install_systemctl(systemctl)
     if share_fd is not None:
         os.makedirs(SHARE_AT, exist_ok=True)
         bind(share_fd, SHARE_AT)
@@ -174,7 +194,7 @@ def setup(worker_dir):
         build_pci(host_pci, config["pci"])
     with open("/proc/sys/kernel/hostname", "w") as f:  # our own UTS namespace
         f.write(config["hostname"])
-    own_root(worker_dir, dir_fd)
+    own_root(worker_dir, dir_fd, image_only=vm)
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     for fd in (*sources.values(), *devices.values()):
         os.close(fd)
@@ -210,7 +230,51 @@ def overlay_root(worker_dir, dir_fd):
             pass
 
 
-def own_root(worker_dir, dir_fd):
+def merge_accounts(dir_fd):
+    """A general-purpose VM's passwd, group and shadow are files of its own /etc (useradd
+    works); the pool's users from ssh-keys (WORKER_DIR/etc) are added, at boot and SIGUSR1."""
+    for name in ACCOUNT_FILES:
+        try:
+            pool = read_at(dir_fd, f"etc/{name}").decode().splitlines()
+            with open(f"/etc/{name}") as f:
+                own = f.read().splitlines()
+        except OSError as err:
+            log(f"cannot merge /etc/{name}: {err}")
+            continue
+        index = {line.split(":")[0]: i for i, line in enumerate(own) if line}
+        merged = list(own)
+        for line in pool:
+            key = line.split(":")[0]
+            if not line or key not in index:
+                merged.append(line)
+                index[key] = len(merged) - 1
+            elif name == "group":
+                mine, theirs = merged[index[key]].split(":"), line.split(":")
+                if len(mine) == 4 and len(theirs) == 4:
+                    members = [m for m in mine[3].split(",") if m]
+                    members += [m for m in theirs[3].split(",") if m and m not in members]
+                    merged[index[key]] = ":".join([*mine[:3], ",".join(members)])
+        if merged != own:
+            tmp, st = f"/etc/.{name}.tpufab", os.stat(f"/etc/{name}")
+            write_file(tmp, "".join(f"{x}\n" for x in merged).encode(), stat.S_IMODE(st.st_mode))
+            os.chown(tmp, st.st_uid, st.st_gid)  # /etc/shadow stays the shadow group's
+            os.rename(tmp, f"/etc/{name}")
+
+
+def install_systemctl(text):
+    """systemctl and journalctl of a general-purpose VM (vm_systemctl.py) over the image's."""
+    os.makedirs(f"{RUN_DIR}/bin", exist_ok=True)
+    write_file(f"{RUN_DIR}/bin/systemctl", text, 0o755)
+    for name in ("systemctl", "journalctl"):
+        target = f"/usr/bin/{name}"
+        if not os.path.exists(target):
+            write_file(target, b"", 0o755)
+        mount(f"{RUN_DIR}/bin/systemctl", target, None, MS_BIND)
+    for path in (INIT_DIR, f"{INIT_DIR}/requests", f"{INIT_DIR}/answers", f"{INIT_DIR}/units"):
+        os.makedirs(path, mode=0o755, exist_ok=True)
+
+
+def own_root(worker_dir, dir_fd, image_only=False):
     """The worker's / becomes its own: a tmpfs holding every top-level entry of the host's
     root (its own mounts made above as they are; every other directory as an overlay whose
     upper layer is WORKER_DIR/rootfs/<name>, like /usr's; the host's symlinks; a copy of its
@@ -228,6 +292,8 @@ def own_root(worker_dir, dir_fd):
     mount("tmpfs", new, "tmpfs", MS_NODEV, "mode=0755")
     for name in sorted(os.listdir("/")):
         source, target = f"/{name}", f"{new}/{name}"
+        if image_only and name not in IMAGE_TOP and not os.path.islink(source):
+            continue  # a general-purpose VM: none of the host's own top-level entries
         if os.path.islink(source):
             os.symlink(os.readlink(source), target)
             continue
@@ -397,7 +463,216 @@ class Sshd:
         return 3600.0
 
 
-def reap(sshd=None):
+def parse_seconds(text, default):  # systemd's time spans: 5, 5s, 100ms, 2min
+    text = (text or "").strip()
+    for suffix, factor in (("ms", 0.001), ("min", 60.0), ("s", 1.0), ("", 1.0)):
+        if text.endswith(suffix):
+            try:
+                return float(text[:len(text) - len(suffix)] or "x") * factor
+            except ValueError:
+                return default
+    return default
+
+
+def parse_unit(text):
+    """A unit file's [Service] settings this init honours (docs/simulated-pod.md)."""
+    section, found = "", {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+        elif "=" in line and section == "Service":
+            key, _, value = line.partition("=")
+            found.setdefault(key.strip(), []).append(value.strip())
+    env = {}
+    for path in found.get("EnvironmentFile", []):
+        optional = path.startswith("-")
+        try:
+            with open(path.lstrip("-")) as f:
+                for entry in f.read().splitlines():
+                    if "=" in entry and not entry.lstrip().startswith("#"):
+                        key, _, value = entry.partition("=")
+                        env[key.strip()] = value.strip().strip('"')
+        except OSError:
+            if not optional:
+                raise
+    for value in found.get("Environment", []):
+        for pair in shlex.split(value):
+            key, _, rest = pair.partition("=")
+            env[key] = rest
+    exec_start = (found.get("ExecStart") or [""])[-1].lstrip("-@+!")
+    return {"argv": shlex.split(exec_start), "user": (found.get("User") or [""])[-1],
+            "group": (found.get("Group") or [""])[-1], "env": env,
+            "cwd": (found.get("WorkingDirectory") or [""])[-1].lstrip("-"),
+            "restart": (found.get("Restart") or ["no"])[-1],
+            "restart_sec": parse_seconds((found.get("RestartSec") or [""])[-1], 0.1)}
+
+
+class Units:
+    """A general-purpose VM's systemd as this init plays it (docs/simulated-pod.md): enabled
+    units written on the VM start at boot; systemctl (vm_systemctl.py) asks through INIT_DIR
+    and SIGUSR2; Restart= starts the main process again RestartSec after it ends."""
+
+    def __init__(self, dir_fd):
+        self.dir_fd = dir_fd
+        self.running = {}  # unit -> pid
+        self.due = {}  # unit -> time.monotonic() of its restart
+        self.state = {}  # unit -> its status record (INIT_DIR/units/NAME.json)
+
+    def own(self, name):  # written on the VM: in its own /etc layer, not the image's
+        layer = f"/proc/self/fd/{self.dir_fd}/rootfs/etc/upper"
+        return not os.path.isdir(layer) or os.path.exists(f"{layer}/systemd/system/{name}")
+
+    def boot(self):
+        enabled = set()
+        try:
+            for folder in os.listdir(UNITS_DIR):
+                if folder.endswith(".wants") and os.path.isdir(f"{UNITS_DIR}/{folder}"):
+                    enabled.update(os.listdir(f"{UNITS_DIR}/{folder}"))
+        except OSError:
+            return
+        for name in sorted(enabled):
+            if name.endswith(".service") and self.own(name):
+                self.start(name)
+
+    def write_state(self, name, **fields):
+        record = self.state.setdefault(name, {"NRestarts": 0})
+        record.update(fields)
+        write_file(f"{INIT_DIR}/units/{name}.json", json.dumps(record).encode(), 0o644)
+
+    def start(self, name):
+        if name in self.running:
+            return 0, ""
+        path = f"{UNITS_DIR}/{name}"
+        if not self.own(name):
+            return 5, f"Unit {name} not found.\n"
+        try:
+            with open(path) as f:
+                unit = parse_unit(f.read())
+            account = pwd.getpwnam(unit["user"]) if unit["user"] else None
+            if not unit["argv"]:
+                raise ValueError("it has no ExecStart")
+        except (OSError, KeyError, ValueError) as err:
+            self.write_state(name, ActiveState="failed", SubState="failed", MainPID=0)
+            return 1, f"Job for {name} failed: {err}\n"
+        os.makedirs(UNIT_LOGS, exist_ok=True)
+        out = os.open(f"{UNIT_LOGS}/{name}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+        pid = os.fork()
+        if pid == 0:
+            self.exec_child(unit, account, out)
+        os.close(out)
+        self.running[name] = pid
+        self.due.pop(name, None)
+        self.write_state(name, ActiveState="active", SubState="running", MainPID=pid,
+                         ActiveEnterTimestamp=time.time(), ExecStart=" ".join(unit["argv"]),
+                         Restart=unit["restart"], RestartSec=unit["restart_sec"])
+        return 0, ""
+
+    @staticmethod
+    def exec_child(unit, account, out):
+        try:
+            os.setsid()
+            for sig in RESET_FOR_CHILDREN:
+                signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_SETMASK, ())
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(out, 1)
+            os.dup2(out, 2)
+            env = {"PATH": STD_PATH, "LANG": "C.UTF-8", "INVOCATION_ID": os.urandom(16).hex()}
+            if account is not None:
+                env.update(HOME=account.pw_dir, USER=account.pw_name,
+                           LOGNAME=account.pw_name, SHELL=account.pw_shell)
+            env.update(unit["env"])
+            cwd = unit["cwd"].replace("~", account.pw_dir if account else "/root", 1) or "/"
+            if account is not None:
+                gid = grp.getgrnam(unit["group"]).gr_gid if unit["group"] else account.pw_gid
+                os.initgroups(account.pw_name, gid)
+                os.setgid(gid)
+                os.setuid(account.pw_uid)
+            os.chdir(cwd)
+            os.closerange(3, 1 << 16)
+            os.execvpe(unit["argv"][0], unit["argv"], env)
+        except BaseException as err:  # noqa: BLE001 - said in the unit's log
+            os.write(2, f"init: cannot start {unit['argv'][0]}: {err}\n".encode())
+        os._exit(203)  # systemd's EXIT_EXEC
+
+    def stop(self, name, grace=10.0):
+        self.due.pop(name, None)
+        pid = self.running.get(name)
+        if pid is not None:
+            self.state.setdefault(name, {})["stopping"] = True
+            for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+                try:
+                    os.killpg(pid, sig)
+                except ProcessLookupError:
+                    pass
+                deadline = time.monotonic() + wait
+                while name in self.running and time.monotonic() < deadline:
+                    signal.sigtimedwait((signal.SIGCHLD,), 0.05)
+                    reap(None, self)
+                if name not in self.running:
+                    break
+        self.write_state(name, ActiveState="inactive", SubState="dead", MainPID=0,
+                         stopping=False)
+        return 0, ""
+
+    def exited(self, pid, status):
+        name = next((n for n, p in self.running.items() if p == pid), None)
+        if name is None:
+            return False
+        del self.running[name]
+        record = self.state.get(name, {})
+        failed = not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0)
+        again = record.get("Restart") == "always" or (
+            failed and record.get("Restart") in ("on-failure", "on-abnormal"))
+        if record.pop("stopping", False) or not again:
+            self.write_state(name, ActiveState="failed" if failed else "inactive",
+                             SubState="failed" if failed else "dead", MainPID=0)
+            return True
+        self.due[name] = time.monotonic() + float(record.get("RestartSec", 0.1))
+        self.write_state(name, ActiveState="activating", SubState="auto-restart", MainPID=0,
+                         NRestarts=record.get("NRestarts", 0) + 1)
+        return True
+
+    def tick(self):
+        for name in [n for n, at in self.due.items() if at <= time.monotonic()]:
+            self.start(name)
+
+    def wait_time(self):
+        return max(0.0, min(self.due.values()) - time.monotonic()) if self.due else 3600.0
+
+    def requests(self):
+        """Answer systemctl's requests (INIT_DIR/requests/ID.json: verb and units)."""
+        folder = f"{INIT_DIR}/requests"
+        for entry in sorted(os.listdir(folder)):
+            if not entry.endswith(".json"):
+                continue
+            try:
+                with open(f"{folder}/{entry}") as f:
+                    request = json.load(f)
+                os.unlink(f"{folder}/{entry}")
+            except (OSError, ValueError):
+                continue
+            code, text, verb = 0, "", request.get("verb")
+            for name in request.get("units") or []:
+                was = name in self.running
+                if verb in ("stop", "restart", "reload-or-restart") or (verb == "try-restart"
+                                                                       and was):
+                    code, text = self.stop(name)
+                if verb in ("start", "restart", "reload-or-restart") or (verb == "try-restart"
+                                                                        and was):
+                    code, text = self.start(name)
+                if code:
+                    break
+            write_file(f"{INIT_DIR}/answers/.{entry}", json.dumps(
+                {"code": code, "err": text}).encode(), 0o644)
+            os.rename(f"{INIT_DIR}/answers/.{entry}", f"{INIT_DIR}/answers/{entry}")
+
+
+def reap(sshd=None, units=None):
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -407,6 +682,8 @@ def reap(sshd=None):
             return
         if sshd is not None and pid == sshd.pid:
             sshd.exited(status)
+        elif units is not None:
+            units.exited(pid, status)
 
 
 def others_alive():
@@ -453,12 +730,22 @@ def run_worker(worker_dir, ready_fd):
         return 1
     report(ready_fd, {"pid": host_pid})
     sshd = Sshd(config, dir_fd, sshd_log)
+    units = Units(dir_fd) if config.get("vm") else None
+    if units is not None:
+        units.boot()
     while True:
         sshd.reconcile()
-        info = signal.sigtimedwait(HANDLED, sshd.wait_time())
-        reap(sshd)
+        if units is not None:
+            units.tick()
+        wait = sshd.wait_time() if units is None else min(sshd.wait_time(), units.wait_time())
+        info = signal.sigtimedwait(HANDLED, wait)
+        reap(sshd, units)
         if info is not None and info.si_signo == signal.SIGUSR1:
             sshd.refresh_config()
+            if units is not None:
+                merge_accounts(dir_fd)  # the pool added users from metadata ssh-keys
+        if info is not None and info.si_signo == signal.SIGUSR2 and units is not None:
+            units.requests()
         if info is not None and info.si_signo in (signal.SIGTERM, signal.SIGINT):
             shutdown(config.get("stop_grace", 2.0))
 

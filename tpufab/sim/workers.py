@@ -47,6 +47,7 @@ from tpufab.sim.worker_files import (
     KEYS_COMMAND,
     STD_PATH,
     TPU_PCI_VENDOR,
+    VM_SYSTEMCTL,
     HostTools,
     WorkerSpec,
     find_host_tools,
@@ -235,6 +236,8 @@ class WorkerPool:
         if os_login["enabled"]:
             ensure_os_login_users(wdir, os_login["accounts"])
         shutil.copyfile(KEYS_COMMAND, wdir / KEYS_COMMAND.name)
+        if spec.vm:  # a general-purpose VM's systemctl and journalctl (worker_init's Units)
+            shutil.copyfile(VM_SYSTEMCTL, wdir / "systemctl.py")
         (wdir / "sshd_config").write_text(sshd_config_text(spec, os_login=os_login["enabled"]))
         write_json(wdir / "config.json", {
             "hostname": spec.hostname,
@@ -243,7 +246,8 @@ class WorkerPool:
             "sshd_at": sshd_at,
             "stop_grace": self.stop_grace,
             "tty_gid": grp.getgrnam("tty").gr_gid,
-            "share": str(self.share_dir),
+            "share": None if spec.vm else str(self.share_dir),  # a VM: only its image
+            "vm": spec.vm,
             "pci": [{"vendor": TPU_PCI_VENDOR, "device": spec.pci_device}
                     for _ in spec.device_files] if spec.pci_device else [],
         })
@@ -487,6 +491,9 @@ class WorkerPool:
                 for user in users:
                     if user in accounts:
                         sync_authorized_keys(wdir, accounts[user], keys.get(user, []))
+                pid = self.init_pid(node_id, spec.index) if spec.vm else None
+                if pid is not None:  # a VM's accounts are its own files: PID 1 merges these
+                    send_signal(pid, signal.SIGUSR1)
             write_json(node_dir / "keys.json", {"users": users})
 
     def _allocate_uids(self, users: list[str]) -> dict[str, int]:
@@ -598,7 +605,8 @@ class WorkerPool:
 
     def exec_in(self, node_id: str, index: int, argv: list[str], **popen_kw
                 ) -> subprocess.CompletedProcess:
-        """Run argv as root inside the worker (nsenter); output captured as text by default."""
+        """Run argv as root inside the worker (nsenter: its PID, mount, UTS, network and time
+        namespaces, so its uptime is the worker's); output captured as text by default."""
         init = self.require_init(node_id, index)
         popen_kw.setdefault("env", {"PATH": STD_PATH, "HOME": "/root", "LANG": "C.UTF-8"})
         if not {"stdout", "stderr", "capture_output"} & popen_kw.keys():
@@ -606,4 +614,4 @@ class WorkerPool:
         popen_kw.setdefault("text", True)
         nsenter = find_host_tools().nsenter
         return subprocess.run([nsenter, "--target", str(init), "--pid", "--mount", "--uts",
-                               "--net", "--", *argv], **popen_kw)
+                               "--net", "--time", "--", *argv], **popen_kw)

@@ -123,3 +123,55 @@ def show_handed_over(result: Any) -> None:
                   "(docs/supervisor.md, Secrets).", markup=False)
     err.print(f"Follow it:  {result.follow}", markup=False)
     err.print(f"Cancel it:  {result.cancel}", markup=False)
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h"
+    if hours:
+        return f"{hours}h {minutes}m"
+    return f"{minutes}m {secs}s" if minutes else f"{secs}s"
+
+
+def supervisor_json(found: Any) -> dict:
+    """`tpufab supervisor status --json`."""
+    vm = found.vm
+    return {
+        "vm": None if vm is None else {
+            "name": vm.name, "zone": vm.zone, "project": vm.project,
+            "machine_type": vm.machine_type, "status": vm.status, "since": vm.since,
+            "ip": vm.ip, "version": vm.version, "code_id": vm.code_id},
+        "bucket": found.bucket, "uptime_seconds": found.uptime,
+        "hourly_usd": found.hourly_usd,
+        "jobs": len(found.jobs), "live_jobs": [r.job for r in found.live],
+        "heartbeat": found.heartbeat, "install": found.install}
+
+
+def show_supervisor(found: Any, *, as_json: bool = False) -> None:
+    """The supervisor VM: machine type, uptime, jobs and hourly cost, or that there is none."""
+    if as_json:
+        print(json.dumps(supervisor_json(found), indent=2))
+        return
+    vm = found.vm
+    if vm is None:
+        print(f"No supervisor VM is running (the bucket gs://{found.bucket} keeps "
+              f"{len(found.jobs)} job(s)); `tpufab supervisor up` or `babysit --remote` makes "
+              "one.")
+        return
+    cost = "not in the price table" if found.hourly_usd is None else \
+        f"${found.hourly_usd:.4f}/h (~${found.hourly_usd * 730:.2f}/month, list price)"
+    live = found.live
+    lines = [
+        f"supervisor  {vm.name} ({vm.status}) in {vm.zone}, project {vm.project}",
+        f"machine     {vm.machine_type}, {cost}",
+        f"uptime      {_duration(found.uptime)} (made {vm.since})",
+        f"tpufab      {vm.version or 'not installed yet'}"
+        + (f" (code {vm.code_id})" if vm.code_id else ""),
+        f"jobs        {len(live)} live of {len(found.jobs)} in gs://{found.bucket}"
+        + (f": {', '.join(r.job for r in live[:5])}" if live else ""),
+    ]
+    print("\n".join(lines))

@@ -1,0 +1,1 @@
+"""A stand-in supervisor service for tests (see ../pyproject.toml)."""
