@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from tpufab.steps.health.status import StatusReport
     from tpufab.steps.health.top import TopReport
     from tpufab.steps.host.autostop import AutostopReport
+    from tpufab.steps.host.images import ImageReport
     from tpufab.steps.host.killing import KillReport
     from tpufab.steps.host.mount import MountReport, MountSpec
     from tpufab.steps.host.profiling import ProfileReport
@@ -429,8 +430,7 @@ class Pod:
 
         killing.check_options(run=run, grace=grace)
         return killing.kill(self.hosts.fanout, self.select(workers), run=run, grace=grace,
-                            dry_run=dry_run, force=force,
-                            device_globs=self.hosts.device_globs(),
+                            dry_run=dry_run, force=force, device_globs=self.hosts.device_globs(),
                             timeout=self._timeout("kill", timeout, plus=grace))
 
     def logs(self, *, run: str | None = None, follow: bool = False,
@@ -553,6 +553,13 @@ class Pod:
         connected = self._connected_within(timeout)
         return check.run_check(connected.settings, connected, quick=quick, timeout=timeout,
                                progress=progress, collective=run_collective)
+
+    def image_pull(self, image: str, *, if_missing: bool = False, workers: str | Iterable[int]
+                   = "all", timeout: float | None = None) -> ImageReport:
+        """`tpufab image pull` (docs/images.md): every host's digest, an ImageReport."""
+        from tpufab.steps.host.images import pull
+        return pull(self.hosts.fanout, self.select(workers), image, if_missing=if_missing,
+                    timeout=self._timeout("image pull", timeout))
 
     def stacks(self, *, run: str | None = None, native: bool = False,
                workers: str | Iterable[int] = "all", timeout: float | None = None,
