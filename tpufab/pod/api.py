@@ -393,19 +393,18 @@ class Pod:
 
     # -- jobs ----------------------------------------------------------------------------
     def start(self, recipe: str | Path, args: str | Sequence[str] = "",
-              extra: Sequence[str] = (), *,
-              env: Mapping[str, str] | Sequence[str] | None = None,
+              extra: Sequence[str] = (), *, env: Mapping[str, str] | Sequence[str] | None = None,
               secret: Sequence[str] | None = None, no_deploy: bool = False,
               direct: bool = False, wip: bool = False, local: bool = False,
               workers: int | None = None, spmd: bool = False, check: bool = False,
               wait_port: int | None = None, wait_timeout: float | None = None,
               timeout: float | None = None, progress: Progress | None = None,
-              deploy: bool = True) -> Run | LocalRunResult:
+              deploy: bool = True, image: str | None = None) -> Run | LocalRunResult:
         """`tpufab run` without following: the same checks, deploy, one-job-at-a-time
         refusal and start on every worker at once; returns the Run (follow it with
         ``.wait()``). See docs/api.md for each parameter; ``deploy=False`` is the 0.1
         spelling of ``no_deploy=True`` (until 0.2). With ``local``, runs the recipe as
-        ``workers`` processes here and returns their LocalRunResult."""
+        ``workers`` processes here and returns their LocalRunResult. ``image``: in it."""
         from tpufab.pod.run import Run
         from tpufab.steps.start import starting
 
@@ -414,7 +413,7 @@ class Pod:
             no_deploy=no_deploy or not deploy, direct=direct, wip=wip, local=local,
             workers=workers, spmd=spmd, check=check, wait_port=wait_port,
             wait_timeout=timeout_for("run --wait-port", wait_timeout),
-            timeout=self._timeout("run", timeout), progress=progress)
+            timeout=self._timeout("run", timeout), progress=progress, image=image)
         if local:
             return started      # the LocalRunResult
         return Run(self, started.plan.run_id, started.plan.workers, started=started)
