@@ -379,8 +379,9 @@ def start(args):
             if key in job_env:
                 container_env.setdefault(key, job_env[key])
         container_env.setdefault("TPUFAB_PYTHON", "python3")
-        argv = container_argv(args, rundir, cwd, recipe_argv(run_path_, args.args,
-                                                              container_env), notes)
+        inside = ([container_env["TPUFAB_PYTHON"], run_path_, *args.args]   # the image's
+                  if run_path_.endswith(".py") else recipe_argv(run_path_, args.args))
+        argv = container_argv(args, rundir, cwd, inside, notes)
         job_env = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV}
         job_env["TPUFAB_RUN_ID"] = args.run
     else:

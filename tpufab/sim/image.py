@@ -27,8 +27,9 @@ from pathlib import Path
 
 from tpufab.errors import SimError
 
+# libstdc++6: jaxlib's C++ (numpy and scipy carry their own libraries in their wheels)
 ROOTS = ("base-files", "bash", "coreutils", "dash", "python3", "grep", "sed", "findutils",
-         "procps", "debianutils")
+         "procps", "debianutils", "libstdc++6")
 SKIP_PREFIXES = ("/usr/share/doc/", "/usr/share/man/", "/usr/share/info/", "/usr/share/locale/",
                  "/usr/share/lintian/", "/usr/share/bug/")
 MERGED = ("bin", "sbin", "lib", "lib64")   # usrmerge: /bin -> usr/bin ...
