@@ -127,3 +127,19 @@ def test_the_containers_run_line_holds_no_job_environment(tmp_path, monkeypatch)
     hardened = run_worker.container_argv(argparse.Namespace(**{**vars(args), "hardened": True}),
                                          "/r", "/c", ["x"], [])
     assert "--privileged" not in hardened and "--device" in hardened
+
+
+def test_kill_says_which_containers_it_stopped():
+    from tpufab.steps.host.killing import KillReport, WorkerReport
+
+    def report(action):
+        return {"dry_run": False, "devices": ["/dev/accel0"], "runs": [], "killed": [],
+                "failed": [], "protected": [], "holders_left": [], "lockfiles": [],
+                "device_free": True, "noop": False,
+                "containers": [{"id": "c0", "name": "tpufab-r1", "run": "r1",
+                                "action": action}]}
+
+    kill = KillReport(workers={0: WorkerReport(0, report("stopped")),
+                               1: WorkerReport(1, report("stopped"))})
+    assert report_lines(kill)[0] == "w[0-1]  container  tpufab-r1 (run r1): stopped"
+    assert kill.ok
