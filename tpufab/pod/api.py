@@ -225,14 +225,13 @@ class Pod:
 
     def setup(self, script: str | Path = "scripts/setup.sh", *, force: bool = False,
               workers: str | Iterable[int] = "all", timeout: float | None = None,
-              sink: OutputSink | None = None,
-              env: Mapping[str, str] | Sequence[str] | None = None,
-              secret: Sequence[str] | None = None) -> SetupReport:
+              sink: OutputSink | None = None, env: Mapping[str, str] | Sequence[str] | None = None,
+              secret: Sequence[str] | None = None, image: str | None = None) -> SetupReport:
         """Run a setup script on every worker once per script content: a SetupReport
         (``.by_worker`` {worker: outcome}, each ``.status`` ran/skipped/incomplete, ``.log``
         on the worker). ``env``/``secret`` as for ``run`` (secrets also masked in the
         worker's log; neither counts as content). Raises PodError if any worker failed,
-        naming the log and, where known, the failed command."""
+        naming the log and, where known, the failed command. ``image``: pulled after it."""
         from tpufab.steps.host.setup import SetupReport, run_setup
 
         path = self.setup_script(script)
@@ -242,7 +241,8 @@ class Pod:
                                      timeout=self._timeout("setup", timeout), env=public,
                                      secrets=secrets)
         result.close()
-        return SetupReport(script=path.name, rows=list(outcomes.values()))
+        return SetupReport(script=path.name, rows=list(outcomes.values()),
+                           image=image and self.image_pull(image, workers=workers).check())
 
     @staticmethod
     def setup_script(script: str | Path) -> Path:

@@ -49,6 +49,8 @@ def exec_(call: Call, *, gather: bool = False, raw: bool = False, color: bool = 
 
 
 @verb(options={"script": "Setup script to run.", "force": "Run even where it already ran.",
+               "image": Opt("Then pull this container image on every host (as `image pull`), "
+                            "so the first run with it starts at once.", metavar="IMAGE"),
                "raw": "Every worker's lines, prefixed (default: folded, each line once)."},
       pod_method="setup")
 def setup(call: Call, *, raw: bool = False) -> None:
