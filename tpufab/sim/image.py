@@ -15,6 +15,7 @@ level 1 layers, a config, a manifest) with no container storage involved, kept u
 from __future__ import annotations
 
 import base64
+import fcntl
 import hashlib
 import io
 import json
@@ -258,8 +259,16 @@ def build_base(share: Path) -> Path:
     packages = _closure(ROOTS)
     stamp = json.dumps({"site": site_stamp, "packages": packages, "v": 1}, sort_keys=True)
     target = share / "image" / "base"
-    if (target / ".tpufab-spec").exists() and (target / ".tpufab-spec").read_text() == stamp:
-        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)     # one build at a time; a second finds it done
+        if not (target / ".tpufab-spec").exists() or \
+                (target / ".tpufab-spec").read_text() != stamp:
+            _build(share, site, packages, stamp, target)
+    return target
+
+
+def _build(share: Path, site: Path, packages: list[str], stamp: str, target: Path) -> None:
     tmp = share / "image" / ".base.new"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -273,7 +282,6 @@ def build_base(share: Path) -> Path:
     os.chmod(tmp, 0o755)
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
-    return target
 
 
 def derive(base: Path, target: Path, files: Mapping[str, bytes]) -> Path:
