@@ -143,3 +143,19 @@ def test_kill_says_which_containers_it_stopped():
                                1: WorkerReport(1, report("stopped"))})
     assert report_lines(kill)[0] == "w[0-1]  container  tpufab-r1 (run r1): stopped"
     assert kill.ok
+
+
+def test_a_skypilot_task_names_its_image_as_docker_image_id():
+    from tpufab.flows.taskfile import parse_task
+
+    def task(image_id):
+        return parse_task({"resources": {"accelerators": "tpu-v4-16", "image_id": image_id},
+                           "run": "python3 train.py"}, "task.yaml")
+
+    assert task(f"docker:{REF}").image == REF
+    assert parse_task({"resources": {"accelerators": "tpu-v4-16"}, "run": "x"}).image is None
+    with pytest.raises(ConfigError, match=r"^task.yaml: resources.image_id is .*give image_id: "
+                                          r"docker:IMAGE"):
+        task("projects/deeplearning-platform-release/global/images/tf")
+    with pytest.raises(ConfigError, match="resources.image_id: .* is not an image reference"):
+        task("docker:Not An Image")
