@@ -159,3 +159,12 @@ def test_a_skypilot_task_names_its_image_as_docker_image_id():
         task("projects/deeplearning-platform-release/global/images/tf")
     with pytest.raises(ConfigError, match="resources.image_id: .* is not an image reference"):
         task("docker:Not An Image")
+
+
+def test_a_skypilot_task_takes_tpufabs_own_spelling_of_a_type():
+    from tpufab.flows.taskfile import parse_task
+
+    for acc in ("tpu7x-16", "tpu-v7x-16", "v6e-8"):
+        assert parse_task({"resources": {"accelerators": acc}, "run": "x"}).type == acc
+    with pytest.raises(ConfigError, match="tpufab launches Cloud TPUs only"):
+        parse_task({"resources": {"accelerators": "a100"}, "run": "x"})

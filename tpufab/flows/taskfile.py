@@ -264,7 +264,7 @@ def skypilot_accelerator(value: Any, path: str) -> str:
                           "one TPU type: name one, e.g. tpu-v6e-8.")
     text = (_text(value, "resources.accelerators", path) or "").strip()
     name, _, count = text.partition(":")
-    if not name.lower().startswith("tpu-"):
+    if not name.lower().startswith("tpu-") and not _tpufab_type(name):
         raise ConfigError(f"{path}: resources.accelerators is {text!r}; tpufab launches Cloud "
                           "TPUs only (tpu-v4-32, tpu-v6e-8, ...).")
     if count and count.strip() != "1":
@@ -272,6 +272,17 @@ def skypilot_accelerator(value: Any, path: str) -> str:
                           f"TPU slice is one accelerator: ask for a bigger type (e.g. "
                           f"{name.rsplit('-', 1)[0]}-N) instead.")
     return name
+
+
+def _tpufab_type(name: str) -> bool:
+    """tpufab's own spelling of a type (``tpu7x-16``, ``v6e-8``), taken as SkyPilot's is."""
+    from tpufab.topology import parse_accelerator_type
+
+    try:
+        parse_accelerator_type(name)
+    except (ConfigError, ValueError):
+        return False
+    return True
 
 
 def _skypilot_mounts(value: Any, path: str) -> tuple[tuple[Mount, ...], tuple[FileCopy, ...]]:
