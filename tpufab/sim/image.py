@@ -247,35 +247,39 @@ def _python_version() -> str:
     return out.stdout.strip()
 
 
-def build_base(share: Path) -> Path:
+def build_base(share: Path, *, jax: bool = True) -> Path:
     """The base image's layout under ``share/image/base`` (built if its stamp differs): needs
-    the shared site (``share/site``, scripts/sim-wheels.sh)."""
+    the shared site (``share/site``, scripts/sim-wheels.sh). ``jax=False``: the slim one
+    (``share/image/slim``: the OS and Python alone, ~50 MB instead of ~650 MB)."""
     site = share / "site"
-    try:
-        site_stamp = (site / ".tpufab-spec").read_text().strip()
-    except OSError:
-        raise SimError(f"No shared site in {site}: build it first with scripts/sim-wheels.sh "
-                       f"--sim-dir {share.parent}.") from None
+    site_stamp = None
+    if jax:
+        try:
+            site_stamp = (site / ".tpufab-spec").read_text().strip()
+        except OSError:
+            raise SimError(f"No shared site in {site}: build it first with "
+                           f"scripts/sim-wheels.sh --sim-dir {share.parent}.") from None
     packages = _closure(ROOTS)
     stamp = json.dumps({"site": site_stamp, "packages": packages, "v": 1}, sort_keys=True)
-    target = share / "image" / "base"
+    target = share / "image" / ("base" if jax else "slim")
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)     # one build at a time; a second finds it done
         if not (target / ".tpufab-spec").exists() or \
                 (target / ".tpufab-spec").read_text() != stamp:
-            _build(share, site, packages, stamp, target)
+            _build(share, site if jax else None, packages, stamp, target)
     return target
 
 
-def _build(share: Path, site: Path, packages: list[str], stamp: str, target: Path) -> None:
-    tmp = share / "image" / ".base.new"
+def _build(share: Path, site: Path | None, packages: list[str], stamp: str,
+           target: Path) -> None:
+    tmp = share / "image" / f".{target.name}.new"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     layout = Layout(tmp)
-    pyver = _python_version()
-    layers = [layout.add_layer(_system_layer(packages)),
-              layout.add_layer(_site_layer(site, pyver))]
+    layers = [layout.add_layer(_system_layer(packages))]
+    if site is not None:
+        layers.append(layout.add_layer(_site_layer(site, _python_version())))
     layout.write(layers, ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                           "LANG=C.UTF-8"])
     (tmp / ".tpufab-spec").write_text(stamp)
@@ -316,12 +320,14 @@ def push(layout: Path, reference: str, *, authfile: Path) -> str:
 
 
 def publish(registry: Mapping, share: Path, *, project: str, tag: str = "latest",
-            name: str = "base", files: Mapping[str, bytes] | None = None) -> tuple[str, str]:
+            name: str = "base", files: Mapping[str, bytes] | None = None,
+            jax: bool = True) -> tuple[str, str]:
     """Build the base image if needed (under ``share``, beside its site), and push it (or,
     with ``files``, an image FROM it with those files added) to the running pod's registry
     (``registry``: SimAdmin.registry()'s answer) as ``PROJECT/tpufab/NAME:TAG``; returns
-    (the reference as workers pull it, ``us-docker.pkg.dev/...:TAG``, its digest)."""
-    base = build_base(Path(share))
+    (the reference as workers pull it, ``us-docker.pkg.dev/...:TAG``, its digest).
+    ``jax=False``: the slim base (no shared site needed)."""
+    base = build_base(Path(share), jax=jax)
     layout = base if files is None else derive(base, Path(share) / "image" / f".{name}-{tag}",
                                                files)
     return push_layout(registry, layout, project=project, name=name, tag=tag)

@@ -219,8 +219,9 @@ def sim_registry(*, fail_auth: str | None = None, fail_times: int | None = None,
 @verb(name="image", group="sim",
       options={"cache": "Folder holding the shared site (site/) and the built image "
                         "(image/); default: the pod's share.",
-               "tag": "Tag to push."})
-def sim_image(*, cache: str | None = None, tag: str = "latest",
+               "tag": "Tag to push.",
+               "slim": "The OS and Python alone (~50 MB), pushed as tpufab/slim: no JAX."})
+def sim_image(*, cache: str | None = None, tag: str = "latest", slim: bool = False,
               state_dir: str | None = None) -> None:
     """Build the base image (Python and the workers' JAX) once, push it to the simulated
     registry, print its reference as the last line."""
@@ -233,7 +234,8 @@ def sim_image(*, cache: str | None = None, tag: str = "latest",
     admin = sim_admin()
     state = admin.registry()
     share = Path(cache) if cache else daemon.status(state_dir=state_dir).state_dir / "share"
-    reference, digest = publish(state, share, project=admin.project, tag=tag)
+    reference, digest = publish(state, share, project=admin.project, tag=tag, jax=not slim,
+                                name="slim" if slim else "base")
     stdout().print(f"Pushed {reference} ({digest}) to {state['address']}.", markup=False,
                    highlight=False)
     print(reference, flush=True)
