@@ -32,8 +32,12 @@ fi
 
 # sudo and python3-requests are for the simulated workers, which use the host's /usr: TPU VM
 # users have passwordless sudo, and JAX's pod discovery (metadata server) imports requests.
+# podman (with podman-docker: the `docker` CLI as podman's), runc, catatonit (`--init`),
+# skopeo and docker-registry are the simulated pod's container runtime on every worker and its
+# Artifact Registry (docs/images.md); buildah builds users' images FROM the base image.
 DEBIAN_PACKAGES=(openssh-server openssh-client fuse3 git rclone clustershell pssh psmisc sudo
-                 python3-requests procps iproute2 lsof util-linux openssl rsync)
+                 python3-requests procps iproute2 lsof util-linux openssl rsync
+                 podman podman-docker runc catatonit buildah skopeo docker-registry)
 
 need_apt=()
 for pkg in "${DEBIAN_PACKAGES[@]}"; do

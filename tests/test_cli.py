@@ -92,7 +92,7 @@ VERBS = ("init", "use", "launch", "autostop", "gc", "create", "delete", "list", 
          "types", "topology", "exec", "setup", "ssh", "deploy", "mount", "umount", "run", "logs",
          "runs", "kill", "status", "babysit", "check", "top")
 SIM_VERBS = ("up", "down", "status", "preempt", "unreachable", "fail-create", "burst", "zombie",
-             "bucket", "os-login", "maintenance", "end-run", "slow")
+             "bucket", "os-login", "maintenance", "end-run", "slow", "registry", "image")
 
 
 def listed_commands(text: str, section: str = "Commands:") -> list[str]:

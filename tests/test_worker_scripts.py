@@ -24,6 +24,7 @@ NO_OP = {
     "autostop_worker.py": (["--help"], None, 0, "usage: autostop_worker.py"),
     "deploy_worker.py": (["--help"], None, 0, "usage: deploy_worker.py"),
     "facts_worker.py": (["--help"], None, 0, "usage: facts_worker.py"),
+    "image_worker.py": (["--help"], None, 0, "usage: image_worker.py"),
     "files_worker.py": ([], b"", 2, "files_worker: unknown operation ''"),
     "run_worker.py": (["--help"], None, 0, "usage: run_worker.py"),
     "masktee.py": ([], None, 2, "usage: masktee.py LOG [NAME ...]"),

@@ -86,6 +86,7 @@ class Settings:
     env: list[str] = field(default_factory=list)
     secrets: list[str] = field(default_factory=lambda: list(DEFAULT_SECRETS))
     remote_dir: str | None = None
+    image: str | None = None             # every run's container image (docs/images.md)
     state_dir: str = "~/.tpufab"
     keep_runs: int = 20                  # local log copies (./.tpufab/runs/<id>/) kept ...
     keep_logs_gib: float = 5.0           # ... and their total size at most (newest first)
@@ -203,6 +204,7 @@ TIMEOUTS: dict[str, Timeout] = {
                      commands=False),
     "top": Timeout(30.0, "every worker's answer, each frame"),
     "stacks": Timeout(60.0, "each worker's py-spy dump"),
+    "image pull": Timeout(1800.0, "each host's pull, its retries with backoff included"),
     "stacks: install py-spy": Timeout(180.0, "a `pip install py-spy` where it is missing",
                                       commands=False),
     "autostop": Timeout(60.0, "every worker's answer to arming or cancelling"),

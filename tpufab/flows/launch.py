@@ -747,8 +747,13 @@ def execute(p: LaunchPlan, launch: Launch, open_pod, *, zones: Sequence[str] | N
     with step("run"):
         planned = run_plan(pod, p)
     launch.started.append((planned.run_id, planned.workers, list(planned.secrets.values())))
-    started = starting.start_job(pod, lambda _deployed: starting.start_plan(pod, planned),
-                                 verb="launch", what=what)
+    image = p.task.image     # SkyPilot's image_id: docker:IMAGE (else the image setting)
+
+    def begin(_deployed):
+        pinned = starting.image_for_run(pod, image, progress=say) if image else None
+        return starting.start_plan(pod, replace(planned, image=pinned) if pinned else planned)
+
+    started = starting.start_job(pod, begin, verb="launch", what=what)
     for text, style in starting.started_notes(planned, started):
         say(text, style)
     launch.run = starting.Started(planned, started)

@@ -35,7 +35,7 @@ SKYPILOT_KEYS = ("name", "workdir", "num_nodes", "resources", "envs", "secrets",
                  "setup", "run")
 SKYPILOT_ONLY = ("resources", "file_mounts", "num_nodes", "secrets")
 RESOURCE_KEYS = ("accelerators", "accelerator_args", "use_spot", "zone", "region", "cloud",
-                 "infra", "labels")
+                 "infra", "labels", "image_id")
 ACCELERATOR_ARGS = ("runtime_version", "tpu_vm", "tpu_name")
 MOUNT_KEYS = ("name", "source", "store", "mode", "persistent")
 TPUFAB_MOUNT_KEYS = ("bucket", "driver", "options")
@@ -83,6 +83,7 @@ class Task:
     workdir: str | None = None
     mounts: tuple[Mount, ...] = ()
     files: tuple[FileCopy, ...] = ()
+    image: str | None = None                      # SkyPilot's resources.image_id: docker:IMAGE
 
 
 def given(value: Any) -> str:
@@ -263,7 +264,7 @@ def skypilot_accelerator(value: Any, path: str) -> str:
                           "one TPU type: name one, e.g. tpu-v6e-8.")
     text = (_text(value, "resources.accelerators", path) or "").strip()
     name, _, count = text.partition(":")
-    if not name.lower().startswith("tpu-"):
+    if not name.lower().startswith("tpu-") and not _tpufab_type(name):
         raise ConfigError(f"{path}: resources.accelerators is {text!r}; tpufab launches Cloud "
                           "TPUs only (tpu-v4-32, tpu-v6e-8, ...).")
     if count and count.strip() != "1":
@@ -271,6 +272,17 @@ def skypilot_accelerator(value: Any, path: str) -> str:
                           f"TPU slice is one accelerator: ask for a bigger type (e.g. "
                           f"{name.rsplit('-', 1)[0]}-N) instead.")
     return name
+
+
+def _tpufab_type(name: str) -> bool:
+    """tpufab's own spelling of a type (``tpu7x-16``, ``v6e-8``), taken as SkyPilot's is."""
+    from tpufab.topology import parse_accelerator_type
+
+    try:
+        parse_accelerator_type(name)
+    except (ConfigError, ValueError):
+        return False
+    return True
 
 
 def _skypilot_mounts(value: Any, path: str) -> tuple[tuple[Mount, ...], tuple[FileCopy, ...]]:
@@ -394,7 +406,25 @@ def parse_skypilot(data: Mapping, path: str = "task.yaml") -> Task:
         envs=envs, secret_envs=tuple(secrets),
         inline_secrets=inline_secrets(envs, secrets),
         setup=_script(data.get("setup"), "setup", path), run=_script(data.get("run"), "run", path),
-        workdir=_text(data.get("workdir"), "workdir", path), mounts=mounts, files=files)
+        workdir=_text(data.get("workdir"), "workdir", path), mounts=mounts, files=files,
+        image=_image_id(resources.get("image_id"), path))
+
+
+def _image_id(value: Any, path: str) -> str | None:
+    """SkyPilot's ``image_id: docker:IMAGE``: the image every host runs the task in."""
+    from tpufab.steps.host.images import check_image
+
+    text = _text(value, "resources.image_id", path)
+    if text is None:
+        return None
+    if not text.startswith("docker:"):
+        raise ConfigError(f"{path}: resources.image_id is {given(text)}; on a TPU VM tpufab runs "
+                          "the task in a container image: give image_id: docker:IMAGE (the VM's "
+                          "own image is its runtime version, accelerator_args.runtime_version).")
+    try:
+        return check_image(text)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: resources.image_id: {err}") from None
 
 
 def parse_task(data: Any, path: str = "task.yaml") -> Task:

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from tpufab.steps.health.status import StatusReport
     from tpufab.steps.health.top import TopReport
     from tpufab.steps.host.autostop import AutostopReport
+    from tpufab.steps.host.images import ImageReport
     from tpufab.steps.host.killing import KillReport
     from tpufab.steps.host.mount import MountReport, MountSpec
     from tpufab.steps.host.profiling import ProfileReport
@@ -224,14 +225,13 @@ class Pod:
 
     def setup(self, script: str | Path = "scripts/setup.sh", *, force: bool = False,
               workers: str | Iterable[int] = "all", timeout: float | None = None,
-              sink: OutputSink | None = None,
-              env: Mapping[str, str] | Sequence[str] | None = None,
-              secret: Sequence[str] | None = None) -> SetupReport:
+              sink: OutputSink | None = None, env: Mapping[str, str] | Sequence[str] | None = None,
+              secret: Sequence[str] | None = None, image: str | None = None) -> SetupReport:
         """Run a setup script on every worker once per script content: a SetupReport
         (``.by_worker`` {worker: outcome}, each ``.status`` ran/skipped/incomplete, ``.log``
         on the worker). ``env``/``secret`` as for ``run`` (secrets also masked in the
         worker's log; neither counts as content). Raises PodError if any worker failed,
-        naming the log and, where known, the failed command."""
+        naming the log and, where known, the failed command. ``image``: pulled after it."""
         from tpufab.steps.host.setup import SetupReport, run_setup
 
         path = self.setup_script(script)
@@ -241,7 +241,8 @@ class Pod:
                                      timeout=self._timeout("setup", timeout), env=public,
                                      secrets=secrets)
         result.close()
-        return SetupReport(script=path.name, rows=list(outcomes.values()))
+        return SetupReport(script=path.name, rows=list(outcomes.values()),
+                           image=image and self.image_pull(image, workers=workers).check())
 
     @staticmethod
     def setup_script(script: str | Path) -> Path:
@@ -392,19 +393,18 @@ class Pod:
 
     # -- jobs ----------------------------------------------------------------------------
     def start(self, recipe: str | Path, args: str | Sequence[str] = "",
-              extra: Sequence[str] = (), *,
-              env: Mapping[str, str] | Sequence[str] | None = None,
+              extra: Sequence[str] = (), *, env: Mapping[str, str] | Sequence[str] | None = None,
               secret: Sequence[str] | None = None, no_deploy: bool = False,
               direct: bool = False, wip: bool = False, local: bool = False,
               workers: int | None = None, spmd: bool = False, check: bool = False,
               wait_port: int | None = None, wait_timeout: float | None = None,
               timeout: float | None = None, progress: Progress | None = None,
-              deploy: bool = True) -> Run | LocalRunResult:
+              deploy: bool = True, image: str | None = None) -> Run | LocalRunResult:
         """`tpufab run` without following: the same checks, deploy, one-job-at-a-time
         refusal and start on every worker at once; returns the Run (follow it with
         ``.wait()``). See docs/api.md for each parameter; ``deploy=False`` is the 0.1
         spelling of ``no_deploy=True`` (until 0.2). With ``local``, runs the recipe as
-        ``workers`` processes here and returns their LocalRunResult."""
+        ``workers`` processes here and returns their LocalRunResult. ``image``: in it."""
         from tpufab.pod.run import Run
         from tpufab.steps.start import starting
 
@@ -413,7 +413,7 @@ class Pod:
             no_deploy=no_deploy or not deploy, direct=direct, wip=wip, local=local,
             workers=workers, spmd=spmd, check=check, wait_port=wait_port,
             wait_timeout=timeout_for("run --wait-port", wait_timeout),
-            timeout=self._timeout("run", timeout), progress=progress)
+            timeout=self._timeout("run", timeout), progress=progress, image=image)
         if local:
             return started      # the LocalRunResult
         return Run(self, started.plan.run_id, started.plan.workers, started=started)
@@ -429,8 +429,7 @@ class Pod:
 
         killing.check_options(run=run, grace=grace)
         return killing.kill(self.hosts.fanout, self.select(workers), run=run, grace=grace,
-                            dry_run=dry_run, force=force,
-                            device_globs=self.hosts.device_globs(),
+                            dry_run=dry_run, force=force, device_globs=self.hosts.device_globs(),
                             timeout=self._timeout("kill", timeout, plus=grace))
 
     def logs(self, *, run: str | None = None, follow: bool = False,
@@ -557,6 +556,13 @@ class Pod:
         connected = self._connected_within(timeout)
         return check.run_check(connected.settings, connected, quick=quick, timeout=timeout,
                                progress=progress, collective=run_collective)
+
+    def image_pull(self, image: str, *, if_missing: bool = False, workers: str | Iterable[int]
+                   = "all", timeout: float | None = None) -> ImageReport:
+        """`tpufab image pull` (docs/images.md): every host's digest, an ImageReport."""
+        from tpufab.steps.host.images import pull
+        return pull(self.hosts.fanout, self.select(workers), image, if_missing=if_missing,
+                    timeout=self._timeout("image pull", timeout))
 
     def stacks(self, *, run: str | None = None, native: bool = False,
                workers: str | Iterable[int] = "all", timeout: float | None = None,

@@ -3,7 +3,7 @@
 
     run_worker.py start  --run ID --recipe PATH [--recipe-sha256 HEX] [--cwd DIR] [--commit SHA]
                      [--in-checkout PATH] [--env-file PATH] [--env-stdin] [--keep-env-file] [--mounts-dir DIR]
-                     [--run-dir DIR] [-- ARGS]
+                     [--image REF [--hardened]] [--run-dir DIR] [-- ARGS]
     run_worker.py status [--run ID ...] [--run-dir DIR]
     run_worker.py tail   --run ID [--offset N] [--follow] [--run-dir DIR]
     run_worker.py stop   --run ID [--grace S] [--run-dir DIR]
@@ -27,6 +27,12 @@ The recipe runs in its own session and process group with stdin from /dev/null, 
 small supervisor (also its own session) that waits for it and records how it ended, so
 neither survives on the SSH connection that started them. The job environment (secrets
 included) comes from a JSON object in a 0600 file or on stdin, never from argv.
+
+With --image the supervisor runs `docker run` instead (`container_argv`: privileged, host
+network, the host's shm size, memlock unlimited where the host allows it, /tmp, the checkout
+and the run's folder at their own paths, label `tpufab-run=ID`, name `tpufab-ID`), and the
+job environment reaches the recipe on the container's stdin (ENTER), never in argv, a file or
+`docker inspect`; `stop` stops that container through the runtime.
 
 The recipe's output reaches `log` only through the supervisor, which masks every secret
 value of the job environment (as is, URL-encoded and JSON-escaped; also when a value is
@@ -200,6 +206,125 @@ def output_dirs(run_id, rundir, mounts_dir):
         return dirs
     return {}
 
+# -- a recipe inside a container image (`run --image`) -----------------------------------
+
+CONTAINER_LABEL = "tpufab-run"
+# Runs in the container (its python3): the job environment comes on stdin (never argv, a
+# file or `docker inspect`), on top of the image's own; then stdin is /dev/null, as for a
+# recipe without an image, and the recipe replaces it.
+ENTER = ("import json,os,sys\n"
+         "env=json.loads(sys.stdin.buffer.read().decode() or '{}')\n"
+         "fd=os.open(os.devnull,os.O_RDONLY);os.dup2(fd,0);os.close(fd)\n"
+         "os.execvpe(sys.argv[1],sys.argv[1:],{**os.environ,**env})\n")
+TPU_DEVICES = ("/dev/accel", "/dev/vfio/")
+
+
+def docker_prefix():
+    """`docker`, through `sudo -n` unless root or allowed on the daemon's socket."""
+    if os.geteuid() == 0 or os.access("/var/run/docker.sock", os.W_OK):
+        return ["docker"]
+    return ["sudo", "-n", "docker"]
+
+
+def container_name(run_id):
+    return "tpufab-" + re.sub(r"[^A-Za-z0-9_.-]", "-", run_id)
+
+
+def shm_bytes():
+    """The host's shared memory size (/dev/shm), for the container's."""
+    try:
+        st = os.statvfs("/dev/shm")
+        size = st.f_blocks * st.f_frsize
+    except OSError:
+        size = 0
+    if size <= 0:
+        try:
+            size = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+        except (OSError, ValueError):
+            size = 1 << 30
+    return size
+
+
+def tpu_device_files():
+    found = []
+    for base in ("/dev", "/dev/vfio"):
+        try:
+            names = sorted(os.listdir(base))
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(base, name)
+            if path.startswith(TPU_DEVICES) and name != "vfio":
+                found.append(path)
+    return found
+
+
+def memlock_unlimited(prefix):
+    """Whether this host lets a container have memlock unlimited (raising the hard limit
+    needs CAP_SYS_RESOURCE: a TPU VM's root has it; some sandboxes refuse it)."""
+    root = [] if prefix[0] != "sudo" else ["sudo", "-n"]
+    try:
+        return subprocess.run([*root, "prlimit", "--memlock=unlimited:unlimited", "true"],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def container_argv(args, rundir, cwd, recipe_argv_, notes):
+    """`docker run` for the recipe in ``args.image``: privileged (or --hardened: each TPU
+    device file given alone), host network, the host's shared memory size, memlock
+    unlimited, /tmp shared, the checkout and the run's folder at their own paths, a tpufab
+    label and a name from the run id."""
+    prefix = docker_prefix()
+    argv = [*prefix, "run", "--rm", "-i", "--init", "--name", container_name(args.run),
+            "--label", f"{CONTAINER_LABEL}={args.run}", "--network", "host",
+            "--shm-size", f"{shm_bytes()}b"]
+    devices = tpu_device_files()
+    if not args.hardened:
+        argv.append("--privileged")
+    for path in devices:
+        try:
+            is_device = os.path.exists(path) and (os.stat(path).st_mode & 0o170000) in (
+                0o020000, 0o060000)
+        except OSError:
+            continue
+        if is_device and args.hardened:
+            argv += ["--device", f"{path}:{path}"]
+        elif not is_device:   # a placeholder file (the simulated pod): bound as it is
+            argv += ["-v", f"{path}:{path}"]
+    if memlock_unlimited(prefix):
+        argv += ["--ulimit", "memlock=-1:-1"]
+    else:
+        notes.append("memlock: this host refuses unlimited (no CAP_SYS_RESOURCE); the "
+                     "container has the host's limit")
+    mounts = ["/tmp"]
+    for path in (cwd, rundir):
+        if path and not any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounts):
+            mounts.append(path)
+    for path in mounts:
+        argv += ["-v", f"{path}:{path}"]
+    argv += ["-w", cwd, args.image, "python3", "-S", "-c", ENTER, *recipe_argv_]
+    return argv
+
+
+def container_stop(run_id, grace):
+    """Stop the run's container (by its name; only if it carries the run's label)."""
+    prefix = docker_prefix()
+    name = container_name(run_id)
+    try:
+        found = subprocess.run([*prefix, "ps", "-q", "--filter", f"name=^{name}$", "--filter",
+                                f"label={CONTAINER_LABEL}={run_id}"], capture_output=True,
+                               text=True, timeout=30, stdin=subprocess.DEVNULL)
+        if found.returncode != 0 or not found.stdout.strip():
+            return None
+        stopped = subprocess.run([*prefix, "stop", "-t", str(max(0, int(grace))), name],
+                                 capture_output=True, text=True, timeout=grace + 60,
+                                 stdin=subprocess.DEVNULL)
+        return name if stopped.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
 
 def start(args):
     env, secrets = read_environment(args)   # first: the env file is consumed even on failure
@@ -244,7 +369,23 @@ def start(args):
     if args.in_checkout:
         found, checkout_note = checkout_recipe(os.path.expanduser(args.in_checkout), digest)
         run_path_ = found or copy
-    argv = recipe_argv(run_path_, args.args, job_env)
+    container_env = None
+    notes = []
+    if args.image:
+        # inside the image: the job environment alone (plus the image's own), its python3
+        container_env = dict(env)
+        for key in ("TPUFAB_RUN_ID", "TPUFAB_RUN_DIR", "TPUFAB_PREEMPT_NOTICE",
+                    "PYTHONUNBUFFERED", "TPUFAB_OUTPUT_DIR", "TPUFAB_PROFILE_DIR"):
+            if key in job_env:
+                container_env.setdefault(key, job_env[key])
+        container_env.setdefault("TPUFAB_PYTHON", "python3")
+        inside = ([container_env["TPUFAB_PYTHON"], run_path_, *args.args]   # the image's
+                  if run_path_.endswith(".py") else recipe_argv(run_path_, args.args))
+        argv = container_argv(args, rundir, cwd, inside, notes)
+        job_env = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV}
+        job_env["TPUFAB_RUN_ID"] = args.run
+    else:
+        argv = recipe_argv(run_path_, args.args, job_env)
 
     write_atomic(os.path.join(rundir, "commit"), (args.commit or "") + "\n")
     write_atomic(os.path.join(rundir, "recipe_sha256"), digest + "\n")
@@ -259,6 +400,11 @@ def start(args):
         meta["in_checkout_missing"] = checkout_note
     if cwd_note:
         meta["cwd_missing"] = cwd_note
+    if args.image:
+        meta["image"] = args.image
+        meta["container"] = container_name(args.run)
+        if notes:
+            meta["container_notes"] = notes
     write_atomic(os.path.join(rundir, "meta.json"), json.dumps(meta, sort_keys=True) + "\n")
 
     ready_r, ready_w = os.pipe()
@@ -269,7 +415,9 @@ def start(args):
         code = 1
         try:
             supervise(rundir, argv, cwd, job_env, ready_w,
-                      [f.encode() for f in secret_forms(secrets)])
+                      [f.encode() for f in secret_forms(secrets)],
+                      stdin_data=None if container_env is None else
+                      json.dumps(container_env).encode())
             code = 0
         finally:
             os._exit(code)
@@ -288,9 +436,10 @@ def start(args):
     return started
 
 
-def supervise(rundir, argv, cwd, env, ready_w, forms=()):
+def supervise(rundir, argv, cwd, env, ready_w, forms=(), stdin_data=None):
     """Start the recipe in its own session, tell the caller, copy its output (masked) into
-    the log, then record how it ended."""
+    the log, then record how it ended. ``stdin_data``: written to its stdin (a pipe), then
+    closed (the job environment of a container)."""
     os.setsid()
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -309,14 +458,18 @@ def supervise(rundir, argv, cwd, env, ready_w, forms=()):
     log = os.open(os.path.join(rundir, "log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     out_r, out_w = os.pipe()
     try:
-        child = subprocess.Popen(argv, cwd=cwd, env=env, stdin=devnull, stdout=out_w,
-                                 stderr=out_w, start_new_session=True, close_fds=True)
+        child = subprocess.Popen(argv, cwd=cwd, env=env,
+                                 stdin=devnull if stdin_data is None else subprocess.PIPE,
+                                 stdout=out_w, stderr=out_w, start_new_session=True,
+                                 close_fds=True)
     except OSError as err:
         os.write(ready_w, json.dumps({"error": f"cannot start {argv[0]}: {err}"}).encode())
         os.close(ready_w)
         end.write(exit_code=127)
         return
     os.close(out_w)
+    if stdin_data is not None:
+        threading.Thread(target=feed, args=(child.stdin, stdin_data), daemon=True).start()
     recipe = proc_stat(child.pid)
     start_time = recipe.start_time if recipe else 0
     own = proc_stat(os.getpid())
@@ -353,6 +506,16 @@ def supervise(rundir, argv, cwd, env, ready_w, forms=()):
               killed=signal.Signals(-code).name if code < 0 else None,
               disk_full=copier.disk_full())
     thread.join()
+
+
+def feed(pipe, data):
+    try:
+        pipe.write(data)
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            pipe.close()
 
 
 class LogCopier:
@@ -619,6 +782,14 @@ def stop(args):
     group = pid if pid is not None and alive(pid, start_time) else None
     if before["state"] in ("running", "starting"):
         write_atomic(os.path.join(rundir, "stop_requested"), f"{time.time()}\n")
+    meta = read_text(os.path.join(rundir, "meta.json"))
+    try:
+        container = json.loads(meta).get("container") if meta else None
+    except (ValueError, AttributeError):
+        container = None
+    if container and before["state"] in ("running", "starting"):
+        # its processes are root's (the runtime's): stopped through the runtime
+        result["container"] = container_stop(args.run, args.grace)
     for signum, timeout in ((signal.SIGTERM, args.grace), (signal.SIGKILL, 5.0)):
         procs = run_processes({args.run: group})[args.run]
         if not procs:
@@ -626,13 +797,13 @@ def stop(args):
         if group is not None:
             try:
                 os.killpg(group, signum)
-            except ProcessLookupError:
+            except (ProcessLookupError, PermissionError):
                 pass
         for other in procs:
             if group is None or other.pgid != group:
                 try:
                     os.kill(other.pid, signum)
-                except ProcessLookupError:
+                except (ProcessLookupError, PermissionError):   # a container's (root's)
                     pass
         result["signal"] = signal.Signals(signum).name[3:]
         deadline = time.monotonic() + timeout
@@ -676,6 +847,9 @@ def parse_args(argv):
     p.add_argument("--keep-env-file", action="store_true")
     p.add_argument("--mounts-dir", help="where tpufab records its mounts; the first mounted "
                    "one holds TPUFAB_OUTPUT_DIR and TPUFAB_PROFILE_DIR")
+    p.add_argument("--image", help="run the recipe inside this image (pinned by digest)")
+    p.add_argument("--hardened", action="store_true", help="with --image: not privileged; "
+                   "each TPU device file given alone")
     p.add_argument("args", nargs="*", help="arguments for the recipe (after --)")
     p = sub.add_parser("status", help="state of runs (all, or --run ID ...)")
     p.add_argument("--run", action="append")

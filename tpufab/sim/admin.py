@@ -139,6 +139,12 @@ class SimAdmin:
         return self._call("POST", "faults:errorBurst",
                           {"count": count, "code": code, "match": match})
 
+    def registry(self, **changes: Any) -> dict[str, Any]:
+        """The pod's registry (``address``, ``failAuth``, ``failTimes``, ``slowSeconds``,
+        ``refused`` per host, ``pushTokenFile``); ``changes`` (failAuth=0.25, failTimes=2,
+        slowSeconds=1.0) set its faults first."""
+        return self._call("POST" if changes else "GET", "registry", changes or None)
+
     def clear_faults(self) -> None:
         self._call("DELETE", "faults")
 

@@ -33,6 +33,7 @@ INFO_FILE = "daemon.json"
 LOG_FILE = "daemon.log"
 WORKERS_DIR = "workers"
 STORAGE_DIR = "gcs"            # the Cloud Storage emulator's buckets and objects
+REGISTRY_DIR = "registry"       # the Artifact Registry: docker-registry's data, port, push token
 STORAGE_PORT_FILE = "port"     # in STORAGE_DIR: reused next time, so exports stay valid
 _DIRECT = build_opener(ProxyHandler({}))  # loopback only: never through a proxy
 
@@ -50,6 +51,7 @@ class SimInfo:
     log_file: Path | None = None
     already_running: bool = False
     storage_endpoint: str | None = None  # http://127.0.0.1:PORT2, its Cloud Storage (JSON API)
+    registry: str | None = None     # 127.0.0.1:PORT3, its Artifact Registry (tpufab.sim.registry)
 
     def env(self) -> dict[str, str]:
         """Environment that points tpufab at this pod (and at its Cloud Storage)."""
@@ -151,6 +153,13 @@ def serve(state_dir: Path | None = None, port: int | None = None, *, workers: bo
     except OSError as exc:
         raise SimError(_port_busy_sentence(port, exc)) from None
     storage = _start_storage(state_dir / STORAGE_DIR)
+    registry = None
+    if workers:  # the pod's Artifact Registry; workers' registries.conf route pkg.dev to it
+        from tpufab.sim.registry import start_registry
+
+        registry = start_registry(state_dir / REGISTRY_DIR, emulator.tokens)
+        emulator.registry = registry
+        pool.registry = registry.address if registry else None
     actual_port = server.server_address[1]
     if workers:  # internal-IP nodes: a namespace each, the API and storage relayed into it
         from tpufab.sim.network import NodeNetworks
@@ -161,6 +170,7 @@ def serve(state_dir: Path | None = None, port: int | None = None, *, workers: bo
     info_path = state_dir / INFO_FILE
     _write_json(info_path, {"pid": os.getpid(), "port": actual_port, "endpoint": endpoint,
                             "storageEndpoint": storage.url if storage else None,
+                            "registry": registry.address if registry else None,
                             "stateDir": str(state_dir), "workers": workers,
                             "started": time.time()})
 
@@ -177,6 +187,8 @@ def serve(state_dir: Path | None = None, port: int | None = None, *, workers: bo
         server.server_close()
         if storage is not None:
             storage.stop()
+        if registry is not None:
+            registry.stop()
         emulator.shutdown()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -318,7 +330,8 @@ def status(state_dir: Path | None = None) -> SimStatus:
 def _info(state_dir: Path, raw: dict[str, Any], *, already: bool = False) -> SimInfo:
     return SimInfo(endpoint=raw["endpoint"], pid=int(raw["pid"]), state_dir=state_dir,
                    port=int(raw["port"]), log_file=state_dir / LOG_FILE,
-                   already_running=already, storage_endpoint=raw.get("storageEndpoint"))
+                   already_running=already, storage_endpoint=raw.get("storageEndpoint"),
+                   registry=raw.get("registry"))
 
 
 def _running(state_dir: Path) -> SimInfo | None:

@@ -161,6 +161,7 @@ class Emulator:
         self.backing = BackingNodes(self.store, self.machines)  # records behind Compute Engine VMs
         self.compute = ComputeEngineEmulator(self.store, self.backing, self.guest,
                                              self.oslogin)  # Compute Engine v1
+        self.registry: Any = None  # tpufab.sim.registry.Registry, set by the daemon
         self.served: dict[str, int] = {}  # "v2 tpu.projects.locations.nodes.get" -> answered
         record = os.environ.get(RECORD_ENV)  # the tests' conformance check of what they see
         self.recorder = AnswerRecorder(Path(record)) if record else None
@@ -435,6 +436,11 @@ class Emulator:
                 elif permission:
                     store.denied_permissions.add(permission)
                 return {"deniedPermissions": sorted(store.denied_permissions)}
+        if rest == "registry":
+            if self.registry is None:
+                raise ApiFailure("FAILED_PRECONDITION", "This simulated pod has no registry "
+                                 "(docker-registry is not installed, or it runs without workers).")
+            return self.registry.admin(method, body)
         if rest == "osLogin":
             return self.oslogin.admin(method, {**query, **body})
         machines = self.machines

@@ -24,14 +24,19 @@ MAX_SHARE = 0.9   # more is a hung worker: `tpufab sim unreachable`, or SIGSTOP 
 REFRESH = 1.0     # seconds between two looks at the worker's processes
 
 
-def parse_share(text: str | float) -> float:
-    """``15%``, ``15`` or ``0.15``... as a share of time (0-0.9), or ConfigError in one sentence."""
+def parse_share(text: str | float, *, limit: float | None = None, flag: str = "--by") -> float:
+    """``15%``, ``15`` or ``0.15``... as a share of time (0-0.9), or ConfigError in one sentence.
+    ``limit``: another upper bound (``flag`` names the option in the sentence)."""
     raw = str(text).strip()
     try:
         value = float(raw.rstrip("%"))
     except ValueError:
-        raise ConfigError(f"--by takes a percentage such as 15%, not {raw!r}.") from None
+        raise ConfigError(f"{flag} takes a percentage such as 15%, not {raw!r}.") from None
     share = value / 100 if raw.endswith("%") or value > 1 else value
+    if limit is not None:
+        if not 0 <= share <= limit:
+            raise ConfigError(f"{flag} {raw} is outside 0%-{limit:.0%}.")
+        return share
     if not 0 <= share <= MAX_SHARE:
         raise ConfigError(f"--by {raw} is outside 0%-{MAX_SHARE:.0%}: a worker stopped for all "
                           "of its time is a hung one, not a slow one (`tpufab sim unreachable` "

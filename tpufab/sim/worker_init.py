@@ -55,6 +55,9 @@ BINDS = (
     ("/etc/hosts", "etc/hosts"),
     ("/var/log", "log"),  # the worker's own logs (startup scripts), not the host's
 )
+# Bound only where WORKER_DIR has them: the container runtime's images and containers
+# (tpufab.sim.registry.prepare_containers), on the host's filesystem, not an overlay.
+OPTIONAL_WORKER_BINDS = (("/var/lib/containers", "containers"),)
 # Bound only where the host has them (sudo installed): the worker's sudo rules.
 OPTIONAL_BINDS = (("/etc/sudoers.d", "etc/sudoers.d"),)
 # The worker's own root filesystem where installs write: each of these is an overlay whose
@@ -143,6 +146,12 @@ def setup(worker_dir):
     binds = [(t, rel) for t, rel in BINDS if not (vm and rel[4:] in ACCOUNT_FILES)]
     sources = {t: os.open(rel, os.O_PATH | os.O_CLOEXEC, dir_fd=dir_fd) for t, rel in binds}
     systemctl = read_at(dir_fd, SYSTEMCTL) if vm else None
+    for target, rel in OPTIONAL_WORKER_BINDS:
+        try:
+            sources[target] = os.open(rel, os.O_PATH | os.O_CLOEXEC | os.O_DIRECTORY,
+                                      dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
     for target, rel in OPTIONAL_BINDS:
         if os.path.isdir(target):
             sources[target] = os.open(rel, os.O_PATH | os.O_CLOEXEC, dir_fd=dir_fd)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from tpufab.errors import SimError
 from tpufab.sim import tpumetrics
+from tpufab.sim.registry import prepare_containers, registry_hosts_line
 from tpufab.sim.worker_accounts import (
     SUDOERS_GROUP,
     SUDOERS_RULE,
@@ -88,6 +89,7 @@ class WorkerPool:
         # Read-only on every worker at /opt/tpufab-sim/share (scripts/sim-wheels.sh fills it).
         self.share_dir = Path(share_dir) if share_dir is not None else self.state_dir / "share"
         self.share_dir.mkdir(parents=True, exist_ok=True)
+        self.registry: str | None = None  # HOST:PORT of the pod's registry (tpufab.sim.registry)
         self._guard = threading.Lock()  # the dict below
         self._node_locks: dict[str, threading.RLock] = {}
         self._uid_lock = threading.Lock()
@@ -189,6 +191,11 @@ class WorkerPool:
             raise SimError(f"Worker(s) {fold_workers(failures)} of node {node_id} failed to start; "
                            f"see init.log under {node_dir}.", details=details)
 
+    def _hosts_text(self, spec: WorkerSpec, node_specs: list[WorkerSpec]) -> str:
+        """hosts_text, and Artifact Registry's hosts at the pod's registry (its DNS stand-in)."""
+        text = hosts_text(spec, node_specs)
+        return text + registry_hosts_line(self.registry) if self.registry else text
+
     def _update_hosts(self, node_id: str, running: list[WorkerSpec],
                       node_specs: list[WorkerSpec]) -> None:
         """The running workers' /etc/hosts name every worker at its address now, as a VPC's
@@ -196,7 +203,7 @@ class WorkerPool:
         bind-mounted into the worker by inode)."""
         for spec in running:
             path = self._worker_dir(node_id, spec.index) / "etc" / "hosts"
-            text = hosts_text(spec, node_specs)
+            text = self._hosts_text(spec, node_specs)
             try:
                 with open(path, "r+") as f:
                     if f.read() == text:
@@ -229,7 +236,7 @@ class WorkerPool:
         rule.write_text(SUDOERS_RULE)
         os.chmod(rule, 0o440)  # sudo ignores rule files that others may write
         (wdir / "etc" / "hostname").write_text(spec.hostname + "\n")
-        (wdir / "etc" / "hosts").write_text(hosts_text(spec, node_specs))
+        (wdir / "etc" / "hosts").write_text(self._hosts_text(spec, node_specs))
         if not (wdir / "ssh_host_ed25519_key").exists():
             make_host_key(wdir / "ssh_host_ed25519_key", f"root@{spec.hostname}")
         os_login = self._os_login(node_id)
@@ -251,6 +258,7 @@ class WorkerPool:
             "pci": [{"vendor": TPU_PCI_VENDOR, "device": spec.pci_device}
                     for _ in spec.device_files] if spec.pci_device else [],
         })
+        prepare_containers(wdir, self.registry)
         (wdir / "init.json").unlink(missing_ok=True)
 
     def _boot_all(self, node_id: str, specs: list[WorkerSpec], tools: HostTools,

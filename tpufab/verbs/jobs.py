@@ -48,7 +48,12 @@ RUN_OPTIONS = {
 }
 
 
-@verb(options=RUN_OPTIONS, pod_method="start", api_only=("deploy",))
+IMAGE_OPTION = Opt("Run the recipe inside this container image on every host (pulled where "
+                   "missing, pinned by digest; the image setting by default; docs/images.md).",
+                   metavar="IMAGE")
+
+
+@verb(options={**RUN_OPTIONS, "image": IMAGE_OPTION}, pod_method="start", api_only=("deploy",))
 def run(call: Call, *, detach: bool = False, on_interrupt: str | None = None,
         raw: bool = False, color: bool = False, stall: str | None = None,
         stall_action: str = "wait", stall_progress_file: str | None = None) -> int:

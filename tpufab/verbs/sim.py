@@ -179,6 +179,68 @@ def sim_slow(*, name: str, worker: int, by: str) -> None:
                    f"Worker {worker} of {name} runs at full speed again.")
 
 
+@verb(name="registry", group="sim",
+      options={"fail_auth": "Share of each node's hosts whose first authenticated requests "
+                            "are refused: 25% (0 undoes it).",
+               "fail_times": Opt("How many requests of each such host are refused.", min=0),
+               "slow": "Seconds every answer is delayed (0 undoes it)."})
+def sim_registry(*, fail_auth: str | None = None, fail_times: int | None = None,
+                 slow: float | None = None, as_json: bool = False) -> None:
+    """Where the simulated Artifact Registry is, and its faults (auth failures, slowness)."""
+    from tpufab.sim.slow import parse_share
+    from tpufab.term.console import stdout
+
+    changes: dict[str, Any] = {}
+    if fail_auth is not None:
+        changes["failAuth"] = parse_share(fail_auth, limit=1.0, flag="--fail-auth")
+    if fail_times is not None:
+        changes["failTimes"] = fail_times
+    if slow is not None:
+        if slow < 0:
+            raise ConfigError(f"--slow takes seconds (0 or more), not {slow}.")
+        changes["slowSeconds"] = slow
+    state = sim_admin().registry(**changes)
+    if as_json:
+        print_json(state)
+        return
+    faults = []
+    if state["failAuth"]:
+        faults.append(f"{state['failAuth']:.0%} of each node's hosts have their first "
+                      f"{state['failTimes']} authenticated requests refused")
+    if state["slowSeconds"]:
+        faults.append(f"every answer waits {state['slowSeconds']:g} s")
+    stdout().print(f"The simulated Artifact Registry is at {state['address']} (workers reach "
+                   f"it as {', '.join(state['hosts'][:3])}, ...; user oauth2accesstoken, "
+                   "password: the VM's access token from its metadata server); "
+                   + ("; ".join(faults) if faults else "no faults") + ".", markup=False,
+                   highlight=False)
+
+
+@verb(name="image", group="sim",
+      options={"cache": "Folder holding the shared site (site/) and the built image "
+                        "(image/); default: the pod's share.",
+               "tag": "Tag to push.",
+               "slim": "The OS and Python alone (~50 MB), pushed as tpufab/slim: no JAX."})
+def sim_image(*, cache: str | None = None, tag: str = "latest", slim: bool = False,
+              state_dir: str | None = None) -> None:
+    """Build the base image (Python and the workers' JAX) once, push it to the simulated
+    registry, print its reference as the last line."""
+    from pathlib import Path
+
+    from tpufab.sim import daemon
+    from tpufab.sim.image import publish
+    from tpufab.term.console import stdout
+
+    admin = sim_admin()
+    state = admin.registry()
+    share = Path(cache) if cache else daemon.status(state_dir=state_dir).state_dir / "share"
+    reference, digest = publish(state, share, project=admin.project, tag=tag, jax=not slim,
+                                name="slim" if slim else "base")
+    stdout().print(f"Pushed {reference} ({digest}) to {state['address']}.", markup=False,
+                   highlight=False)
+    print(reference, flush=True)
+
+
 @verb(name="fail-create", group="sim",
       options={"quota": "Quota exceeded, not stockout.",
                "zone": "Only creates in this zone (default: any zone).",

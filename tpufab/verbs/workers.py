@@ -1,4 +1,4 @@
-"""Verbs on the workers: exec, setup, ssh."""
+"""Verbs on the workers: exec, setup, ssh, disconnect, image pull."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ from tpufab.errors import ConfigError
 from tpufab.verbs.declare import Call, Opt, verb
 
 PLACE = 4   # where this family's verbs show in `tpufab --help`
+GROUPS = {"image": "Container images on every host: pull (pre-heat) and digests "
+                   "(docs/images.md)."}
 
 # Above this many workers exec's live view folds (each identical line once) unless --raw.
 FOLD_ABOVE = 32
@@ -47,6 +49,8 @@ def exec_(call: Call, *, gather: bool = False, raw: bool = False, color: bool = 
 
 
 @verb(options={"script": "Setup script to run.", "force": "Run even where it already ran.",
+               "image": Opt("Then pull this container image on every host (as `image pull`), "
+                            "so the first run with it starts at once.", metavar="IMAGE"),
                "raw": "Every worker's lines, prefixed (default: folded, each line once)."},
       pod_method="setup")
 def setup(call: Call, *, raw: bool = False) -> None:
@@ -99,3 +103,24 @@ def disconnect(call: Call) -> None:
     pod = call.pod.name
     stdout().print(f"Closed {pod}'s kept connections." if stopped else
                    f"{pod} had no kept connections.", markup=False, highlight=False)
+
+
+@verb(name="pull", group="image",
+      options={"image": "Image reference (us-docker.pkg.dev/PROJECT/REPO/IMAGE:TAG or "
+                        "...@sha256:DIGEST).",
+               "if_missing": "Only where it is not there already (no registry request)."},
+      pod_method="image_pull")
+def image_pull(call: Call) -> int:
+    """Every host pulls IMAGE (pre-heat): a folded report of digests and times.
+
+    Artifact Registry is reached with the VM's own service-account token (no key files);
+    auth and pull are retried together with backoff (8 tries, 1 s doubling to 16 s), after a
+    start jitter that grows with the host count. A host that still fails is named with the
+    registry's sentence; hosts whose digests differ are named. ``timeout``: seconds each
+    host may take (default 1800)."""
+    from tpufab.views.report import show
+
+    report = call()
+    show(report)
+    report.check()
+    return 0

@@ -123,6 +123,8 @@ def show_handed_over(result: Any) -> None:
                   "(docs/supervisor.md, Secrets).", markup=False)
     err.print(f"Follow it:  {result.follow}", markup=False)
     err.print(f"Cancel it:  {result.cancel}", markup=False)
+
+
 def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"

@@ -310,6 +310,10 @@ def kill_entries(result: KillReport) -> list[KillRow]:
     """The lines of every worker's report, in worker order (pure)."""
     entries: list[KillRow] = []
     for w, report in result.reports.items():
+        for c in report.get("containers", ()):
+            why = f": {c['error']}" if c.get("error") else ""
+            entries.append(KillRow(w, f"container  {c.get('name')} (run {c.get('run')}): "
+                                      f"{c.get('action')}{why}", None))
         for run in report.get("runs", ()):
             state = run.get("state")
             if state in ("not running", "ended") and not run.get("stragglers"):

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tpufab import nodeset, quoting
 from tpufab.quoting import Secret
@@ -63,6 +64,8 @@ class SetupReport(Report):
 
     step: str = "setup"
     script: str
+    # `setup --image`: every host's digest of the image pulled after the script (steps.host.images)
+    image: Any = field(default=None, metadata={"json": False})
 
     def __post_init__(self) -> None:
         by_status: dict[str, list[int]] = {}
@@ -72,6 +75,9 @@ class SetupReport(Report):
         log = next((o.log for o in self.rows if o.log), None)
         self.summary = (f"Setup {self.script}: {'; '.join(parts)}"
                         + (f" (log: {log})" if log else "") + ".")
+        if self.image:
+            self.summary += f" Image: {self.image.summary}"
+            self.notes = [*self.notes, *self.image.notes]
 
 
 class SetupFailed(FanoutError):

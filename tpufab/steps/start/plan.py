@@ -40,6 +40,8 @@ class RunPlan:
     # the recipe's own path in the deployed checkout (`run` runs it there when it holds the
     # same bytes, so `$(dirname "$0")` is the checkout's folder); None: the shipped copy
     in_checkout: str | None = None
+    # the image the recipe runs in on every host, pinned by digest (`run --image`); None: none
+    image: str | None = None
 
     @property
     def workers(self) -> list[int]:
@@ -93,6 +95,8 @@ def start_command(plan: RunPlan) -> Command:
         args += ["--commit", plan.commit]
     if plan.in_checkout:
         args += ["--in-checkout", plan.in_checkout]
+    if plan.image:
+        args += ["--image", plan.image]
     if plan.secrets:
         args.append("--env-stdin")
     return python_command(launch_file(), [*args, "--", *plan.args], needs=[plan.recipe])

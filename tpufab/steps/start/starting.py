@@ -118,6 +118,8 @@ def started_notes(plan: RunPlan, started: Mapping[int, dict]) -> list[tuple[str,
     if missing:
         out.append((f"{plan.cwd} does not exist on {nodeset.fold(missing)}; the recipe runs in "
                     "the home directory there (deploy first, or drop --no-deploy).", "yellow"))
+    for note in dict.fromkeys(n for s in started.values() for n in s.get("container_notes") or ()):
+        out.append((f"Image: {note}.", "yellow"))
     shipped = shipped_note(plan, started)
     if shipped:
         out.append((shipped, "yellow"))
@@ -151,11 +153,15 @@ def start_run(pod, settings, recipe: str | Path, *, args: str | Sequence[str] = 
               local: bool = False,
               workers: int | None = None, spmd: bool = False, check: bool = False,
               wait_port: int | None = None, wait_timeout: float = WAIT_TIMEOUT,
-              timeout: float | None = RUN_TIMEOUT, progress: Progress | None = None):
+              timeout: float | None = RUN_TIMEOUT, progress: Progress | None = None,
+              image: str | None = None):
     """`tpufab run` up to the start: a Started (or, ``local``, the LocalRunResult).
 
     ``pod`` is opened only once the checks that need no pod passed; ``progress(text,
-    style)`` hears each step (deploy, the start, the wait for ``wait_port``)."""
+    style)`` hears each step (deploy, the image on every host, the start, the wait for
+    ``wait_port``). ``image`` (else the ``image`` setting): the recipe runs inside it on
+    every host, pulled where it is missing and pinned by digest; refused (ImageError) where
+    the hosts' digests differ."""
     from tpufab.steps.runs.env import forwarded_for
 
     say = progress or _silent
@@ -165,6 +171,14 @@ def start_run(pod, settings, recipe: str | Path, *, args: str | Sequence[str] = 
                           "deploy: give one or the other.")
     argv = recipe_args(args, extra)
     forwarded = forwarded_for(settings, env_specs(env), secret)
+    image = image or getattr(settings, "image", None)
+    if image and local:
+        raise ConfigError("--image runs the recipe in an image on every host of a pod and "
+                          "does not go with --local; drop one of them.")
+    if image:
+        from tpufab.steps.host.images import check_image
+
+        image = check_image(image)
     if local and check:
         raise ConfigError("--check checks a pod; drop it with --local.")
     if local and wait_port is not None:
@@ -186,6 +200,11 @@ def start_run(pod, settings, recipe: str | Path, *, args: str | Sequence[str] = 
     def begin(report: DeployReport | None) -> tuple[RunPlan, dict[int, dict]]:
         plan = plan_for(pod, settings, path, argv, forwarded, spmd, report=report,
                         root=ask.root if ask else None)
+        if image:
+            from dataclasses import replace
+
+            plan = replace(plan, image=image_for_run(pod, image, timeout=timeout,
+                                                     progress=say))
         return plan, start_plan(pod, plan, timeout=timeout)
 
     plan, started = start_job(pod, begin, verb="run", what=path.name, deploy=ask,
@@ -195,6 +214,24 @@ def start_run(pod, settings, recipe: str | Path, *, args: str | Sequence[str] = 
     if wait_port is not None:
         wait_for_port(pod, plan, int(wait_port), wait_timeout, progress=say)
     return Started(plan, started)
+
+
+def image_for_run(pod, image: str, *, timeout: float | None = None,
+                  progress: Progress = _silent) -> str:
+    """``image`` on every host of ``pod`` (pulled where missing; a host that has it is not
+    asked to pull again), pinned by its one digest; ImageError naming the hosts that could
+    not get it or whose digest differs."""
+    from tpufab.steps.host import images
+
+    report = images.pull(pod.fanout, pod.workers, image, if_missing=True, timeout=timeout)
+    for note in report.notes:
+        progress(note, "dim")
+    if not report.ok:
+        raise images.ImageError(f"Not starting: {images.problem(report)}")
+    pulled = [r.worker for r in report.rows if r.pulled]
+    progress(f"Image {report.pinned} on {nodeset.fold(pod.workers)}"
+             + (f" (pulled on {nodeset.fold(pulled)})" if pulled else "") + ".", "dim")
+    return report.pinned
 
 
 @dataclass(frozen=True)
@@ -400,9 +437,19 @@ def start_on_workers(fanout, plan: RunPlan, *,
 
 
 def start_plan(pod, plan: RunPlan, *, timeout: float | None = None) -> dict[int, dict]:
-    """Start ``plan`` everywhere; Ctrl-C while starting stops it again, in one sentence."""
+    """Start ``plan`` everywhere; Ctrl-C while starting stops it again, in one sentence.
+    A plan without an image gets the pod's ``image`` setting (tpufab.yaml's ``image:``), so
+    babysit's attempts and launch's run use it as `run` does."""
+    from dataclasses import replace
+
     from tpufab.ssh.results import FanoutInterrupted
     from tpufab.steps.runs import running as jobs
+
+    image = None if plan.image else getattr(getattr(pod, "settings", None), "image", None)
+    if image:
+        from tpufab.steps.host.images import check_image
+
+        plan = replace(plan, image=image_for_run(pod, check_image(image), timeout=timeout))
 
     try:
         return start_on_workers(pod.fanout, plan, timeout=timeout)
