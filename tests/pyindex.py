@@ -33,9 +33,11 @@ def normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def build_wheel(folder: Path, name: str, version: str, requires: list[str] = ()) -> Path:
+def build_wheel(folder: Path, name: str, version: str, requires: list[str] = (),
+                payload: int = 0) -> Path:
     """A pure-Python wheel ``<dist>-<version>-py3-none-any.whl`` in ``folder``: one module
-    named after the project (``import tfa_alpha``) holding ``VERSION``."""
+    named after the project (``import tfa_alpha``) holding ``VERSION``; ``payload``: that
+    many random bytes more, stored (a wheel of a size, for bench/env_build.py)."""
     dist = re.sub(r"[-_.]+", "_", name)
     info = f"{dist}-{version}.dist-info"
     files = {
@@ -46,6 +48,10 @@ def build_wheel(folder: Path, name: str, version: str, requires: list[str] = ())
         f"{info}/WHEEL": (b"Wheel-Version: 1.0\nGenerator: tests.pyindex\n"
                           b"Root-Is-Purelib: true\nTag: py3-none-any\n"),
     }
+    if payload:
+        import os
+
+        files[f"{dist}_data.bin"] = os.urandom(payload)
     record = []
     for path, data in files.items():
         digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
@@ -55,7 +61,8 @@ def build_wheel(folder: Path, name: str, version: str, requires: list[str] = ())
     out = folder / f"{dist}-{version}-py3-none-any.whl"
     with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as zf:
         for path, data in files.items():
-            zf.writestr(zipfile.ZipInfo(path, (2026, 1, 1, 0, 0, 0)), data)
+            zf.writestr(zipfile.ZipInfo(path, (2026, 1, 1, 0, 0, 0)), data,
+                        zipfile.ZIP_STORED if path.endswith(".bin") else zipfile.ZIP_DEFLATED)
     return out
 
 
@@ -103,8 +110,8 @@ class PackageIndex:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}/simple/"
 
-    def add(self, name: str, version: str, requires: list[str] = ()) -> Path:
-        return build_wheel(self.root, name, version, list(requires))
+    def add(self, name: str, version: str, requires: list[str] = (), payload: int = 0) -> Path:
+        return build_wheel(self.root, name, version, list(requires), payload)
 
     def wheels(self) -> list[Path]:
         return sorted(self.root.glob("*.whl"))

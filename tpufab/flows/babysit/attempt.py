@@ -50,7 +50,7 @@ class Attempts:
     def _attempt(self, number: int, restarts: int) -> Attempt:
         from tpufab.ssh.remote_files import RemoteFile
         from tpufab.steps.code.deploy import default_cwd
-        from tpufab.steps.runs.env import Forwarded, new_run_id
+        from tpufab.steps.runs.env import Forwarded, new_run_id, virtual_env
         from tpufab.steps.runs.running import RunError
         from tpufab.steps.start import plan as plans
         from tpufab.steps.start.starting import start_job, start_plan
@@ -67,7 +67,8 @@ class Attempts:
         plan = plans.plan_run(RemoteFile.from_path(self.recipe), slices=pod.slices,
                               ips=pod.internal_ips(), run_id=run_id, args=self.args, cwd=cwd,
                               commit=self.restore.commit, forwarded=forwarded,
-                              tpu=plans.slice_facts(pod.nodes))
+                              tpu=plans.slice_facts(pod.nodes),
+                              virtual_env=virtual_env(self.settings))
         try:   # the one start path: under the code lease, never beside a running run
             start_job(pod, lambda _deployed: start_plan(pod, plan), verb="babysit",
                       what=self.recipe.name, timeout=self.timeout)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tpufab import nodeset, quoting
@@ -63,14 +63,20 @@ class SetupReport(Report):
 
     step: str = "setup"
     script: str
+    # the environment built first (tpufab.steps.host.environment.EnvReport), if configured
+    environment: Report | None = field(default=None, metadata={"json": False})
 
     def __post_init__(self) -> None:
+        first = self.environment.summary + " " if self.environment else ""
+        if not self.script:
+            self.summary = first.strip()
+            return
         by_status: dict[str, list[int]] = {}
         for outcome in sorted(self.rows, key=lambda o: o.worker):
             by_status.setdefault(outcome.status, []).append(outcome.worker)
         parts = [f"{nodeset.fold(ws)} {status}" for status, ws in sorted(by_status.items())]
         log = next((o.log for o in self.rows if o.log), None)
-        self.summary = (f"Setup {self.script}: {'; '.join(parts)}"
+        self.summary = (f"{first}Setup {self.script}: {'; '.join(parts)}"
                         + (f" (log: {log})" if log else "") + ".")
 
 
