@@ -23,6 +23,7 @@ NO_OP = {
     "agent.py": ([], b"", 0, None),                       # stdin closed: it says hello and ends
     "autostop_worker.py": (["--help"], None, 0, "usage: autostop_worker.py"),
     "deploy_worker.py": (["--help"], None, 0, "usage: deploy_worker.py"),
+    "env_worker.py": ([], b"", 2, "env_worker: unknown operation ''"),
     "facts_worker.py": (["--help"], None, 0, "usage: facts_worker.py"),
     "image_worker.py": (["--help"], None, 0, "usage: image_worker.py"),
     "files_worker.py": ([], b"", 2, "files_worker: unknown operation ''"),

@@ -90,6 +90,9 @@ class Settings:
     state_dir: str = "~/.tpufab"
     keep_runs: int = 20                  # local log copies (./.tpufab/runs/<id>/) kept ...
     keep_logs_gib: float = 5.0           # ... and their total size at most (newest first)
+    # the Python environment `tpufab setup` builds once and puts on every host (docs/environment.md):
+    # requirements: FILE or lock: uv.lock; python: "3.12" (optional); path: ~/.venv (default)
+    environment: dict[str, str] = field(default_factory=dict)
     # data
     storage_endpoint: str | None = None  # a GCS-compatible JSON API, e.g. the simulated pod's
     mount_driver: str = "gcsfuse"        # or rclone
@@ -173,6 +176,9 @@ class Timeout:
 TIMEOUTS: dict[str, Timeout] = {
     "exec": Timeout(None, "the command on each worker"),
     "setup": Timeout(None, "shipping and running the script (installs take long)"),
+    "env build": Timeout(None, "each step: building the environment, copying it to the "
+                               "hosts, unpacking it"),
+    "env status": Timeout(60.0, "every worker's answer"),
     "deploy": Timeout(600.0, "each step: lease, push/bundle, checkout, verification"),
     "mount": Timeout(300.0, "each step, installing the driver included"),
     "umount": Timeout(300.0, "each step"),
@@ -574,6 +580,45 @@ URL_SETTINGS = {"api_endpoint": "http://127.0.0.1:8475 (the simulated pod) or "
                 "compute_endpoint": "https://compute.googleapis.com/compute/v1"}
 
 
+ENVIRONMENT_KEYS = ("requirements", "lock", "python", "path")
+DEFAULT_ENVIRONMENT_PATH = "~/.venv"
+# 3.8 to 3.19 (YAML reads an unquoted 3.10 as 3.1, refused here), or an interpreter's path
+_PYTHON_REQUEST = re.compile(r"^(?:3\.(?:[89]|1\d)(?:\.\d{1,3})?|/[A-Za-z0-9_./+-]+)$")
+_ENV_PATH = re.compile(r"^(?:~|/)[A-Za-z0-9_./+@-]*$")
+
+
+def check_environment(environment: Mapping[str, str], where: str) -> None:
+    """The ``environment:`` setting (requirements: FILE or lock: uv.lock; python: a version or
+    an interpreter's path; path: where it lives, ~/.venv by default), or one sentence naming
+    ``where`` it came from and the fix. An empty mapping: no environment."""
+    if not environment:
+        return
+    for key in environment:
+        if key not in ENVIRONMENT_KEYS:
+            close = difflib.get_close_matches(key, ENVIRONMENT_KEYS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{where}: environment has no key {key!r}{hint}; it takes "
+                              "requirements (or lock), python and path.")
+    given = [k for k in ("requirements", "lock") if environment.get(k)]
+    if len(given) != 1:
+        raise ConfigError(f"{where}: environment needs exactly one of requirements: FILE "
+                          "(such as requirements.txt) or lock: uv.lock, not "
+                          f"{' and '.join(given) or 'neither'}.")
+    spec = environment[given[0]]
+    if given == ["lock"] and Path(spec).name != "uv.lock":
+        raise ConfigError(f"{where}: environment's lock must be a uv.lock (with its "
+                          f"pyproject.toml beside it), not {spec!r}.")
+    python = environment.get("python")
+    if python and not _PYTHON_REQUEST.match(python):
+        raise ConfigError(f"{where}: environment's python must be a version such as \"3.12\" "
+                          f"(quoted in YAML) or an interpreter's absolute path, not {python!r}.")
+    path = environment.get("path", DEFAULT_ENVIRONMENT_PATH)
+    if not _ENV_PATH.match(path) or path.rstrip("/") in ("", "~") or \
+            ".." in path.split("/") or (path.startswith("~") and not path.startswith("~/")):
+        raise ConfigError(f"{where}: environment's path must be a folder of its own under ~/ "
+                          f"or an absolute path (such as ~/.venv), not {path!r}.")
+
+
 def check_limits(settings: Settings, origin: Mapping[str, str]) -> None:
     """Out-of-range numbers and endpoints that are no URL: one sentence naming where they
     came from (``origin``: setting -> TPUFAB_X, a file, or --flag)."""
@@ -602,6 +647,7 @@ def check_limits(settings: Settings, origin: Mapping[str, str]) -> None:
             raise ConfigError(f"{origin.get(name, name)}: {name} must be at most {high:g}, "
                               f"not {value:g}.")
     check_labels(settings.labels, origin.get("labels", "labels"))
+    check_environment(settings.environment, origin.get("environment", "environment"))
     check_zone(settings.zone, origin.get("zone", "zone"))
     keep_alive_seconds(settings.keep_alive, origin.get("keep_alive", "keep_alive"))
     for name, example in URL_SETTINGS.items():

@@ -611,14 +611,15 @@ def put_file(pod, remote: str, local: Path) -> None:
 
 def run_plan(pod, p: LaunchPlan) -> RunPlan:
     """The run: the task's ``run`` as a recipe, with SkyPilot's variables (and TPU_NAME)."""
-    from tpufab.steps.runs.env import JobEnvironment
+    from tpufab.steps.runs.env import JobEnvironment, virtual_env
     from tpufab.steps.start import plan as plans
 
     recipe = p.run_script
     assert recipe is not None
     planned = plans.plan_run(recipe, slices=pod.slices, ips=pod.internal_ips(), cwd=p.run_cwd,
                              commit=p.commit, forwarded=p.forwarded,
-                             tpu=plans.slice_facts(pod.nodes))
+                             tpu=plans.slice_facts(pod.nodes),
+                             virtual_env=virtual_env(pod.settings))
     envs = {}   # every launch's run (either schema: a `run:`-only file is both) as SkyPilot's
     for w, e in planned.environments.items():
         extra = skypilot_variables(e.public, task_id=planned.run_id, node_name=pod.name)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from tpufab.config import GENERIC, TIMEOUTS, Settings, load_settings, timeout_for
 from tpufab.errors import ConfigError
+from tpufab.pod.environment import PodEnvironment
 
 if TYPE_CHECKING:
     from fabric import Config as FabricConfig
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from tpufab.steps.health.top import TopReport
     from tpufab.steps.host.autostop import AutostopReport
     from tpufab.steps.host.images import ImageReport
+    from tpufab.steps.host.environment import EnvReport, EnvStatusReport  # noqa: F401 (PodEnvironment's)
     from tpufab.steps.host.killing import KillReport
     from tpufab.steps.host.mount import MountReport, MountSpec
     from tpufab.steps.host.profiling import ProfileReport
@@ -61,7 +63,7 @@ Progress = Callable[..., None]          # progress(text, style=None): a step's n
 __all__ = ["Pod"]
 
 
-class Pod:
+class Pod(PodEnvironment):
     """The workers of one TPU node (or multislice queued resource), reached over SSH.
     ``Pod(name)`` names it; ``Pod()`` takes the name as the command line does (TPUFAB_NAME,
     tpufab.yaml, this project's current pod). Connections open on first use and stay open
@@ -227,27 +229,35 @@ class Pod:
               workers: str | Iterable[int] = "all", timeout: float | None = None,
               sink: OutputSink | None = None, env: Mapping[str, str] | Sequence[str] | None = None,
               secret: Sequence[str] | None = None, image: str | None = None) -> SetupReport:
-        """Run a setup script on every worker once per script content: a SetupReport
-        (``.by_worker`` {worker: outcome}, each ``.status`` ran/skipped/incomplete, ``.log``
-        on the worker). ``env``/``secret`` as for ``run`` (secrets also masked in the
+        """The configured environment (``env_build``), then a setup script on every worker
+        once per script content, seeing that environment: a SetupReport (``.by_worker``
+        {worker: outcome}, each ``.status`` ran/skipped/incomplete, ``.log`` on the worker;
+        ``.environment``). ``env``/``secret`` as for ``run`` (secrets also masked in the
         worker's log; neither counts as content). Raises PodError if any worker failed,
         naming the log and, where known, the failed command. ``image``: pulled after it."""
         from tpufab.steps.host.setup import SetupReport, run_setup
 
         path = self.setup_script(script)
+        if (built := self._environment_first(workers, timeout)) and path is None:
+            pulled = image and self.image_pull(image, workers=workers).check()
+            # the environment is the whole setup
+            return SetupReport(script="", rows=[], environment=built, image=pulled)
         public, secrets = self._forwarded(env, secret)
         result, outcomes = run_setup(self.hosts.fanout, path, workers=self.select(workers),
                                      force=force, sink=sink, name=f"Setup {path.name}",
-                                     timeout=self._timeout("setup", timeout), env=public,
-                                     secrets=secrets)
+                                     timeout=self._timeout("setup", timeout),
+                                     env=self._with_venv(public), secrets=secrets)
         result.close()
-        return SetupReport(script=path.name, rows=list(outcomes.values()),
-                           image=image and self.image_pull(image, workers=workers).check())
+        pulled = image and self.image_pull(image, workers=workers).check()
+        return SetupReport(script=path.name, rows=list(outcomes.values()), environment=built,
+                           image=pulled)
 
-    @staticmethod
-    def setup_script(script: str | Path) -> Path:
-        """The setup script ``script`` names, checked here (before connecting)."""
+    def setup_script(self, script: str | Path) -> Path | None:
+        """The setup script ``script`` names, checked here (before connecting); None: the
+        default is missing and an environment is configured (then it is the whole setup)."""
         path = Path(script)
+        if not path.is_file() and self._environment_only(script):
+            return None
         if not path.is_file():
             raise ConfigError(f"Setup script {script} does not exist; pass --script PATH "
                               "(default scripts/setup.sh).")

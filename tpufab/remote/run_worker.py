@@ -356,6 +356,10 @@ def start(args):
 
     job_env = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV}
     job_env.update(env)
+    if env.get("VIRTUAL_ENV"):   # the environment tpufab built: its bin first on PATH
+        job_env["VIRTUAL_ENV"] = os.path.expanduser(env["VIRTUAL_ENV"])
+        job_env["PATH"] = os.path.join(job_env["VIRTUAL_ENV"], "bin") + os.pathsep + \
+            job_env.get("PATH", os.defpath)
     job_env["TPUFAB_RUN_ID"] = args.run
     job_env["TPUFAB_RUN_DIR"] = rundir
     job_env["TPUFAB_PREEMPT_NOTICE"] = os.path.join(rundir, "notice")

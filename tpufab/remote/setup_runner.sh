@@ -37,6 +37,12 @@ fi
 TPUFAB_SETUP_FAILED=$failed
 TPUFAB_SETUP_LOG=$log
 export TPUFAB_SETUP_FAILED TPUFAB_SETUP_LOG
+# the environment tpufab built (VIRTUAL_ENV, as jobs get it: docs/environment.md), bin first
+if [ -n "${VIRTUAL_ENV:-}" ]; then
+    case $VIRTUAL_ENV in "~/"*) VIRTUAL_ENV=$HOME/${VIRTUAL_ENV#"~/"} ;; esac
+    PATH=$VIRTUAL_ENV/bin:$PATH
+    export VIRTUAL_ENV PATH
+fi
 { $runner "$script" 2>&1; echo $? > "$rc_file"; } | python3 -I -S "$masktee" "$log" "$@"
 rc=$(cat "$rc_file" 2>/dev/null || echo 1)
 status=ran

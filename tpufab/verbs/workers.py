@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tpufab.errors import ConfigError
 from tpufab.verbs.declare import Call, Opt, verb
 
 PLACE = 4   # where this family's verbs show in `tpufab --help`
 GROUPS = {"image": "Container images on every host: pull (pre-heat) and digests "
-                   "(docs/images.md)."}
+                   "(docs/images.md).",
+          "env": "The Python environment built once and put on every host (docs/environment.md)."}
 
 # Above this many workers exec's live view folds (each identical line once) unless --raw.
 FOLD_ABOVE = 32
@@ -54,9 +57,12 @@ def exec_(call: Call, *, gather: bool = False, raw: bool = False, color: bool = 
                "raw": "Every worker's lines, prefixed (default: folded, each line once)."},
       pod_method="setup")
 def setup(call: Call, *, raw: bool = False) -> None:
-    """Ship a setup script and run it on every worker (once per script content).
+    """Build the environment once (`environment:` in tpufab.yaml), then ship a setup script
+    and run it on every worker (once per script content).
 
-    The workers' output is folded live (each identical line once; lines where workers differ
+    With `environment:`, worker 0 builds it with uv and every other host gets that build
+    from it (skipped where the hash is there already; docs/environment.md); the script then
+    sees it (VIRTUAL_ENV, on PATH). The workers' output is folded live (each identical line once; lines where workers differ
     under their workers), with a progress line on a terminal. ``timeout``: seconds each step
     on a worker may take (connecting at most connect_timeout); by default no limit, since
     installing a framework may take long. ``env``/``secret`` as for run: a secret (by name,
@@ -67,16 +73,43 @@ def setup(call: Call, *, raw: bool = False) -> None:
     from tpufab.views.report import show
     from tpufab.views.runlogs import follow_view, tee
 
-    path = call.pod.setup_script(call.args["script"])  # a missing script: before connecting
+    script = call.args["script"]
+    call.pod.setup_script(script)  # a missing script: before connecting
     chosen = call.pod.select(call.args["workers"])
     view = follow_view(chosen, raw=raw)
     try:
-        with WorkerProgress(f"setup {path.name}", len(chosen)) as progress:
-            report = call(script=path, workers=chosen, sink=tee(view, progress))
+        with WorkerProgress(f"setup {Path(script).name}", len(chosen)) as progress:
+            report = call(script=script, workers=chosen, sink=tee(view, progress))
     finally:
         if not raw:
             view.close()   # the folded view's last lines
     show(report)
+
+
+@verb(name="build", group="env", pod_method="env_build",
+      options={"force": "Build again even where the hash is unchanged."})
+def env_build(call: Call, *, as_json: bool = False) -> None:
+    """Build the configured environment once and put that build on every host that lacks it.
+
+    Worker 0 resolves and installs it with uv (the only host that talks to the package
+    index), packs it, and every other host copies it from worker 0 inside the pod, unpacks
+    it at the same path and checks its tree hash; a host that fails is retried once, then
+    named. Hosts that have the environment's hash are skipped."""
+    from tpufab.views.report import show
+
+    show(call(), as_json=as_json)
+
+
+@verb(name="status", group="env", pod_method="env_status")
+def env_status(call: Call, *, as_json: bool = False) -> int:
+    """Which hosts have which environment (its hash), folded; exits 3 when a host lacks
+    the configured one."""
+    from tpufab.views.report import show
+
+    report = call()
+    show(report, as_json=as_json)
+    lacking = report.expected and any(r.hash != report.expected for r in report.rows)
+    return 3 if lacking or not report.ok else 0
 
 
 @verb(options={"workers": Opt("Worker index.", flag="--worker", short="-w"),

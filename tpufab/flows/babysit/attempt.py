@@ -54,7 +54,7 @@ class Attempts:
         that may be going on the pod already (a resumed babysit): followed if so."""
         from tpufab.ssh.remote_files import RemoteFile
         from tpufab.steps.code.deploy import default_cwd
-        from tpufab.steps.runs.env import Forwarded
+        from tpufab.steps.runs.env import Forwarded, virtual_env
         from tpufab.steps.runs.running import RunError
         from tpufab.steps.start import plan as plans
         from tpufab.steps.start.starting import start_job, start_plan
@@ -70,7 +70,8 @@ class Attempts:
         plan = plans.plan_run(RemoteFile.from_path(self.recipe), slices=pod.slices,
                               ips=pod.internal_ips(), run_id=run_id, args=self.args, cwd=cwd,
                               commit=self.restore.commit, forwarded=forwarded,
-                              tpu=plans.slice_facts(pod.nodes))
+                              tpu=plans.slice_facts(pod.nodes),
+                              virtual_env=virtual_env(self.settings))
         attached = attach is not None and self._going(pod, attach, plan.workers)
         if not attached:
             self.go_on(f"starting run {run_id}")

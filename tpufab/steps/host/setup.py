@@ -66,15 +66,21 @@ class SetupReport(Report):
     script: str
     # `setup --image`: every host's digest of the image pulled after the script (steps.host.images)
     image: Any = field(default=None, metadata={"json": False})
+    # the environment built first (tpufab.steps.host.environment.EnvReport), if configured
+    environment: Report | None = field(default=None, metadata={"json": False})
 
     def __post_init__(self) -> None:
-        by_status: dict[str, list[int]] = {}
-        for outcome in sorted(self.rows, key=lambda o: o.worker):
-            by_status.setdefault(outcome.status, []).append(outcome.worker)
-        parts = [f"{nodeset.fold(ws)} {status}" for status, ws in sorted(by_status.items())]
-        log = next((o.log for o in self.rows if o.log), None)
-        self.summary = (f"Setup {self.script}: {'; '.join(parts)}"
-                        + (f" (log: {log})" if log else "") + ".")
+        first = self.environment.summary + " " if self.environment else ""
+        if not self.script:
+            self.summary = first.strip()
+        else:
+            by_status: dict[str, list[int]] = {}
+            for outcome in sorted(self.rows, key=lambda o: o.worker):
+                by_status.setdefault(outcome.status, []).append(outcome.worker)
+            parts = [f"{nodeset.fold(ws)} {status}" for status, ws in sorted(by_status.items())]
+            log = next((o.log for o in self.rows if o.log), None)
+            self.summary = (f"{first}Setup {self.script}: {'; '.join(parts)}"
+                            + (f" (log: {log})" if log else "") + ".")
         if self.image:
             self.summary += f" Image: {self.image.summary}"
             self.notes = [*self.notes, *self.image.notes]

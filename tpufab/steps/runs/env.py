@@ -191,7 +191,8 @@ def job_environment(run_id: str, layout: JobLayout, rank: int, *, platform: str 
                     spmd: bool = False, coordinator_port: int | None = None,
                     megascale_port: int = DEFAULT_MEGASCALE_PORT,
                     master_port: int | None = None,
-                    forwarded: Forwarded | None = None) -> JobEnvironment:
+                    forwarded: Forwarded | None = None,
+                    virtual_env: str | None = None) -> JobEnvironment:
     """The environment of global `rank` in `layout`.
 
     TPUFAB_* describe the whole job (rank, count, IPs in rank order, rank 0's ip:port as
@@ -205,7 +206,9 @@ def job_environment(run_id: str, layout: JobLayout, rank: int, *, platform: str 
     rank 0's IP (MASTER_ADDR) on `master_port` (default: ``master_port_for(run_id)``).
     `platform="cpu"` is for runs without a TPU (JAX_PLATFORMS=cpu, PJRT_DEVICE=CPU).
     Forwarded variables override the framework defaults (MASTER_PORT included), never the
-    TPUFAB_* contract.
+    TPUFAB_* contract. ``virtual_env``: the environment tpufab built (the ``environment``
+    setting's path): VIRTUAL_ENV, whose bin the worker puts first on PATH (a forwarded
+    VIRTUAL_ENV wins).
     """
     if platform not in ("tpu", "cpu"):
         raise ValueError(f"platform must be 'tpu' or 'cpu', not {platform!r}")
@@ -219,6 +222,8 @@ def job_environment(run_id: str, layout: JobLayout, rank: int, *, platform: str 
     if spmd:
         env["XLA_USE_SPMD"] = "1"
     env["MASTER_PORT"] = str(master_port or master_port_for(run_id))
+    if virtual_env:
+        env["VIRTUAL_ENV"] = virtual_env
     if len(layout.slices) > 1:
         env.update(MEGASCALE_COORDINATOR_ADDRESS=layout.slices[0][0],
                    MEGASCALE_NUM_SLICES=str(len(layout.slices)),
@@ -509,6 +514,17 @@ def render_folded(folded: Sequence[FoldedLine], workers: Iterable[int]) -> list[
     everyone = tuple(sorted(set(workers)))
     return [line.text if line.workers == everyone else f"{line.label}: {line.text}"
             for line in folded]
+
+
+def virtual_env(settings) -> str | None:
+    """The path of the environment tpufab builds (the ``environment`` setting's, ~/.venv by
+    default): what VIRTUAL_ENV says in a job; None where none is configured."""
+    from tpufab.config import DEFAULT_ENVIRONMENT_PATH
+
+    environment = getattr(settings, "environment", None) or {}
+    if not (environment.get("requirements") or environment.get("lock")):
+        return None
+    return environment.get("path") or DEFAULT_ENVIRONMENT_PATH
 
 
 def forwarded_for(settings, env: Iterable[str] | None,

@@ -39,7 +39,7 @@ def run_collective(pod: Any, promise: Promise, *, timeout: float) -> Result:
     """Start the collective on every worker (tpufab's run machinery), wait, judge it."""
     from tpufab.ssh.remote_files import RemoteFile
     from tpufab.steps.runs import running as jobs
-    from tpufab.steps.runs.env import Forwarded
+    from tpufab.steps.runs.env import Forwarded, virtual_env
     from tpufab.steps.start import plan as plans
     from tpufab.steps.start.starting import start_job, start_plan
 
@@ -48,7 +48,8 @@ def run_collective(pod: Any, promise: Promise, *, timeout: float) -> Result:
     plan = plans.plan_run(program, slices=pod.slices, ips=pod.internal_ips(),
                           args=collective_args(promise, timeout=timeout),
                           forwarded=Forwarded({"TPUFAB_INIT_TIMEOUT": f"{int(timeout)}"}, {}),
-                          tpu=plans.slice_facts(pod.nodes))
+                          tpu=plans.slice_facts(pod.nodes),
+                          virtual_env=virtual_env(pod.settings))
     try:
         start_job(pod, lambda _report: start_plan(pod, plan), verb="check",
                   what="(the collective)", timeout=timeout)

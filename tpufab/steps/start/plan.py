@@ -72,14 +72,17 @@ def slice_facts(nodes: Sequence) -> list[SliceFacts]:
 def plan_run(recipe: RemoteFile, *, slices: Sequence[Sequence[int]], ips: Sequence[str],
              run_id: str | None = None, args: Sequence[str] = (), cwd: str | None = None,
              commit: str | None = None, forwarded: Forwarded | None = None,
-             spmd: bool = False, tpu: Sequence[SliceFacts] = ()) -> RunPlan:
+             spmd: bool = False, tpu: Sequence[SliceFacts] = (),
+             virtual_env: str | None = None) -> RunPlan:
     """Each worker's environment, for a pod whose global worker ids per slice are ``slices``
     (slice 0's workers first, so a worker's id is its rank) and whose internal IPs, indexed
-    by worker id, are ``ips``; ``tpu``: each slice's facts (``slice_facts(pod.nodes)``)."""
+    by worker id, are ``ips``; ``tpu``: each slice's facts (``slice_facts(pod.nodes)``);
+    ``virtual_env``: the environment's path (``environment.virtual_env(settings)``)."""
     run_id = run_id or new_run_id()
     layout = JobLayout.multislice([[ips[w] for w in ids] for ids in slices], tpu)
     ranks = [w for ids in slices for w in ids]
-    envs = job_environments(run_id, layout, spmd=spmd, forwarded=forwarded)
+    envs = job_environments(run_id, layout, spmd=spmd, forwarded=forwarded,
+                            virtual_env=virtual_env)
     return RunPlan(run_id, recipe, tuple(args), dict(zip(ranks, envs, strict=True)), cwd, commit)
 
 

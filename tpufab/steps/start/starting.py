@@ -338,6 +338,7 @@ def plan_for(pod, settings, path: Path, argv, forwarded, spmd, *,
 
     from tpufab.ssh.remote_files import RemoteFile
     from tpufab.steps.code.deploy import default_cwd
+    from tpufab.steps.runs.env import virtual_env
     from tpufab.steps.start import plan
 
     if report is not None:
@@ -346,7 +347,8 @@ def plan_for(pod, settings, path: Path, argv, forwarded, spmd, *,
         commit, cwd = None, default_cwd(settings.remote_dir)
     planned = plan.plan_run(RemoteFile.from_path(path), slices=pod.slices,
                             ips=pod.internal_ips(), args=argv, cwd=cwd, commit=commit,
-                            forwarded=forwarded, spmd=spmd, tpu=plan.slice_facts(pod.nodes))
+                            forwarded=forwarded, spmd=spmd, tpu=plan.slice_facts(pod.nodes),
+                            virtual_env=virtual_env(settings))
     return replace(planned, in_checkout=checkout_path(path, root, cwd))
 
 
