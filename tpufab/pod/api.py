@@ -502,7 +502,8 @@ class Pod:
                 stall_action: str = "wait",
                 stall_progress_file: str | None = None, ray: bool = False,
                 ray_options: str | Sequence[str] = "", console: Any = None,
-                view: Any = None, out: Any = None) -> BabysitResult:
+                view: Any = None, out: Any = None,
+                step_pattern: str | None = None) -> BabysitResult:
         """`tpufab babysit`: run ``recipe`` and keep it running through preemptions
         (recreate the node, set it up, restore the commit and mounts, restart); ``ray``: as a
         Ray job on the pod's Ray cluster, brought up before each attempt. Each parameter is
@@ -536,7 +537,8 @@ class Pod:
                                    stall_action=stall_action,
                                    stall_progress_file=stall_progress_file, ray=ray,
                                    ray_options=list(recipe_args(ray_options)),
-                                   console=console, view=view, out=out, **options)
+                                   console=console, view=view, out=out,
+                                   step_pattern=step_pattern, **options)
 
     def check(self, *, quick: bool = False, timeout: float | None = None,
               progress: Callable[[str], None] | None = None) -> CheckReport:

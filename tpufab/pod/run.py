@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from tpufab.hosts.connect import Hosts
     from tpufab.ssh.results import OutputSink
     from tpufab.steps.health.stacks import StacksReport
+    from tpufab.steps.runs.livesteps import StragglerWatch
     from tpufab.steps.start.stall import StallHandler, StallWatch
     from tpufab.steps.start.starting import Started
 
@@ -119,6 +120,30 @@ class Run:
         from tpufab.steps.runs import running as jobs
 
         return jobs.stop(self.pod.hosts.fanout, self.id, self.workers, grace=grace)
+
+    @staticmethod
+    def check_step_pattern(pattern: str | None) -> str | None:
+        """``--step-pattern`` as given (None: the default), or ConfigError in one sentence
+        when it is no regular expression."""
+        from tpufab.steps.runs.stragglers import check_pattern
+
+        if pattern is not None:
+            check_pattern(pattern)
+        return pattern
+
+    def watch_stragglers(self, view: OutputSink, *, pattern: str | None = None,
+                         say: Callable[[str], None], save_to: Path | None = None,
+                         metrics: bool = True) -> StragglerWatch:
+        """``view`` wrapped in the live straggler detector (steps/runs/livesteps.py): every
+        followed line that matches ``pattern`` (the default step pattern when None) is a
+        step; with ``metrics``, each worker's TPU metrics are sampled too; ``say(sentence)``
+        hears each verdict; ``save_to``: where steps.json goes at the end. ConfigError for a
+        pattern that is no regular expression."""
+        from tpufab.steps.runs.livesteps import StragglerWatch
+
+        return StragglerWatch(view, self.workers, pattern=pattern, say=say,
+                              fanout=self.pod.hosts.fanout if metrics else None,
+                              run_id=self.id, save_to=save_to)
 
     # -- the stall watchdog (`run --stall`) ------------------------------------------------
     @staticmethod

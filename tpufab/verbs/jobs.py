@@ -42,6 +42,11 @@ RUN_OPTIONS = {
                  "take every worker's stacks, print them folded, then --stall-action.",
                  metavar="DURATION"),
     "stall_action": "After a stall: wait (keep following; the default) or kill the run.",
+    "step_pattern": Opt("A regular expression matching the recipe's step lines (default: "
+                        "`step 120`, `Step 120/1000`, `[step=120]`, `12.3 it/s`); a group "
+                        "named step (or the first of digits) is the step's number. A host "
+                        "10% slower than the median for 3 steps in a row is named.",
+                        metavar="REGEX"),
     "stall_progress_file": Opt("With --stall: progress is this file's mtime advancing on any "
                                "worker (the recipe touches it; relative to $TPUFAB_RUN_DIR, "
                                "or absolute), instead of new output lines.", metavar="PATH"),
@@ -51,7 +56,8 @@ RUN_OPTIONS = {
 @verb(options=RUN_OPTIONS, pod_method="start", api_only=("deploy",))
 def run(call: Call, *, detach: bool = False, on_interrupt: str | None = None,
         raw: bool = False, color: bool = False, stall: str | None = None,
-        stall_action: str = "wait", stall_progress_file: str | None = None) -> int:
+        stall_action: str = "wait", stall_progress_file: str | None = None,
+        step_pattern: str | None = None) -> int:
     """Run a recipe on every worker at once (deploying first) and follow its logs.
 
     A Python file runs with the workers' Python: `tpufab run train.py model=tiny
@@ -74,6 +80,7 @@ def run(call: Call, *, detach: bool = False, on_interrupt: str | None = None,
     local, wait_port = call.args["local"], call.args["wait_port"]
     stall_seconds = check_stall_flags(stall, stall_action, detach=detach, local=local,
                                       wait_port=wait_port, progress_file=stall_progress_file)
+    step_pattern = check_step_pattern(step_pattern)
     try:
         run_ = call(progress=note)
     except TpufabError as err:
@@ -90,12 +97,20 @@ def run(call: Call, *, detach: bool = False, on_interrupt: str | None = None,
         return 0
     return follow_started(run_, detach=detach, on_interrupt=on_interrupt, raw=raw,
                           color=color, stall=stall_seconds, stall_action=stall_action,
-                          stall_progress_file=stall_progress_file)
+                          stall_progress_file=stall_progress_file, step_pattern=step_pattern)
+
+
+def check_step_pattern(pattern: str | None) -> str | None:
+    """--step-pattern, checked before anything starts (one sentence when it is no regex)."""
+    from tpufab.pod.run import Run
+
+    return Run.check_step_pattern(pattern)
 
 
 def follow_started(run, *, detach: bool, on_interrupt: str | None, raw: bool = False,
                    color: bool = False, stall: float | None = None,
-                   stall_action: str = "wait", stall_progress_file: str | None = None) -> int:
+                   stall_action: str = "wait", stall_progress_file: str | None = None,
+                   step_pattern: str | None = None) -> int:
     """After the start: where its output goes, then detach or follow (launch too)."""
     if run.output_dir:
         note(f"Output: {run.output_dir} (profiles: {run.profile_dir})", "dim")
@@ -104,14 +119,16 @@ def follow_started(run, *, detach: bool, on_interrupt: str | None, raw: bool = F
               f"runs with `tpufab runs`, stop it with `tpufab kill --run {run.id}`.")
         return 0
     return _follow_run(run, on_interrupt, raw, color=color, stall=stall,
-                       stall_action=stall_action, stall_progress_file=stall_progress_file)
+                       stall_action=stall_action, stall_progress_file=stall_progress_file,
+                       step_pattern=step_pattern)
 
 
 def _follow_run(run, on_interrupt: str | None, raw: bool = False, *,
                 color: bool = False, stall: float | None = None,
-                stall_action: str = "wait", stall_progress_file: str | None = None) -> int:
+                stall_action: str = "wait", stall_progress_file: str | None = None,
+                step_pattern: str | None = None) -> int:
     from tpufab import nodeset
-    from tpufab.views.runlogs import follow_view
+    from tpufab.views.runlogs import follow_view, say_straggler
 
     workers = run.workers
     try:
@@ -133,7 +150,8 @@ def _follow_run(run, on_interrupt: str | None, raw: bool = False, *,
                   "stop the run).", "yellow")
 
     began = time.monotonic()
-    view = follow_view(workers, raw=raw, color=color)
+    view = run.watch_stragglers(follow_view(workers, raw=raw, color=color),
+                                pattern=step_pattern, say=say_straggler, save_to=copy_dir)
     if stall is not None:
         view, watch = _watch_stall(run, view, stall, stall_action, stall_progress_file)
     states = run.follow(view, copy_dir=copy_dir, on_end=on_end)

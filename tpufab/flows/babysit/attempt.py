@@ -195,6 +195,7 @@ class Attempts:
 
     def _watch(self, pod, plan, number: int, attempt_dir: Path) -> Attempt:
         from tpufab.steps.runs import running as jobs
+        from tpufab.steps.runs.livesteps import StragglerWatch
 
         workers = plan.workers
         ended: dict[int, WorkerState] = {}
@@ -205,6 +206,10 @@ class Attempts:
                 ended[worker] = state
 
         view = self.view(workers) if self.view is not None else Silent()
+        # stragglers named as this attempt's steps come, in babysit's notes
+        view = StragglerWatch(view, workers, pattern=self.step_pattern,
+                              say=lambda sentence: self.note(sentence, "yellow"),
+                              fanout=pod.fanout, run_id=plan.run_id, save_to=attempt_dir)
         stalled = None
         if self.stall is not None:
             view, stalled = self._stall_watch(pod, plan.run_id, workers, view, attempt_dir)
