@@ -1,5 +1,7 @@
 """The live straggler detector as data (tpufab/steps/runs/livesteps.py): followed lines and
-metrics samples in, the sentences a run says out; no pod."""
+metrics samples in, the sentences a run says out; and `tpufab stragglers`' table
+(tpufab/steps/runs/steptable.py): workers' logs and the steps timed while following in, the
+table slowest first out. No pod."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 from tpufab.errors import ConfigError
 from tpufab.remote.workerlib import answer
 from tpufab.steps.runs import livesteps as live
+from tpufab.steps.runs import steptable
 
 
 class Clock:
@@ -239,3 +242,61 @@ def test_the_worker_sampler_answers_and_ends_with_the_run(tmp_path):
     samples = [payload for _, payload in read_answers(got.stdout, "sample")]
     assert len(samples) == 1 and samples[0]["available"] is False and samples[0]["why"], got
     assert isinstance(samples[0]["at"], float)
+
+
+# -- tpufab stragglers' table --------------------------------------------------------------
+
+
+class Log:
+    def __init__(self, text: str):
+        self.data = text.encode()
+
+    def chunks(self):
+        yield self.data[:7]
+        yield self.data[7:]
+
+
+def test_the_steps_timed_while_following_make_the_table(tmp_path):
+    clock = Clock()
+    watch, said = watch_of(clock)
+    run_dir = tmp_path / ".tpufab" / "runs" / "20261202-010203-abcd"
+    run_dir.mkdir(parents=True)
+    watch.save_to = run_dir
+    synchronous_run(watch, clock, 20, slow=1)
+    watch.close()
+    logs = {w: Log("".join(f"step {n} loss 2.{n}\n" for n in range(1, 21))) for w in range(4)}
+    report = steptable.table_of("20261202-010203-abcd", logs, base=tmp_path)
+    assert [r.worker for r in report.rows][0] == 1 and report.rows[0].vs_median_percent > 10
+    assert report.measure == "time outside collectives"
+    assert report.summary.startswith("Run 20261202-010203-abcd: w1 is the slowest, its median "
+                                     "time outside collectives 0.3"), report.summary
+    assert all(r.steps == 20 and r.last_step == 20 for r in report.rows)
+    from tpufab.reports import to_json
+
+    data = json.loads(json.dumps(to_json(report)))
+    assert data["rows"][0]["worker"] == 1 and data["measure"] == "time outside collectives"
+
+
+def test_timestamps_in_the_lines_make_step_times(tmp_path):
+    logs = {0: Log("".join(f"2026-12-02 01:00:{n * 2:02d} step {n}\n" for n in range(1, 11))),
+            1: Log("".join(f"2026-12-02 01:00:{n * 2:02d} step {n}\n" for n in range(1, 11))),
+            2: Log("".join(f"2026-12-02 01:00:{n * 3:02d} step {n}\n" for n in range(1, 11)))}
+    report = steptable.table_of("20261202-010203-abcd", logs, base=tmp_path)
+    assert report.measure == "step time" and report.rows[0].worker == 2
+    assert report.rows[0].median_seconds == 3.0 and report.rows[1].median_seconds == 2.0
+    assert "the timestamps of the step lines" in report.summary
+
+
+def test_without_times_the_host_furthest_behind_comes_first(tmp_path):
+    logs = {0: Log("step 1\nstep 2\nstep 3\n"), 1: Log("step 1\n"), 2: Log("step 1\nstep 2\n")}
+    report = steptable.table_of("20261202-010203-abcd", logs, base=tmp_path, missing=[3])
+    assert [r.worker for r in report.rows] == [1, 2, 0]
+    assert report.measure is None and "furthest behind: w1 at step 1" in report.summary
+    assert report.notes == ["No log from w3 (unreachable): the table is the other hosts'."]
+
+
+def test_a_pattern_that_matches_no_line_says_so(tmp_path):
+    logs = {0: Log("hello\n"), 1: Log("hello\n")}
+    report = steptable.table_of("20261202-010203-abcd", logs, r"iter (\d+)", base=tmp_path)
+    assert report.summary.startswith("No line of run 20261202-010203-abcd matched the step "
+                                     "pattern 'iter (\\\\d+)'"), report.summary

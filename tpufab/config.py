@@ -187,6 +187,7 @@ TIMEOUTS: dict[str, Timeout] = {
     "logs --follow": Timeout(None, "following; with --timeout S, following stops after S "
                                    "(exit 124, the run untouched)", commands=False),
     "runs": Timeout(60.0, "every worker's answer"),
+    "stragglers": Timeout(300.0, "fetching every worker's log"),
     "status": Timeout(60.0, "every worker's answer"),
     "kill": Timeout(34.0, "TERM, the grace, KILL and the lockfile's settle time",
                     plus="grace"),

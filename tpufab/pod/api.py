@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from tpufab.steps.host.profiling import ProfileReport
     from tpufab.steps.host.setup import SetupReport
     from tpufab.steps.runs.history import LogsReport, RunsReport
+    from tpufab.steps.runs.steptable import StragglersReport
     from tpufab.steps.start.localrun import LocalRunResult
     from tpufab.steps.start.raycluster import RayDown, RayStatusReport, RayUp, Submitted
 
@@ -467,6 +468,16 @@ class Pod:
         return history.list_runs(self.hosts.fanout, self.select(workers),
                                  timeout=self._timeout("runs", timeout))
 
+    def stragglers(self, *, run: str | None = None, step_pattern: str | None = None,
+                   workers: str | Iterable[int] = "all",
+                   timeout: float | None = None) -> StragglersReport:
+        """`tpufab stragglers`: the step table of ``run`` (default: the latest), slowest
+        first, from every worker's log (``logs``; steps/runs/steptable.py)."""
+        from tpufab.steps.runs import steptable
+
+        return steptable.of_logs(steptable.checked(step_pattern), lambda: self.logs(
+            run=run, workers=workers, timeout=self._timeout("stragglers", timeout)))
+
     # -- health: status, check, babysit, autostop --------------------------------------------
     def status(self, *, timeout: float | None = None) -> StatusReport:
         """`tpufab status`: the node's API state and every worker's facts, and worker 0's
@@ -517,11 +528,7 @@ class Pod:
         from tpufab.flows.babysit import loop as babysitting
         from tpufab.steps.start.starting import recipe_args
 
-        if ray_options and not ray:
-            raise ConfigError("--ray-options are `ray start` options for babysit --ray, and "
-                              "this babysit runs the recipe itself: add --ray, or drop "
-                              "--ray-options.")
-        args = recipe_args(args)
+        args = recipe_args(args)    # (--ray-options without --ray: the flow's one sentence)
         timeout = self._timeout("babysit", timeout)
         settings = self.settings.bounded(timeout)   # this call's timeouts, not the pod's
         options = {} if poll is None else {"poll": poll}
@@ -560,13 +567,11 @@ class Pod:
                workers: str | Iterable[int] = "all", timeout: float | None = None,
                save: bool = True, progress: Progress | None = None) -> StacksReport:
         """`tpufab stacks`: py-spy on every chosen worker at once, against ``run``'s Python
-        processes (default: the latest run, while it runs; otherwise every Python process
-        holding the TPU); ``native`` adds C/C++ frames. Returns a StacksReport (a row per
-        worker, ``.odd``; ``.check()`` raises StacksError in one sentence: no such run,
-        nothing to dump, py-spy missing and not installable). With ``save``, the folded text and the JSON go beside the run's
-        local logs (./.tpufab/runs/ID/stacks-TIME.txt and .json; ./.tpufab/stacks/ without a
-        run): ``.saved``. ``timeout``: seconds each worker may take (TIMEOUTS["stacks"]).
-        Raises ConfigError for a malformed run id."""
+        processes (default: the latest run, while it runs; else every Python process holding
+        the TPU); ``native`` adds C/C++ frames. A StacksReport (a row per worker, ``.odd``;
+        ``.check()``: StacksError in one sentence: no such run, nothing to dump, no py-spy);
+        with ``save`` beside the run's local logs (``.saved``: ./.tpufab/runs/ID/stacks-TIME
+        .txt and .json). ``timeout``: TIMEOUTS["stacks"]. ConfigError: a malformed run id."""
         from tpufab.steps.health import stacks
 
         stacks.check_run(run)
@@ -651,8 +656,7 @@ class Pod:
 
     def ray_down(self, *, grace: float = 10.0, timeout: float | None = None) -> RayDown:
         """`tpufab ray down`: `ray stop` on every host (then forced) until no Ray process is
-        left; a RayDown (``.answers`` per worker; ``tpufab.reports.down_sentence`` says
-        it); raises RayError naming hosts where Ray processes are left."""
+        left: a RayDown (``.answers``); RayError names hosts where Ray processes are left."""
         from tpufab.steps.start import raycluster
 
         return raycluster.down(self, grace=grace,

@@ -80,7 +80,9 @@ def run(call: Call, *, detach: bool = False, on_interrupt: str | None = None,
     local, wait_port = call.args["local"], call.args["wait_port"]
     stall_seconds = check_stall_flags(stall, stall_action, detach=detach, local=local,
                                       wait_port=wait_port, progress_file=stall_progress_file)
-    step_pattern = check_step_pattern(step_pattern)
+    from tpufab.pod.run import Run
+
+    step_pattern = Run.check_step_pattern(step_pattern)   # before anything starts
     try:
         run_ = call(progress=note)
     except TpufabError as err:
@@ -98,13 +100,6 @@ def run(call: Call, *, detach: bool = False, on_interrupt: str | None = None,
     return follow_started(run_, detach=detach, on_interrupt=on_interrupt, raw=raw,
                           color=color, stall=stall_seconds, stall_action=stall_action,
                           stall_progress_file=stall_progress_file, step_pattern=step_pattern)
-
-
-def check_step_pattern(pattern: str | None) -> str | None:
-    """--step-pattern, checked before anything starts (one sentence when it is no regex)."""
-    from tpufab.pod.run import Run
-
-    return Run.check_step_pattern(pattern)
 
 
 def follow_started(run, *, detach: bool, on_interrupt: str | None, raw: bool = False,
@@ -285,6 +280,27 @@ def runs(call: Call, *, as_json: bool = False) -> int:
     show(report, as_json=as_json)
     if not as_json:   # --json says who did not answer in its data, and exits 0
         report.check()
+    return 0
+
+
+@verb(options={"run": "Run id (default: the latest).",
+               "step_pattern": Opt("What a step line looks like, as `run --step-pattern`.",
+                                   metavar="REGEX")},
+      pod_method="stragglers")
+def stragglers(call: Call, *, as_json: bool = False) -> int:
+    """The per-host step table of a running or finished run, slowest first.
+
+    From each worker's log: its step lines (the step pattern of `run`), how far each host got,
+    and each host's median and slowest step, against the hosts' median. The times are those
+    this machine measured while `run`, `launch` or `babysit` followed the run (with libtpu's
+    metrics: each host's time outside collectives), else the timestamps the step lines start
+    with; without either, the table says how far each host got.
+
+    ``timeout``: seconds for every worker's log."""
+    from tpufab.views.report import show
+
+    report = call()
+    show(report, as_json=as_json)
     return 0
 
 

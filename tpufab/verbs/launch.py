@@ -54,13 +54,9 @@ def launch(task: str, *, name: str | None = None, type: str | None = None,
            allow_file: Sequence[str] | None = None, step_pattern: str | None = None) -> int:
     """Create (or reuse) a pod, deploy, mount, set up and run TASK.yaml, and follow it."""
     from tpufab.pod.launched import launch as launching
+    from tpufab.pod.run import Run
     from tpufab.term.console import stderr
-    from tpufab.verbs.jobs import (
-        INTERRUPT_CHOICES,
-        check_stall_flags,
-        check_step_pattern,
-        follow_started,
-    )
+    from tpufab.verbs.jobs import INTERRUPT_CHOICES, check_stall_flags, follow_started
 
     if on_interrupt is not None and on_interrupt not in INTERRUPT_CHOICES:
         raise ConfigError(f"--on-interrupt takes kill or detach, not {on_interrupt!r}.")
@@ -69,7 +65,7 @@ def launch(task: str, *, name: str | None = None, type: str | None = None,
                           "the run to Ray: give one or the other.")
     stall_seconds = check_stall_flags(stall, stall_action, detach=detach, local=False,
                                       wait_port=None, progress_file=stall_progress_file)
-    step_pattern = check_step_pattern(step_pattern)
+    step_pattern = Run.check_step_pattern(step_pattern)    # before anything starts
     launched = launching(task, name=name, type=type, zone=zone, project=project, spot=spot,
                          version=version, env=env, secret=secret, down=down, detach=detach,
                          idle=idle, dry_run=dry_run, direct=direct, zones=zones,

@@ -91,6 +91,7 @@ class StepLines:
         self.regex = re.compile(pattern)
         self.partial: dict[int, bytes] = {}
         self.last: dict[int, int] = {}
+        self.counts: dict[int, int] = {}      # new steps per worker
         self.matched = 0
 
     def feed(self, worker: int, data: bytes, now: float) -> list[tuple[int, int, float, bool]]:
@@ -112,6 +113,7 @@ class StepLines:
         if worker in self.last and n <= last:
             return None
         self.last[worker] = n
+        self.counts[worker] = self.counts.get(worker, 0) + 1
         own = line_time(text, now=now)
         return worker, n, own if own is not None else now, own is not None
 
