@@ -181,4 +181,5 @@ class Run:
             show or (lambda lines: None), progress=progress,
             take_stacks=lambda: self.pod.stacks(run=self.id, workers=self.workers),
             stop=self.kill)
-        return stalls.StallWatch(view, seconds, handler, progress=progress), handler
+        tpu = stalls.TpuActivity(self.pod.hosts.fanout, self.id, self.workers)
+        return stalls.StallWatch(view, seconds, handler, progress=progress, tpu=tpu), handler

@@ -357,8 +357,11 @@ class Attempts:
             pod.fanout, run_id, workers, timeout=min(timeout_for("run --stall: last output",
                                                                  self.timeout),
                                                      timeout_for("run --stall: last output")))
+        tpu = stalls.TpuActivity(pod.fanout, run_id, workers, timeout=min(
+            timeout_for("run --stall: TPU activity", self.timeout),
+            timeout_for("run --stall: TPU activity")))
         return stalls.StallWatch(view, self.stall, handler, progress=progress,
-                                 last_output=last_output), handler
+                                 last_output=last_output, tpu=tpu), handler
 
     def _before_maintenance(self, pod, run_id: str, workers: Sequence[int]) -> str | None:
         """When a node's announced maintenance window starts within the margin (and this
