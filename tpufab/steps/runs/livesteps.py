@@ -23,6 +23,7 @@ import re
 import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,9 @@ from tpufab.steps.runs import stragglers
 SAMPLE_EVERY = 0.5     # s between two samples of a worker's metrics (the worker's floor: 0.25)
 HOLD = 5.0             # s a step waits for a sample that covers it before it goes without
 SILENT_HOSTS = 5       # steps a host may print before hosts that printed none are left out
+KEEP_SAMPLES = 2048    # a worker's samples kept (a bounded history, however long the run)
+KEEP_STEPS = 20000     # a worker's judged steps kept for steps.json and the table
+RATE_EVERY = 16        # rows between two estimates of the programs a step runs
 
 _ISO = re.compile(r"^\W{0,3}(\d{4})-(\d{2})-(\d{2})[T ](\d{2}):(\d{2}):(\d{2})([.,]\d+)?"
                   r"(Z|[+-]\d{2}:?\d{2})?")
@@ -157,12 +161,16 @@ class Sample:
 
 @dataclass
 class HostSteps:
-    """One worker's steps and samples while followed."""
+    """One worker's samples while followed, and whether its step lines carry their time."""
 
-    steps: list[tuple[int, float, bool, float]] = field(default_factory=list)
-    # (n, at, own clock, when it reached this machine)
     samples: list[Sample] = field(default_factory=list)
+    own: bool = False
     sampler_ended: bool = False
+
+    def add(self, sample: Sample) -> None:
+        self.samples.append(sample)
+        if len(self.samples) > 2 * KEEP_SAMPLES:
+            del self.samples[:KEEP_SAMPLES]
 
     def covering(self, at: float, own: bool) -> int | None:
         """The index of the first sample taken at or after ``at``."""
@@ -213,7 +221,11 @@ class StragglerWatch:
         self.detector: stragglers.Detector | None = None
         self.judged = -1
         self.verdicts: list[stragglers.Verdict] = []
-        self.done_steps: dict[int, list[dict]] = {w: [] for w in self.workers}
+        self.done_steps: dict[int, deque[dict]] = {w: deque(maxlen=KEEP_STEPS)
+                                                   for w in self.workers}
+        self.pending: dict[int, dict[int, tuple[float, bool, float]]] = {}  # unjudged rows
+        self.per_step: float | None = None
+        self.rated = 0
         self.metrics = fanout is not None
         self._lock = threading.RLock()
         self._cancel = threading.Event()
@@ -237,10 +249,15 @@ class StragglerWatch:
         try:
             with self._lock:
                 now = self.clock()
+                stepped = False
                 for w, n, at, own in self.tap.feed(worker, data, now):
-                    self.hosts[w].steps.append((n, at, own, now))
+                    self.hosts[w].own = own
+                    if n > self.judged:
+                        self.pending.setdefault(n, {})[w] = (at, own, now)
+                    stepped = True
+                if stepped:
                     self._start_sampler()
-                self._judge()
+                    self._judge()
         except Exception:  # noqa: BLE001 - the detector never stops a follow
             pass
 
@@ -317,9 +334,9 @@ class StragglerWatch:
             host = self.hosts.get(worker)
             if host is None:
                 return
-            host.samples.append(Sample.of(found[1], self.clock()))
-            del host.samples[:-4096]
-            self._judge()
+            host.add(Sample.of(found[1], self.clock()))
+            if self.pending:
+                self._judge()
 
     # -- judging -------------------------------------------------------------------------------
     def _ready(self, w: int, at: float, own: bool, arrived: float, final: bool) -> bool:
@@ -331,28 +348,29 @@ class StragglerWatch:
         return host.covering(at, own) is not None or self.clock() - arrived > HOLD
 
     def _judge(self, final: bool = False) -> None:
-        counts = {w: len(h.steps) for w, h in self.hosts.items()}
-        if max(counts.values(), default=0) >= SILENT_HOSTS:
-            printing = [w for w in self.workers if counts[w]]
-            if printing != self.expected and len(printing) < len(self.expected):
-                self.expected = printing
-        rows: dict[int, dict[int, tuple[float, bool, float]]] = {}
-        for w in self.expected:
-            for n, at, own, arrived in self.hosts[w].steps:
-                if n > self.judged:
-                    rows.setdefault(n, {})[w] = (at, own, arrived)
-        for n in sorted(rows):
-            row = rows[n]
-            if len(row) < len(self.expected):
+        counts = self.tap.counts
+        if len(self.expected) == len(self.workers) and len(counts) < len(self.workers) and \
+                max(counts.values(), default=0) >= SILENT_HOSTS:
+            self.expected = [w for w in self.workers if counts.get(w)]
+        while len(self.pending) > 1000:          # a host that never prints some steps
+            del self.pending[min(self.pending)]
+        for n in sorted(self.pending):
+            row = self.pending[n]
+            if len(row) < len(self.expected) or any(w not in row for w in self.expected):
                 continue
-            if not all(self._ready(w, *step, final) for w, step in row.items()):
+            if not all(self._ready(w, *row[w], final) for w in self.expected):
                 break
-            self._feed(n, row)
+            self._feed(n, {w: row[w] for w in self.expected})
+            for k in [k for k in self.pending if k <= n]:
+                del self.pending[k]
 
     def _feed(self, n: int, row: dict[int, tuple[float, bool, float]]) -> None:
         if self.detector is None or list(self.detector.workers) != self.expected:
-            self.detector = stragglers.Detector(list(self.expected))
-        per_step = self._programs_per_step(n)
+            self.detector = stragglers.Detector(list(self.expected), keep=False)
+        if self.per_step is None or self.rated % RATE_EVERY == 0:
+            self.per_step = self._programs_per_step()
+        self.rated += 1
+        per_step = self.per_step
         for w, (at, own, _arrived) in sorted(row.items()):
             work, duty = self._work(w, n, at, own, per_step)
             self.done_steps[w].append({"n": n, "at": at, "work": work, "duty": duty})
@@ -360,15 +378,11 @@ class StragglerWatch:
                 self.verdicts.append(verdict)
                 self.say(verdict.sentence())
         self.judged = n
-        # what is judged is dropped (a long run keeps a bounded history)
-        for host in self.hosts.values():
-            del host.steps[:max(0, len(host.steps) - 64)]
 
     def _previous(self, w: int, n: int) -> float | None:
-        for step in reversed(self.done_steps[w]):
-            if step["n"] < n:
-                return step["at"]
-        return None
+        """When worker ``w``'s step before ``n`` appeared (rows are judged in order)."""
+        done = self.done_steps[w]
+        return done[-1]["at"] if done and done[-1]["n"] < n else None
 
     def _work(self, w: int, n: int, at: float, own: bool,
               per_step: float | None) -> tuple[float | None, float | None]:
@@ -387,19 +401,18 @@ class StragglerWatch:
             return None, b.duty
         return (b.work - a.work) / ran * per_step, b.duty
 
-    def _programs_per_step(self, n: int) -> float | None:
-        """Programs a step runs: over each host's samples so far, programs per step; the
+    def _programs_per_step(self) -> float:
+        """Programs a step runs: over each host's recent samples, programs per step; the
         median of the hosts', to the nearest whole number (at least 1)."""
         rates = []
         for w in self.expected:
             host = self.hosts[w]
-            done = self.done_steps[w]
-            usable = [s for s in host.samples if s.available and s.programs >= 0]
+            done = list(self.done_steps[w])[-64:]
+            usable = [s for s in host.samples[-64:] if s.available and s.programs >= 0]
             if len(usable) < 2 or len(done) < 2:
                 continue
             first, last = usable[0], usable[-1]
-            own = bool(host.steps and host.steps[-1][2])
-            steps = sum(1 for s in done if first.when(own) < s["at"] <= last.when(own))
+            steps = sum(1 for s in done if first.when(host.own) < s["at"] <= last.when(host.own))
             if steps:
                 rates.append((last.programs - first.programs) / steps)
         if not rates:

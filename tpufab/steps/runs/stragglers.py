@@ -92,6 +92,7 @@ class Detector:
     current: int | None = None
     calm: int = 0
     times: dict[tuple[int, int], float] = field(default_factory=dict)  # step time, no metrics
+    keep: bool = True        # keep every row (the table reads them); False: judged ones go
 
     def add(self, step: Step) -> list[Verdict]:
         """Record a step; the verdicts it completes (usually none)."""
@@ -108,6 +109,10 @@ class Detector:
             self.judged = n
             if verdict is not None:
                 out.append(verdict)
+            if not self.keep:
+                del self.steps[n]
+                for w in self.workers:
+                    self.times.pop((w, n), None)
         return out
 
     def _value(self, step: Step) -> float | None:
@@ -128,8 +133,9 @@ class Detector:
         slow = [w for w, v in values.items() if v >= median * (1 + self.threshold)]
         for w in self.workers:
             if w in slow:
-                self.runs.setdefault(w, []).append((n, values[w] / median - 1, row[w],
-                                                    values[w], worked))
+                run = self.runs.setdefault(w, [])
+                run.append((n, values[w] / median - 1, row[w], values[w], worked))
+                del run[:-self.streak]
             else:
                 self.runs.pop(w, None)
         candidates = [w for w, run in self.runs.items() if len(run) >= self.streak]
