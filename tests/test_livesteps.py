@@ -300,3 +300,17 @@ def test_a_pattern_that_matches_no_line_says_so(tmp_path):
     report = steptable.table_of("20261202-010203-abcd", logs, r"iter (\d+)", base=tmp_path)
     assert report.summary.startswith("No line of run 20261202-010203-abcd matched the step "
                                      "pattern 'iter (\\\\d+)'"), report.summary
+
+
+def test_a_worker_whose_sampler_ended_holds_no_step_back():
+    clock = Clock()
+    watch, said = watch_of(clock)
+    for h in range(4):
+        watch.lines(h, "stdout", b"step 1\n")
+    clock.now += 1
+    for h in range(4):
+        watch.lines(h, "stdout", b"step 2\n")
+    assert watch.judged == -1                   # waiting for samples that cover the steps
+    for h in range(4):
+        watch.sampler_ended(h)                  # e.g. no gRPC client there
+    assert watch.judged == 2

@@ -305,7 +305,10 @@ class StragglerWatch:
                     watch.sampled(worker, line.decode("utf-8", "replace"))
 
             def done(self, result: Any) -> None:
-                pass
+                from tpufab.ssh.remote_files import missing_files
+
+                if not missing_files(result):  # (else shipped, and started again)
+                    watch.sampler_ended(result.worker)
 
         try:
             got = run_script(fanout, "top_worker.py",
@@ -322,6 +325,16 @@ class StragglerWatch:
                 for host in self.hosts.values():
                     host.sampler_ended = True
                 self._judge()
+
+    def sampler_ended(self, worker: int) -> None:
+        """A worker's sampler is over (the run ended there, or it has no metrics client):
+        its steps wait for no sample any more."""
+        with self._lock:
+            host = self.hosts.get(worker)
+            if host is not None:
+                host.sampler_ended = True
+                if self.pending:
+                    self._judge()
 
     def sampled(self, worker: int, line: str) -> None:
         """One line of a worker's sampler (a sample, or anything else, ignored)."""
