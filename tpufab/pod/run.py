@@ -181,5 +181,10 @@ class Run:
             show or (lambda lines: None), progress=progress,
             take_stacks=lambda: self.pod.stacks(run=self.id, workers=self.workers),
             stop=self.kill)
-        tpu = stalls.TpuActivity(self.pod.hosts.fanout, self.id, self.workers)
-        return stalls.StallWatch(view, seconds, handler, progress=progress, tpu=tpu), handler
+        fanout = self.pod.hosts.fanout
+        tpu = stalls.TpuActivity(fanout, self.id, self.workers)
+        # a silence is judged only once the workers say they wrote nothing for that long
+        # either: output already on its way (a client paused, then resumed) is no stall
+        last_output = stalls.LastOutput(fanout, self.id, self.workers)
+        return stalls.StallWatch(view, seconds, handler, progress=progress, tpu=tpu,
+                                 last_output=last_output), handler
