@@ -314,3 +314,8 @@ def test_a_worker_whose_sampler_ended_holds_no_step_back():
     for h in range(4):
         watch.sampler_ended(h)                  # e.g. no gRPC client there
     assert watch.judged == 2
+
+
+def test_no_log_at_all_says_so(tmp_path):
+    report = steptable.table_of("20261202-010203-abcd", {}, base=tmp_path, missing=[0, 1])
+    assert report.rows == [] and report.summary.startswith("No worker's log of run ")

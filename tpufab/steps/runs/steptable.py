@@ -159,6 +159,8 @@ def table_of(run_id: str, logs: Mapping[int, Any], pattern: str | None = None, *
 def summary(report: StragglersReport) -> str:
     rows = report.rows
     run = report.run_id
+    if not rows:
+        return f"No worker's log of run {run} could be read, so there are no steps to show."
     if not any(r.steps for r in rows):
         return (f"No line of run {run} matched the step pattern {report.pattern!r}; give "
                 "--step-pattern REGEX (a group named step is the step's number).")
