@@ -230,6 +230,7 @@ class StallWatch:
         self.progress = progress
         self.last_output = last_output
         self.tpu = tpu
+        self.tpu_busy: bool | None = None     # the last look's answer
         self.tpu_idle_since: float | None = None
         self.tpu_fired = False
         self.probe_every = progress_probe_every(seconds)
@@ -239,6 +240,12 @@ class StallWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="tpufab-stall", daemon=True)
         self._thread.start()
+        # the TPU looks in a thread of their own: a slow look never delays a verdict
+        self._tpu_thread = None
+        if tpu is not None:
+            self._tpu_thread = threading.Thread(target=self._watch_tpus, daemon=True,
+                                                name="tpufab-stall-tpu")
+            self._tpu_thread.start()
 
     def lines(self, worker: int, stream: str, data: bytes) -> None:
         if data and self.progress is None:
@@ -254,8 +261,9 @@ class StallWatch:
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(5)
+        for thread in (self._thread, self._tpu_thread):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(5)
         close = getattr(self.view, "close", None)
         if close is not None:
             close()
@@ -266,6 +274,7 @@ class StallWatch:
             busy = self.tpu.look() if self.tpu is not None else None
         except Exception:  # noqa: BLE001 - no answer: the lines decide
             busy = None
+        self.tpu_busy = busy
         if busy:
             self._progressed()
         if busy is not False:
@@ -284,14 +293,15 @@ class StallWatch:
             except Exception as err:  # noqa: BLE001 - the follow goes on; say why
                 self._say(f"The stall watchdog could not take stacks: {err}")
 
+    def _watch_tpus(self) -> None:
+        while not self._stop.is_set() and self.tpu is not None and self.tpu.enabled:
+            began = time.monotonic()
+            self._look_at_tpus()
+            self._stop.wait(max(TICK, self.probe_every - (time.monotonic() - began)))
+
     def _watch(self) -> None:
-        probed = looked = 0.0
+        probed = 0.0
         while not self._stop.wait(TICK):
-            if self.tpu is not None and time.monotonic() - looked >= self.probe_every:
-                looked = time.monotonic()
-                self._look_at_tpus()
-                if self._stop.is_set():
-                    break
             if self.progress is not None and time.monotonic() - probed >= self.probe_every:
                 probed = time.monotonic()
                 try:
@@ -314,16 +324,11 @@ class StallWatch:
                     self._say(f"The stall watchdog could not take stacks: {err}")
 
     def _tpus_at_work(self) -> bool:
-        """A last look before a silence counts: TPUs at work are no stall."""
-        if self.tpu is None or not self.tpu.enabled:
+        """The last look (at most a probe period old) says the TPUs work: no stall."""
+        if self.tpu is None or not self.tpu.enabled or not self.tpu_busy:
             return False
-        try:
-            busy = self.tpu.look()
-        except Exception:  # noqa: BLE001 - no answer: the silence decides
-            return False
-        if busy:
-            self._progressed()
-        return bool(busy)
+        self._progressed()
+        return True
 
     def _silent_there(self) -> bool:
         """The workers wrote nothing for ``seconds`` either (or cannot say); else the clock
