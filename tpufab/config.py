@@ -190,10 +190,14 @@ TIMEOUTS: dict[str, Timeout] = {
     "run --stall: last output": Timeout(30.0, "asking the workers when they last wrote, "
                                               "before a silence counts as a stall",
                                         commands=False),
+    "run --stall: TPU activity": Timeout(30.0, "each look at every worker's TPU metrics (a "
+                                                "pod at work on its TPUs is never stalled)",
+                                         commands=False),
     "logs": Timeout(300.0, "fetching the logs so far"),
     "logs --follow": Timeout(None, "following; with --timeout S, following stops after S "
                                    "(exit 124, the run untouched)", commands=False),
     "runs": Timeout(60.0, "every worker's answer"),
+    "stragglers": Timeout(300.0, "fetching every worker's log"),
     "status": Timeout(60.0, "every worker's answer"),
     "kill": Timeout(34.0, "TERM, the grace, KILL and the lockfile's settle time",
                     plus="grace"),

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from tpufab.steps.host.profiling import ProfileReport
     from tpufab.steps.host.setup import SetupReport
     from tpufab.steps.runs.history import LogsReport, RunsReport
+    from tpufab.steps.runs.steptable import StragglersReport
     from tpufab.steps.start.localrun import LocalRunResult
     from tpufab.steps.start.raycluster import RayDown, RayStatusReport, RayUp, Submitted
 
@@ -476,6 +477,16 @@ class Pod(PodEnvironment):
         return history.list_runs(self.hosts.fanout, self.select(workers),
                                  timeout=self._timeout("runs", timeout))
 
+    def stragglers(self, *, run: str | None = None, step_pattern: str | None = None,
+                   workers: str | Iterable[int] = "all",
+                   timeout: float | None = None) -> StragglersReport:
+        """`tpufab stragglers`: the step table of ``run`` (default: the latest), slowest
+        first, from every worker's log (``logs``; steps/runs/steptable.py)."""
+        from tpufab.steps.runs import steptable
+
+        return steptable.of_logs(steptable.checked(step_pattern), lambda: self.logs(
+            run=run, workers=workers, timeout=self._timeout("stragglers", timeout)))
+
     # -- health: status, check, babysit, autostop --------------------------------------------
     def status(self, *, timeout: float | None = None) -> StatusReport:
         """`tpufab status`: the node's API state and every worker's facts, and worker 0's
@@ -511,7 +522,8 @@ class Pod(PodEnvironment):
                 stall_action: str = "wait",
                 stall_progress_file: str | None = None, ray: bool = False,
                 ray_options: str | Sequence[str] = "", remote: bool = False,
-                console: Any = None, view: Any = None, out: Any = None) -> BabysitResult:
+                console: Any = None, view: Any = None, out: Any = None,
+                step_pattern: str | None = None) -> BabysitResult:
         """`tpufab babysit`: run ``recipe`` and keep it running through preemptions
         (recreate the node, set it up, restore the commit and mounts, restart); ``ray``: as a
         Ray job on the pod's Ray cluster, brought up before each attempt. Each parameter is
@@ -526,11 +538,7 @@ class Pod(PodEnvironment):
         from tpufab.flows.babysit import loop as babysitting
         from tpufab.steps.start.starting import recipe_args
 
-        if ray_options and not ray:
-            raise ConfigError("--ray-options are `ray start` options for babysit --ray, and "
-                              "this babysit runs the recipe itself: add --ray, or drop "
-                              "--ray-options.")
-        args = recipe_args(args)
+        args = recipe_args(args)    # (--ray-options without --ray: the flow's one sentence)
         if remote:   # the options as given, from the signature (state.BABYSIT_OPTIONS)
             from tpufab.flows.supervisor.handover import hand_over_call
             return hand_over_call(self.settings, recipe, args, env, console, locals())
@@ -549,7 +557,8 @@ class Pod(PodEnvironment):
                                    stall_action=stall_action,
                                    stall_progress_file=stall_progress_file, ray=ray,
                                    ray_options=list(recipe_args(ray_options)),
-                                   console=console, view=view, out=out, **options)
+                                   console=console, view=view, out=out,
+                                   step_pattern=step_pattern, **options)
 
     def check(self, *, quick: bool = False, timeout: float | None = None,
               progress: Callable[[str], None] | None = None) -> CheckReport:
@@ -578,13 +587,11 @@ class Pod(PodEnvironment):
                workers: str | Iterable[int] = "all", timeout: float | None = None,
                save: bool = True, progress: Progress | None = None) -> StacksReport:
         """`tpufab stacks`: py-spy on every chosen worker at once, against ``run``'s Python
-        processes (default: the latest run, while it runs; otherwise every Python process
-        holding the TPU); ``native`` adds C/C++ frames. Returns a StacksReport (a row per
-        worker, ``.odd``; ``.check()`` raises StacksError in one sentence: no such run,
-        nothing to dump, py-spy missing and not installable). With ``save``, the folded text and the JSON go beside the run's
-        local logs (./.tpufab/runs/ID/stacks-TIME.txt and .json; ./.tpufab/stacks/ without a
-        run): ``.saved``. ``timeout``: seconds each worker may take (TIMEOUTS["stacks"]).
-        Raises ConfigError for a malformed run id."""
+        processes (default: the latest run, while it runs; else every Python process holding
+        the TPU); ``native`` adds C/C++ frames. A StacksReport (a row per worker, ``.odd``;
+        ``.check()``: StacksError in one sentence: no such run, nothing to dump, no py-spy);
+        with ``save`` beside the run's local logs (``.saved``: ./.tpufab/runs/ID/stacks-TIME
+        .txt and .json). ``timeout``: TIMEOUTS["stacks"]. ConfigError: a malformed run id."""
         from tpufab.steps.health import stacks
 
         stacks.check_run(run)
@@ -669,8 +676,7 @@ class Pod(PodEnvironment):
 
     def ray_down(self, *, grace: float = 10.0, timeout: float | None = None) -> RayDown:
         """`tpufab ray down`: `ray stop` on every host (then forced) until no Ray process is
-        left; a RayDown (``.answers`` per worker; ``tpufab.reports.down_sentence`` says
-        it); raises RayError naming hosts where Ray processes are left."""
+        left: a RayDown (``.answers``); RayError names hosts where Ray processes are left."""
         from tpufab.steps.start import raycluster
 
         return raycluster.down(self, grace=grace,

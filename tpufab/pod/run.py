@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from tpufab.hosts.connect import Hosts
     from tpufab.ssh.results import OutputSink
     from tpufab.steps.health.stacks import StacksReport
+    from tpufab.steps.runs.livesteps import StragglerWatch
     from tpufab.steps.start.stall import StallHandler, StallWatch
     from tpufab.steps.start.starting import Started
 
@@ -120,6 +121,30 @@ class Run:
 
         return jobs.stop(self.pod.hosts.fanout, self.id, self.workers, grace=grace)
 
+    @staticmethod
+    def check_step_pattern(pattern: str | None) -> str | None:
+        """``--step-pattern`` as given (None: the default), or ConfigError in one sentence
+        when it is no regular expression."""
+        from tpufab.steps.runs.stragglers import check_pattern
+
+        if pattern is not None:
+            check_pattern(pattern)
+        return pattern
+
+    def watch_stragglers(self, view: OutputSink, *, pattern: str | None = None,
+                         say: Callable[[str], None], save_to: Path | None = None,
+                         metrics: bool = True) -> StragglerWatch:
+        """``view`` wrapped in the live straggler detector (steps/runs/livesteps.py): every
+        followed line that matches ``pattern`` (the default step pattern when None) is a
+        step; with ``metrics``, each worker's TPU metrics are sampled too; ``say(sentence)``
+        hears each verdict; ``save_to``: where steps.json goes at the end. ConfigError for a
+        pattern that is no regular expression."""
+        from tpufab.steps.runs.livesteps import StragglerWatch
+
+        return StragglerWatch(view, self.workers, pattern=pattern, say=say,
+                              fanout=self.pod.hosts.fanout if metrics else None,
+                              run_id=self.id, save_to=save_to)
+
     # -- the stall watchdog (`run --stall`) ------------------------------------------------
     @staticmethod
     def check_stall(stall: str | float | None, action: str | None = None, *,
@@ -156,6 +181,10 @@ class Run:
             show or (lambda lines: None), progress=progress,
             take_stacks=lambda: self.pod.stacks(run=self.id, workers=self.workers),
             stop=self.kill)
-        last_output = stalls.LastOutput(self.pod.hosts.fanout, self.id, self.workers)
-        return stalls.StallWatch(view, seconds, handler, progress=progress,
+        fanout = self.pod.hosts.fanout
+        tpu = stalls.TpuActivity(fanout, self.id, self.workers)
+        # a silence is judged only once the workers say they wrote nothing for that long
+        # either: output already on its way (a client paused, then resumed) is no stall
+        last_output = stalls.LastOutput(fanout, self.id, self.workers)
+        return stalls.StallWatch(view, seconds, handler, progress=progress, tpu=tpu,
                                  last_output=last_output), handler

@@ -16,6 +16,11 @@ Samples /proc twice, ``--interval`` apart (default 1 s), and prints one JSON obj
                         "idle_seconds"?, "programs"?, "programs_seconds"?}],
              "idle"?: true (no process holds the TPU), "code"?, "why"?}}
 
+``--stream --run ID [--every S] [--for S]`` instead samples only what straggler detection
+needs (each chip's duty cycle and program count and time) every ``--every`` seconds (at least
+0.25), one ``@tpufab-answer sample {"at": this worker's clock, "available", "chips" | "code",
+"why"}`` line each, until the run has ended here, ``--for`` seconds passed or nobody reads.
+
 A run's processes are those in the process group or session of the recipe tpufab started
 (``<run-dir>/<id>/pid``). TPU use comes from libtpu's runtime metrics service (gRPC on
 localhost:8431, what Google's ``tpu-info`` reads), asked while /proc is sampled, through
@@ -225,13 +230,64 @@ def sample(interval, run_dir, top):
             "interval": round(seconds, 3)}
 
 
+STREAM_KEYS = ("hbm_total", "duty", "programs", "collectives")
+MIN_EVERY = 0.25
+
+
+def stream(args):
+    """``--stream``: samples of this worker's chips until the run ends here (in a Python that
+    has grpcio; this one re-runs itself under one, or says why it cannot, once)."""
+    every = max(MIN_EVERY, args.every)
+    rundir = os.path.join(os.path.expanduser(args.run_dir), args.run)
+    if not have_grpc():
+        python = grpc_python()
+        if python is None:
+            answer("sample", {"at": time.time(), "available": False, "code": "NO_CLIENT",
+                              "why": "no gRPC client on this worker to read libtpu's metrics "
+                                     "service (pip install tpu-info)"})
+            return 0
+        sys.stdout.flush()
+        os.execv(python, [python, os.path.abspath(__file__), *sys.argv[1:]])
+    try:
+        client = TpuMetrics()
+    except Exception as err:  # noqa: BLE001 - a broken grpcio is said, not raised
+        answer("sample", {"at": time.time(), "available": False, "code": "NO_CLIENT",
+                          "why": f"grpc: {err}"})
+        return 0
+    until = time.monotonic() + args.seconds
+    try:
+        while time.monotonic() < until:
+            began = time.monotonic()
+            try:
+                found = client.read(STREAM_KEYS)
+            except Exception as err:  # noqa: BLE001 - garbage is said per sample
+                found = {"available": False, "code": "GARBAGE",
+                         "why": f"{type(err).__name__}: {err}"}
+            found["at"] = time.time()
+            answer("sample", found)
+            if read_end(rundir) is not None or not os.path.isdir(rundir):
+                return 0
+            time.sleep(max(0.0, every - (time.monotonic() - began)))
+    except (BrokenPipeError, KeyboardInterrupt):
+        return 0
+    finally:
+        client.close()
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="top_worker.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--interval", type=float, default=1.0)
     parser.add_argument("--run-dir", default="~/.tpufab/runs")
     parser.add_argument("--top", type=int, default=3)
     parser.add_argument("--tpu-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--run", default="")
+    parser.add_argument("--every", type=float, default=0.5)
+    parser.add_argument("--for", dest="seconds", type=float, default=7 * 86400.0)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.stream:
+        return stream(args)
     if args.tpu_only:  # in a Python that has grpcio (start_tpu_metrics)
         answer("tpu", tpu_metrics_here())
         return 0

@@ -641,7 +641,7 @@ def _young(rundir):
         return False
 
 
-# -- libtpu's runtime metrics (top_worker.py, steps_worker.py read them) ------------------------
+# -- libtpu's runtime metrics (top_worker.py reads them) ----------------------------------------
 # The service tpu-info reads: gRPC on localhost:8431 (local credentials: plain HTTP/2 on a
 # loopback connection), served by libtpu in the process that holds the chips. gRPC comes from
 # grpcio: this Python's, else the Python of the `tpu-info` command (which has it by
@@ -770,10 +770,14 @@ class TpuMetrics:
         request = b"\x0a" + bytes([len(name)]) + name.encode()
         return parse_metric_response(self.call(request, timeout=self.timeout))
 
-    def read(self):
+    def read(self, keys=None):
+        """Every metric tpufab shows, or only ``keys`` of TPU_METRIC_NAMES (duty's chips
+        make the entries; hbm_total says how many devices a chip has)."""
         grpc = self.grpc
         got = {}
         for key, name in TPU_METRIC_NAMES.items():
+            if keys is not None and key not in keys:
+                continue
             try:
                 got[key] = self.ask(name)
             except grpc.RpcError as err:

@@ -344,7 +344,7 @@ def run_with_files(group, files: Sequence[RemoteFile], line: str, workers: Seque
                    env: Mapping[str, str] | None = None,
                    secrets: Mapping[str, Secret] | None = None, stdin: bytes | None = None,
                    sink=None, timeout: float | None = None,
-                   from_memory: str | None = None) -> GroupResult:
+                   from_memory: str | None = None, cancel=None) -> GroupResult:
     """Run a guarded command (see ``guard``); ship what is missing where it is, run again there.
 
     ``from_memory``: the same command with its one file (a Python script) read from stdin
@@ -354,6 +354,8 @@ def run_with_files(group, files: Sequence[RemoteFile], line: str, workers: Seque
     a failed put stands in for a worker it failed on.
     """
     kwargs = {"env": env, "secrets": secrets, "stdin": stdin, "sink": sink, "timeout": timeout}
+    if cancel is not None:       # a threading.Event that stops the command everywhere
+        kwargs["cancel"] = cancel
     results = dict(group.run(line, workers=list(workers), **kwargs))
     missing = [w for w, r in results.items() if missing_files(r)]
     if missing:
@@ -373,7 +375,8 @@ def run_with_files(group, files: Sequence[RemoteFile], line: str, workers: Seque
 def run_script(group, script: RemoteFile | str, args: Sequence[Piece], workers: Sequence[int], *,
                as_root: bool = False, env: Mapping[str, str] | None = None,
                secrets: Mapping[str, Secret] | None = None, sink=None,
-               timeout: float | None = None, from_memory: bool = False) -> GroupResult:
+               timeout: float | None = None, from_memory: bool = False,
+               cancel=None) -> GroupResult:
     """Run a stdlib-only worker script (bundled with tpufab when given by name) on
     ``workers`` in one round trip each, shipping it first where it is missing
     (``from_memory``: or sending it on stdin where the disk is too full to ship it).
@@ -387,7 +390,7 @@ def run_script(group, script: RemoteFile | str, args: Sequence[Piece], workers: 
     memory = python_command(script, args, as_root=as_root, from_stdin=True) if from_memory \
         else None
     return run_with_files(group, [script], line, workers, env=env, secrets=secrets, sink=sink,
-                          timeout=timeout, from_memory=memory)
+                          timeout=timeout, from_memory=memory, cancel=cancel)
 
 
 def put_each(group, contents: Mapping[int, bytes], path: str, *, mode: int = 0o600,

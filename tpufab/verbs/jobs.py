@@ -42,6 +42,11 @@ RUN_OPTIONS = {
                  "take every worker's stacks, print them folded, then --stall-action.",
                  metavar="DURATION"),
     "stall_action": "After a stall: wait (keep following; the default) or kill the run.",
+    "step_pattern": Opt("A regular expression matching the recipe's step lines (default: "
+                        "`step 120`, `Step 120/1000`, `[step=120]`, `12.3 it/s`); a group "
+                        "named step (or the first of digits) is the step's number. A host "
+                        "10% slower than the median for 3 steps in a row is named.",
+                        metavar="REGEX"),
     "stall_progress_file": Opt("With --stall: progress is this file's mtime advancing on any "
                                "worker (the recipe touches it; relative to $TPUFAB_RUN_DIR, "
                                "or absolute), instead of new output lines.", metavar="PATH"),
@@ -56,7 +61,8 @@ IMAGE_OPTION = Opt("Run the recipe inside this container image on every host (pu
 @verb(options={**RUN_OPTIONS, "image": IMAGE_OPTION}, pod_method="start", api_only=("deploy",))
 def run(call: Call, *, detach: bool = False, on_interrupt: str | None = None,
         raw: bool = False, color: bool = False, stall: str | None = None,
-        stall_action: str = "wait", stall_progress_file: str | None = None) -> int:
+        stall_action: str = "wait", stall_progress_file: str | None = None,
+        step_pattern: str | None = None) -> int:
     """Run a recipe on every worker at once (deploying first) and follow its logs.
 
     A Python file runs with the workers' Python: `tpufab run train.py model=tiny
@@ -79,6 +85,9 @@ def run(call: Call, *, detach: bool = False, on_interrupt: str | None = None,
     local, wait_port = call.args["local"], call.args["wait_port"]
     stall_seconds = check_stall_flags(stall, stall_action, detach=detach, local=local,
                                       wait_port=wait_port, progress_file=stall_progress_file)
+    from tpufab.pod.run import Run
+
+    step_pattern = Run.check_step_pattern(step_pattern)   # before anything starts
     try:
         run_ = call(progress=note)
     except TpufabError as err:
@@ -95,12 +104,13 @@ def run(call: Call, *, detach: bool = False, on_interrupt: str | None = None,
         return 0
     return follow_started(run_, detach=detach, on_interrupt=on_interrupt, raw=raw,
                           color=color, stall=stall_seconds, stall_action=stall_action,
-                          stall_progress_file=stall_progress_file)
+                          stall_progress_file=stall_progress_file, step_pattern=step_pattern)
 
 
 def follow_started(run, *, detach: bool, on_interrupt: str | None, raw: bool = False,
                    color: bool = False, stall: float | None = None,
-                   stall_action: str = "wait", stall_progress_file: str | None = None) -> int:
+                   stall_action: str = "wait", stall_progress_file: str | None = None,
+                   step_pattern: str | None = None) -> int:
     """After the start: where its output goes, then detach or follow (launch too)."""
     if run.output_dir:
         note(f"Output: {run.output_dir} (profiles: {run.profile_dir})", "dim")
@@ -109,14 +119,16 @@ def follow_started(run, *, detach: bool, on_interrupt: str | None, raw: bool = F
               f"runs with `tpufab runs`, stop it with `tpufab kill --run {run.id}`.")
         return 0
     return _follow_run(run, on_interrupt, raw, color=color, stall=stall,
-                       stall_action=stall_action, stall_progress_file=stall_progress_file)
+                       stall_action=stall_action, stall_progress_file=stall_progress_file,
+                       step_pattern=step_pattern)
 
 
 def _follow_run(run, on_interrupt: str | None, raw: bool = False, *,
                 color: bool = False, stall: float | None = None,
-                stall_action: str = "wait", stall_progress_file: str | None = None) -> int:
+                stall_action: str = "wait", stall_progress_file: str | None = None,
+                step_pattern: str | None = None) -> int:
     from tpufab import nodeset
-    from tpufab.views.runlogs import follow_view
+    from tpufab.views.runlogs import follow_view, say_straggler
 
     workers = run.workers
     try:
@@ -138,7 +150,8 @@ def _follow_run(run, on_interrupt: str | None, raw: bool = False, *,
                   "stop the run).", "yellow")
 
     began = time.monotonic()
-    view = follow_view(workers, raw=raw, color=color)
+    view = run.watch_stragglers(follow_view(workers, raw=raw, color=color),
+                                pattern=step_pattern, say=say_straggler, save_to=copy_dir)
     if stall is not None:
         view, watch = _watch_stall(run, view, stall, stall_action, stall_progress_file)
     states = run.follow(view, copy_dir=copy_dir, on_end=on_end)
@@ -272,6 +285,27 @@ def runs(call: Call, *, as_json: bool = False) -> int:
     show(report, as_json=as_json)
     if not as_json:   # --json says who did not answer in its data, and exits 0
         report.check()
+    return 0
+
+
+@verb(options={"run": "Run id (default: the latest).",
+               "step_pattern": Opt("What a step line looks like, as `run --step-pattern`.",
+                                   metavar="REGEX")},
+      pod_method="stragglers")
+def stragglers(call: Call, *, as_json: bool = False) -> int:
+    """The per-host step table of a running or finished run, slowest first.
+
+    From each worker's log: its step lines (the step pattern of `run`), how far each host got,
+    and each host's median and slowest step, against the hosts' median. The times are those
+    this machine measured while `run`, `launch` or `babysit` followed the run (with libtpu's
+    metrics: each host's time outside collectives), else the timestamps the step lines start
+    with; without either, the table says how far each host got.
+
+    ``timeout``: seconds for every worker's log."""
+    from tpufab.views.report import show
+
+    report = call()
+    show(report, as_json=as_json)
     return 0
 
 

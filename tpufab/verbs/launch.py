@@ -35,6 +35,8 @@ GROUPS = {"ray": "Ray on the pod: up, status, submit, down (docs/ray.md)."}
     "stall_progress_file": Opt("As `run --stall-progress-file`: progress is this file's mtime "
                                "advancing (relative to $TPUFAB_RUN_DIR, or absolute).",
                                metavar="PATH"),
+    "step_pattern": Opt("As `run --step-pattern`: what a step line looks like (the straggler "
+                        "detector's).", metavar="REGEX"),
     "ray": "Run the task's run once, as a Ray job on the pod's Ray cluster (brought up "
            "first), and follow it.",
     "allow_file": Opt("Copy this file the task names although it is private or in a "
@@ -49,9 +51,10 @@ def launch(task: str, *, name: str | None = None, type: str | None = None,
            on_interrupt: str | None = None, force_setup: bool = False,
            stall: str | None = None, stall_action: str = "wait",
            stall_progress_file: str | None = None, ray: bool = False,
-           allow_file: Sequence[str] | None = None) -> int:
+           allow_file: Sequence[str] | None = None, step_pattern: str | None = None) -> int:
     """Create (or reuse) a pod, deploy, mount, set up and run TASK.yaml, and follow it."""
     from tpufab.pod.launched import launch as launching
+    from tpufab.pod.run import Run
     from tpufab.term.console import stderr
     from tpufab.verbs.jobs import INTERRUPT_CHOICES, check_stall_flags, follow_started
 
@@ -62,6 +65,7 @@ def launch(task: str, *, name: str | None = None, type: str | None = None,
                           "the run to Ray: give one or the other.")
     stall_seconds = check_stall_flags(stall, stall_action, detach=detach, local=False,
                                       wait_port=None, progress_file=stall_progress_file)
+    step_pattern = Run.check_step_pattern(step_pattern)    # before anything starts
     launched = launching(task, name=name, type=type, zone=zone, project=project, spot=spot,
                          version=version, env=env, secret=secret, down=down, detach=detach,
                          idle=idle, dry_run=dry_run, direct=direct, zones=zones,
@@ -84,7 +88,8 @@ def launch(task: str, *, name: str | None = None, type: str | None = None,
         return follow_started(launched.run, detach=plan.detach,
                                on_interrupt="kill" if down else on_interrupt,
                                stall=stall_seconds, stall_action=stall_action,
-                               stall_progress_file=stall_progress_file)
+                               stall_progress_file=stall_progress_file,
+                               step_pattern=step_pattern)
     finally:
         if down:
             launched.down()

@@ -166,7 +166,8 @@ def sim_unreachable(*, name: str, worker: int, restore: bool = False) -> None:
 
 @verb(name="slow", group="sim",
       options={"name": "Node.", "worker": Opt("Worker index.", short="-w", required=True),
-               "by": "Share of time its processes are stopped: 15% (0 undoes it)."})
+               "by": Opt("Share of time its processes are stopped: 15% (0 undoes it).",
+                         required=True)})
 def sim_slow(*, name: str, worker: int, by: str) -> None:
     """Make one worker's processes really slower (stopped for that share of every 0.1 s)."""
     from tpufab.cloud.names import validate_name

@@ -47,6 +47,7 @@ def status(call: Call, *, as_json: bool = False, wide: bool = False) -> int:
     "stall_action": Opt("After a stall: wait (keep following; the default), kill (babysit "
                         "ends) or restart (the next attempt).", metavar="wait|kill|restart"),
     "stall_progress_file": RUN_OPTIONS["stall_progress_file"],
+    "step_pattern": RUN_OPTIONS["step_pattern"],
     "poll": Opt("Seconds between checks (tests).", hidden=True),
     "ray": "Run the recipe as a Ray job on the pod's Ray cluster (`tpufab ray up` before each "
            "attempt, then `tpufab ray submit`'s path).",

@@ -19,6 +19,14 @@ def follow_view(workers: Sequence[int], *, raw: bool = False, color: bool = Fals
     return FoldingView(workers, color=color).start()
 
 
+def say_straggler(sentence: str) -> None:
+    """The live straggler detector's verdict (run, launch), on stderr beside tpufab's notes."""
+    from tpufab.term.console import stderr
+    from tpufab.term.terminal import neutralise_text
+
+    stderr().print(neutralise_text(sentence), markup=False, style="yellow")
+
+
 def tee(*sinks):
     """One sink feeding every one of ``sinks`` (a view and a progress line, say)."""
     from tpufab.views.live import Tee

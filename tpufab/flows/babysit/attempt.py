@@ -215,6 +215,7 @@ class Attempts:
 
     def _watch(self, pod, plan, number: int, attempt_dir: Path) -> Attempt:
         from tpufab.steps.runs import running as jobs
+        from tpufab.steps.runs.livesteps import StragglerWatch
 
         workers = plan.workers
         ended: dict[int, WorkerState] = {}
@@ -227,6 +228,10 @@ class Attempts:
         view = self.hooks.output(number, plan.run_id, workers)
         if view is None:
             view = self.view(workers) if self.view is not None else Silent()
+        # stragglers named as this attempt's steps come, in babysit's notes
+        view = StragglerWatch(view, workers, pattern=self.step_pattern,
+                              say=lambda sentence: self.note(sentence, "yellow"),
+                              fanout=pod.fanout, run_id=plan.run_id, save_to=attempt_dir)
         stalled = None
         if self.stall is not None:
             view, stalled = self._stall_watch(pod, plan.run_id, workers, view, attempt_dir)
@@ -386,8 +391,11 @@ class Attempts:
             pod.fanout, run_id, workers, timeout=min(timeout_for("run --stall: last output",
                                                                  self.timeout),
                                                      timeout_for("run --stall: last output")))
+        tpu = stalls.TpuActivity(pod.fanout, run_id, workers, timeout=min(
+            timeout_for("run --stall: TPU activity", self.timeout),
+            timeout_for("run --stall: TPU activity")))
         return stalls.StallWatch(view, self.stall, handler, progress=progress,
-                                 last_output=last_output), handler
+                                 last_output=last_output, tpu=tpu), handler
 
     def _before_maintenance(self, pod, run_id: str, workers: Sequence[int]) -> str | None:
         """When a node's announced maintenance window starts within the margin (and this

@@ -166,8 +166,9 @@ class Babysitter(Recovery, Attempts):
                  stall_progress_file: str | None = None,
                  ray: bool = False, ray_options: Sequence[str] = (),
                  hooks: Hooks | None = None, resume: Resume | None = None,
-                 checkout: Path | None = None):
+                 checkout: Path | None = None, step_pattern: str | None = None):
         from tpufab.cloud import names, planes
+        from tpufab.steps.runs.stragglers import check_pattern
         from tpufab.steps.start import stall as stalls
 
         self.recipe = Path(recipe)
@@ -179,6 +180,7 @@ class Babysitter(Recovery, Attempts):
         self.stall = stalls.check_stall(stall, stall_action, restart=True)
         self.stall_action = stall_action or "wait"
         self.stall_progress_file = stalls.check_progress_file(stall_progress_file)
+        self.step_pattern = None if step_pattern is None else check_pattern(step_pattern)
         if self.stall_progress_file is not None and self.stall is None:
             raise ConfigError("--stall-progress-file says what progress means for the stall "
                               "watchdog, which only --stall DURATION starts; add --stall "

@@ -56,7 +56,7 @@ BABYSIT_OPTIONS: dict[str, Any] = {
     "restart_on_exit": "", "before_maintenance": None, "maintenance_margin": "10m",
     "setup_script": None, "no_deploy": False, "direct": False, "timeout": None,
     "stall": None, "stall_action": "wait", "stall_progress_file": None, "ray": False,
-    "ray_options": "",
+    "ray_options": "", "step_pattern": None,
 }
 
 

@@ -22,6 +22,7 @@ from tpufab.quoting import Raw, command
 from tpufab.reports import Column, Report
 from tpufab.ssh.remote_files import RemoteFile, read_answer, run_with_files, verified_args
 
+MAX_AT_ONCE = 256   # captures at once (one thread each, waiting on its worker)
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*$")
 
 
@@ -95,6 +96,35 @@ def _running_run(fanout, workers: Sequence[int], run: str | None) -> str:
     return max(running)[1]
 
 
+def one_logdir(local_dir: Path, stamp: str, workers: Sequence[int]) -> dict[int, list[Path]]:
+    """Every worker's copy (``local_dir/wN/stamp/...``, as ``transfer.get`` lays out several
+    workers) moved into one logdir as TensorBoard and XProf read a multi-host profile:
+    ``local_dir/stamp/plugins/profile/stamp/<host>.xplane.pb``, one file per host (a name
+    two hosts share gets the worker's label in front); what is outside ``plugins/profile``
+    goes under ``wN/``. Returns each worker's files, where they are now."""
+    import shutil
+
+    target = local_dir / stamp
+    session = target / "plugins" / "profile" / stamp
+    moved: dict[int, list[Path]] = {}
+    for w in workers:
+        source = local_dir / nodeset.label(w) / stamp
+        moved[w] = []
+        for path in sorted(p for p in source.rglob("*") if p.is_file() and not p.is_symlink()):
+            rel = path.relative_to(source)
+            if rel.parts[:2] == ("plugins", "profile") and len(rel.parts) == 4:
+                to = session / rel.name
+                if to.exists():
+                    to = session / f"{nodeset.label(w)}.{rel.name}"
+            else:
+                to = target / nodeset.label(w) / rel
+            to.parent.mkdir(parents=True, exist_ok=True)
+            path.replace(to)
+            moved[w].append(to)
+        shutil.rmtree(local_dir / nodeset.label(w), ignore_errors=True)
+    return moved
+
+
 def capture_command(script: RemoteFile, port: int, seconds: float, logdir: str):
     """Run the capture with the job's Python ($TPUFAB_PYTHON, ~/.venv, else python3)."""
     return command(Raw('PY="${TPUFAB_PYTHON:-$HOME/.venv/bin/python}"; [ -x "$PY" ] || '
@@ -124,11 +154,12 @@ def capture(fanout, *, workers: Sequence[int], run: str | None = None, port: int
         return worker, run_with_files(fanout, [script], line, [worker],
                                       timeout=seconds + 120)[worker]
 
-    with ThreadPoolExecutor(max_workers=min(16, len(workers))) as pool:
+    # every host at once (each has its own profiler port): the wall time is the duration's
+    with ThreadPoolExecutor(max_workers=min(MAX_AT_ONCE, len(workers))) as pool:
         results = dict(pool.map(one, workers))
     local_dir = jobs.local_log_dir(run_id, local_base) / "profiles"
     local_dir.mkdir(exist_ok=True)
-    where = local_dir / stamp if len(workers) == 1 else local_dir
+    where = local_dir / stamp
     rows: dict[int, ProfileRow] = {}
     good = []
     for w, r in results.items():
@@ -139,19 +170,24 @@ def capture(fanout, *, workers: Sequence[int], run: str | None = None, port: int
             good.append(w)
     if good:
         report = transfer.get(fanout, remote_dir, local_dir, workers=good)
+        copied = [row.worker for row in report.rows if not row.error]
+        moved = one_logdir(local_dir, stamp, copied) if len(workers) > 1 else \
+            {row.worker: [Path(p) for p in row.paths] for row in report.rows if not row.error}
         for row in report.rows:
             if row.error:
                 rows[row.worker] = ProfileRow(row.worker, error=row.error)
             else:
-                base = local_dir / stamp if len(workers) == 1 else \
-                    local_dir / nodeset.label(row.worker) / stamp
                 rows[row.worker] = ProfileRow(row.worker, [
-                    (str(Path(p).relative_to(base)), Path(p).stat().st_size) for p in row.paths])
+                    (str(p.relative_to(where)), p.stat().st_size) for p in moved[row.worker]])
     captured = ProfileReport(run=run_id, local_dir=where, rows=sorted(rows.values(),
                                                                  key=lambda r: r.worker))
     if not captured.files:
+        by_reason: dict[str, list[int]] = {}
+        for w, e in captured.errors.items():   # each host's own port: one reason for all
+            by_reason.setdefault(re.sub(r"\bport \d+", "its port (TPUFAB_PROFILER_PORT)", e),
+                                 []).append(w)
         raise TpufabError(f"No trace captured from run {run_id}: " + "; ".join(
-            f"{nodeset.fold([w])}: {e}" for w, e in captured.errors.items()) + ".")
+            f"{nodeset.fold(ws)}: {e}" for e, ws in by_reason.items()) + ".")
     captured.notes.append(f"Traces under {where} ({time.monotonic() - began:.1f} s). View them "
                           f"with `xprof --logdir {where}` or TensorBoard's profile plugin.")
     return captured

@@ -2,7 +2,7 @@
 
 A step is a line of the run's output that matches the step pattern (:data:`DEFAULT_PATTERN`
 recognises ``step 120``, ``Step 120/1000``, ``[step=120]``, ``12.3 it/s``; ``--step-pattern
-REGEX`` replaces it). For every host and step the worker side (steps_worker.py) records when
+REGEX`` replaces it). For every host and step, :mod:`tpufab.steps.runs.livesteps` records when
 the line appeared and, where libtpu's metrics service answers, how long that host's chips ran
 programs since its previous step minus the time in collectives where those are served: its
 *work*, the time outside collectives. A barrier (an all-reduce) makes every host's step take
@@ -87,11 +87,12 @@ class Detector:
     streak: int = STREAK
     steps: dict[int, dict[int, Step]] = field(default_factory=dict)   # n -> worker -> Step
     last_step: dict[int, Step] = field(default_factory=dict)
-    runs: dict[int, list[tuple[int, float, Step]]] = field(default_factory=dict)
+    runs: dict[int, list[tuple[int, float, Step, float, bool]]] = field(default_factory=dict)
     judged: int = -1
     current: int | None = None
     calm: int = 0
     times: dict[tuple[int, int], float] = field(default_factory=dict)  # step time, no metrics
+    keep: bool = True        # keep every row (the table reads them); False: judged ones go
 
     def add(self, step: Step) -> list[Verdict]:
         """Record a step; the verdicts it completes (usually none)."""
@@ -108,6 +109,10 @@ class Detector:
             self.judged = n
             if verdict is not None:
                 out.append(verdict)
+            if not self.keep:
+                del self.steps[n]
+                for w in self.workers:
+                    self.times.pop((w, n), None)
         return out
 
     def _value(self, step: Step) -> float | None:
@@ -117,7 +122,9 @@ class Detector:
 
     def _judge(self, n: int) -> Verdict | None:
         row = self.steps[n]
-        values = {w: self._value(s) for w, s in row.items()}
+        # work where every host has it, else step times: never the one against the other
+        worked = all(s.work is not None for s in row.values())
+        values = {w: s.work if worked else self.times.get((w, s.n)) for w, s in row.items()}
         if any(v is None for v in values.values()) or len(values) < 2:
             return None
         median = statistics.median(values.values())
@@ -126,7 +133,9 @@ class Detector:
         slow = [w for w, v in values.items() if v >= median * (1 + self.threshold)]
         for w in self.workers:
             if w in slow:
-                self.runs.setdefault(w, []).append((n, values[w] / median - 1, row[w]))
+                run = self.runs.setdefault(w, [])
+                run.append((n, values[w] / median - 1, row[w], values[w], worked))
+                del run[:-self.streak]
             else:
                 self.runs.pop(w, None)
         candidates = [w for w, run in self.runs.items() if len(run) >= self.streak]
@@ -149,8 +158,8 @@ class Detector:
         run = self.runs[worker][-self.streak:]
         percent = 100 * sum(r[1] for r in run) / len(run)
         first, last = run[0][0], run[-1][0]
-        mine = sum(self._value(r[2]) or 0 for r in run) / len(run)
-        what = "time outside collectives" if run[-1][2].work is not None else "step time"
+        mine = sum(r[3] for r in run) / len(run)
+        what = "time outside collectives" if run[-1][4] else "step time"
         others = [s for w, s in row.items() if w != worker]
         evidence = f"{what} {mine:.2f} s a step against a median of {median:.2f} s"
         duties = [s.duty for s in others if s.duty is not None]
@@ -208,7 +217,7 @@ def table(steps: Iterable[Step], workers: Sequence[int]) -> list[HostRow]:
 
 
 def parse_steps(records: Mapping[int, Iterable[Mapping]]) -> list[Step]:
-    """steps_worker.py's records ({worker: [{"n", "at", "work"?, "duty"?}, ...]}) as Steps in
+    """livesteps' records (steps.json) ({worker: [{"n", "at", "work"?, "duty"?}, ...]}) as Steps in
     order of time; malformed records are skipped."""
     out = []
     for worker, items in records.items():

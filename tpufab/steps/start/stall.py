@@ -7,7 +7,10 @@ way are no silence (a client stopped by Ctrl-Z, then ``fg``, or by a debugger, f
 followers' output waiting, and would otherwise judge before reading it). With a progress file
 (``--stall-progress-file PATH``, :class:`ProgressFile`) progress is instead that file's mtime
 advancing on any worker, read with one ``stat`` fan-out every few seconds over the open
-connections. When no progress comes for DURATION, the watchdog takes every worker's stacks
+connections. Where libtpu's metrics answer (:class:`TpuActivity`, one look every few seconds), TPUs at work
+count as progress, so a pod busy on its TPUs is never stalled however quiet its output, and a
+pod whose TensorCores are all idle for DURATION while the job prints is stalled all the same.
+When no progress comes for DURATION, the watchdog takes every worker's stacks
 (``Pod.stacks``: py-spy on the run's processes, saved beside the run's logs), prints the folded
 summary (the odd workers first) on stderr and then acts: ``wait`` (the default) says so and
 keeps following (it fires again only after new progress and another DURATION without),
@@ -126,6 +129,65 @@ class ProgressFile:
         return f"the progress file {self.path}"
 
 
+class TpuActivity:
+    """Whether a run's TPUs work: ``look()`` asks every worker's libtpu metrics service once
+    (``top_worker.py --stream`` for one sample, one fan-out) and answers True when some
+    host's chips ran a program since the last look (or show a duty cycle), False when every
+    host answered and all its TensorCores were idle, None when it cannot say (no metrics
+    somewhere: no holder, no gRPC client). A pod where no host answers the first look is not
+    asked again."""
+
+    def __init__(self, fanout, run_id: str, workers: Sequence[int], *,
+                 timeout: float | None = None):
+        self.fanout = fanout
+        self.run_id = run_id
+        self.workers = list(workers)
+        self.timeout = timeout_for("run --stall: TPU activity", timeout)
+        self.programs: dict[int, float] = {}
+        self.looked = False
+        self.enabled = True
+
+    def samples(self) -> dict[int, dict]:
+        """worker -> its sample, where it answered one."""
+        from tpufab.ssh.remote_files import read_answers, run_script
+
+        got = run_script(self.fanout, "top_worker.py", ["--stream", "--run", self.run_id,
+                                                         "--every", "0.25", "--for", "0.01"],
+                         self.workers, timeout=self.timeout)
+        try:
+            found = {}
+            for w, r in got.items():
+                answers = [a for _, a in read_answers(r.stdout, "sample") if isinstance(a, dict)]
+                if answers:
+                    found[w] = answers[-1]
+            return found
+        finally:
+            got.close()
+
+    def look(self) -> bool | None:
+        if not self.enabled:
+            return None
+        busy, idle = [], []
+        for w, sample in self.samples().items():
+            chips = [c for c in sample.get("chips") or () if isinstance(c, dict)]
+            if not sample.get("available") or not chips:
+                continue
+            try:
+                programs = sum(float(c.get("programs") or 0) for c in chips)
+                duty = max(float(c.get("duty_cycle_percent") or 0) for c in chips)
+            except (TypeError, ValueError):
+                continue
+            ran = w in self.programs and programs > self.programs[w]
+            self.programs[w] = programs
+            (busy if ran or duty >= 1.0 else idle).append(w)
+        first, self.looked = not self.looked, True
+        if first and not busy and not idle:
+            self.enabled = False
+        if busy:
+            return True
+        return False if len(idle) == len(self.workers) else None
+
+
 class LastOutput:
     """When one run's workers last wrote output: ``age()`` asks them (``run_worker.py status
     --run``, one fan-out) and answers the seconds since the youngest of their logs grew, on
@@ -159,13 +221,18 @@ class StallWatch:
     lines are on their way (the client was paused, or starved), and the clock restarts from
     the moment it wrote."""
 
-    def __init__(self, view, seconds: float, on_stall: Callable[[float], None],
-                 progress: ProgressFile | None = None, last_output: LastOutput | None = None):
+    def __init__(self, view, seconds: float, on_stall: Callable[..., None],
+                 progress: ProgressFile | None = None, last_output: LastOutput | None = None,
+                 tpu: TpuActivity | None = None):
         self.view = view
         self.seconds = seconds
         self.on_stall = on_stall
         self.progress = progress
         self.last_output = last_output
+        self.tpu = tpu
+        self.tpu_busy: bool | None = None     # the last look's answer
+        self.tpu_idle_since: float | None = None
+        self.tpu_fired = False
         self.probe_every = progress_probe_every(seconds)
         self.last = time.monotonic()
         self.fired = False
@@ -173,6 +240,12 @@ class StallWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="tpufab-stall", daemon=True)
         self._thread.start()
+        # the TPU looks in a thread of their own: a slow look never delays a verdict
+        self._tpu_thread = None
+        if tpu is not None:
+            self._tpu_thread = threading.Thread(target=self._watch_tpus, daemon=True,
+                                                name="tpufab-stall-tpu")
+            self._tpu_thread.start()
 
     def lines(self, worker: int, stream: str, data: bytes) -> None:
         if data and self.progress is None:
@@ -188,11 +261,43 @@ class StallWatch:
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(5)
+        for thread in (self._thread, self._tpu_thread):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(5)
         close = getattr(self.view, "close", None)
         if close is not None:
             close()
+
+    def _look_at_tpus(self) -> None:
+        """TPUs at work are progress; all idle for ``seconds`` while lines come: a stall."""
+        try:
+            busy = self.tpu.look() if self.tpu is not None else None
+        except Exception:  # noqa: BLE001 - no answer: the lines decide
+            busy = None
+        self.tpu_busy = busy
+        if busy:
+            self._progressed()
+        if busy is not False:
+            self.tpu_idle_since, self.tpu_fired = None, False
+            return
+        now = time.monotonic()
+        if self.tpu_idle_since is None:
+            self.tpu_idle_since = now
+        idle = now - self.tpu_idle_since
+        if idle >= self.seconds and not self.tpu_fired and not self.fired and \
+                not self._stop.is_set():
+            self.tpu_fired = True
+            self.stalls += 1
+            try:
+                self.on_stall(idle, tpu_idle=True)
+            except Exception as err:  # noqa: BLE001 - the follow goes on; say why
+                self._say(f"The stall watchdog could not take stacks: {err}")
+
+    def _watch_tpus(self) -> None:
+        while not self._stop.is_set() and self.tpu is not None and self.tpu.enabled:
+            began = time.monotonic()
+            self._look_at_tpus()
+            self._stop.wait(max(TICK, self.probe_every - (time.monotonic() - began)))
 
     def _watch(self) -> None:
         probed = 0.0
@@ -209,13 +314,21 @@ class StallWatch:
                 if self._stop.is_set():
                     break
             silence = time.monotonic() - self.last
-            if silence >= self.seconds and not self.fired and self._silent_there():
+            if silence >= self.seconds and not self.fired and self._silent_there() and \
+                    not self._tpus_at_work():
                 self.fired = True
                 self.stalls += 1
                 try:
                     self.on_stall(silence)
                 except Exception as err:  # noqa: BLE001 - the follow goes on; say why
                     self._say(f"The stall watchdog could not take stacks: {err}")
+
+    def _tpus_at_work(self) -> bool:
+        """The last look (at most a probe period old) says the TPUs work: no stall."""
+        if self.tpu is None or not self.tpu.enabled or not self.tpu_busy:
+            return False
+        self._progressed()
+        return True
 
     def _silent_there(self) -> bool:
         """The workers wrote nothing for ``seconds`` either (or cannot say); else the clock
@@ -260,15 +373,20 @@ class StallHandler:
         self.killed = False
         self.saved: str | None = None
         self.odd: list[int] = []
+        self.tpu_idle = False       # the last stall: every TensorCore idle while it printed
 
     def signal(self, seconds: float, *, where: str = " from any worker") -> str:
         """Which progress was missing, and for how long (the watched signal, said)."""
+        if self.tpu_idle:
+            return (f"every host's TensorCores were idle for {human_duration(seconds)} while "
+                    "the job printed")
         if self.progress is not None:
             return (f"{self.progress.describe()} did not advance on any worker for "
                     f"{human_duration(seconds)}")
         return f"no new output{where} for {human_duration(seconds)}"
 
-    def __call__(self, silence: float) -> None:
+    def __call__(self, silence: float, *, tpu_idle: bool = False) -> None:
+        self.tpu_idle = tpu_idle
         flag = f"--stall {human_duration(self.seconds)}"
         if self.progress is not None:
             flag += f" --stall-progress-file {self.progress.path}"

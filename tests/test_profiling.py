@@ -1,0 +1,50 @@
+"""`profile --workers all` lays every host's trace out as one logdir (steps/host/profiling.py):
+as TensorBoard and XProf read a multi-host profile, one file per host. No pod."""
+
+from __future__ import annotations
+
+from tpufab.steps.host.profiling import one_logdir
+
+
+def test_every_host_s_trace_lands_in_one_logdir(tmp_path):
+    stamp = "20261202-011500"
+    for w, inner in ((0, "2026_12_02_01_15_00"), (1, "2026_12_02_01_15_01"),
+                     (2, "2026_12_02_01_15_01")):
+        run = tmp_path / f"w{w}" / stamp / "plugins" / "profile" / inner
+        run.mkdir(parents=True)
+        host = "t1v-n-abc-w-0" if w == 2 else f"t1v-n-abc-w-{w}"   # w2 shares w0's name
+        (run / f"{host}.xplane.pb").write_bytes(b"x" * (w + 1))
+        (tmp_path / f"w{w}" / stamp / "notes.txt").write_text("n")
+    moved = one_logdir(tmp_path, stamp, [0, 1, 2])
+    session = tmp_path / stamp / "plugins" / "profile" / stamp
+    assert sorted(p.name for p in session.iterdir()) == [
+        "t1v-n-abc-w-0.xplane.pb", "t1v-n-abc-w-1.xplane.pb", "w2.t1v-n-abc-w-0.xplane.pb"]
+    assert (session / "w2.t1v-n-abc-w-0.xplane.pb").read_bytes() == b"xxx"
+    assert (tmp_path / stamp / "w1" / "notes.txt").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [stamp]        # w0-w2 are gone
+    assert {w: len(files) for w, files in moved.items()} == {0: 2, 1: 2, 2: 2}
+    assert all(p.is_file() for files in moved.values() for p in files)
+
+
+def test_no_jax_process_anywhere_is_one_sentence(monkeypatch, tmp_path):
+    """--workers all on a run with no profiler server: one sentence, the hosts folded."""
+    import pytest
+
+    from tpufab.errors import TpufabError
+    from tpufab.steps.host import profiling
+
+    class Result:
+        def __init__(self, worker):
+            self.ok, self.worker = True, worker
+            self.stdout = ('@tpufab-answer answer {"error": "no trace from the profiler server '
+                           f'on port {9012 + worker}: UNAVAILABLE"}}\n')
+
+    monkeypatch.setattr(profiling, "_running_run", lambda fanout, workers, run: "r1")
+    monkeypatch.setattr(profiling, "run_with_files",
+                        lambda fanout, files, line, workers, timeout: {workers[0]:
+                                                                       Result(workers[0])})
+    with pytest.raises(TpufabError) as err:
+        profiling.capture(None, workers=[0, 1, 2, 3], seconds=1, local_base=tmp_path)
+    assert str(err.value) == ("No trace captured from run r1: w[0-3]: no trace from the "
+                              "profiler server on its port (TPUFAB_PROFILER_PORT): "
+                              "UNAVAILABLE.")
