@@ -48,8 +48,8 @@ if TYPE_CHECKING:
     from tpufab.steps.health.status import StatusReport
     from tpufab.steps.health.top import TopReport
     from tpufab.steps.host.autostop import AutostopReport
-    from tpufab.steps.host.images import ImageReport
     from tpufab.steps.host.environment import EnvReport, EnvStatusReport  # noqa: F401 (PodEnvironment's)
+    from tpufab.steps.host.images import ImageReport
     from tpufab.steps.host.killing import KillReport
     from tpufab.steps.host.mount import MountReport, MountSpec
     from tpufab.steps.host.profiling import ProfileReport
