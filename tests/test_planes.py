@@ -220,7 +220,8 @@ def plane_branches(source: str) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
                 "tpufab.cloud.planes."):
             mod = node.module.split(".")[3]
-            if mod not in ("base", "calls", "any"):   # one plane's own module
+            # one plane's own module (vms: general-purpose VMs, of no TPU plane)
+            if mod not in ("base", "calls", "any", "vms"):
                 found.append(where(node))
     return found
 

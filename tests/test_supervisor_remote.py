@@ -112,7 +112,7 @@ def records(pod1, bucket) -> st.Records:
 
 def hand_over(pod1, bucket: str, tag: str, *extra: str) -> str:
     out = tpufab("babysit", "train.sh", "--remote", "--env", f"JOB_TAG={tag}", *extra, env=pod1.env, cwd=pod1.repo,
-                 extra_env={"TPUFAB_SUPERVISOR_BUCKET": bucket})
+                 extra_env={"TPUFAB_SUPERVISOR_BUCKET": bucket, "TPUFAB_SUPERVISOR_VM": "0"})
     assert out.returncode == 0, out.stderr
     job = out.stdout.strip().splitlines()[-1]
     assert f"tpufab jobs logs {job} --follow" in out.stderr
@@ -157,7 +157,7 @@ def run_ended(pod1, run_id: str) -> bool:
 
 def jobs_cli(pod1, bucket, *args: str):
     return tpufab("jobs", *args, env=pod1.env,
-                  extra_env={"TPUFAB_SUPERVISOR_BUCKET": bucket})
+                  extra_env={"TPUFAB_SUPERVISOR_BUCKET": bucket, "TPUFAB_SUPERVISOR_VM": "0"})
 
 
 def test_two_supervisors_race_one_launches_and_the_other_reattaches_after_a_kill(

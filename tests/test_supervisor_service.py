@@ -155,7 +155,8 @@ def laptop(gcs, repo, tmp_path, monkeypatch):
         name=name, project="p", zone="z", accelerator_type="v4-8", state="READY",
         runtime_version="rt")], None))
     return Settings(name="pod-a", project="p", zone="us-central2-b", supervisor_bucket="sup-svc",
-                    storage_endpoint=gcs.url, state_dir=str(tmp_path / "state"))
+                    supervisor_vm=False, storage_endpoint=gcs.url,
+                    state_dir=str(tmp_path / "state"))
 
 
 def test_the_hand_over_writes_the_bundle_the_spec_and_the_state(laptop, recs, repo):

@@ -117,7 +117,7 @@ def test_a_missing_permission_is_one_sentence_with_its_role():
 
 
 def test_the_simulated_vms_init_reads_a_unit_as_systemd_does(tmp_path):
-    from tpufab.sim.worker_init import parse_seconds, parse_unit
+    from tpufab.sim.vm_units import parse_seconds, parse_unit
 
     env_file = tmp_path / "env"
     env_file.write_text("# comment\nA=1\nB=\"two words\"\n")

@@ -104,6 +104,7 @@ class Settings:
     supervisor_name: str = "tpufab-supervisor"  # its Compute Engine VM
     supervisor_machine_type: str = "e2-small"
     supervisor_idle: str = "1h"                # it deletes itself after this long with no live job
+    supervisor_vm: bool = True                 # false: no VM made; the service runs where you start it
 
     def source_of(self, key: str) -> str:
         """Where ``key``'s value came from: "command line", "environment", a file ..."""

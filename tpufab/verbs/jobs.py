@@ -1,5 +1,7 @@
-"""Job verbs: run, logs, runs, kill. Recipe output goes to stdout, tpufab's own notes to
-stderr, so ``tpufab run x.sh > out.txt`` keeps only what the recipe printed."""
+"""Job verbs: run, logs, runs, kill; supervised jobs and the supervisor VM (`tpufab jobs`,
+`tpufab supervisor up | status | ssh | down`, docs/supervisor.md). Recipe output goes to
+stdout, tpufab's own notes to stderr, so ``tpufab run x.sh > out.txt`` keeps only what the
+recipe printed."""
 
 from __future__ import annotations
 
@@ -10,11 +12,13 @@ from collections.abc import Sequence
 from tpufab.config import TIMEOUTS
 from tpufab.errors import ConfigError, TpufabError
 from tpufab.term.terminal import relative_path
-from tpufab.verbs.common import note
+from tpufab.verbs.common import note, say
 from tpufab.verbs.declare import Call, Opt, verb
 
 PLACE = 7   # where this family's verbs show in `tpufab --help`
-GROUPS = {"jobs": "Supervised jobs, read from the supervisor's bucket (`tpufab jobs`: list them)."}
+GROUPS = {"jobs": "Supervised jobs, read from the supervisor's bucket (`tpufab jobs`: list them).",
+          "supervisor": "The supervisor VM that keeps supervised jobs going "
+                        "(`tpufab supervisor status`)."}
 
 INTERRUPT_CHOICES = ("kill", "detach")   # --on-interrupt: what Ctrl-C while following does
 
@@ -428,4 +432,67 @@ def jobs_cancel(job: str, *, project: str | None = None, bucket: str | None = No
     from tpufab.pod.supervised import cancel_job
 
     note(cancel_job(job, project=project, bucket=bucket).summary())
+    return 0
+
+
+# --- the supervisor VM (docs/supervisor.md, "The VM") ---------------------------------------
+
+SUPERVISOR_OPTIONS = {
+    "bucket": Opt("The supervisor's bucket (default: the supervisor_bucket setting, else "
+                  "<project>-tpufab).", metavar="BUCKET"),
+    "force": "Delete it even with live jobs (they wait in the bucket for the next supervisor).",
+    "command": Opt("A command to run on the VM instead of a login shell (after --).",
+                   rest=True, metavar="CMD..."),
+}
+
+
+@verb(name="up", group="supervisor", options=SUPERVISOR_OPTIONS)
+def supervisor_up(*, project: str | None = None, zone: str | None = None,
+                  bucket: str | None = None) -> int:
+    """Make the project's supervisor VM if there is none (the setting supervisor_name, a
+    supervisor_machine_type VM running this laptop's own tpufab), or check the one there.
+
+    Its startup script first asks which permissions its service account lacks and stops, named
+    in one sentence with the role to grant, if any is missing. A supervisor running another
+    tpufab is upgraded in place when it holds no live job, else refused."""
+    from tpufab.pod.supervised import supervisor_up as up
+    from tpufab.term.console import stderr
+
+    vm = up(project=project, zone=zone, bucket=bucket, console=stderr())
+    what = "made" if vm.created else "upgraded to this tpufab" if vm.upgraded else "running"
+    say(f"Supervisor {vm.name} ({vm.machine_type}, {vm.zone}) {what}: tpufab {vm.version}.")
+    return 0
+
+
+@verb(name="status", group="supervisor", default=True, options=SUPERVISOR_OPTIONS)
+def supervisor_status(*, as_json: bool = False, project: str | None = None,
+                      zone: str | None = None, bucket: str | None = None) -> int:
+    """The supervisor VM: its machine type, uptime, tpufab, jobs and hourly cost (list price,
+    docs/supervisor.md). `tpufab supervisor` alone is the same."""
+    from tpufab.pod.supervised import supervisor_status as status
+    from tpufab.views.supervised import show_supervisor
+
+    show_supervisor(status(project=project, zone=zone, bucket=bucket), as_json=as_json)
+    return 0
+
+
+@verb(name="ssh", group="supervisor", options=SUPERVISOR_OPTIONS)
+def supervisor_ssh(*, command: list[str] | None = None, project: str | None = None,
+                   zone: str | None = None) -> int:
+    """SSH into the supervisor VM (a login shell), or run CMD there: `tpufab supervisor ssh
+    -- sudo journalctl -u tpufab-supervisor -n 50`. One CMD word is a command line as typed
+    (as ssh takes it); several are each quoted."""
+    from tpufab.pod.supervised import supervisor_ssh as ssh
+
+    return ssh(command or (), project=project, zone=zone)
+
+
+@verb(name="down", group="supervisor", options=SUPERVISOR_OPTIONS)
+def supervisor_down(*, force: bool = False, project: str | None = None,
+                    zone: str | None = None, bucket: str | None = None) -> int:
+    """Delete the supervisor VM; the bucket keeps every job's record. Refused while a job is
+    live, unless --force."""
+    from tpufab.pod.supervised import supervisor_down as down
+
+    say(down(force=force, project=project, zone=zone, bucket=bucket))
     return 0

@@ -115,8 +115,10 @@ def show_handed_over(result: Any) -> None:
     err.print(f"Handed job {result.job} over to {where}: it babysits {spec.recipe} on pod "
               f"{spec.pod.name} from commit {code}; the laptop can be closed.", markup=False)
     if result.supervisor is None:
-        err.print("No supervisor is running for it yet: `tpufab supervisor up` starts one, "
-                  "and it picks the job up from the bucket.", markup=False)
+        err.print("No supervisor VM is made for it (supervisor_vm is false): a service you "
+                  "run (`python -m tpufab.flows.supervisor serve --bucket "
+                  f"{result.bucket} --name NAME`) picks the job up from the bucket.",
+                  markup=False)
     if spec.secrets and not result.secrets_handed:
         err.print(f"Its secrets ({', '.join(spec.secrets)}) are not in the bucket: the job "
                   "waits (needs secrets) until they are handed to the supervisor "

@@ -191,11 +191,12 @@ def _hand_secrets(settings: Settings, spec: JobSpec, env: Sequence[str],
 
 
 def _ensure_supervisor(settings: Settings, console: Any) -> str | None:
-    """The supervisor VM made sure of (tpufab.flows.supervisor.vm.ensure) where that module
-    exists; None without it."""
-    try:
-        from tpufab.flows.supervisor import vm  # type: ignore[attr-defined]
-    except ImportError:
+    """The supervisor VM made sure of (tpufab.flows.supervisor.vm.ensure); None with the
+    setting ``supervisor_vm: false`` (a service the user runs on a machine of their own,
+    `python -m tpufab.flows.supervisor serve`, takes the job from the bucket)."""
+    if not settings.supervisor_vm:
         return None
+    from tpufab.flows.supervisor import vm
+
     vm.ensure(settings, console=console)
     return settings.supervisor_name
