@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 import subprocess
 import time
 from pathlib import Path
@@ -121,15 +122,16 @@ def test_up_installs_the_laptops_own_tpufab_in_a_venv_of_its_own(supervisor):
     # this machine's checkout or site-packages is there to import by accident (one ssh)
     here = Path(__import__("tpufab").__file__).parent / "flows" / "supervisor" / "vm.py"
     there = beat["tpufab_file"].replace("__init__.py", "flows/supervisor/vm.py")
-    version, digest, system, *top = _ssh(supervisor, "; ".join([
+    mine = [str(HERE), str(here.parent)]   # this checkout, this machine's installed tpufab
+    version, digest, system, *seen = _ssh(supervisor, "; ".join([
         "/opt/tpufab-supervisor/venv/bin/tpufab --version", f"sha256sum {there}",
         "python3 -c 'import importlib.util as u; print(u.find_spec(\"tpufab\"))'",
-        "ls /"])).split("\n")
+        "for p in " + " ".join(shlex.quote(m) for m in mine) + "; do test -e \"$p\" && "
+        "echo \"$p\"; done; true"])).split("\n")
     assert version.strip() == laptop
     assert digest.split()[0] == hashlib.sha256(here.read_bytes()).hexdigest()
     assert system.strip() == "None"   # the image's python3 has no tpufab
-    top = " ".join(top).split()
-    assert not {p.split("/")[1] for p in (str(HERE), str(here))} & set(top), top
+    assert not [s for s in seen if s.strip()], seen   # neither path exists on the VM
     # `supervisor up` again, warm: the same code is running, nothing is made or reinstalled
     again = ok(tpufab("supervisor", "up", env=supervisor["env"], timeout=120))
     assert "running" in again and "made" not in again
