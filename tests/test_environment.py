@@ -217,3 +217,140 @@ def test_a_lock_installs_as_locked_and_one_out_of_date_is_uvs_reason(tmp_path):
                                                                   '["tfa-alpha", "tfa-beta"]')})
         late = _op(home, "build", dict(request, hash="l2", files=stale))
     assert late["stage"] == "resolve" and "needs to be updated" in late["error"]
+
+
+# -- a requirements file's includes ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, found", [
+    ("-r more.txt\n", [("-r", "more.txt")]),
+    ("--requirement=sub/more.txt  # shared pins\n", [("-r", "sub/more.txt")]),
+    ("  --requirement  'with space.txt'\n", [("-r", "with space.txt")]),
+    ("-rmore.txt\n-c ../constraints.txt\n", [("-r", "more.txt"), ("-c", "../constraints.txt")]),
+    ("--constraint c.txt\t# why\n", [("-c", "c.txt")]),
+    ("# -r commented.txt\ntfa-alpha  # -r not.txt\n--index-url http://x/simple/\n", []),
+    ("--requirements-are-not-an-option x\n-e ./local\n", []),
+    ("-r \\\n  continued.txt\n", [("-r", "continued.txt")]),
+])
+def test_the_includes_of_a_requirements_file_are_read_as_pip_reads_them(text, found):
+    from tpufab.steps.host.environment import requirement_includes
+
+    assert requirement_includes(text) == found
+
+
+def _project(tmp_path: Path, files: dict[str, str], main: str = "env/requirements.txt"):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    return _settings(tmp_path, f"environment: {{requirements: {main}}}\n")
+
+
+def test_the_included_files_ship_by_their_path_in_the_project_and_are_hashed(tmp_path):
+    settings = _project(tmp_path, {
+        "env/requirements.txt": "-r more.txt\n--constraint=../constraints.txt\ntfa-alpha\n",
+        "env/more.txt": "-c ../constraints.txt\ntfa-gamma\n",   # included twice: shipped once
+        "constraints.txt": "tfa-beta<2\n"})
+    spec = env_spec(settings)
+    assert spec.spec == "env/requirements.txt"
+    assert spec.files == {"env/requirements.txt": (tmp_path / "env/requirements.txt")
+                          .read_bytes(), "env/more.txt": b"-c ../constraints.txt\ntfa-gamma\n",
+                          "constraints.txt": b"tfa-beta<2\n"}
+    first = environment_hash(spec, arch="x86_64", python="3.11.2")
+    (tmp_path / "constraints.txt").write_text("tfa-beta<3\n")    # an included file changed
+    assert environment_hash(env_spec(settings), arch="x86_64", python="3.11.2") != first
+
+
+@pytest.mark.parametrize("files, fragment", [
+    ({"env/requirements.txt": "-r ../../outside.txt\n"},
+     "The environment's env/requirements.txt includes ../../outside.txt (-r), which is "
+     "outside the project ({root}): tpufab ships only the files under it; copy it into the "
+     "project and include that instead."),
+    ({"env/requirements.txt": "-c /etc/constraints.txt\n"},
+     "includes /etc/constraints.txt (-c), which is outside the project"),
+    ({"env/requirements.txt": "-r more.txt\n", "env/more.txt": "-r https://x.invalid/r.txt\n"},
+     "The environment's env/more.txt includes https://x.invalid/r.txt (-r), a URL: tpufab "
+     "ships only the project's files"),
+    ({"env/requirements.txt": "-r gone.txt\n"},
+     "The environment's env/requirements.txt includes gone.txt (-r), which does not exist at "
+     "{root}/env/gone.txt; add it or fix that line."),
+])
+def test_an_include_outside_the_project_or_not_there_is_one_sentence(tmp_path, files, fragment):
+    settings = _project(tmp_path, files)
+    with pytest.raises(ConfigError) as err:
+        env_spec(settings)
+    text = str(err.value)
+    assert fragment.format(root=tmp_path) in text and "\n" not in text, text
+    assert text.endswith(".")
+
+
+@pytest.mark.skipif(not _uv(), reason="needs uv (the dev extra)")
+def test_the_worker_builds_a_requirements_file_with_its_includes_beside_it(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    with PackageIndex(tmp_path / "wheels") as index:
+        index.add("tfa-alpha", "1.0", requires=["tfa-beta>=1"])
+        index.add("tfa-beta", "1.0")
+        index.add("tfa-beta", "2.0")
+        index.add("tfa-gamma", "1.0")
+        settings = _project(tmp_path / "proj", {
+            "env/requirements.txt": f"--index-url {index.url}\n-r more.txt\ntfa-alpha\n",
+            "env/more.txt": "-c ../constraints.txt\ntfa-gamma\n",
+            "constraints.txt": "tfa-beta<2\n"})
+        spec = env_spec(settings)
+        build = _op(home, "build", {"hash": "i1", "path": "~/.venv", "python": None,
+                                    "kind": "requirements", "spec": spec.spec, "uv": _uv(),
+                                    "files": {n: d.decode() for n, d in spec.files.items()}})
+    assert build["error"] is None, build
+    assert "tfa-beta==1.0" in build["resolved"] and "tfa-gamma==1.0" in build["resolved"]
+    # a name that would leave the build's folder is refused
+    bad = _op(home, "build", {"hash": "i2", "path": "~/.venv", "python": None,
+                              "kind": "requirements", "spec": "r.txt", "uv": _uv(),
+                              "files": {"../r.txt": "x\n"}})
+    assert bad["stage"] == "build" and "not a path inside the project" in bad["error"]
+
+
+# -- check, babysit and launch ---------------------------------------------------------------
+
+
+def test_check_names_a_host_whose_environment_differs_or_is_missing_with_its_fix():
+    from tpufab.steps.health.check import check_environment
+    from tpufab.steps.host.environment import EnvStatusReport, EnvStatusRow
+
+    good, old = "a" * 64, "b" * 64
+    same = EnvStatusReport(rows=[EnvStatusRow(w, hash=good) for w in range(4)], expected=good)
+    result = check_environment(same)
+    assert result.ok and result.detail == f"{good[:12]} at ~/.venv on w[0-3]"
+    mixed = EnvStatusReport(rows=[EnvStatusRow(0, hash=good), EnvStatusRow(1, hash=""),
+                                  EnvStatusRow(2, hash=old), EnvStatusRow(3, hash="")],
+                            expected=good)
+    lines = [p.line() for p in check_environment(mixed).problems]
+    assert lines == [
+        f"w[1,3]: no environment at ~/.venv ({good[:12]} is on w0); build it there with "
+        "`tpufab env build`.",
+        f"w2: environment {old[:12]} at ~/.venv, not the configured one ({good[:12]} is on "
+        "w0); build it there with `tpufab env build`."]
+    nobody = EnvStatusReport(rows=[EnvStatusRow(0, hash=old), EnvStatusRow(1, hash=old)],
+                             expected=good)
+    [problem] = check_environment(nobody).problems
+    assert problem.workers == (0, 1) and f"({good[:12]} is on no host)" in problem.text
+
+
+def test_babysit_and_launch_carry_the_environment_read_at_the_start(tmp_path):
+    from tpufab.flows import launch as launching
+    from tpufab.flows.babysit.recover import Restore
+    from tpufab.flows.taskfile import parse_task
+
+    settings = _project(tmp_path, {"requirements.txt": "tfa-alpha\n"}, "requirements.txt")
+    spec = env_spec(settings)
+    assert Restore(environment=spec).describe() == \
+        "the environment at ~/.venv (requirements.txt)"
+    task = parse_task({"type": "v4-8", "setup": "echo hi", "run": "python x.py"}, "t.yaml")
+    planned = launching.plan(task, settings=settings, name="n", cwd=tmp_path)
+    assert planned.environment == spec and planned.restore().environment == spec
+    assert ("environment at ~/.venv from requirements.txt: built once on w0 and copied to "
+            "every other host, skipped where its hash is (as `tpufab setup`)") in planned.steps
+    assert planned.steps.index(next(s for s in planned.steps if s.startswith("environment"))) \
+        < planned.steps.index(next(s for s in planned.steps if s.startswith("setup")))
+    (tmp_path / "requirements.txt").unlink()      # refused before anything is touched
+    with pytest.raises(ConfigError, match="requirements file .* does not exist"):
+        launching.plan(task, settings=settings, name="n", cwd=tmp_path)

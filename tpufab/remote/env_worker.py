@@ -6,7 +6,8 @@
 - ``probe {path, python, uv}``: this host's architecture, the Python the environment would
   use, the environment installed at ``path`` (its marker), the uv found, free disk; makes
   ``~/.tpufab/env`` (where archives land).
-- ``build {hash, path, python, kind, files, uv}``: on the build host only. ``uv venv
+- ``build {hash, path, python, kind, files, uv}``: on the build host only (``files``: the
+  spec files by their paths in the project, a requirements file's includes beside it). ``uv venv
   --relocatable``, then the resolution once (``uv pip compile`` of the requirements, its
   result kept, then ``uv pip sync``; or ``uv sync --locked`` of a uv.lock and its
   pyproject.toml), packed as ``~/.tpufab/env/<hash>.tar.gz``; answers its sha256, size and
@@ -153,6 +154,13 @@ class Failed(Exception):
         self.error = error
 
 
+def inside(folder, name):
+    """``folder/name`` where ``name`` is a relative path that stays inside it, else None."""
+    if not name or name.startswith("/") or ".." in name.split("/"):
+        return None
+    return os.path.join(folder, *name.split("/"))
+
+
 def build(request):
     started = time.time()
     uv = find_uv(request.get("uv"))
@@ -162,8 +170,15 @@ def build(request):
     work = os.path.join(ENV_DIR, "build-" + digest)
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work, mode=0o700)
+    project = os.path.join(work, "project")     # the spec files, as in the project
     for name, text in request["files"].items():
-        with open(os.path.join(work, os.path.basename(name)), "w") as fh:
+        place = inside(project, name)
+        if place is None:
+            shutil.rmtree(work, ignore_errors=True)
+            return {"stage": "build", "error": f"a spec file's name {name!r} is not a path "
+                                               "inside the project"}
+        os.makedirs(os.path.dirname(place), mode=0o700, exist_ok=True)
+        with open(place, "w") as fh:
             fh.write(text)
     venv = os.path.join(work, "venv")
     env = dict(os.environ, NO_COLOR="1", UV_NO_PROGRESS="1")
@@ -176,16 +191,20 @@ def build(request):
         interpreter = os.path.join(venv, "bin", "python")
         resolved = None
         if request["kind"] == "requirements":
-            spec = os.path.basename(request["spec"])
-            run_uv([uv, "pip", "compile", spec, "-o", "resolved.txt", "--emit-index-url",
-                    "--no-header", "--quiet", "--python", interpreter], work, env, "resolve")
-            run_uv([uv, "pip", "sync", "resolved.txt", "--python", interpreter], work, env,
+            spec = request["spec"]       # its includes beside it, as in the project
+            if inside(project, spec) is None:
+                shutil.rmtree(work, ignore_errors=True)
+                return {"stage": "build", "error": f"{spec!r} is not a path inside the project"}
+            resolution = os.path.join(work, "resolved.txt")
+            run_uv([uv, "pip", "compile", spec, "-o", resolution, "--emit-index-url",
+                    "--no-header", "--quiet", "--python", interpreter], project, env, "resolve")
+            run_uv([uv, "pip", "sync", resolution, "--python", interpreter], project, env,
                    "install")
-            with open(os.path.join(work, "resolved.txt")) as fh:
+            with open(resolution) as fh:
                 resolved = fh.read()
         else:
             run_uv([uv, "sync", "--locked", "--no-install-project", "--python", interpreter],
-                   work, dict(env, UV_PROJECT_ENVIRONMENT=venv), "resolve")
+                   project, dict(env, UV_PROJECT_ENVIRONMENT=venv), "resolve")
     except OSError as err:
         return {"stage": "build", "error": f"{type(err).__name__}: {err}"}
     except Failed as failed:

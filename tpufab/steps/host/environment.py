@@ -9,7 +9,10 @@ packs it, and every other host gets *that* archive host to host inside the pod (
 ``tpufab.ssh.transfer``), unpacks it at the same path and checks the tree's hash against
 the build's. A host that fails is retried once, then named. Only the build host talks to
 the package index; the laptop sends the spec files (and uv, where worker 0 has none and
-this machine's uv runs there). The worker side is ``remote/env_worker.py``.
+this machine's uv runs there). A requirements file ships with the files it includes (``-r``,
+``-c``), each by its path in the project and part of the hash. ``put_environment`` is what
+`tpufab setup`, `env build`, launch and babysit's recovery call; ``environment_status`` is
+what `env status` and `check` read. The worker side is ``remote/env_worker.py``.
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ class EnvSpec:
 
 def env_spec(settings, cwd: Path | None = None) -> EnvSpec | None:
     """The configured environment's spec, its files read (relative to the tpufab.yaml that
-    named them, else here); None when there is none; one sentence for a file not there."""
+    named them, else here; a requirements file with the files it includes, ``-r``/``-c``,
+    each named by its path in the project); None when there is none; one sentence for a
+    file not there or an include outside the project."""
     environment = settings.environment or {}
     kind = "requirements" if environment.get("requirements") else \
         "lock" if environment.get("lock") else None
@@ -59,24 +64,108 @@ def env_spec(settings, cwd: Path | None = None) -> EnvSpec | None:
     source = settings.source_of("environment")
     base = Path(source).parent if source and Path(source).is_file() else (cwd or Path.cwd())
     main = Path(environment[kind]).expanduser()
-    main = main if main.is_absolute() else base / main
-    wanted = [main] if kind == "requirements" else [main, main.with_name("pyproject.toml")]
-    files = {}
-    for path in wanted:
-        try:
-            data = path.read_bytes()
-            data.decode("utf-8")
-        except FileNotFoundError:
-            what = "the pyproject.toml beside the lock" if path.name == "pyproject.toml" \
-                else f"environment's {kind} file"
-            raise ConfigError(f"{what} {path} does not exist; fix `environment: {kind}:` in "
-                              "tpufab.yaml or add the file.") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"{path} is not a text file (UTF-8); environment's {kind} "
-                              "must be one.") from None
-        files[path.name] = data
-    return EnvSpec(kind, main.name, files, environment.get("python") or None,
+    main = Path(os.path.normpath(main if main.is_absolute() else base / main))
+    if kind == "lock":
+        files = {path.name: _read_spec(path, kind)
+                 for path in (main, main.with_name("pyproject.toml"))}
+        name = main.name
+    else:
+        root = base if _inside(main, base) else main.parent
+        files = _requirement_files(main, root)
+        name = _relative(main, root)
+    return EnvSpec(kind, name, files, environment.get("python") or None,
                    environment.get("path") or DEFAULT_ENVIRONMENT_PATH)
+
+
+def _read_spec(path: Path, kind: str, *, included: str | None = None) -> bytes:
+    """A spec file's bytes (UTF-8 text), or one sentence naming it."""
+    try:
+        data = path.read_bytes()
+        data.decode("utf-8")
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        if included:
+            raise ConfigError(f"{included}, which does not exist at {path}; add it or fix "
+                              "that line.") from None
+        what = "the pyproject.toml beside the lock" if path.name == "pyproject.toml" \
+            else f"environment's {kind} file"
+        raise ConfigError(f"{what} {path} does not exist; fix `environment: {kind}:` in "
+                          "tpufab.yaml or add the file.") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a text file (UTF-8); environment's {kind} "
+                          "must be one.") from None
+    return data
+
+
+_INCLUDES = (("--requirement", "-r"), ("--constraint", "-c"), ("-r", "-r"), ("-c", "-c"))
+
+
+def requirement_includes(text: str) -> list[tuple[str, str]]:
+    """The files a requirements file includes, as pip and uv read them: ``(flag, path)``
+    for each ``-r``/``--requirement`` and ``-c``/``--constraint`` line (pure)."""
+    import shlex
+
+    found = []
+    for line in text.replace("\\\r\n", "").replace("\\\n", "").splitlines():
+        line = line.strip()
+        if line.startswith("#") or not line.startswith("-"):
+            continue
+        line = line.split(" #", 1)[0].split("\t#", 1)[0]
+        for option, flag in _INCLUDES:
+            if not line.startswith(option):
+                continue
+            rest = line[len(option):]
+            if option.startswith("--"):
+                if rest.startswith("="):
+                    rest = rest[1:]
+                elif not rest[:1].isspace():
+                    break               # another option (--requirements-foo): not ours
+            try:
+                words = shlex.split(rest)
+            except ValueError:
+                words = rest.split()
+            if words:
+                found.append((flag, words[0]))
+            break
+    return found
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def _relative(path: Path, root: Path) -> str:
+    return Path(os.path.relpath(path, root)).as_posix()
+
+
+def _requirement_files(main: Path, root: Path) -> dict[str, bytes]:
+    """The requirements file and every file it includes, each once, by its path under
+    ``root`` (pip's rule: an include is relative to the file that names it)."""
+    files: dict[str, bytes] = {}
+    todo: list[tuple[Path, str | None]] = [(main, None)]
+    while todo:
+        path, included = todo.pop(0)
+        name = _relative(path, root)
+        if name in files:
+            continue
+        files[name] = data = _read_spec(path, "requirements", included=included)
+        for flag, target in requirement_includes(data.decode("utf-8")):
+            said = f"The environment's {name} includes {target} ({flag})"
+            if "://" in target:
+                raise ConfigError(f"{said}, a URL: tpufab ships only the project's files to "
+                                  "the build host; download it into the project and include "
+                                  "that instead.")
+            found = Path(target).expanduser()
+            found = Path(os.path.normpath(found if found.is_absolute() else path.parent / found))
+            if not _inside(found, root) or _relative(found, root).startswith("../"):
+                raise ConfigError(f"{said}, which is outside the project ({root}): tpufab "
+                                  "ships only the files under it; copy it into the project "
+                                  "and include that instead.")
+            todo.append((found, said))
+    return files
 
 
 def environment_hash(spec: EnvSpec, *, arch: str, python: str) -> str:
@@ -320,6 +409,20 @@ def build_environment(fanout, spec: EnvSpec, *, workers: Sequence[int],
                              error="install" if errors[w] else None,
                              message=errors[w] and f"{errors[w]} (tried {attempt} times)")
     return _finished(rows, digest, spec, builder, build.get("resolved"))
+
+
+def put_environment(hosts, spec: EnvSpec, *, workers: Sequence[int] | None = None,
+                    force: bool = False, timeout: float | None = None) -> EnvReport:
+    """``spec`` on ``workers`` of ``hosts`` (a ``tpufab.hosts.connect.Hosts``; every host by
+    default) as `tpufab setup` puts it there: built once, copied host to host, skipped where
+    its hash is. What `Pod.env_build`, babysit's recovery and launch's steps call."""
+    from tpufab.config import timeout_for
+
+    return build_environment(hosts.fanout, spec,
+                             workers=list(hosts.workers if workers is None else workers),
+                             peers=dict(enumerate(hosts.internal_ips())), force=force,
+                             timeout=timeout_for("env build", timeout,
+                                                 hosts.settings.command_timeout))
 
 
 def _finished(rows: Mapping[int, EnvRow], digest: str, spec: EnvSpec, builder: int,
