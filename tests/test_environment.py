@@ -37,6 +37,9 @@ def _settings(tmp_path: Path, yaml: str):
     ("environment: {requirements: r.txt, path: venv}", "under ~/ or an absolute path"),
     ("environment: {requirements: r.txt, path: '~/../etc'}", "under ~/ or an absolute path"),
     ("environment: {requirements: r.txt, path: '~'}", "a folder of its own"),
+    ("environment: {requirements: r.txt, bucket: my-bucket}", "bucket must be gs://BUCKET or "
+                                                              "gs://BUCKET/PREFIX"),
+    ("environment: {requirements: r.txt, bucket: 'gs://b/../x'}", "not 'gs://b/../x'"),
 ])
 def test_a_bad_environment_setting_is_one_sentence_naming_the_file(tmp_path, yaml, fragment):
     with pytest.raises(ConfigError) as err:
@@ -73,6 +76,16 @@ def test_a_lock_takes_its_pyproject_and_a_missing_file_is_one_sentence(tmp_path)
     with pytest.raises(ConfigError, match="environment's requirements file .*gone.txt does "
                                           "not exist"):
         env_spec(settings)
+
+
+def test_a_bucket_is_where_the_archive_goes_and_not_part_of_the_hash(tmp_path):
+    (tmp_path / "requirements.txt").write_text("tfa-alpha\n")
+    plain = env_spec(_settings(tmp_path, "environment: {requirements: requirements.txt}\n"))
+    spec = env_spec(_settings(tmp_path, "environment: {requirements: requirements.txt, "
+                                        "bucket: 'gs://my-bucket/envs'}\n"))
+    assert spec.bucket == "gs://my-bucket/envs" and plain.bucket is None
+    assert environment_hash(spec, arch="x86_64", python="3.11.2") == \
+        environment_hash(plain, arch="x86_64", python="3.11.2")
 
 
 def test_no_environment_configured_is_none():
@@ -119,8 +132,8 @@ def _uv() -> str:
     return str(found) if found.is_file() else shutil.which("uv")
 
 
-def _op(home: Path, op: str, request: dict) -> dict:
-    env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+def _op(home: Path, op: str, request: dict, **more: str) -> dict:
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", **more}
     out = subprocess.run([WORKER_PYTHON, "-I", "-S", str(shipped("env_worker.py")), op],
                          input=json.dumps(request), capture_output=True, text=True, env=env,
                          cwd=home, timeout=120)
@@ -354,3 +367,60 @@ def test_babysit_and_launch_carry_the_environment_read_at_the_start(tmp_path):
     (tmp_path / "requirements.txt").unlink()      # refused before anything is touched
     with pytest.raises(ConfigError, match="requirements file .* does not exist"):
         launching.plan(task, settings=settings, name="n", cwd=tmp_path)
+
+
+def test_the_archive_goes_through_a_bucket_with_the_vms_own_token(tmp_path):
+    """upload and fetch against the simulated pod's Cloud Storage, the token from a metadata
+    server stand-in (GCE_METADATA_HOST, as google-auth reads it): every call carries it."""
+    import hashlib
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tpufab.sim.admin import StorageClient
+    from tpufab.sim.storage import StorageEmulator
+
+    asked = []
+
+    class Metadata(BaseHTTPRequestHandler):
+        def do_GET(self):
+            asked.append((self.path, self.headers.get("Metadata-Flavor")))
+            body = json.dumps({"access_token": "vm-token", "expires_in": 3600,
+                               "token_type": "Bearer"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    builder, other, third = tmp_path / "w0", tmp_path / "w1", tmp_path / "w2"
+    for home in (builder, other, third):
+        (home / ".tpufab" / "env").mkdir(parents=True)
+    data = os.urandom(3 << 20)                 # more than one block of the fetch
+    (builder / ".tpufab/env/h.tar.gz").write_bytes(data)
+    metadata = ThreadingHTTPServer(("127.0.0.1", 0), Metadata)
+    threading.Thread(target=metadata.serve_forever, daemon=True).start()
+    host = f"127.0.0.1:{metadata.server_address[1]}"
+    try:
+        with StorageEmulator(data_dir=None) as gcs:
+            StorageClient(gcs.url).create_bucket("envs-b")
+            where = {"endpoint": gcs.url, "bucket": "envs-b", "object": "p/h.tar.gz",
+                     "archive": ".tpufab/env/h.tar.gz",
+                     "sha256": hashlib.sha256(data).hexdigest()}
+            assert _op(builder, "upload", where, GCE_METADATA_HOST=host) == {
+                "error": None, "bytes": len(data)}
+            assert StorageClient(gcs.url).objects("envs-b") == {"p/h.tar.gz": data}
+            assert _op(other, "fetch", where, GCE_METADATA_HOST=host)["error"] is None
+            assert (other / ".tpufab/env/h.tar.gz").read_bytes() == data
+            wrong = _op(third, "fetch", dict(where, sha256="0" * 64),
+                        GCE_METADATA_HOST=host)
+            assert "is not the build's (sha256 differs)" in wrong["error"]
+            missing = _op(builder, "upload", dict(where, bucket="no-such-b"),
+                          GCE_METADATA_HOST=host)
+            assert missing["error"] == "Cloud Storage answered 404: no such bucket or object"
+    finally:
+        metadata.shutdown()
+    assert len(asked) == 4 and set(asked) == {
+        ("/computeMetadata/v1/instance/service-accounts/default/token", "Google")}
+    assert os.listdir(third / ".tpufab" / "env") == []        # no part file left behind

@@ -208,6 +208,46 @@ def test_the_setup_script_and_a_recipe_run_inside_the_environment(sim, project):
     assert "gamma 1.0" in lines                     # folded: every worker printed it
 
 
+def test_with_a_bucket_every_host_downloads_the_build_from_it(sim, project):
+    from helpers import unique_name
+
+    from tpufab.sim.admin import StorageClient
+
+    if not sim.storage_endpoint:
+        pytest.skip("the simulated pod runs without Cloud Storage")
+    node, index, folder = project
+    bucket = unique_name("envs")
+    storage = StorageClient(sim.storage_endpoint)
+    storage.create_bucket(bucket)
+    yaml = folder / "tpufab.yaml"
+    original = yaml.read_text()
+    short = marker(sim, node, 0)["hash"][:12]
+    before = index.served()
+    try:
+        yaml.write_text(original + f"  bucket: gs://{bucket}/envs\n")   # not in the hash
+        in_worker(sim, node.node, 1, "rm -rf ~/.venv", user=USER)
+        result = tpufab("env", "build", env=node.env, cwd=folder)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert (f"Environment {short} at ~/.venv: w0 already had it; w1 copied from "
+                f"gs://{bucket}/envs.") in result.stdout
+        [name] = storage.objects(bucket)
+        assert name == f"envs/{marker(sim, node, 0)['hash']}.tar.gz"
+        assert marker(sim, node, 1)["tree"] == marker(sim, node, 0)["tree"]
+        assert index.served() == before
+
+        yaml.write_text(original + "  bucket: gs://no-such-bucket-tpufab/envs\n")
+        in_worker(sim, node.node, 1, "rm -rf ~/.venv", user=USER)
+        refused = tpufab("env", "build", env=node.env, cwd=folder)
+        assert refused.returncode == 1
+        one_sentence(refused, "w0 could not put the environment's archive in "
+                              "gs://no-such-bucket-tpufab/envs/", "Cloud Storage answered 404",
+                     "roles/storage.objectUser", "to copy it host to host.")
+    finally:
+        yaml.write_text(original)
+    again = tpufab("env", "build", env=node.env, cwd=folder)      # host to host again
+    assert again.returncode == 0 and "w1 copied from w0." in again.stdout, again.stderr
+
+
 TASK = """\
 type: v4-16
 setup: |

@@ -5,8 +5,10 @@ and a path (``~/.venv``). Its hash (:func:`environment_hash`: the spec files' by
 Python, the architecture, the path) decides whether anything happens: hosts whose marker
 holds it are skipped. Otherwise one host (worker 0 of the selection) builds it with uv,
 resolving once (``uv pip compile``, then ``uv pip sync`` of that resolution; or the lock),
-packs it, and every other host gets *that* archive host to host inside the pod (put's relay:
-``tpufab.ssh.transfer``), unpacks it at the same path and checks the tree's hash against
+packs it, and every other host gets *that* archive: through the environment's bucket where
+one is set (``bucket: gs://B/PREFIX``: the build host uploads, every other host downloads at
+once with its VM's own token), else host to host inside the pod (put's relay:
+``tpufab.ssh.transfer``); each unpacks it at the same path and checks the tree's hash against
 the build's. A host that fails is retried once, then named. Only the build host talks to
 the package index; the laptop sends the spec files (and uv, where worker 0 has none and
 this machine's uv runs there). A requirements file ships with the files it includes (``-r``,
@@ -49,6 +51,7 @@ class EnvSpec:
     files: Mapping[str, bytes]
     python: str | None = None
     path: str = DEFAULT_ENVIRONMENT_PATH
+    bucket: str | None = None     # gs://B/PREFIX the archive goes through (not in the hash)
 
 
 def env_spec(settings, cwd: Path | None = None) -> EnvSpec | None:
@@ -74,7 +77,8 @@ def env_spec(settings, cwd: Path | None = None) -> EnvSpec | None:
         files = _requirement_files(main, root)
         name = _relative(main, root)
     return EnvSpec(kind, name, files, environment.get("python") or None,
-                   environment.get("path") or DEFAULT_ENVIRONMENT_PATH)
+                   environment.get("path") or DEFAULT_ENVIRONMENT_PATH,
+                   environment.get("bucket") or None)
 
 
 def _read_spec(path: Path, kind: str, *, included: str | None = None) -> bytes:
@@ -206,6 +210,7 @@ class EnvReport(Report):
     hash: str = ""
     path: str = DEFAULT_ENVIRONMENT_PATH
     builder: int | None = None
+    source: str | None = None     # the bucket the other hosts downloaded it from (else w0)
     resolved: str | None = field(default=None, metadata={"json": False})
     columns: tuple[Column, ...] = (Column("ENVIRONMENT", lambda r: r.action),
                                    Column("HASH", lambda r: _short(r.hash)))
@@ -214,7 +219,8 @@ class EnvReport(Report):
         by: dict[str, list[int]] = {}
         for row in sorted(self.rows, key=lambda r: r.worker):
             by.setdefault(row.action, []).append(row.worker)
-        words = {"built": "built", "copied": f"copied from {nodeset.label(self.builder or 0)}",
+        origin = self.source or nodeset.label(self.builder or 0)
+        words = {"built": "built", "copied": f"copied from {origin}",
                  "skipped": "already had it", "failed": "failed"}
         parts = [f"{nodeset.fold(ws)} {words.get(a, a)}" for a, ws in by.items()]
         self.summary = (f"Environment {_short(self.hash)} at {self.path}: "
@@ -350,10 +356,37 @@ def _sentence(stage: str, error: str, spec: EnvSpec, builder: int) -> str:
     return f"Building the environment on {who} failed ({stage}): {error}."
 
 
+def _fetch(fanout, where: dict, workers: Sequence[int],
+           timeout: float | None) -> dict[int, str | None]:
+    """The archive from the environment's bucket onto ``workers``, all at once, each with
+    its VM's own token, verified by sha256; {worker: None or why not}."""
+    answers = _call(fanout, "fetch", {w: where for w in workers}, timeout=timeout)
+    return {w: answers[w].get("error") for w in workers}
+
+
+def _through_bucket(fanout, spec: EnvSpec, digest: str, build: dict, builder: int,
+                    endpoint: str, timeout: float | None) -> dict:
+    """The build host puts its archive in the bucket (``spec.bucket``); what every other
+    host fetches it with. One sentence where the VMs cannot write there."""
+    bucket, _, prefix = spec.bucket.removeprefix("gs://").partition("/")
+    name = "/".join(p for p in (prefix.strip("/"), f"{digest}.tar.gz") if p)
+    where = {"endpoint": endpoint.rstrip("/"), "bucket": bucket, "object": name,
+             "archive": build["archive"], "sha256": build["sha256"]}
+    up = _call(fanout, "upload", {builder: where}, timeout=timeout)[builder]
+    if up.get("error"):
+        raise EnvError(f"{nodeset.label(builder)} could not put the environment's archive in "
+                       f"gs://{bucket}/{name}: {up['error']}; let the VMs' service account "
+                       f"write there (roles/storage.objectUser on gs://{bucket}), or remove "
+                       "`bucket:` from `environment:` in tpufab.yaml to copy it host to host.")
+    return where
+
+
 def build_environment(fanout, spec: EnvSpec, *, workers: Sequence[int],
                       peers: Mapping[int, str], force: bool = False,
-                      timeout: float | None = None) -> EnvReport:
-    """Build ``spec`` once and put it on every host of ``workers`` that lacks it (above)."""
+                      timeout: float | None = None,
+                      endpoint: str | None = None) -> EnvReport:
+    """Build ``spec`` once and put it on every host of ``workers`` that lacks it (above);
+    ``endpoint``: Cloud Storage's, where ``spec.bucket`` is set."""
     chosen = list(workers)
     probes = _call(fanout, "probe", {w: {"path": spec.path, "python": spec.python}
                                      for w in chosen}, timeout=timeout)
@@ -374,7 +407,7 @@ def build_environment(fanout, spec: EnvSpec, *, workers: Sequence[int],
         rows[w] = EnvRow(w, action="skipped", hash=digest)
     todo = [w for w in chosen if w not in rows]
     if not todo:
-        return _finished(rows, digest, spec, builder, None)
+        return _finished(rows, digest, spec, builder, None, None)
     marker = probes[builder].get("marker") or {}
     build = marker.get("build") if builder in have and not force else None
     if build is None or not probes[builder].get("archive_present", True):
@@ -393,12 +426,19 @@ def build_environment(fanout, spec: EnvSpec, *, workers: Sequence[int],
                            f"built: {installed[builder]}.")
         rows[builder] = EnvRow(builder, action="built", hash=digest, tries=1)
     others = [w for w in todo if w != builder]
+    where = None
+    if spec.bucket and others:      # through the bucket, every host at once; else host to host
+        from tpufab.cloud.storage import GOOGLE_STORAGE
+
+        where = _through_bucket(fanout, spec, digest, build, builder,
+                                endpoint or GOOGLE_STORAGE, timeout)
     errors: dict[int, str | None] = {w: "not tried" for w in others}
     for attempt in (1, 2):          # a host that failed is tried once more, then named
         again = [w for w in others if errors[w]]
         if not again:
             break
-        pulled = _spread(fanout, builder, build, again, peers)
+        pulled = _fetch(fanout, where, again, timeout) if where else \
+            _spread(fanout, builder, build, again, peers)
         got = [w for w in again if not pulled[w]]
         errors.update({w: pulled[w] for w in again if pulled[w]})
         errors.update(_install(fanout, got, digest, spec, build, keep=False, timeout=timeout)
@@ -408,7 +448,8 @@ def build_environment(fanout, spec: EnvSpec, *, workers: Sequence[int],
                              hash="" if errors[w] else digest, tries=attempt,
                              error="install" if errors[w] else None,
                              message=errors[w] and f"{errors[w]} (tried {attempt} times)")
-    return _finished(rows, digest, spec, builder, build.get("resolved"))
+    return _finished(rows, digest, spec, builder, build.get("resolved"),
+                     spec.bucket.rstrip("/") if where else None)
 
 
 def put_environment(hosts, spec: EnvSpec, *, workers: Sequence[int] | None = None,
@@ -422,14 +463,15 @@ def put_environment(hosts, spec: EnvSpec, *, workers: Sequence[int] | None = Non
                              workers=list(hosts.workers if workers is None else workers),
                              peers=dict(enumerate(hosts.internal_ips())), force=force,
                              timeout=timeout_for("env build", timeout,
-                                                 hosts.settings.command_timeout))
+                                                 hosts.settings.command_timeout),
+                             endpoint=hosts.settings.storage_endpoint)
 
 
 def _finished(rows: Mapping[int, EnvRow], digest: str, spec: EnvSpec, builder: int,
-              resolved: str | None) -> EnvReport:
+              resolved: str | None, source: str | None) -> EnvReport:
     """The report; an EnvError naming every host that failed, with why."""
     out = EnvReport(rows=sorted(rows.values(), key=lambda r: r.worker), hash=digest,
-                    path=spec.path, builder=builder, resolved=resolved)
+                    path=spec.path, builder=builder, source=source, resolved=resolved)
     failed = [r for r in out.rows if not r.ok]
     if failed:
         groups: dict[str, list[int]] = {}
