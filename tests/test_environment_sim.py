@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from harness import USER, sim_node
-from helpers import in_worker, one_sentence, tpufab
+from helpers import in_worker, one_sentence, tpufab, wait_for
 from pyindex import PackageIndex
 
 pytestmark = pytest.mark.sim
@@ -129,6 +129,64 @@ def test_a_host_that_cannot_take_it_is_retried_then_named_and_the_others_keep_th
     assert marker(sim, node, 0)["tree"] == marker(sim, node, 1)["tree"]
 
 
+# Inside w1: a tmpfs too small for the archive is mounted at ~/.tpufab/env, so w1's first pull
+# breaks off mid-way (disk full); when that pull removes its part file, this grows the tmpfs
+# (inotify: the event is queued, never missed), so the retry has room.
+GROW_ON_PART_REMOVED = """
+import ctypes, os, select, struct, subprocess, sys
+folder = sys.argv[1]
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.inotify_init()
+assert libc.inotify_add_watch(fd, folder.encode(), 0x200) >= 0      # IN_DELETE
+open("/tmp/grow-ready", "w").close()
+while select.select([fd], [], [], 120)[0]:
+    data = os.read(fd, 65536)
+    while data:
+        _wd, _mask, _cookie, size = struct.unpack_from("iIII", data)
+        name = data[16:16 + size].rstrip(b"\\0").decode()
+        data = data[16 + size:]
+        if name.endswith(".part"):
+            subprocess.run(["mount", "-o", "remount,size=64m", folder], check=True)
+            print("grown after", name)
+            sys.exit(0)
+sys.exit("no part file was removed")
+"""
+
+
+def test_a_host_that_loses_the_download_mid_way_is_retried_and_gets_it(sim, project):
+    import threading
+
+    from helpers import sim_pool
+
+    node, index, folder = project
+    index.add("tfa-delta", "1.0", payload=96 << 10)       # an archive of some size
+    requirements(folder, index, "tfa-alpha", "tfa-gamma", "tfa-beta<2", "tfa-delta")
+    first = tpufab("env", "build", "--worker", "0", env=node.env, cwd=folder)
+    assert first.returncode == 0 and "w0 built." in first.stdout, first.stdout + first.stderr
+    size = marker(sim, node, 0)["build"]["size"]
+    env_dir = f"/home/{USER}/.tpufab/env"
+    in_worker(sim, node.node, 1, f"mount -t tmpfs -o size={size // 2},mode=700,"
+              f"uid=$(id -u {USER}),gid=$(id -g {USER}) tfa-env {env_dir}")
+    grown: dict = {}
+    watcher = threading.Thread(target=lambda: grown.update(out=sim_pool(sim).exec_in(
+        node.node.id, 1, ["python3", "-c", GROW_ON_PART_REMOVED, env_dir], timeout=150)))
+    watcher.start()
+    try:
+        wait_for(lambda: in_worker(sim, node.node, 1, "test -e /tmp/grow-ready && echo y || :"
+                                   ).strip() == "y", 30, what="the watcher on w1")
+        result = tpufab("env", "build", "--json", env=node.env, cwd=folder)
+        watcher.join(150)
+    finally:
+        in_worker(sim, node.node, 1, f"umount -l {env_dir}; rm -f /tmp/grow-ready",
+                  check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "grown after ." in grown["out"].stdout, grown["out"].stderr   # a pull broke off
+    rows = {r["worker"]: r for r in json.loads(result.stdout)["rows"]}
+    assert (rows[0]["action"], rows[1]["action"], rows[1]["tries"]) == ("skipped", "copied", 2)
+    assert marker(sim, node, 1)["tree"] == marker(sim, node, 0)["tree"]
+    imports(sim, node, 1, "tfa_delta")
+
+
 def test_the_setup_script_and_a_recipe_run_inside_the_environment(sim, project):
     node, _index, folder = project
     (folder / "scripts").mkdir(exist_ok=True)
@@ -150,6 +208,77 @@ def test_the_setup_script_and_a_recipe_run_inside_the_environment(sim, project):
     assert "gamma 1.0" in lines                     # folded: every worker printed it
 
 
+def test_with_a_bucket_every_host_downloads_the_build_from_it(sim, project):
+    from helpers import unique_name
+
+    from tpufab.sim.admin import StorageClient
+
+    if not sim.storage_endpoint:
+        pytest.skip("the simulated pod runs without Cloud Storage")
+    node, index, folder = project
+    bucket = unique_name("envs")
+    storage = StorageClient(sim.storage_endpoint)
+    storage.create_bucket(bucket)
+    yaml = folder / "tpufab.yaml"
+    original = yaml.read_text()
+    short = marker(sim, node, 0)["hash"][:12]
+    before = index.served()
+    try:
+        yaml.write_text(original + f"  bucket: gs://{bucket}/envs\n")   # not in the hash
+        in_worker(sim, node.node, 1, "rm -rf ~/.venv", user=USER)
+        result = tpufab("env", "build", env=node.env, cwd=folder)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert (f"Environment {short} at ~/.venv: w0 already had it; w1 copied from "
+                f"gs://{bucket}/envs.") in result.stdout
+        [name] = storage.objects(bucket)
+        assert name == f"envs/{marker(sim, node, 0)['hash']}.tar.gz"
+        assert marker(sim, node, 1)["tree"] == marker(sim, node, 0)["tree"]
+        assert index.served() == before
+
+        yaml.write_text(original + "  bucket: gs://no-such-bucket-tpufab/envs\n")
+        in_worker(sim, node.node, 1, "rm -rf ~/.venv", user=USER)
+        refused = tpufab("env", "build", env=node.env, cwd=folder)
+        assert refused.returncode == 1
+        one_sentence(refused, "w0 could not put the environment's archive in "
+                              "gs://no-such-bucket-tpufab/envs/", "Cloud Storage answered 404",
+                     "roles/storage.objectUser", "to copy it host to host.")
+    finally:
+        yaml.write_text(original)
+    again = tpufab("env", "build", env=node.env, cwd=folder)      # host to host again
+    assert again.returncode == 0 and "w1 copied from w0." in again.stdout, again.stderr
+
+
+TASK = """\
+type: v4-16
+setup: |
+  echo "task setup VIRTUAL_ENV=$VIRTUAL_ENV"
+run: |
+  python -c 'import sys, tfa_gamma; print("task run", sys.prefix, tfa_gamma.VERSION)'
+"""
+
+
+def test_check_names_a_host_without_it_and_a_launch_puts_it_back_first(sim, project):
+    node, index, folder = project
+    short = marker(sim, node, 0)["hash"][:12]
+    in_worker(sim, node.node, 1, "rm -rf ~/.venv", user=USER)
+    check = tpufab("check", "--quick", env=node.env, cwd=folder)
+    assert check.returncode != 0
+    assert (f"w1: no environment at ~/.venv ({short} is on w0); build it there with `tpufab "
+            "env build`.") in check.stdout, check.stdout + check.stderr
+    (folder / "task.yaml").write_text(TASK)
+    before = index.served()
+    launched = tpufab("launch", "task.yaml", "--name", node.name, env=node.env, cwd=folder)
+    said = launched.stdout + launched.stderr
+    assert launched.returncode == 0, said
+    assert f"Environment {short} at ~/.venv: w0 already had it; w1 copied from w0." in said
+    home = f"/home/{USER}"
+    assert f"task setup VIRTUAL_ENV={home}/.venv" in launched.stdout.splitlines()
+    assert f"task run {home}/.venv 1.0" in launched.stdout.splitlines()
+    assert index.served() == before                     # copied, not downloaded again
+    check = tpufab("check", "--quick", env=node.env, cwd=folder)
+    assert f"environment  {short} at ~/.venv on w[0-1]" in check.stdout, check.stdout
+
+
 def test_a_requirement_that_does_not_resolve_is_said_once(sim, project):
     node, index, folder = project
     before = marker(sim, node, 1)
@@ -160,3 +289,27 @@ def test_a_requirement_that_does_not_resolve_is_said_once(sim, project):
     assert result.returncode == 1
     assert (result.stdout + result.stderr).count("does not resolve") == 1, sentence
     assert marker(sim, node, 1) == before           # the hosts keep what they had
+
+
+def test_babysit_recreates_a_preempted_node_with_the_environment_before_the_recipe(
+        sim, sim_admin, project):
+    """Last here: the node is recreated (new workers, empty homes)."""
+    from tpufab.cloud.planes.tpu import TpuApi
+
+    node, index, folder = project
+    requirements(folder, index, "tfa-alpha", "tfa-gamma")
+    before = wheels_served(index)
+    sim_admin.preempt(node.name)
+    result = tpufab("babysit", "venv.sh", "--no-deploy", env=node.env, cwd=folder,
+                    timeout=300)
+    said = result.stdout + result.stderr
+    assert result.returncode == 0, said
+    assert "recovering it first" in said
+    assert "w0 built; w1 copied from w0." in said
+    now = wheels_served(index)                 # the new w0 built it: each wheel once more
+    assert {k: now[k] - before.get(k, 0) for k in now if now[k] != before.get(k, 0)} == {
+        "tfa_alpha": 1, "tfa_beta": 1, "tfa_gamma": 1}
+    recreated = TpuApi(node.settings).get_node(node.name)
+    assert recreated.id != node.node.id
+    assert in_worker(sim, recreated, 1, "~/.venv/bin/python -c 'import tfa_gamma'; echo ok",
+                     user=USER).strip() == "ok"

@@ -585,16 +585,18 @@ URL_SETTINGS = {"api_endpoint": "http://127.0.0.1:8475 (the simulated pod) or "
                 "compute_endpoint": "https://compute.googleapis.com/compute/v1"}
 
 
-ENVIRONMENT_KEYS = ("requirements", "lock", "python", "path")
+ENVIRONMENT_KEYS = ("requirements", "lock", "python", "path", "bucket")
 DEFAULT_ENVIRONMENT_PATH = "~/.venv"
 # 3.8 to 3.19 (YAML reads an unquoted 3.10 as 3.1, refused here), or an interpreter's path
 _PYTHON_REQUEST = re.compile(r"^(?:3\.(?:[89]|1\d)(?:\.\d{1,3})?|/[A-Za-z0-9_./+-]+)$")
 _ENV_PATH = re.compile(r"^(?:~|/)[A-Za-z0-9_./+@-]*$")
+_ENV_BUCKET = re.compile(r"^gs://[a-z0-9][a-z0-9._-]{1,61}[a-z0-9](?:/[A-Za-z0-9_.+@=-]+)*/?$")
 
 
 def check_environment(environment: Mapping[str, str], where: str) -> None:
     """The ``environment:`` setting (requirements: FILE or lock: uv.lock; python: a version or
-    an interpreter's path; path: where it lives, ~/.venv by default), or one sentence naming
+    an interpreter's path; path: where it lives, ~/.venv by default; bucket: gs://B/PREFIX the
+    build's archive goes through, else host to host), or one sentence naming
     ``where`` it came from and the fix. An empty mapping: no environment."""
     if not environment:
         return
@@ -603,7 +605,7 @@ def check_environment(environment: Mapping[str, str], where: str) -> None:
             close = difflib.get_close_matches(key, ENVIRONMENT_KEYS, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{where}: environment has no key {key!r}{hint}; it takes "
-                              "requirements (or lock), python and path.")
+                              "requirements (or lock), python, path and bucket.")
     given = [k for k in ("requirements", "lock") if environment.get(k)]
     if len(given) != 1:
         raise ConfigError(f"{where}: environment needs exactly one of requirements: FILE "
@@ -622,6 +624,10 @@ def check_environment(environment: Mapping[str, str], where: str) -> None:
             ".." in path.split("/") or (path.startswith("~") and not path.startswith("~/")):
         raise ConfigError(f"{where}: environment's path must be a folder of its own under ~/ "
                           f"or an absolute path (such as ~/.venv), not {path!r}.")
+    bucket = environment.get("bucket")
+    if bucket and (not _ENV_BUCKET.match(bucket) or ".." in bucket.split("/")):
+        raise ConfigError(f"{where}: environment's bucket must be gs://BUCKET or "
+                          f"gs://BUCKET/PREFIX (where the build's archive goes), not {bucket!r}.")
 
 
 def check_limits(settings: Settings, origin: Mapping[str, str]) -> None:

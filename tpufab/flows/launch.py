@@ -38,6 +38,7 @@ from tpufab.steps.runs.env import (
 
 if TYPE_CHECKING:
     from tpufab.cloud.nodes import Node
+    from tpufab.steps.host.environment import EnvSpec
     from tpufab.steps.start.plan import RunPlan
 
 RUN_SCRIPT = "task-run.sh"
@@ -72,6 +73,7 @@ class LaunchPlan:
     links: Mapping[Path, str] = field(default_factory=dict)   # a file's path as the task wrote
     #                                           it, where a symlink led elsewhere (shown)
     allowed: tuple[Path, ...] = ()            # files --allow-file named (private ones copied)
+    environment: EnvSpec | None = None        # the configured environment (tpufab.yaml's)
 
     @property
     def tier(self) -> str:
@@ -134,7 +136,8 @@ class LaunchPlan:
         script = self.setup_script
         return Restore(setup_hash=setup_hash(script) if script else None, setup_script=script,
                        setup_name=f"{Path(self.task.path).name} setup" if script else None,
-                       commit=self.commit, deploy_dir=self.deploy_dir, mounts=list(self.mounts))
+                       commit=self.commit, deploy_dir=self.deploy_dir, mounts=list(self.mounts),
+                       environment=self.environment)
 
 
 # bash, one line: LINENO - OFFSET is the line in the task's setup section
@@ -290,10 +293,13 @@ def plan(task: Task, *, settings: Settings, name: str | None = None, type: str |
         raise ConfigError(f"--allow-file {unused[0]} names no file that {task.path} copies "
                           "(it copies " + (", ".join(sorted({str(f) for _, f in files}))
                                            or "none") + "); name the file as the plan shows it.")
+    from tpufab.steps.host.environment import env_spec
+
     result = LaunchPlan(task, spec, tuple(specs), forwarded, root, commit, branch, deploy_dir,
                         run_cwd, tuple(mounts), tuple(files), down, detach, idle, direct,
                         force_setup=force_setup, name_note=name_note, ray=ray,
-                        links=links, allowed=tuple(sorted(allowed)))
+                        links=links, allowed=tuple(sorted(allowed)),
+                        environment=env_spec(spec, cwd=cwd))
     return replace(result, steps=tuple(describe_steps(result)))
 
 # Where credentials live on this machine: a task file comes from other people, and a file
@@ -500,6 +506,10 @@ def describe_steps(p: LaunchPlan) -> list[str]:
         why = " (allowed by --allow-file)" if local in p.allowed else ""
         steps.append(f"put {local}{via} at {remote}{why}")
     where = "~/sky_workdir" if p.sky_workdir else (p.run_cwd or "~")
+    if p.environment is not None:
+        steps.append(f"environment at {p.environment.path} from {p.environment.spec}: built "
+                     "once on w0 and copied to every other host, skipped where its hash is "
+                     "(as `tpufab setup`)")
     if p.task.setup:
         steps.append(f"setup ({_lines(p.task.setup)}, "
                      + ("again (--force-setup)" if p.force_setup else "once per content")
@@ -710,6 +720,10 @@ def execute(p: LaunchPlan, launch: Launch, open_pod, *, zones: Sequence[str] | N
         with step(f"put {remote}"):
             put_file(pod, remote, local)
             say(f"Put {local} at {remote} on {everyone}.")
+    if restore.environment is not None:
+        with step("environment"):
+            built = recover.restore_environment(pod, restore)
+            say(built.summary)
     if restore.setup_script is not None:
         with step("setup"):
             with (setup_view(pod.workers) if setup_view is not None

@@ -25,16 +25,15 @@ class PodEnvironment:
         build`); ``force``: build again though the hash is unchanged. An EnvReport; raises
         EnvError naming a resolution failure once, or the hosts still failing after a
         retry."""
-        from tpufab.steps.host.environment import build_environment, env_spec
+        from tpufab.steps.host.environment import env_spec, put_environment
 
         spec = env_spec(self.settings)
         if spec is None:
             raise ConfigError("No environment is configured: add `environment: "
                               "{requirements: requirements.txt}` (or lock: uv.lock) to "
                               "tpufab.yaml.")
-        return build_environment(self.hosts.fanout, spec, workers=self.select(workers),
-                                 peers=dict(enumerate(self.internal_ips())), force=force,
-                                 timeout=self._timeout("env build", timeout))
+        return put_environment(self.hosts, spec, workers=self.select(workers), force=force,
+                               timeout=self._timeout("env build", timeout))
 
     def env_status(self, *, workers: str | Iterable[int] = "all",
                    timeout: float | None = None) -> EnvStatusReport:

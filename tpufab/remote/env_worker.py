@@ -6,7 +6,8 @@
 - ``probe {path, python, uv}``: this host's architecture, the Python the environment would
   use, the environment installed at ``path`` (its marker), the uv found, free disk; makes
   ``~/.tpufab/env`` (where archives land).
-- ``build {hash, path, python, kind, files, uv}``: on the build host only. ``uv venv
+- ``build {hash, path, python, kind, files, uv}``: on the build host only (``files``: the
+  spec files by their paths in the project, a requirements file's includes beside it). ``uv venv
   --relocatable``, then the resolution once (``uv pip compile`` of the requirements, its
   result kept, then ``uv pip sync``; or ``uv sync --locked`` of a uv.lock and its
   pyproject.toml), packed as ``~/.tpufab/env/<hash>.tar.gz``; answers its sha256, size and
@@ -15,6 +16,9 @@
   ``path``, its tree hashed and compared with the build's, then swapped into place with a
   marker (``<path>/.tpufab-env.json``); an existing tree at ``path`` is replaced only then.
 - ``status {path}``: the marker at ``path``.
+- ``upload`` / ``fetch {archive, sha256, endpoint, bucket, object}``: the build's archive
+  into the environment's bucket (the build host), and from it (every other host, at once),
+  with the VM's own token from its metadata server; a fetched archive is checked by sha256.
 
 Every tree hash is over the sorted paths, each with its kind, mode and content (a file's
 sha256, a symlink's target), the marker left out: two hosts with the same hash hold the same
@@ -153,6 +157,13 @@ class Failed(Exception):
         self.error = error
 
 
+def inside(folder, name):
+    """``folder/name`` where ``name`` is a relative path that stays inside it, else None."""
+    if not name or name.startswith("/") or ".." in name.split("/"):
+        return None
+    return os.path.join(folder, *name.split("/"))
+
+
 def build(request):
     started = time.time()
     uv = find_uv(request.get("uv"))
@@ -162,8 +173,15 @@ def build(request):
     work = os.path.join(ENV_DIR, "build-" + digest)
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work, mode=0o700)
+    project = os.path.join(work, "project")     # the spec files, as in the project
     for name, text in request["files"].items():
-        with open(os.path.join(work, os.path.basename(name)), "w") as fh:
+        place = inside(project, name)
+        if place is None:
+            shutil.rmtree(work, ignore_errors=True)
+            return {"stage": "build", "error": f"a spec file's name {name!r} is not a path "
+                                               "inside the project"}
+        os.makedirs(os.path.dirname(place), mode=0o700, exist_ok=True)
+        with open(place, "w") as fh:
             fh.write(text)
     venv = os.path.join(work, "venv")
     env = dict(os.environ, NO_COLOR="1", UV_NO_PROGRESS="1")
@@ -176,16 +194,20 @@ def build(request):
         interpreter = os.path.join(venv, "bin", "python")
         resolved = None
         if request["kind"] == "requirements":
-            spec = os.path.basename(request["spec"])
-            run_uv([uv, "pip", "compile", spec, "-o", "resolved.txt", "--emit-index-url",
-                    "--no-header", "--quiet", "--python", interpreter], work, env, "resolve")
-            run_uv([uv, "pip", "sync", "resolved.txt", "--python", interpreter], work, env,
+            spec = request["spec"]       # its includes beside it, as in the project
+            if inside(project, spec) is None:
+                shutil.rmtree(work, ignore_errors=True)
+                return {"stage": "build", "error": f"{spec!r} is not a path inside the project"}
+            resolution = os.path.join(work, "resolved.txt")
+            run_uv([uv, "pip", "compile", spec, "-o", resolution, "--emit-index-url",
+                    "--no-header", "--quiet", "--python", interpreter], project, env, "resolve")
+            run_uv([uv, "pip", "sync", resolution, "--python", interpreter], project, env,
                    "install")
-            with open(os.path.join(work, "resolved.txt")) as fh:
+            with open(resolution) as fh:
                 resolved = fh.read()
         else:
             run_uv([uv, "sync", "--locked", "--no-install-project", "--python", interpreter],
-                   work, dict(env, UV_PROJECT_ENVIRONMENT=venv), "resolve")
+                   project, dict(env, UV_PROJECT_ENVIRONMENT=venv), "resolve")
     except OSError as err:
         return {"stage": "build", "error": f"{type(err).__name__}: {err}"}
     except Failed as failed:
@@ -273,13 +295,101 @@ def install(request):
     return {"error": None, "tree": tree}
 
 
+METADATA_TOKEN = "http://{}/computeMetadata/v1/instance/service-accounts/default/token"
+STATUS_WORDS = {403: "permission denied", 404: "no such bucket or object"}
+
+
+def storage_call(method, url, *, body=None, size=None):
+    """One Cloud Storage JSON API call with the VM's own token (its metadata server); the
+    response, or OSError with the reason in words (HTTP status and message)."""
+    import urllib.error
+    import urllib.request
+
+    host = os.environ.get("GCE_METADATA_HOST") or "metadata.google.internal"   # google-auth's
+    try:
+        got = urllib.request.Request(METADATA_TOKEN.format(host),
+                                     headers={"Metadata-Flavor": "Google"})
+        with urllib.request.urlopen(got, timeout=30) as resp:
+            token = json.loads(resp.read())["access_token"]
+    except (OSError, ValueError, KeyError) as err:
+        raise OSError(f"no token from this VM's metadata server ({err})") from None
+    headers = {"Authorization": "Bearer " + token}
+    if body is not None:
+        headers.update({"Content-Type": "application/gzip", "Content-Length": str(size)})
+    request = urllib.request.Request(url, data=body, method=method, headers=headers)
+    try:
+        return urllib.request.urlopen(request, timeout=120)
+    except urllib.error.HTTPError as err:
+        try:
+            message = json.loads(err.read() or b"{}").get("error", {}).get("message", "")
+        except (ValueError, AttributeError):
+            message = ""
+        message = message or STATUS_WORDS.get(err.code, "")
+        raise OSError(f"Cloud Storage answered {err.code}"
+                      + (f": {message}" if message else "")) from None
+    except urllib.error.URLError as err:
+        raise OSError(f"cannot reach Cloud Storage at {url.split('/storage/')[0]} "
+                      f"({err.reason})") from None
+
+
+def object_url(request, media=False):
+    from urllib.parse import quote
+
+    bucket, name = quote(request["bucket"], safe=""), quote(request["object"], safe="")
+    if media:
+        return f"{request['endpoint']}/upload/storage/v1/b/{bucket}/o?uploadType=media&name={name}"
+    return f"{request['endpoint']}/storage/v1/b/{bucket}/o/{name}?alt=media"
+
+
+def upload(request):
+    """``upload {archive, endpoint, bucket, object}``: the build's archive into the bucket."""
+    archive = home_path(os.path.join("~", request["archive"]))
+    try:
+        with open(archive, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            with storage_call("POST", object_url(request, media=True), body=fh, size=size):
+                pass
+    except OSError as err:
+        return {"error": str(err) if not err.filename else f"{err.strerror}: {err.filename}"}
+    return {"error": None, "bytes": size}
+
+
+def fetch(request):
+    """``fetch {archive, sha256, endpoint, bucket, object}``: the archive from the bucket to
+    a part file beside ``archive``, its sha256 checked, renamed into place."""
+    archive = home_path(os.path.join("~", request["archive"]))
+    part = f"{archive}.{os.getpid()}.part"
+    digest, moved = hashlib.sha256(), 0
+    try:
+        with storage_call("GET", object_url(request)) as resp, open(part, "wb") as out:
+            while True:
+                block = resp.read(1 << 20)
+                if not block:
+                    break
+                out.write(block)
+                digest.update(block)
+                moved += len(block)
+        if digest.hexdigest() != request["sha256"]:
+            os.unlink(part)
+            return {"error": f"the archive in gs://{request['bucket']}/{request['object']} is "
+                             "not the build's (sha256 differs)"}
+        os.replace(part, archive)
+    except OSError as err:
+        if os.path.exists(part):
+            os.unlink(part)
+        why = str(err) if not err.filename else f"{err.strerror}: {err.filename}"
+        return {"error": why + (f" after {moved} bytes" if moved else "")}
+    return {"error": None, "bytes": moved}
+
+
 def status(request):
     marker = read_marker(request["path"])
     return {"error": None, "marker": marker,
             "exists": os.path.isdir(home_path(request["path"]))}
 
 
-OPS = {"probe": probe, "build": build, "install": install, "status": status}
+OPS = {"probe": probe, "build": build, "install": install, "status": status, "upload": upload,
+       "fetch": fetch}
 
 
 def main():

@@ -244,6 +244,11 @@ class Babysitter(Recovery, Attempts):
         self.spec: NodeSpec | None = None
         self._watched_ids: set[str] = set()   # node ids a recovery may delete
         self.restore = Restore()
+        from tpufab.steps.host.environment import env_spec
+
+        # the environment is read now (a file not there is a sentence before anything runs),
+        # and a recovery builds that one, whatever the files say by then
+        self.restore.environment = env_spec(settings)
         self.root: Path | None = None
         self.attempts: list[Attempt] = list(resume.history) if resume else []
         self.log_dir: Path | None = None

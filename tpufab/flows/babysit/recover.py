@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from tpufab.cloud.nodes import Node, QueuedResourceInfo
     from tpufab.config import Settings
     from tpufab.steps.health.status import StatusRow
+    from tpufab.steps.host.environment import EnvReport, EnvSpec
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,7 @@ class Restore:
     commit: str | None = None
     deploy_dir: str | None = None
     mounts: list[MountPoint] = field(default_factory=list)
+    environment: EnvSpec | None = None     # the configured environment, read at the start
 
     @classmethod
     def from_facts(cls, facts: Mapping[int, StatusRow]) -> Restore:
@@ -126,6 +128,9 @@ class Restore:
 
     def describe(self) -> str:
         parts = []
+        if self.environment is not None:
+            parts.append(f"the environment at {self.environment.path} "
+                         f"({self.environment.spec})")
         if self.setup_script is not None:
             parts.append(f"setup {self.setup_name or self.setup_hash}")
         if self.commit:
@@ -143,12 +148,25 @@ def setup_hash(content: bytes) -> str:
 # Bringing a pod to a Restore (babysit after a preemption, launch on a new or reused pod)
 
 
+def restore_environment(pod, r: Restore, *, timeout: float | None = None) -> EnvReport:
+    """``r.environment`` on every worker, as `tpufab setup` puts it there (built once and
+    copied, skipped where its hash is: tpufab.steps.host.environment); its report."""
+    from tpufab.steps.host.environment import put_environment
+
+    assert r.environment is not None
+    return put_environment(pod, r.environment, timeout=timeout)
+
+
 def restore_setup(pod, r: Restore, *, sink=None, env: Mapping[str, str] | None = None,
                   secrets: Mapping[str, str] | None = None,
                   timeout: float | None = None, force: bool = False) -> dict:
     """Run ``r.setup_script`` on every worker (once per content unless ``force``; ``env`` and
-    ``secrets``, the latter on stdin only, do not count as content); {worker: SetupRow}."""
+    ``secrets``, the latter on stdin only, do not count as content; inside the environment,
+    VIRTUAL_ENV set, where one is configured); {worker: SetupRow}."""
     from tpufab.steps.host.setup import run_setup
+
+    if r.environment is not None:     # as `tpufab setup`: the script sees the environment
+        env = {**(env or {}), "VIRTUAL_ENV": r.environment.path}
 
     result, outcomes = run_setup(pod.fanout, r.setup_script, sink=sink, env=env,
                                  secrets=secrets, timeout=timeout, force=force,
@@ -269,6 +287,11 @@ class Recovery:
 
         pod = self._pod()
         r = self.restore
+        if r.environment is not None:
+            self.note(f"babysit: the environment at {r.environment.path} on "
+                      f"{nodeset.fold(pod.workers)} ...")
+            built = restore_environment(pod, r, timeout=self.timeout)
+            self.note(f"babysit: {built.summary}")
         if r.setup_script is not None:
             self.note(f"babysit: setup ({r.setup_name}) on {nodeset.fold(pod.workers)} ...")
             restore_setup(pod, r, timeout=self.timeout)

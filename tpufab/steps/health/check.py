@@ -2,7 +2,8 @@
 
 One fan-out (``remote/facts_worker.py``, the seam `status` uses) asks every worker at once for its
 TPU device files and their holders, the Python and package versions a job would run with,
-the deployed commit, disk and memory headroom, its clock and whether its mounts answer. The
+the deployed commit, disk and memory headroom, its clock and whether its mounts answer (and,
+where an environment is configured, a second one its hash: docs/environment.md). The
 answers are compared across workers (``quick_results``, pure): workers that agree fold into
 one line, the odd ones are named, each problem gets its fix. Unless ``quick``, a real
 collective follows (``remote/check_collective.sh``, started on every worker through the run
@@ -201,6 +202,29 @@ def check_versions(facts: Mapping[int, StatusRow]) -> Result:
     detail = (", ".join(agreed) + where) if agreed else "no Python packages to compare"
     return Result("versions", detail, problems,
                   data={"packages": {str(w): f.packages for w, f in read.items()}})
+
+
+def check_environment(status: Any) -> Result:
+    """Every host's environment against the configured one (``status``: an
+    ``EnvStatusReport`` of tpufab.steps.host.environment: each host's hash, the expected
+    one); a host lacking it or holding another is a line with its fix (pure)."""
+    rows = [r for r in status.rows if r.ok]
+    groups = _group([(r.worker, r.hash or None) for r in rows])
+    expected = status.expected or (_majority(groups) if groups else None)
+    short = (expected or "")[:12]
+    have = groups.get(expected, []) if expected else []
+    where = f"on {nodeset.fold(have)}" if have else "on no host"
+    problems = []
+    for value, ws in sorted(((v, ws) for v, ws in groups.items() if v != expected),
+                            key=lambda item: min(item[1])):
+        text = (f"no environment at {status.path}" if value is None else
+                f"environment {value[:12]} at {status.path}, not the configured one")
+        problems.append(Problem("environment", tuple(ws), f"{text} ({short} is {where})",
+                                "build it there with `tpufab env build`"))
+    detail = (f"{short} at {status.path} {where}" if not problems else
+              f"{len(groups)} different environments at {status.path}")
+    return Result("environment", detail, problems,
+                  data={"expected": expected, "hashes": {str(r.worker): r.hash for r in rows}})
 
 
 def check_commit(facts: Mapping[int, StatusRow], *, enabled: bool = True) -> Result:
@@ -483,9 +507,13 @@ def run_check(settings: Any, pod: Any, *, quick: bool = False, timeout: float | 
 
     timeout = timeout_for("check", timeout)
     started = time.monotonic()
+    from tpufab.steps.host.environment import env_spec, environment_status
+
     dirs = status.default_deploy_dirs(settings) if deploy_dirs is None else list(deploy_dirs)
+    spec = env_spec(settings)
+    pythons = PYTHONS if spec is None else (f"{spec.path}/bin/python", "python3")
     before = time.time()
-    facts = status.gather_facts(pod.fanout, deploy_dirs=dirs, pythons=PYTHONS,
+    facts = status.gather_facts(pod.fanout, deploy_dirs=dirs, pythons=pythons,
                                 probe_mounts=MOUNT_PROBE_SECONDS,
                                 timeout=settings.command_timeout)
     after = time.time()
@@ -493,6 +521,13 @@ def run_check(settings: Any, pod: Any, *, quick: bool = False, timeout: float | 
     report = CheckReport(pod.name, ", ".join(types), list(pod.workers))
     report.rows = quick_results(facts, expected_devices=expected_device_files(pod.nodes),
                                 before=before, after=after, compare_commits=compare_commits)
+    up = [w for w in pod.workers if facts[w].reachable]
+    if spec is not None and up:     # the environment built once: the same hash everywhere
+        found = environment_status(pod.fanout, spec, spec.path, workers=up,
+                                   timeout=timeout_for("env status", None,
+                                                       settings.command_timeout))
+        at = next(i for i, r in enumerate(report.rows) if r.check == "versions") + 1
+        report.rows.insert(at, check_environment(found))
     report.rows.append(maintenance_result(settings, pod.nodes, facts))
     live = live_runs(facts)
     if live:

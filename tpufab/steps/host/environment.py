@@ -5,11 +5,16 @@ and a path (``~/.venv``). Its hash (:func:`environment_hash`: the spec files' by
 Python, the architecture, the path) decides whether anything happens: hosts whose marker
 holds it are skipped. Otherwise one host (worker 0 of the selection) builds it with uv,
 resolving once (``uv pip compile``, then ``uv pip sync`` of that resolution; or the lock),
-packs it, and every other host gets *that* archive host to host inside the pod (put's relay:
-``tpufab.ssh.transfer``), unpacks it at the same path and checks the tree's hash against
+packs it, and every other host gets *that* archive: through the environment's bucket where
+one is set (``bucket: gs://B/PREFIX``: the build host uploads, every other host downloads at
+once with its VM's own token), else host to host inside the pod (put's relay:
+``tpufab.ssh.transfer``); each unpacks it at the same path and checks the tree's hash against
 the build's. A host that fails is retried once, then named. Only the build host talks to
 the package index; the laptop sends the spec files (and uv, where worker 0 has none and
-this machine's uv runs there). The worker side is ``remote/env_worker.py``.
+this machine's uv runs there). A requirements file ships with the files it includes (``-r``,
+``-c``), each by its path in the project and part of the hash. ``put_environment`` is what
+`tpufab setup`, `env build`, launch and babysit's recovery call; ``environment_status`` is
+what `env status` and `check` read. The worker side is ``remote/env_worker.py``.
 """
 
 from __future__ import annotations
@@ -46,11 +51,14 @@ class EnvSpec:
     files: Mapping[str, bytes]
     python: str | None = None
     path: str = DEFAULT_ENVIRONMENT_PATH
+    bucket: str | None = None     # gs://B/PREFIX the archive goes through (not in the hash)
 
 
 def env_spec(settings, cwd: Path | None = None) -> EnvSpec | None:
     """The configured environment's spec, its files read (relative to the tpufab.yaml that
-    named them, else here); None when there is none; one sentence for a file not there."""
+    named them, else here; a requirements file with the files it includes, ``-r``/``-c``,
+    each named by its path in the project); None when there is none; one sentence for a
+    file not there or an include outside the project."""
     environment = settings.environment or {}
     kind = "requirements" if environment.get("requirements") else \
         "lock" if environment.get("lock") else None
@@ -59,24 +67,109 @@ def env_spec(settings, cwd: Path | None = None) -> EnvSpec | None:
     source = settings.source_of("environment")
     base = Path(source).parent if source and Path(source).is_file() else (cwd or Path.cwd())
     main = Path(environment[kind]).expanduser()
-    main = main if main.is_absolute() else base / main
-    wanted = [main] if kind == "requirements" else [main, main.with_name("pyproject.toml")]
-    files = {}
-    for path in wanted:
-        try:
-            data = path.read_bytes()
-            data.decode("utf-8")
-        except FileNotFoundError:
-            what = "the pyproject.toml beside the lock" if path.name == "pyproject.toml" \
-                else f"environment's {kind} file"
-            raise ConfigError(f"{what} {path} does not exist; fix `environment: {kind}:` in "
-                              "tpufab.yaml or add the file.") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"{path} is not a text file (UTF-8); environment's {kind} "
-                              "must be one.") from None
-        files[path.name] = data
-    return EnvSpec(kind, main.name, files, environment.get("python") or None,
-                   environment.get("path") or DEFAULT_ENVIRONMENT_PATH)
+    main = Path(os.path.normpath(main if main.is_absolute() else base / main))
+    if kind == "lock":
+        files = {path.name: _read_spec(path, kind)
+                 for path in (main, main.with_name("pyproject.toml"))}
+        name = main.name
+    else:
+        root = base if _inside(main, base) else main.parent
+        files = _requirement_files(main, root)
+        name = _relative(main, root)
+    return EnvSpec(kind, name, files, environment.get("python") or None,
+                   environment.get("path") or DEFAULT_ENVIRONMENT_PATH,
+                   environment.get("bucket") or None)
+
+
+def _read_spec(path: Path, kind: str, *, included: str | None = None) -> bytes:
+    """A spec file's bytes (UTF-8 text), or one sentence naming it."""
+    try:
+        data = path.read_bytes()
+        data.decode("utf-8")
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        if included:
+            raise ConfigError(f"{included}, which does not exist at {path}; add it or fix "
+                              "that line.") from None
+        what = "the pyproject.toml beside the lock" if path.name == "pyproject.toml" \
+            else f"environment's {kind} file"
+        raise ConfigError(f"{what} {path} does not exist; fix `environment: {kind}:` in "
+                          "tpufab.yaml or add the file.") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a text file (UTF-8); environment's {kind} "
+                          "must be one.") from None
+    return data
+
+
+_INCLUDES = (("--requirement", "-r"), ("--constraint", "-c"), ("-r", "-r"), ("-c", "-c"))
+
+
+def requirement_includes(text: str) -> list[tuple[str, str]]:
+    """The files a requirements file includes, as pip and uv read them: ``(flag, path)``
+    for each ``-r``/``--requirement`` and ``-c``/``--constraint`` line (pure)."""
+    import shlex
+
+    found = []
+    for line in text.replace("\\\r\n", "").replace("\\\n", "").splitlines():
+        line = line.strip()
+        if line.startswith("#") or not line.startswith("-"):
+            continue
+        line = line.split(" #", 1)[0].split("\t#", 1)[0]
+        for option, flag in _INCLUDES:
+            if not line.startswith(option):
+                continue
+            rest = line[len(option):]
+            if option.startswith("--"):
+                if rest.startswith("="):
+                    rest = rest[1:]
+                elif not rest[:1].isspace():
+                    break               # another option (--requirements-foo): not ours
+            try:
+                words = shlex.split(rest)
+            except ValueError:
+                words = rest.split()
+            if words:
+                found.append((flag, words[0]))
+            break
+    return found
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def _relative(path: Path, root: Path) -> str:
+    return Path(os.path.relpath(path, root)).as_posix()
+
+
+def _requirement_files(main: Path, root: Path) -> dict[str, bytes]:
+    """The requirements file and every file it includes, each once, by its path under
+    ``root`` (pip's rule: an include is relative to the file that names it)."""
+    files: dict[str, bytes] = {}
+    todo: list[tuple[Path, str | None]] = [(main, None)]
+    while todo:
+        path, included = todo.pop(0)
+        name = _relative(path, root)
+        if name in files:
+            continue
+        files[name] = data = _read_spec(path, "requirements", included=included)
+        for flag, target in requirement_includes(data.decode("utf-8")):
+            said = f"The environment's {name} includes {target} ({flag})"
+            if "://" in target:
+                raise ConfigError(f"{said}, a URL: tpufab ships only the project's files to "
+                                  "the build host; download it into the project and include "
+                                  "that instead.")
+            found = Path(target).expanduser()
+            found = Path(os.path.normpath(found if found.is_absolute() else path.parent / found))
+            if not _inside(found, root) or _relative(found, root).startswith("../"):
+                raise ConfigError(f"{said}, which is outside the project ({root}): tpufab "
+                                  "ships only the files under it; copy it into the project "
+                                  "and include that instead.")
+            todo.append((found, said))
+    return files
 
 
 def environment_hash(spec: EnvSpec, *, arch: str, python: str) -> str:
@@ -117,6 +210,7 @@ class EnvReport(Report):
     hash: str = ""
     path: str = DEFAULT_ENVIRONMENT_PATH
     builder: int | None = None
+    source: str | None = None     # the bucket the other hosts downloaded it from (else w0)
     resolved: str | None = field(default=None, metadata={"json": False})
     columns: tuple[Column, ...] = (Column("ENVIRONMENT", lambda r: r.action),
                                    Column("HASH", lambda r: _short(r.hash)))
@@ -125,7 +219,8 @@ class EnvReport(Report):
         by: dict[str, list[int]] = {}
         for row in sorted(self.rows, key=lambda r: r.worker):
             by.setdefault(row.action, []).append(row.worker)
-        words = {"built": "built", "copied": f"copied from {nodeset.label(self.builder or 0)}",
+        origin = self.source or nodeset.label(self.builder or 0)
+        words = {"built": "built", "copied": f"copied from {origin}",
                  "skipped": "already had it", "failed": "failed"}
         parts = [f"{nodeset.fold(ws)} {words.get(a, a)}" for a, ws in by.items()]
         self.summary = (f"Environment {_short(self.hash)} at {self.path}: "
@@ -261,10 +356,37 @@ def _sentence(stage: str, error: str, spec: EnvSpec, builder: int) -> str:
     return f"Building the environment on {who} failed ({stage}): {error}."
 
 
+def _fetch(fanout, where: dict, workers: Sequence[int],
+           timeout: float | None) -> dict[int, str | None]:
+    """The archive from the environment's bucket onto ``workers``, all at once, each with
+    its VM's own token, verified by sha256; {worker: None or why not}."""
+    answers = _call(fanout, "fetch", {w: where for w in workers}, timeout=timeout)
+    return {w: answers[w].get("error") for w in workers}
+
+
+def _through_bucket(fanout, spec: EnvSpec, digest: str, build: dict, builder: int,
+                    endpoint: str, timeout: float | None) -> dict:
+    """The build host puts its archive in the bucket (``spec.bucket``); what every other
+    host fetches it with. One sentence where the VMs cannot write there."""
+    bucket, _, prefix = spec.bucket.removeprefix("gs://").partition("/")
+    name = "/".join(p for p in (prefix.strip("/"), f"{digest}.tar.gz") if p)
+    where = {"endpoint": endpoint.rstrip("/"), "bucket": bucket, "object": name,
+             "archive": build["archive"], "sha256": build["sha256"]}
+    up = _call(fanout, "upload", {builder: where}, timeout=timeout)[builder]
+    if up.get("error"):
+        raise EnvError(f"{nodeset.label(builder)} could not put the environment's archive in "
+                       f"gs://{bucket}/{name}: {up['error']}; let the VMs' service account "
+                       f"write there (roles/storage.objectUser on gs://{bucket}), or remove "
+                       "`bucket:` from `environment:` in tpufab.yaml to copy it host to host.")
+    return where
+
+
 def build_environment(fanout, spec: EnvSpec, *, workers: Sequence[int],
                       peers: Mapping[int, str], force: bool = False,
-                      timeout: float | None = None) -> EnvReport:
-    """Build ``spec`` once and put it on every host of ``workers`` that lacks it (above)."""
+                      timeout: float | None = None,
+                      endpoint: str | None = None) -> EnvReport:
+    """Build ``spec`` once and put it on every host of ``workers`` that lacks it (above);
+    ``endpoint``: Cloud Storage's, where ``spec.bucket`` is set."""
     chosen = list(workers)
     probes = _call(fanout, "probe", {w: {"path": spec.path, "python": spec.python}
                                      for w in chosen}, timeout=timeout)
@@ -285,7 +407,7 @@ def build_environment(fanout, spec: EnvSpec, *, workers: Sequence[int],
         rows[w] = EnvRow(w, action="skipped", hash=digest)
     todo = [w for w in chosen if w not in rows]
     if not todo:
-        return _finished(rows, digest, spec, builder, None)
+        return _finished(rows, digest, spec, builder, None, None)
     marker = probes[builder].get("marker") or {}
     build = marker.get("build") if builder in have and not force else None
     if build is None or not probes[builder].get("archive_present", True):
@@ -304,12 +426,19 @@ def build_environment(fanout, spec: EnvSpec, *, workers: Sequence[int],
                            f"built: {installed[builder]}.")
         rows[builder] = EnvRow(builder, action="built", hash=digest, tries=1)
     others = [w for w in todo if w != builder]
+    where = None
+    if spec.bucket and others:      # through the bucket, every host at once; else host to host
+        from tpufab.cloud.storage import GOOGLE_STORAGE
+
+        where = _through_bucket(fanout, spec, digest, build, builder,
+                                endpoint or GOOGLE_STORAGE, timeout)
     errors: dict[int, str | None] = {w: "not tried" for w in others}
     for attempt in (1, 2):          # a host that failed is tried once more, then named
         again = [w for w in others if errors[w]]
         if not again:
             break
-        pulled = _spread(fanout, builder, build, again, peers)
+        pulled = _fetch(fanout, where, again, timeout) if where else \
+            _spread(fanout, builder, build, again, peers)
         got = [w for w in again if not pulled[w]]
         errors.update({w: pulled[w] for w in again if pulled[w]})
         errors.update(_install(fanout, got, digest, spec, build, keep=False, timeout=timeout)
@@ -319,14 +448,30 @@ def build_environment(fanout, spec: EnvSpec, *, workers: Sequence[int],
                              hash="" if errors[w] else digest, tries=attempt,
                              error="install" if errors[w] else None,
                              message=errors[w] and f"{errors[w]} (tried {attempt} times)")
-    return _finished(rows, digest, spec, builder, build.get("resolved"))
+    return _finished(rows, digest, spec, builder, build.get("resolved"),
+                     spec.bucket.rstrip("/") if where else None)
+
+
+def put_environment(hosts, spec: EnvSpec, *, workers: Sequence[int] | None = None,
+                    force: bool = False, timeout: float | None = None) -> EnvReport:
+    """``spec`` on ``workers`` of ``hosts`` (a ``tpufab.hosts.connect.Hosts``; every host by
+    default) as `tpufab setup` puts it there: built once, copied host to host, skipped where
+    its hash is. What `Pod.env_build`, babysit's recovery and launch's steps call."""
+    from tpufab.config import timeout_for
+
+    return build_environment(hosts.fanout, spec,
+                             workers=list(hosts.workers if workers is None else workers),
+                             peers=dict(enumerate(hosts.internal_ips())), force=force,
+                             timeout=timeout_for("env build", timeout,
+                                                 hosts.settings.command_timeout),
+                             endpoint=hosts.settings.storage_endpoint)
 
 
 def _finished(rows: Mapping[int, EnvRow], digest: str, spec: EnvSpec, builder: int,
-              resolved: str | None) -> EnvReport:
+              resolved: str | None, source: str | None) -> EnvReport:
     """The report; an EnvError naming every host that failed, with why."""
     out = EnvReport(rows=sorted(rows.values(), key=lambda r: r.worker), hash=digest,
-                    path=spec.path, builder=builder, resolved=resolved)
+                    path=spec.path, builder=builder, source=source, resolved=resolved)
     failed = [r for r in out.rows if not r.ok]
     if failed:
         groups: dict[str, list[int]] = {}
