@@ -67,7 +67,7 @@ def test_an_agreed_digest_pins_the_image_and_retries_are_noted():
 def test_the_pull_command_runs_as_root_with_the_retry_numbers():
     line = images.pull_command(REF, if_missing=True, jitter=0.04)
     assert "sudo -n" in line and "image_worker.py" in line
-    assert "--attempts 8 --backoff 1 --cap 16 --jitter 0.04 --if-missing" in line
+    assert "--attempts 8 --backoff 1 --cap 16 --jitter 0.04 --room-factor 3 --if-missing" in line
 
 
 class Tokens:
@@ -168,3 +168,178 @@ def test_a_skypilot_task_takes_tpufabs_own_spelling_of_a_type():
         assert parse_task({"resources": {"accelerators": acc}, "run": "x"}).type == acc
     with pytest.raises(ConfigError, match="tpufab launches Cloud TPUs only"):
         parse_task({"resources": {"accelerators": "a100"}, "run": "x"})
+
+
+class ManifestServer:
+    """A registry's manifests on loopback: a Bearer challenge (the Registry API's token flow)
+    for the credentials ``("u", "p")``, an index whose amd64 entry is a manifest of 3 parts."""
+
+    def __init__(self):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        outer = self
+        self.index = {"manifests": [
+            {"digest": "sha256:arm", "platform": {"architecture": "arm64", "os": "linux"}},
+            {"digest": "sha256:amd", "platform": {"architecture": "amd64", "os": "linux"}}]}
+        self.manifest = {"config": {"size": 1_000}, "layers": [{"size": 40_000_000},
+                                                               {"size": 9_000_000}]}
+        self.asked: list[str] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                outer.asked.append(self.path)
+                if self.path.startswith("/token"):
+                    ok = self.headers.get("Authorization") == basic("u", "p")
+                    return self.reply(200 if ok else 401, {"token": "T"} if ok else {})
+                if self.headers.get("Authorization") != "Bearer T":
+                    self.send_response(401)
+                    self.send_header("WWW-Authenticate", f'Bearer realm="{outer.url}/token",'
+                                     'service="reg",scope="repository:p/r/i:pull"')
+                    self.send_header("Content-Length", "0")
+                    return self.end_headers()
+                body = outer.manifest if self.path.endswith("sha256:amd") else outer.index
+                self.reply(200, body)
+
+            def reply(self, code, body):
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.host = f"127.0.0.1:{self.server.server_address[1]}"
+        self.url = f"http://{self.host}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_the_room_check_reads_the_compressed_size_from_the_manifest_and_refuses(tmp_path,
+                                                                                monkeypatch):
+    from tpufab.remote import image_worker as worker
+
+    server = ManifestServer()
+    try:
+        monkeypatch.setattr(worker.platform, "machine", lambda: "x86_64")
+        ref = f"{server.host}/p/r/i:v1"
+        assert worker.compressed_size(ref, ("u", "p"), insecure={server.host}) == 49_001_000
+        assert server.asked == ["/v2/p/r/i/manifests/v1", "/token?service=reg&scope="
+                                "repository%3Ap/r/i%3Apull", "/v2/p/r/i/manifests/v1",
+                                "/v2/p/r/i/manifests/sha256:amd"]
+        with pytest.raises(worker.ImageError, match="401"):
+            worker.compressed_size(ref, ("u", "wrong"), insecure={server.host})
+        monkeypatch.setattr(worker, "insecure_registries", lambda: {server.host})
+        monkeypatch.setattr(worker, "storage_dir", lambda: str(tmp_path / "storage"))
+        monkeypatch.setattr(worker, "free_bytes", lambda path: (str(tmp_path), 100_000_000))
+        room = worker.room_for(ref, ("u", "p"), 3)
+        assert room["need_bytes"] == 147_003_000 and not room.get("ok")
+        assert worker.no_room_sentence(ref, room) == (
+            f"100.0 MB free in {tmp_path}, and {ref} needs 147.0 MB there (3 x its 49.0 MB "
+            "compressed)")
+        assert worker.room_for(ref, ("u", "p"), 2)["ok"]
+        assert "unchecked" in worker.room_for(ref, None, 3)      # the pull will say why
+    finally:
+        server.server.shutdown()
+
+
+def test_the_runtimes_insecure_registries_are_read_from_its_configuration(tmp_path):
+    from tpufab.remote.image_worker import insecure_registries
+    from tpufab.sim.registry import registries_conf
+
+    conf = tmp_path / "registries.conf"
+    conf.write_text(registries_conf() + '[[registry]]\nlocation = "secure.example"\n')
+    daemon = tmp_path / "daemon.json"
+    daemon.write_text(json.dumps({"insecure-registries": ["10.0.0.5:5000"]}))
+    found = insecure_registries(str(daemon), str(conf))
+    assert {"us-docker.pkg.dev", "europe-west4-docker.pkg.dev", "10.0.0.5:5000"} <= found
+    assert "secure.example" not in found
+    assert insecure_registries(str(tmp_path / "none"), str(tmp_path / "none")) == set()
+
+
+def test_hosts_without_room_are_named_in_one_sentence_before_the_pull():
+    room = {"path": "/var/lib/docker", "need_bytes": 6_300_000_000,
+            "compressed_bytes": 2_100_000_000, "factor": 3}
+    rows = [HostImage(0, digest=A, pulled=True, seconds=3.0),
+            HostImage(1, error="x", no_room={**room, "free_bytes": 2_000_000_000}),
+            HostImage(3, error="x", no_room={**room, "free_bytes": 1_500_000_000}),
+            HostImage(2, digest=A, pulled=True, seconds=3.0)]
+    report = fold_digests(REF, rows)
+    with pytest.raises(images.ImageError) as err:
+        report.check()
+    assert str(err.value) == (
+        f"w[1,3] have no room for {REF}, refused before the pull: it needs 6.3 GB free in "
+        "/var/lib/docker (3 x its 2.1 GB compressed) and they have 1.5 GB-2.0 GB; free space "
+        "there or give the host a larger disk.")
+    line = images.pull_command(REF)
+    assert "--room-factor 3" in line
+
+
+def test_another_registrys_credentials_are_named_by_environment_variables():
+    env = {"REG_USER": "robot", "REG_TOKEN": "tok-9"}
+    assert images.registry_login(None, env) is None
+    assert images.registry_login("REG_USER:REG_TOKEN", env) == {"username": "robot",
+                                                               "password": "tok-9"}
+    with pytest.raises(ConfigError, match="names REG_PASS, which is not set here: export"):
+        images.registry_login("REG_USER:REG_PASS", env)
+    with pytest.raises(ConfigError, match="does not name two environment variables"):
+        images.registry_login("robot:tok-9x!", env)
+
+
+class Recorder:
+    """A fan-out that records each command and its stdin, answering a pulled digest."""
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, line, workers, stdin=None, **kwargs):
+        from types import SimpleNamespace
+
+        self.calls.append((line, stdin))
+        out = "@tpufab-answer answer " + json.dumps({"digest": A, "pulled": True,
+                                                     "seconds": 1}) + "\n"
+        return {w: SimpleNamespace(stdout=out, stderr="", ok=True, error=None, exit_code=0)
+                for w in workers}
+
+
+def test_the_credentials_go_on_stdin_never_in_the_command_line(monkeypatch):
+    from tpufab.ssh import remote_files
+
+    monkeypatch.setattr(remote_files, "missing_files", lambda result: False)
+    fanout = Recorder()
+    report = images.pull(fanout, [0, 1], REF, login={"username": "robot", "password": "tok-9"})
+    assert report.ok and report.digest == A
+    [(line, stdin)] = fanout.calls
+    assert "--login-stdin" in line and "tok-9" not in line and "robot" not in line
+    assert json.loads(stdin) == {"username": "robot", "password": "tok-9"}
+    images.pull(fanout, [0], REF)
+    assert "--login-stdin" not in fanout.calls[-1][0] and fanout.calls[-1][1] is None
+
+
+def test_the_simulated_other_registry_takes_its_account_alone():
+    from tpufab.sim.registry import OTHER_HOST, Registry, registry_hosts_line
+
+    registry = Registry.__new__(Registry)
+    registry.account = ("tpufab-sim", "pw")
+    registry.tokens, registry.push_token = Tokens(), "push"
+    assert registry.authorize(basic("tpufab-sim", "pw"), OTHER_HOST) == (True, "")
+    assert registry.authorize(None, OTHER_HOST) == (False, "authentication required")
+    assert registry.authorize(basic("", ""), OTHER_HOST) == (False, "authentication required")
+    assert not registry.authorize(basic("oauth2accesstoken", "w0"), OTHER_HOST)[0]
+    assert not registry.authorize(basic("tpufab-sim", "pw"), "us-docker.pkg.dev")[0]
+    assert OTHER_HOST in registry_hosts_line("127.15.0.1")
+
+
+def test_status_folds_the_image_settings_digest_and_the_hosts_without_it():
+    rows = [HostImage(0, digest=A, present=True), HostImage(1, digest=A, present=True),
+            HostImage(2, error=images.NOT_HERE), HostImage(3, digest=B, present=True),
+            HostImage(4, digest=A, present=True)]
+    report = fold_digests(REF, rows)
+    assert images.status_line(report) == (
+        f"Image {REF}: sha256:aaaaaaaaaaaa... on w[0-1,4]; not on w2 (`tpufab image pull "
+        f"{REF}`); w3: sha256:bbbbbbbbbbbb... (differs).")
+    assert not report.ok
+    everywhere = fold_digests(REF, [HostImage(w, digest=A, present=True) for w in range(4)])
+    assert images.status_line(everywhere) == f"Image {REF}: sha256:aaaaaaaaaaaa... on w[0-3]."

@@ -1,8 +1,9 @@
 """Images on a simulated 2-worker pod (v4-16): pre-heat with a host failing auth, `run
 --image` (the image's OS, the job env, the TPU device files, the deployed code), a digest
-that differs refused, kill of a TPU holder inside a container leaving the VM's own runtime
-container alone, secrets not in `docker inspect`, argv or files. Two workers: each point is
-about hosts that differ.
+that differs refused, a host without room refused before it pulls, another registry with
+the credentials the user names (on stdin), stacks, top and status seeing into the container,
+kill of a TPU holder inside a container leaving the VM's own runtime container alone, secrets
+not in `docker inspect`, argv or files. Two workers: each point is about hosts that differ.
 
 The base image is built once per machine beside the shared site (tests/helpers.py's cache;
 tpufab.sim.image) and pushed to this session's simulated registry.
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from harness import connected_pod
-from helpers import call, on_workers, wait_for, write_recipe
+from helpers import call, in_worker, on_workers, tpufab, wait_for, write_recipe
 
 pytestmark = pytest.mark.sim
 
@@ -61,8 +62,10 @@ def img(sim, tmp_path_factory):
     # push and pulls would cost CI a minute; docs/images.md has its figures
     reference, digest = publish(admin.registry(), share, project=sim.project, name="slim",
                                 jax=False)
-    with connected_pod(sim, tmp_path_factory, "img", type="v4-16") as pod:
+    # site="jax": py-spy for `stacks` (the pod's shared site; a hard link if built already)
+    with connected_pod(sim, tmp_path_factory, "img", type="v4-16", site="jax") as pod:
         pod.reference, pod.digest, pod.admin, pod.share = reference, digest, admin, share
+        pod.sim = sim
         try:
             yield pod
         finally:
@@ -160,8 +163,60 @@ def test_a_digest_that_differs_between_hosts_is_refused_naming_the_host(img, tmp
     assert "Not starting" in refused.stderr
 
 
+STORAGE = "/var/lib/containers/storage"     # the simulated worker's podman graphroot
+
+
+def test_a_host_without_room_is_refused_before_it_pulls_and_status_shows_it(img):
+    """w1's storage is an 8 MB tmpfs: the slim image (~50 MB compressed) needs 3 times that."""
+    node = img.pod.node
+    in_worker(img.sim, node, 1, f"mkdir -p {STORAGE} && mount -t tmpfs -o size=8m tmpfs "
+                                f"{STORAGE}")
+    try:
+        pulled = call(img.env, "image_pull", cwd=img.base, recipe=img.reference, timeout=180)
+        assert pulled.returncode == 1, pulled.stdout + pulled.stderr
+        assert "Traceback" not in pulled.stderr
+        assert f"w1 has no room for {img.reference}, refused before the pull: it needs " in \
+            pulled.stderr
+        assert f" free in {STORAGE} (3 x its " in pulled.stderr and " and it has 8." in \
+            pulled.stderr
+        used = in_worker(img.sim, node, 1, f"du -sk {STORAGE} | cut -f1").strip()
+        assert int(used) < 1024, used                      # no layer reached w1
+        status = call(img.env, "status", cwd=img.base, extra_env={"TPUFAB_IMAGE": img.reference},
+                      timeout=120)
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert f"Image {img.reference}: {img.digest[:19]}... on w0; not on w1 (" in \
+            status.stdout
+    finally:
+        in_worker(img.sim, node, 1, f"umount -l {STORAGE}")
+
+
+def test_another_registry_takes_the_credentials_the_user_names_on_stdin(img):
+    from tpufab.sim.registry import OTHER_HOST
+
+    user, password = Path(img.admin.registry()["accountFile"]).read_text().strip().split(":", 1)
+    ref = f"{OTHER_HOST}/{img.reference.split('/', 1)[1]}"
+    anonymous = call(img.env, "image_pull", cwd=img.base, recipe=ref, worker="0", timeout=120)
+    assert anonymous.returncode == 1, anonymous.stdout + anonymous.stderr
+    assert f"{ref.split(':')[0]}: unauthorized (an anonymous pull was refused" in \
+        anonymous.stderr, anonymous.stderr
+    assert "name the registry's credentials with the registry_login setting" in anonymous.stderr
+    login = {"TPUFAB_REGISTRY_LOGIN": "SIM_REG_USER:SIM_REG_PASSWORD", "SIM_REG_USER": user,
+             "SIM_REG_PASSWORD": password}
+    pulled = call(img.env, "image_pull", cwd=img.base, recipe=ref, worker="0", extra_env=login,
+                  timeout=180)
+    assert pulled.returncode == 0, pulled.stdout + pulled.stderr
+    assert f"{ref} is {img.digest} on w0" in pulled.stdout
+    assert password not in pulled.stdout + pulled.stderr
+    # root's alone on the worker (docker login's store), in no file another user can read
+    found = as_root(img, f"grep -rl {shlex.quote(password)} /home /tmp /etc /root /run "
+                         "2>/dev/null | head -3; stat -c %a /run/containers/0/auth.json",
+                    workers=[0])
+    assert found == {0: "600"}
+
+
 def test_kill_stops_the_tpu_holder_in_its_container_and_leaves_the_runtime_alone(img,
                                                                                tmp_path):
+    """Before the kill, while the holder runs: stacks, top and status see into its container."""
     as_root(img, f"docker rm -f {RUNTIME} >/dev/null 2>&1; docker run -d --name {RUNTIME} "
                  f"--network host {shlex.quote(img.reference)} sleep 600 >/dev/null")
     project = git_project(tmp_path / "proj", {"hold.sh": HOLDER})
@@ -188,6 +243,25 @@ def test_kill_stops_the_tpu_holder_in_its_container_and_leaves_the_runtime_alone
     for w in (0, 1):
         assert SECRET not in argv[w] and files[w] == ""
 
+    # stacks, top and status see into the container (py-spy from the host's PID namespace)
+    stacks = call(img.env, "stacks", cwd=project, run=run_id, as_json=True, timeout=120)
+    assert stacks.returncode == 0, stacks.stdout + stacks.stderr
+    data = json.loads(stacks.stdout)
+    assert data["run"] == run_id and data["source"] == "run"
+    for w in ("0", "1"):
+        [holder] = [p for p in data["workers"][w]["processes"] if "threads" in p]
+        assert holder["command"].startswith("python3 -c"), holder
+        assert holder["threads"][0]["frames"][0]["function"] == "<module>", holder
+    top = tpufab("top", "--once", "--json", env=img.env, cwd=project, timeout=120)
+    assert top.returncode == 0, top.stdout + top.stderr
+    for load in json.loads(top.stdout)["workers"]:
+        [run] = [r for r in load["runs"] if r["run"] == run_id]
+        # the docker CLI, and inside: the container's init and the recipe's python3
+        assert run["processes"] >= 3, load["runs"]
+    status = call(img.env, "status", cwd=project, extra_env={"TPUFAB_IMAGE": img.reference},
+                  timeout=120)
+    assert f"Image {img.reference}: {img.digest[:19]}... on w[0-1]." in status.stdout
+
     killed = call(img.env, "kill", cwd=project, timeout=120)
     assert killed.returncode == 0, killed.stdout + killed.stderr
     assert f"container  {name} (run {run_id}): stopped" in killed.stdout
@@ -197,3 +271,4 @@ def test_kill_stops_the_tpu_holder_in_its_container_and_leaves_the_runtime_alone
                            "grep -c /dev/accel; true")
     assert holders == {0: "0", 1: "0"}
     as_root(img, f"docker rm -f {RUNTIME} >/dev/null")
+

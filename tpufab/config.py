@@ -87,6 +87,7 @@ class Settings:
     secrets: list[str] = field(default_factory=lambda: list(DEFAULT_SECRETS))
     remote_dir: str | None = None
     image: str | None = None             # every run's container image (docs/images.md)
+    registry_login: str | None = None    # "USER_VAR:PASSWORD_VAR": environment variables (here) holding another registry's credentials
     state_dir: str = "~/.tpufab"
     keep_runs: int = 20                  # local log copies (./.tpufab/runs/<id>/) kept ...
     keep_logs_gib: float = 5.0           # ... and their total size at most (newest first)

@@ -585,9 +585,10 @@ class Pod(PodEnvironment, PodRay):
     def image_pull(self, image: str, *, if_missing: bool = False, workers: str | Iterable[int]
                    = "all", timeout: float | None = None) -> ImageReport:
         """`tpufab image pull` (docs/images.md): every host's digest, an ImageReport."""
-        from tpufab.steps.host.images import pull
+        from tpufab.steps.host.images import pull, registry_login
+        login = registry_login(self.settings.registry_login)
         return pull(self.hosts.fanout, self.select(workers), image, if_missing=if_missing,
-                    timeout=self._timeout("image pull", timeout))
+                    timeout=self._timeout("image pull", timeout), login=login)
 
     def stacks(self, *, run: str | None = None, native: bool = False,
                workers: str | Iterable[int] = "all", timeout: float | None = None,

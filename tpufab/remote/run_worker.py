@@ -62,6 +62,7 @@ import time
 import urllib.request
 
 from tpufab.remote.workerlib import (
+    CONTAINER_ID,
     SUPERVISOR_NAME,
     CarriedRunIds,
     EndRecord,
@@ -304,7 +305,11 @@ def container_argv(args, rundir, cwd, recipe_argv_, notes):
             mounts.append(path)
     for path in mounts:
         argv += ["-v", f"{path}:{path}"]
-    argv += ["-w", cwd, args.image, "python3", "-S", "-c", ENTER, *recipe_argv_]
+    cidfile = os.path.join(rundir, CONTAINER_ID)   # its id: top and stacks find its processes
+    if os.path.lexists(cidfile):
+        os.unlink(cidfile)
+    argv += ["--cidfile", cidfile, "-w", cwd, args.image, "python3", "-S", "-c", ENTER,
+             *recipe_argv_]
     return argv
 
 

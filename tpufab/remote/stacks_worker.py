@@ -4,8 +4,11 @@
     stacks_worker.py --home DIR [--run ID | --latest] [--native] [--devices-glob GLOB ...]
                      [--lockfile PATH ...] [--timeout S]
 
-Which processes: with --run ID, that run's live processes (its verified process group and
-whatever carries its TPUFAB_RUN_ID, as `kill --run` finds them); with --latest, those of the
+Which processes: with --run ID, that run's live processes (its verified process group,
+whatever carries its TPUFAB_RUN_ID, as `kill --run` finds them, and with `run --image` the
+processes of the run's tpufab-labelled container, seen from the host's PID namespace: the
+cgroup named by the id its `docker run --cidfile` wrote; py-spy runs on the host, so the
+image needs no py-spy and no CAP_SYS_PTRACE); with --latest, those of the
 newest run recorded on this worker when it is still running, else (and with neither) every
 process holding a TPU device file or a libtpu lockfile (as `kill` finds them). Only Python
 processes are dumped; the run's supervisor (tpufab-run) never is.
@@ -48,6 +51,7 @@ from tpufab.remote.workerlib import (
     answer,
     argv_of,
     command_of,
+    container_pids,
     expand_globs,
     proc_stat,
     read_int,
@@ -413,7 +417,9 @@ def run_pids(run_dir, run):
     start_time = read_int(os.path.join(rundir, "start_time"))
     group = pid if pid is not None and start_time is not None and alive(pid, start_time) \
         else None
-    return [p.pid for p in run_processes({run: group})[run] if p.comm != SUPERVISOR_NAME]
+    found = [p.pid for p in run_processes({run: group})[run] if p.comm != SUPERVISOR_NAME]
+    inside = container_pids([rundir]).get(rundir, [])    # `run --image`: its container's
+    return found + [pid for pid in inside if pid not in found]
 
 
 def holder_pids(globs, lockfiles):

@@ -22,7 +22,8 @@ needs (each chip's duty cycle and program count and time) every ``--every`` seco
 "why"}`` line each, until the run has ended here, ``--for`` seconds passed or nobody reads.
 
 A run's processes are those in the process group or session of the recipe tpufab started
-(``<run-dir>/<id>/pid``). TPU use comes from libtpu's runtime metrics service (gRPC on
+(``<run-dir>/<id>/pid``) and, for `run --image`, those inside its container (the cgroup
+named by ``<run-dir>/<id>/container-id``; workerlib.container_pids). TPU use comes from libtpu's runtime metrics service (gRPC on
 localhost:8431, what Google's ``tpu-info`` reads), asked while /proc is sampled, through
 grpcio: this script runs itself again (``--tpu-only``) under a Python that has it (the
 ``tpu-info`` command's, or ~/.venv's; workerlib.grpc_python). Who holds the device files comes
@@ -41,6 +42,7 @@ from tpufab.remote.workerlib import (
     Watched,
     answer,
     argv_of,
+    container_pids,
     expand_globs,
     grpc_python,
     have_grpc,
@@ -195,6 +197,10 @@ def sample(interval, run_dir, top):
     cpu = 100.0 * (busy1 - busy0) / max(total1 - total0, 1)
     runs = live_runs(run_dir)
     run_of_group = {pid: run for run, pid in runs.items()}
+    base = os.path.expanduser(run_dir)
+    inside = container_pids([os.path.join(base, run) for run in runs])
+    run_of_pid = {pid: os.path.basename(folder) for folder, pids in inside.items()
+                  for pid in pids}
     per_run = {run: {"run": run, "processes": 0, "cpu_percent": 0.0, "rss_bytes": 0}
                for run in runs}
     rows = []
@@ -204,7 +210,7 @@ def sample(interval, run_dir, top):
         was = before.get(pid)
         used = ticks - was[2] if was is not None else 0
         percent = 100.0 * used / TICKS / seconds
-        run = run_of_group.get(pgid) or run_of_group.get(sid)
+        run = run_of_group.get(pgid) or run_of_group.get(sid) or run_of_pid.get(pid)
         if run is not None:
             entry = per_run[run]
             entry["processes"] += 1

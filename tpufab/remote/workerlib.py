@@ -539,6 +539,30 @@ def run_id_of(pid):
     return None
 
 
+CONTAINER_ID = "container-id"   # in a run's folder: its container's id (docker run --cidfile)
+CONTAINER_HEX = re.compile(r"(?<![0-9a-f])[0-9a-f]{64}(?![0-9a-f])")
+
+
+def container_pids(rundirs):
+    """{run folder: [pid]}: the processes inside each run's container (`run --image`), seen
+    from the host: those whose cgroup is the container's own (named by the id `docker run
+    --cidfile` wrote in the folder; /proc/PID/cgroup is readable by every user). The
+    runtime's monitor (podman's conmon) sits in a cgroup of its own beside it: not one."""
+    ids = {}
+    for rundir in rundirs:
+        found = CONTAINER_HEX.search(read_text(os.path.join(rundir, CONTAINER_ID)) or "")
+        if found:
+            ids[found.group(0)] = rundir
+    inside = {rundir: [] for rundir in ids.values()}
+    for pid in all_pids() if ids else ():
+        for part in (read_text(f"/proc/{pid}/cgroup") or "").replace(":", "/").split("/"):
+            hit = CONTAINER_HEX.search(part)
+            if hit and hit.group(0) in ids and "conmon" not in part:
+                inside[ids[hit.group(0)]].append(pid)
+                break
+    return inside
+
+
 def run_processes(runs):
     """Live processes of runs, {run id: [Proc]}, for ``runs`` {run id: its process group if
     the caller verified the group's leader by start time, else None}. A process belongs to a

@@ -17,7 +17,13 @@ with 401, as a token that the registry does not accept yet (the snap-gcloud race
 marin#6567); ``--slow S`` delays every answer by S seconds. Each refusal is counted per
 host (``/sim/v1/registry`` shows them).
 
-Workers reach it as ``LOCATION-docker.pkg.dev``: their ``/etc/hosts`` names those hosts at the
+The same registry also plays one that is not Artifact Registry, as ``OTHER_HOST``
+(``registry.tpufab-sim.test``): there the front takes HTTP Basic with the one account of
+``<state>/registry/account`` (``USER:PASSWORD``, 0600, made once), as a private registry
+whose credentials a user holds (tpufab's ``registry_login`` setting), and refuses anonymous
+requests with "authentication required"; metadata tokens count for nothing there.
+
+Workers reach it as ``LOCATION-docker.pkg.dev`` (and ``OTHER_HOST``): their ``/etc/hosts`` names those hosts at the
 registry's address and their ``/etc/containers/registries.conf`` marks them insecure (plain
 HTTP): the simulated pod's stand-in for DNS and TLS (a real VM resolves pkg.dev and talks TLS
 to it). ``prepare_containers`` writes each worker's podman configuration (docs/images.md).
@@ -54,12 +60,14 @@ LOCATIONS = ("us", "europe", "asia", "us-central1", "us-central2", "us-east1", "
 DENIED = ("Unauthenticated request. Unauthenticated requests do not have permission "
           "\"artifactregistry.repositories.downloadArtifacts\" on resource {resource} (or it "
           "may not exist)")
+OTHER_HOST = "registry.tpufab-sim.test"      # a registry that is not Artifact Registry
+OTHER_DENIED = "authentication required"
 REFUSED = ("The caller does not have permission: the access token was not accepted "
            "(simulated auth failure {n} of {of} for this host)")
 
 
 def registry_hosts() -> list[str]:
-    return [f"{loc}-docker.pkg.dev" for loc in LOCATIONS]
+    return [f"{loc}-docker.pkg.dev" for loc in LOCATIONS] + [OTHER_HOST]
 
 
 def registry_hosts_line(address: str) -> str:
@@ -68,7 +76,7 @@ def registry_hosts_line(address: str) -> str:
 
 
 def registries_conf() -> str:
-    """A worker's /etc/containers/registries.conf: the pkg.dev hosts over plain HTTP."""
+    """A worker's /etc/containers/registries.conf: the registry's hosts over plain HTTP."""
     out = ["# tpufab sim: Artifact Registry's hosts are the simulated registry (/etc/hosts names",
            "# them at its loopback address, port 80, plain HTTP): the simulated pod's stand-in",
            "# for DNS and TLS", "unqualified-search-registries = []", ""]
@@ -119,6 +127,11 @@ class Registry:
             token_file.touch(mode=0o600)
             token_file.write_text(secrets.token_urlsafe(32))
         self.push_token = token_file.read_text().strip()
+        account_file = self.dir / "account"
+        if not account_file.exists():
+            account_file.touch(mode=0o600)
+            account_file.write_text(f"tpufab-sim:{secrets.token_urlsafe(24)}")
+        self.account = tuple(account_file.read_text().strip().split(":", 1))
         self.server = ThreadingHTTPServer((host, 80), _Handler)
         self.server.daemon_threads = True
         self.server.registry = self  # type: ignore[attr-defined]
@@ -190,11 +203,29 @@ class Registry:
         with self.lock:
             return {"address": self.address, "failAuth": self.fail_auth,
                     "failTimes": self.fail_times, "slowSeconds": self.slow,
-                    "refused": dict(self.refused), "hosts": registry_hosts(),
+                    "refused": dict(self.refused), "hosts": [h for h in registry_hosts() if h != OTHER_HOST],
+                    "otherHost": OTHER_HOST, "accountFile": str(self.dir / "account"),
                     "pushTokenFile": str(self.dir / "push-token")}
 
-    def authorize(self, header: str | None) -> tuple[bool, str]:
-        """(allowed, why not) for an Authorization header."""
+    def authorize_other(self, header: str | None) -> tuple[bool, str]:
+        """(allowed, why not) on OTHER_HOST: Basic with the account alone."""
+        scheme, _, value = (header or "").partition(" ")
+        if scheme.lower() != "basic":
+            return False, OTHER_DENIED
+        try:
+            user, _, password = base64.b64decode(value.strip()).decode().partition(":")
+        except (ValueError, UnicodeDecodeError):
+            return False, OTHER_DENIED
+        if not user and not password:      # podman answers a Basic challenge with ":"
+            return False, OTHER_DENIED
+        if (user, password) != self.account:
+            return False, "invalid username or password"
+        return True, ""
+
+    def authorize(self, header: str | None, host: str | None = None) -> tuple[bool, str]:
+        """(allowed, why not) for an Authorization header sent to ``host``."""
+        if (host or "").split(":")[0] == OTHER_HOST:
+            return self.authorize_other(header)
         if not header:
             return False, "anonymous"
         scheme, _, value = header.partition(" ")
@@ -235,7 +266,8 @@ class _Handler(BaseHTTPRequestHandler):
         if registry.slow:
             time.sleep(registry.slow)
         length = int(self.headers.get("Content-Length") or 0)
-        ok, why = registry.authorize(self.headers.get("Authorization"))
+        host = self.headers.get("Host")
+        ok, why = registry.authorize(self.headers.get("Authorization"), host)
         if not ok:
             if length:
                 self.rfile.read(length)
@@ -243,9 +275,11 @@ class _Handler(BaseHTTPRequestHandler):
             resource = "/".join(parts[2:5]) if len(parts) > 4 else "the repository"
             message = DENIED.format(resource=json.dumps(resource)) if why == "anonymous" \
                 else why
+            other = (host or "").split(":")[0] == OTHER_HOST
             body = json.dumps({"errors": [{"code": "UNAUTHORIZED", "message": message}]}).encode()
             self.send_response(401)
-            self.send_header("WWW-Authenticate", 'Basic realm="Artifact Registry"')
+            self.send_header("WWW-Authenticate", 'Basic realm="Registry"' if other
+                             else 'Basic realm="Artifact Registry"')
             self.send_header("Docker-Distribution-API-Version", "registry/2.0")
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))

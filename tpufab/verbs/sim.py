@@ -212,7 +212,9 @@ def sim_registry(*, fail_auth: str | None = None, fail_times: int | None = None,
         faults.append(f"every answer waits {state['slowSeconds']:g} s")
     stdout().print(f"The simulated Artifact Registry is at {state['address']} (workers reach "
                    f"it as {', '.join(state['hosts'][:3])}, ...; user oauth2accesstoken, "
-                   "password: the VM's access token from its metadata server); "
+                   "password: the VM's access token from its metadata server; as "
+                   f"{state['otherHost']}, a registry that is not Artifact Registry, with the "
+                   f"account in {state['accountFile']}); "
                    + ("; ".join(faults) if faults else "no faults") + ".", markup=False,
                    highlight=False)
 

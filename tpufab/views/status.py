@@ -11,6 +11,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from tpufab import nodeset
+from tpufab.steps.host.images import status_line
 from tpufab.steps.host.killing import PROTECTED_ADVICE
 from tpufab.term.commands import short_command
 from tpufab.term.terminal import neutralise_text
@@ -124,6 +125,9 @@ def render(status: StatusReport, console: Console) -> None:
     ray = status.ray
     if ray is not None:
         console.print(_escape(ray.line()), style=None if ray.up else "yellow")
+    if status.image is not None:
+        console.print(_escape(status_line(status.image)),
+                      style=None if status.image.ok else "yellow")
     holders = holder_lines(status.workers)
     if holders:
         console.print()
@@ -220,7 +224,17 @@ def to_json(status: StatusReport) -> dict[str, Any]:
             "ray": {"up": ray.up, "head": ray.head, "joined": list(ray.joined),
                     "missing": list(ray.missing), "line": ray.line()} if ray else None,
             "workers": [facts_json(f) for f in status.workers.values()],
+            "image": image_json(status.image),
             "autostop": status.autostop}
+
+
+def image_json(report: Any) -> dict[str, Any] | None:
+    """The image setting on every host: its digest where it is, null where it is not."""
+    if report is None:
+        return None
+    return {"image": report.image, "digest": report.digest, "ok": report.ok,
+            "hosts": {str(r.worker): r.digest for r in report.rows},
+            "differs": report.differing, "line": status_line(report)}
 
 
 def show(status: StatusReport, *, as_json: bool, console: Console, errors: Console) -> None:

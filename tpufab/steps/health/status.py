@@ -479,6 +479,7 @@ class StatusReport(Report):
     note: str | None = None       # why workers were not asked, if they were not
     autostop: dict | None = None  # worker 0's autostop view, when one is armed (or its error)
     kept: str | None = None       # whether the connections are kept between commands (a line)
+    image: Any = None             # the image setting on every host (an ImageReport), if set
     step: str = field(default="status", kw_only=True)
 
     view: ClassVar[str] = "status"
@@ -638,7 +639,23 @@ def collect(settings: Settings, *, control: ControlPlane | None = None, pod: Any
         pod = pods.shared(settings, control=control, nodes=nodes)
     dirs = default_deploy_dirs(settings) if deploy_dirs is None else list(deploy_dirs)
     facts = gather_facts(pod.fanout, deploy_dirs=dirs, timeout=timeout)
-    return StatusReport(name, nodes, qr, rows=[facts[w] for w in sorted(facts)])
+    return StatusReport(name, nodes, qr, rows=[facts[w] for w in sorted(facts)],
+                        image=image_on_hosts(settings, pod, facts, timeout=timeout))
+
+
+def image_on_hosts(settings: Settings, pod: Any, facts: Mapping[int, StatusRow], *,
+                   timeout: float | None = None) -> Any:
+    """The ``image`` setting's digest on every reachable host, whether it has it (an
+    ImageReport: a second round trip, only with the setting); None without it."""
+    from tpufab.steps.host import images
+
+    reachable = [w for w, f in sorted(facts.items()) if f.reachable]
+    if not getattr(settings, "image", None) or not reachable:
+        return None
+    try:
+        return images.on_hosts(pod.fanout, reachable, settings.image, timeout=timeout)
+    except ConfigError:   # not an image reference: `run` says so in one sentence
+        return None
 
 
 def pod_status(settings: Settings, *, timeout: float | None = None, pod: Any = None,

@@ -223,7 +223,10 @@ def image_for_run(pod, image: str, *, timeout: float | None = None,
     not get it or whose digest differs."""
     from tpufab.steps.host import images
 
-    report = images.pull(pod.fanout, pod.workers, image, if_missing=True, timeout=timeout)
+    login = images.registry_login(getattr(getattr(pod, "settings", None), "registry_login",
+                                          None))
+    report = images.pull(pod.fanout, pod.workers, image, if_missing=True, timeout=timeout,
+                         login=login)
     for note in report.notes:
         progress(note, "dim")
     if not report.ok:
