@@ -299,7 +299,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 OTHER_ENV = frozenset({
     "USER_CONFIG", "DEBUG", "GIT_TOKEN", "GIT_USERNAME", "PYTHON", "PIP_PYTHON", "VENV",
     "FRAMEWORK", "JAX_VERSION", "TORCH_VERSION", "INIT_TIMEOUT", "BABYSIT_RUN",
-    "RESTART_COUNT", "TEST_SIM_CACHE", "PREBUILT_SITE", "RESIDENT"})
+    "RESTART_COUNT", "TEST_SIM_CACHE", "PREBUILT_SITE", "RESIDENT", "SUPERVISED_JOB"})
 OTHER_ENV_PREFIXES = ("SIM_",)
 _WARNED: set[str] = set()
 ALIASES = {"accelerator_type": "type", "version": "runtime_version", "runtime": "runtime_version",
