@@ -119,7 +119,7 @@ def kill_report(state: str, *, dry_run: bool = False, job: str | None = JOB) -> 
 
 
 def test_kill_of_a_supervised_run_says_the_supervisor_may_relaunch_it_and_how_to_stop_it():
-    report = kill_report("stopping")
+    report = kill_report("stopped")
     assert report.notes == [
         f"Run {RUN} (stopped here) is an attempt of supervised job {JOB}: its supervisor takes "
         "the kill for the recipe failing (exit 143) and relaunches the job if its error budget "
@@ -129,4 +129,5 @@ def test_kill_of_a_supervised_run_says_the_supervisor_may_relaunch_it_and_how_to
     assert f"`tpufab jobs cancel {JOB}`" in err and "Killed 2 processes" in out
     assert "would stop here" in kill_report("would stop", dry_run=True).notes[0]
     assert kill_report("ended").notes == []              # nothing of it stopped
-    assert kill_report("stopping", job=None).notes == []  # a run of its own
+    assert kill_report("stopped", job=None).notes == []   # a run of its own
+    assert kill_report("still running").notes             # signalled, not gone yet

@@ -231,6 +231,8 @@ TIMEOUTS: dict[str, Timeout] = {
                                     "upgrade) and its startup script's install",
                              commands=False),
     "supervisor down": Timeout(600.0, "deleting the supervisor VM", commands=False),
+    "jobs secrets": Timeout(60.0, "handing a job's secrets to the supervisor VM over SSH",
+                            commands=False),
     # a verb on the workers that has no row of its own yet (docs/architecture.md, "Add a verb")
     "worker verb": Timeout(300.0, "each step on the workers"),
 }

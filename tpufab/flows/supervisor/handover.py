@@ -344,18 +344,20 @@ def _into_folder(folder: Path, job: str, values: Mapping[str, str]) -> None:
 
 def _over_ssh(settings: Settings, job: str, values: Mapping[str, str]) -> None:
     """The values to the supervisor VM: OpenSSH (its host key pinned), the JSON on stdin."""
+    from tpufab.config import timeout_for
     from tpufab.flows.supervisor import vm
     from tpufab.flows.supervisor.service import SECRETS_DIR
 
     line = secrets_command(job, SECRETS_DIR)
+    seconds = timeout_for("jobs secrets")
     with tempfile.TemporaryDirectory(prefix="tpufab-supervisor-ssh-") as folder:
         argv = vm.ssh_argv(settings, [line], known_hosts=Path(folder) / "known_hosts")
         try:
             done = subprocess.run(argv, input=json.dumps(dict(values)), capture_output=True,
-                                  text=True, timeout=SSH_TIMEOUT)
+                                  text=True, timeout=seconds)
         except subprocess.TimeoutExpired:
             raise TpufabError(f"The supervisor VM {settings.supervisor_name} did not take job "
-                              f"{job}'s secrets within {SSH_TIMEOUT:g} s over SSH: check it "
+                              f"{job}'s secrets within {seconds:g} s over SSH: check it "
                               "with `tpufab supervisor status`, then run `tpufab jobs secrets "
                               f"{job}` again.") from None
     if done.returncode != 0:
@@ -364,8 +366,6 @@ def _over_ssh(settings: Settings, job: str, values: Mapping[str, str]) -> None:
                           f"{settings.supervisor_name} over SSH ({why}): check `tpufab "
                           f"supervisor ssh`, then run `tpufab jobs secrets {job}` again.")
 
-
-SSH_TIMEOUT = 60.0
 
 
 def _ensure_supervisor(settings: Settings, console: Any) -> str | None:

@@ -354,6 +354,10 @@ def kill_entries(result: KillReport) -> list[KillRow]:
     return sorted(entries, key=lambda e: e.worker)
 
 
+# what kill_worker.py says of a run it signalled (or, --dry-run, would signal)
+STOPPED_RUN = ("stopping", "stopped", "still running", "would stop")
+
+
 def supervised_notes(result: KillReport) -> list[str]:
     """One sentence per supervised job whose run this kill stops (or would stop): its
     supervisor sees the recipe fail and decides, as babysit does, whether to relaunch it, so
@@ -361,7 +365,7 @@ def supervised_notes(result: KillReport) -> list[str]:
     jobs: dict[str, set[str]] = {}
     for report in result.reports.values():
         for run in report.get("runs", ()):
-            if run.get("job") and run.get("state") in ("stopping", "would stop"):
+            if run.get("job") and run.get("state") in STOPPED_RUN:
                 jobs.setdefault(str(run["job"]), set()).add(str(run.get("run")))
     verb = "would stop" if result.dry_run else "stopped"
     return [f"{'Runs' if len(runs) > 1 else 'Run'} {', '.join(sorted(runs))} ({verb} here) "
