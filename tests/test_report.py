@@ -114,7 +114,8 @@ def test_runs_are_the_pods_own_rows_under_their_columns_and_json():
     assert run == {"run": entry["run"], "recipe": "fail.sh", "started_at": 1000.0,
                    "ended_at": 1000.1, "commit": None,
                    "workers": {"0": "exited 0", "1": "exited 3",
-                               "2": "unreachable (connection refused)"}}
+                               "2": "unreachable (connection refused)"},
+                   "job": None}      # not an attempt of a supervised job
     assert [u["worker"] for u in data["unreachable"]] == [2]
     empty = RunsReport(statuses={0: WorkerRuns(0)})
     assert shown(empty)[0] == "No runs on w0 yet; start one with `tpufab run RECIPE`.\n"

@@ -8,7 +8,12 @@ the service run as a plain local process (what the supervisor VM's systemd unit 
   there); then `jobs cancel` stops the run on the pod and the job is cancelled, its records
   kept;
 - a job preempted under the service: relaunched, counted as a preemption (the error budget
-  untouched), finished; `jobs --json` and `jobs logs` show both attempts.
+  untouched), finished; `jobs --json` and `jobs logs` show both attempts;
+- a job with a secret, handed over while no service runs: it waits ("needs secrets") under
+  the service until `tpufab jobs secrets JOB` hands the value from the laptop's environment
+  (refused in one sentence while it is not set there); then its run is named by `runs`,
+  `status` and `logs` as the job's, and `kill` of it says that `tpufab jobs cancel JOB` stops
+  the job (the kill fails the job: no error budget); the value is in no object of the job.
 
 (What `--remote` refuses before anything is made: tests/test_supervisor_service.py.)"""
 
@@ -32,6 +37,7 @@ pytestmark = pytest.mark.sim
 RECIPE = """#!/bin/sh
 echo "$TPUFAB_RUN_ID" >> "$HOME/starts-$JOB_TAG.log"
 echo "attempt $TPUFAB_RESTART_COUNT of $JOB_TAG in $(basename "$PWD") at $(cat version.txt)"
+if [ -n "$HF_TOKEN" ]; then echo "a token of ${#HF_TOKEN} characters"; fi
 if [ "$TPUFAB_RESTART_COUNT" = 0 ]; then
     while [ ! -f "$HOME/release-$JOB_TAG" ]; do sleep 0.1; done
     echo "released"
@@ -84,7 +90,8 @@ class Services:
             [sys.executable, "-m", "tpufab.flows.supervisor", "serve", "--bucket",
              self.bucket, "--name", name, "--workdir", str(self.tmp / f"{name}-work"),
              "--poll", "0.5", "--lease-ttl", "6", "--lease-margin", "1",
-             "--babysit-poll", "0.3", "--flush", "0.3", "--backoff", "0"],
+             "--babysit-poll", "0.3", "--flush", "0.3", "--backoff", "0",
+             "--secrets-dir", str(self.tmp / f"{name}-secrets")],
             env=env, stdout=log, stderr=log, cwd=self.tmp)
         self.procs[name] = proc
         return proc
@@ -110,10 +117,13 @@ def records(pod1, bucket) -> st.Records:
     return st.Records(Storage(pod1.sim.storage_endpoint), bucket)
 
 
-def hand_over(pod1, bucket: str, tag: str, *extra: str) -> str:
+def hand_over(pod1, bucket: str, tag: str, *extra: str, extra_env: dict | None = None,
+              said: str = "") -> str:
     out = tpufab("babysit", "train.sh", "--remote", "--env", f"JOB_TAG={tag}", *extra, env=pod1.env, cwd=pod1.repo,
-                 extra_env={"TPUFAB_SUPERVISOR_BUCKET": bucket, "TPUFAB_SUPERVISOR_VM": "0"})
+                 extra_env={"TPUFAB_SUPERVISOR_BUCKET": bucket, "TPUFAB_SUPERVISOR_VM": "0",
+                            **(extra_env or {})})
     assert out.returncode == 0, out.stderr
+    assert said in out.stderr, out.stderr
     job = out.stdout.strip().splitlines()[-1]
     assert f"tpufab jobs logs {job} --follow" in out.stderr
     assert f"tpufab jobs cancel {job}" in out.stderr
@@ -233,3 +243,57 @@ def test_a_preempted_job_is_relaunched_by_the_supervisor_and_counted_as_a_preemp
     assert logs.returncode == 0, logs.stderr
     assert f"attempt 0 of {tag} in model at v1" in logs.stdout
     assert "finished attempt 1" in logs.stdout
+
+
+def test_a_job_waits_for_its_secret_until_jobs_secrets_hands_it_and_its_run_is_named(
+        pod1, bucket, services):
+    tag = unique_name("sec")
+    token = "hf_" + unique_name("value").replace("-", "")
+    job = hand_over(pod1, bucket, tag, "--env", "HF_TOKEN", extra_env={"HF_TOKEN": token},
+                    said="No supervisor service runs for")   # none yet: it waits
+
+    services.start("sup-a")
+    wait_for(lambda: (e := state_of(pod1, bucket, job).last_event) and
+             e.text.startswith("needs secrets (HF_TOKEN)"), 40,
+             what=lambda: f"the job to wait for its secret: {services.log('sup-a')[-1500:]}")
+    out = jobs_cli(pod1, bucket, "secrets", job)
+    assert out.returncode == 2 and "HF_TOKEN is not set: export HF_TOKEN here" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = tpufab("jobs", "secrets", job[-4:], env=pod1.env,
+                 extra_env={"TPUFAB_SUPERVISOR_BUCKET": bucket, "TPUFAB_SUPERVISOR_VM": "0",
+                            "HF_TOKEN": token})
+    assert out.returncode == 0, out.stderr
+    assert f"Handed HF_TOKEN of job {job} to supervisor sup-a on this machine" in out.stderr
+    assert token not in out.stdout + out.stderr
+    running = wait_for(lambda: (s := state_of(pod1, bucket, job)).state == "running" and s, 60,
+                       what=lambda: f"the job running: {services.log('sup-a')[-1500:]}")
+    run_id = running.current.run_id
+    wait_for(lambda: starts(pod1, tag), 20, what="the recipe to start on the worker")
+
+    runs = tpufab("runs", env=pod1.env)
+    assert runs.returncode == 0, runs.stderr
+    header, *lines = runs.stdout.splitlines()
+    assert header.split()[-1] == "JOB"
+    assert next(x for x in lines if run_id in x).split()[-1] == job
+    note = runs.stderr.strip()           # the earlier tests' jobs are on this pod too
+    assert note.startswith("Runs with a JOB are attempts of supervised job") and job in note
+    status = tpufab("status", env=pod1.env)
+    assert f"supervised job {job}" in status.stdout, status.stdout
+    logs = tpufab("logs", "--run", run_id, env=pod1.env)
+    assert f"Run {run_id} is an attempt of supervised job {job}" in logs.stderr
+    assert f"a token of {len(token)} characters" in logs.stdout
+
+    kill = tpufab("kill", "--run", run_id, env=pod1.env)
+    assert kill.returncode == 0, kill.stdout + kill.stderr
+    assert (f"is an attempt of supervised job {job}: its supervisor takes the kill for the "
+            "recipe failing (exit 143)") in kill.stderr
+    assert f"`tpufab jobs cancel {job}`" in kill.stderr
+    wait_for(lambda: state_of(pod1, bucket, job).terminal, 40,
+             what=lambda: f"the job to end: {state_of(pod1, bucket, job).events[-3:]}")
+    final = state_of(pod1, bucket, job)
+    assert final.state == "failed"
+    assert [(a.run_id, a.outcome, a.exit) for a in final.attempts] == [(run_id, "failed", 143)]
+    assert starts(pod1, tag) == [run_id]                   # no budget: not relaunched
+    recs = records(pod1, bucket)
+    for blob in recs.store.list(recs.bucket, st.job_prefix(job)).blobs:
+        assert token.encode() not in recs.store.read(recs.bucket, blob.name)[0], blob.name

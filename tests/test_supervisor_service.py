@@ -3,7 +3,9 @@ writes its heartbeat and stops on SIGTERM; a job's code is a clone of its exact 
 its bundle in the bucket), reused while it is there; a git token reaches git through the
 environment, never argv; secrets handed over in a file are read once, the file deleted, and a
 job waits until it has them all; the hand-over finds whether a commit is on the remote
-without pushing."""
+without pushing; `tpufab jobs secrets JOB` (handover.hand_secrets) hands a job's values from
+the laptop's environment to the service here (its heartbeat names its folder) or, as data, the
+VM's command line (the values on stdin), and says in one sentence what it cannot do."""
 
 from __future__ import annotations
 
@@ -208,3 +210,117 @@ def test_the_hand_over_refuses_before_anything_is_made(laptop, recs, repo):
     with pytest.raises(ConfigError, match="is not on the git remote origin"):
         handover.hand_over(laptop, "train.sh")
     assert recs.store.list(recs.bucket, st.JOBS).blobs == []
+
+
+# -- `tpufab jobs secrets JOB`: the values handed again to a supervisor that restarted --------
+
+
+def secret_job(recs: st.Records, *names: str) -> st.JobSpec:
+    spec = st.JobSpec(job=st.new_job_id(), pod=st.PodRef("p", "z"), recipe="r",
+                      code=st.Code.of("c"), secrets=names)
+    recs.create(spec)
+    return spec
+
+
+@pytest.fixture()
+def served(gcs, recs, tmp_path):
+    """A service of this machine (supervisor_vm false) with its secrets folder, its heartbeat
+    in the bucket, and the laptop's settings for the same bucket."""
+    folder = tmp_path / "secrets"
+    svc = service.Service(Settings(project="p"), recs.bucket, "sup-one", store=recs.store,
+                          workdir=tmp_path, options=service.Options(secrets_dir=folder))
+    svc.heartbeat()
+    laptop = Settings(project="p", supervisor_bucket=recs.bucket, supervisor_vm=False,
+                      storage_endpoint=gcs.url, state_dir=str(tmp_path / "state"))
+    return svc, laptop, folder
+
+
+def every_object(recs: st.Records) -> bytes:
+    return b"".join(recs.store.read(recs.bucket, b.name)[0]
+                    for b in recs.store.list(recs.bucket, "").blobs)
+
+
+def test_jobs_secrets_hands_the_values_to_the_service_here_which_reads_them_once(recs, served):
+    svc, laptop, folder = served
+    spec = secret_job(recs, "HF_TOKEN", "WANDB_API_KEY")
+    assert svc.secrets_for(spec) is None                       # restarted: it holds none
+    environ = {"HF_TOKEN": "hf_handed_again", "WANDB_API_KEY": "wandb_again", "OTHER": "x"}
+    done = handover.hand_secrets(laptop, spec.job[-4:], environ=environ)   # the id's end
+    text = done.summary()
+    assert text == (f"Handed HF_TOKEN, WANDB_API_KEY of job {spec.job} to supervisor sup-one "
+                    "on this machine, which keeps them in memory only; a job waiting for them "
+                    "goes on at its next look.")
+    handed = folder / f"{spec.job}.json"
+    assert handed.stat().st_mode & 0o777 == 0o600 and folder.stat().st_mode & 0o777 == 0o700
+    assert svc.secrets_for(spec) == {"HF_TOKEN": "hf_handed_again",
+                                     "WANDB_API_KEY": "wandb_again"}
+    assert not handed.exists() and list(folder.iterdir()) == []   # read once, nothing left
+    data = every_object(recs)
+    assert b"hf_handed_again" not in data and b"wandb_again" not in data
+
+
+def test_jobs_secrets_says_in_one_sentence_what_it_cannot_do(recs, served, tmp_path):
+    from tpufab.errors import ConfigError, TpufabError
+
+    svc, laptop, folder = served
+    spec = secret_job(recs, "HF_TOKEN", "WANDB_API_KEY")
+    with pytest.raises(ConfigError, match=(
+            rf"^Job {spec.job} needs HF_TOKEN, WANDB_API_KEY from this machine's environment, "
+            r"and WANDB_API_KEY is not set: export WANDB_API_KEY here, then run `tpufab jobs "
+            rf"secrets {spec.job}` again\.$")):
+        handover.hand_secrets(laptop, spec.job, environ={"HF_TOKEN": "hf_x"})
+    assert not folder.exists()                                  # nothing handed by halves
+    with pytest.raises(st.UnknownJob, match="No job zz99 in gs://sup-svc"):
+        handover.hand_secrets(laptop, "zz99", environ={})
+    plain = secret_job(recs)
+    assert handover.hand_secrets(laptop, plain.job, environ={}).summary() == (
+        f"Job {plain.job} needs no secrets (its spec names none), so there is nothing to hand.")
+    recs.update(spec.job, lambda s: st.finish(s, "cancelled", recs.now(), "cancelled"))
+    assert handover.hand_secrets(laptop, spec.job, environ={}).summary() == (
+        f"Job {spec.job} is cancelled, so it needs no secrets any more.")
+    # a supervisor on another machine, then none at all
+    other = secret_job(recs, "HF_TOKEN")
+    beat = recs.store.read_json(recs.bucket, st.heartbeat_name("sup-one"))[0]
+    recs.store.put_json(recs.bucket, st.heartbeat_name("sup-one"),
+                        {**beat, "host": "server-elsewhere"})
+    with pytest.raises(TpufabError, match=r"runs on server-elsewhere, not on this machine.*"
+                                          rf"run `tpufab jobs secrets {other.job}` there"):
+        handover.hand_secrets(laptop, other.job, environ={"HF_TOKEN": "hf_x"})
+    recs.store.put_json(recs.bucket, st.heartbeat_name("sup-one"),
+                        {**beat, "at": beat["at"] - 3600})
+    with pytest.raises(TpufabError, match=r"No supervisor service runs for gs://sup-svc .*"
+                                          r"python -m tpufab.flows.supervisor serve"):
+        handover.hand_secrets(laptop, other.job, environ={"HF_TOKEN": "hf_x"})
+    assert not folder.exists()
+
+
+def test_the_vm_gets_the_values_on_stdin_never_in_argv():
+    line = handover.secrets_command("job-20261202-041500-ab12", "/run/tpufab-supervisor/secrets")
+    assert line == (
+        "sudo -n install -d -m 0700 -o tpufab-supervisor -g tpufab-supervisor "
+        "/run/tpufab-supervisor/secrets && sudo -n -u tpufab-supervisor sh -c "
+        "'umask 077 && cat > \"$1/.$2.part\" && mv -f \"$1/.$2.part\" \"$1/$2.json\"' sh "
+        "/run/tpufab-supervisor/secrets job-20261202-041500-ab12")
+    from tpufab.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="is not a job id"):
+        handover.secrets_command("job-1; rm -rf /", "/run/x")
+
+
+def test_the_hand_over_gives_the_secrets_to_the_service_here_or_says_how_to_later(
+        laptop, recs, tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    laptop = replace(laptop, secrets=["MY_PLAIN_NAME"])
+    monkeypatch.setenv("MY_PLAIN_NAME", "plain_value_secret")
+    alone = handover.hand_over(laptop, "train.sh", env=["MY_PLAIN_NAME"])
+    assert alone.spec.secrets == ("MY_PLAIN_NAME",) and not alone.secrets_handed
+    assert "No supervisor service runs" in alone.secrets_why
+    folder = tmp_path / "secrets"
+    svc = service.Service(Settings(project="p"), recs.bucket, "sup-one", store=recs.store,
+                          workdir=tmp_path, options=service.Options(secrets_dir=folder))
+    svc.heartbeat()
+    done = handover.hand_over(laptop, "train.sh", env=["MY_PLAIN_NAME"])
+    assert done.secrets_handed and done.secrets_why is None
+    assert svc.secrets_for(recs.spec(done.job)) == {"MY_PLAIN_NAME": "plain_value_secret"}
+    assert b"plain_value_secret" not in every_object(recs)

@@ -232,6 +232,8 @@ TIMEOUTS: dict[str, Timeout] = {
                                     "upgrade) and its startup script's install",
                              commands=False),
     "supervisor down": Timeout(600.0, "deleting the supervisor VM", commands=False),
+    "jobs secrets": Timeout(60.0, "handing a job's secrets to the supervisor VM over SSH",
+                            commands=False),
     # a verb on the workers that has no row of its own yet (docs/architecture.md, "Add a verb")
     "worker verb": Timeout(300.0, "each step on the workers"),
 }
@@ -300,7 +302,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 OTHER_ENV = frozenset({
     "USER_CONFIG", "DEBUG", "GIT_TOKEN", "GIT_USERNAME", "PYTHON", "PIP_PYTHON", "VENV",
     "FRAMEWORK", "JAX_VERSION", "TORCH_VERSION", "INIT_TIMEOUT", "BABYSIT_RUN",
-    "RESTART_COUNT", "TEST_SIM_CACHE", "PREBUILT_SITE", "RESIDENT"})
+    "RESTART_COUNT", "TEST_SIM_CACHE", "PREBUILT_SITE", "RESIDENT", "SUPERVISED_JOB"})
 OTHER_ENV_PREFIXES = ("SIM_",)
 _WARNED: set[str] = set()
 ALIASES = {"accelerator_type": "type", "version": "runtime_version", "runtime": "runtime_version",

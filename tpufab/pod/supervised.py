@@ -7,6 +7,7 @@ from the laptop while the supervisor VM is down.
         print(row.job, row.state_name)
     logs = supervised.job_logs("job-20261201-221000-ab12")  # every attempt, every worker
     supervised.cancel_job("ab12").summary()                 # an id, or its unique end
+    supervised.hand_secrets("ab12").summary()   # its secrets, from os.environ, to its supervisor
 
 The bucket is ``bucket`` (the ``supervisor_bucket`` setting), else ``<project>-tpufab``.
 """
@@ -14,12 +15,13 @@ The bucket is ``bucket`` (the ``supervisor_bucket`` setting), else ``<project>-t
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tpufab.config import Settings, load_settings
 
 if TYPE_CHECKING:
+    from tpufab.flows.supervisor.handover import SecretsHanded
     from tpufab.flows.supervisor.jobs import CancelOutcome, JobLogs, JobRow
     from tpufab.flows.supervisor.state import Attempt, Records
 
@@ -82,6 +84,20 @@ def cancel_job(job: str, *, project: str | None = None, bucket: str | None = Non
         except Exception:  # noqa: BLE001 - no passwd entry (containers)
             by = "someone"
     return supervised.cancel_job(records, found, by=by)
+
+
+def hand_secrets(job: str, *, environ: Mapping[str, str] | None = None,
+                 project: str | None = None, zone: str | None = None,
+                 bucket: str | None = None, **settings: Any) -> SecretsHanded:
+    """`tpufab jobs secrets`: the values of the secrets the job's spec names, read from
+    ``environ`` (default: this process's environment), handed to its supervisor again (a
+    supervisor that restarted keeps none: the job waits, "needs secrets"): over SSH to the
+    supervisor VM, or (``supervisor_vm: false``) to the service on this machine that holds
+    it. Never into the bucket, argv or a log. ``.summary()`` says what was done; a job that
+    needs none, or is over, is no error; a secret not set is a ConfigError naming it."""
+    from tpufab.flows.supervisor.handover import hand_secrets as hand
+
+    return hand(_vm_settings(project, zone, bucket, settings), job, environ=environ)
 
 
 # -- the supervisor VM (docs/supervisor.md, "The VM"): `tpufab supervisor up | status | ssh |

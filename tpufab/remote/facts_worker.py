@@ -10,7 +10,8 @@ missing, never as a failure):
 
     {"host", "uptime_s", "boot_id", "load",
      "devices": [{"path", "holders": [{"pid", "command", "names"}]}], "unreadable_processes",
-     "runs": [{"run", "state", "exit_code"?, "signal"?, "recipe", "started_at", "ended_at"}],
+     "runs": [{"run", "state", "exit_code"?, "signal"?, "recipe", "started_at", "ended_at",
+               "job"? (the supervised job it is an attempt of)}],
      "runs_total", "deploys": [{"dir", "exists", "commit", "branch"}],
      "mounts": [{"at", "fstype", "source", "url"}],
      "setup": [{"hash", "done", "mtime"}],
@@ -160,6 +161,8 @@ def run_state(rundir, carried=None):
             info = {}
     state = {"run": os.path.basename(rundir), "recipe": info.get("recipe"),
              "started_at": info.get("started_at")}
+    if info.get("job"):      # an attempt of a supervised job (run_worker.py's meta.json)
+        state["job"] = info["job"]
     state.update(state_of_run(rundir, carried))
     return state
 

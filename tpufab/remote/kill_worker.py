@@ -41,6 +41,7 @@ from tpufab.remote.workerlib import (
     program_names,
     read_end,
     read_int,
+    read_json,
     run_processes,
     scan_holders,
 )
@@ -117,6 +118,14 @@ def list_runs(run_dir, only):
         names = [name for name in names if name == only]
     return [(name, os.path.join(run_dir, name)) for name in names
             if os.path.isdir(os.path.join(run_dir, name))]
+
+
+def supervised_job(rundir):
+    """The supervised job the run is an attempt of (its meta.json, written by run_worker.py
+    from the job environment's TPUFAB_SUPERVISED_JOB), or None."""
+    meta = read_json(os.path.join(rundir, "meta.json"))
+    job = meta.get("job") if isinstance(meta, dict) else None
+    return job if isinstance(job, str) and job else None
 
 
 # -- stopping ------------------------------------------------------------------------------
@@ -347,6 +356,9 @@ def kill(devices_globs, lockfiles, run_dir, run_id, grace, settle, dry_run, forc
     runs = {}
     for name, path in list_runs(run_dir, run_id):
         entry = {"run": name}
+        job = supervised_job(path)
+        if job:
+            entry["job"] = job
         report["runs"].append(entry)
         pid, pgid = read_int(os.path.join(path, "pid")), read_int(os.path.join(path, "pgid"))
         start_time = read_int(os.path.join(path, "start_time"))

@@ -90,6 +90,7 @@ DROPPED_ENV = ("TPUFAB_TASK",)
 POLL = 0.05
 EXIT_LOST = 255
 CHUNK = 1 << 16
+SUPERVISED_JOB = "TPUFAB_SUPERVISED_JOB"   # the supervised job a run is an attempt of
 DRAIN_BOUND = 30.0   # seconds the end record waits for the log to take what the recipe wrote
 LINE_LIMIT = 1 << 20     # tail --follow holds back a partial line up to this size
 DISK_FULL = (28, 122)    # ENOSPC, EDQUOT
@@ -409,6 +410,8 @@ def start(args):
         meta["in_checkout_missing"] = checkout_note
     if cwd_note:
         meta["cwd_missing"] = cwd_note
+    if env.get(SUPERVISED_JOB):     # started by tpufab's supervisor: the job it belongs to
+        meta["job"] = env[SUPERVISED_JOB]
     if args.image:
         meta["image"] = args.image
         meta["container"] = container_name(args.run)
@@ -691,6 +694,8 @@ def run_status(rundir, carried=None):
     if isinstance(info, dict):
         for key in ("commit", "recipe", "recipe_sha256", "started_at", "args", "cwd"):
             status[key] = info.get(key)
+        if info.get("job"):
+            status["job"] = info["job"]
     status["pid"] = read_int(os.path.join(rundir, "pid"))
     status.update(state_of_run(rundir, carried))
     if os.path.exists(os.path.join(rundir, "stop_requested")):

@@ -435,6 +435,22 @@ def jobs_cancel(job: str, *, project: str | None = None, bucket: str | None = No
     return 0
 
 
+@verb(name="secrets", group="jobs", options=SUPERVISED_OPTIONS)
+def jobs_secrets(job: str, *, project: str | None = None, zone: str | None = None,
+                 bucket: str | None = None) -> int:
+    """Hand a supervised job's secrets to its supervisor again, from this machine's
+    environment (after the supervisor restarted, the job waits: "needs secrets").
+
+    The names are the job's own (`tpufab jobs --json`); each must be set here. The values go
+    to the supervisor VM over SSH (a 0600 file in a tmpfs, read once and deleted; in memory
+    only from then on), or, with supervisor_vm false, to the service on this machine that
+    holds the job; never into the bucket, a command line or a log."""
+    from tpufab.pod.supervised import hand_secrets
+
+    note(hand_secrets(job, project=project, zone=zone, bucket=bucket).summary())
+    return 0
+
+
 # --- the supervisor VM (docs/supervisor.md, "The VM") ---------------------------------------
 
 SUPERVISOR_OPTIONS = {

@@ -120,9 +120,15 @@ def show_handed_over(result: Any) -> None:
                   f"{result.bucket} --name NAME`) picks the job up from the bucket.",
                   markup=False)
     if spec.secrets and not result.secrets_handed:
-        err.print(f"Its secrets ({', '.join(spec.secrets)}) are not in the bucket: the job "
-                  "waits (needs secrets) until they are handed to the supervisor "
-                  "(docs/supervisor.md, Secrets).", markup=False)
+        err.print(f"Its secrets ({', '.join(spec.secrets)}) were not handed to a supervisor: "
+                  f"the job waits (needs secrets) until `tpufab jobs secrets {result.job}` "
+                  "hands them (docs/supervisor.md, Secrets).", markup=False)
+        if result.secrets_why:
+            err.print(result.secrets_why, markup=False)
+    elif spec.secrets:
+        err.print(f"Its secrets ({', '.join(spec.secrets)}) went to the supervisor, which keeps "
+                  "them in memory only; after a supervisor restart hand them again with "
+                  f"`tpufab jobs secrets {result.job}`.", markup=False)
     err.print(f"Follow it:  {result.follow}", markup=False)
     err.print(f"Cancel it:  {result.cancel}", markup=False)
 

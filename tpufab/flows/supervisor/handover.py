@@ -2,22 +2,28 @@
 checked as babysit checks it, its exact commit made reachable without the laptop (on its
 remote, or for --direct a bundle in the bucket), the bucket made if missing, the supervisor
 made sure of (tpufab.flows.supervisor.vm, where it exists), then the job's spec and state
-written; nothing else is left behind when a step fails (nothing half-made)."""
+written; nothing else is left behind when a step fails (nothing half-made). Then the job's
+secret values go to its supervisor (never to the bucket): ``deliver``, which `tpufab jobs
+secrets JOB` (``hand_secrets``) calls again after a supervisor restarted."""
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tpufab.errors import ConfigError, shown
+from tpufab.errors import ConfigError, TpufabError, shown
 from tpufab.flows.supervisor import state as records_
 
 if TYPE_CHECKING:
     from tpufab.config import Settings
-    from tpufab.flows.supervisor.state import JobSpec
+    from tpufab.flows.supervisor.state import JobSpec, Records
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,7 @@ class HandedOver:
     supervisor: str | None
     created_bucket: bool = False
     secrets_handed: bool = True     # False: the job waits (needs secrets) for their values
+    secrets_why: str | None = None  # why they were not handed (the sentence that said so)
     exit_code: int = 0
 
     @property
@@ -158,9 +165,9 @@ def hand_over(settings: Settings, recipe: str | Path, *, args: Sequence[str] = (
             except (StorageError, PreconditionFailed):
                 pass
         raise
-    handed = _hand_secrets(settings, spec, env, console) if spec.secrets else True
+    handed, why = _hand_secrets(settings, spec, env, console) if spec.secrets else (True, None)
     return HandedOver(job=job, bucket=bucket, spec=spec, supervisor=supervisor,
-                      created_bucket=created, secrets_handed=handed)
+                      created_bucket=created, secrets_handed=handed, secrets_why=why)
 
 
 def hand_over_call(settings: Settings, recipe: str | Path, args: Sequence[str],
@@ -172,22 +179,193 @@ def hand_over_call(settings: Settings, recipe: str | Path, args: Sequence[str],
 
 
 def _hand_secrets(settings: Settings, spec: JobSpec, env: Sequence[str],
-                  console: Any) -> bool:
-    """The values of the job's secrets, from here, to the supervisor over its own channel
-    (tpufab.flows.supervisor.vm.hand_secrets: SSH into a tmpfs file the service reads once
-    and deletes); never into the bucket. False where there is no such channel here."""
+                  console: Any) -> tuple[bool, str | None]:
+    """The values of the job's secrets, from here (its ``--env``, the config's env, this
+    environment), to its supervisor (``deliver``); never into the bucket. (False, why) when
+    they could not be handed now: the job waits for `tpufab jobs secrets JOB`."""
     from tpufab.steps.runs.env import forwarded_for
 
+    known = {**{k: v for k, v in os.environ.items() if k in spec.secrets},
+             **forwarded_for(settings, env).secrets}
+    values = {n: known[n] for n in spec.secrets if n in known}
+    if len(values) < len(spec.secrets):
+        missing = [n for n in spec.secrets if n not in values]
+        return False, f"{', '.join(missing)} not set here"
+    records = records_.Records.from_settings(settings)
     try:
-        from tpufab.flows.supervisor import vm  # type: ignore[attr-defined]
-    except ImportError:
-        return False
-    give = getattr(vm, "hand_secrets", None)
-    if give is None:
-        return False
-    values = dict(forwarded_for(settings, env).secrets)
-    give(settings, spec.job, values, console=console)
-    return True
+        deliver(settings, records, spec.job, values, holder=None)
+    except TpufabError as err:
+        return False, str(err)
+    return True, None
+
+
+# -- secrets: handed to the supervisor that holds the job, never to the bucket ----------------
+
+LIVE_BEAT = 60.0        # seconds: a heartbeat older than this is a supervisor that is gone
+SERVICE_USER = "tpufab-supervisor"   # the supervisor VM's service user (vm_startup.py)
+
+# On the supervisor VM: the values (JSON on stdin) into a 0600 file of the service's user in
+# its tmpfs folder, under a dot name first, then renamed, so the service (which reads
+# ``job-*.json`` once and deletes it) never reads half a file. Only the folder and the job id
+# are in argv.
+_WRITE = 'umask 077 && cat > "$1/.$2.part" && mv -f "$1/.$2.part" "$1/$2.json"'
+
+
+def secrets_command(job: str, folder: str, *, user: str = SERVICE_USER) -> str:
+    """The command line that writes a job's handed secrets on the supervisor VM (pure)."""
+    from tpufab.quoting import command
+
+    records_.check_job_id(job)
+    make = command("sudo", "-n", "install", "-d", "-m", "0700", "-o", user, "-g", user,
+                   folder)
+    write = command("sudo", "-n", "-u", user, "sh", "-c", _WRITE, "sh", folder, job)
+    return f"{make} && {write}"
+
+
+@dataclass(frozen=True)
+class SecretsHanded:
+    """What `tpufab jobs secrets JOB` did: the names handed (never the values), and where."""
+
+    job: str
+    names: tuple[str, ...] = ()
+    to: str = ""                    # "the supervisor VM tpufab-supervisor", "supervisor s1 ..."
+    over: bool = False              # the job is over: nothing handed
+    state: str = ""
+
+    def summary(self) -> str:
+        if self.over:
+            return f"Job {self.job} is {self.state}, so it needs no secrets any more."
+        if not self.names:
+            return (f"Job {self.job} needs no secrets (its spec names none), so there is "
+                    "nothing to hand.")
+        return (f"Handed {', '.join(self.names)} of job {self.job} to {self.to}, which keeps "
+                "them in memory only; a job waiting for them goes on at its next look.")
+
+
+def secret_values(job: str, names: Sequence[str], environ: Mapping[str, str]) -> dict[str, str]:
+    """The values of the job's secrets from ``environ``, or ConfigError naming the missing."""
+    missing = [n for n in names if not environ.get(n)]
+    if missing:
+        raise ConfigError(f"Job {job} needs {', '.join(names)} from this machine's environment, "
+                          f"and {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+                          f"set: export {' and '.join(missing)} here, then run `tpufab jobs "
+                          f"secrets {job}` again.")
+    return {n: environ[n] for n in names}
+
+
+def hand_secrets(settings: Settings, job: str, *,
+                 environ: Mapping[str, str] | None = None) -> SecretsHanded:
+    """`tpufab jobs secrets JOB`: the values of the secrets the job's spec names, read from
+    ``environ`` (this process's environment), handed to its supervisor again (after a
+    restart it keeps none and the job waits, "needs secrets")."""
+    records = records_.Records.from_settings(settings)
+    found = records.find(job)
+    spec = records.spec(found)
+    state = records.state(found)
+    if spec is None or state is None:
+        raise records_.UnknownJob(f"Job {found} was handed over only halfway (no "
+                                  f"{'spec' if spec is None else 'state'} in {records.url}), "
+                                  "so nothing runs it: hand it over again.")
+    if state[0].terminal:
+        return SecretsHanded(found, over=True, state=state[0].state)
+    if not spec.secrets:
+        return SecretsHanded(found)
+    values = secret_values(found, spec.secrets, os.environ if environ is None else environ)
+    holder = state[0].owner.holder if state[0].owner else None
+    to = deliver(settings, records, found, values, holder=holder)
+    return SecretsHanded(found, tuple(spec.secrets), to=to, state=state[0].state)
+
+
+def deliver(settings: Settings, records: Records, job: str, values: Mapping[str, str], *,
+            holder: str | None) -> str:
+    """The values to the supervisor: over SSH into the supervisor VM's tmpfs (``supervisor_vm``),
+    else into the secrets folder of the service on this machine that holds the job (its
+    heartbeat names its host and folder; with no holder, every live one here). Returns whom;
+    TpufabError (one sentence) when no supervisor can be reached from here."""
+    if settings.supervisor_vm:
+        _over_ssh(settings, job, values)
+        return f"the supervisor VM {settings.supervisor_name}"
+    beats = _live_heartbeats(records)
+    here = socket.gethostname()
+    if holder is not None and holder in beats:
+        chosen = [beats[holder]]
+    else:
+        chosen = list(beats.values())
+    local = [b for b in chosen if b.get("host") == here and b.get("secrets_dir")]
+    if not local:
+        elsewhere = sorted({str(b.get("host")) for b in chosen})
+        if elsewhere:
+            raise TpufabError(
+                f"Job {job}'s supervisor runs on {', '.join(elsewhere)}, not on this machine, "
+                "and with supervisor_vm false tpufab reaches a service only on its own host: "
+                f"run `tpufab jobs secrets {job}` there, with the values in its environment.")
+        raise TpufabError(
+            f"No supervisor service runs for {records.url} (no heartbeat in the last "
+            f"{LIVE_BEAT:g} s), so there is none to hand job {job}'s secrets to: start one "
+            f"(`python -m tpufab.flows.supervisor serve --bucket {records.bucket} --name NAME`), "
+            f"then run `tpufab jobs secrets {job}` again.")
+    for beat in local:
+        _into_folder(Path(str(beat["secrets_dir"])), job, values)
+    names = ", ".join(str(b.get("name")) for b in local)
+    return f"supervisor {names} on this machine"
+
+
+def _live_heartbeats(records: Records) -> dict[str, dict[str, Any]]:
+    """Each supervisor's last heartbeat, of those written in the last LIVE_BEAT seconds."""
+    import time
+
+    out: dict[str, dict[str, Any]] = {}
+    for blob in records.store.list(records.bucket, records_.SUPERVISORS, delimiter="/").blobs:
+        if not blob.name.endswith(".json"):
+            continue
+        found = records.store.read_json(records.bucket, blob.name)
+        beat = found[0] if found else None
+        if isinstance(beat, dict) and "pid" in beat and isinstance(beat.get("at"), (int, float)) \
+                and time.time() - beat["at"] < LIVE_BEAT and beat.get("name"):
+            out[str(beat["name"])] = beat
+    return out
+
+
+def _into_folder(folder: Path, job: str, values: Mapping[str, str]) -> None:
+    """A local service's secrets folder: a 0600 file, written whole under a dot name and
+    renamed (the service reads ``job-*.json`` once and deletes it)."""
+    records_.check_job_id(job)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    part = folder / f".{job}.{os.getpid()}.part"
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(dict(values), fh)
+        os.replace(part, folder / f"{job}.json")
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+
+
+def _over_ssh(settings: Settings, job: str, values: Mapping[str, str]) -> None:
+    """The values to the supervisor VM: OpenSSH (its host key pinned), the JSON on stdin."""
+    from tpufab.config import timeout_for
+    from tpufab.flows.supervisor import vm
+    from tpufab.flows.supervisor.service import SECRETS_DIR
+
+    line = secrets_command(job, SECRETS_DIR)
+    seconds = timeout_for("jobs secrets")
+    with tempfile.TemporaryDirectory(prefix="tpufab-supervisor-ssh-") as folder:
+        argv = vm.ssh_argv(settings, [line], known_hosts=Path(folder) / "known_hosts")
+        try:
+            done = subprocess.run(argv, input=json.dumps(dict(values)), capture_output=True,
+                                  text=True, timeout=seconds)
+        except subprocess.TimeoutExpired:
+            raise TpufabError(f"The supervisor VM {settings.supervisor_name} did not take job "
+                              f"{job}'s secrets within {seconds:g} s over SSH: check it "
+                              "with `tpufab supervisor status`, then run `tpufab jobs secrets "
+                              f"{job}` again.") from None
+    if done.returncode != 0:
+        why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1][:200]
+        raise TpufabError(f"Could not hand job {job}'s secrets to the supervisor VM "
+                          f"{settings.supervisor_name} over SSH ({why}): check `tpufab "
+                          f"supervisor ssh`, then run `tpufab jobs secrets {job}` again.")
+
 
 
 def _ensure_supervisor(settings: Settings, console: Any) -> str | None:

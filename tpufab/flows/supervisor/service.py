@@ -59,6 +59,7 @@ POLL = 5.0              # seconds between looks at the bucket
 FLUSH = 2.0             # seconds between uploads of a worker's output
 UPLOAD_MAX = 1 << 20    # bytes of output uploaded as one chunk at most
 SECRETS_DIR = "/run/tpufab-supervisor/secrets"   # a tmpfs: values handed over, read once
+SUPERVISED_JOB = "TPUFAB_SUPERVISED_JOB"   # in every run's environment: the job's id
 
 
 # -- the output of an attempt, uploaded as chunks -----------------------------------------------
@@ -427,8 +428,7 @@ class JobRunner:
         options = {k: spec.option(k) for k in records_.BABYSIT_OPTIONS
                    if k not in ("direct", "no_deploy", "ray", "ray_options", "setup_script")}
         setup = spec.option("setup_script")
-        env = [f"{k}={v}" for k, v in spec.env.items()] + [
-            f"{k}={v}" for k, v in secrets.items() if k != "TPUFAB_GIT_TOKEN"]
+        env = job_env(spec, secrets)
         given = self.service.options
         extra: dict[str, Any] = {} if given.babysit_poll is None else {
             "poll": given.babysit_poll}
@@ -500,6 +500,15 @@ class JobRunner:
 
         self._update(change)
         self.service.log(f"{self.job}: cancelled")
+
+
+def job_env(spec: JobSpec, secrets: Mapping[str, str]) -> list[str]:
+    """The ``--env`` specs of the job's runs: its public variables, its secrets (but the git
+    token, the clone's alone) and SUPERVISED_JOB, the job's id, which the run's record on the
+    workers keeps, so `tpufab runs`, `logs`, `status` and `kill` name the job (pure)."""
+    return [f"{k}={v}" for k, v in spec.env.items() if k != SUPERVISED_JOB] + [
+        f"{k}={v}" for k, v in secrets.items() if k != "TPUFAB_GIT_TOKEN"] + [
+        f"{SUPERVISED_JOB}={spec.job}"]
 
 
 def _waiting(state: JobState) -> bool:
@@ -603,7 +612,10 @@ class Service:
             held = sorted(j for j, r in self.jobs.items() if r.alive)
         self.records.store.put_json(self.records.bucket, records_.heartbeat_name(self.name), {
             "name": self.name, "version": __version__, "host": socket.gethostname(),
-            "pid": os.getpid(), "since": self.since, "at": time.time(), "jobs": held})
+            "pid": os.getpid(), "since": self.since, "at": time.time(), "jobs": held,
+            # where handed secrets go (`tpufab jobs secrets` on this host writes there)
+            "secrets_dir": None if self.options.secrets_dir is None else
+            str(Path(self.options.secrets_dir).resolve())})
 
     def tick(self) -> None:
         """One look at the bucket: the heartbeat, cancels passed on, free jobs taken."""

@@ -78,6 +78,7 @@ class RunFact:
     recipe: str | None = None
     started_at: float | None = None
     ended_at: float | None = None
+    job: str | None = None        # the supervised job it is an attempt of (docs/supervisor.md)
 
     @property
     def live(self) -> bool:
@@ -273,7 +274,8 @@ def parse_facts(worker: int, outcome: Any) -> StatusRow:
             devices.append(Device(str(d["path"]), tuple(sorted(holders, key=lambda h: h.pid))))
     runs = tuple(RunFact(str(r["run"]), str(r.get("state") or "lost"), _int(r.get("exit_code")),
                          _text(r.get("signal")), _text(r.get("recipe")),
-                         _float(r.get("started_at")), _float(r.get("ended_at")))
+                         _float(r.get("started_at")), _float(r.get("ended_at")),
+                         _text(r.get("job")))
                  for r in items("runs") if r.get("run"))
     deploys = tuple(Deployed(str(d["dir"]), bool(d.get("exists")), _text(d.get("commit")),
                              _text(d.get("branch"))) for d in items("deploys") if d.get("dir"))
@@ -359,7 +361,8 @@ def tpu_cell(f: StatusRow) -> str:
 def runs_cell(f: StatusRow) -> str:
     if not f.runs:
         return "-"
-    parts = [f"running {r.run} ({r.recipe or '?'})" for r in f.running]
+    parts = [f"running {r.run} ({r.recipe or '?'}"
+             + (f"; supervised job {r.job})" if r.job else ")") for r in f.running]
     ended = [r for r in f.runs if not r.live]
     if ended:
         last = ended[-1]

@@ -143,6 +143,7 @@ class KillReport(Report):
         self.rows = kill_entries(self)
         # a TPU left busy is said once, as the error of check() (the verb exits 1 with it)
         self.summary = summary(self) if self.ok else ""
+        self.notes = [*self.notes, *supervised_notes(self)]
 
     @property
     def reports(self) -> dict[int, Mapping]:
@@ -351,6 +352,28 @@ def kill_entries(result: KillReport) -> list[KillRow]:
     for w, error in result.unreachable.items():
         entries.append(KillRow(w, ok=False, message=error))
     return sorted(entries, key=lambda e: e.worker)
+
+
+# what kill_worker.py says of a run it signalled (or, --dry-run, would signal)
+STOPPED_RUN = ("stopping", "stopped", "still running", "would stop")
+
+
+def supervised_notes(result: KillReport) -> list[str]:
+    """One sentence per supervised job whose run this kill stops (or would stop): its
+    supervisor sees the recipe fail and decides, as babysit does, whether to relaunch it, so
+    only `tpufab jobs cancel` stops the job (pure)."""
+    jobs: dict[str, set[str]] = {}
+    for report in result.reports.values():
+        for run in report.get("runs", ()):
+            if run.get("job") and run.get("state") in STOPPED_RUN:
+                jobs.setdefault(str(run["job"]), set()).add(str(run.get("run")))
+    verb = "would stop" if result.dry_run else "stopped"
+    return [f"{'Runs' if len(runs) > 1 else 'Run'} {', '.join(sorted(runs))} ({verb} here) "
+            f"{'are attempts' if len(runs) > 1 else 'is an attempt'} of supervised job {job}: "
+            "its supervisor takes the kill for the recipe failing (exit 143) and relaunches "
+            "the job if its error budget or --restart-on-exit allows (else the job fails), "
+            f"so to stop the job for good cancel it with `tpufab jobs cancel {job}`."
+            for job, runs in sorted(jobs.items())]
 
 
 def _reason(reason: str) -> str:

@@ -58,6 +58,8 @@ RUNS_COLUMNS = (Column("RUN", lambda r: r.run), Column("RECIPE", lambda r: r.rec
                 Column("STARTED", _started), Column("TIME", _took),
                 Column("COMMIT", lambda r: (r.commit or "-")[:12]),
                 Column("WORKERS", lambda r: r.folded_states))
+# shown only when a listed run is an attempt of a supervised job (docs/supervisor.md)
+JOB_COLUMN = Column("JOB", lambda r: r.job or "-")
 
 
 @dataclass(kw_only=True)
@@ -75,6 +77,9 @@ class RunsReport(Report):
 
     def __post_init__(self) -> None:
         self.rows = run_rows(self.statuses)
+        if any(r.job for r in self.rows) and JOB_COLUMN not in self.columns:
+            self.columns = (*self.columns, JOB_COLUMN)
+            self.notes = [*self.notes, supervised_note(self.rows)]
         self.workers = nodeset.fold(self.statuses)
         self.unreachable = unreachable_states(self.statuses)
         if not self.rows and self.reachable:
@@ -94,6 +99,22 @@ class RunsReport(Report):
         if self.unreachable:
             raise RunError(f"Could not list runs on {fold_states(self.unreachable)}.")
         return self
+
+
+def supervised_note(rows: Sequence[RunRow]) -> str:
+    """What `runs` says under a table holding attempts of supervised jobs."""
+    jobs = sorted({r.job for r in rows if r.job})
+    return (f"Runs with a JOB are attempts of supervised job{'s' if len(jobs) > 1 else ''} "
+            f"{', '.join(jobs)}: `tpufab jobs` shows {'them' if len(jobs) > 1 else 'it'}, "
+            "`tpufab jobs logs JOB` every attempt's output.")
+
+
+def supervised_line(row: RunRow) -> str | None:
+    """`logs`' line naming the supervised job of the run, or None for a run of its own."""
+    if not row.job:
+        return None
+    return (f"Run {row.run} is an attempt of supervised job {row.job}: `tpufab jobs logs "
+            f"{row.job}` shows every attempt, `tpufab jobs cancel {row.job}` stops it.")
 
 
 def list_runs(fanout, workers: Sequence[int], *, timeout: float | None) -> RunsReport:
@@ -210,6 +231,9 @@ def run_logs(fanout, chosen: Sequence[int], run: str | None, *, timeout: float |
                         secrets=list(secrets), followed=follow, follow_timeout=follow_timeout)
     if progress is not None:
         progress(f"Run {run_id}: {report.row.recipe} - {report.row.folded_states}", "dim")
+        job_line = supervised_line(report.row)
+        if job_line:
+            progress(job_line, "dim")
         if report.absent:
             progress(f"({nodeset.fold(report.absent)} "
                      f"{'has' if len(report.absent) == 1 else 'have'} no record of it.)", "dim")

@@ -207,6 +207,7 @@ class RunRow:
     states: tuple[WorkerState, ...] = field(metadata={"json": False})
     # each worker's state in words, {"0": "exited 0"}: what --json says of the states
     workers: dict[str, str] = field(init=False, default_factory=dict)
+    job: str | None = None        # the supervised job it is an attempt of (docs/supervisor.md)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "workers", {str(s.worker): s.label for s in self.states})
@@ -249,7 +250,9 @@ def run_rows(statuses: Mapping[int, WorkerRuns]) -> list[RunRow]:
                            max(ended) if ended and all(
                                s.ended for s in states
                                if s.state not in ("no record", "unreachable")) else None,
-                           first.get("commit"), tuple(states)))
+                           first.get("commit"), tuple(states),
+                           job=next((str(e["job"]) for e in by_worker.values()
+                                     if e.get("job")), None)))
     return sorted(rows, key=lambda r: r.run, reverse=True)
 
 
