@@ -158,6 +158,8 @@ def _config(settings: Settings, bucket: str, wheels: Sequence[str], version: str
             "storage_endpoint": settings.storage_endpoint or "",
             "env": _service_env(settings), "install_id": secrets.token_hex(8),
             "project": settings.project,
+            # the product's service is the VM's one (its unit): `--on-vm` (service.Service)
+            "args": ["--on-vm"] if module == MODULE else [],
             "crm_endpoint": (settings.api_endpoint or GOOGLE_CRM).rstrip("/"),
             "permissions": {"project": PROJECT_PERMISSIONS, "bucket": BUCKET_PERMISSIONS}}
 
@@ -458,6 +460,11 @@ def _metadata(path: str) -> str:
     request = urllib.request.Request(METADATA + path, headers={"Metadata-Flavor": "Google"})
     with urllib.request.urlopen(request, timeout=10) as answer:
         return answer.read().decode()
+
+
+def instance_id() -> str:
+    """This VM's instance id (its metadata server's): unique to the VM, not to its name."""
+    return _metadata("instance/id").strip()
 
 
 def own_token() -> str:
