@@ -9,9 +9,10 @@ shipped to it (its metadata, the bucket) and keeps the job going:
   server) is SIGKILLed right after the hand-over: nothing of the job runs on the laptop;
 - the pod is preempted twice: the job is relaunched after each, counted as preemptions (the
   error budget untouched), and finishes;
-- between the two, in the middle of attempt 2, the supervisor VM is reset
-  (instances.reset): its service comes back under the VM's init and re-attaches to the run
-  that is still going (the recipe's own count of its starts on the worker: one);
+- between the two, in the middle of attempt 2, the service is SIGKILLed (the VM's init starts
+  it again and it takes its earlier self's lease at once), then the supervisor VM is reset
+  (instances.reset): each time the service re-attaches to the run that is still going (the
+  recipe's own count of its starts on the worker: one);
 - `tpufab jobs --json` shows the job, `tpufab jobs logs JOB` the three attempts' output.
 
 (The service as a local process: tests/test_supervisor_remote.py; the VM with a stand-in
@@ -171,17 +172,31 @@ def test_a_job_handed_to_the_supervisor_vm_outlives_the_laptop_two_preemptions_a
                           lambda: f"attempt 2 running: {events(pod, job)}")
         assert second.reason == "preempted" and starts(pod, tag) == [second.run_id]
 
-        # the supervisor VM reset in the middle of attempt 2: its service comes back under
-        # the VM's init and re-attaches to the run still going, never starting it again
+        # in the middle of attempt 2 the service is SIGKILLed: the VM's init starts it again
+        # and it takes its earlier self's lease at once (not waiting for it to run out),
+        # re-attaching to the run still going
+        def reattached(count: int) -> bool:
+            return [e.text for e in state_of(pod, job).events].count(
+                f"re-attached to run {second.run_id}") >= count
+
+        killed = heartbeat(pod)
+        ok(tpufab("supervisor", "ssh", "--", f"sudo kill -KILL {killed['pid']}", env=env,
+                  timeout=60))
+        wait_for(lambda: reattached(1), 90, 0.5,
+                 lambda: f"a re-attach to {second.run_id}: {events(pod, job)}")
+        journal = ok(tpufab("supervisor", "ssh", "--", "sudo journalctl -u "
+                            "tpufab-supervisor.service", env=env, timeout=60))
+        assert f"{job}: taken (resume, from this VM's earlier service)" in journal, journal
+        # then the supervisor VM is reset (its processes end, it boots again): its service
+        # comes back under the VM's init and re-attaches again, never starting the run twice
         before = heartbeat(pod)
         clients = compute_clients(sim)
         clients.wait(clients.instances.reset_unary(project=sim.project, zone=sim.zone,
                                                    instance=pod.vm_name))
         wait_for(lambda: (b := heartbeat(pod)) and b["since"] > before["since"], 90, 0.5,
                  "the service started again after the reset")
-        wait_for(lambda: any(e.text == f"re-attached to run {second.run_id}"
-                             for e in state_of(pod, job).events), 120, 0.5,
-                 lambda: f"a re-attach to {second.run_id}: {events(pod, job)}")
+        wait_for(lambda: reattached(2), 120, 0.5,
+                 lambda: f"a second re-attach to {second.run_id}: {events(pod, job)}")
         assert len(state_of(pod, job).attempts) == 2
         assert starts(pod, tag) == [second.run_id]      # 0 duplicate launches
 
