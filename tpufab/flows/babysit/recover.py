@@ -215,8 +215,14 @@ class Recovery:
         from tpufab.steps.health import status
 
         pod = self._pod()
-        facts = status.gather_facts(pod.fanout, deploy_dirs=status.default_deploy_dirs(
-            self.settings), timeout=self.timeout)
+        dirs = status.default_deploy_dirs(self.settings)
+        checkout = getattr(self, "checkout", None)
+        if checkout is not None:    # a caller's checkout (the supervisor's clone), not cwd's
+            from tpufab.steps.code import deploy, gitops
+
+            dirs.append(deploy.default_dir(gitops.repo_root(checkout)))
+        facts = status.gather_facts(pod.fanout, deploy_dirs=list(dict.fromkeys(dirs)),
+                                    timeout=self.timeout)
         silent = {w: f.error or "no answer" for w, f in facts.items() if not f.reachable}
         if silent:  # as `run`: a recipe needs every worker (asking again would wait again)
             from tpufab.steps.runs.running import unreachable_error

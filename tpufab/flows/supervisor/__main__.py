@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--backoff", type=float, default=None,
                        help="seconds between a lost attempt and the next (babysit's backoff)")
     serve.add_argument("--secrets-dir", default=SECRETS_DIR)
+    serve.add_argument("--on-vm", action="store_true",
+                       help="the supervisor VM's one service (its unit): take this VM's "
+                            "earlier leases at once; delete the VM after supervisor_idle")
     args = parser.parse_args(argv)
     try:
         settings = load_settings()
@@ -50,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
                                           babysit_poll=args.babysit_poll, flush=args.flush,
                                           backoff=None if args.backoff is None else
                                           (args.backoff, args.backoff),
-                                          secrets_dir=Path(args.secrets_dir)))
-    except (TpufabError, ValueError) as err:
+                                          secrets_dir=Path(args.secrets_dir),
+                                          on_vm=args.on_vm))
+    except (TpufabError, ValueError, OSError) as err:
         _log(f"error: {err}")
         return 2
     signal.signal(signal.SIGTERM, lambda *_: service.shutdown.set())

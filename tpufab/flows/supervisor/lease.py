@@ -98,7 +98,7 @@ class Lease:
 
     def __init__(self, store: Storage, bucket: str, job: str, holder: str, *,
                  ttl: float = DEFAULT_TTL, margin: float = DEFAULT_MARGIN,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, token: str | None = None):
         from tpufab.flows.supervisor.state import lease_name
 
         if not ttl > 2 * margin:
@@ -111,7 +111,7 @@ class Lease:
         self.ttl = ttl
         self.margin = margin
         self.clock = clock
-        self.token = _random.token_hex(12)
+        self.token = token or _random.token_hex(12)
         self.record: LeaseRecord | None = None
         self.generation: int | None = None
         self.lost = False
@@ -120,8 +120,10 @@ class Lease:
         found = self.store.read_json(self.bucket, self.name)
         return (LeaseRecord.from_record(found[0]), found[1].generation) if found else None
 
-    def take(self) -> bool:
-        """Take the job if it is free (True), else leave it (False)."""
+    def take(self, dead: Callable[[LeaseRecord], bool] | None = None) -> bool:
+        """Take the job if it is free (True), else leave it (False). ``dead``: says of a
+        lease that has not run out that its holder is certainly gone (a supervisor's own
+        earlier process on its VM), so it is taken at once, over its generation."""
         from tpufab.cloud.storage import PreconditionFailed
 
         now = self.clock()
@@ -129,7 +131,8 @@ class Lease:
         if found is not None and found[0].token == self.token:
             self.record, self.generation = found
             return self.valid()
-        if found is not None and not free(found[0], now, self.margin):
+        if found is not None and not free(found[0], now, self.margin) and \
+                not (dead is not None and dead(found[0])):
             return False
         record = granted(self.holder, self.token, now, self.ttl)
         try:
@@ -211,13 +214,14 @@ class Lease:
         return Keeper(self, on_lost)
 
 
-def take_job(records: Records, lease: Lease) -> JobState | None:
-    """Take ``lease``'s job if it is free, then write the lease's token into the job's state
+def take_job(records: Records, lease: Lease,
+             dead: Callable[[LeaseRecord], bool] | None = None) -> JobState | None:
+    """Take ``lease``'s job if it is free (or its holder ``dead``, Lease.take), then write the lease's token into the job's state
     as its owner (fenced on the lease being valid): from then on no state write of an older
     holder lands. The state as taken, or None when another supervisor holds the job."""
     from tpufab.flows.supervisor.state import Owner, take_ownership
 
-    if not lease.take():
+    if not lease.take(dead):
         return None
     owner = Owner(lease.holder, lease.token)
     try:

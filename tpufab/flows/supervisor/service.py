@@ -343,6 +343,7 @@ class Options:
     backoff: tuple[float, float] | None = None   # babysit's backoff (None: its default)
     flush: float = FLUSH
     secrets_dir: Path | None = None
+    on_vm: bool = False     # the supervisor VM's one service (its unit): see Service
 
 
 class JobRunner:
@@ -531,7 +532,15 @@ def _end_current(state: JobState, last: BabysitAttempt | None, at: str,
 
 
 class Service:
-    """The supervisor process: ``serve()`` until ``shutdown`` is set (SIGTERM)."""
+    """The supervisor process: ``serve()`` until ``shutdown`` is set (SIGTERM).
+
+    ``options.on_vm``: this is the supervisor VM's one service (its systemd unit runs it,
+    one main process at a time). Then its lease tokens name the VM (its instance id, which a
+    VM recreated under the same name does not share), so that after a crash or a reboot of
+    the VM the new process takes its earlier self's leases at once, without waiting for
+    them to run out (that process is gone: the unit starts a new one only after the old one
+    ended, and a reboot ends them all); and after ``supervisor_idle`` with no live job in
+    the bucket it deletes its own VM (vm.IdleWatch, vm.delete_self)."""
 
     def __init__(self, settings: Settings, bucket: str, name: str, *, store: Storage | None = None,
                  workdir: Path, options: Options | None = None,
@@ -551,6 +560,31 @@ class Service:
         self._lock = threading.Lock()
         self._over: set[str] = set()                  # jobs seen final: never read again
         self._retry: dict[str, tuple[int, float]] = {}  # job -> (failures, not before)
+        self.instance: str | None = None      # the VM's instance id (options.on_vm)
+        self._prefix = ""                     # this process's lease tokens begin so
+        self.idle: Any = None                 # vm.IdleWatch (options.on_vm)
+        self.deleting: float | None = None
+        self.live = 0
+        if self.options.on_vm:
+            from tpufab.flows.supervisor import vm
+            from tpufab.flows.supervisor.state import idle_seconds
+
+            self.instance = vm.instance_id()
+            self._prefix = f"vm{self.instance}.{os.urandom(4).hex()}."
+            self.idle = vm.IdleWatch(idle_seconds(settings))
+
+    def new_lease(self, job: str) -> Lease:
+        token = f"{self._prefix}{os.urandom(12).hex()}" if self._prefix else None
+        return Lease(self.records.store, self.records.bucket, job, self.name,
+                     ttl=self.options.ttl, margin=self.options.margin, token=token)
+
+    def predecessor(self, record: Any) -> bool:
+        """Is ``record`` (a lease) one of an earlier process of this VM's service, which is
+        gone (options.on_vm)? Never true off a VM, nor of a lease of another VM."""
+        if self.instance is None or record.holder != self.name:
+            return False
+        return record.token.startswith(f"vm{self.instance}.") and \
+            not record.token.startswith(self._prefix)
 
     # secrets: handed over in files of a tmpfs, read once, kept in memory only
     def read_handed_secrets(self) -> None:
@@ -582,12 +616,15 @@ class Service:
         return None
 
     def settings_for(self, spec: JobSpec) -> Settings:
-        """The service's settings for the job's pod; the job's secret names are secrets
-        whatever they look like (their values go to the run masked, through stdin)."""
+        """The service's settings for the job's pod, logging in there as the laptop does
+        (its ``ssh_user``, with the service's own key: the job's runs are the laptop user's,
+        so `tpufab runs`, `logs` and `kill` there see them; where OS Login is on, the
+        service account's own login); the job's secret names are secrets whatever they look
+        like (their values go to the run masked, through stdin)."""
         pod = spec.pod
         return replace(self.settings, name=pod.name, zone=pod.zone,
                        project=pod.project or self.settings.project, control_plane=pod.plane,
-                       type=pod.type,
+                       type=pod.type, ssh_user=pod.ssh_user or self.settings.ssh_user,
                        secrets=[*self.settings.secrets,
                                 *(n for n in spec.secrets if n not in self.settings.secrets)])
 
@@ -613,6 +650,7 @@ class Service:
         self.records.store.put_json(self.records.bucket, records_.heartbeat_name(self.name), {
             "name": self.name, "version": __version__, "host": socket.gethostname(),
             "pid": os.getpid(), "since": self.since, "at": time.time(), "jobs": held,
+            "live": self.live, "instance": self.instance, "deleting": self.deleting,
             # where handed secrets go (`tpufab jobs secrets` on this host writes there)
             "secrets_dir": None if self.options.secrets_dir is None else
             str(Path(self.options.secrets_dir).resolve())})
@@ -627,48 +665,72 @@ class Service:
         except StorageError as err:
             self.log(f"could not read the bucket ({err}); trying again")
             return
+        live, unread = 0, False
         for job in ids:
             if self.shutdown.is_set():
                 return
             try:
-                self._look(job)
+                live += self._look(job)
             except StorageError as err:
+                unread = True
                 self.log(f"{job}: could not read it ({err}); trying again")
+        self.live = live
+        if self.idle is not None and not unread:
+            self._idle_end(live)
 
-    def _look(self, job: str) -> None:
-        if job in self._over:
+    def _idle_end(self, live: int) -> None:
+        """The VM deleted after ``supervisor_idle`` with no live job (options.on_vm)."""
+        from tpufab.flows.supervisor import vm
+
+        if not self.idle.update(live) or self.deleting is not None:
             return
+        self.deleting = time.time()
+        self.log(f"no live job for {self.idle.idle:g} s (supervisor_idle): deleting this VM")
+        try:
+            self.heartbeat()            # said before the VM (and this process) goes
+            vm.delete_self(self.settings)
+        except Exception as err:  # noqa: BLE001 - tried again at the next idle look
+            self.deleting = None
+            self.log(f"could not delete this VM ({err}); trying again")
+
+    def _look(self, job: str) -> int:
+        """One look at ``job``: 1 when it is live (not over), else 0."""
+        if job in self._over:
+            return 0
         with self._lock:
             runner = self.jobs.get(job)
         found = self.records.state(job)
         if found is None:
-            return
+            return 0
         state = found[0]
         if runner is not None and runner.alive:
             runner.seen(state)
-            return
+            return 1
         if state.terminal:
             self._over.add(job)
-            return
+            return 0
         if runner is not None and runner.failed:   # failed inside: taken again, later
             failures = self._retry.get(job, (0, 0.0))[0] + 1
             self._retry[job] = (failures, time.monotonic() + min(300.0, 2.0 ** failures))
             runner.failed = False
         if time.monotonic() < self._retry.get(job, (0, 0.0))[1]:
-            return
-        lease = Lease(self.records.store, self.records.bucket, job, self.name,
-                      ttl=self.options.ttl, margin=self.options.margin)
+            return 1
+        lease = self.new_lease(job)
         there = lease.read()
-        if there is not None and not free(there[0], lease.clock(), lease.margin):
-            return
-        taken = take_job(self.records, lease)
+        earlier = there is not None and self.predecessor(there[0])
+        if there is not None and not earlier and \
+                not free(there[0], lease.clock(), lease.margin):
+            return 1
+        taken = take_job(self.records, lease, dead=self.predecessor)
         if taken is None:
-            return
-        self.log(f"{job}: taken ({records_.on_takeover(taken).action})")
+            return 1
+        since = ", from this VM's earlier service" if earlier else ""
+        self.log(f"{job}: taken ({records_.on_takeover(taken).action}{since})")
         runner = JobRunner(self, lease, taken)
         with self._lock:
             self.jobs[job] = runner
         runner.start()
+        return 1
 
     def serve(self) -> None:
         self.log(f"supervisor {self.name} serving gs://{self.records.bucket}")

@@ -188,6 +188,7 @@ class PodRef:
     project: str | None = None
     plane: str | None = None        # "tpu" or "compute"; None: by the accelerator type
     type: str | None = None
+    ssh_user: str | None = None     # the laptop's login there: the supervisor's runs are its
 
 
 @dataclass(frozen=True)
@@ -287,7 +288,8 @@ def job_spec(settings: Settings, job: str, recipe: str, *, code: Code,
             user = ""
     return JobSpec(job=job, pod=PodRef(name=settings.require("name"), zone=settings.zone,
                                        project=settings.project,
-                                       plane=settings.control_plane, type=settings.type),
+                                       plane=settings.control_plane, type=settings.type,
+                                       ssh_user=settings.ssh_user),
                    recipe=str(recipe), code=code, args=tuple(args),
                    options={k: v for k, v in (options or {}).items()
                             if v != BABYSIT_OPTIONS.get(k, object())},

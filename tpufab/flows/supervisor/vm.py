@@ -119,6 +119,17 @@ def hourly_cost(machine_type: str) -> float | None:
 # -- the Compute Engine calls ------------------------------------------------------------
 
 
+def _rest_view(inst: dict[str, Any], project: str, zone: str, **extra: Any) -> SupervisorVM:
+    """A SupervisorVM of the instance as the REST API gives it (InstanceCalls.read)."""
+    nic = (inst.get("networkInterfaces") or [{}])[0]
+    ip = next((a["natIP"] for a in nic.get("accessConfigs") or [] if a.get("natIP")), "") \
+        or nic.get("networkIP", "")
+    return SupervisorVM(name=inst["name"], zone=zone, project=project,
+                        machine_type=str(inst.get("machineType", "")).rsplit("/", 1)[-1],
+                        status=str(inst.get("status", "")),
+                        since=inst.get("creationTimestamp", ""), ip=ip, **extra)
+
+
 def _view(inst: Any, project: str, zone: str, **extra: Any) -> SupervisorVM:
     nic = inst.network_interfaces[0] if inst.network_interfaces else None
     ip = ""
@@ -158,6 +169,8 @@ def _config(settings: Settings, bucket: str, wheels: Sequence[str], version: str
             "storage_endpoint": settings.storage_endpoint or "",
             "env": _service_env(settings), "install_id": secrets.token_hex(8),
             "project": settings.project,
+            # the product's service is the VM's one (its unit): `--on-vm` (service.Service)
+            "args": ["--on-vm"] if module == MODULE else [],
             "crm_endpoint": (settings.api_endpoint or GOOGLE_CRM).rstrip("/"),
             "permissions": {"project": PROJECT_PERMISSIONS, "bucket": BUCKET_PERMISSIONS}}
 
@@ -276,9 +289,19 @@ def ensure(settings: Settings, *, console: Any = None, module: str = MODULE,
     name = check_supervisor_name(settings.supervisor_name)
     compute = InstanceCalls(settings)
     bucket = bucket_for(settings)
-    Storage.from_settings(settings).ensure_bucket(bucket, project=settings.project)
-    inst = compute.get(name)
     store = Storage.from_settings(settings)
+    store.ensure_bucket(bucket, project=settings.project)
+    # warm (the VM up with this tpufab): told by REST GETs alone, no client library loaded
+    look = compute.read(name)
+    if look is not None and LABEL in (look.get("labels") or {}) and \
+            str(look.get("status")) not in STOPPED:
+        found = store.read_json(bucket, install_record_name(name))
+        record = found[0] if found else {}
+        if record.get("code_id") == wheels.code_id() and record.get("ok"):
+            return _rest_view(look, compute.project, compute.zone,
+                              version=record.get("version"), code_id=record.get("code_id"),
+                              booted_at=record.get("booted_at"))
+    inst = compute.get(name) if look is not None else None
     if inst is not None and LABEL not in dict(inst.labels):
         raise ConfigError(f"A VM named {name!r} exists in {compute.zone} and is no tpufab "
                           f"supervisor (it has no label {LABEL}), so tpufab leaves it alone: "
@@ -458,6 +481,11 @@ def _metadata(path: str) -> str:
     request = urllib.request.Request(METADATA + path, headers={"Metadata-Flavor": "Google"})
     with urllib.request.urlopen(request, timeout=10) as answer:
         return answer.read().decode()
+
+
+def instance_id() -> str:
+    """This VM's instance id (its metadata server's): unique to the VM, not to its name."""
+    return _metadata("instance/id").strip()
 
 
 def own_token() -> str:

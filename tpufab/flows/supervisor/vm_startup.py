@@ -188,7 +188,7 @@ def write_unit(config):
         f.write("".join(f"{k}={v}\n" for k, v in sorted(env.items())))
     subprocess.run(["chgrp", USER, ENV_FILE], check=False)
     argv = [VENV + "/bin/python", "-m", config["module"], "serve", "--bucket",
-            config["bucket"], "--name", config["name"]]
+            config["bucket"], "--name", config["name"], *config.get("args", [])]
     text = "\n".join([
         "[Unit]",
         "Description=tpufab supervisor (keeps supervised jobs going; docs/supervisor.md)",
