@@ -210,3 +210,16 @@ def test_of_two_answers_the_last_wins_and_streamed_kinds_are_read_apart():
     assert parse_answer(text.splitlines()[0].encode()) == ("port", {"port": 4100})
     assert parse_answer('{"port": 1}') is None  # untagged JSON is not an answer
     assert parse_answer("@tpufab-answer answer [1, 2]") is None  # a payload is an object
+
+
+def test_a_script_of_operations_answers_one_and_refuses_an_unknown_one(monkeypatch, capsys):
+    import io
+
+    from tpufab.remote.workerlib import read_answer, serve_ops
+
+    ops = {"echo": lambda request: {"got": request}}
+    monkeypatch.setattr("sys.stdin", io.StringIO('{"a": 1}'))
+    assert serve_ops("x_worker", ops, ["x_worker.py", "echo"]) == 0
+    assert read_answer(capsys.readouterr().out) == {"got": {"a": 1}}
+    assert serve_ops("x_worker", ops, ["x_worker.py", "nope"]) == 2
+    assert capsys.readouterr().err == "x_worker: unknown operation 'nope'\n"

@@ -35,7 +35,7 @@ import sys
 import tarfile
 import time
 
-from tpufab.remote.workerlib import answer
+from tpufab.remote.workerlib import serve_ops
 
 ENV_DIR = os.path.expanduser("~/.tpufab/env")
 MARKER = ".tpufab-env.json"
@@ -392,15 +392,5 @@ OPS = {"probe": probe, "build": build, "install": install, "status": status, "up
        "fetch": fetch}
 
 
-def main():
-    op = sys.argv[1] if len(sys.argv) > 1 else ""
-    if op not in OPS:
-        sys.stderr.write(f"env_worker: unknown operation {op!r}\n")
-        return 2
-    request = json.loads(sys.stdin.read() or "{}")
-    answer("answer", OPS[op](request))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(serve_ops("env_worker", OPS))

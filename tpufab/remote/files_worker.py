@@ -11,13 +11,12 @@ checksums for `get`. It reads one JSON request on stdin and prints one JSON line
 
 import errno
 import hashlib
-import json
 import os
 import stat
 import sys
 import time
 
-from tpufab.remote.workerlib import CarriedRunIds, answer, read_json, state_of_run
+from tpufab.remote.workerlib import CarriedRunIds, answer, read_json, serve_ops, state_of_run
 
 CHUNK = 1 << 20
 RUN_DIR = "~/.tpufab/runs"   # run_worker.py's
@@ -360,15 +359,5 @@ OPS = {"plan": plan, "commit": commit, "cleanup": cleanup, "list": listing, "ser
        "pull": pull}
 
 
-def main():
-    op = sys.argv[1] if len(sys.argv) > 1 else ""
-    if op not in OPS:
-        sys.stderr.write(f"files_worker: unknown operation {op!r}\n")
-        return 2
-    request = json.loads(sys.stdin.read() or "{}")
-    answer("answer", OPS[op](request))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(serve_ops("files_worker", OPS))

@@ -47,6 +47,18 @@ def answer(kind, payload, stream=None):
     out.flush()
 
 
+def serve_ops(name, ops, argv=None):
+    """A script of operations (``name OP`` with a JSON request on stdin): OP's answer on
+    stdout; an exit code (2 for an unknown OP)."""
+    argv = sys.argv if argv is None else argv
+    op = argv[1] if len(argv) > 1 else ""
+    if op not in ops:
+        sys.stderr.write(f"{name}: unknown operation {op!r}\n")
+        return 2
+    answer(ANSWER, ops[op](json.loads(sys.stdin.read() or "{}")))
+    return 0
+
+
 def parse_answer(line):
     """(kind, payload) of one line holding an answer, else None (a torn or foreign line)."""
     if isinstance(line, bytes):
