@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import json
 import os
 import shlex
 import subprocess
@@ -16,11 +17,11 @@ import pytest
 from gitremote import Recorder, SmartHttp, make_tls, serving, token_remote
 from gitremote import trust as trust_on_workers
 from harness import USER, SimPod, needs_root
-from helpers import free_port, git_daemon, sh
+from helpers import WORKER_PYTHON, free_port, git_daemon, sh, shipped
 
 from tpufab.errors import ConfigError
 from tpufab.reports import text
-from tpufab.ssh.remote_files import RemoteFile, python_command, verify_loader
+from tpufab.ssh.remote_files import RemoteFile, python_command, read_answer, verify_loader
 from tpufab.steps.code import deploy as deploy_mod
 from tpufab.steps.code.deploy import DeployError, deploy
 from tpufab.steps.code.gitops import GitError
@@ -440,3 +441,83 @@ def test_unreachable_worker_is_named_and_the_others_deploy(repo: Path, pod: SimP
         assert failed == "w3      failed: ssh: connection refused"
     finally:
         pod.pool.set_reachable(pod.node_id, 3, True)
+
+
+def _deploy_checkout(script: Path, work: Path, source: Path, sha: str):
+    done = subprocess.run([WORKER_PYTHON, "-I", "-S", str(script), "checkout", "--dir",
+                           str(work), "--source", str(source), "--commit", sha],
+                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    return read_answer(done.stdout, "answer")
+
+
+def test_a_checkout_killed_mid_write_is_mended_by_the_next_deploy(tmp_path: Path):
+    """A deploy whose client is killed while a worker's git writes the tree (the agent stops
+    what the closed connection ran) leaves the new commit's files on disk, HEAD and the index
+    at the old one. Before: every later deploy of that worker was refused with "local changes
+    would be overwritten" (issue 37's killed-deployer scenario on CI). Now the checkout's
+    journal names those paths and the next checkout puts them back first; a user's own edit
+    elsewhere survives."""
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    src = tmp_path / "src"
+    run = lambda *a, cwd=src: subprocess.run(["git", *a], cwd=cwd, env=env, check=True,  # noqa: E731
+                                             capture_output=True, text=True).stdout.strip()
+    src.mkdir()
+    run("init", "-q")
+    (src / "kept.txt").write_text("v1\n")
+    (src / "mine.txt").write_text("user\n")
+    run("add", "-A")
+    run("commit", "-qm", "A")
+    a = run("rev-parse", "HEAD")
+    (src / "kept.txt").write_text("v2\n")
+    (src / "new.txt").write_text("new\n")
+    run("add", "-A")
+    run("commit", "-qm", "B")
+    b = run("rev-parse", "HEAD")
+    (src / "later.txt").write_text("later\n")
+    run("add", "-A")
+    run("commit", "-qm", "C")
+    c = run("rev-parse", "HEAD")
+    script = shipped("deploy_worker.py")
+    work = tmp_path / "work"
+    assert _deploy_checkout(script, work, src, a)["commit"] == a
+    subprocess.run(["git", "fetch", "-q", str(src), "HEAD"], cwd=work, check=True)
+    # what the killed checkout A -> B left: B's files written, HEAD and index still at A,
+    # its journal naming a writer that is gone (a pid that never matches its start time)
+    (work / "kept.txt").write_text("v2\n")
+    (work / "new.txt").write_text("new\n")
+    (work / ".git" / "tpufab-checkout.json").write_text(
+        json.dumps({"before": a, "to": b, "pid": os.getpid(), "start": -1}))
+    (work / "mine.txt").write_text("user edit\n")   # the user's, after the kill
+    answer = _deploy_checkout(script, work, src, c)
+    assert answer["ok"], answer
+    assert answer["commit"] == c
+    assert (work / "kept.txt").read_text() == "v2\n"
+    assert (work / "later.txt").exists()
+    assert (work / "mine.txt").read_text() == "user edit\n"
+    assert not (work / ".git" / "tpufab-checkout.json").exists()
+
+
+def test_a_half_written_tree_without_a_journal_is_still_refused(tmp_path: Path):
+    """Local changes nobody's checkout left (no journal) are the user's: still refused."""
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    src = tmp_path / "src"
+    src.mkdir()
+    run = lambda *a: subprocess.run(["git", *a], cwd=src, env=env, check=True,  # noqa: E731
+                                    capture_output=True, text=True).stdout.strip()
+    run("init", "-q")
+    (src / "f.txt").write_text("1\n")
+    run("add", "-A")
+    run("commit", "-qm", "A")
+    a = run("rev-parse", "HEAD")
+    (src / "f.txt").write_text("2\n")
+    run("commit", "-qam", "B")
+    b = run("rev-parse", "HEAD")
+    script = shipped("deploy_worker.py")
+    work = tmp_path / "work"
+    assert _deploy_checkout(script, work, src, a)["ok"]
+    (work / "f.txt").write_text("the user's\n")
+    answer = _deploy_checkout(script, work, src, b)
+    assert answer["error"] == "local_changes", answer
+    assert (work / "f.txt").read_text() == "the user's\n"

@@ -170,6 +170,51 @@ def has_commit(git: Git, path: str, sha: str) -> bool:
     return git.ok("cat-file", "-e", f"{sha}^{{commit}}", cwd=path)
 
 
+# A checkout in progress, in the checkout's own .git: written before git starts writing the
+# tree, removed when it is done. One left by a process that is gone (the deploy's client was
+# killed, so the agent stopped it mid-write) names the paths that checkout was changing.
+JOURNAL = "tpufab-checkout.json"
+
+
+def mend_interrupted(git: Git, path: str) -> bool:
+    """Undo what an interrupted checkout left half-written, so the next one is not refused
+    with "local changes" that are ours. Only the paths that differ between the two commits
+    of the journal are put back to the commit HEAD still names: git checks those for local
+    changes before it writes any of them, so nothing of the user's is among them. A user's
+    edit elsewhere stays, and a journal whose writer still runs is left alone. True when one
+    was found: the checkout is then done again even at the same commit (its submodules or
+    its hook may not have run)."""
+    journal = os.path.join(path, ".git", JOURNAL)
+    entry = read_json(journal)
+    if not isinstance(entry, dict):
+        return False
+    if entry.get("pid") and entry.get("start") and alive(entry["pid"], entry["start"]):
+        return False
+    head = head_of(git, path)
+    before, to = entry.get("before"), entry.get("to")
+    if to and head == before and has_commit(git, path, to):
+        # git removes its index.lock on SIGTERM but not on SIGKILL; its writer is dead, and
+        # the code lease keeps every other deploy out
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(path, ".git", "index.lock"))
+        if before is None:   # a first checkout into an empty directory: all of it is ours
+            listed = git("ls-tree", "-r", "-z", "--name-only", to, cwd=path)
+            kept = []
+        else:
+            listed = git("diff", "--name-only", "-z", "--no-renames", before, to, cwd=path)
+            kept = [p for p in listed.split("\0")
+                    if p and git.ok("cat-file", "-e", f"{before}:{p}", cwd=path)]
+        changed = [p for p in listed.split("\0") if p]
+        for name in set(changed) - set(kept):
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                os.unlink(os.path.join(path, name))
+        if kept:
+            git("checkout", "--quiet", before, "--", *kept, cwd=path, what="checkout")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(journal)
+    return True
+
+
 def checkout(args: argparse.Namespace) -> dict:
     start = time.monotonic()
     if os.path.isfile(args.source):  # a shipped bundle, relative to the login directory
@@ -178,6 +223,7 @@ def checkout(args: argparse.Namespace) -> dict:
     path = os.path.expanduser(args.dir)
     sha = args.commit
     before = head_of(git, path)
+    mended = os.path.isdir(os.path.join(path, ".git")) and mend_interrupted(git, path)
     action = "update"
     if before is None:
         if os.path.exists(path) and not os.path.isdir(path):
@@ -189,7 +235,7 @@ def checkout(args: argparse.Namespace) -> dict:
         if not os.path.exists(os.path.join(path, ".git")):
             git("init", "--quiet", path, what="init")
         action = "clone"
-    elif before == sha and not args.force:
+    elif before == sha and not args.force and not mended:
         return {"ok": True, "dir": path, "commit": sha, "before": before, "action": "noop",
                 "seconds": round(time.monotonic() - start, 3)}
     if args.origin:
@@ -208,6 +254,10 @@ def checkout(args: argparse.Namespace) -> dict:
             git.fetch("--quiet", "--no-tags", args.source, sha, cwd=path)
     if not has_commit(git, path, sha):
         raise Failure("missing_commit", f"commit {sha[:12]} is not on the remote")
+    journal = os.path.join(path, ".git", JOURNAL)
+    me = proc_stat(os.getpid())
+    write_atomic(journal, json.dumps({"before": head_of(git, path), "to": sha,
+                                      "pid": os.getpid(), "start": me and me.start_time}))
     if args.branch:
         git("checkout", "--quiet", "-B", args.branch, sha, cwd=path, what="checkout")
     else:
@@ -215,6 +265,8 @@ def checkout(args: argparse.Namespace) -> dict:
     if os.path.exists(os.path.join(path, ".gitmodules")):
         git("submodule", "update", "--quiet", "--init", "--recursive", cwd=path,
             what="submodule update")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(journal)
     after = git("rev-parse", "HEAD", cwd=path)
     return {"ok": True, "dir": path, "commit": after, "before": before, "action": action,
             "fetched": fetched, "seconds": round(time.monotonic() - start, 3)}

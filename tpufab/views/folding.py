@@ -483,6 +483,7 @@ class FoldingView(Alignment):
         self._room = threading.Condition(self._lock)    # the hold went down (see _wait_room)
         self._waiters = 0
         self._patient = True    # False after a wait that did not help, until the view drains
+        self.waits_run_out = 0  # how many times a worker ahead waited its whole delay
         self._folds = 1.0       # how much recent lines fold (moving average of 1: shown once
         # for several workers, 0: for one), so that waiting can help
         self._stop = threading.Event()
@@ -632,6 +633,7 @@ class FoldingView(Alignment):
                     # lines come through this same thread): no more waiting until the view
                     # has drained to a quarter, so a stall costs one delay, not one a chunk.
                     self._patient = False
+                    self.waits_run_out += 1
                     break
                 self._room.wait(left)
         finally:
