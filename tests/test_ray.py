@@ -132,3 +132,16 @@ def test_ray_nodes_token_and_started_files_are_private(tmp_path):
     assert not token.is_symlink()
     assert stat.S_IMODE(token.stat().st_mode) == 0o600
     assert stat.S_IMODE((home / ".ray").stat().st_mode) == 0o700
+
+
+def test_hosts_on_loopback_addresses_get_a_dashboard_agent_port_each():
+    """Ray's agent binds its port on the node's address and on 127.0.0.1: hosts on loopback
+    addresses (the simulated pod) share that one, so each gets its own port; a TPU VM's
+    address, or a port the user passes, keeps Ray's."""
+    from tpufab.remote.ray_worker import agent_port
+
+    ports = {agent_port(f"127.16.{n}.{w}", []) for n in range(1, 4) for w in range(1, 9)}
+    assert len(ports) == 24 and all(1024 < p < 65536 for p in ports)
+    assert agent_port("10.128.0.7", []) is None
+    assert agent_port("127.16.2.1", ["--dashboard-agent-listen-port=6000"]) is None
+    assert agent_port("127.16.2.1", ["--dashboard-agent-listen-port", "6000"]) is None

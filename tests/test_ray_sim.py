@@ -31,6 +31,8 @@ from helpers import (
     wait_for,
 )
 
+from tpufab.remote.ray_worker import agent_port
+
 pytestmark = [pytest.mark.sim, pytest.mark.timeout(900)]
 
 # Small Ray nodes: one CPU and an 80 MB object store per host.
@@ -174,10 +176,26 @@ def test_ray_up_starts_one_cluster_whose_nodes_carry_the_tpu_and_slice_labels(ra
 CANARY = "/tmp/tpufab-ray-canary"
 
 
+def _of_pod(pid: int, name: str) -> bool:
+    """``pid`` or one of its parents carries the slice's TPU_NAME in its environment. (Ray's
+    Python processes retitle themselves, `ray::DashboardAgent`, and the longer title can
+    overwrite their own /proc/PID/environ: their raylet's is intact.)"""
+    for _ in range(6):
+        try:
+            if f"\0TPU_NAME={name}\0".encode() in b"\0" + Path(f"/proc/{pid}/environ").read_bytes():
+                return True
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+        if pid <= 1:
+            return False
+    return False
+
+
 def ray_listeners(sim, pod) -> list[tuple[str, int, str]]:
     """(address, port, process) of every TCP socket the pod's Ray processes listen on (the
     simulated workers share this machine's network namespace, so `ss` here sees them all;
-    a Ray process carries the slice's TPU_NAME in its environment)."""
+    a Ray process or its raylet carries the slice's TPU_NAME in its environment)."""
     name = pod.env["TPUFAB_NAME"]
     out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
     found = []
@@ -185,12 +203,7 @@ def ray_listeners(sim, pod) -> list[tuple[str, int, str]]:
         fields = line.split()
         local, procs = fields[3], " ".join(fields[5:])
         pids = [int(p) for p in re.findall(r"pid=(\d+)", procs)]
-        try:
-            ours = any(f"\0TPU_NAME={name}\0".encode() in
-                       b"\0" + Path(f"/proc/{pid}/environ").read_bytes() for pid in pids)
-        except OSError:
-            continue
-        if ours:
+        if any(_of_pod(pid, name) for pid in pids):
             address, _, port = local.rpartition(":")
             found.append((address.strip("[]").removeprefix("::ffff:"), int(port),
                           (re.findall(r'\("([^"]+)"', procs) or ["?"])[0]))
@@ -224,8 +237,12 @@ def test_no_ray_listener_runs_anything_without_the_clusters_token(sim, ray_pod):
     ips = ray_pod.pod.internal_ips()
     # `ray up` returns once every host's raylet is alive in the head's view; each host's
     # dashboard agent binds its port a little later (seconds later on a loaded machine)
-    wait_for(lambda: sum(port == 52365 for _, port, _ in ray_listeners(sim, ray_pod))
-             >= len(ips), 120, interval=1.0, what="every host's dashboard agent on 52365")
+    # (each simulated host's agent on a port of its own: they share 127.0.0.1, ray_worker.py)
+    agents = {(ip, agent_port(ip, [])) for ip in ips}
+    wait_for(lambda: agents <= {(a, port) for a, port, _ in ray_listeners(sim, ray_pod)},
+             120, interval=1.0,
+             what=lambda: f"every host's dashboard agent listening ({sorted(agents)}; the pod's "
+             f"Ray listeners now: {sorted(ray_listeners(sim, ray_pod))})")
     listeners = ray_listeners(sim, ray_pod)
     assert len(listeners) >= 8, listeners
     answers = {}
@@ -240,7 +257,8 @@ def test_no_ray_listener_runs_anything_without_the_clusters_token(sim, ray_pod):
     assert answers[("127.0.0.1", 8265, next(p for a, port, p in listeners if port == 8265),
                     "/api/jobs/")] == 401, answers
     assert {v for (h, port, _, path), v in answers.items()
-            if port == 52365 and h in ips and path == "/api/job_agent/jobs/"} == {401}, answers
+            if (h, port) in agents and path == "/api/job_agent/jobs/"} == {401}, answers
+    assert len({(h, port) for (h, port, _, _) in answers} & agents) == len(ips), answers
     # a driver without the token cannot join (the login user's own finds ~/.ray/auth_token)
     join = (f"HOME=/root RAY_AUTH_MODE= timeout 120 /home/tpufab/.venv/bin/python -c "
             f"\"import ray; ray.init(address='{ips[0]}:6379'); "

@@ -233,6 +233,26 @@ def private_session():
     return None
 
 
+AGENT_PORT_FLAG = "--dashboard-agent-listen-port"
+
+
+def agent_port(node_ip, extra):
+    """The dashboard agent's HTTP port for this host, or None for Ray's own (52365).
+
+    Ray's agent binds its port on the node's address and on 127.0.0.1. Hosts whose
+    addresses are loopback ones (127.A.B.C: the simulated pod, where every worker shares one
+    network namespace) share that 127.0.0.1, so with one port for all of them only the first
+    agent gets an HTTP server and a job sent to another fails; each gets a port of its own,
+    from its address (Ray publishes every node's agent port to the head). A TPU VM's
+    address is never loopback, and a port the user passes is theirs."""
+    if any(a == AGENT_PORT_FLAG or a.startswith(AGENT_PORT_FLAG + "=") for a in extra):
+        return None
+    parts = node_ip.split(".")
+    if len(parts) != 4 or parts[0] != "127" or not all(x.isdigit() for x in parts):
+        return None
+    return 40000 + (int(parts[2]) % 64) * 256 + int(parts[3])
+
+
 def start(config_path, extra):
     with open(os.path.expanduser(config_path)) as fh:
         config = json.load(fh)
@@ -255,6 +275,9 @@ def start(config_path, extra):
                  "--dashboard-host=127.0.0.1", f"--dashboard-port={config['dashboard_port']}"]
     else:
         args += [f"--address={config['address']}"]
+    port = agent_port(config["node_ip"], extra)
+    if port is not None:
+        args.append(f"{AGENT_PORT_FLAG}={port}")
     started = time.monotonic()
     try:
         done = ray_cli(py, args + list(extra), env=env, timeout=START_TIMEOUT)
