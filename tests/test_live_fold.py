@@ -302,7 +302,7 @@ def test_a_stuck_slowest_worker_costs_one_delay_not_one_per_chunk():
         view.lines(1, "stdout", "".join(f"step {i}\n" for i in range(start, start + 1000))
                    .encode())
     view.close()
-    assert view.waits_run_out == 1       # one wait of 0.5 s, not one per chunk (20: 10 s)
+    assert view.waits_run_out <= 1       # at most one wait of 0.5 s, not one per chunk (20)
     assert held(view) == (0, 0)
 
 
