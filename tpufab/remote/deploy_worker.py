@@ -254,10 +254,13 @@ def checkout(args: argparse.Namespace) -> dict:
             git.fetch("--quiet", "--no-tags", args.source, sha, cwd=path)
     if not has_commit(git, path, sha):
         raise Failure("missing_commit", f"commit {sha[:12]} is not on the remote")
-    journal = os.path.join(path, ".git", JOURNAL)
-    me = proc_stat(os.getpid())
-    write_atomic(journal, json.dumps({"before": head_of(git, path), "to": sha,
-                                      "pid": os.getpid(), "start": me and me.start_time}))
+    # (a checkout whose .git is a file, a git worktree's, keeps no journal)
+    journal = os.path.join(path, ".git", JOURNAL) if os.path.isdir(
+        os.path.join(path, ".git")) else None
+    if journal:
+        me = proc_stat(os.getpid())
+        write_atomic(journal, json.dumps({"before": head_of(git, path), "to": sha,
+                                          "pid": os.getpid(), "start": me and me.start_time}))
     if args.branch:
         git("checkout", "--quiet", "-B", args.branch, sha, cwd=path, what="checkout")
     else:
@@ -265,8 +268,9 @@ def checkout(args: argparse.Namespace) -> dict:
     if os.path.exists(os.path.join(path, ".gitmodules")):
         git("submodule", "update", "--quiet", "--init", "--recursive", cwd=path,
             what="submodule update")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(journal)
+    if journal:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(journal)
     after = git("rev-parse", "HEAD", cwd=path)
     return {"ok": True, "dir": path, "commit": after, "before": before, "action": action,
             "fetched": fetched, "seconds": round(time.monotonic() - start, 3)}
