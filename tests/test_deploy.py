@@ -450,6 +450,12 @@ def _deploy_checkout(script: Path, work: Path, source: Path, sha: str):
     return read_answer(done.stdout, "answer")
 
 
+def _local_source(root: Path) -> Path:
+    root.mkdir()
+    sh(root, "git", "init", "-q")
+    return root
+
+
 def test_a_checkout_killed_mid_write_is_mended_by_the_next_deploy(tmp_path: Path):
     """A deploy whose client is killed while a worker's git writes the tree (the agent stops
     what the closed connection ran) leaves the new commit's files on disk, HEAD and the index
@@ -457,31 +463,16 @@ def test_a_checkout_killed_mid_write_is_mended_by_the_next_deploy(tmp_path: Path
     would be overwritten" (issue 37's killed-deployer scenario on CI). Now the checkout's
     journal names those paths and the next checkout puts them back first; a user's own edit
     elsewhere survives."""
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
-           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
-    src = tmp_path / "src"
-    run = lambda *a, cwd=src: subprocess.run(["git", *a], cwd=cwd, env=env, check=True,  # noqa: E731
-                                             capture_output=True, text=True).stdout.strip()
-    src.mkdir()
-    run("init", "-q")
-    (src / "kept.txt").write_text("v1\n")
-    (src / "mine.txt").write_text("user\n")
-    run("add", "-A")
-    run("commit", "-qm", "A")
-    a = run("rev-parse", "HEAD")
-    (src / "kept.txt").write_text("v2\n")
-    (src / "new.txt").write_text("new\n")
-    run("add", "-A")
-    run("commit", "-qm", "B")
-    b = run("rev-parse", "HEAD")
-    (src / "later.txt").write_text("later\n")
-    run("add", "-A")
-    run("commit", "-qm", "C")
-    c = run("rev-parse", "HEAD")
+    src = _local_source(tmp_path / "src")
+    commit(src, "mine.txt", "user\n")
+    a = commit(src, "kept.txt", "v1\n")
+    commit(src, "kept.txt", "v2\n")
+    b = commit(src, "new.txt", "new\n")
+    c = commit(src, "later.txt", "later\n")
     script = shipped("deploy_worker.py")
     work = tmp_path / "work"
     assert _deploy_checkout(script, work, src, a)["commit"] == a
-    subprocess.run(["git", "fetch", "-q", str(src), "HEAD"], cwd=work, check=True)
+    sh(work, "git", "fetch", "-q", str(src), "HEAD")
     # what the killed checkout A -> B left: B's files written, HEAD and index still at A,
     # its journal naming a writer that is gone (a pid that never matches its start time)
     (work / "kept.txt").write_text("v2\n")
@@ -500,20 +491,9 @@ def test_a_checkout_killed_mid_write_is_mended_by_the_next_deploy(tmp_path: Path
 
 def test_a_half_written_tree_without_a_journal_is_still_refused(tmp_path: Path):
     """Local changes nobody's checkout left (no journal) are the user's: still refused."""
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
-           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
-    src = tmp_path / "src"
-    src.mkdir()
-    run = lambda *a: subprocess.run(["git", *a], cwd=src, env=env, check=True,  # noqa: E731
-                                    capture_output=True, text=True).stdout.strip()
-    run("init", "-q")
-    (src / "f.txt").write_text("1\n")
-    run("add", "-A")
-    run("commit", "-qm", "A")
-    a = run("rev-parse", "HEAD")
-    (src / "f.txt").write_text("2\n")
-    run("commit", "-qam", "B")
-    b = run("rev-parse", "HEAD")
+    src = _local_source(tmp_path / "src")
+    a = commit(src, "f.txt", "1\n")
+    b = commit(src, "f.txt", "2\n")
     script = shipped("deploy_worker.py")
     work = tmp_path / "work"
     assert _deploy_checkout(script, work, src, a)["ok"]

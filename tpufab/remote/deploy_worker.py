@@ -176,6 +176,12 @@ def has_commit(git: Git, path: str, sha: str) -> bool:
 JOURNAL = "tpufab-checkout.json"
 
 
+def journal_of(path: str) -> str | None:
+    """The checkout's journal file; None where .git is a file (a git worktree's: no journal)."""
+    folder = os.path.join(path, ".git")
+    return os.path.join(folder, JOURNAL) if os.path.isdir(folder) else None
+
+
 def mend_interrupted(git: Git, path: str) -> bool:
     """Undo what an interrupted checkout left half-written, so the next one is not refused
     with "local changes" that are ours. Only the paths that differ between the two commits
@@ -184,8 +190,8 @@ def mend_interrupted(git: Git, path: str) -> bool:
     edit elsewhere stays, and a journal whose writer still runs is left alone. True when one
     was found: the checkout is then done again even at the same commit (its submodules or
     its hook may not have run)."""
-    journal = os.path.join(path, ".git", JOURNAL)
-    entry = read_json(journal)
+    journal = journal_of(path)
+    entry = read_json(journal) if journal else None
     if not isinstance(entry, dict):
         return False
     if entry.get("pid") and entry.get("start") and alive(entry["pid"], entry["start"]):
@@ -199,12 +205,11 @@ def mend_interrupted(git: Git, path: str) -> bool:
             os.unlink(os.path.join(path, ".git", "index.lock"))
         if before is None:   # a first checkout into an empty directory: all of it is ours
             listed = git("ls-tree", "-r", "-z", "--name-only", to, cwd=path)
-            kept = []
         else:
             listed = git("diff", "--name-only", "-z", "--no-renames", before, to, cwd=path)
-            kept = [p for p in listed.split("\0")
-                    if p and git.ok("cat-file", "-e", f"{before}:{p}", cwd=path)]
         changed = [p for p in listed.split("\0") if p]
+        kept = [p for p in changed if before is not None
+                and git.ok("cat-file", "-e", f"{before}:{p}", cwd=path)]
         for name in set(changed) - set(kept):
             with contextlib.suppress(FileNotFoundError, IsADirectoryError):
                 os.unlink(os.path.join(path, name))
@@ -223,7 +228,7 @@ def checkout(args: argparse.Namespace) -> dict:
     path = os.path.expanduser(args.dir)
     sha = args.commit
     before = head_of(git, path)
-    mended = os.path.isdir(os.path.join(path, ".git")) and mend_interrupted(git, path)
+    mended = mend_interrupted(git, path)
     action = "update"
     if before is None:
         if os.path.exists(path) and not os.path.isdir(path):
@@ -254,9 +259,7 @@ def checkout(args: argparse.Namespace) -> dict:
             git.fetch("--quiet", "--no-tags", args.source, sha, cwd=path)
     if not has_commit(git, path, sha):
         raise Failure("missing_commit", f"commit {sha[:12]} is not on the remote")
-    # (a checkout whose .git is a file, a git worktree's, keeps no journal)
-    journal = os.path.join(path, ".git", JOURNAL) if os.path.isdir(
-        os.path.join(path, ".git")) else None
+    journal = journal_of(path)
     if journal:
         me = proc_stat(os.getpid())
         write_atomic(journal, json.dumps({"before": head_of(git, path), "to": sha,
