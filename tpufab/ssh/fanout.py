@@ -472,12 +472,12 @@ class Fanout:
         that says nothing after it was asked is stopped itself (its connections close, and the
         workers stop what they ran): the names of those, for the sentence."""
         running = [t for t in tasks.values() if not t.done.is_set()]
-        asked = time.monotonic()
+        pings: dict[int, int] = {}   # owner: the number of the ping sent with the interrupt
         for owner in remote:
             shard = self._shards.get(owner)
             if shard is not None:
                 shard.interrupt(remote[owner])
-                shard.ping()   # a live one answers at once, whatever its workers do
+                pings[owner] = shard.ping()   # a live one answers at once, whatever its workers do
         silent: list[str] = []
         for task in running:
             if task.agent is not None and not self.owner.get(task.worker, 0):
@@ -491,8 +491,8 @@ class Fanout:
                 if (task.agent is None and not owner) or not task.done.wait(wait):
                     # Unconfirmed: closing the channel makes the worker kill everything it runs.
                     shard = self._shards.get(owner) if owner else None
-                    if shard is not None and shard.alive and shard.heard < asked:
-                        silent.append(shard.name)   # nothing since we asked: it hangs
+                    if shard is not None and shard.alive and shard.answered < pings[owner]:
+                        silent.append(shard.name)   # no answer to that ping: it hangs
                         shard.give_up("did not answer when asked to stop the command", then="")
                     elif shard is not None:
                         shard.close_worker(task.worker)

@@ -94,7 +94,7 @@ def serve(fan, inbox, send, *, stop_at_end: bool = False) -> None:
         elif kind == "close_worker" and message[1] in fan.links:
             fan.links[message[1]].close()
         elif kind == "ping":   # the parent waits on us: we are here (shards.parent.SILENT)
-            send(("pong",))
+            send(("pong", *message[1:]))   # its number: which question this answers
         elif kind == "use":    # a keeper's connections, held by a command or idle
             fan.set_in_use(message[1])
     if not stop_at_end:

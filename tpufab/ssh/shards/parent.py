@@ -41,6 +41,8 @@ class Shard:
     what = "the fan-out process"  # how a lost child is named in the workers' results
     heard = 0.0                   # when it last said anything (time.monotonic())
     pinged = False                # asked whether it lives since it last said anything
+    asked = 0                     # the number of the last ping sent
+    answered = 0                  # the number of the last ping it answered
     ending: str | None = None     # why it ends, once known: its tasks' result, whatever follows
 
     def __init__(self, index: int, targets: list, fanout):
@@ -140,10 +142,16 @@ class Shard:
         elif quiet >= PING_AFTER and not self.pinged:
             self.ping()
 
-    def ping(self) -> None:
-        """Ask it to answer at once (its answer, like anything it says, sets ``heard``)."""
+    def ping(self) -> int:
+        """Ask it to answer at once (its answer, like anything it says, sets ``heard``): the
+        ping's number, which ``answered`` reaches once this very ping is answered (something
+        it said before, still in the pipe, is no answer to it)."""
         self.pinged = True
-        self._try_send(("ping",))
+        with self.lock:
+            self.asked += 1
+            number = self.asked
+        self._try_send(("ping", number))
+        return number
 
     def give_up(self, why: str, *, then: str = "; run the command again") -> None:
         """Stop the process (its connections close, and with them what it ran on the
@@ -186,6 +194,9 @@ class Shard:
             if task is not None:
                 task.finish(exit_code, error, signal)
                 task.result.duration = duration
+        elif kind == "pong":
+            with self.lock:
+                self.answered = max(self.answered, message[1])
         elif kind == "retry":
             _, worker, attempt, error = message
             if self.fanout.on_retry is not None:
