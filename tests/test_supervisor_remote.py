@@ -8,7 +8,10 @@ the service run as a plain local process (what the supervisor VM's systemd unit 
   there); then `jobs cancel` stops the run on the pod and the job is cancelled, its records
   kept;
 - a job preempted under the service: relaunched, counted as a preemption (the error budget
-  untouched), finished; `jobs --json` and `jobs logs` show both attempts;
+  untouched), finished; `jobs --json` and `jobs logs` show both attempts; its project's
+  `environment:` (a package from an index on loopback, tests/pyindex.py) is the laptop's,
+  not the service's: both attempts run inside it, the recovered node's built by the service
+  before the recipe;
 - a job with a secret, handed over while no service runs: it waits ("needs secrets") under
   the service until `tpufab jobs secrets JOB` hands the value from the laptop's environment
   (refused in one sentence while it is not set there); then its run is named by `runs`,
@@ -28,6 +31,7 @@ from pathlib import Path
 import pytest
 from harness import sim_node
 from helpers import in_worker, tpufab, unique_name, wait_for
+from pyindex import PackageIndex
 
 from tpufab.cloud.storage import Storage
 from tpufab.flows.supervisor import state as st
@@ -38,6 +42,9 @@ RECIPE = """#!/bin/sh
 echo "$TPUFAB_RUN_ID" >> "$HOME/starts-$JOB_TAG.log"
 echo "attempt $TPUFAB_RESTART_COUNT of $JOB_TAG in $(basename "$PWD") at $(cat version.txt)"
 if [ -n "$HF_TOKEN" ]; then echo "a token of ${#HF_TOKEN} characters"; fi
+if [ -n "$VIRTUAL_ENV" ]; then
+    "$VIRTUAL_ENV/bin/python" -c 'import sys, tfa_alpha; print("tfa_alpha", tfa_alpha.VERSION, "in", sys.prefix)'
+fi
 if [ "$TPUFAB_RESTART_COUNT" = 0 ]; then
     while [ ! -f "$HOME/release-$JOB_TAG" ]; do sleep 0.1; done
     echo "released"
@@ -215,10 +222,30 @@ def test_two_supervisors_race_one_launches_and_the_other_reattaches_after_a_kill
     assert [(j["id"], j["state"], j["attempts"]) for j in listed] == [(job, "cancelled", 1)]
 
 
+@pytest.fixture
+def environment(pod1, tmp_path):
+    """The project configures an environment (committed: the hand-over runs a commit), built
+    on the pod from the laptop, as `tpufab setup` would; taken out of the project after."""
+    with PackageIndex(tmp_path / "wheels") as index:
+        index.add("tfa-alpha", "1.0")
+        (pod1.repo / "tpufab.yaml").write_text("environment:\n  requirements: requirements.txt\n")
+        (pod1.repo / "requirements.txt").write_text(f"--index-url {index.url}\ntfa-alpha\n")
+        git(pod1.repo, "add", "tpufab.yaml", "requirements.txt")
+        git(pod1.repo, "commit", "-q", "-m", "environment")
+        try:
+            built = tpufab("env", "build", env=pod1.env, cwd=pod1.repo, timeout=300)
+            assert built.returncode == 0, built.stdout + built.stderr
+            yield index
+        finally:
+            git(pod1.repo, "rm", "-q", "tpufab.yaml", "requirements.txt")
+            git(pod1.repo, "commit", "-q", "-m", "no environment")
+
+
 def test_a_preempted_job_is_relaunched_by_the_supervisor_and_counted_as_a_preemption(
-        pod1, bucket, services, sim_admin):
+        pod1, bucket, services, sim_admin, environment):
     tag = unique_name("pre")
     job = hand_over(pod1, bucket, tag, "--max-restarts-on-errors", "1")
+    wheels = environment.served().get("tfa_alpha-1.0-py3-none-any.whl", 0)
     services.start("sup-a")
     wait_for(lambda: starts(pod1, tag), 60,
              what=lambda: f"attempt 0 to start: {services.log('sup-a')[-2000:]}")
@@ -243,6 +270,10 @@ def test_a_preempted_job_is_relaunched_by_the_supervisor_and_counted_as_a_preemp
     assert logs.returncode == 0, logs.stderr
     assert f"attempt 0 of {tag} in model at v1" in logs.stdout
     assert "finished attempt 1" in logs.stdout
+    # both attempts inside the project's environment (the service configures none): the
+    # recovered node's built by the service, from the index, before attempt 1's recipe
+    assert logs.stdout.count("tfa_alpha 1.0 in /home/tpufab/.venv") == 2, logs.stdout
+    assert environment.served().get("tfa_alpha-1.0-py3-none-any.whl", 0) == wheels + 1
 
 
 def test_a_job_waits_for_its_secret_until_jobs_secrets_hands_it_and_its_run_is_named(

@@ -175,6 +175,41 @@ def test_the_hand_over_writes_the_bundle_the_spec_and_the_state(laptop, recs, re
                                           f"tpufab jobs cancel {done.job}")
 
 
+def test_the_job_carries_the_environment_as_the_laptop_read_it_and_its_runs_use_it(
+        laptop, recs, repo, tmp_path):
+    """`environment:` is the laptop's setting, not the supervisor's: the spec carries the
+    files as read at the hand-over; the service's settings for the job name that path (its
+    runs' VIRTUAL_ENV), and its babysitter builds exactly that after a recovery."""
+    from dataclasses import replace
+
+    from tpufab.errors import ConfigError
+    from tpufab.steps.runs.env import virtual_env
+
+    configured = replace(laptop, environment={"requirements": "requirements.txt",
+                                              "path": "~/envs/train"})
+    (repo / "requirements.txt").write_text("-r base.txt\ntfa-alpha\n")
+    (repo / "base.txt").write_text("tfa-beta\n")
+    git(repo, "add", ".")
+    git(repo, "commit", "-qm", "env")
+    done = handover.hand_over(configured, "train.sh")
+    spec = recs.spec(done.job)
+    assert spec.version == 2 and spec.environment["path"] == "~/envs/train"
+    assert {k: v.decode() for k, v in spec.env_spec().files.items()} == {
+        "requirements.txt": "-r base.txt\ntfa-alpha\n", "base.txt": "tfa-beta\n"}
+    svc = service.Service(laptop, recs.bucket, "sup-env", store=recs.store,
+                          workdir=tmp_path / "work")
+    assert not laptop.environment                          # the supervisor configures none
+    assert virtual_env(svc.settings_for(spec)) == "~/envs/train"
+    assert virtual_env(svc.settings_for(recs.spec(handover.hand_over(laptop, "train.sh").job))) \
+        is None
+    (repo / "base.txt").unlink()
+    git(repo, "commit", "-qam", "no base")
+    before = recs.store.list(recs.bucket, st.JOBS).blobs
+    with pytest.raises(ConfigError, match="which does not exist at"):
+        handover.hand_over(configured, "train.sh")
+    assert recs.store.list(recs.bucket, st.JOBS).blobs == before
+
+
 def test_a_failed_hand_over_leaves_nothing_in_the_bucket(laptop, recs, monkeypatch):
     from tpufab.cloud.storage import StorageError
 

@@ -5,6 +5,7 @@ simulated Cloud Storage, in-process) written with generation preconditions."""
 from __future__ import annotations
 
 import inspect
+import json
 import threading
 from dataclasses import replace
 
@@ -143,8 +144,33 @@ def test_records_read_back_as_written_and_unknown_versions_are_refused():
     assert st.JobSpec.from_record(spec.to_record()) == spec
     with pytest.raises(Exception, match="state version 1.* upgrade tpufab"):
         st.JobState.from_record({**job.to_record(), "version": 2})
-    with pytest.raises(Exception, match="spec version 1.* upgrade tpufab"):
+    with pytest.raises(Exception, match="spec version 2.* upgrade tpufab"):
         st.JobSpec.from_record({**spec.to_record(), "version": 9})
+    with pytest.raises(Exception, match="spec version 2.* upgrade tpufab"):
+        st.JobSpec.from_record({**spec.to_record(), "version": "1"})
+
+
+def test_a_spec_carries_its_environment_and_only_then_is_version_2():
+    from tpufab.config import Settings
+    from tpufab.steps.host.environment import EnvSpec
+    from tpufab.steps.runs.env import virtual_env
+
+    settings = Settings(name="demo", project="p", zone="us-central2-b")
+    env = EnvSpec("requirements", "requirements.txt",
+                  {"requirements.txt": b"-r base.txt\nnumpy\n", "base.txt": b"rich\n"},
+                  "3.11", "~/envs/train", None)
+    plain = st.job_spec(settings, "job-20261201-220000-ab12", "x.sh", code=st.Code.of("abc"))
+    carried = st.job_spec(settings, "job-20261201-220000-cd34", "x.sh", code=st.Code.of("abc"),
+                          environment=env)
+    assert (plain.to_record()["version"], plain.env_spec()) == (1, None)  # old readers read it
+    record = carried.to_record()
+    assert record["version"] == 2
+    assert record["environment"]["files"] == {"requirements.txt": "-r base.txt\nnumpy\n",
+                                              "base.txt": "rich\n"}
+    back = st.JobSpec.from_record(json.loads(json.dumps(record)))
+    assert back.env_spec() == env
+    assert st.JobSpec.from_record(json.loads(json.dumps(plain.to_record()))) == plain
+    assert virtual_env(replace(settings, environment=env.setting())) == "~/envs/train"
 
 
 def test_the_job_carries_every_babysit_option_with_babysits_defaults():

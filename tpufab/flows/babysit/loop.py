@@ -77,6 +77,7 @@ if TYPE_CHECKING:
     from tpufab.cloud.nodes import Node, QueuedResourceInfo
     from tpufab.cloud.planes.base import ControlPlane
     from tpufab.config import Settings
+    from tpufab.steps.host.environment import EnvSpec
 
 
 # One babysitter per node (on this machine)
@@ -166,7 +167,8 @@ class Babysitter(Recovery, Attempts):
                  stall_progress_file: str | None = None,
                  ray: bool = False, ray_options: Sequence[str] = (),
                  hooks: Hooks | None = None, resume: Resume | None = None,
-                 checkout: Path | None = None, step_pattern: str | None = None):
+                 checkout: Path | None = None, step_pattern: str | None = None,
+                 environment: EnvSpec | None | str = "configured"):
         from tpufab.cloud import names, planes
         from tpufab.steps.runs.stragglers import check_pattern
         from tpufab.steps.start import stall as stalls
@@ -247,8 +249,10 @@ class Babysitter(Recovery, Attempts):
         from tpufab.steps.host.environment import env_spec
 
         # the environment is read now (a file not there is a sentence before anything runs),
-        # and a recovery builds that one, whatever the files say by then
-        self.restore.environment = env_spec(settings)
+        # and a recovery builds that one, whatever the files say by then; ``environment``
+        # given: that one, read elsewhere (a supervised job's, as its laptop read it)
+        self.restore.environment = env_spec(settings) if isinstance(environment, str) \
+            else environment
         self.root: Path | None = None
         self.attempts: list[Attempt] = list(resume.history) if resume else []
         self.log_dir: Path | None = None

@@ -145,8 +145,10 @@ def hand_over(settings: Settings, recipe: str | Path, *, args: Sequence[str] = (
     job = records_.new_job_id()
     bundle = records_.bundle_name(job) if direct else None
     code = records_.Code.of(commit, remote=remote, bundle=bundle, name=root.name)
+    # the environment as babysit reads it (at its start: here), carried to the supervisor
     spec = records_.job_spec(settings, job, recipe_in, code=code, args=args, env=env,
-                             options={**options, "direct": direct})
+                             options={**options, "direct": direct},
+                             environment=sitter.restore.environment)
     made: list[str] = []
     try:
         if bundle is not None:

@@ -436,6 +436,7 @@ class JobRunner:
         if given.backoff is not None:
             extra["backoff"] = given.backoff
         sitter = Babysitter(settings, code / spec.recipe, args=spec.args, env=env,
+                            environment=spec.env_spec(),
                             setup_script=code / setup if setup else None,
                             no_deploy=bool(spec.option("no_deploy")), direct=True,
                             hooks=self.hooks, resume=resume, checkout=code,
@@ -622,7 +623,9 @@ class Service:
         service account's own login); the job's secret names are secrets whatever they look
         like (their values go to the run masked, through stdin)."""
         pod = spec.pod
+        environment = spec.env_spec()
         return replace(self.settings, name=pod.name, zone=pod.zone,
+                       environment={} if environment is None else environment.setting(),
                        project=pod.project or self.settings.project, control_plane=pod.plane,
                        type=pod.type, ssh_user=pod.ssh_user or self.settings.ssh_user,
                        secrets=[*self.settings.secrets,

@@ -33,12 +33,13 @@ from tpufab.errors import ConfigError, TpufabError, shown
 if TYPE_CHECKING:
     from tpufab.cloud.storage import Storage
     from tpufab.config import Settings
+    from tpufab.steps.host.environment import EnvSpec
 
 ROOT = "tpufab/"
 JOBS = ROOT + "jobs/"
 SUPERVISORS = ROOT + "supervisor/"
 WHEELS = SUPERVISORS + "wheels/"
-SPEC_VERSION = 1
+SPEC_VERSION = 2        # 2: the spec carries the job's environment; one without is still 1
 STATE_VERSION = 1
 BUCKET_SUFFIX = "-tpufab"
 STATES = ("queued", "starting", "running", "recovering", "finished", "failed", "cancelled")
@@ -172,8 +173,10 @@ def check_supervisor_name(name: str) -> str:
 # -- the spec ---------------------------------------------------------------------------------
 
 
-def _readable(data: Mapping[str, Any], kind: str, version: int) -> None:
-    if data.get("version") != version:
+def _readable(data: Mapping[str, Any], kind: str, version: int, oldest: int | None = None
+              ) -> None:
+    found = data.get("version")
+    if not isinstance(found, int) or not (oldest or version) <= found <= version:
         raise TpufabError(f"Job {data.get('job')}'s {kind} is version {data.get('version')}, "
                           f"which this tpufab ({kind} version {version}) cannot read; "
                           "upgrade tpufab.")
@@ -234,6 +237,10 @@ class JobSpec:
     tpufab_version: str = ""
     created_at: str = ""
     user: str = ""
+    # the `environment:` the laptop configured, read at the hand-over
+    # (tpufab.steps.host.environment.EnvSpec.to_record): its runs get VIRTUAL_ENV, and a
+    # recovery builds it on the new workers before the recipe, as babysit's does
+    environment: Mapping[str, Any] | None = None
     version: int = SPEC_VERSION
 
     def __post_init__(self) -> None:
@@ -259,19 +266,27 @@ class JobSpec:
 
     @classmethod
     def from_record(cls, data: Mapping[str, Any]) -> JobSpec:
-        _readable(data, "spec", SPEC_VERSION)
+        _readable(data, "spec", SPEC_VERSION, oldest=1)
         return cls(job=data["job"], pod=PodRef(**data["pod"]), recipe=data["recipe"],
                    code=Code(**data["code"]), args=tuple(data.get("args") or ()),
                    options=dict(data.get("options") or {}), env=dict(data.get("env") or {}),
                    secrets=tuple(data.get("secrets") or ()),
                    tpufab_version=data.get("tpufab_version", ""),
-                   created_at=data.get("created_at", ""), user=data.get("user", ""))
+                   created_at=data.get("created_at", ""), user=data.get("user", ""),
+                   environment=data.get("environment"), version=data["version"])
+
+    def env_spec(self) -> EnvSpec | None:
+        """The job's environment (None: it has none)."""
+        from tpufab.steps.host.environment import EnvSpec
+
+        return None if self.environment is None else EnvSpec.from_record(self.environment)
 
 
 def job_spec(settings: Settings, job: str, recipe: str, *, code: Code,
              args: Sequence[str] = (), env: Iterable[str] | None = None,
              secret: Iterable[str] | None = None, options: Mapping[str, Any] | None = None,
-             now: datetime | None = None, user: str | None = None) -> JobSpec:
+             now: datetime | None = None, user: str | None = None,
+             environment: EnvSpec | None = None) -> JobSpec:
     """A job's spec from babysit's flags: ``env``/``secret`` as ``--env``/``--secret`` take
     them (with the ``env`` setting's and the always-forwarded variables), split by the one
     secret rule into the public values kept and the secret names kept without their values."""
@@ -294,7 +309,10 @@ def job_spec(settings: Settings, job: str, recipe: str, *, code: Code,
                    options={k: v for k, v in (options or {}).items()
                             if v != BABYSIT_OPTIONS.get(k, object())},
                    env=dict(forwarded.public), secrets=tuple(sorted(forwarded.secrets)),
-                   tpufab_version=__version__, created_at=now_text(now), user=user)
+                   tpufab_version=__version__, created_at=now_text(now), user=user,
+                   environment=None if environment is None else environment.to_record(),
+                   # a job without an environment stays readable by a supervisor of before
+                   version=SPEC_VERSION if environment is not None else 1)
 
 
 # -- the state --------------------------------------------------------------------------------

@@ -53,6 +53,26 @@ class EnvSpec:
     path: str = DEFAULT_ENVIRONMENT_PATH
     bucket: str | None = None     # gs://B/PREFIX the archive goes through (not in the hash)
 
+    def to_record(self) -> dict:
+        """As JSON holds it (the files are UTF-8 text: env_spec read them so): a supervised
+        job carries the environment as the laptop read it at the hand-over."""
+        return {"kind": self.kind, "spec": self.spec,
+                "files": {name: data.decode("utf-8") for name, data in self.files.items()},
+                "python": self.python, "path": self.path, "bucket": self.bucket}
+
+    @classmethod
+    def from_record(cls, data: Mapping) -> EnvSpec:
+        return cls(data["kind"], data["spec"],
+                   {name: text.encode("utf-8") for name, text in data["files"].items()},
+                   data.get("python"), data.get("path") or DEFAULT_ENVIRONMENT_PATH,
+                   data.get("bucket"))
+
+    def setting(self) -> dict:
+        """The ``environment`` setting that names this environment (its path, for the runs'
+        VIRTUAL_ENV: tpufab.steps.runs.env.virtual_env), where no tpufab.yaml says it."""
+        return {self.kind: self.spec, "python": self.python, "path": self.path,
+                "bucket": self.bucket}
+
 
 def env_spec(settings, cwd: Path | None = None) -> EnvSpec | None:
     """The configured environment's spec, its files read (relative to the tpufab.yaml that
