@@ -2,10 +2,16 @@
 
 Not a flag a recipe reads, and not a CPU cap (a busy 2-core machine never reaches one): every
 PERIOD the worker's processes (everything in its PID namespace but its PID 1) are stopped with
-SIGSTOP for that share of the period and continued with SIGCONT, so whatever the worker runs
-takes 1/(1 - share) as long in wall time, as on a host with a slower chip or a throttled CPU.
+SIGSTOP for that share of the period (timed from the moment every one of them is seen
+stopped) and continued with SIGCONT, so whatever the worker runs takes 1/(1 - share) as long
+in wall time, as on a host with a slower chip or a throttled CPU.
 ``--by 0`` ends it (the processes are continued). The list of processes is refreshed every
 second, so what starts later is slowed too.
+
+Each worker's stops are counted (``stops``: how many, and for how long in all, the one under
+way included): the simulated chip's metrics (sim/tpumetrics.py) add the time a program was
+stopped to the program, and do not take the context switch a stop costs the process for a
+wait of its own.
 """
 
 from __future__ import annotations
@@ -44,11 +50,45 @@ def parse_share(text: str | float, *, limit: float | None = None, flag: str = "-
     return share
 
 
+class Stops:
+    """One worker's stops so far: ``count`` signalled, ``seconds`` stopped (from the moment
+    every process was seen stopped to SIGCONT: a SIGSTOP lands only once its process gets a
+    CPU, which on a busy machine can take longer than the stop lasts, and a SIGCONT before
+    that cancels it), ``began`` (monotonic) of the one under way, if any."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.count = 0
+        self.seconds = 0.0
+        self.began: float | None = None
+
+    def signalled(self) -> None:
+        with self.lock:   # counted before the signal: a look after it never sees fewer
+            self.count += 1
+
+    def begin(self) -> None:
+        with self.lock:
+            self.began = time.monotonic()
+
+    def end(self) -> None:
+        with self.lock:
+            if self.began is not None:
+                self.seconds += time.monotonic() - self.began
+                self.began = None
+
+    def read(self) -> tuple[int, float]:
+        """(stops begun, seconds stopped), the stop under way counted up to now."""
+        with self.lock:
+            now = 0.0 if self.began is None else time.monotonic() - self.began
+            return self.count, self.seconds + now
+
+
 class Slowdown:
     """The thread that stops and continues one worker's processes."""
 
-    def __init__(self, pool: Any, node_id: str, index: int, share: float):
+    def __init__(self, pool: Any, node_id: str, index: int, share: float, stops: Stops):
         self.pool, self.node_id, self.index, self.share = pool, node_id, index, share
+        self.stops = stops
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"tpufab-slow-w{index}",
                                        daemon=True)
@@ -62,6 +102,15 @@ class Slowdown:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
 
+    @staticmethod
+    def _until_stopped(pids: list[int], deadline: float) -> None:
+        """Until every one of ``pids`` is stopped (or gone), at most until ``deadline``."""
+        left = list(pids)
+        while left and time.monotonic() < deadline:
+            left = [pid for pid in left if not _stopped(pid)]
+            if left:
+                time.sleep(0.001)
+
     def _run(self) -> None:
         pids, looked = self._pids(), time.monotonic()
         try:
@@ -69,15 +118,30 @@ class Slowdown:
                 if time.monotonic() - looked >= REFRESH:
                     pids, looked = self._pids(), time.monotonic()
                 began = time.monotonic()
+                self.stops.signalled()
                 self._signal(pids, signal.SIGSTOP)
+                self._until_stopped(pids, began + PERIOD)
+                self.stops.begin()
                 time.sleep(self.share * PERIOD)
                 self._signal(pids, signal.SIGCONT)
+                self.stops.end()
                 self.stop.wait(max(0.0, PERIOD - (time.monotonic() - began)))
         finally:
             self._signal(self._pids(), signal.SIGCONT)
+            self.stops.end()
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True   # gone
+    return state in (b"T", b"t", b"Z", b"X")
 
 
 _slowed: dict[tuple[int, str, int], Slowdown] = {}
+_stops: dict[tuple[int, str, int], Stops] = {}   # kept across --by changes: counts only grow
 _lock = threading.Lock()
 
 
@@ -91,9 +155,17 @@ def set_slow(pool: Any, node_id: str, index: int, share: float) -> None:
             old.thread.join(5)
         if share > 0:
             pool.require_init(node_id, index)
-            _slowed[key] = Slowdown(pool, node_id, index, share)
+            _slowed[key] = Slowdown(pool, node_id, index, share,
+                                    _stops.setdefault(key, Stops()))
 
 
 def slowed(pool: Any, node_id: str) -> dict[int, float]:
     with _lock:
         return {i: s.share for (p, n, i), s in _slowed.items() if p == id(pool) and n == node_id}
+
+
+def stops(pool: Any, node_id: str, index: int) -> tuple[int, float]:
+    """Worker ``index``'s stops so far: (how many, seconds in all); (0, 0.0) if never slowed."""
+    with _lock:
+        found = _stops.get((id(pool), node_id, index))
+    return (0, 0.0) if found is None else found.read()

@@ -12,8 +12,12 @@ client gets UNAVAILABLE. This module serves the same service for every worker of
   total is the generation's HBM) and a duty cycle;
 - the chip is *busy* while that process's main thread is on a CPU or waiting for one
   (``/proc/PID/schedstat``: exact, cumulative); it waits otherwise (a collective over the
-  network, a sleep, input). A process stopped by ``tpufab sim slow`` keeps the phase it was
-  stopped in, as a slower chip would;
+  network, a sleep, input). So a program of D chip-seconds (a main thread that computes
+  until its own run + runqueue time grew by D: tests/data/collective_steps.py) takes D
+  however busy this machine's CPUs are, as on a chip, which a host's load does not slow. A
+  process stopped by ``tpufab sim slow`` keeps the phase it was stopped in, as a slower chip
+  would: the time a program was stopped (sim/slow.py counts each worker's stops exactly)
+  is added to it, and the context switch each stop costs is not taken for a wait;
 - a busy stretch is one program execution (``hlo.execution.timing.distribution.microseconds``:
   a distribution per chip; a wait between two samples, seen as a new voluntary context
   switch, ends one), the duty cycle is the busy share of the last 2 s, and
@@ -49,6 +53,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tpufab.sim import slow
 
 log = logging.getLogger("tpufab.sim.tpumetrics")
 
@@ -235,6 +241,8 @@ class Holder:
     in_program: bool = False
     program_start: float = 0.0
     last_busy_at: float = 0.0
+    stops: tuple[int, float] = (0, 0.0)   # sim slow's stops of its worker at the last look
+    waits: int = 0                        # the most voluntary switches seen, less the stops'
     history: deque = field(default_factory=lambda: deque(maxlen=int(DUTY_WINDOW / SAMPLE_EVERY)
                                                         + 50))
 
@@ -261,20 +269,29 @@ def read_holder(pid: int) -> tuple[float, str, int, int] | None:
 
 
 def step_holder(h: Holder, now: float, raw: float, state: str, switches: int,
-                programs: list[float]) -> None:
+                programs: list[float], stops: tuple[int, float] = (0, 0.0)) -> None:
     """One look at a holder: advance its busy time and its program; a finished program's
-    seconds go to ``programs``. Pure (tested as data)."""
+    seconds go to ``programs``. ``stops``: its worker's stops by sim slow so far (how many,
+    seconds in all; sim/slow.py). Pure (tested as data)."""
     if h.raw is None:  # the first look: nothing measured yet
         h.raw, h.switches, h.state, h.at = raw, switches, state, now
+        h.stops, h.waits = stops, switches - stops[0]
         h.last_busy_at = now
         h.history.append((now, h.busy))
         return
     stopped = state in ("T", "t")
-    advanced = max(0.0, raw - h.raw)
-    if stopped and h.in_program:
-        advanced += max(0.0, now - h.at)  # a slower chip: the program goes on
-    waited = switches > (h.switches or 0)
     running = state == "R"
+    advanced = max(0.0, raw - h.raw)
+    slowed = max(0.0, stops[1] - h.stops[1])   # seconds sim slow stopped it since the last look
+    if slowed and (h.in_program or running):
+        advanced += slowed                     # a slower chip: the program goes on
+    elif stopped and h.in_program and not slowed:
+        advanced += max(0.0, now - h.at)       # stopped by another hand: counted as seen
+    # each stop costs a voluntary switch (counted before its signal: a look in between sees
+    # one switch fewer for a moment, hence the most seen): only more than that is a wait
+    own = switches - stops[0]
+    waited = own > h.waits
+    h.waits, h.stops = max(h.waits, own), stops
     before = h.busy
     h.busy += advanced
     if h.in_program:
@@ -642,9 +659,10 @@ class MetricsService:
                 continue
             raw, state, switches, rss = looked
             programs: list[float] = []
+            stopped = slow.stops(self.pool, *w.key)
             with self.lock:
                 h.rss = rss
-                step_holder(h, time.monotonic(), raw, state, switches, programs)
+                step_holder(h, time.monotonic(), raw, state, switches, programs, stopped)
                 for seconds in programs:
                     for chip in h.chips:
                         w.timings.setdefault(chip, Timing()).add(seconds * 1e6)
