@@ -1,16 +1,18 @@
 """Issue 42 on a simulated v4-32 (4 workers): libtpu's runtime metrics served on every worker
-(sim/tpumetrics.py) and read by the real tpu-info, by `top --tpu`; stragglers named during a
-run; a stall judged after the queued output; a profile of every worker."""
+(sim/tpumetrics.py) and read by the real tpu-info, by `top --tpu`; a worker slowed by `sim
+slow` named as the straggler of a synchronous run, and nobody before (the detector's rules
+as data: tests/test_stragglers.py; the chip's bookkeeping: tests/test_sim_chip.py)."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from harness import connected_pod
-from helpers import tpufab, wait_for
+from helpers import TPUFAB, Running, tpufab, wait_for, write_recipe
 
 pytestmark = pytest.mark.sim
 DATA = Path(__file__).parent / "data"
@@ -96,3 +98,45 @@ def test_top_tpu_shows_the_job_holding_the_chips_and_the_idle_host_first(pod4):
         assert lines[1].split()[0] == "w[0-2]" and "4 chips" in lines[1], human.stdout
     finally:
         release_chips(pod4, [0, 1, 2])
+
+
+STEPS, SLOWED_AT = 62, 50
+
+
+def test_a_worker_slowed_15_percent_is_named_within_3_steps_and_nobody_before(pod4):
+    """A synchronous job (a barrier each step: every host's step line appears together) of
+    programs of a fixed size on the simulated chips: 50 steps with nobody slowed name
+    nobody; then `sim slow --worker 2 --by 15%` and the run names w2, once, within 3 steps
+    (one more for the moment the slowdown lands between two step lines), from the chips'
+    time outside collectives."""
+    write_recipe(pod4.base, "collective_steps.py", (DATA / "collective_steps.py").read_text())
+    node = pod4.env["TPUFAB_NAME"]
+    running = Running([TPUFAB, "run", "collective_steps.py", "--no-deploy", str(STEPS), "0.4"],
+                      pod4.env, cwd=pod4.base)
+
+    def last_step() -> int:
+        seen = [int(m.group(1)) for line in list(running.out)
+                if (m := re.search(r"\bstep (\d+)$", line))]
+        return max(seen, default=0)
+
+    try:
+        wait_for(lambda: last_step() >= SLOWED_AT or running.proc.poll() is not None, 240,
+                 what=lambda: f"step {SLOWED_AT} (at step {last_step()}; "
+                              f"{''.join(running.err)[-1500:]})")
+        early = [line for line in running.err if "slower than the median" in line]
+        slowed = tpufab("sim", "slow", node, "--worker", "2", "--by", "15%", env=pod4.env)
+        assert slowed.returncode == 0, slowed.stdout + slowed.stderr
+        at = last_step()
+        done = running.wait(240)
+    finally:
+        running.kill()
+        tpufab("sim", "slow", node, "--worker", "2", "--by", "0", env=pod4.env)
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said
+    assert early == [], early                    # 50 steps, nobody slowed: nobody named
+    verdicts = [line for line in done.stderr.splitlines() if "slower than the median" in line]
+    assert len(verdicts) == 1, said
+    found = re.match(r"w2 is (\d+)% slower than the median over steps (\d+)-(\d+): ", verdicts[0])
+    assert found, verdicts
+    percent, first, last = map(int, found.groups())
+    assert percent >= 10 and at - 1 <= first and last <= at + 4, (verdicts, at)
