@@ -72,3 +72,25 @@ def test_a_stop_by_another_hand_counts_as_the_looks_saw_it():
         (0.13, 0.03, "S", 12, 0, 0.0),
     )
     assert programs == [0.13]
+
+
+def test_the_host_s_own_short_work_is_no_program_however_long_it_waited_for_a_cpu():
+    """A loop that prints a line and sleeps, its chips held: each turn is 0.3 ms on a CPU and,
+    on a busy machine, 20 ms waiting for one. No program, no busy time, the chips idle."""
+    h, programs = Holder(pid=1, chips={0}), []
+    t, raw, run, switches = 0.0, 0.0, 0.0, 10
+    step_holder(h, t, raw, "S", switches, programs, (0, 0.0), run)
+    for _ in range(20):
+        t += 0.01                                # a look sees it running (waiting for a CPU)
+        raw += 0.01
+        step_holder(h, t, raw, "R", switches, programs, (0, 0.0), run)
+        t += 0.01
+        raw, run, switches = raw + 0.0103, run + 0.0003, switches + 1
+        step_holder(h, t, raw, "S", switches, programs, (0, 0.0), run)
+        t += 0.5
+        step_holder(h, t, raw, "S", switches, programs, (0, 0.0), run)
+    assert programs == [] and h.busy == 0.0 and not h.in_program
+    # while a real program of the same look pattern is one: 0.3 s on a CPU
+    step_holder(h, t + 0.01, raw + 0.01, "R", switches, programs, (0, 0.0), run + 0.01)
+    step_holder(h, t + 0.31, raw + 0.31, "S", switches + 1, programs, (0, 0.0), run + 0.31)
+    assert [round(p, 3) for p in programs] == [0.31]

@@ -140,3 +140,44 @@ def test_a_worker_slowed_15_percent_is_named_within_3_steps_and_nobody_before(po
     assert found, verdicts
     percent, first, last = map(int, found.groups())
     assert percent >= 10 and at - 1 <= first and last <= at + 4, (verdicts, at)
+
+
+QUIET_BUSY = '''import glob, os, sys
+held = [open(p, "rb") for p in glob.glob("/dev/accel*")]
+stat = f"/proc/self/task/{os.getpid()}/schedstat"
+def chip_seconds():
+    with open(stat, "rb") as f:
+        return sum(int(v) for v in f.read().split()[:2]) / 1e9
+start, x = chip_seconds(), 0
+while chip_seconds() - start < float(sys.argv[1]):   # one long program, nothing printed
+    for _ in range(2000):
+        x = (x * 31 + 7) % 1000003
+print("done", flush=True)
+'''
+
+CHATTY_IDLE = '''import glob, time
+held = [open(p, "rb") for p in glob.glob("/dev/accel*")]
+for n in range(240):                                 # printing, the chips held and idle
+    print(f"waiting for data {n}", flush=True)
+    time.sleep(0.5)
+'''
+
+
+def test_a_stall_counts_the_tpus_busy_though_quiet_and_idle_though_printing(pod4):
+    """--stall 10s: a job that prints nothing for 24 s while its chips compute is no stall
+    (it ends by itself, exit 0); a job that prints every half second while every host's chips
+    sit idle is one ("every host's TensorCores were idle"), stopped by --stall-action kill."""
+    write_recipe(pod4.base, "quiet_busy.py", QUIET_BUSY)
+    write_recipe(pod4.base, "chatty_idle.py", CHATTY_IDLE)
+    stall = ["--no-deploy", "--stall", "10s", "--stall-action", "kill"]
+    busy = tpufab("run", "quiet_busy.py", *stall, "24", env=pod4.env, cwd=pod4.base,
+                  timeout=180)
+    assert busy.returncode == 0, busy.stdout + busy.stderr
+    assert "done" in busy.stdout and "stall" not in busy.stderr.lower(), busy.stderr
+    idle = tpufab("run", "chatty_idle.py", *stall, env=pod4.env, cwd=pod4.base, timeout=180)
+    said = idle.stdout + idle.stderr
+    assert idle.returncode == 124, said
+    assert re.search(r"Every host's TensorCores were idle for 1\ds while the job printed "
+                     r"\(--stall 10s\): taking every worker's stacks", idle.stderr), idle.stderr
+    assert "stopped on w[0-3] (--stall-action kill)." in idle.stderr, idle.stderr
+    assert "waiting for data 239" not in idle.stdout      # stopped, not run to its end

@@ -20,7 +20,8 @@ client gets UNAVAILABLE. This module serves the same service for every worker of
   is added to it, and the context switch each stop costs is not taken for a wait;
 - a busy stretch is one program execution (``hlo.execution.timing.distribution.microseconds``:
   a distribution per chip; a wait between two samples, seen as a new voluntary context
-  switch, ends one), the duty cycle is the busy share of the last 2 s, and
+  switch, ends one) once it was MIN_PROGRAM_RUN on a CPU (less is the host's own
+  bookkeeping: no program, no busy time), the duty cycle is the busy share of the last 2 s, and
   ``tpu.runtime.tensorcore.idle_duration.seconds`` how long the chip has been idle;
 - a chip no process holds reports 0 % and no HBM; a worker none of whose chips is held
   answers UNAVAILABLE, as a TPU VM with no job does.
@@ -68,6 +69,7 @@ HLO_EXEC_TIMING = "hlo.execution.timing.distribution.microseconds"
 HLO_QUEUE_SIZE = "hlo.queue.size.gauge"
 SERVED = (TOTAL_MEMORY, MEMORY_USAGE, DUTY_CYCLE, IDLE_DURATION, HLO_EXEC_TIMING, HLO_QUEUE_SIZE)
 SAMPLE_EVERY = 0.01       # s between two looks at a holder's main thread
+MIN_PROGRAM_RUN = 0.002   # s on a CPU a stretch between two waits needs to be a program
 DUTY_WINDOW = 2.0         # s: the duty cycle is the busy share of this much time
 WATCH_FOR = 300.0         # s a worker is watched after its last request
 SCAN_EVERY = 1.0          # s between two looks for the processes holding a worker's chips
@@ -238,8 +240,11 @@ class Holder:
     switches: int | None = None
     state: str = "S"
     at: float = 0.0
-    in_program: bool = False
-    program_start: float = 0.0
+    run: float = 0.0            # schedstat's run seconds alone at the last look
+    stretch: bool = False       # between a look that saw it running and its next wait
+    stretch_busy: float = 0.0   # that stretch's busy seconds so far
+    stretch_run: float = 0.0    # and its seconds on a CPU
+    in_program: bool = False    # the stretch is a program (MIN_PROGRAM_RUN on a CPU so far)
     last_busy_at: float = 0.0
     stops: tuple[int, float] = (0, 0.0)   # sim slow's stops of its worker at the last look
     waits: int = 0                        # the most voluntary switches seen, less the stops'
@@ -247,9 +252,9 @@ class Holder:
                                                         + 50))
 
 
-def read_holder(pid: int) -> tuple[float, str, int, int] | None:
+def read_holder(pid: int) -> tuple[float, str, int, int, float] | None:
     """(run + runqueue seconds of the main thread, state letter, voluntary context switches,
-    resident bytes), or None when the process is gone."""
+    resident bytes, run seconds alone), or None when the process is gone."""
     try:
         with open(f"/proc/{pid}/schedstat", "rb") as f:
             run, wait = f.read().split()[:2]
@@ -265,27 +270,32 @@ def read_holder(pid: int) -> tuple[float, str, int, int] | None:
             switches = int(line.split()[1])
         elif line.startswith(b"VmRSS:"):
             rss = int(line.split()[1]) * 1024
-    return (int(run) + int(wait)) / 1e9, state, switches, rss
+    return (int(run) + int(wait)) / 1e9, state, switches, rss, int(run) / 1e9
 
 
 def step_holder(h: Holder, now: float, raw: float, state: str, switches: int,
-                programs: list[float], stops: tuple[int, float] = (0, 0.0)) -> None:
+                programs: list[float], stops: tuple[int, float] = (0, 0.0),
+                run: float | None = None) -> None:
     """One look at a holder: advance its busy time and its program; a finished program's
     seconds go to ``programs``. ``stops``: its worker's stops by sim slow so far (how many,
-    seconds in all; sim/slow.py). Pure (tested as data)."""
+    seconds in all; sim/slow.py); ``run``: its seconds on a CPU alone (None: ``raw``). A
+    stretch between two waits is a program once it was MIN_PROGRAM_RUN on a CPU: less is the
+    host's own bookkeeping (a line printed, a loop's turn), which no chip runs, however long
+    a busy machine keeps it waiting for a CPU. Pure (tested as data)."""
+    run = raw if run is None else run
     if h.raw is None:  # the first look: nothing measured yet
-        h.raw, h.switches, h.state, h.at = raw, switches, state, now
+        h.raw, h.run, h.switches, h.state, h.at = raw, run, switches, state, now
         h.stops, h.waits = stops, switches - stops[0]
         h.last_busy_at = now
         h.history.append((now, h.busy))
         return
     stopped = state in ("T", "t")
     running = state == "R"
-    advanced = max(0.0, raw - h.raw)
+    advanced, ran = max(0.0, raw - h.raw), max(0.0, run - h.run)
     slowed = max(0.0, stops[1] - h.stops[1])   # seconds sim slow stopped it since the last look
-    if slowed and (h.in_program or running):
+    if slowed and (h.stretch or running):
         advanced += slowed                     # a slower chip: the program goes on
-    elif stopped and h.in_program and not slowed:
+    elif stopped and h.stretch and not slowed:
         advanced += max(0.0, now - h.at)       # stopped by another hand: counted as seen
     # each stop costs a voluntary switch (counted before its signal: a look in between sees
     # one switch fewer for a moment, hence the most seen): only more than that is a wait
@@ -293,22 +303,41 @@ def step_holder(h: Holder, now: float, raw: float, state: str, switches: int,
     waited = own > h.waits
     h.waits, h.stops = max(h.waits, own), stops
     before = h.busy
-    h.busy += advanced
-    if h.in_program:
+    if h.stretch:
+        _grow(h, advanced, ran)
         if not running and not stopped:
-            programs.append(h.busy - h.program_start)
-            h.in_program = False
+            _end(h, programs)
         elif running and waited:
-            programs.append(h.busy - h.program_start)
-            h.program_start = h.busy
+            _end(h, programs)
+            h.stretch = True
     elif running:
-        h.in_program, h.program_start = True, before
-    elif waited and advanced > 0.001:  # ran and waited again between two looks
+        h.stretch = True
+        _grow(h, advanced, ran)
+    elif waited and ran >= MIN_PROGRAM_RUN:    # ran and waited again between two looks
+        h.busy += advanced
         programs.append(advanced)
-    if advanced > 0 or h.in_program:
+    if h.busy > before or h.in_program:
         h.last_busy_at = now
-    h.raw, h.switches, h.state, h.at = raw, switches, state, now
+    h.raw, h.run, h.switches, h.state, h.at = raw, run, switches, state, now
     h.history.append((now, h.busy))
+
+
+def _grow(h: Holder, advanced: float, ran: float) -> None:
+    """The stretch goes on: once it is a program, its busy time is the chip's."""
+    h.stretch_busy += advanced
+    h.stretch_run += ran
+    if h.in_program:
+        h.busy += advanced
+    elif h.stretch_run >= MIN_PROGRAM_RUN:
+        h.in_program = True
+        h.busy += h.stretch_busy
+
+
+def _end(h: Holder, programs: list[float]) -> None:
+    if h.in_program:
+        programs.append(h.stretch_busy)
+    h.stretch = h.in_program = False
+    h.stretch_busy = h.stretch_run = 0.0
 
 
 def duty_percent(h: Holder, now: float) -> float:
@@ -657,12 +686,12 @@ class MetricsService:
             looked = read_holder(h.pid)
             if looked is None:
                 continue
-            raw, state, switches, rss = looked
+            raw, state, switches, rss, run = looked
             programs: list[float] = []
             stopped = slow.stops(self.pool, *w.key)
             with self.lock:
                 h.rss = rss
-                step_holder(h, time.monotonic(), raw, state, switches, programs, stopped)
+                step_holder(h, time.monotonic(), raw, state, switches, programs, stopped, run)
                 for seconds in programs:
                     for chip in h.chips:
                         w.timings.setdefault(chip, Timing()).add(seconds * 1e6)
