@@ -147,6 +147,13 @@ def test_serve_wait_port_forward_benchmark_and_profile(serve_env):
         assert "profile: w0  1 trace file" in profiled.stdout
         traces = list((project / ".tpufab" / "runs" / run_id / "profiles").rglob("*.xplane.pb"))
         assert len(traces) == 1 and traces[0].stat().st_size > 1000, traces
+        # every host at once: only w0 serves requests, so the others' JAX had nothing to
+        # trace: w0's trace is counted and named, the others say why
+        everyone = tpufab("profile", "--worker", "all", "--duration", "2s", cwd=project,
+                          env=env)
+        assert everyone.returncode == 0, everyone.stdout + everyone.stderr
+        assert "profile: w0  1 trace file" in everyone.stdout, everyone.stdout
+        assert everyone.stdout.count("no trace from the profiler server on port") == 3
     finally:
         if forwarder is not None:
             assert forwarder.stop() == 0
@@ -167,6 +174,49 @@ def test_wait_port_on_a_server_that_never_listens_shows_the_logs(serve_env):
     assert failed.returncode == 1, failed.stdout + failed.stderr
     assert "the run ended on w0 (exited, exit 3) before port" in failed.stderr, failed.stderr
     assert "out of memory" in failed.stdout and "loading weights on" in failed.stdout
+
+
+BUSY_JAX = """import os, time
+import jax, jax.numpy as jnp
+jax.profiler.start_server(int(os.environ["TPUFAB_PROFILER_PORT"]))
+print("profiler up on", os.environ["TPUFAB_PROFILER_PORT"], flush=True)
+x, until = jnp.ones((128, 128)), time.monotonic() + 150
+while time.monotonic() < until:          # every host computes: every host has a trace
+    x = jnp.tanh(x @ x / 128.0)
+    x.block_until_ready()
+"""
+
+
+def test_profile_of_every_host_is_one_logdir_with_a_trace_each(serve_env):
+    """`profile --worker all` while every host's JAX computes: one capture per host at once,
+    laid out as XProf reads a multi-host profile (<stamp>/plugins/profile/<stamp>/, one
+    trace file per host)."""
+    env, _pod, project = serve_env
+    (project / "busy_jax.py").write_text(BUSY_JAX)
+    job = Background(env, project, "run", "busy_jax.py", "--no-deploy")
+    try:
+        def every_host_up() -> bool:   # the fold says one line for all: on {9431..9434}
+            said = {line for line in job.out if "profiler up on" in line}
+            return len(said) >= 4 or any("{9431..9434}" in line for line in said)
+
+        wait_for(every_host_up, 240, 0.2,
+                 what=lambda: f"every host's profiler server: {job.out[-8:]} {job.err[-8:]}")
+        run_id = run_id_of("\n".join(job.err))
+        got = tpufab("profile", "--worker", "all", "--duration", "2s", cwd=project, env=env)
+        assert got.returncode == 0, got.stdout + got.stderr
+        assert all(f"profile: w{w}  1 trace file (" in got.stdout for w in range(4)), got.stdout
+        traces = list((project / ".tpufab" / "runs" / run_id / "profiles").rglob("*.xplane.pb"))
+        assert len(traces) == 4 and len({t.parent for t in traces}) == 1, traces
+        session = traces[0].parent
+        stamp = session.parent.parent.parent
+        assert (session.parent.name, session.parent.parent.name) == ("profile", "plugins")
+        assert session.name == stamp.name and f"xprof --logdir {stamp}" in got.stderr
+        assert all(t.stat().st_size > 1000 for t in traces), traces
+    finally:
+        tpufab("kill", "--run", run_id_of("\n".join(job.err)), cwd=project, env=env) \
+            if any(" started on " in line for line in job.err) else None
+        job.proc.kill()
+        job.proc.wait(30)
 
 
 def test_profile_without_a_running_job_says_so(serve_env):

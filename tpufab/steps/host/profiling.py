@@ -171,7 +171,8 @@ def capture(fanout, *, workers: Sequence[int], run: str | None = None, port: int
     if good:
         report = transfer.get(fanout, remote_dir, local_dir, workers=good)
         copied = [row.worker for row in report.rows if not row.error]
-        moved = one_logdir(local_dir, stamp, copied) if len(workers) > 1 else \
+        # transfer.get lays several workers out as wN/..., one as it is
+        moved = one_logdir(local_dir, stamp, copied) if len(good) > 1 else \
             {row.worker: [Path(p) for p in row.paths] for row in report.rows if not row.error}
         for row in report.rows:
             if row.error:
