@@ -202,7 +202,15 @@ def test_profile_of_every_host_is_one_logdir_with_a_trace_each(serve_env):
         wait_for(every_host_up, 240, 0.2,
                  what=lambda: f"every host's profiler server: {job.out[-8:]} {job.err[-8:]}")
         run_id = run_id_of("\n".join(job.err))
-        got = tpufab("profile", "--worker", "all", "--duration", "2s", cwd=project, env=env)
+        from tpufab.cloud.storage import Storage
+
+        store = Storage(env["TPUFAB_STORAGE_ENDPOINT"])
+        store.create_bucket("traces-b", project=env["TPUFAB_PROJECT"])
+        refused = tpufab("profile", "--worker", "all", "--to", "s3://x/y", cwd=project, env=env)
+        assert refused.returncode == 2 and "--to takes a Cloud Storage folder such as " \
+            "gs://my-bucket/profiles, not 's3://x/y'." in refused.stderr, refused.stderr
+        got = tpufab("profile", "--worker", "all", "--duration", "2s", "--to",
+                     "gs://traces-b/team/profiles/", cwd=project, env=env)
         assert got.returncode == 0, got.stdout + got.stderr
         assert all(f"profile: w{w}  1 trace file (" in got.stdout for w in range(4)), got.stdout
         traces = list((project / ".tpufab" / "runs" / run_id / "profiles").rglob("*.xplane.pb"))
@@ -212,6 +220,16 @@ def test_profile_of_every_host_is_one_logdir_with_a_trace_each(serve_env):
         assert (session.parent.name, session.parent.parent.name) == ("profile", "plugins")
         assert session.name == stamp.name and f"xprof --logdir {stamp}" in got.stderr
         assert all(t.stat().st_size > 1000 for t in traces), traces
+        # --to: the same logdir in the bucket, file for file
+        remote = f"gs://traces-b/team/profiles/{stamp.name}"
+        assert "Copied 4 files (" in got.stderr and f"to {remote}: `xprof --logdir " \
+            f"{remote}`." in got.stderr, got.stderr
+        listed = store.list("traces-b", f"team/profiles/{stamp.name}/").blobs
+        assert sorted(b.name for b in listed) == sorted(
+            f"team/profiles/{stamp.name}/{t.relative_to(stamp).as_posix()}" for t in traces)
+        assert {b.name: b.size for b in listed} == {
+            f"team/profiles/{stamp.name}/{t.relative_to(stamp).as_posix()}": t.stat().st_size
+            for t in traces}
     finally:
         tpufab("kill", "--run", run_id_of("\n".join(job.err)), cwd=project, env=env) \
             if any(" started on " in line for line in job.err) else None

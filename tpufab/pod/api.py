@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tpufab.config import GENERIC, TIMEOUTS, Settings, load_settings, timeout_for
-from tpufab.errors import ConfigError
+from tpufab.errors import ConfigError, TpufabError
 from tpufab.pod.environment import PodEnvironment
 from tpufab.pod.ray import PodRay
 
@@ -395,18 +395,36 @@ class Pod(PodEnvironment, PodRay):
                                   on_event=on_event)
 
     def profile(self, *, workers: str | Iterable[int] = "0", duration: str | float = "5s",
-                run: str | None = None, port: int | None = None,
+                run: str | None = None, port: int | None = None, to: str | None = None,
                 seconds: float | None = None,
                 progress: Callable[[str], None] | None = None) -> ProfileReport:
         """Capture ``duration`` (``"5s"``, ``"500ms"``, ``"1m"``; or ``seconds``) of profiler
         trace from the running JAX job (`tpufab profile`): ``.local_dir``, ``.files`` per
-        worker. Raises ConfigError for a bad duration (before connecting) or no run running."""
+        worker; ``to`` (``gs://BUCKET/PREFIX``): the logdir copied there too (``.uploaded``).
+        Raises ConfigError for a bad duration or destination (before connecting) or no run
+        running."""
         from tpufab.steps.host import profiling
 
         if seconds is None:
             seconds = profiling.parse_duration(duration)
-        return profiling.capture(self.hosts.fanout, workers=self.select(workers), run=run,
-                                 port=port, seconds=seconds, progress=progress)
+        destination = None if to is None else profiling.check_destination(to)
+        report = profiling.capture(self.hosts.fanout, workers=self.select(workers), run=run,
+                                   port=port, seconds=seconds, progress=progress)
+        if destination is not None:
+            from tpufab.cloud.storage import Storage, StorageError
+
+            try:
+                where, count, size = profiling.upload(Storage.from_settings(self.settings),
+                                                      *destination, report.local_dir)
+            except StorageError as err:
+                raise TpufabError(f"{err} The traces are here, under {report.local_dir}; copy "
+                                  "them with `gcloud storage cp -r` or run profile --to "
+                                  "again.") from None
+            report.uploaded = where
+            report.notes.append(f"Copied {count} file{'s' if count != 1 else ''} "
+                                f"({size / 1024:.0f} KiB) to {where}: `xprof --logdir "
+                                f"{where}`.")
+        return report
 
     # -- jobs ----------------------------------------------------------------------------
     def start(self, recipe: str | Path, args: str | Sequence[str] = "",

@@ -89,7 +89,8 @@ def forward(call: Call) -> int:
 
 @verb(options={"duration": "How long to trace: 5s, 500ms, 1m.",
                "run": "Run id (default: the latest running run).",
-               "port": "Profiler port (default: the job's TPUFAB_PROFILER_PORT)."},
+               "port": "Profiler port (default: the job's TPUFAB_PROFILER_PORT).",
+               "to": "Also copy the logdir to this Cloud Storage folder: gs://BUCKET/PREFIX."},
       pod_method="profile", api_only=("seconds",))
 def profile(call: Call) -> None:
     """Capture a profiler trace from a running JAX job and bring it back under its local logs."""

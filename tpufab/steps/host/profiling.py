@@ -26,6 +26,34 @@ MAX_AT_ONCE = 256   # captures at once (one thread each, waiting on its worker)
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*$")
 
 
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
+
+
+def check_destination(to: str) -> tuple[str, str]:
+    """``gs://BUCKET[/PREFIX]`` as (bucket, prefix without slashes at its ends), or one
+    sentence."""
+    text = str(to).strip()
+    bucket, _, prefix = text[len("gs://"):].partition("/") if text.startswith("gs://") \
+        else ("", "", "")
+    if not _BUCKET.match(bucket):
+        raise ConfigError(f"--to takes a Cloud Storage folder such as gs://my-bucket/profiles, "
+                          f"not {to!r}.")
+    return bucket, prefix.strip("/")
+
+
+def upload(store, bucket: str, prefix: str, where: Path) -> tuple[str, int, int]:
+    """Every file of the logdir ``where`` to ``gs://bucket/prefix/<its name>/...``, the same
+    layout (XProf and TensorBoard read a gs:// logdir as they read a local one): (the gs://
+    logdir, files, bytes)."""
+    base = "/".join(p for p in (prefix, where.name) if p)
+    count = size = 0
+    for path in sorted(p for p in where.rglob("*") if p.is_file() and not p.is_symlink()):
+        data = path.read_bytes()
+        store.put(bucket, f"{base}/{path.relative_to(where).as_posix()}", data)
+        count, size = count + 1, size + len(data)
+    return f"gs://{bucket}/{base}", count, size
+
+
 def parse_duration(text: str | float) -> float:
     """``5s`` / ``500ms`` / ``1m`` / ``2.5`` (seconds) -> seconds."""
     match = _DURATION.match(str(text))
@@ -68,6 +96,7 @@ class ProfileReport(Report):
     prefix: str = "profile: "
     run: str
     local_dir: Path
+    uploaded: str | None = None   # the gs:// logdir it was copied to (profile --to)
 
     @property
     def files(self) -> dict[int, list[tuple[str, int]]]:
