@@ -48,3 +48,33 @@ def test_no_jax_process_anywhere_is_one_sentence(monkeypatch, tmp_path):
     assert str(err.value) == ("No trace captured from run r1: w[0-3]: no trace from the "
                               "profiler server on its port (TPUFAB_PROFILER_PORT): "
                               "UNAVAILABLE.")
+
+
+def test_a_trace_above_max_size_stays_on_its_host_and_says_so(monkeypatch, tmp_path):
+    import pytest
+
+    from tpufab.errors import TpufabError
+    from tpufab.steps.host import profiling
+
+    class Result:
+        def __init__(self, worker):
+            self.ok = True
+            self.stdout = ('@tpufab-answer answer {"logdir": "x", "files": '
+                           f'[["plugins/profile/s/h{worker}.xplane.pb", {3 << 20}]]}}\n')
+
+    monkeypatch.setattr(profiling, "_running_run", lambda fanout, workers, run: "r1")
+    monkeypatch.setattr(profiling, "run_with_files",
+                        lambda fanout, files, line, workers, timeout: {workers[0]:
+                                                                       Result(workers[0])})
+    with pytest.raises(TpufabError) as err:
+        profiling.capture(None, workers=[0, 1], seconds=1, local_base=tmp_path,
+                          max_bytes=profiling.parse_size("2MiB"))
+    said = str(err.value)
+    assert said.startswith("No trace captured from run r1: w[0-1]: its trace is 3.0 MiB, above "
+                           "--max-size 2.0 MiB: it stays on the worker in ~/.cache/tpufab/"
+                           "profiles/r1/"), said
+    assert said.endswith("profile again with a larger --max-size or a shorter --duration, or "
+                         "copy it with `tpufab get`."), said
+    with pytest.raises(profiling.ConfigError, match="--max-size takes a size such as 2GiB"):
+        profiling.parse_size("lots")
+    assert profiling.parse_size("500MB") == 500 << 20 and profiling.parse_size("3") == 3

@@ -396,11 +396,12 @@ class Pod(PodEnvironment, PodRay):
 
     def profile(self, *, workers: str | Iterable[int] = "0", duration: str | float = "5s",
                 run: str | None = None, port: int | None = None, to: str | None = None,
-                seconds: float | None = None,
+                max_size: str | None = None, seconds: float | None = None,
                 progress: Callable[[str], None] | None = None) -> ProfileReport:
         """Capture ``duration`` (``"5s"``, ``"500ms"``, ``"1m"``; or ``seconds``) of profiler
         trace from the running JAX job (`tpufab profile`): ``.local_dir``, ``.files`` per
-        worker; ``to`` (``gs://BUCKET/PREFIX``): the logdir copied there too (``.uploaded``).
+        worker; ``to`` (``gs://BUCKET/PREFIX``): the logdir copied there too (``.uploaded``);
+        a host's trace above ``max_size`` (``"2GiB"`` when None) stays on it (its row says so).
         Raises ConfigError for a bad duration or destination (before connecting) or no run
         running."""
         from tpufab.steps.host import profiling
@@ -409,7 +410,9 @@ class Pod(PodEnvironment, PodRay):
             seconds = profiling.parse_duration(duration)
         destination = None if to is None else profiling.check_destination(to)
         report = profiling.capture(self.hosts.fanout, workers=self.select(workers), run=run,
-                                   port=port, seconds=seconds, progress=progress)
+                                   port=port, seconds=seconds, progress=progress,
+                                   max_bytes=None if max_size is None
+                                   else profiling.parse_size(max_size))
         if destination is not None:
             from tpufab.cloud.storage import Storage, StorageError
 

@@ -90,7 +90,9 @@ def forward(call: Call) -> int:
 @verb(options={"duration": "How long to trace: 5s, 500ms, 1m.",
                "run": "Run id (default: the latest running run).",
                "port": "Profiler port (default: the job's TPUFAB_PROFILER_PORT).",
-               "to": "Also copy the logdir to this Cloud Storage folder: gs://BUCKET/PREFIX."},
+               "to": "Also copy the logdir to this Cloud Storage folder: gs://BUCKET/PREFIX.",
+               "max_size": "A host's trace brought back at most (larger: it stays there); "
+                           "default 2GiB."},
       pod_method="profile", api_only=("seconds",))
 def profile(call: Call) -> None:
     """Capture a profiler trace from a running JAX job and bring it back under its local logs."""

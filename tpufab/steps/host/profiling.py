@@ -26,6 +26,26 @@ MAX_AT_ONCE = 256   # captures at once (one thread each, waiting on its worker)
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*$")
 
 
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+DEFAULT_MAX_SIZE = "2GiB"   # a host's trace brought back at most (a 5 s TPU trace: MiBs to 100s)
+
+
+def parse_size(text: str | int) -> int:
+    """``2GiB`` / ``500MiB`` / ``500MB`` / ``1048576`` (bytes) -> bytes, or one sentence."""
+    match = _SIZE.match(str(text))
+    if not match or float(match[1]) <= 0:
+        raise ConfigError(f"--max-size takes a size such as 2GiB or 500MiB, not {text!r}.")
+    unit = (match[2] or "B").upper().rstrip("B").rstrip("I")
+    return int(float(match[1]) * 1024 ** " KMGT".index(unit or " "))
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 1024:.0f} KiB"
+
+
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
 
 
@@ -164,8 +184,11 @@ def capture_command(script: RemoteFile, port: int, seconds: float, logdir: str):
 
 def capture(fanout, *, workers: Sequence[int], run: str | None = None, port: int | None = None,
             seconds: float = 5.0, local_base: Path | None = None,
-            progress: Callable[[str], None] | None = None) -> ProfileReport:
-    """Capture ``seconds`` of trace on each of ``workers`` and copy it under the run's logs."""
+            progress: Callable[[str], None] | None = None,
+            max_bytes: int | None = None) -> ProfileReport:
+    """Capture ``seconds`` of trace on each of ``workers`` and copy it under the run's logs;
+    a host whose trace is larger than ``max_bytes`` (None: DEFAULT_MAX_SIZE) keeps it, and its
+    row says where and how to bring it."""
     from tpufab.ssh import transfer
     from tpufab.steps.runs import running as jobs
     from tpufab.steps.runs.env import profiler_port
@@ -191,10 +214,17 @@ def capture(fanout, *, workers: Sequence[int], run: str | None = None, port: int
     where = local_dir / stamp
     rows: dict[int, ProfileRow] = {}
     good = []
+    limit = parse_size(DEFAULT_MAX_SIZE) if max_bytes is None else max_bytes
     for w, r in results.items():
         answer = read_answer(r.stdout) if r.ok else None
+        size = sum(int(f[1]) for f in (answer or {}).get("files") or () if len(f) == 2)
         if not answer or answer.get("error"):
             rows[w] = ProfileRow(w, error=(answer or {}).get("error") or jobs.failure_reason(r))
+        elif size > limit:
+            rows[w] = ProfileRow(w, error=(
+                f"its trace is {_size(size)}, above --max-size {_size(limit)}: it stays on the "
+                f"worker in ~/{remote_dir}; profile again with a larger --max-size or a "
+                "shorter --duration, or copy it with `tpufab get`"))
         else:
             good.append(w)
     if good:
