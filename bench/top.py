@@ -1,6 +1,11 @@
 """Benchmark: one `tpufab top` frame on a 64-worker simulated pod (v4-512).
 
-    sudo .venv/bin/python bench/top.py [--type v4-512] [--frames 5] [--interval 1]
+    sudo .venv/bin/python bench/top.py [--type v4-512] [--frames 5] [--interval 1] [--holders]
+
+``--holders``: a process holding every chip on every worker first (it sleeps: the frame reads
+each worker's libtpu metrics service, as `top --tpu` does with a job on the pod), and every
+frame must show each worker's chips. The workers then get the tests' shared site and
+scripts/setup-sim.sh (grpcio, which reading the service needs, as tpu-info's Python has it).
 
 Times what a frame costs: the wall time of the fan-out (the ``--interval`` sample on every
 worker included) and the client's CPU (this process and any children, user + sys), for
@@ -42,6 +47,8 @@ def main() -> int:
     parser.add_argument("--type", default="v4-512")
     parser.add_argument("--frames", type=int, default=5)
     parser.add_argument("--interval", type=float, default=1.0)
+    parser.add_argument("--holders", action="store_true",
+                        help="hold every worker's chips first: frames read the TPU metrics")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("bench/top.py needs root (the simulated pod uses namespaces)", file=sys.stderr)
@@ -55,6 +62,11 @@ def main() -> int:
     from tpufab.views import top as top_view
 
     base = Path(tempfile.mkdtemp(prefix="tpufab-bench-top-"))
+    if args.holders:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from helpers import build_shared_site  # the same shared site the tests build
+
+        build_shared_site([base / "sim" / "share"])
     info = up(base / "sim", port=0, timeout=120)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPUFAB_")}
     env.update(info.env(), TPUFAB_USER_CONFIG=str(base / "none.yaml"),
@@ -71,15 +83,32 @@ def main() -> int:
         pod = pods.connect(settings, console=quiet())
         print(f"{args.type}: {len(pod.workers)} workers up in "
               f"{time.perf_counter() - started:.1f} s")
-        top.frame(pod, interval=args.interval)   # ships top_worker.py once
+        if args.holders:
+            from tpufab.steps.host.setup import run_setup
+
+            script = Path(__file__).resolve().parent.parent / "scripts" / "setup-sim.sh"
+            for at in range(0, len(pod.workers), 8):   # its JAX check: ~0.5 GiB a worker
+                run_setup(pod.fanout, script, workers=pod.workers[at:at + 8])[0].close()
+            hold = ("setsid python3 -c 'import glob, time; held = [open(p, \"rb\") for p in "
+                    "glob.glob(\"/dev/accel*\")]; time.sleep(3600)' </dev/null >/dev/null "
+                    "2>&1 & echo held")
+            pod.fanout.run(hold, check=True).close()
+        first = top.frame(pod, interval=args.interval)   # ships top_worker.py once
+        deadline = time.monotonic() + 120
+        while args.holders and not all(r.chips for r in first.rows):
+            assert time.monotonic() < deadline, "the holders never showed in a frame"
+            first = top.frame(pod, interval=args.interval)
         for n in range(args.frames):
             cpu0, t0 = cpu_self(), time.perf_counter()
             got = top.frame(pod, interval=args.interval)
             seconds, cpu = time.perf_counter() - t0, cpu_self() - cpu0
             assert got.ok, top_view.to_json(got)
+            assert not args.holders or all(r.chips for r in got.rows), top_view.to_json(got)
             warm.append((seconds, cpu, len(got.folded)))
             print(f"warm frame {n + 1}: {seconds:.2f} s wall, {cpu:.3f} s client CPU, "
-                  f"{len(got.folded)} rows")
+                  f"{len(got.folded)} rows"
+                  + (f", TPU rows: {[r.text for r in top.fold_tpu({r.worker: r for r in got.rows})]}"
+                     if args.holders else ""))
         kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "tpufab.cli", "top", "--once",

@@ -26,6 +26,18 @@ def test_every_host_s_trace_lands_in_one_logdir(tmp_path):
     assert all(p.is_file() for files in moved.values() for p in files)
 
 
+def answers(monkeypatch, answer_of) -> None:
+    """Run r1 is running; each worker's capture answers ``answer_of(worker)`` (JSON text)."""
+    from types import SimpleNamespace
+
+    from tpufab.steps.host import profiling
+
+    monkeypatch.setattr(profiling, "_running_run", lambda fanout, workers, run: "r1")
+    monkeypatch.setattr(profiling, "run_with_files", lambda fanout, files, line, workers,
+                        timeout: {workers[0]: SimpleNamespace(
+                            ok=True, stdout=f"@tpufab-answer answer {answer_of(workers[0])}\n")})
+
+
 def test_no_jax_process_anywhere_is_one_sentence(monkeypatch, tmp_path):
     """--workers all on a run with no profiler server: one sentence, the hosts folded."""
     import pytest
@@ -33,16 +45,8 @@ def test_no_jax_process_anywhere_is_one_sentence(monkeypatch, tmp_path):
     from tpufab.errors import TpufabError
     from tpufab.steps.host import profiling
 
-    class Result:
-        def __init__(self, worker):
-            self.ok, self.worker = True, worker
-            self.stdout = ('@tpufab-answer answer {"error": "no trace from the profiler server '
-                           f'on port {9012 + worker}: UNAVAILABLE"}}\n')
-
-    monkeypatch.setattr(profiling, "_running_run", lambda fanout, workers, run: "r1")
-    monkeypatch.setattr(profiling, "run_with_files",
-                        lambda fanout, files, line, workers, timeout: {workers[0]:
-                                                                       Result(workers[0])})
+    answers(monkeypatch, lambda w: '{"error": "no trace from the profiler server on port '
+            f'{9012 + w}: UNAVAILABLE"}}')
     with pytest.raises(TpufabError) as err:
         profiling.capture(None, workers=[0, 1, 2, 3], seconds=1, local_base=tmp_path)
     assert str(err.value) == ("No trace captured from run r1: w[0-3]: no trace from the "
@@ -56,16 +60,8 @@ def test_a_trace_above_max_size_stays_on_its_host_and_says_so(monkeypatch, tmp_p
     from tpufab.errors import TpufabError
     from tpufab.steps.host import profiling
 
-    class Result:
-        def __init__(self, worker):
-            self.ok = True
-            self.stdout = ('@tpufab-answer answer {"logdir": "x", "files": '
-                           f'[["plugins/profile/s/h{worker}.xplane.pb", {3 << 20}]]}}\n')
-
-    monkeypatch.setattr(profiling, "_running_run", lambda fanout, workers, run: "r1")
-    monkeypatch.setattr(profiling, "run_with_files",
-                        lambda fanout, files, line, workers, timeout: {workers[0]:
-                                                                       Result(workers[0])})
+    answers(monkeypatch, lambda w: '{"logdir": "x", "files": '
+            f'[["plugins/profile/s/h{w}.xplane.pb", {3 << 20}]]}}')
     with pytest.raises(TpufabError) as err:
         profiling.capture(None, workers=[0, 1], seconds=1, local_base=tmp_path,
                           max_bytes=profiling.parse_size("2MiB"))
