@@ -95,10 +95,10 @@ class PackageIndex:
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 if body:
-                    self.wfile.write(data)
-                    if counted:
+                    if counted:   # before the bytes go: a client that has them sees the count
                         with index._lock:
                             index._counts[counted] += 1
+                    self.wfile.write(data)
 
         self._server = ThreadingHTTPServer((host, 0), Handler)
         self._server.daemon_threads = True
