@@ -893,6 +893,24 @@ def the_keeper(pod: Pod) -> int:
         keepers(pod.env)), 30, what="the pod's keeper")
 
 
+def ssh_sockets(pid: int) -> list[int]:
+    """The inodes of ``pid``'s TCP connections to an SSH port (22), from /proc."""
+    mine = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                mine.add(int(target[8:-1]))
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as fh:
+            for row in fh.read().splitlines()[1:]:
+                cols = row.split()
+                if cols[2].rsplit(":", 1)[1] == "0016" and int(cols[9]) in mine:
+                    found.append(int(cols[9]))
+    return found
+
+
 def running_on(pod: Pod, token: str) -> list[int]:
     """The workers where a command holding ``token`` runs."""
     pattern = f"[{token[0]}]{token[1:]}"
@@ -956,10 +974,22 @@ def test_ctrl_c_with_a_frozen_keeper_says_what_it_did(kept):
     close, and with them what it ran on the workers) and says so. Before: "Interrupted:
     stopped 'CMD' on w[0-1]." while the command went on running on both workers."""
     keeper = the_keeper(kept)
-    token = unique_name("fc")
-    command = Running([TPUFAB, "exec", f"sleep 300 && echo {token}"], kept.env, cwd=kept.repo)
+    for _attempt in range(3):
+        token = unique_name("fc")
+        command = Running([TPUFAB, "exec", f"sleep 300 && echo {token}"], kept.env,
+                          cwd=kept.repo)
+        wait_for(lambda t=token: running_on(kept, t) == [0, 1], 60,
+                 what="the command on both workers")
+        # through that keeper: on a loaded machine the command may find it slow to answer
+        # (its 2 s handshake) and connect itself; then this is not the case tested: again
+        if keepers(kept.env) == [keeper] and not ssh_sockets(command.proc.pid):
+            break
+        command.kill()
+        wait_for(lambda t=token: not running_on(kept, t), LEAK_WAIT, what="the command to stop")
+        keeper = the_keeper(kept)
+    else:
+        pytest.fail("three commands in a row did not go through the keeper")
     try:
-        wait_for(lambda: running_on(kept, token) == [0, 1], 60, what="the command on both workers")
         os.kill(keeper, signal.SIGSTOP)
         command.interrupt()
         result = command.wait(LIMIT)
