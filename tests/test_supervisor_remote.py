@@ -203,10 +203,14 @@ def test_two_supervisors_race_one_launches_and_the_other_reattaches_after_a_kill
     assert after.owner.token != running.owner.token and len(after.attempts) == 1
     other = after.owner.holder
     assert starts(pod1, tag) == [running.current.run_id]     # started once, never again
-    # its output is in the bucket, once, whoever uploaded it
-    logs = jobs_cli(pod1, bucket, "logs", job, "--raw")
-    assert logs.returncode == 0, logs.stderr
-    assert logs.stdout.count(f"attempt 0 of {tag} in model at v1") == 1
+    # its output is in the bucket, once, whoever uploaded it (the holder uploads what it
+    # follows every --flush 0.3 s: on a loaded machine a little later, so it is waited for)
+    def uploaded_once():
+        logs = jobs_cli(pod1, bucket, "logs", job, "--raw")
+        assert logs.returncode == 0, logs.stderr
+        return logs.stdout.count(f"attempt 0 of {tag} in model at v1") == 1 or logs.stdout
+    assert wait_for(lambda: uploaded_once() is True, 60, 0.5,
+                    what=lambda: f"attempt 0's output in the bucket once: {uploaded_once()!r}")
 
     # cancel: the run stopped on the pod, the job cancelled, its records kept
     out = jobs_cli(pod1, bucket, "cancel", job)
