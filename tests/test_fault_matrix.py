@@ -978,8 +978,12 @@ def test_ctrl_c_with_a_frozen_keeper_says_what_it_did(kept):
         token = unique_name("fc")
         command = Running([TPUFAB, "exec", f"sleep 300 && echo {token}"], kept.env,
                           cwd=kept.repo)
-        wait_for(lambda t=token: running_on(kept, t) == [0, 1], 60,
-                 what="the command on both workers")
+        try:
+            wait_for(lambda t=token: running_on(kept, t) == [0, 1], 60,
+                     what="the command on both workers")
+        except BaseException:
+            command.kill()        # nothing left running when the wait fails
+            raise
         # through that keeper: on a loaded machine the command may find it slow to answer
         # (its 2 s handshake) and connect itself; then this is not the case tested: again
         if keepers(kept.env) == [keeper] and not ssh_sockets(command.proc.pid):

@@ -491,7 +491,7 @@ class Fanout:
                 if (task.agent is None and not owner) or not task.done.wait(wait):
                     # Unconfirmed: closing the channel makes the worker kill everything it runs.
                     shard = self._shards.get(owner) if owner else None
-                    if shard is not None and shard.alive and shard.answered < pings[owner]:
+                    if shard is not None and shard.alive and shard.answered < pings.get(owner, 0):
                         silent.append(shard.name)   # no answer to that ping: it hangs
                         shard.give_up("did not answer when asked to stop the command", then="")
                     elif shard is not None:
