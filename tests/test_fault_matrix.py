@@ -224,21 +224,27 @@ def start(pod: Pod, verb: Verb, argv: list[str], marker: str, env: dict | None =
           ) -> tuple[subprocess.Popen, float]:
     if verb.prepare:
         verb.prepare(pod)
-    env = {**pod.env, **(env or {}), "FM_CELL": marker}
+    # faulthandler: a verb killed at its bound first prints every thread's stack (finish)
+    env = {**pod.env, **(env or {}), "FM_CELL": marker, "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen([TPUFAB, *argv], env=env, cwd=pod.repo, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
     return proc, time.monotonic()
 
 
 def finish(proc: subprocess.Popen, began: float, limit: float = LIMIT) -> SimpleNamespace:
-    """Wait for the verb at most `limit` s from its start; past that it is killed and the
-    cell fails on `elapsed`."""
+    """Wait for the verb at most `limit` s from its start; past that it is stopped with
+    SIGABRT (faulthandler prints where each thread waited, into its stderr), killed if that
+    does not end it, and the cell fails on `elapsed`."""
     killed = False
     try:
         out, err = proc.communicate(timeout=max(0.1, began + limit - time.monotonic()))
     except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate(timeout=30)
+        proc.send_signal(signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate(timeout=30)
         killed = True
     return SimpleNamespace(returncode=proc.returncode, stdout=out, stderr=err, killed=killed,
                            elapsed=time.monotonic() - began, limit=limit)
@@ -260,14 +266,14 @@ def argv_of(verb: Verb, pod: Pod, *, timeout: bool, seconds: str = T) -> list[st
 
 
 def once(verb: Verb, pod: Pod, marker: str, *, timeout: bool = False,
-         seconds: float = TIMEOUT) -> Outcome:
+         seconds: float = TIMEOUT, limit: float = LIMIT) -> Outcome:
     """The verb once; worker faults (timeout=True) get short timeouts: --timeout where the
     verb has it, TPUFAB_CONNECT_TIMEOUT and TPUFAB_COMMAND_TIMEOUT always (`seconds`)."""
     env = {"TPUFAB_CONNECT_TIMEOUT": f"{CONNECT:g}", "TPUFAB_COMMAND_TIMEOUT": f"{seconds:g}"} \
         if timeout else {}
     argv = argv_of(verb, pod, timeout=timeout, seconds=f"{seconds:g}")
     proc, began = start(pod, verb, argv, marker, env)
-    return Outcome([finish(proc, began)], marker)
+    return Outcome([finish(proc, began, limit)], marker)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -799,8 +805,10 @@ def run_cell(pod: Pod, verb: Verb, fault: Fault) -> None:
         wait_for(lambda: not worker_leftovers(pod, before), LEAK_WAIT,
                  what=f"no worker process left by {verb.name}")
         if not all(r.returncode == 0 for r in outcome.results):
-            # the next invocation, with the fault gone, works
-            again = once(verb, pod, uuid.uuid4().hex).result
+            # the next invocation, with the fault gone, works (its bound is for a hang, not
+            # for speed: on CI's loaded machine a rerun of put once took 40 s, connecting
+            # included; a verb past it prints its threads' stacks, `finish`)
+            again = once(verb, pod, uuid.uuid4().hex, limit=LIMIT + 50).result
             check_works(verb, again)
     finally:
         report(verb, fault, outcome)
