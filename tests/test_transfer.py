@@ -214,6 +214,62 @@ def test_ctrl_c_leaves_no_partial_file_under_the_final_name(pod, tmp_path):
     assert pod.sh(1, "ls -A /root/big") == ""
 
 
+# A put whose relayed worker cannot reach the seed (its pull is pointed at a closed port):
+# it falls back to a direct copy, and the process ends then, the seed's server with it.
+UNREACHABLE_SEED_DRIVER = r"""
+import json, socket, sys
+from tpufab.ssh import transfer
+from tpufab.ssh.connections import Target
+from tpufab.ssh.fanout import Fanout
+from tpufab.ssh.hostkeys import KnownHosts, alias
+spec = json.loads(sys.argv[1])
+closed = socket.socket()
+closed.bind(("127.0.0.1", 0))
+closed_port = closed.getsockname()[1]           # bound, never listening: refused
+real_call = transfer._call
+def call(fanout, op, requests, **kwargs):
+    if op == "pull":
+        requests = {w: {**r, "source": ["127.0.0.1", closed_port]} for w, r in requests.items()}
+    return real_call(fanout, op, requests, **kwargs)
+transfer._call = call
+targets = [Target(w, h, "root", spec["key"], 22, alias(spec["node"], w))
+           for w, h in enumerate(spec["hosts"])]
+with Fanout(targets, known_hosts=KnownHosts(spec["known_hosts"])) as fan:
+    report = transfer.put(fan, spec["local"], "/root/unreach/", workers="0,1",
+                          peers={0: "127.0.0.1", 1: "127.0.0.1"}).check()
+    print(json.dumps({str(r.worker): r.files for r in report.rows}))
+"""
+
+
+def test_a_relay_nobody_reached_ends_with_the_put(pod, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    data = tmp_path / "relayed.bin"
+    data.write_bytes(os.urandom(64 << 10))
+    for w in (0, 1):
+        pod.sh(w, "rm -rf /root/unreach && mkdir -p /root/unreach")
+    spec = {"key": str(pod.root / "client"), "known_hosts": str(pod.root / "known_hosts"),
+            "node": pod.node_id, "local": str(data),
+            "hosts": [t.host for _w, t in sorted(pod.fanout.targets.items())]}
+    proc = subprocess.Popen([sys.executable, "-c", UNREACHABLE_SEED_DRIVER, json.dumps(spec)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # The seed's server would wait 60 s idle for a puller that never came; the put, its
+        # copy done, must not wait for it.
+        out, err = proc.communicate(timeout=40)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"put did not end after its copy was done:\n{out}\n{err}")
+    assert proc.returncode == 0, err
+    assert json.loads(out.splitlines()[-1]) == {"0": 1, "1": 1}
+    for w in (0, 1):
+        assert remote_sha(pod, w, "/root/unreach/relayed.bin") == sha(data)
+    assert pod.sh(0, "pgrep -af '[f]iles_worker.* serve' || true") == ""
+
+
 def fetch(url: str, timeout: float = 10.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as answer:
         return answer.read().decode()
