@@ -170,37 +170,49 @@ def test_a_full_disk_fails_naming_the_worker_and_leaves_nothing(pod, tmp_path):
         pod.sh(2, "umount /root/small", check=False)
 
 
-# A put in its own process, as `tpufab put` runs: Ctrl-C arrives while bytes are moving.
-PUT_DRIVER = r"""
+# A put in its own process, as `tpufab put` runs (`start_driver`): the fan-out of the pod's
+# workers, `spec` the driver's argument.
+DRIVER_FANOUT = r"""
 import json, sys
 from tpufab.ssh import transfer
-from tpufab.term.console import run
 from tpufab.ssh.connections import Target
 from tpufab.ssh.fanout import Fanout
 from tpufab.ssh.hostkeys import KnownHosts, alias
 spec = json.loads(sys.argv[1])
 targets = [Target(w, h, "root", spec["key"], 22, alias(spec["node"], w))
            for w, h in enumerate(spec["hosts"])]
+"""
+
+
+def start_driver(pod, driver: str, local: Path):
+    """``DRIVER_FANOUT`` then ``driver`` in a process of its own, putting ``local``."""
+    import json
+    import subprocess
+    import sys
+
+    spec = {"key": str(pod.root / "client"), "known_hosts": str(pod.root / "known_hosts"),
+            "node": pod.node_id, "local": str(local),
+            "hosts": [t.host for _w, t in sorted(pod.fanout.targets.items())]}
+    return subprocess.Popen([sys.executable, "-c", DRIVER_FANOUT + driver, json.dumps(spec)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+# Ctrl-C arrives while bytes are moving.
+PUT_DRIVER = r"""
+from tpufab.term.console import run
 with Fanout(targets, known_hosts=KnownHosts(spec["known_hosts"])) as fan:
     sys.exit(run(lambda: transfer.put(fan, spec["local"], "/root/big/", workers="1").check()))
 """
 
 
 def test_ctrl_c_leaves_no_partial_file_under_the_final_name(pod, tmp_path):
-    import json
     import signal
-    import subprocess
-    import sys
 
     big = tmp_path / "huge.bin"
     with open(big, "wb") as fh:
         fh.truncate(1 << 30)          # 1 GiB (sparse here, real bytes on the wire)
     pod.sh(1, "mkdir -p /root/big && rm -f /root/big/huge.bin")
-    spec = {"key": str(pod.root / "client"), "known_hosts": str(pod.root / "known_hosts"),
-            "node": pod.node_id, "local": str(big),
-            "hosts": [t.host for _w, t in sorted(pod.fanout.targets.items())]}
-    proc = subprocess.Popen([sys.executable, "-c", PUT_DRIVER, json.dumps(spec)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_driver(pod, PUT_DRIVER, big)
     try:
         wait_for(lambda: pod.sh(1, "find /root/big -name '*.tpufab-*.part' -size +1M",
                                 check=False), 120, 0.1, what="the upload to be under way")
@@ -217,12 +229,7 @@ def test_ctrl_c_leaves_no_partial_file_under_the_final_name(pod, tmp_path):
 # A put whose relayed worker cannot reach the seed (its pull is pointed at a closed port):
 # it falls back to a direct copy, and the process ends then, the seed's server with it.
 UNREACHABLE_SEED_DRIVER = r"""
-import json, socket, sys
-from tpufab.ssh import transfer
-from tpufab.ssh.connections import Target
-from tpufab.ssh.fanout import Fanout
-from tpufab.ssh.hostkeys import KnownHosts, alias
-spec = json.loads(sys.argv[1])
+import socket
 closed = socket.socket()
 closed.bind(("127.0.0.1", 0))
 closed_port = closed.getsockname()[1]           # bound, never listening: refused
@@ -232,8 +239,6 @@ def call(fanout, op, requests, **kwargs):
         requests = {w: {**r, "source": ["127.0.0.1", closed_port]} for w, r in requests.items()}
     return real_call(fanout, op, requests, **kwargs)
 transfer._call = call
-targets = [Target(w, h, "root", spec["key"], 22, alias(spec["node"], w))
-           for w, h in enumerate(spec["hosts"])]
 with Fanout(targets, known_hosts=KnownHosts(spec["known_hosts"])) as fan:
     report = transfer.put(fan, spec["local"], "/root/unreach/", workers="0,1",
                           peers={0: "127.0.0.1", 1: "127.0.0.1"}).check()
@@ -244,17 +249,12 @@ with Fanout(targets, known_hosts=KnownHosts(spec["known_hosts"])) as fan:
 def test_a_relay_nobody_reached_ends_with_the_put(pod, tmp_path):
     import json
     import subprocess
-    import sys
 
     data = tmp_path / "relayed.bin"
     data.write_bytes(os.urandom(64 << 10))
     for w in (0, 1):
         pod.sh(w, "rm -rf /root/unreach && mkdir -p /root/unreach")
-    spec = {"key": str(pod.root / "client"), "known_hosts": str(pod.root / "known_hosts"),
-            "node": pod.node_id, "local": str(data),
-            "hosts": [t.host for _w, t in sorted(pod.fanout.targets.items())]}
-    proc = subprocess.Popen([sys.executable, "-c", UNREACHABLE_SEED_DRIVER, json.dumps(spec)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_driver(pod, UNREACHABLE_SEED_DRIVER, data)
     try:
         # The seed's server would wait 60 s idle for a puller that never came; the put, its
         # copy done, must not wait for it.
